@@ -1,0 +1,61 @@
+# graphfp8: build, test, benchmark and profile targets. `make help` lists them.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+TORCH_CPU_VERSION ?= 2.13.0
+export MAX_JOBS ?= $(shell nproc)
+export TORCH_CUDA_ARCH_LIST ?= 9.0
+OUT ?= build/out
+
+.PHONY: help setup install build test test-gpu gpu-check bench profile train lint format clean
+
+help:
+	@echo "setup      install torch $(TORCH_CPU_VERSION) (CPU) if torch is missing, plus nvtx/pytest/ruff"
+	@echo "install    setup + editable install of graphfp8 (builds graphfp8._C)"
+	@echo "build      (re)build graphfp8._C in place"
+	@echo "test       CPU test suite (what CI runs)"
+	@echo "test-gpu   CUDA tests only (needs a GPU)"
+	@echo "gpu-check  build + CUDA tests + benchmarks; logs and JSON under \$$OUT"
+	@echo "bench      kernel benchmark (python -m graphfp8.bench kernels)"
+	@echo "train      the main job: graphfp8-train with its defaults"
+	@echo "profile    profile graphed training steps (nsys if present, else torch.profiler)"
+	@echo "lint       ruff check + format check"
+
+setup:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_CPU_VERSION)
+	@$(PYTHON) -c "import nvtx, pytest, ruff" 2>/dev/null || $(PIP) install -q nvtx pytest ruff
+
+install: setup
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+
+build:
+	$(PYTHON) setup.py -q build_ext --inplace
+
+test: install
+	$(PYTHON) -m pytest -q -m "not cuda" tests
+
+test-gpu:
+	$(PYTHON) -m pytest -q -m cuda tests
+
+gpu-check:
+	OUT=$(OUT) bash scripts/gpu_check.sh
+
+bench: install
+	$(PYTHON) -m graphfp8.bench kernels
+
+train: install
+	$(PYTHON) -m graphfp8.train
+
+profile: install
+	$(PYTHON) -m graphfp8.profiling
+
+lint:
+	$(PYTHON) -m ruff check graphfp8 tests setup.py
+	$(PYTHON) -m ruff format --check graphfp8 tests setup.py
+
+format:
+	$(PYTHON) -m ruff format graphfp8 tests setup.py
+	$(PYTHON) -m ruff check --fix graphfp8 tests setup.py
+
+clean:
+	rm -rf build dist *.egg-info graphfp8/_C*.so .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

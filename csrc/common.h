@@ -1,0 +1,75 @@
+// Plain parameter structs and launcher declarations shared by the CPU and CUDA kernels.
+//
+// No torch headers here: ops.cpp checks the tensors, fills these structs with raw pointers and
+// sizes, and calls a launcher. Scale convention everywhere: x_fp8 = saturate(x * scale),
+// x ~= x_fp8 * scale_inv, scale_inv = 1 / scale.
+#pragma once
+
+#include <cstdint>
+
+namespace graphfp8 {
+
+enum class DType : int { kFloat32, kBFloat16, kFloat16, kE4M3, kE5M2 };
+
+// Largest finite value of each FP8 format.
+constexpr float kE4M3Max = 448.0f;
+constexpr float kE5M2Max = 57344.0f;
+
+// Cast of a (rows, cols) row-major tensor to FP8, optionally also writing its transpose.
+struct CastParams {
+  const void* x;         // (rows, cols), x_dtype
+  DType x_dtype;
+  void* out;             // (rows, cols), out_dtype (FP8)
+  void* out_t;           // (cols, rows), out_dtype, or nullptr for a plain cast
+  DType out_dtype;
+  const float* scale;    // (1,)
+  float* scale_inv;      // (1,): receives 1 / scale
+  float* amax;           // (1,): receives max(amax, max |x|), NaN ignored
+  const float* noop;     // (1,) or nullptr: when *noop == 1 nothing is written
+  int64_t rows;
+  int64_t cols;
+};
+
+// Transpose of an FP8 (rows, cols) row-major tensor into (cols, rows).
+struct TransposeParams {
+  const uint8_t* x;
+  uint8_t* out_t;
+  const float* noop;     // (1,) or nullptr
+  int64_t rows;
+  int64_t cols;
+};
+
+// Delayed-scaling update of many slots at once. amax_history is (history_len, num_slots) row-major:
+// row 0 holds the amaxes that this step's casts wrote.
+struct ScaleUpdateParams {
+  float* amax_history;      // (history_len, num_slots)
+  float* scale;             // (num_slots,)
+  const float* scaled_max;  // (num_slots,): fp8_max * 2^-margin of each slot
+  int64_t history_len;
+  int64_t num_slots;
+  bool most_recent;         // amax_compute_algo: "most_recent" if true, else "max"
+};
+
+// out = x_fp8 * scale_inv, rounded to out_dtype.
+struct DequantizeParams {
+  const uint8_t* x;
+  DType x_dtype;
+  void* out;
+  DType out_dtype;
+  const float* scale_inv;  // (1,)
+  int64_t numel;
+};
+
+void cast_cpu(const CastParams& p);
+void transpose_cpu(const TransposeParams& p);
+void scale_update_cpu(const ScaleUpdateParams& p);
+void dequantize_cpu(const DequantizeParams& p);
+
+// CUDA launchers take the stream as an opaque cudaStream_t.
+void cast_cuda(const CastParams& p, void* stream);
+void cast_transpose_cuda(const CastParams& p, void* stream);  // cast_cuda with p.out_t set
+void transpose_cuda(const TransposeParams& p, void* stream);
+void scale_update_cuda(const ScaleUpdateParams& p, void* stream);
+void dequantize_cuda(const DequantizeParams& p, void* stream);
+
+}  // namespace graphfp8

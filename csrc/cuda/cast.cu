@@ -1,0 +1,144 @@
+// CUDA: elementwise FP8 cast with fused amax and scale_inv write, and FP8 dequantize.
+//
+// cast: out = saturate(x * scale) in E4M3 or E5M2, amax = max(amax, max |x|), scale_inv = 1/scale,
+// in one pass over x. Grid: a persistent grid-stride loop of 256-thread blocks (4 per SM); each
+// iteration of a thread handles 16 consecutive elements with 16-byte loads and one 16-byte FP8
+// store; the tail (or a misaligned tensor) goes element by element. Each block reduces its amax in
+// registers and shared memory and issues one atomic max.
+//
+// dequantize: out = x_fp8 * scale_inv rounded to bf16/fp16/fp32, 16 elements per iteration.
+#include "../common.h"
+#include "fp8_util.cuh"
+#include "vec.cuh"
+
+namespace graphfp8 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kElems = 16;  // elements per vector iteration: one 16-byte FP8 store
+
+template <typename InT, bool kE4M3>
+__global__ void __launch_bounds__(kThreads)
+    cast_kernel(const InT* __restrict__ x, uint8_t* __restrict__ out, const float* scale_p,
+                float* scale_inv, float* amax_p, const float* noop, int64_t n, bool vectorized) {
+  if (noop != nullptr && *noop == 1.0f) return;
+  const float scale = *scale_p;
+  float amax = 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t n_vec = vectorized ? n / kElems : 0;
+  constexpr int kPerLoad = cuda::Vec<InT>::N;
+  for (int64_t i = first; i < n_vec; i += stride) {
+    uint8_t q[kElems];
+#pragma unroll
+    for (int l = 0; l < kElems / kPerLoad; ++l) {
+      float f[kPerLoad];
+      cuda::load_vec(x + i * kElems + l * kPerLoad, f);
+#pragma unroll
+      for (int k = 0; k < kPerLoad; ++k) {
+        amax = fmaxf(amax, fabsf(f[k]));
+        q[l * kPerLoad + k] = cuda::quantize<kE4M3>(f[k] * scale);
+      }
+    }
+    cuda::store_bytes<kElems>(out + i * kElems, q);
+  }
+  for (int64_t i = n_vec * kElems + first; i < n; i += stride) {
+    const float v = cuda::to_float(x[i]);
+    amax = fmaxf(amax, fabsf(v));
+    out[i] = cuda::quantize<kE4M3>(v * scale);
+  }
+  cuda::block_amax_atomic(amax, amax_p);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+}
+
+template <bool kE4M3, typename OutT>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_kernel(const uint8_t* __restrict__ x, OutT* __restrict__ out,
+                      const float* scale_inv_p, int64_t n, bool vectorized) {
+  const float scale_inv = *scale_inv_p;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t n_vec = vectorized ? n / kElems : 0;
+  for (int64_t i = first; i < n_vec; i += stride) {
+    const uint4 r = __ldg(reinterpret_cast<const uint4*>(x + i * kElems));
+    const uint32_t words[4] = {r.x, r.y, r.z, r.w};
+    constexpr int kPerStore = cuda::Vec<OutT>::N;
+    OutT vals[kElems];
+#pragma unroll
+    for (int k = 0; k < kElems; ++k) {
+      const uint8_t b = static_cast<uint8_t>(words[k / 4] >> (8 * (k % 4)));
+      vals[k] = cuda::from_float<OutT>(cuda::fp8_to_float<kE4M3>(b) * scale_inv);
+    }
+#pragma unroll
+    for (int s = 0; s < kElems / kPerStore; ++s) {
+      reinterpret_cast<uint4*>(out + i * kElems)[s] = *reinterpret_cast<const uint4*>(vals + s * kPerStore);
+    }
+  }
+  for (int64_t i = n_vec * kElems + first; i < n; i += stride) {
+    out[i] = cuda::from_float<OutT>(cuda::fp8_to_float<kE4M3>(x[i]) * scale_inv);
+  }
+}
+
+int grid_for(int64_t work_items) {
+  const int64_t blocks = (work_items + kThreads - 1) / kThreads;
+  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * 4;
+  return static_cast<int>(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
+}
+
+template <typename InT>
+void launch_cast(const CastParams& p, cudaStream_t stream) {
+  const int64_t n = p.rows * p.cols;
+  const bool vec = cuda::aligned16(p.x) && cuda::aligned16(p.out);
+  const int grid = grid_for(vec ? n / kElems : n);
+  const auto* x = static_cast<const InT*>(p.x);
+  auto* out = static_cast<uint8_t*>(p.out);
+  if (p.out_dtype == DType::kE4M3) {
+    cast_kernel<InT, true><<<grid, kThreads, 0, stream>>>(x, out, p.scale, p.scale_inv, p.amax,
+                                                          p.noop, n, vec);
+  } else {
+    cast_kernel<InT, false><<<grid, kThreads, 0, stream>>>(x, out, p.scale, p.scale_inv, p.amax,
+                                                           p.noop, n, vec);
+  }
+  cuda::check_launch("cast_kernel");
+}
+
+template <typename OutT>
+void launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
+  const bool vec = cuda::aligned16(p.x) && cuda::aligned16(p.out);
+  const int grid = grid_for(vec ? p.numel / kElems : p.numel);
+  auto* out = static_cast<OutT*>(p.out);
+  if (p.x_dtype == DType::kE4M3) {
+    dequantize_kernel<true, OutT><<<grid, kThreads, 0, stream>>>(p.x, out, p.scale_inv, p.numel, vec);
+  } else {
+    dequantize_kernel<false, OutT><<<grid, kThreads, 0, stream>>>(p.x, out, p.scale_inv, p.numel, vec);
+  }
+  cuda::check_launch("dequantize_kernel");
+}
+
+}  // namespace
+
+void cast_cuda(const CastParams& p, void* stream_ptr) {
+  if (p.out_t != nullptr) {
+    cast_transpose_cuda(p, stream_ptr);
+    return;
+  }
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  switch (p.x_dtype) {
+    case DType::kFloat32: launch_cast<float>(p, stream); break;
+    case DType::kBFloat16: launch_cast<__nv_bfloat16>(p, stream); break;
+    case DType::kFloat16: launch_cast<__half>(p, stream); break;
+    default: throw std::runtime_error("graphfp8.cast: unsupported input dtype");
+  }
+}
+
+void dequantize_cuda(const DequantizeParams& p, void* stream_ptr) {
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  switch (p.out_dtype) {
+    case DType::kFloat32: launch_dequantize<float>(p, stream); break;
+    case DType::kBFloat16: launch_dequantize<__nv_bfloat16>(p, stream); break;
+    case DType::kFloat16: launch_dequantize<__half>(p, stream); break;
+    default: throw std::runtime_error("graphfp8.dequantize: unsupported output dtype");
+  }
+}
+
+}  // namespace graphfp8

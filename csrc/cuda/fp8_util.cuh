@@ -1,0 +1,87 @@
+// Device helpers shared by the CUDA kernels: element conversion, saturating FP8 quantization,
+// block-wide amax reduction, launch checks and grid sizing.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "../common.h"
+
+namespace graphfp8::cuda {
+
+constexpr int kWarpSize = 32;
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+// Saturating quantization of an already-scaled value, bit-identical to the CPU kernel and to
+// reference.quantize: every NaN becomes the canonical 0x7F, the rest is clamped and rounded to
+// nearest even by the hardware conversion.
+template <bool kE4M3>
+__device__ __forceinline__ uint8_t quantize(float v) {
+  if (isnan(v)) return 0x7F;
+  constexpr float max_val = kE4M3 ? kE4M3Max : kE5M2Max;
+  v = fminf(fmaxf(v, -max_val), max_val);
+  return static_cast<uint8_t>(
+      __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2));
+}
+
+template <bool kE4M3>
+__device__ __forceinline__ float fp8_to_float(uint8_t bits) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits),
+                                         kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  return __half2float(__half(h));
+}
+
+// Reduces v over the block with fmaxf and folds the result into *amax with one atomic.
+// Every thread of the block must call it. v must be >= 0, so that the int ordering of the bit
+// patterns equals the float ordering.
+__device__ __forceinline__ void block_amax_atomic(float v, float* amax) {
+  __shared__ float warp_max[32];
+  for (int off = kWarpSize / 2; off > 0; off /= 2) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  }
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  if (lane == 0) warp_max[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int num_warps = (blockDim.x + kWarpSize - 1) / kWarpSize;
+    v = lane < num_warps ? warp_max[lane] : 0.0f;
+    for (int off = kWarpSize / 2; off > 0; off /= 2) {
+      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    }
+    if (lane == 0 && v > 0.0f) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(v));
+  }
+}
+
+inline void check_launch(const char* kernel) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("graphfp8: launch of ") + kernel +
+                             " failed: " + cudaGetErrorString(err));
+  }
+}
+
+// Number of multiprocessors of the current device, cached per device.
+inline int sm_count() {
+  static int cached[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 64 && cached[dev] > 0) return cached[dev];
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  if (dev < 64) cached[dev] = n;
+  return n;
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace graphfp8::cuda

@@ -1,0 +1,241 @@
+// The only torch-aware C++ of graphfp8: tensor checks -> Params -> launcher, and op registration.
+//
+// Every op writes into tensors the caller passes in (graph-friendly: nothing is allocated here),
+// and every value that changes between steps (scale, amax, noop flag) is read from a tensor.
+#include <torch/extension.h>
+
+#include <string>
+
+#include "common.h"
+
+#ifdef GRAPHFP8_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace graphfp8 {
+namespace {
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    case at::kFloat8_e4m3fn: return DType::kE4M3;
+    case at::kFloat8_e5m2: return DType::kE5M2;
+    default: TORCH_CHECK(false, "graphfp8: unsupported dtype ", t);
+  }
+}
+
+bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+bool is_hp(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+// Checks shared by every tensor argument: same device as the reference tensor, contiguous.
+void check_common(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": argument '", name, "' is on ", t.device(),
+              " but the input is on ", ref.device());
+  TORCH_CHECK(t.is_contiguous(), op, ": argument '", name, "' must be contiguous");
+}
+
+void check_scalar_f32(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref) {
+  check_common(op, name, t, ref);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": argument '", name, "' must be float32, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.numel() == 1, op, ": argument '", name, "' must hold one element, got ",
+              t.numel());
+}
+
+void check_fp8_out(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref,
+                   at::IntArrayRef shape) {
+  check_common(op, name, t, ref);
+  TORCH_CHECK(is_fp8(t.scalar_type()), op, ": argument '", name,
+              "' must be float8_e4m3fn or float8_e5m2, got ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, op, ": argument '", name, "' must have shape ", shape, ", got ",
+              t.sizes());
+}
+
+const float* noop_ptr(const char* op, const c10::optional<at::Tensor>& noop, const at::Tensor& ref) {
+  if (!noop.has_value()) return nullptr;
+  check_scalar_f32(op, "noop", *noop, ref);
+  return noop->data_ptr<float>();
+}
+
+#ifdef GRAPHFP8_WITH_CUDA
+void* current_stream(const at::Tensor& t) {
+  return static_cast<void*>(c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
+}
+#endif
+
+template <typename Params, typename CpuFn, typename CudaFn>
+void launch(const at::Tensor& ref, const Params& p, CpuFn cpu_fn, CudaFn cuda_fn) {
+  if (ref.is_cpu()) {
+    cpu_fn(p);
+    return;
+  }
+#ifdef GRAPHFP8_WITH_CUDA
+  TORCH_CHECK(ref.is_cuda(), "graphfp8: unsupported device ", ref.device());
+  const c10::cuda::CUDAGuard guard(ref.device());
+  cuda_fn(p, current_stream(ref));
+#else
+  (void)cuda_fn;
+  TORCH_CHECK(false, "graphfp8 was built without CUDA; cannot run on ", ref.device());
+#endif
+}
+
+void cast_impl(const char* op, const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
+               const at::Tensor* out_t, const at::Tensor& scale_inv, const at::Tensor& amax,
+               const c10::optional<at::Tensor>& noop) {
+  TORCH_CHECK(is_hp(x.scalar_type()), op, ": argument 'x' must be float32, bfloat16 or float16, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
+  check_scalar_f32(op, "scale", scale, x);
+  check_fp8_out(op, "out", out, x, x.sizes());
+  check_scalar_f32(op, "scale_inv", scale_inv, x);
+  check_scalar_f32(op, "amax", amax, x);
+  CastParams p{};
+  p.x = x.data_ptr();
+  p.x_dtype = to_dtype(x.scalar_type());
+  p.out = out.data_ptr();
+  p.out_dtype = to_dtype(out.scalar_type());
+  p.out_t = nullptr;
+  if (out_t != nullptr) {
+    TORCH_CHECK(x.dim() == 2, op, ": argument 'x' must be 2-D, got ", x.dim(), "-D");
+    check_fp8_out(op, "out_t", *out_t, x, {x.size(1), x.size(0)});
+    TORCH_CHECK(out_t->scalar_type() == out.scalar_type(), op,
+                ": arguments 'out' and 'out_t' must have the same dtype");
+    p.out_t = out_t->data_ptr();
+  }
+  p.scale = scale.data_ptr<float>();
+  p.scale_inv = scale_inv.data_ptr<float>();
+  p.amax = amax.data_ptr<float>();
+  p.noop = noop_ptr(op, noop, x);
+  p.rows = x.dim() == 2 ? x.size(0) : 1;
+  p.cols = x.dim() == 2 ? x.size(1) : x.numel();
+  if (x.numel() == 0) return;
+  launch(x, p, cast_cpu, [](const CastParams& q, void* s) { cast_cuda(q, s); });
+}
+
+void cast_to_fp8(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
+                 const at::Tensor& scale_inv, const at::Tensor& amax,
+                 const c10::optional<at::Tensor>& noop) {
+  cast_impl("graphfp8.cast_to_fp8", x, scale, out, nullptr, scale_inv, amax, noop);
+}
+
+void cast_transpose(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
+                    const at::Tensor& out_t, const at::Tensor& scale_inv, const at::Tensor& amax,
+                    const c10::optional<at::Tensor>& noop) {
+  cast_impl("graphfp8.cast_transpose", x, scale, out, &out_t, scale_inv, amax, noop);
+}
+
+void fp8_transpose(const at::Tensor& x, const at::Tensor& out_t,
+                   const c10::optional<at::Tensor>& noop) {
+  const char* op = "graphfp8.fp8_transpose";
+  TORCH_CHECK(is_fp8(x.scalar_type()), op, ": argument 'x' must be float8_e4m3fn or float8_e5m2, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, op, ": argument 'x' must be 2-D, got ", x.dim(), "-D");
+  TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
+  check_fp8_out(op, "out_t", out_t, x, {x.size(1), x.size(0)});
+  TORCH_CHECK(out_t.scalar_type() == x.scalar_type(), op,
+              ": argument 'out_t' must have the dtype of 'x'");
+  TransposeParams p{};
+  p.x = static_cast<const uint8_t*>(x.data_ptr());
+  p.out_t = static_cast<uint8_t*>(out_t.data_ptr());
+  p.noop = noop_ptr(op, noop, x);
+  p.rows = x.size(0);
+  p.cols = x.size(1);
+  if (x.numel() == 0) return;
+  launch(x, p, transpose_cpu, [](const TransposeParams& q, void* s) { transpose_cuda(q, s); });
+}
+
+void scale_update(const at::Tensor& amax_history, const at::Tensor& scale,
+                  const at::Tensor& scaled_max, bool most_recent) {
+  const char* op = "graphfp8.scale_update";
+  const at::Tensor& h = amax_history;
+  TORCH_CHECK(h.scalar_type() == at::kFloat, op, ": argument 'amax_history' must be float32, got ",
+              h.scalar_type());
+  TORCH_CHECK(h.dim() == 2, op,
+              ": argument 'amax_history' must be 2-D (history_len, num_slots), got ", h.dim(), "-D");
+  TORCH_CHECK(h.is_contiguous(), op, ": argument 'amax_history' must be contiguous");
+  TORCH_CHECK(h.size(0) >= 1, op, ": argument 'amax_history' needs a history length >= 1");
+  const int64_t num_slots = h.size(1);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"scale", &scale},
+                         {"scaled_max", &scaled_max}}) {
+    check_common(op, name, *t, h);
+    TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": argument '", name,
+                "' must be float32, got ", t->scalar_type());
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == num_slots, op, ": argument '", name,
+                "' must have shape (", num_slots, ",), got ", t->sizes());
+  }
+  ScaleUpdateParams p{};
+  p.amax_history = h.data_ptr<float>();
+  p.scale = scale.data_ptr<float>();
+  p.scaled_max = scaled_max.data_ptr<float>();
+  p.history_len = h.size(0);
+  p.num_slots = num_slots;
+  p.most_recent = most_recent;
+  if (num_slots == 0) return;
+  launch(h, p, scale_update_cpu, [](const ScaleUpdateParams& q, void* s) { scale_update_cuda(q, s); });
+}
+
+void dequantize(const at::Tensor& x, const at::Tensor& scale_inv, const at::Tensor& out) {
+  const char* op = "graphfp8.dequantize";
+  TORCH_CHECK(is_fp8(x.scalar_type()), op, ": argument 'x' must be float8_e4m3fn or float8_e5m2, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
+  check_scalar_f32(op, "scale_inv", scale_inv, x);
+  check_common(op, "out", out, x);
+  TORCH_CHECK(is_hp(out.scalar_type()), op,
+              ": argument 'out' must be float32, bfloat16 or float16, got ", out.scalar_type());
+  TORCH_CHECK(out.sizes() == x.sizes(), op, ": argument 'out' must have shape ", x.sizes(),
+              ", got ", out.sizes());
+  DequantizeParams p{};
+  p.x = static_cast<const uint8_t*>(x.data_ptr());
+  p.x_dtype = to_dtype(x.scalar_type());
+  p.out = out.data_ptr();
+  p.out_dtype = to_dtype(out.scalar_type());
+  p.scale_inv = scale_inv.data_ptr<float>();
+  p.numel = x.numel();
+  if (x.numel() == 0) return;
+  launch(x, p, dequantize_cpu, [](const DequantizeParams& q, void* s) { dequantize_cuda(q, s); });
+}
+
+bool built_with_cuda() {
+#ifdef GRAPHFP8_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+}  // namespace graphfp8
+
+TORCH_LIBRARY(graphfp8, m) {
+  m.def("cast_to_fp8(Tensor x, Tensor scale, Tensor(a!) out, Tensor(b!) scale_inv, "
+        "Tensor(c!) amax, Tensor? noop=None) -> ()");
+  m.def("cast_transpose(Tensor x, Tensor scale, Tensor(a!) out, Tensor(b!) out_t, "
+        "Tensor(c!) scale_inv, Tensor(d!) amax, Tensor? noop=None) -> ()");
+  m.def("fp8_transpose(Tensor x, Tensor(a!) out_t, Tensor? noop=None) -> ()");
+  m.def("scale_update(Tensor(a!) amax_history, Tensor(b!) scale, Tensor scaled_max, "
+        "bool most_recent) -> ()");
+  m.def("dequantize(Tensor x, Tensor scale_inv, Tensor(a!) out) -> ()");
+}
+
+// The same checked entry points serve both backends: each picks its launcher by device.
+#define GRAPHFP8_IMPL_ALL(m)                                  \
+  m.impl("cast_to_fp8", &graphfp8::cast_to_fp8);              \
+  m.impl("cast_transpose", &graphfp8::cast_transpose);        \
+  m.impl("fp8_transpose", &graphfp8::fp8_transpose);          \
+  m.impl("scale_update", &graphfp8::scale_update);            \
+  m.impl("dequantize", &graphfp8::dequantize)
+
+TORCH_LIBRARY_IMPL(graphfp8, CPU, m) { GRAPHFP8_IMPL_ALL(m); }
+
+#ifdef GRAPHFP8_WITH_CUDA
+TORCH_LIBRARY_IMPL(graphfp8, CUDA, m) { GRAPHFP8_IMPL_ALL(m); }
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "graphfp8 kernels; the ops live in torch.ops.graphfp8";
+  m.def("built_with_cuda", &graphfp8::built_with_cuda, "Whether the CUDA kernels were compiled");
+}

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m graphfp8.bench {kernels,eager,block}`."""

@@ -1,0 +1,118 @@
+"""Benchmark plumbing: device timing (CUDA events or host clock), tables, JSON with metadata."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["time_device", "time_host", "environment", "print_table", "write_json", "graph_of"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_device(fn: Callable[[], object], device, *, warmup=3, iters=20, repeats=5) -> float:
+    """Median over `repeats` of the mean time of one call, in ms, over `iters` back-to-back
+    calls (CUDA events on a GPU, the host clock after a sync on the CPU)."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def time_host(fn: Callable[[], object], device, *, warmup=3, iters=20, repeats=5) -> float:
+    """Median host (CPU) time to enqueue one call, in ms: the clock stops before the sync."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e3 / iters)
+        _sync(device)
+    return statistics.median(samples)
+
+
+def graph_of(fn: Callable[[], object], calls: int) -> Callable[[], None]:
+    """Captures `calls` back-to-back calls of fn into one CUDA graph; returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
+def environment(device) -> dict:
+    """Date, machine, GPU and library versions, for the JSON and the committed tables."""
+    device = torch.device(device)
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        import torchao
+
+        env["torchao"] = torchao.__version__
+    except ImportError:
+        env["torchao"] = None
+    return env
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> str:
+    """Prints and returns a Markdown table."""
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |"]
+    lines.append("| " + " | ".join("---" for _ in header) + " |")
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    return text
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    print(f"wrote {path}")

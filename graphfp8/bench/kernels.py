@@ -1,0 +1,130 @@
+"""Kernel benchmark: cast-transpose bandwidth against a device-to-device copy measured in the same
+run, and the fused scale update against the same math in plain PyTorch ops."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from graphfp8 import reference
+from graphfp8.bench.common import environment, graph_of, print_table, time_device
+from graphfp8.bench.profile_util import kernel_stats
+
+L2_BYTES = 60 * 2**20  # H200: rotate buffers so that one set never fits in L2
+
+
+def _rotating(make, nbytes: int) -> list:
+    return [make() for _ in range(max(2, math.ceil(3 * L2_BYTES / nbytes)))]
+
+
+def _timed(fn_i, n_sets: int, device) -> float:
+    """ms per call of fn_i(i) cycling over n_sets buffer sets; CUDA graphs hide launch cost."""
+    counter = iter(range(10**12))
+    step = lambda: fn_i(next(counter) % n_sets)  # noqa: E731
+    if torch.device(device).type == "cuda":
+        calls = 4 * n_sets
+        replay = graph_of(lambda: [fn_i(i) for i in range(n_sets)], calls // n_sets)
+        return time_device(replay, device, iters=5) / calls
+    return time_device(step, device, iters=3, repeats=3)
+
+
+def _cast_transpose_row(device, m: int, n: int) -> dict:
+    nbytes = 4 * m * n  # bf16 read (2 B) + FP8 out (1 B) + FP8 out_t (1 B) per element
+    sets = _rotating(
+        lambda: (
+            torch.randn(m, n, device=device, dtype=torch.bfloat16),
+            torch.empty(m, n, device=device, dtype=torch.float8_e4m3fn),
+            torch.empty(n, m, device=device, dtype=torch.float8_e4m3fn),
+            torch.empty(m, n, device=device, dtype=torch.bfloat16),
+        ),
+        nbytes,
+    )
+    scale, amax = torch.ones(1, device=device), torch.zeros(1, device=device)
+    scale_inv = torch.empty(1, device=device)
+
+    def cast_t(i):
+        x, out, out_t, _ = sets[i]
+        torch.ops.graphfp8.cast_transpose(x, scale, out, out_t, scale_inv, amax, None)
+
+    def copy(i):
+        sets[i][3].copy_(sets[i][0])  # bf16 -> bf16: 2 B read + 2 B written per element
+
+    ms_ct = _timed(cast_t, len(sets), device)
+    ms_copy = _timed(copy, len(sets), device)
+    gbs_ct, gbs_copy = nbytes / ms_ct / 1e6, nbytes / ms_copy / 1e6
+    return dict(
+        shape=f"{m}x{n}",
+        cast_transpose_ms=ms_ct,
+        copy_ms=ms_copy,
+        cast_transpose_GBps=gbs_ct,
+        copy_GBps=gbs_copy,
+        ratio_to_copy=gbs_ct / gbs_copy,
+    )
+
+
+def _scale_update_row(device, slots: int, length: int) -> dict:
+    history = torch.rand(length, slots, device=device) + 0.5
+    scale = torch.ones(slots, device=device)
+    scaled_max = torch.full((slots,), 448.0, device=device)
+    fresh = torch.rand(slots, device=device) + 0.1
+
+    def refill():
+        history[0].copy_(fresh)  # a fresh amax per slot, so every slot rolls
+
+    def fused():
+        refill()
+        torch.ops.graphfp8.scale_update(history, scale, scaled_max, False)
+
+    def plain():
+        refill()
+        reference.scale_update(history, scale, scaled_max, False)
+
+    row = dict(slots=slots, history=length)
+    if torch.device(device).type == "cuda":
+        upd = [v for k, v in kernel_stats(fused).items() if "scale_update" in k]
+        row["fused_launches"] = sum(c for c, _ in upd)
+        row["fused_gpu_us"] = sum(us for _, us in upd)
+        plain_k, refill_k = kernel_stats(plain), kernel_stats(refill)
+        row["plain_launches"] = sum(c for c, _ in plain_k.values()) - sum(
+            c for c, _ in refill_k.values()
+        )
+        row["plain_gpu_us"] = sum(us for _, us in plain_k.values()) - sum(
+            us for _, us in refill_k.values()
+        )
+    row["fused_eager_ms"] = time_device(fused, device)
+    row["plain_eager_ms"] = time_device(plain, device)
+    row["speedup_eager"] = row["plain_eager_ms"] / row["fused_eager_ms"]
+    return row
+
+
+def run(device, quick: bool = False) -> dict:
+    shapes = [(1024, 1024)] if quick else [(4096, 4096), (8192, 8192)]
+    slot_counts = [10, 100] if quick else [10, 100, 1000]
+    ct = [_cast_transpose_row(device, m, n) for m, n in shapes]
+    up = [_scale_update_row(device, slots, 1024) for slots in slot_counts]
+    text = print_table(
+        f"cast-transpose (bf16 -> E4M3, both layouts) vs copy, {device}",
+        ["shape", "cast-transpose ms", "GB/s", "copy GB/s", "ratio to copy"],
+        [
+            [
+                r["shape"],
+                r["cast_transpose_ms"],
+                r["cast_transpose_GBps"],
+                r["copy_GBps"],
+                r["ratio_to_copy"],
+            ]
+            for r in ct
+        ],
+    )
+    header = ["slots", "history", "fused eager ms", "plain eager ms", "speedup"]
+    keys = ["slots", "history", "fused_eager_ms", "plain_eager_ms", "speedup_eager"]
+    if torch.device(device).type == "cuda":
+        header += ["fused launches", "fused GPU us", "plain launches", "plain GPU us"]
+        keys += ["fused_launches", "fused_gpu_us", "plain_launches", "plain_gpu_us"]
+    text += print_table(
+        f"fused scale update vs plain PyTorch ops, {device}",
+        header,
+        [[r[k] for k in keys] for r in up],
+    )
+    return {"env": environment(device), "cast_transpose": ct, "scale_update": up, "table": text}

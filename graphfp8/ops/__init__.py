@@ -1,0 +1,19 @@
+"""Thin typed wrappers over the graphfp8 kernels (torch.ops.graphfp8.*) and the FP8 GEMM."""
+
+from graphfp8.ops._lib import built_with_cuda
+from graphfp8.ops.cast import cast_to_fp8, cast_transpose
+from graphfp8.ops.dequantize import dequantize
+from graphfp8.ops.gemm import check_gemm_dims, fp8_gemm
+from graphfp8.ops.scale_update import scale_update_
+from graphfp8.ops.transpose import fp8_transpose
+
+__all__ = [
+    "built_with_cuda",
+    "cast_to_fp8",
+    "cast_transpose",
+    "check_gemm_dims",
+    "dequantize",
+    "fp8_gemm",
+    "fp8_transpose",
+    "scale_update_",
+]

@@ -1,0 +1,46 @@
+"""Loads the compiled extension (which registers torch.ops.graphfp8) and its fake kernels."""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from graphfp8 import _C
+except ImportError as exc:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "graphfp8._C is not built. Run `make build` (or `pip install --no-build-isolation -e .`) "
+        f"in the repository first. ({exc})"
+    ) from exc
+
+ops = torch.ops.graphfp8
+
+
+def built_with_cuda() -> bool:
+    """Whether the extension holds the CUDA kernels."""
+    return bool(_C.built_with_cuda())
+
+
+# Every op only writes into tensors it is given, so the fake (meta) kernels have nothing to do.
+@torch.library.register_fake("graphfp8::cast_to_fp8")
+def _cast_fake(x, scale, out, scale_inv, amax, noop=None):
+    return None
+
+
+@torch.library.register_fake("graphfp8::cast_transpose")
+def _cast_transpose_fake(x, scale, out, out_t, scale_inv, amax, noop=None):
+    return None
+
+
+@torch.library.register_fake("graphfp8::fp8_transpose")
+def _transpose_fake(x, out_t, noop=None):
+    return None
+
+
+@torch.library.register_fake("graphfp8::scale_update")
+def _scale_update_fake(amax_history, scale, scaled_max, most_recent):
+    return None
+
+
+@torch.library.register_fake("graphfp8::dequantize")
+def _dequantize_fake(x, scale_inv, out):
+    return None

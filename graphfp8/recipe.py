@@ -1,0 +1,80 @@
+"""FP8 formats and the delayed-scaling recipe: frozen, validated dataclasses."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Format", "DelayedScaling", "fp8_max"]
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+    if dtype == torch.float8_e4m3fn:
+        return 448.0
+    if dtype == torch.float8_e5m2:
+        return 57344.0
+    raise ValueError(f"not an FP8 dtype: {dtype}")
+
+
+class Format(enum.Enum):
+    """Which FP8 format each direction uses.
+
+    HYBRID: forward tensors (input, weight, output) E4M3, backward tensors (grads) E5M2.
+    E4M3: E4M3 everywhere.
+    """
+
+    E4M3 = "E4M3"
+    HYBRID = "HYBRID"
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self is Format.HYBRID else torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """Delayed scaling: each FP8 slot's scale comes from the amaxes of earlier steps.
+
+    Args:
+        margin: the scale is `fp8_max * 2**-margin / amax`; a non-negative integer.
+        fp8_format: `Format.HYBRID` or `Format.E4M3`.
+        amax_history_len: how many amaxes each slot remembers (>= 1).
+        amax_compute_algo: "max" (max over the history) or "most_recent".
+        reduce_amax: MAX-all-reduce the amaxes over `fp8_group` before each update, when a
+            group with more than one rank is given.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"DelayedScaling: margin must be an int >= 0, got {self.margin!r}")
+        if not isinstance(self.fp8_format, Format):
+            raise ValueError(
+                f"DelayedScaling: fp8_format must be a graphfp8.Format, got {self.fp8_format!r}"
+            )
+        length = self.amax_history_len
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(
+                f"DelayedScaling: amax_history_len must be an int >= 1, got {length!r}"
+            )
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                "DelayedScaling: amax_compute_algo must be 'max' or 'most_recent', "
+                f"got {self.amax_compute_algo!r}"
+            )
+        if not isinstance(self.reduce_amax, bool):
+            raise ValueError(
+                f"DelayedScaling: reduce_amax must be a bool, got {self.reduce_amax!r}"
+            )

@@ -1,0 +1,96 @@
+"""Pure-PyTorch twins of every graphfp8 op, with the dispatcher ops' signatures.
+
+Each twin writes into the tensors it is given exactly as the kernel does, so tests compare bit
+for bit. Runtime code never imports this module; tests and CPU debugging do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphfp8.recipe import fp8_max
+
+__all__ = [
+    "quantize",
+    "abs_max",
+    "cast_to_fp8",
+    "cast_transpose",
+    "fp8_transpose",
+    "scale_update",
+    "dequantize",
+]
+
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def _skip(noop: torch.Tensor | None) -> bool:
+    return noop is not None and bool(noop.reshape(()).item() == 1.0)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """saturate(x * scale) in fp8_dtype, every NaN as the canonical 0x7F.
+
+    x: (...) any float dtype; scale: (1,) or () float32.
+    """
+    limit = fp8_max(fp8_dtype)
+    scaled = x.float() * scale.reshape(())
+    q = scaled.clamp(-limit, limit).to(fp8_dtype)
+    nan_bits = torch.full_like(q.view(torch.uint8), 0x7F)
+    return torch.where(torch.isnan(scaled), nan_bits, q.view(torch.uint8)).view(fp8_dtype)
+
+
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a (1,) float32 tensor, ignoring NaNs (like fmaxf); 0 for an empty x."""
+    a = x.float().abs()
+    a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+    return (a.amax() if a.numel() else a.new_zeros(())).reshape(1)
+
+
+def _cast_common(x, scale, out, scale_inv, amax):
+    out.copy_(quantize(x, scale, out.dtype))
+    amax.copy_(torch.maximum(amax, abs_max(x).reshape(amax.shape)))
+    scale_inv.copy_(torch.reciprocal(scale).reshape(scale_inv.shape))
+
+
+def cast_to_fp8(x, scale, out, scale_inv, amax, noop=None) -> None:
+    """Twin of torch.ops.graphfp8.cast_to_fp8."""
+    if _skip(noop):
+        return
+    _cast_common(x, scale, out, scale_inv, amax)
+
+
+def cast_transpose(x, scale, out, out_t, scale_inv, amax, noop=None) -> None:
+    """Twin of torch.ops.graphfp8.cast_transpose."""
+    if _skip(noop):
+        return
+    _cast_common(x, scale, out, scale_inv, amax)
+    out_t.copy_(out.t())
+
+
+def fp8_transpose(x, out_t, noop=None) -> None:
+    """Twin of torch.ops.graphfp8.fp8_transpose."""
+    if _skip(noop):
+        return
+    out_t.copy_(x.t())
+
+
+def scale_update(amax_history, scale, scaled_max, most_recent) -> None:
+    """Twin of torch.ops.graphfp8.scale_update: DESIGN.md's delayed-scaling math, all slots."""
+    length, slots = amax_history.shape
+    a = amax_history[0].clone()
+    roll = a != 0
+    window = torch.cat([amax_history[1:], a[None]], dim=0)  # H[1..L-1] and a
+    window = torch.where(torch.isnan(window), torch.zeros_like(window), window)
+    m = torch.where(roll, window.amax(dim=0), torch.zeros_like(a))
+    zeros = amax_history.new_zeros(1, slots)
+    rolled = torch.cat([zeros, amax_history[2:], a[None]], dim=0) if length > 1 else zeros
+    amax_history.copy_(torch.where(roll[None], rolled, amax_history))
+    amax = a if most_recent else m
+    ok = torch.isfinite(amax) & (amax > 0)
+    new_scale = torch.where(ok, scaled_max / amax, scale)
+    scale.copy_(torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLT_MAX), new_scale))
+
+
+def dequantize(x, scale_inv, out) -> None:
+    """Twin of torch.ops.graphfp8.dequantize."""
+    out.copy_((x.float() * scale_inv.reshape(())).to(out.dtype))

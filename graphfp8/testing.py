@@ -1,0 +1,58 @@
+"""Test helpers shared by the test suite and users: bitwise comparison, SQNR, FP8 test data."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["assert_bitwise_equal", "sqnr", "fp8_test_data", "TOLERANCES"]
+
+# STYLE.md: FP8 GEMM vs an fp32 matmul of the dequantized operands.
+TOLERANCES = {torch.float32: 3e-3, torch.bfloat16: 7e-2, torch.float16: 7e-2}
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    return t.view(_INT_VIEW[t.element_size()])
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Asserts same shape, dtype and bit pattern (NaN payloads included)."""
+    prefix = f"{what}: " if what else ""
+    assert actual.shape == expected.shape, f"{prefix}shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{prefix}dtype {actual.dtype} != {expected.dtype}"
+    a, e = _bits(actual), _bits(expected)
+    if not torch.equal(a, e):
+        bad = (a != e).nonzero()
+        first = tuple(bad[0].tolist())
+        raise AssertionError(
+            f"{prefix}{bad.shape[0]} of {a.numel()} elements differ; first at {first}: "
+            f"{actual.detach().cpu()[first]!r} != {expected.detach().cpu()[first]!r}"
+        )
+
+
+def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB of `actual` against `reference`."""
+    ref = reference.detach().double()
+    err = (actual.detach().double() - ref).pow(2).mean()
+    sig = ref.pow(2).mean()
+    if err == 0:
+        return math.inf
+    return float(10 * torch.log10(sig / err))
+
+
+def fp8_test_data(shape, dtype, *, generator=None, device="cpu", specials=False) -> torch.Tensor:
+    """Random data spanning ~7 decades (subnormal, normal and saturating FP8 values after
+    scaling), optionally salted with +-inf, NaN, -NaN and signed zeros."""
+    g = generator
+    base = torch.randn(shape, generator=g, dtype=torch.float32)
+    decades = torch.empty(shape).uniform_(-4.0, 3.0, generator=g)
+    x = base * torch.pow(10.0, decades)
+    if specials and x.numel() >= 6:
+        flat = x.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[:6]
+        flat[idx] = torch.tensor([math.inf, -math.inf, math.nan, -math.nan, 0.0, -0.0])
+    return x.to(dtype).to(device)

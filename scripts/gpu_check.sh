@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One-call GPU check (what `make gpu-check` runs on the H200): build graphfp8._C for sm_90, run
+# the CUDA tests and the benchmarks; logs, JSON and a summary land in $OUT.
+#   GPU_STEPS  which steps to run (default: "tests kernels eager block")
+#   PYTEST_ARGS extra pytest arguments for the CUDA tests
+set -uo pipefail
+OUT=${OUT:-build/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+STEPS=${GPU_STEPS:-"tests kernels eager block"}
+status=0
+
+# Wheels carried in .whl/ (nvtx, torchao): the device machine has no package index.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+
+{
+  echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  nvcc --version | tail -1
+} > "$OUT/summary.md" 2>&1
+
+echo "== build" | tee -a "$OUT/summary.md"
+t0=$(date +%s)
+if ! $PY setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1; then
+  tail -50 "$OUT/build.log"; echo "BUILD FAILED" | tee -a "$OUT/summary.md"; exit 1
+fi
+echo "built in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.md"
+$PY -c "import graphfp8.ops as o; assert o.built_with_cuda(), 'CUDA kernels missing'" || exit 1
+
+for step in $STEPS; do
+  echo "== $step" | tee -a "$OUT/summary.md"
+  case $step in
+    tests)
+      $PY -m pytest -q -m cuda -p no:cacheprovider ${PYTEST_ARGS:-} tests > "$OUT/tests_gpu.log" 2>&1
+      rc=$?; tail -25 "$OUT/tests_gpu.log"; tail -1 "$OUT/tests_gpu.log" >> "$OUT/summary.md"
+      [ $rc -eq 0 ] || status=1 ;;
+    kernels|eager|block)
+      $PY -m graphfp8.bench "$step" --json "$OUT/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
+        || { status=1; tail -30 /tmp/bench_$step.log; }
+      grep -v '^wrote' /tmp/bench_$step.log >> "$OUT/summary.md" ;;
+    *)
+      echo "unknown step $step"; status=1 ;;
+  esac
+done
+cat "$OUT/summary.md"
+exit $status

@@ -1,0 +1,69 @@
+"""The FP8 GEMM wrapper: numerics against fp32 on the dequantized operands, and the CUDA rules
+enforced on every device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphfp8 import ops
+from graphfp8.testing import TOLERANCES
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _quantized(rows, cols, dtype, device):
+    x = torch.randn(rows, cols, device=device)
+    amax = torch.zeros(1, device=device)
+    scale = torch.full((1,), 448.0 / 4.0 if dtype == E4M3 else 57344.0 / 4.0, device=device)
+    x_fp8, scale_inv = ops.cast_to_fp8(x, scale, amax, dtype)
+    return x_fp8, scale_inv
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
+@pytest.mark.parametrize("mkn", [(32, 64, 48), (7, 16, 16), (128, 256, 96)])
+def test_gemm_matches_fp32_of_dequantized(device, out_dtype, dtypes, mkn):
+    m, k, n = mkn
+    a, sa = _quantized(m, k, dtypes[0], device)
+    b_rows, sb = _quantized(n, k, dtypes[1], device)
+    out = ops.fp8_gemm(a, sa, b_rows.t(), sb, out_dtype)
+    ref = (a.float() * sa) @ (b_rows.float() * sb).t()
+    tol = TOLERANCES[out_dtype]
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_gemm_fused_bias(device):
+    a, sa = _quantized(32, 64, E4M3, device)
+    b, sb = _quantized(48, 64, E4M3, device)
+    bias = torch.randn(48, device=device, dtype=torch.bfloat16)
+    out = ops.fp8_gemm(a, sa, b.t(), sb, torch.bfloat16, bias=bias)
+    ref = (a.float() * sa) @ (b.float() * sb).t() + bias.float()
+    torch.testing.assert_close(out.float(), ref, rtol=7e-2, atol=7e-2)
+
+
+def test_gemm_rules():
+    a, sa = _quantized(32, 64, E4M3, "cpu")
+    b, sb = _quantized(48, 64, E4M3, "cpu")
+    with pytest.raises(ValueError, match="multiples of 16, got k=60, n=48"):
+        ops.fp8_gemm(a[:, :60].contiguous(), sa, b[:, :60].contiguous().t(), sb, torch.float32)
+    with pytest.raises(ValueError, match="multiples of 16, got k=64, n=40"):
+        ops.fp8_gemm(a, sa, b[:40].t(), sb, torch.float32)
+    with pytest.raises(TypeError, match="E5M2 x E5M2"):
+        ops.fp8_gemm(
+            a.view(torch.uint8).view(E5M2),
+            sa,
+            b.view(torch.uint8).view(E5M2).t(),
+            sb,
+            torch.float32,
+        )
+    with pytest.raises(ValueError, match="column-major"):
+        ops.fp8_gemm(a, sa, b.t().contiguous(), sb, torch.float32)
+    with pytest.raises(ValueError, match="row-major"):
+        ops.fp8_gemm(b.t().contiguous().t(), sb, a.t(), sa, torch.float32)
+    with pytest.raises(ValueError, match="fused bias needs a bf16/fp16 output"):
+        ops.fp8_gemm(a, sa, b.t(), sb, torch.float32, bias=torch.zeros(48))
+    with pytest.raises(ValueError, match="cannot be multiplied"):
+        ops.fp8_gemm(a, sa, _quantized(48, 32, E4M3, "cpu")[0].t(), sb, torch.float32)
+    with pytest.raises(TypeError, match="both operands must be FP8"):
+        ops.fp8_gemm(a.float(), sa, b.t(), sb, torch.float32)
