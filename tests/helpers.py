@@ -7,8 +7,9 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 
-requires_cuda = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
-CUDA_PARAM = pytest.param("cuda", marks=requires_cuda)
+CUDA_PARAM = pytest.param(
+    "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+)
 DEVICES = ["cpu", CUDA_PARAM]
 
 HP_DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -5,13 +5,14 @@
 // fp8_transpose: out_t = x^T for an FP8 x. When *noop == 1 the kernel returns before touching
 // anything, so a graph can hold it and skip it on later microbatches.
 //
-// Grid: a persistent loop over 64x64 tiles, 256 threads per block, up to 8 blocks per SM. For one
-// tile a thread loads 16-byte vectors of input rows (all loads first, so they are in flight
-// together), converts them, stores the row-major FP8 bytes straight to `out` and into a 64x64
-// shared tile; after a barrier, thread (chunk = tid / 64, j = tid % 64) gathers 16 bytes of tile
-// column j (a warp reads 32 consecutive bytes of one row per step: no bank conflicts) and writes
-// them as one 16-byte store into row j of `out_t`. That vector path needs rows and cols to be
-// multiples of 16 and 16-byte-aligned pointers; other shapes take a scalar twin of the same tiling.
+// Grid: a persistent loop over tiles, 256 threads per block, as many blocks per SM as fit.
+// Vector path (rows and cols multiples of 16, 16-byte-aligned pointers), 128x64 tiles: a thread
+// holds its 16-byte input vectors of the tile in registers, converts them, stores the row-major
+// FP8 bytes straight to `out` and into a swizzled shared tile; after a barrier it first issues the
+// loads of its next tile (so they fly during the transposed phase), then thread (j = tid / 4,
+// quarter = tid % 4) gathers 32 bytes of tile column j and writes them with two 16-byte stores into
+// row j of `out_t`: each warp writes eight whole 128-byte lines. Other shapes take a scalar
+// 64x64-tile twin.
 #include <type_traits>
 
 #include "../common.h"
@@ -50,32 +51,55 @@ __device__ __forceinline__ uint8_t convert(InT v, float scale, float& amax) {
   }
 }
 
+// Vector path tile: 128 rows x 64 columns. Its transpose is 64 rows of 128 bytes, so every warp
+// of the transposed phase writes whole 128-byte lines.
+constexpr int kVecRows = 128;
+constexpr int kVecCols = 64;
+
+// Shared tile row r holds 64 FP8 bytes as four 16-byte units; unit u of row r is stored at
+// u ^ ((r / 32) & 3), so that the four 32-row quarters read in the transposed phase fall in
+// different banks.
+__device__ __forceinline__ int swizzle(int r, int byte) {
+  return ((((byte >> 4) ^ (r >> 5)) & 3) << 4) | (byte & 15);
+}
+
+template <typename InT, bool kCast, bool kE4M3, int kLoads>
+__device__ __forceinline__ void load_tile(const TileArgs<InT, kCast, kE4M3>& a, int64_t t,
+                                          int64_t tiles_c, uint4 (&raw)[kLoads]) {
+  constexpr int N = cuda::Vec<InT>::N;
+  constexpr int kVecPerRow = kVecCols / N;
+  const int64_t r0 = (t / tiles_c) * kVecRows;
+  const int64_t c0 = (t % tiles_c) * kVecCols;
+#pragma unroll
+  for (int l = 0; l < kLoads; ++l) {
+    const int idx = l * kThreads + threadIdx.x;
+    const int64_t gr = r0 + idx / kVecPerRow;
+    const int64_t gc = c0 + (idx % kVecPerRow) * N;
+    if (gr < a.rows && gc < a.cols) {
+      raw[l] = __ldg(reinterpret_cast<const uint4*>(a.x + gr * a.cols + gc));
+    }
+  }
+}
+
 template <typename InT, bool kCast, bool kE4M3>
 __global__ void __launch_bounds__(kThreads)
     tile_kernel_vec(TileArgs<InT, kCast, kE4M3> a) {
   if (a.noop != nullptr && *a.noop == 1.0f) return;
-  __shared__ __align__(16) uint8_t tile[kTile][kTile];
-  constexpr int N = cuda::Vec<InT>::N;          // elements per 16-byte load
-  constexpr int kVecPerRow = kTile / N;
-  constexpr int kLoads = kTile * kVecPerRow / kThreads;
+  __shared__ __align__(16) uint8_t tile[kVecRows][kVecCols];
+  constexpr int N = cuda::Vec<InT>::N;  // elements per 16-byte load
+  constexpr int kVecPerRow = kVecCols / N;
+  constexpr int kLoads = kVecRows * kVecPerRow / kThreads;
   const float scale = kCast ? *a.scale : 1.0f;
   float amax = 0.0f;
   const int tid = threadIdx.x;
-  const int64_t tiles_c = (a.cols + kTile - 1) / kTile;
-  const int64_t num_tiles = tiles_c * ((a.rows + kTile - 1) / kTile);
+  const int64_t tiles_c = (a.cols + kVecCols - 1) / kVecCols;
+  const int64_t num_tiles = tiles_c * ((a.rows + kVecRows - 1) / kVecRows);
+  uint4 raw[kLoads];
+  if (blockIdx.x < num_tiles) load_tile(a, blockIdx.x, tiles_c, raw);
   for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const int64_t r0 = (t / tiles_c) * kTile;
-    const int64_t c0 = (t % tiles_c) * kTile;
-    uint4 raw[kLoads];
-#pragma unroll
-    for (int l = 0; l < kLoads; ++l) {
-      const int idx = l * kThreads + tid;
-      const int64_t gr = r0 + idx / kVecPerRow;
-      const int64_t gc = c0 + (idx % kVecPerRow) * N;
-      if (gr < a.rows && gc < a.cols) {
-        raw[l] = __ldg(reinterpret_cast<const uint4*>(a.x + gr * a.cols + gc));
-      }
-    }
+    const int64_t r0 = (t / tiles_c) * kVecRows;
+    const int64_t c0 = (t % tiles_c) * kVecCols;
+    // Convert this tile's registers, store the row-major bytes and fill the shared tile.
 #pragma unroll
     for (int l = 0; l < kLoads; ++l) {
       const int idx = l * kThreads + tid;
@@ -103,19 +127,29 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int k = 0; k < N; ++k) q[k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
         }
-        cuda::store_bytes<N>(&tile[r][c], q);
+        cuda::store_bytes<N>(&tile[r][swizzle(r, c)], q);
       }
     }
     __syncthreads();
-    const int j = tid % kTile;
-    const int chunk = tid / kTile;  // 16-row chunk of the tile
+    // The next tile's loads fly while this tile's transpose is written out.
+    const int64_t next = t + gridDim.x;
+    if (next < num_tiles) load_tile(a, next, tiles_c, raw);
+    // Thread (j, quarter) writes 32 bytes of out_t row j: input rows quarter*32 .. +31.
+    const int j = tid / 4;
+    const int quarter = tid % 4;
     const int64_t gj = c0 + j;
-    const int64_t gi = r0 + chunk * 16;
-    if (gj < a.cols && gi < a.rows) {
-      uint8_t b[16];
+    if (gj < a.cols) {
 #pragma unroll
-      for (int k = 0; k < 16; ++k) b[k] = tile[chunk * 16 + k][j];
-      cuda::store_bytes<16>(a.out_t + gj * a.rows + gi, b);
+      for (int half = 0; half < 2; ++half) {
+        const int i0 = quarter * 32 + half * 16;
+        const int64_t gi = r0 + i0;
+        if (gi < a.rows) {
+          uint8_t b[16];
+#pragma unroll
+          for (int k = 0; k < 16; ++k) b[k] = tile[i0 + k][swizzle(i0 + k, j)];
+          cuda::store_bytes<16>(a.out_t + gj * a.rows + gi, b);
+        }
+      }
     }
     __syncthreads();
   }
@@ -167,11 +201,20 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename InT, bool kCast, bool kE4M3>
 void launch_tiles(const TileArgs<InT, kCast, kE4M3>& a, cudaStream_t stream) {
-  const int64_t num_tiles = ((a.rows + kTile - 1) / kTile) * ((a.cols + kTile - 1) / kTile);
-  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * kBlocksPerSm;
-  const int grid = static_cast<int>(num_tiles < cap ? num_tiles : cap);
   const bool vec = a.rows % 16 == 0 && a.cols % 16 == 0 && cuda::aligned16(a.x) &&
                    cuda::aligned16(a.out_t) && (!kCast || cuda::aligned16(a.out));
+  const int tile_rows = vec ? kVecRows : kTile;
+  const int tile_cols = vec ? kVecCols : kTile;
+  const int64_t num_tiles =
+      ((a.rows + tile_rows - 1) / tile_rows) * ((a.cols + tile_cols - 1) / tile_cols);
+  int per_sm = kBlocksPerSm;
+  if (vec) {
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tile_kernel_vec<InT, kCast, kE4M3>,
+                                                  kThreads, 0);
+    if (per_sm < 1) per_sm = 1;
+  }
+  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * per_sm;
+  const int grid = static_cast<int>(num_tiles < cap ? num_tiles : cap);
   if (vec) {
     tile_kernel_vec<InT, kCast, kE4M3><<<grid, kThreads, 0, stream>>>(a);
   } else {

@@ -1,0 +1,116 @@
+"""fp8_autocast and the small global FP8 state that modules and the graph capturer read.
+
+Where the scale updates run (DESIGN.md): once per fp8_autocast region, each forward arena is
+updated before the first cast that uses it (the first FP8 forward of one of its modules in the
+region: nothing touches FP8 state between the region's entry and that point, so this is the
+region-entry update of DESIGN.md, restricted to the arenas the region uses); each backward arena
+at the end of every backward pass that ran its modules (an autograd engine callback). Inside a
+graph capture neither happens implicitly: the capturer records the two updates at the matching
+points of its graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from graphfp8 import scaling
+from graphfp8.recipe import DelayedScaling
+
+__all__ = ["fp8_autocast", "STATE", "CaptureState", "queue_backward_update", "is_fp8_enabled"]
+
+
+@dataclass
+class CaptureState:
+    """Set by graphs/ during warmup and capture: FP8 bookkeeping is recorded into the graphs.
+
+    Attributes:
+        weight_noop: (1,) float32 device flag read by the weight cast-transpose kernels (1 skips
+            the cast, so the cached FP8 weight is reused); None casts weights on every replay.
+        arenas: the arenas that the captured modules use, filled while warming up.
+    """
+
+    weight_noop: torch.Tensor | None
+    arenas: dict[int, scaling.Arena] = field(default_factory=dict)
+
+
+class _State:
+    def __init__(self) -> None:
+        self.enabled = False
+        self.recipe: DelayedScaling | None = None
+        self.group = None
+        self.capture: CaptureState | None = None
+        self.region = 0  # counts outermost enabled fp8_autocast regions
+        self.queued_backward: dict[int, tuple] = {}
+
+
+STATE = _State()
+
+
+def is_fp8_enabled() -> bool:
+    return STATE.enabled
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = True, recipe: DelayedScaling | None = None, fp8_group=None):
+    """Runs graphfp8 modules inside the region in FP8 with delayed scaling.
+
+    Each outermost enabled region is one scale-update step for the forward arenas it uses, as
+    one forward replay of a graph is: enter one region per microbatch. Nested regions belong to
+    the outermost one.
+
+    Args:
+        enabled: False runs the modules in their parameter dtype.
+        recipe: a DelayedScaling; the default recipe when None.
+        fp8_group: torch.distributed group whose ranks MAX-reduce their amaxes before updates.
+    """
+    if recipe is None:
+        recipe = DelayedScaling()
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(f"fp8_autocast: recipe must be a graphfp8.DelayedScaling, got {recipe!r}")
+    prev = (STATE.enabled, STATE.recipe, STATE.group)
+    capture = STATE.capture
+    if capture is not None and enabled and STATE.recipe is not None and recipe != STATE.recipe:
+        raise RuntimeError(
+            "fp8_autocast inside a graph capture must use the recipe given to "
+            f"make_graphed_callables ({STATE.recipe}), got {recipe}"
+        )
+    if enabled and not prev[0] and capture is None:
+        STATE.region += 1
+        scaling.new_init_group()
+    STATE.enabled, STATE.recipe, STATE.group = bool(enabled), recipe, fp8_group
+    try:
+        yield
+    finally:
+        STATE.enabled, STATE.recipe, STATE.group = prev
+
+
+@contextlib.contextmanager
+def capture_state(fp8_enabled: bool, recipe: DelayedScaling | None, group, capture: CaptureState):
+    """Internal: the FP8 state that warmup and capture run under (no implicit updates)."""
+    prev = (STATE.enabled, STATE.recipe, STATE.group, STATE.capture)
+    STATE.enabled, STATE.recipe, STATE.group = fp8_enabled, recipe, group
+    STATE.capture = capture
+    try:
+        yield
+    finally:
+        STATE.enabled, STATE.recipe, STATE.group, STATE.capture = prev
+
+
+def queue_backward_update(arena: scaling.Arena, group) -> None:
+    """Schedules the update of a backward arena for the end of the running backward pass (once
+    per pass, however many of its modules ask). Only valid while autograd runs a backward."""
+    if id(arena) in STATE.queued_backward:
+        return
+    if not STATE.queued_backward:
+        torch.autograd.Variable._execution_engine.queue_callback(_run_backward_updates)
+    STATE.queued_backward[id(arena)] = (arena, group)
+
+
+def _run_backward_updates() -> None:
+    queued = list(STATE.queued_backward.values())
+    STATE.queued_backward.clear()
+    for arena, group in queued:
+        arena.update_(group)

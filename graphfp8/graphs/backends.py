@@ -1,0 +1,83 @@
+"""Graph backends: CUDA graphs on the GPU, the replay tape on the CPU. Both expose the same small
+interface - capture as a context manager, replay, and the list of what was captured."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from graphfp8.graphs.tape import RecordingMode, ReplayTape
+
+__all__ = ["CudaGraph", "TapeGraph", "new_graph"]
+
+_KERNEL_NODE = re.compile(r"\{KERNEL\s*\|\s*\{ID \|[^|]*\|\s*([^\\}|]+)")
+
+
+class TapeGraph:
+    """CPU backend: a ReplayTape."""
+
+    def __init__(self) -> None:
+        self.tape = ReplayTape()
+        self.op_names: list[str] = []
+
+    @contextlib.contextmanager
+    def capture(self, pool=None):
+        mode = RecordingMode(self.tape)
+        with mode:
+            yield
+        self.op_names = mode.names
+
+    def replay(self) -> None:
+        self.tape.replay()
+
+    def kernels(self) -> list[str]:
+        return self.tape.op_names()
+
+
+class CudaGraph:
+    """GPU backend: a torch.cuda.CUDAGraph kept (keep_graph=True) in debug mode, so that its kernel
+    nodes can be listed; the recording mode checks every op during capture."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph(keep_graph=True)
+        self.graph.enable_debug_mode()
+        self.op_names: list[str] = []
+
+    @contextlib.contextmanager
+    def capture(self, pool=None):
+        mode = RecordingMode(None)
+        with torch.cuda.graph(self.graph, pool=pool):
+            with mode:
+                yield
+        self.op_names = mode.names
+        self.graph.instantiate()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def pool(self):
+        return self.graph.pool()
+
+    def kernels(self) -> list[str]:
+        """Kernel nodes of the graph, in dump order (demangled when c++filt is available)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "graph.dot")
+            self.graph.debug_dump(path)
+            with open(path) as f:
+                names = [m.group(1).strip() for m in _KERNEL_NODE.finditer(f.read())]
+        cxxfilt = shutil.which("c++filt")
+        if cxxfilt and names:
+            out = subprocess.run([cxxfilt], input="\n".join(names), capture_output=True, text=True)
+            if out.returncode == 0:
+                names = out.stdout.splitlines()
+        return names
+
+
+def new_graph(device: torch.device):
+    return CudaGraph() if device.type == "cuda" else TapeGraph()

@@ -1,0 +1,146 @@
+"""The CPU replay tape: records every dispatcher op run during a capture and replays exactly those
+ops on the same tensors, without running Python again - a CPU stand-in for a CUDA graph that
+freezes Python state the same way a CUDA graph does.
+
+The same recording mode guards CUDA captures: an op that would synchronise with the host (or
+whose output shape depends on data) raises a CaptureError naming the op and the user's line,
+instead of the nameless CUDA error a capture would end with.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["CaptureError", "RecordingMode", "ReplayTape"]
+
+aten = torch.ops.aten
+
+# Ops that read tensor data back to the host.
+_HOST_SYNC = {
+    aten._local_scalar_dense.default: "Tensor.item() / bool() / int() / float() of a tensor",
+    aten.is_nonzero.default: "bool() of a tensor",
+    aten.equal.default: "torch.equal",
+}
+# Ops whose output shape depends on the data.
+_DATA_DEPENDENT = {
+    aten.nonzero.default: "torch.nonzero / boolean indexing",
+    aten.masked_select.default: "torch.masked_select",
+    aten.unique_consecutive.default: "torch.unique_consecutive",
+    aten._unique2.default: "torch.unique",
+    aten._unique.default: "torch.unique",
+    aten.unique_dim.default: "torch.unique(dim=...)",
+    aten.repeat_interleave.Tensor: "torch.repeat_interleave with tensor repeats",
+    aten.argwhere.default: "torch.argwhere",
+}
+_ALLOC_ONLY = {
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.empty_strided.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_THIS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class CaptureError(RuntimeError):
+    """An op that a graph capture cannot hold."""
+
+
+def _user_line() -> str:
+    """The innermost frame outside torch and graphfp8.graphs: where the offending call is."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_TORCH_DIR) and not path.startswith(_THIS_DIR):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    return "<unknown>"
+
+
+def _check_capturable(func, args, kwargs) -> None:
+    why = _HOST_SYNC.get(func)
+    kind = "synchronises with the host"
+    if why is None and func in _DATA_DEPENDENT:
+        why, kind = _DATA_DEPENDENT[func], "has a data-dependent output shape"
+    if why is None and func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()):
+            why, kind = "boolean-mask indexing", "has a data-dependent output shape"
+    if why is None and func in (aten._to_copy.default, aten.copy_.default):
+        src = args[1] if func is aten.copy_.default else args[0]
+        dst_dev = args[0].device if func is aten.copy_.default else kwargs.get("device")
+        if isinstance(src, torch.Tensor) and src.device.type == "cuda" and dst_dev is not None \
+                and torch.device(dst_dev).type == "cpu":  # fmt: skip
+            why, kind = "a device-to-host copy (.cpu(), .tolist(), .numpy())", "synchronises"
+    if why is not None:
+        raise CaptureError(
+            f"graphfp8 capture: {func} ({why}) {kind}, which a captured graph cannot do; "
+            f"called at {_user_line()}"
+        )
+
+
+class _Record:
+    """One recorded op and how to replay it."""
+
+    __slots__ = ("func", "args", "kwargs", "outs", "mode")
+
+    def __init__(self, func, args, kwargs, out):
+        self.func, self.args, self.kwargs = func, args, kwargs
+        schema = func._schema
+        self.outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if func in _ALLOC_ONLY:
+            self.mode = "skip"  # a graph does not re-allocate
+        elif schema.is_mutable:
+            self.mode = "inplace"
+        elif any(r.alias_info is not None for r in schema.returns):
+            self.mode = "skip"  # views stay views of the same storage
+        elif any(type(t) is not torch.Tensor for t in self.outs):
+            raise CaptureError(f"graphfp8 tape: cannot replay {func}, which returns a subclass")
+        else:
+            self.mode = "copy"
+
+    def replay(self) -> None:
+        if self.mode == "skip":
+            return
+        result = self.func(*self.args, **self.kwargs)
+        if self.mode == "copy":
+            fresh = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+            for dst, src in zip(self.outs, fresh):
+                dst.copy_(src)
+
+
+class ReplayTape:
+    """The ops of one capture, replayable in order on the same tensors."""
+
+    def __init__(self) -> None:
+        self.records: list[_Record] = []
+
+    def replay(self) -> None:
+        for rec in self.records:
+            rec.replay()
+
+    def op_names(self) -> list[str]:
+        """Every recorded op, e.g. 'graphfp8::cast_transpose', 'aten::_scaled_mm'."""
+        return [rec.func._schema.name for rec in self.records]
+
+
+class RecordingMode(TorchDispatchMode):
+    """Checks every op for capturability and, with a tape, records it."""
+
+    def __init__(self, tape: ReplayTape | None = None):
+        super().__init__()
+        self.tape = tape
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        _check_capturable(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self.names.append(func._schema.name)
+        if self.tape is not None:
+            self.tape.records.append(_Record(func, args, kwargs, out))
+        return out

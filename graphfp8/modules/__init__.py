@@ -1,0 +1,9 @@
+"""graphfp8 layers: FP8 under fp8_autocast, ordinary layers outside it."""
+
+from graphfp8.modules.base import FP8Module
+from graphfp8.modules.convert import convert
+from graphfp8.modules.layernorm_linear import LayerNormLinear
+from graphfp8.modules.layernorm_mlp import LayerNormMLP
+from graphfp8.modules.linear import Linear
+
+__all__ = ["FP8Module", "LayerNormLinear", "LayerNormMLP", "Linear", "convert"]

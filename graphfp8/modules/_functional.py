@@ -1,0 +1,155 @@
+"""The stateless FP8 linear: y = x @ w.T (+ b) with its three GEMMs in FP8.
+
+    forward  y  (M, N) = x  (M, K) @ w.T   x_fp8 (E4M3)  x  w_fp8 (E4M3)
+    dgrad    dx (M, K) = dy (M, N) @ w     dy_fp8 (E5M2 in HYBRID)  x  w_t_fp8
+    wgrad    dw (N, K) = dy.T @ x          dy_t_fp8  x  x_t_fp8
+
+x and dy go through cast-transpose, so each is read once for both layouts; the weight is cast
+into a persistent workspace (a Float8Tensor with its own scale_inv) only when the module says so.
+All scales and amaxes are device views into the arenas, fetched when they are used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphfp8 import ops
+from graphfp8.autocast import queue_backward_update
+from graphfp8.scaling import SlotBlock
+from graphfp8.tensor import Float8Tensor
+
+__all__ = ["GemmConfig", "fp8_linear"]
+
+
+class GemmConfig:
+    """Everything one FP8 GEMM call needs besides its tensors.
+
+    Forward slots of GEMM g: 3g input, 3g + 1 weight, 3g + 2 output; backward slots: 2g
+    grad_output, 2g + 1 grad_input (TransformerEngine's layout).
+    """
+
+    __slots__ = (
+        "fwd", "bwd", "gemm", "fwd_dtype", "bwd_dtype", "weight_fp8", "cast_weight",
+        "weight_noop", "fp8_output", "backward_update",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        fwd: SlotBlock,
+        bwd: SlotBlock,
+        gemm: int,
+        weight_fp8: Float8Tensor,
+        cast_weight: bool,
+        weight_noop: torch.Tensor | None,
+        fp8_output: bool = False,
+        backward_update: tuple | None = None,
+    ):
+        self.fwd, self.bwd, self.gemm = fwd, bwd, gemm
+        self.fwd_dtype = fwd.arena.fp8_dtype
+        self.bwd_dtype = bwd.arena.fp8_dtype
+        self.weight_fp8 = weight_fp8
+        self.cast_weight = cast_weight
+        self.weight_noop = weight_noop
+        self.fp8_output = fp8_output
+        self.backward_update = backward_update
+
+
+def _cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
+    """(x_fp8 (M, K), x_t_fp8 (K, M) or None, scale_inv) for a high-precision or FP8 input."""
+    if isinstance(inp, Float8Tensor):
+        x_fp8 = inp._data.reshape(-1, in_features)
+        return x_fp8, (inp.transpose_fp8() if needs_t else None), inp._scale_inv
+    x = inp.reshape(-1, in_features)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    slot = 3 * cfg.gemm
+    scale, amax = cfg.fwd.scale(slot), cfg.fwd.amax(slot)
+    if needs_t:
+        return ops.cast_transpose(x, scale, amax, cfg.fwd_dtype)
+    x_fp8, scale_inv = ops.cast_to_fp8(x, scale, amax, cfg.fwd_dtype)
+    return x_fp8, None, scale_inv
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, weight, bias, cfg: GemmConfig, needs_dgrad: bool, needs_wgrad: bool):
+        out_features, in_features = weight.shape
+        lead = inp.shape[:-1]
+        x_fp8, x_t_fp8, x_scale_inv = _cast_input(inp, in_features, cfg, needs_wgrad)
+        w = cfg.weight_fp8
+        if cfg.cast_weight:
+            slot = 3 * cfg.gemm + 1
+            ops.cast_transpose(
+                weight, cfg.fwd.scale(slot), cfg.fwd.amax(slot), cfg.fwd_dtype,
+                out=w._data, out_t=w._transpose, scale_inv=w._scale_inv, noop=cfg.weight_noop,
+            )  # fmt: skip
+            w.mark_data_changed(transpose_written=True)
+        out_dtype = weight.dtype
+        fuse_bias = bias is not None and out_dtype != torch.float32
+        y = ops.fp8_gemm(
+            x_fp8, x_scale_inv, w._data.t(), w._scale_inv, out_dtype,
+            bias=bias if fuse_bias else None, use_fast_accum=True,
+        )  # fmt: skip
+        if bias is not None and not fuse_bias:
+            y = y + bias
+        # The weight workspace is rewritten in place by later casts: keep it out of
+        # save_for_backward's version checks. Its data and scale_inv always pair up.
+        ctx.w_t_fp8, ctx.w_scale_inv = w._transpose, w._scale_inv
+        ctx.save_for_backward(x_t_fp8, x_scale_inv)
+        ctx.cfg, ctx.inp_shape = cfg, inp.shape
+        ctx.needs_dgrad, ctx.needs_wgrad = needs_dgrad, needs_wgrad
+        ctx.has_bias = bias is not None
+        if not cfg.fp8_output:
+            return y.view(*lead, out_features)
+        slot = 3 * cfg.gemm + 2
+        y_fp8, y_t_fp8, y_scale_inv = ops.cast_transpose(
+            y, cfg.fwd.scale(slot), cfg.fwd.amax(slot), cfg.fwd_dtype
+        )
+        return Float8Tensor(
+            y_fp8.view(*lead, out_features), y_scale_inv, out_dtype,
+            transpose=y_t_fp8, transpose_valid=True,
+        )  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, dy):
+        cfg: GemmConfig = ctx.cfg
+        x_t_fp8, x_scale_inv = ctx.saved_tensors
+        out_features = dy.shape[-1]
+        dy2 = dy.reshape(-1, out_features)
+        if not dy2.is_contiguous():
+            dy2 = dy2.contiguous()
+        slot = 2 * cfg.gemm
+        scale, amax = cfg.bwd.scale(slot), cfg.bwd.amax(slot)
+        if ctx.needs_wgrad:
+            dy_fp8, dy_t_fp8, dy_scale_inv = ops.cast_transpose(dy2, scale, amax, cfg.bwd_dtype)
+        else:
+            dy_fp8, dy_scale_inv = ops.cast_to_fp8(dy2, scale, amax, cfg.bwd_dtype)
+        dx = dw = db = None
+        if ctx.needs_dgrad:
+            dx = ops.fp8_gemm(dy_fp8, dy_scale_inv, ctx.w_t_fp8.t(), ctx.w_scale_inv, dy.dtype)
+            dx = dx.view(ctx.inp_shape)
+        if ctx.needs_wgrad:
+            dw = ops.fp8_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8.t(), x_scale_inv, dy.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(dim=0)
+        if cfg.backward_update is not None:
+            queue_backward_update(*cfg.backward_update)
+        return dx, dw, db, None, None, None
+
+
+def fp8_linear(inp, weight, bias, cfg: GemmConfig):
+    """FP8 linear layer: y = inp @ weight.T + bias.
+
+    Args:
+        inp: (..., K) in weight.dtype, or a Float8Tensor of that nominal dtype (used as is).
+        weight: (N, K); K and N multiples of 16.
+        bias: (N,) or None.
+        cfg: slots, weight workspace and cast decision of this GEMM.
+
+    Returns:
+        (..., N) tensor of weight.dtype, or a Float8Tensor when cfg.fp8_output.
+    """
+    grad = torch.is_grad_enabled()
+    needs_dgrad = grad and inp.requires_grad
+    needs_wgrad = grad and weight.requires_grad
+    return _FP8Linear.apply(inp, weight, bias, cfg, needs_dgrad, needs_wgrad)

@@ -1,0 +1,219 @@
+"""FP8 module plumbing shared by every graphfp8 layer: slots, weight workspaces, the
+is_first_microbatch weight-cache policy, input checks and checkpointed FP8 state."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from graphfp8 import scaling
+from graphfp8.autocast import STATE
+from graphfp8.modules._functional import GemmConfig
+from graphfp8.ops import check_gemm_dims
+from graphfp8.recipe import DelayedScaling, Format
+from graphfp8.tensor import Float8Tensor
+
+__all__ = ["FP8Meta", "FP8Module"]
+
+
+class FP8Meta:
+    """One module's FP8 slots: 3 per GEMM in the forward arena (input, weight, output) and 2 per
+    GEMM in the backward arena (grad_output, grad_input), as TransformerEngine lays them out."""
+
+    def __init__(self, recipe: DelayedScaling, device: torch.device, num_gemms: int):
+        self.recipe = recipe
+        self.device = torch.device(device)
+        self.fwd = scaling.allocate(recipe, device, scaling.FORWARD, 3 * num_gemms)
+        self.bwd = scaling.allocate(recipe, device, scaling.BACKWARD, 2 * num_gemms)
+
+    def __deepcopy__(self, memo) -> FP8Meta:
+        """A copied module gets fresh slots (in the open arena, so updates reach them) holding
+        the same histories and scales."""
+        new = FP8Meta(self.recipe, self.device, self.fwd.count // 3)
+        new.copy_from_(self)
+        return new
+
+    def copy_from_(self, other: FP8Meta) -> None:
+        for mine, theirs in ((self.fwd, other.fwd), (self.bwd, other.bwd)):
+            mine.history().copy_(theirs.history())
+            mine.scales().copy_(theirs.scales())
+
+
+def _recipe_to_dict(recipe: DelayedScaling) -> dict:
+    return {
+        "margin": recipe.margin,
+        "fp8_format": recipe.fp8_format.value,
+        "amax_history_len": recipe.amax_history_len,
+        "amax_compute_algo": recipe.amax_compute_algo,
+        "reduce_amax": recipe.reduce_amax,
+    }
+
+
+class FP8Module(nn.Module):
+    """Base of the graphfp8 layers. Subclasses set `num_gemms` and call `_gemm_configs` from an
+    FP8 forward; outside fp8_autocast they run as ordinary layers in their parameter dtype."""
+
+    num_gemms = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp8_meta: FP8Meta | None = None
+        self._weight_fp8: dict[str, Float8Tensor] = {}
+        self._weight_cache_valid = False
+
+    # FP8 state -------------------------------------------------------------------------------
+
+    def fp8_init(self, recipe: DelayedScaling, device) -> FP8Meta:
+        """Allocates this module's slots for `recipe` (or moves them to it from another recipe of
+        the same history length), and returns them."""
+        meta, device = self.fp8_meta, torch.device(device)
+        if meta is not None and meta.recipe == recipe and meta.device == device:
+            return meta
+        name = type(self).__name__
+        if meta is not None:
+            if meta.recipe.amax_history_len != recipe.amax_history_len:
+                raise ValueError(
+                    f"{name}: its FP8 state has amax_history_len="
+                    f"{meta.recipe.amax_history_len}, the recipe asks for "
+                    f"{recipe.amax_history_len}; history lengths cannot change"
+                )
+            if meta.fwd.arena.frozen:
+                raise RuntimeError(
+                    f"{name}: its FP8 state is captured in a graph for {meta.recipe} and cannot "
+                    f"move to {recipe}"
+                )
+        new = FP8Meta(recipe, device, self.num_gemms)
+        if meta is not None:
+            new.copy_from_(meta)
+        self.fp8_meta = new
+        return new
+
+    def _weight_workspace(self, key: str, weight: torch.Tensor, fp8_dtype) -> Float8Tensor:
+        ws = self._weight_fp8.get(key)
+        if (
+            ws is None
+            or ws._data.shape != weight.shape
+            or ws.device != weight.device
+            or ws.dtype != weight.dtype
+            or ws.fp8_dtype != fp8_dtype
+        ):
+            ws = Float8Tensor.empty(tuple(weight.shape), fp8_dtype, weight.dtype, weight.device)
+            self._weight_fp8[key] = ws
+            self._weight_cache_valid = False
+        return ws
+
+    def _eager_weight_cast(self, is_first_microbatch: bool | None) -> bool:
+        """None: cast every call. True: cast and cache. False: reuse the cache."""
+        if is_first_microbatch is None or is_first_microbatch:
+            self._weight_cache_valid = True
+            return True
+        if not self._weight_cache_valid:
+            raise RuntimeError(
+                f"{type(self).__name__}: is_first_microbatch=False before any "
+                "is_first_microbatch=True: there is no cached FP8 weight to reuse"
+            )
+        return False
+
+    def _gemm_configs(
+        self,
+        weights: list[tuple[str, torch.Tensor]],
+        is_first_microbatch: bool | None,
+        fp8_output: bool = False,
+    ) -> list[GemmConfig]:
+        """One GemmConfig per (workspace key, weight) for this FP8 forward."""
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(
+                f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}"
+            )
+        meta = self.fp8_init(STATE.recipe, weights[0][1].device)
+        fp8_dtype = meta.fwd.arena.fp8_dtype
+        workspaces = [self._weight_workspace(key, w, fp8_dtype) for key, w in weights]
+        capture = STATE.capture
+        if capture is not None:
+            # The graph decides through its device flag; scale updates are placed by the capturer.
+            capture.arenas[id(meta.fwd.arena)] = meta.fwd.arena
+            capture.arenas[id(meta.bwd.arena)] = meta.bwd.arena
+            cast, noop, bwd_update = True, capture.weight_noop, None
+        else:
+            meta.fwd.arena.update_once(STATE.region, STATE.group)
+            cast, noop = self._eager_weight_cast(is_first_microbatch), None
+            bwd_update = (meta.bwd.arena, STATE.group)
+        last = len(weights) - 1
+        return [
+            GemmConfig(
+                meta.fwd,
+                meta.bwd,
+                g,
+                ws,
+                cast,
+                noop,
+                fp8_output=fp8_output and g == last,
+                backward_update=bwd_update,
+            )  # fmt: skip
+            for g, ws in enumerate(workspaces)
+        ]
+
+    # Checks --------------------------------------------------------------------------------------
+
+    def _check_input(self, inp, features: int, weight: torch.Tensor) -> None:
+        name = type(self).__name__
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"{name}: input must be a tensor, got {type(inp).__name__}")
+        if inp.dim() < 1 or inp.shape[-1] != features:
+            raise ValueError(f"{name}: expected input (..., {features}), got {tuple(inp.shape)}")
+        if inp.dtype != weight.dtype:
+            raise TypeError(
+                f"{name}: input dtype {inp.dtype} does not match the parameters' {weight.dtype}"
+            )
+        if inp.device != weight.device:
+            raise ValueError(
+                f"{name}: input is on {inp.device} but the parameters are on {weight.device}"
+            )
+        if isinstance(inp, Float8Tensor) and not STATE.enabled:
+            raise TypeError(f"{name}: a Float8Tensor input needs fp8_autocast(enabled=True)")
+
+    def _check_fp8_dims(self, inp: torch.Tensor, weights: list[torch.Tensor]) -> None:
+        """FP8 GEMMs need K and N multiples of 16, and the token count too when the weight
+        gradient (whose inner dim is the token count) will be computed."""
+        name = type(self).__name__
+        for w in weights:
+            check_gemm_dims(w.shape[1], w.shape[0], name)
+        tokens = inp.numel() // inp.shape[-1]
+        if torch.is_grad_enabled() and any(w.requires_grad for w in weights) and tokens % 16:
+            raise ValueError(
+                f"{name}: FP8 training needs the token count (the product of the input's "
+                f"leading dims) to be a multiple of 16 for the weight-gradient GEMM, got {tokens}"
+            )
+
+    # Checkpoints ---------------------------------------------------------------------------------
+
+    def get_extra_state(self):
+        meta = self.fp8_meta
+        if meta is None:
+            return None
+        return {
+            "recipe": _recipe_to_dict(meta.recipe),
+            "fwd_amax_history": meta.fwd.history().detach().clone(),
+            "fwd_scale": meta.fwd.scales().detach().clone(),
+            "bwd_amax_history": meta.bwd.history().detach().clone(),
+            "bwd_scale": meta.bwd.scales().detach().clone(),
+        }
+
+    def set_extra_state(self, state) -> None:
+        if state is None:
+            return
+        name = type(self).__name__
+        saved = dict(state["recipe"])
+        saved["fp8_format"] = Format(saved["fp8_format"])
+        recipe = DelayedScaling(**saved)
+        meta = self.fp8_init(recipe, next(self.parameters()).device)
+        for key, block in (("fwd", meta.fwd), ("bwd", meta.bwd)):
+            history, scale = state[f"{key}_amax_history"], state[f"{key}_scale"]
+            if tuple(history.shape) != tuple(block.history().shape):
+                raise ValueError(
+                    f"{name}: checkpoint {key} amax history has shape {tuple(history.shape)}, "
+                    f"the module's is {tuple(block.history().shape)}"
+                )
+            block.history().copy_(history)
+            block.scales().copy_(scale)
+        self._weight_cache_valid = False

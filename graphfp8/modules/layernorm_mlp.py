@@ -1,0 +1,81 @@
+"""graphfp8.LayerNormMLP: Norm -> FP8 fc1 -> activation -> FP8 fc2."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphfp8.autocast import STATE
+from graphfp8.modules._functional import fp8_linear
+from graphfp8.modules._norm import apply_norm, make_norm_params
+from graphfp8.modules.base import FP8Module
+from graphfp8.modules.linear import init_linear_
+from graphfp8.tensor import Float8Tensor
+
+__all__ = ["LayerNormMLP"]
+
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x, approximate="tanh"),  # TransformerEngine's "gelu"
+    "relu": F.relu,
+}
+
+
+class LayerNormMLP(FP8Module):
+    """y = fc2(act(fc1(Norm(x)))), both GEMMs in FP8 under fp8_autocast.
+
+    Args:
+        hidden_size: H, a multiple of 16 for FP8.
+        ffn_hidden_size: F, a multiple of 16 for FP8.
+        eps: normalization epsilon.
+        bias: learn fc1/fc2 biases.
+        activation: "gelu" (tanh approximation, as TransformerEngine) or "relu".
+        normalization: "LayerNorm" or "RMSNorm".
+        params_dtype, device: as for Linear.
+    """
+
+    num_gemms = 2
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
+                 bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
+                 params_dtype: torch.dtype | None = None, device=None):  # fmt: skip
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"LayerNormMLP: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}"
+            )
+        dtype = params_dtype or torch.get_default_dtype()
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.eps, self.normalization, self.activation = eps, normalization, activation
+        make_norm_params(self, hidden_size, normalization, dtype, device)
+        kw = dict(dtype=dtype, device=device)
+        self.fc1_weight = nn.Parameter(torch.empty(ffn_hidden_size, hidden_size, **kw))
+        self.fc1_bias = nn.Parameter(torch.empty(ffn_hidden_size, **kw)) if bias else None
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **kw))
+        self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
+        init_linear_(self.fc1_weight, self.fc1_bias)
+        init_linear_(self.fc2_weight, self.fc2_bias)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """inp: (..., hidden_size) in params_dtype. Returns (..., hidden_size).
+        is_first_microbatch: as for Linear (both weights)."""
+        self._check_input(inp, self.hidden_size, self.fc1_weight)
+        if isinstance(inp, Float8Tensor):
+            raise TypeError("LayerNormMLP: the normalization needs a high-precision input")
+        act = ACTIVATIONS[self.activation]
+        ln_out = apply_norm(self, inp, self.normalization, self.eps)
+        if not STATE.enabled:
+            return F.linear(act(F.linear(ln_out, self.fc1_weight, self.fc1_bias)),
+                            self.fc2_weight, self.fc2_bias)  # fmt: skip
+        self._check_fp8_dims(inp, [self.fc1_weight, self.fc2_weight])
+        cfg1, cfg2 = self._gemm_configs(
+            [("fc1", self.fc1_weight), ("fc2", self.fc2_weight)], is_first_microbatch
+        )
+        hidden = act(fp8_linear(ln_out, self.fc1_weight, self.fc1_bias, cfg1))
+        return fp8_linear(hidden, self.fc2_weight, self.fc2_bias, cfg2)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"activation={self.activation}, normalization={self.normalization}"
+        )

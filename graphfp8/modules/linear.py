@@ -1,0 +1,68 @@
+"""graphfp8.Linear: y = x @ W.T + b with FP8 GEMMs under fp8_autocast."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphfp8.autocast import STATE
+from graphfp8.modules._functional import fp8_linear
+from graphfp8.modules.base import FP8Module
+
+__all__ = ["Linear"]
+
+
+def init_linear_(weight: nn.Parameter, bias: nn.Parameter | None) -> None:
+    """torch.nn.Linear's default initialisation."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0
+        nn.init.uniform_(bias, -bound, bound)
+
+
+class Linear(FP8Module):
+    """A linear layer whose three GEMMs run in FP8 inside fp8_autocast.
+
+    Args:
+        in_features: K, a multiple of 16 for FP8.
+        out_features: N, a multiple of 16 for FP8.
+        bias: learn an additive bias.
+        params_dtype: parameter dtype (default: torch.get_default_dtype()).
+        device: parameter device.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 params_dtype: torch.dtype | None = None, device=None):  # fmt: skip
+        super().__init__()
+        dtype = params_dtype or torch.get_default_dtype()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device)
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        )
+        init_linear_(self.weight, self.bias)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """inp: (..., in_features) in params_dtype, or a Float8Tensor from a graphfp8 layer.
+
+        is_first_microbatch: None casts the weight to FP8 every call; True casts and caches it;
+        False reuses the cached FP8 weight (gradient accumulation over microbatches).
+        Returns (..., out_features) in params_dtype.
+        """
+        self._check_input(inp, self.in_features, self.weight)
+        if not STATE.enabled:
+            return F.linear(inp, self.weight, self.bias)
+        self._check_fp8_dims(inp, [self.weight])
+        (cfg,) = self._gemm_configs([("weight", self.weight)], is_first_microbatch)
+        return fp8_linear(inp, self.weight, self.bias, cfg)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )

@@ -1,0 +1,196 @@
+"""The FP8 arenas: every slot's amax history and scale, one contiguous block per direction.
+
+An Arena holds all slots of one direction (forward or backward) for one recipe on one device:
+
+    amax_history  (L, S) float32   row 0 is where this step's casts write their amax
+    scale         (S,)   float32
+    scaled_max    (S,)   float32   fp8_max * 2**-margin, per slot
+
+One fused kernel updates all S slots in one launch. Modules own `SlotBlock`s (a start and a
+count in an arena) and fetch their per-slot views through them, so an arena can grow while it is
+not captured: growing reallocates the tensors and bumps `version`, and every SlotBlock refetches.
+Once a graph has captured an arena it is frozen: modules created later start a new arena (the
+captured graph keeps raw pointers to the old tensors, which therefore must never move).
+
+Which modules share an arena: modules get their slots when they first run in FP8 (or load FP8
+state), from the current *init group*, and a fresh group starts at every outermost fp8_autocast
+region and every capture. So the layers of one model, initialised in its first region, share
+one arena per direction, while two models initialised in different regions (a model and its
+copy resumed from a checkpoint, an eager model and a graphed one) never share: one model's
+scale updates cannot touch the other's state. Eager mode updates an arena at its first use in
+each region (`update_once`), graphs at the start of their first forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from graphfp8 import ops
+from graphfp8.recipe import DelayedScaling, fp8_max
+
+__all__ = ["Arena", "SlotBlock", "allocate", "live_arenas", "new_init_group", "update_"]
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+class Arena:
+    """All FP8 slots of one direction for one recipe on one device."""
+
+    _created = 0
+
+    def __init__(self, recipe: DelayedScaling, device: torch.device, direction: str):
+        Arena._created += 1
+        self.serial = Arena._created
+        self.recipe = recipe
+        self.device = torch.device(device)
+        self.direction = direction
+        fmt = recipe.fp8_format
+        self.fp8_dtype = fmt.fwd_dtype if direction == FORWARD else fmt.bwd_dtype
+        length = recipe.amax_history_len
+        self.amax_history = torch.zeros(length, 0, dtype=torch.float32, device=self.device)
+        self.scale = torch.ones(0, dtype=torch.float32, device=self.device)
+        self.scaled_max = torch.ones(0, dtype=torch.float32, device=self.device)
+        self.version = 0
+        self.frozen = False
+        self.updated_in = -1  # the fp8_autocast region that last updated it (eager mode)
+
+    @property
+    def num_slots(self) -> int:
+        return self.scale.numel()
+
+    def grow(self, count: int) -> int:
+        """Appends `count` fresh slots (history 0, scale 1); returns the first new index."""
+        if self.frozen:
+            raise RuntimeError(
+                f"graphfp8: the {self.direction} FP8 arena is captured in a graph and cannot "
+                "grow; modules created after a capture get a new arena"
+            )
+        start = self.num_slots
+        length = self.amax_history.shape[0]
+        dev = self.device
+        self.amax_history = torch.cat(
+            [self.amax_history, torch.zeros(length, count, device=dev)], dim=1
+        ).contiguous()
+        self.scale = torch.cat([self.scale, torch.ones(count, device=dev)])
+        limit = fp8_max(self.fp8_dtype) * 2.0**-self.recipe.margin
+        self.scaled_max = torch.cat([self.scaled_max, torch.full((count,), limit, device=dev)])
+        self.version += 1
+        return start
+
+    def update_(self, group=None) -> None:
+        """One delayed-scaling step for every slot: optional MAX all-reduce of row 0 over
+        `group` (when the recipe says reduce_amax and the group has several ranks), then the
+        fused kernel. Reducing row 0 in place equals DESIGN.md's `a = R if R != 0 else H[0]`:
+        R is the max over ranks of non-negative amaxes, so R == 0 implies H[0] == 0."""
+        if self.num_slots == 0:
+            return
+        if group is not None and self.recipe.reduce_amax:
+            import torch.distributed as dist
+
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(self.amax_history[0], op=dist.ReduceOp.MAX, group=group)
+        ops.scale_update_(
+            self.amax_history,
+            self.scale,
+            self.scaled_max,
+            self.recipe.amax_compute_algo == "most_recent",
+        )
+
+    def update_once(self, region: int, group=None) -> None:
+        """Eager mode: updates the arena if it has not been updated in this region yet."""
+        if self.updated_in != region:
+            self.updated_in = region
+            self.update_(group)
+
+    def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return self.num_slots, self.amax_history.clone(), self.scale.clone()
+
+    def restore_(self, snap: tuple[int, torch.Tensor, torch.Tensor]) -> None:
+        """Puts back a snapshot; slots added since then return to their initial state."""
+        count, history, scale = snap
+        self.amax_history[:, :count].copy_(history)
+        self.amax_history[:, count:].zero_()
+        self.scale[:count].copy_(scale)
+        self.scale[count:].fill_(1.0)
+
+
+@dataclass
+class SlotBlock:
+    """`count` consecutive slots of one arena, with cached per-slot views."""
+
+    arena: Arena
+    start: int
+    count: int
+
+    def __post_init__(self) -> None:
+        self._version = -1
+        self._scales: list[torch.Tensor] = []
+        self._amaxes: list[torch.Tensor] = []
+
+    def _refresh(self) -> None:
+        a, s0, n = self.arena, self.start, self.count
+        self._scales = [a.scale[s : s + 1] for s in range(s0, s0 + n)]
+        self._amaxes = [a.amax_history[0, s : s + 1] for s in range(s0, s0 + n)]
+        self._version = a.version
+
+    def scale(self, i: int) -> torch.Tensor:
+        """(1,) float32 view of slot i's scale."""
+        if self._version != self.arena.version:
+            self._refresh()
+        return self._scales[i]
+
+    def amax(self, i: int) -> torch.Tensor:
+        """(1,) float32 view of slot i's H[0], where casts fold their amax."""
+        if self._version != self.arena.version:
+            self._refresh()
+        return self._amaxes[i]
+
+    def history(self) -> torch.Tensor:
+        """(L, count) view of these slots' amax histories."""
+        return self.arena.amax_history[:, self.start : self.start + self.count]
+
+    def scales(self) -> torch.Tensor:
+        """(count,) view of these slots' scales."""
+        return self.arena.scale[self.start : self.start + self.count]
+
+
+# Every live arena, and the current init group: {(recipe, device, direction): open arena}.
+_ARENAS: weakref.WeakSet[Arena] = weakref.WeakSet()
+_GROUP: dict[tuple, Arena] = {}
+
+
+def new_init_group() -> None:
+    """Modules that get their slots from now on go into new arenas."""
+    global _GROUP
+    _GROUP = {}
+
+
+def allocate(recipe: DelayedScaling, device, direction: str, count: int) -> SlotBlock:
+    """Reserves `count` slots in the current init group's arena for (recipe, device, direction)."""
+    key = (recipe, torch.device(device), direction)
+    arena = _GROUP.get(key)
+    if arena is None or arena.frozen:
+        arena = Arena(recipe, torch.device(device), direction)
+        _ARENAS.add(arena)
+        _GROUP[key] = arena
+    return SlotBlock(arena, arena.grow(count), count)
+
+
+def live_arenas(recipe: DelayedScaling | None = None, direction: str | None = None) -> list[Arena]:
+    """Live arenas, optionally of one recipe and direction, in creation order."""
+    found = [
+        a
+        for a in list(_ARENAS)
+        if (recipe is None or a.recipe == recipe)
+        and (direction is None or a.direction == direction)
+    ]
+    return sorted(found, key=lambda a: a.serial)
+
+
+def update_(arenas, group=None) -> None:
+    """Runs the delayed-scaling update of each arena (one fused launch per arena)."""
+    for arena in arenas:
+        arena.update_(group)

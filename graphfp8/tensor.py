@@ -1,0 +1,139 @@
+"""Float8Tensor: FP8 data, its own private scale_inv and a lazy transpose cache.
+
+A Float8Tensor never computes a scale: whoever casts into it (a kernel) writes its data and its
+scale_inv together, so the two always pair up, however the recipe's scales move on. It is a
+wrapper subclass whose nominal shape and dtype are the high-precision ones, so it can flow
+through autograd between graphfp8 modules (LayerNormLinear(fp8_output=True) -> Linear); any
+other torch op sees the dequantized values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from graphfp8 import ops
+
+__all__ = ["Float8Tensor"]
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_ALIAS_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+class Float8Tensor(torch.Tensor):
+    """FP8 data plus its private scale: value ~= data * scale_inv.
+
+    Attributes:
+        _data: (rows, cols) or (...), float8_e4m3fn / float8_e5m2, row-major.
+        _scale_inv: (1,) float32, written by the kernel that wrote `_data`.
+        _transpose: (cols, rows) FP8 buffer or None; valid when `_transpose_valid`.
+    """
+
+    _data: torch.Tensor
+    _scale_inv: torch.Tensor
+    _transpose: torch.Tensor | None
+    _transpose_valid: bool
+
+    @staticmethod
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        scale_inv: torch.Tensor,
+        nominal_dtype: torch.dtype,
+        *,
+        transpose: torch.Tensor | None = None,
+        transpose_valid: bool = False,
+        requires_grad: bool = False,
+    ) -> Float8Tensor:
+        if data.dtype not in _FP8_DTYPES:
+            raise TypeError(f"Float8Tensor: data must be FP8, got {data.dtype}")
+        if scale_inv.dtype != torch.float32 or scale_inv.numel() != 1:
+            raise TypeError("Float8Tensor: scale_inv must be a one-element float32 tensor")
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, dtype=nominal_dtype, device=data.device, requires_grad=requires_grad
+        )
+        self._data = data
+        self._scale_inv = scale_inv
+        self._transpose = transpose
+        self._transpose_valid = transpose_valid and transpose is not None
+        return self
+
+    @classmethod
+    def empty(
+        cls, shape: tuple[int, int], fp8_dtype: torch.dtype, nominal_dtype: torch.dtype, device
+    ) -> Float8Tensor:
+        """A persistent 2-D buffer with room for its transpose (weight workspaces). No kernel."""
+        rows, cols = shape
+        return cls(
+            torch.empty(rows, cols, dtype=fp8_dtype, device=device),
+            torch.ones(1, dtype=torch.float32, device=device),
+            nominal_dtype,
+            transpose=torch.empty(cols, rows, dtype=fp8_dtype, device=device),
+        )
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self._data.dtype
+
+    def transpose_fp8(self, noop: torch.Tensor | None = None) -> torch.Tensor:
+        """The (cols, rows) FP8 transpose of the data seen as (rows, cols) = (numel / last dim,
+        last dim), computed once into a persistent buffer and cached."""
+        if not self._transpose_valid:
+            data2d = self._data.reshape(-1, self._data.shape[-1])
+            rows, cols = data2d.shape
+            if self._transpose is None:
+                self._transpose = torch.empty(cols, rows, dtype=self.fp8_dtype, device=self.device)
+            ops.fp8_transpose(data2d, out_t=self._transpose, noop=noop)
+            self._transpose_valid = True
+        return self._transpose
+
+    def mark_data_changed(self, transpose_written: bool) -> None:
+        """Called by whoever rewrote `_data`: the cached transpose is valid only if it was
+        rewritten by the same kernel."""
+        self._transpose_valid = transpose_written and self._transpose is not None
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """data * scale_inv as a plain tensor of `dtype` (the nominal dtype by default)."""
+        return ops.dequantize(self._data.contiguous(), self._scale_inv, dtype or self.dtype)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (
+            f"Float8Tensor(fp8_dtype={self.fp8_dtype}, nominal_dtype={self.dtype}, "
+            f"shape={tuple(self.shape)}, scale_inv={self._scale_inv.item():.6g}, "
+            f"data={self.dequantize()})"
+        )
+
+    def __deepcopy__(self, memo) -> Float8Tensor:
+        transpose = None if self._transpose is None else self._transpose.clone()
+        return Float8Tensor(
+            self._data.clone(), self._scale_inv.clone(), self.dtype,
+            transpose=transpose, transpose_valid=self._transpose_valid,
+            requires_grad=self.requires_grad,
+        )  # fmt: skip
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale_inv"], {"nominal_dtype": self.dtype}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Float8Tensor(inner["_data"], inner["_scale_inv"], meta["nominal_dtype"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ALIAS_OPS:
+            src = args[0]
+            return Float8Tensor(
+                src._data,
+                src._scale_inv,
+                src.dtype,
+                transpose=src._transpose,
+                transpose_valid=src._transpose_valid,
+            )
+        if func._schema.is_mutable:
+            raise NotImplementedError(
+                f"Float8Tensor does not support the in-place op {func}; dequantize() first"
+            )
+        # Anything else runs on the dequantized values, in the nominal dtype.
+        unwrap = lambda t: t.dequantize() if isinstance(t, Float8Tensor) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))

@@ -1,0 +1,58 @@
+"""An eager model and its graphed copy trained side by side, compared bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import graphfp8 as g8
+from graphfp8.testing import assert_bitwise_equal
+from tests.modules.common import T, build, fp8_state, in_features
+
+
+def compare_models(eager, graphed, what: str) -> None:
+    for (name, pe), (_, pg) in zip(eager.named_parameters(), graphed.named_parameters()):
+        assert_bitwise_equal(pg, pe, f"{what}: weight {name}")
+        if pe.grad is None:
+            assert pg.grad is None, f"{what}: grad {name} should be None"
+        else:
+            assert_bitwise_equal(pg.grad, pe.grad, f"{what}: grad {name}")
+    for (name, se), (_, sg) in zip(fp8_state(eager), fp8_state(graphed)):
+        assert_bitwise_equal(sg, se, f"{what}: {name}")
+
+
+def train_side_by_side(kind, recipe, caching, device, steps=3, mbs=3, set_to_none=True):
+    """Trains `kind` eagerly and through make_graphed_callables on the same data, asserting
+    equality after every microbatch and every optimizer step. Returns the two models."""
+    eager = build(kind, device=device)
+    graphed_model = copy.deepcopy(eager)
+    k = in_features(eager)
+    sample = torch.randn(T, k, dtype=torch.bfloat16, device=device, requires_grad=True)
+    graphed = g8.make_graphed_callables(graphed_model, (sample,), fp8_enabled=True,
+                                        fp8_recipe=recipe, fp8_weight_caching=caching)  # fmt: skip
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt_g = torch.optim.AdamW(graphed_model.parameters(), lr=1e-2)
+    for step in range(steps):
+        for mb in range(mbs):
+            first = (mb == 0) if caching else None
+            x = torch.randn(T, k, dtype=torch.bfloat16, device=device) * 10.0 ** (mb - 1)
+            xe, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+            with g8.fp8_autocast(recipe=recipe):
+                ye = eager(xe, is_first_microbatch=first)
+            yg = graphed(xg, is_first_microbatch=first)
+            dy = torch.randn_like(ye) * 10.0 ** (1 - mb)
+            loss_e, loss_g = (ye.float() * dy).sum(), (yg.float() * dy).sum()
+            loss_e.backward()
+            loss_g.backward()
+            what = f"step {step} mb {mb}"
+            assert_bitwise_equal(yg, ye, f"{what}: output")
+            assert_bitwise_equal(loss_g, loss_e, f"{what}: loss")
+            assert_bitwise_equal(xg.grad, xe.grad, f"{what}: dgrad")
+            compare_models(eager, graphed_model, what)
+        opt_e.step()
+        opt_g.step()
+        opt_e.zero_grad(set_to_none=set_to_none)
+        opt_g.zero_grad(set_to_none=set_to_none)
+        compare_models(eager, graphed_model, f"after step {step}")
+    return eager, graphed_model

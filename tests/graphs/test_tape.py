@@ -1,0 +1,87 @@
+"""The replay tape (CPU) and the capture checks (both backends): syncs are caught and named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphfp8 as g8
+from graphfp8.graphs import RecordingMode, ReplayTape
+from tests.helpers import HAS_CUDA
+
+
+class ItemInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum().item() > 0:  # the offending line
+            y = y * 2
+        return y
+
+
+class MaskInForward(nn.Module):
+    def forward(self, x):
+        return x[x > 0].sum() * x
+
+
+class HostCopyInForward(nn.Module):
+    def forward(self, x):
+        return x * float(x.max().cpu())
+
+
+def test_item_inside_capture_is_caught_and_named(device):
+    m = ItemInForward().to(device)
+    with pytest.raises(g8.CaptureError) as err:
+        g8.make_graphed_callables(m, (torch.randn(4, 16, device=device),), num_warmup_iters=1)
+    msg = str(err.value)
+    assert "aten._local_scalar_dense" in msg and "Tensor.item()" in msg
+    assert "test_tape.py" in msg and "if y.sum().item() > 0:  # the offending line" in msg
+
+
+def test_data_dependent_shape_is_caught(device):
+    with pytest.raises(g8.CaptureError, match="data-dependent output shape"):
+        g8.make_graphed_callables(MaskInForward(), (torch.randn(8, 4, device=device),),
+                                  num_warmup_iters=1)  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_device_to_host_copy_is_caught():
+    with pytest.raises(g8.CaptureError, match="device-to-host|synchronises"):
+        g8.make_graphed_callables(HostCopyInForward(), (torch.randn(8, 4, device="cuda"),),
+                                  num_warmup_iters=1)  # fmt: skip
+
+
+def test_tape_replays_the_recorded_ops_on_the_same_tensors():
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    out = torch.empty(4, 4)
+    tape = ReplayTape()
+    calls = []
+    with RecordingMode(tape):
+        calls.append(1)  # Python runs once, at capture
+        c = a @ b + 1.0
+        out.copy_(c.relu())
+    assert tape.op_names() == ["aten::mm", "aten::add", "aten::relu", "aten::copy_"]
+    a.normal_()
+    b.normal_()
+    tape.replay()
+    assert torch.equal(out, (a @ b + 1.0).relu())
+    assert calls == [1], "replay does not run Python"
+
+
+def test_tape_freezes_python_state_like_a_cuda_graph():
+    """A Python number read at capture stays frozen: the bug class graphfp8 avoids by passing
+    everything that changes as a device tensor."""
+    scale = {"value": 2.0}
+    x = torch.ones(3)
+    out = torch.empty(3)
+    tape = ReplayTape()
+    with RecordingMode(tape):
+        out.copy_(x * scale["value"])
+    scale["value"] = 5.0
+    tape.replay()
+    assert out.tolist() == [2.0, 2.0, 2.0]

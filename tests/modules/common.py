@@ -1,0 +1,95 @@
+"""Builders shared by the module and graph tests: graphfp8 layers, torch.nn twins with the same
+weights, and a stack that mixes graphfp8 layers with plain torch layers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphfp8 as g8
+
+H = 32  # hidden size: a multiple of 16
+T = 48  # tokens per microbatch: a multiple of 16
+
+
+class Stack(nn.Module):
+    """LayerNormLinear -> GELU (torch) -> Linear -> LayerNorm (torch) -> LayerNormMLP."""
+
+    def __init__(self, hidden=H, dtype=torch.bfloat16, device="cpu", fp8_output=False):
+        super().__init__()
+        kw = dict(params_dtype=dtype, device=device)
+        self.qkv = g8.LayerNormLinear(hidden, 2 * hidden, fp8_output=fp8_output, **kw)
+        self.act = nn.GELU()
+        self.proj = g8.Linear(2 * hidden, hidden, **kw)
+        self.norm = nn.LayerNorm(hidden, dtype=dtype, device=device)
+        self.mlp = g8.LayerNormMLP(hidden, 2 * hidden, **kw)
+        self.fp8_output = fp8_output
+
+    def forward(self, x, is_first_microbatch=None):
+        h = self.qkv(x, is_first_microbatch=is_first_microbatch)
+        if not self.fp8_output:
+            h = self.act(h)
+        h = self.proj(h, is_first_microbatch=is_first_microbatch)
+        return self.mlp(self.norm(h), is_first_microbatch=is_first_microbatch)
+
+
+def build(kind: str, dtype=torch.bfloat16, device="cpu") -> nn.Module:
+    kw = dict(params_dtype=dtype, device=device)
+    if kind == "Linear":
+        return g8.Linear(H, 2 * H, **kw)
+    if kind == "LayerNormLinear":
+        return g8.LayerNormLinear(H, 2 * H, **kw)
+    if kind == "RMSNormLinear":
+        return g8.LayerNormLinear(H, 2 * H, normalization="RMSNorm", **kw)
+    if kind == "LayerNormMLP":
+        return g8.LayerNormMLP(H, 4 * H, **kw)
+    if kind == "Stack":
+        return Stack(dtype=dtype, device=device)
+    if kind == "Chain":
+        return Stack(dtype=dtype, device=device, fp8_output=True)
+    raise ValueError(kind)
+
+
+def torch_twin(m: nn.Module):
+    """The same math with torch.nn functional ops, on m's own parameters (high precision)."""
+    if isinstance(m, g8.Linear):
+        return lambda x: F.linear(x, m.weight, m.bias)
+    if isinstance(m, g8.LayerNormLinear):
+
+        def f(x):
+            if m.normalization == "LayerNorm":
+                y = F.layer_norm(x, (x.shape[-1],), m.layer_norm_weight, m.layer_norm_bias, m.eps)
+            else:
+                y = F.rms_norm(x, (x.shape[-1],), m.layer_norm_weight, m.eps)
+            return F.linear(y, m.weight, m.bias)
+
+        return f
+    if isinstance(m, g8.LayerNormMLP):
+
+        def f(x):
+            y = F.layer_norm(x, (x.shape[-1],), m.layer_norm_weight, m.layer_norm_bias, m.eps)
+            y = F.gelu(F.linear(y, m.fc1_weight, m.fc1_bias), approximate="tanh")
+            return F.linear(y, m.fc2_weight, m.fc2_bias)
+
+        return f
+    raise ValueError(type(m))
+
+
+def in_features(m: nn.Module) -> int:
+    return m.hidden_size if isinstance(m, g8.LayerNormMLP) else getattr(m, "in_features", H)
+
+
+def fp8_state(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every FP8 history and scale of m's graphfp8 layers, named."""
+    out = []
+    for name, mod in m.named_modules():
+        meta = getattr(mod, "fp8_meta", None)
+        if meta is not None:
+            out += [
+                (f"{name}.fwd_history", meta.fwd.history()),
+                (f"{name}.fwd_scale", meta.fwd.scales()),
+                (f"{name}.bwd_history", meta.bwd.history()),
+                (f"{name}.bwd_scale", meta.bwd.scales()),
+            ]
+    return out
