@@ -82,8 +82,7 @@ __device__ __forceinline__ void load_tile(const TileArgs<InT, kCast, kE4M3>& a, 
 }
 
 template <typename InT, bool kCast, bool kE4M3>
-__global__ void __launch_bounds__(kThreads)
-    tile_kernel_vec(TileArgs<InT, kCast, kE4M3> a) {
+__device__ __forceinline__ void tile_vec(const TileArgs<InT, kCast, kE4M3>& a) {
   if (a.noop != nullptr && *a.noop == 1.0f) return;
   __shared__ __align__(16) uint8_t tile[kVecRows][kVecCols];
   constexpr int N = cuda::Vec<InT>::N;  // elements per 16-byte load
@@ -160,8 +159,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename InT, bool kCast, bool kE4M3>
-__global__ void __launch_bounds__(kThreads)
-    tile_kernel_scalar(TileArgs<InT, kCast, kE4M3> a) {
+__device__ __forceinline__ void tile_scalar(const TileArgs<InT, kCast, kE4M3>& a) {
   if (a.noop != nullptr && *a.noop == 1.0f) return;
   __shared__ uint8_t tile[kTile][kTile + 1];  // +1: column reads hit distinct banks
   const float scale = kCast ? *a.scale : 1.0f;
@@ -199,6 +197,44 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Named entry points (the names show in profiles and graph dumps).
+template <typename InT, bool kE4M3>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_vec_kernel(TileArgs<InT, true, kE4M3> a) {
+  tile_vec(a);
+}
+
+template <typename InT, bool kE4M3>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_scalar_kernel(TileArgs<InT, true, kE4M3> a) {
+  tile_scalar(a);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    fp8_transpose_vec_kernel(TileArgs<uint8_t, false, true> a) {
+  tile_vec(a);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    fp8_transpose_scalar_kernel(TileArgs<uint8_t, false, true> a) {
+  tile_scalar(a);
+}
+
+template <typename InT, bool kCast, bool kE4M3>
+struct Kernels;
+
+template <typename InT, bool kE4M3>
+struct Kernels<InT, true, kE4M3> {
+  static constexpr auto vec = cast_transpose_vec_kernel<InT, kE4M3>;
+  static constexpr auto scalar = cast_transpose_scalar_kernel<InT, kE4M3>;
+};
+
+template <>
+struct Kernels<uint8_t, false, true> {
+  static constexpr auto vec = fp8_transpose_vec_kernel;
+  static constexpr auto scalar = fp8_transpose_scalar_kernel;
+};
+
 template <typename InT, bool kCast, bool kE4M3>
 void launch_tiles(const TileArgs<InT, kCast, kE4M3>& a, cudaStream_t stream) {
   const bool vec = a.rows % 16 == 0 && a.cols % 16 == 0 && cuda::aligned16(a.x) &&
@@ -209,16 +245,16 @@ void launch_tiles(const TileArgs<InT, kCast, kE4M3>& a, cudaStream_t stream) {
       ((a.rows + tile_rows - 1) / tile_rows) * ((a.cols + tile_cols - 1) / tile_cols);
   int per_sm = kBlocksPerSm;
   if (vec) {
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tile_kernel_vec<InT, kCast, kE4M3>,
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernels<InT, kCast, kE4M3>::vec,
                                                   kThreads, 0);
     if (per_sm < 1) per_sm = 1;
   }
   const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * per_sm;
   const int grid = static_cast<int>(num_tiles < cap ? num_tiles : cap);
   if (vec) {
-    tile_kernel_vec<InT, kCast, kE4M3><<<grid, kThreads, 0, stream>>>(a);
+    Kernels<InT, kCast, kE4M3>::vec<<<grid, kThreads, 0, stream>>>(a);
   } else {
-    tile_kernel_scalar<InT, kCast, kE4M3><<<grid, kThreads, 0, stream>>>(a);
+    Kernels<InT, kCast, kE4M3>::scalar<<<grid, kThreads, 0, stream>>>(a);
   }
   cuda::check_launch(kCast ? "cast_transpose" : "fp8_transpose");
 }

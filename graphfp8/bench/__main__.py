@@ -9,7 +9,11 @@ import torch
 
 from graphfp8.bench.common import write_json
 
-SUITES = {"kernels": "graphfp8.bench.kernels"}
+SUITES = {
+    "kernels": "graphfp8.bench.kernels",
+    "eager": "graphfp8.bench.eager",
+    "block": "graphfp8.bench.block",
+}
 
 
 def main(argv=None) -> None:

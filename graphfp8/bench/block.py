@@ -1,0 +1,143 @@
+"""Block benchmark: the BENCH.md MLP block, forward + backward per microbatch, every peer in one
+process - device time (CUDA events over back-to-back microbatches), wall time when synchronising
+after each microbatch, host enqueue time, kernels per microbatch, and the FP8 GEMM floor."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+
+import torch
+
+from graphfp8.bench.common import environment, print_table, time_device, time_host
+from graphfp8.bench.peers import G8Stack, make_peers
+from graphfp8.bench.profile_util import kernel_stats
+
+SHAPES = [(1024, 2048), (2048, 4096), (4096, 8192), (8192, 8192)]
+
+
+def fp8_gemm_tflops(n: int = 8192) -> float:
+    """torch._scaled_mm rate at n^3 with bf16 output, measured now."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    ms = time_device(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                              out_dtype=torch.bfloat16), "cuda", iters=10)  # fmt: skip
+    return 2 * n**3 / ms / 1e9
+
+
+def _sync_wall_ms(fn, iters: int) -> float:
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _measure(step, iters: int) -> dict:
+    counter = itertools.count()
+    fn = lambda: step(next(counter))  # noqa: E731
+    row = {
+        "device_ms": time_device(fn, "cuda", warmup=5, iters=iters, repeats=3),
+        "host_ms": time_host(fn, "cuda", warmup=2, iters=iters, repeats=3),
+        "sync_ms": _sync_wall_ms(fn, iters),
+    }
+    stats = kernel_stats(fn, iters=4)
+    row["kernels"] = sum(c for c, _ in stats.values())
+    row["kernel_ms"] = sum(us for _, us in stats.values()) / 1e3
+    row["busy"] = min(1.0, row["kernel_ms"] / row["device_ms"])
+    return row
+
+
+def bench_shape(hidden: int, tokens: int, tflops: float, compile_peers: bool) -> dict:
+    iters = 20 if hidden <= 2048 else 8
+    peers = make_peers(hidden, tokens, compile_peers)
+    rows = {name: _measure(step, iters) for name, step in peers.items()}
+    floor_ms = 48 * tokens * hidden**2 / (tflops * 1e9)
+    return {"hidden": hidden, "tokens": tokens, "floor_ms": floor_ms, "peers": rows}
+
+
+def bench_layers(hidden=1024, tokens=2048, counts=(1, 8)) -> list[dict]:
+    """Host time per graphed microbatch of a stack of `n` graphfp8 blocks: flat in n."""
+    import graphfp8 as g8
+    from graphfp8.bench.peers import MICROBATCHES_PER_STEP, RECIPE
+
+    out = []
+    for n in counts:
+        model = G8Stack(hidden, n)
+        x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        dy = torch.randn_like(x)
+        graphed = g8.make_graphed_callables(model, (x,), fp8_enabled=True, fp8_recipe=RECIPE,
+                                            fp8_weight_caching=True)  # fmt: skip
+
+        def step(i, graphed=graphed, x=x, dy=dy):
+            graphed(x, is_first_microbatch=i % MICROBATCHES_PER_STEP == 0).backward(dy)
+
+        out.append({"layers": n, **_measure(step, 20)})
+    return out
+
+
+def run(device, quick: bool = False, compile_peers: bool = True) -> dict:
+    if torch.device(device).type != "cuda":
+        raise SystemExit("the block benchmark needs a CUDA GPU")
+    tflops = fp8_gemm_tflops()
+    shapes = SHAPES[:1] if quick else SHAPES
+    results = [bench_shape(h, t, tflops, compile_peers) for h, t in shapes]
+    layers = bench_layers()
+    text = _tables(results, layers, tflops)
+    return {"env": environment(device), "fp8_gemm_tflops": tflops, "shapes": results,
+            "layers": layers, "table": text}  # fmt: skip
+
+
+def _tables(results, layers, tflops) -> str:
+    names = list(results[0]["peers"])
+    text = print_table(
+        f"MLP block fwd+bwd, ms per microbatch (CUDA events, back to back); FP8 GEMM "
+        f"{tflops:.0f} TFLOP/s measured",
+        ["h, T", *names, "FP8 GEMM floor"],
+        [[f"{r['hidden']}, {r['tokens']}", *[r["peers"][n]["device_ms"] for n in names],
+          r["floor_ms"]] for r in results],
+    )  # fmt: skip
+    text += print_table(
+        "ms per microbatch, synchronising after each (BENCH.md's peer method)",
+        ["h, T", *names],
+        [[f"{r['hidden']}, {r['tokens']}", *[r["peers"][n]["sync_ms"] for n in names]]
+         for r in results],
+    )  # fmt: skip
+    text += print_table(
+        "host enqueue ms per microbatch",
+        ["h, T", *names],
+        [[f"{r['hidden']}, {r['tokens']}", *[r["peers"][n]["host_ms"] for n in names]]
+         for r in results],
+    )  # fmt: skip
+    text += print_table(
+        "kernels per microbatch / GPU busy fraction",
+        ["h, T", *names],
+        [[f"{r['hidden']}, {r['tokens']}",
+          *[f"{r['peers'][n]['kernels']:.0f} / {r['peers'][n]['busy']:.2f}" for n in names]]
+         for r in results],
+    )  # fmt: skip
+    g8g = "graphfp8 fp8 graphed"
+    ratio_rows = []
+    for r in results:
+        p = r["peers"]
+        row = [f"{r['hidden']}, {r['tokens']}"]
+        for peer in ("bf16 eager", "bf16 graphed", "torchao fp8 compile"):
+            row.append(p[g8g]["device_ms"] / p[peer]["device_ms"] if peer in p else "-")
+        row.append(p[g8g]["device_ms"] / r["floor_ms"])
+        ratio_rows.append(row)
+    text += print_table(
+        "graphfp8 fp8 graphed time relative to each peer (< 1 is faster)",
+        ["h, T", "/ bf16 eager", "/ bf16 graphed", "/ torchao fp8 compile", "/ FP8 floor"],
+        ratio_rows,
+    )
+    text += print_table(
+        "graphed graphfp8 stack, h=1024 T=2048: host enqueue per microbatch vs layers",
+        ["layers", "host ms", "device ms", "kernels"],
+        [[r["layers"], r["host_ms"], r["device_ms"], r["kernels"]] for r in layers],
+    )
+    return text

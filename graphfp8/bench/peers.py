@@ -1,0 +1,127 @@
+"""The models that the benchmarks race: the BENCH.md MLP block as bf16 torch, torchao float8 and
+graphfp8, each as a `step(i)` callable that runs forward + backward of microbatch i."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphfp8 as g8
+
+__all__ = ["TorchMLP", "G8Stack", "torchao_available", "make_peers"]
+
+MICROBATCHES_PER_STEP = 4
+RECIPE = g8.DelayedScaling()
+
+
+class TorchMLP(nn.Module):
+    """LayerNorm(h) -> Linear(h, 4h) -> GELU(tanh) -> Linear(4h, h), plain torch."""
+
+    def __init__(self, hidden: int, dtype=torch.bfloat16, device="cuda"):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, dtype=dtype, device=device)
+        self.fc1 = nn.Linear(hidden, 4 * hidden, dtype=dtype, device=device)
+        self.fc2 = nn.Linear(4 * hidden, hidden, dtype=dtype, device=device)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+class G8Stack(nn.Module):
+    """`layers` graphfp8 LayerNormMLP blocks with residuals."""
+
+    def __init__(self, hidden: int, layers: int, dtype=torch.bfloat16, device="cuda"):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            g8.LayerNormMLP(hidden, 4 * hidden, params_dtype=dtype, device=device)
+            for _ in range(layers)
+        )
+
+    def forward(self, x, is_first_microbatch=None):
+        for block in self.blocks:
+            x = x + block(x, is_first_microbatch=is_first_microbatch)
+        return x
+
+
+def torchao_available() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _g8_from_torch(ref: TorchMLP) -> g8.LayerNormMLP:
+    h = ref.norm.normalized_shape[0]
+    m = g8.LayerNormMLP(h, 4 * h, params_dtype=ref.fc1.weight.dtype, device=ref.fc1.weight.device)
+    with torch.no_grad():
+        m.layer_norm_weight.copy_(ref.norm.weight)
+        m.layer_norm_bias.copy_(ref.norm.bias)
+        m.fc1_weight.copy_(ref.fc1.weight)
+        m.fc1_bias.copy_(ref.fc1.bias)
+        m.fc2_weight.copy_(ref.fc2.weight)
+        m.fc2_bias.copy_(ref.fc2.bias)
+    return m
+
+
+def _eager_step(model, x, dy):
+    def step(i):
+        model(x).backward(dy)
+
+    return step
+
+
+def _torch_graphed(model, x, dy):
+    graphed = torch.cuda.make_graphed_callables(model, (x,))
+    return _eager_step(graphed, x, dy)
+
+
+def _g8_eager(model, x, dy):
+    def step(i):
+        with g8.fp8_autocast(recipe=RECIPE):
+            y = model(x, is_first_microbatch=i % MICROBATCHES_PER_STEP == 0)
+        y.backward(dy)
+
+    return step
+
+
+def _g8_graphed(model, x, dy):
+    graphed = g8.make_graphed_callables(model, (x,), fp8_enabled=True, fp8_recipe=RECIPE,
+                                        fp8_weight_caching=True)  # fmt: skip
+
+    def step(i):
+        graphed(x, is_first_microbatch=i % MICROBATCHES_PER_STEP == 0).backward(dy)
+
+    return step
+
+
+def _torchao(model):
+    from torchao.float8 import convert_to_float8_training
+
+    return convert_to_float8_training(model)
+
+
+def make_peers(hidden: int, tokens: int, compile_peers: bool, layers: int = 1) -> dict:
+    """{name: step(i)} for every peer on the same weights and inputs (CUDA)."""
+    torch.manual_seed(0)
+    ref = TorchMLP(hidden)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dy = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    peers = {
+        "bf16 eager": _eager_step(copy.deepcopy(ref), x, dy),
+        "bf16 graphed": _torch_graphed(copy.deepcopy(ref), x, dy),
+        "graphfp8 fp8 eager": _g8_eager(_g8_from_torch(ref), x, dy),
+        "graphfp8 fp8 graphed": _g8_graphed(_g8_from_torch(ref), x, dy),
+    }
+    if compile_peers:
+        peers["bf16 compile"] = _eager_step(torch.compile(copy.deepcopy(ref)), x, dy)
+    if torchao_available():
+        peers["torchao fp8 eager"] = _eager_step(_torchao(copy.deepcopy(ref)), x, dy)
+        if compile_peers:
+            peers["torchao fp8 compile"] = _eager_step(
+                torch.compile(_torchao(copy.deepcopy(ref))), x, dy
+            )
+    return peers
