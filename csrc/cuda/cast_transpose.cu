@@ -13,6 +13,7 @@
 // quarter = tid % 4) gathers 32 bytes of tile column j and writes them with two 16-byte stores into
 // row j of `out_t`: each warp writes eight whole 128-byte lines. Other shapes take a scalar
 // 64x64-tile twin.
+#include <cstdlib>
 #include <type_traits>
 
 #include "../common.h"
@@ -243,8 +244,16 @@ void launch_tiles(const TileArgs<InT, kCast, kE4M3>& a, cudaStream_t stream) {
   const int tile_cols = vec ? kVecCols : kTile;
   const int64_t num_tiles =
       ((a.rows + tile_rows - 1) / tile_rows) * ((a.cols + tile_cols - 1) / tile_cols);
+  // GRAPHFP8_TILE_BLOCKS_PER_SM (benchmarking knob): blocks per SM of the persistent grid; a
+  // large value gives one tile per block.
+  static const int override_per_sm = [] {
+    const char* v = std::getenv("GRAPHFP8_TILE_BLOCKS_PER_SM");
+    return v != nullptr ? std::atoi(v) : 0;
+  }();
   int per_sm = kBlocksPerSm;
-  if (vec) {
+  if (override_per_sm > 0) {
+    per_sm = override_per_sm;
+  } else if (vec) {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernels<InT, kCast, kE4M3>::vec,
                                                   kThreads, 0);
     if (per_sm < 1) per_sm = 1;

@@ -14,7 +14,19 @@ import torch
 
 from graphfp8.graphs.tape import RecordingMode, ReplayTape
 
-__all__ = ["CudaGraph", "TapeGraph", "new_graph"]
+__all__ = ["CudaGraph", "TapeGraph", "capture_stream", "new_graph"]
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream that warms up and captures on `device`. Warmup and capture must share it:
+    an AccumulateGrad node made during warmup that is still alive at capture would otherwise
+    sit on another stream, and the backward capture would sync with a stream that is not
+    capturing (cudaErrorStreamCaptureInvalidated)."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
 
 _KERNEL_NODE = re.compile(r"\{KERNEL\s*\|\s*\{ID \|[^|]*\|\s*([^\\}|]+)")
 
@@ -44,7 +56,8 @@ class CudaGraph:
     """GPU backend: a torch.cuda.CUDAGraph kept (keep_graph=True) in debug mode, so that its kernel
     nodes can be listed; the recording mode checks every op during capture."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.graph = torch.cuda.CUDAGraph(keep_graph=True)
         self.graph.enable_debug_mode()
         self.op_names: list[str] = []
@@ -52,7 +65,9 @@ class CudaGraph:
     @contextlib.contextmanager
     def capture(self, pool=None):
         mode = RecordingMode(None)
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.device(self.device), torch.cuda.graph(
+            self.graph, pool=pool, stream=capture_stream(self.device)
+        ):
             with mode:
                 yield
         self.op_names = mode.names
@@ -80,4 +95,4 @@ class CudaGraph:
 
 
 def new_graph(device: torch.device):
-    return CudaGraph() if device.type == "cuda" else TapeGraph()
+    return CudaGraph(device) if device.type == "cuda" else TapeGraph()

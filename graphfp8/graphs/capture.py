@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from graphfp8 import scaling
 from graphfp8.autocast import CaptureState, capture_state
-from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.backends import capture_stream, new_graph
 from graphfp8.graphs.static_io import GraphedFunction, GraphedRunner, WeightFlag
 from graphfp8.modules.base import FP8Module
 from graphfp8.recipe import DelayedScaling
@@ -205,7 +205,7 @@ def _side_stream(device):
         yield
         return
     torch.cuda.synchronize(device)
-    stream = torch.cuda.Stream(device)
+    stream = capture_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         yield
