@@ -28,6 +28,7 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
         _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
     return _CAPTURE_STREAMS[device]
 
+
 _KERNEL_NODE = re.compile(r"\{KERNEL\s*\|\s*\{ID \|[^|]*\|\s*([^\\}|]+)")
 
 
@@ -65,8 +66,9 @@ class CudaGraph:
     @contextlib.contextmanager
     def capture(self, pool=None):
         mode = RecordingMode(None)
-        with torch.cuda.device(self.device), torch.cuda.graph(
-            self.graph, pool=pool, stream=capture_stream(self.device)
+        with (
+            torch.cuda.device(self.device),
+            torch.cuda.graph(self.graph, pool=pool, stream=capture_stream(self.device)),
         ):
             with mode:
                 yield

@@ -25,7 +25,13 @@ from torch.utils._pytree import tree_flatten
 from graphfp8 import scaling
 from graphfp8.autocast import CaptureState, capture_state
 from graphfp8.graphs.backends import capture_stream, new_graph
-from graphfp8.graphs.static_io import GraphedFunction, GraphedRunner, WeightFlag
+from graphfp8.graphs.static_io import (
+    GradAccumulator,
+    GraphedFunction,
+    GraphedRunner,
+    WeightFlag,
+    hook_dicts,
+)
 from graphfp8.modules.base import FP8Module
 from graphfp8.recipe import DelayedScaling
 
@@ -128,10 +134,8 @@ def _prepare(callables, sample_args, sample_kwargs, fp8_enabled, caching):
         modules, params = [], ()
         if isinstance(func, nn.Module):
             modules = list(func.modules())
-            for m in modules:
-                if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks \
-                        or m._backward_pre_hooks:  # fmt: skip
-                    raise RuntimeError(f"{name}: modules must have no hooks when captured")
+            if any(hook_dicts(modules)):
+                raise RuntimeError(f"{name}: modules must have no hooks when captured")
             params = tuple(func.parameters())
             devices.update(p.device for p in params)
         runners.append(GraphedRunner(name, flat, list(kwargs), params, modules, None))
@@ -263,8 +267,34 @@ def _capture_backwards(runners, arenas, state, pool, allow_unused, device) -> No
                 scaling.update_(bwd_arenas, state["group"])
         runner.bwd_graph = graph
         it = iter(grads)
-        surface = runner.static_inputs + list(runner.params)
-        runner.static_grad_inputs = [next(it) if t.requires_grad else None for t in surface]
+        per_input = [next(it) if t.requires_grad else None for t in runner.static_inputs]
+        per_param = [next(it) if p.requires_grad else None for p in runner.params]
+        runner.static_grad_inputs = per_input
+        runner.accumulator = _grad_accumulator(runner.params, per_param, pool, device)
+
+
+def _grad_accumulator(params, grads, pool, device) -> GradAccumulator | None:
+    """Captures the two one-launch folds of the parameter gradients into their .grad buffers."""
+    pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
+    if not pairs:
+        return None
+    params, grads = [p for p, _ in pairs], [g for _, g in pairs]
+    buffers = [_grad_buffer(p) for p in params]
+    add_graph, copy_graph = new_graph(device), new_graph(device)
+    with add_graph.capture(pool):
+        torch._foreach_add_(buffers, grads)
+    with copy_graph.capture(pool):
+        torch._foreach_copy_(buffers, grads)
+    return GradAccumulator(params, grads, buffers, add_graph, copy_graph)
+
+
+def _grad_buffer(param: torch.Tensor) -> torch.Tensor:
+    """One persistent .grad buffer per parameter, shared by every callable that uses it."""
+    buf = getattr(param, "_graphfp8_grad", None)
+    if buf is None:
+        buf = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        param._graphfp8_grad = buf
+    return buf
 
 
 # Phase 4: wrap ------------------------------------------------------------------------------
@@ -274,7 +304,7 @@ def _wrap(func, runner: GraphedRunner):
     def graphed(*args, is_first_microbatch=None, **kwargs):
         flat = runner.check_call(args, kwargs, is_first_microbatch,
                                  full_hook_check=is_first_microbatch is not False)  # fmt: skip
-        outs = GraphedFunction.apply(runner, *flat, *runner.params)
+        outs = GraphedFunction.apply(runner, runner.grad_anchor, *flat)
         return runner.outputs(outs)
 
     def captured_ops() -> dict[str, list[str]]:

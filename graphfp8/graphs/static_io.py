@@ -3,12 +3,15 @@ is_first_microbatch device flag, and the autograd.Function that replays the two 
 
 from __future__ import annotations
 
+import operator
+
 import torch
+from torch.nn.modules import module as _nn_module
 from torch.utils._pytree import tree_unflatten
 
 from graphfp8.autocast import STATE
 
-__all__ = ["WeightFlag", "GraphedRunner", "GraphedFunction"]
+__all__ = ["WeightFlag", "GradAccumulator", "GraphedRunner", "GraphedFunction"]
 
 
 class WeightFlag:
@@ -54,6 +57,57 @@ class WeightFlag:
             self.value = value
 
 
+class GradAccumulator:
+    """Parameter gradients of one captured callable, accumulated into `.grad` without autograd.
+
+    The backward graph writes each parameter's gradient into a static buffer; then one of two
+    small captured graphs folds all of them into persistent per-parameter `.grad` buffers in one
+    multi-tensor launch: `copy` right after zero_grad(set_to_none=True), `add` otherwise - the
+    same arithmetic as eager AccumulateGrad (which steals the first gradient and adds the next
+    ones), so graphed and eager `.grad` agree bit for bit, while the host cost stays one graph
+    launch however many layers the callable holds. A `.grad` the user replaced by another tensor
+    takes a slower per-parameter path.
+
+    .. warning:: parameter hooks (post-accumulate-grad hooks, DDP's) do not run for these grads.
+    """
+
+    def __init__(self, params, grads, buffers, add_graph, copy_graph):
+        self.params, self.grads, self.buffers = params, grads, buffers
+        self.add_graph, self.copy_graph = add_graph, copy_graph
+        self._nones = [None] * len(params)
+
+    def accumulate(self) -> None:
+        current = list(map(_GRAD, self.params))
+        if all(map(operator.is_, current, self.buffers)):
+            self.add_graph.replay()
+        elif not any(map(operator.is_not, current, self._nones)):
+            self.copy_graph.replay()
+            for p, b in zip(self.params, self.buffers):
+                p.grad = b
+        else:
+            for p, g, b, s in zip(self.params, current, self.buffers, self.grads):
+                if g is None:
+                    b.copy_(s)
+                    p.grad = b
+                else:
+                    g.add_(s)
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def hook_dicts(modules) -> list:
+    """Every hook dict that would make a captured module run Python the graph cannot hold."""
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    dicts = [getattr(m, n) for m in modules for n in names]
+    return dicts + [
+        _nn_module._global_forward_hooks,
+        _nn_module._global_forward_pre_hooks,
+        _nn_module._global_backward_hooks,
+        _nn_module._global_backward_pre_hooks,
+    ]
+
+
 def _describe(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {t.dtype} on {t.device}, requires_grad={t.requires_grad}"
 
@@ -63,10 +117,10 @@ class GraphedRunner:
 
     Attributes:
         static_inputs: the flat user tensors the forward graph reads (sample args, then kwargs).
-        params: module parameters, inputs of the autograd.Function after the user tensors.
+        params: module parameters; their gradients go through `accumulator`, not autograd.
         static_outputs: flat output tensors the forward graph writes; out_spec rebuilds them.
         static_grad_outputs: one buffer per output that requires grad (None otherwise).
-        static_grad_inputs: one gradient per (static input, param); None where there is none.
+        static_grad_inputs: one gradient per static input; None where there is none.
     """
 
     def __init__(self, name, static_inputs, kwarg_names, params, modules, flag):
@@ -75,12 +129,16 @@ class GraphedRunner:
         self.kwarg_names = kwarg_names
         self.params = params
         self.modules = modules
+        self.hook_dicts = hook_dicts(modules)
         self.flag = flag
         self.fwd_graph = self.bwd_graph = None
         self.static_outputs: list[torch.Tensor] = []
         self.out_spec = None
         self.static_grad_outputs: list[torch.Tensor | None] = []
         self.static_grad_inputs: list[torch.Tensor | None] = []
+        self.accumulator: GradAccumulator | None = None
+        # Makes the outputs require grad when only parameters do (see GraphedFunction).
+        self.grad_anchor = torch.empty(0, requires_grad=any(p.requires_grad for p in params))
 
     def check_call(self, args, kwargs, is_first_microbatch, full_hook_check: bool) -> list:
         """Validates a call before anything runs; returns the flat user tensors."""
@@ -89,7 +147,7 @@ class GraphedRunner:
                 f"{self.name}: a graphed callable carries its own FP8 state and scale updates; "
                 "call it outside fp8_autocast"
             )
-        if sorted(kwargs) != sorted(self.kwarg_names):
+        if (kwargs or self.kwarg_names) and sorted(kwargs) != sorted(self.kwarg_names):
             raise TypeError(
                 f"{self.name}: captured with keyword arguments {sorted(self.kwarg_names)}, "
                 f"called with {sorted(kwargs)}"
@@ -109,14 +167,12 @@ class GraphedRunner:
                     f"{self.name}: argument {i} is {_describe(a)}, but the graph was captured "
                     f"for {_describe(s)}; capture another graph for other inputs"
                 )
-        mods = self.modules if full_hook_check else self.modules[:1]
-        for m in mods:
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks \
-                    or m._backward_pre_hooks:  # fmt: skip
-                raise RuntimeError(
-                    f"{self.name}: {type(m).__name__} has hooks registered after capture; "
-                    "a captured graph would not run them"
-                )
+        dicts = self.hook_dicts if full_hook_check else self.hook_dicts[:4]
+        if any(dicts):
+            raise RuntimeError(
+                f"{self.name}: hooks were registered on a captured module (or globally) after "
+                "capture; a captured graph would not run them"
+            )
         self.flag.set(is_first_microbatch)
         return flat
 
@@ -131,9 +187,11 @@ class GraphedRunner:
             if static is not None and given is not None and static.data_ptr() != given.data_ptr():
                 static.copy_(given)
         self.bwd_graph.replay()
+        if self.accumulator is not None:
+            self.accumulator.accumulate()
         # Returned without detach(): the runner keeps a reference, so AccumulateGrad clones
-        # them into .grad (set_to_none=True) or adds them, instead of stealing a static buffer
-        # that the next replay overwrites.
+        # them into a leaf input's .grad instead of stealing a static buffer that the next
+        # replay overwrites.
         return tuple(self.static_grad_inputs)
 
     def outputs(self, flat):
@@ -141,12 +199,16 @@ class GraphedRunner:
 
 
 class GraphedFunction(torch.autograd.Function):
-    """Replays the forward graph in forward and the backward graph in backward."""
+    """Replays the forward graph in forward and the backward graph in backward.
+
+    Inputs: the runner, the grad anchor (an empty tensor that requires grad when the
+    parameters do, so the outputs require grad even if no user input does), the user tensors.
+    """
 
     @staticmethod
-    def forward(ctx, runner: GraphedRunner, *inputs):
+    def forward(ctx, runner: GraphedRunner, anchor, *inputs):
         ctx.runner = runner
-        runner.replay_forward(inputs[: len(runner.static_inputs)])
+        runner.replay_forward(inputs)
         outs = tuple(o.detach() for o in runner.static_outputs)
         ctx.mark_non_differentiable(
             *[o for o, g in zip(outs, runner.static_grad_outputs) if g is None]
@@ -155,4 +217,4 @@ class GraphedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *ctx.runner.replay_backward(grads))
+        return (None, None, *ctx.runner.replay_backward(grads))

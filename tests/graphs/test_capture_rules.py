@@ -50,7 +50,7 @@ def test_errors_before_anything_runs(device):
         g(x, x, is_first_microbatch=True)
     g(x, is_first_microbatch=True)
     handle = m.register_forward_hook(lambda *a: None)
-    with pytest.raises(RuntimeError, match="hooks registered after capture"):
+    with pytest.raises(RuntimeError, match="hooks were registered on a captured module"):
         g(x, is_first_microbatch=True)
     handle.remove()
     g(x, is_first_microbatch=False)
