@@ -4,7 +4,7 @@ runs in its own process (a failed capture poisons the CUDA state of the process)
 import subprocess
 import sys
 
-CASE = r'''
+CASE = r"""
 import gc, sys, torch, graphfp8 as g8
 from graphfp8.graphs import backends
 req, bias, mode, nogc = (sys.argv[1] == "1", sys.argv[2] == "1", sys.argv[3], sys.argv[4] == "1")
@@ -25,12 +25,18 @@ try:
     print("OK")
 except Exception as e:
     print("FAIL", type(e).__name__, str(e).splitlines()[0][:150])
-'''
+"""
 
 for req in ("1", "0"):
     for bias in ("1", "0"):
-        for mode, nogc in (("global", "0"), ("global", "1"), ("thread_local", "0"), ("relaxed", "0")):
-            out = subprocess.run([sys.executable, "-c", CASE, req, bias, mode, nogc],
-                                 capture_output=True, text=True)
+        for mode, nogc in (
+            ("global", "0"),
+            ("global", "1"),
+            ("thread_local", "0"),
+            ("relaxed", "0"),
+        ):
+            out = subprocess.run(
+                [sys.executable, "-c", CASE, req, bias, mode, nogc], capture_output=True, text=True
+            )
             last = (out.stdout.strip().splitlines() or [out.stderr.strip().splitlines()[-1]])[-1]
             print(f"requires_grad={req} bias={bias} mode={mode} gc_off={nogc}: {last}", flush=True)

@@ -17,6 +17,7 @@ What runs where on every microbatch (one forward replay and one backward replay 
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 from torch import nn
@@ -110,7 +111,10 @@ def make_graphed_callables(
         arena.frozen = True
     if pool is None and device.type == "cuda":
         pool = torch.cuda.graph_pool_handle()
-    with _fp8_and_rng_preserved(recipe, device):  # the CPU tape runs what it records
+    # The CPU tape runs what it records, hence the snapshot. No garbage collection while
+    # capturing: a collected graph of an earlier capture frees its memory pool, which a CUDA
+    # capture in progress does not allow (seen on the H200 as cudaErrorStreamCaptureInvalidated).
+    with _fp8_and_rng_preserved(recipe, device), _gc_paused():
         _capture_forwards(callables, runners, arenas, state, pool, device)
         _capture_backwards(runners, arenas, state, pool, allow_unused_input, device)
     graphed = tuple(_wrap(c, r) for c, r in zip(callables, runners))
@@ -183,6 +187,18 @@ def _fp8_and_rng_preserved(recipe, device):
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _call(func, runner: GraphedRunner):
