@@ -42,6 +42,7 @@ for layers in (1, 8):
     dy = torch.randn_like(xin)
     gr = g8.make_graphed_callables(m, (xin,), fp8_enabled=True, fp8_weight_caching=True)
     r = m.graphed_runner
+    gr(xin, is_first_microbatch=True).backward(dy)
     print(
         f"{layers} layers: fwd replay host {host_us(r.fwd_graph.replay, 50):.1f} us, "
         f"bwd replay {host_us(r.bwd_graph.replay, 50):.1f} us, "
