@@ -105,25 +105,17 @@ def _tables(results, layers, tflops) -> str:
         [[f"{r['hidden']}, {r['tokens']}", *[r["peers"][n]["device_ms"] for n in names],
           r["floor_ms"]] for r in results],
     )  # fmt: skip
-    text += print_table(
-        "ms per microbatch, synchronising after each (BENCH.md's peer method)",
-        ["h, T", *names],
-        [[f"{r['hidden']}, {r['tokens']}", *[r["peers"][n]["sync_ms"] for n in names]]
-         for r in results],
-    )  # fmt: skip
-    text += print_table(
-        "host enqueue ms per microbatch",
-        ["h, T", *names],
-        [[f"{r['hidden']}, {r['tokens']}", *[r["peers"][n]["host_ms"] for n in names]]
-         for r in results],
-    )  # fmt: skip
-    text += print_table(
-        "kernels per microbatch / GPU busy fraction",
-        ["h, T", *names],
-        [[f"{r['hidden']}, {r['tokens']}",
-          *[f"{r['peers'][n]['kernels']:.0f} / {r['peers'][n]['busy']:.2f}" for n in names]]
-         for r in results],
-    )  # fmt: skip
+    per_peer = [
+        ("ms per microbatch, synchronising after each (BENCH.md's peer method)",
+         lambda p: p["sync_ms"]),
+        ("host enqueue ms per microbatch", lambda p: p["host_ms"]),
+        ("kernels per microbatch / GPU busy fraction",
+         lambda p: f"{p['kernels']:.0f} / {p['busy']:.2f}"),
+    ]  # fmt: skip
+    for title, cell in per_peer:
+        rows = [[f"{r['hidden']}, {r['tokens']}", *[cell(r["peers"][n]) for n in names]]
+                for r in results]  # fmt: skip
+        text += print_table(title, ["h, T", *names], rows)
     g8g = "graphfp8 fp8 graphed"
     ratio_rows = []
     for r in results:
