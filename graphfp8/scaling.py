@@ -108,6 +108,11 @@ class Arena:
     def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         return self.num_slots, self.amax_history.clone(), self.scale.clone()
 
+    def reset_(self) -> None:
+        """Every slot back to its initial state (history 0, scale 1)."""
+        self.amax_history.zero_()
+        self.scale.fill_(1.0)
+
     def restore_(self, snap: tuple[int, torch.Tensor, torch.Tensor]) -> None:
         """Puts back a snapshot; slots added since then return to their initial state."""
         count, history, scale = snap

@@ -84,7 +84,12 @@ def make_graphed_callables(
         With fp8_weight_caching, pass is_first_microbatch=True on the first microbatch after
         every optimizer step: the graph recasts the weights only then.
     .. warning::
-        Hooks are not captured: modules must have none, at capture or later.
+        Hooks are not captured: modules must have none, at capture or later. Parameter
+        gradients are folded into `.grad` inside captured graphs, so parameter hooks (DDP's
+        included) do not run for them.
+    .. warning::
+        A module called in another training mode than it was captured in runs its eager
+        forward (torch's rule), outside any graph.
     """
     just_one = not isinstance(callables, tuple)
     if just_one:
@@ -182,8 +187,8 @@ def _fp8_and_rng_preserved(recipe, device):
         for arena, snap in snaps:
             arena.restore_(snap)
         for arena in scaling.live_arenas(recipe) if recipe is not None else []:
-            if id(arena) not in seen:
-                arena.restore_((0, arena.amax_history[:, :0], arena.scale[:0]))
+            if id(arena) not in seen:  # created during the phase: back to fresh slots
+                arena.reset_()
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
