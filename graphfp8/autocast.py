@@ -19,7 +19,13 @@ import torch
 from graphfp8 import scaling
 from graphfp8.recipe import DelayedScaling
 
-__all__ = ["fp8_autocast", "STATE", "CaptureState", "queue_backward_update", "is_fp8_enabled"]
+__all__ = [
+    "fp8_autocast",
+    "STATE",
+    "CaptureState",
+    "check_is_first_microbatch",
+    "queue_backward_update",
+]
 
 
 @dataclass
@@ -49,8 +55,12 @@ class _State:
 STATE = _State()
 
 
-def is_fp8_enabled() -> bool:
-    return STATE.enabled
+def check_is_first_microbatch(is_first_microbatch) -> None:
+    """Eager modules and graphed callables take None, True or False, nothing else."""
+    if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+        raise TypeError(
+            f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}"
+        )
 
 
 @contextlib.contextmanager

@@ -184,15 +184,9 @@ def allocate(recipe: DelayedScaling, device, direction: str, count: int) -> Slot
     return SlotBlock(arena, arena.grow(count), count)
 
 
-def live_arenas(recipe: DelayedScaling | None = None, direction: str | None = None) -> list[Arena]:
-    """Live arenas, optionally of one recipe and direction, in creation order."""
-    found = [
-        a
-        for a in list(_ARENAS)
-        if (recipe is None or a.recipe == recipe)
-        and (direction is None or a.direction == direction)
-    ]
-    return sorted(found, key=lambda a: a.serial)
+def live_arenas(recipe: DelayedScaling) -> list[Arena]:
+    """Live arenas of one recipe, both directions, in creation order."""
+    return sorted((a for a in list(_ARENAS) if a.recipe == recipe), key=lambda a: a.serial)
 
 
 def update_(arenas, group=None) -> None:

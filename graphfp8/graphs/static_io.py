@@ -9,7 +9,7 @@ import torch
 from torch.nn.modules import module as _nn_module
 from torch.utils._pytree import tree_unflatten
 
-from graphfp8.autocast import STATE
+from graphfp8.autocast import STATE, check_is_first_microbatch
 
 __all__ = ["WeightFlag", "GradAccumulator", "GraphedRunner", "GraphedFunction"]
 
@@ -31,10 +31,7 @@ class WeightFlag:
         self.seen_first = False
 
     def set(self, is_first_microbatch) -> None:
-        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
-            raise TypeError(
-                f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}"
-            )
+        check_is_first_microbatch(is_first_microbatch)
         if self.tensor is None:
             if self.fp8_enabled and is_first_microbatch is not None:
                 raise ValueError(

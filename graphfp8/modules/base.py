@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from graphfp8 import scaling
-from graphfp8.autocast import STATE
+from graphfp8.autocast import STATE, check_is_first_microbatch
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
 from graphfp8.recipe import DelayedScaling, Format
@@ -121,10 +121,7 @@ class FP8Module(nn.Module):
         fp8_output: bool = False,
     ) -> list[GemmConfig]:
         """One GemmConfig per (workspace key, weight) for this FP8 forward."""
-        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
-            raise TypeError(
-                f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}"
-            )
+        check_is_first_microbatch(is_first_microbatch)
         meta = self.fp8_init(STATE.recipe, weights[0][1].device)
         fp8_dtype = meta.fwd.arena.fp8_dtype
         workspaces = [self._weight_workspace(key, w, fp8_dtype) for key, w in weights]
