@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from graphfp8.autocast import STATE
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules._norm import apply_norm, make_norm_params
 from graphfp8.modules.base import FP8Module
-from graphfp8.modules.linear import init_linear_
+from graphfp8.modules.linear import linear_params
 from graphfp8.tensor import Float8Tensor
 
 __all__ = ["LayerNormLinear"]
@@ -37,13 +36,7 @@ class LayerNormLinear(FP8Module):
         self.in_features, self.out_features = in_features, out_features
         self.eps, self.normalization, self.fp8_output = eps, normalization, fp8_output
         make_norm_params(self, in_features, normalization, dtype, device)
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device)
-        )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-        )
-        init_linear_(self.weight, self.bias)
+        self.weight, self.bias = linear_params(in_features, out_features, bias, dtype, device)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         """inp: (..., in_features) in params_dtype. Returns (..., out_features), a Float8Tensor

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from graphfp8.autocast import STATE
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules._norm import apply_norm, make_norm_params
 from graphfp8.modules.base import FP8Module
-from graphfp8.modules.linear import init_linear_
+from graphfp8.modules.linear import linear_params
 from graphfp8.tensor import Float8Tensor
 
 __all__ = ["LayerNormMLP"]
@@ -48,13 +47,10 @@ class LayerNormMLP(FP8Module):
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.eps, self.normalization, self.activation = eps, normalization, activation
         make_norm_params(self, hidden_size, normalization, dtype, device)
-        kw = dict(dtype=dtype, device=device)
-        self.fc1_weight = nn.Parameter(torch.empty(ffn_hidden_size, hidden_size, **kw))
-        self.fc1_bias = nn.Parameter(torch.empty(ffn_hidden_size, **kw)) if bias else None
-        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **kw))
-        self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
-        init_linear_(self.fc1_weight, self.fc1_bias)
-        init_linear_(self.fc2_weight, self.fc2_bias)
+        self.fc1_weight, self.fc1_bias = linear_params(hidden_size, ffn_hidden_size, bias, dtype,
+                                                       device)  # fmt: skip
+        self.fc2_weight, self.fc2_bias = linear_params(ffn_hidden_size, hidden_size, bias, dtype,
+                                                       device)  # fmt: skip
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """inp: (..., hidden_size) in params_dtype. Returns (..., hidden_size).

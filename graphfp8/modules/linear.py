@@ -15,12 +15,18 @@ from graphfp8.modules.base import FP8Module
 __all__ = ["Linear"]
 
 
-def init_linear_(weight: nn.Parameter, bias: nn.Parameter | None) -> None:
-    """torch.nn.Linear's default initialisation."""
+def linear_params(
+    in_features: int, out_features: int, bias: bool, dtype, device
+) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """(weight (out, in), bias (out,) or None) with torch.nn.Linear's default initialisation."""
+    weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-    if bias is not None:
-        bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0
-        nn.init.uniform_(bias, -bound, bound)
+    if not bias:
+        return weight, None
+    b = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
+    bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+    nn.init.uniform_(b, -bound, bound)
+    return weight, b
 
 
 class Linear(FP8Module):
@@ -39,13 +45,7 @@ class Linear(FP8Module):
         super().__init__()
         dtype = params_dtype or torch.get_default_dtype()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device)
-        )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-        )
-        init_linear_(self.weight, self.bias)
+        self.weight, self.bias = linear_params(in_features, out_features, bias, dtype, device)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """inp: (..., in_features) in params_dtype, or a Float8Tensor from a graphfp8 layer.
