@@ -3,7 +3,14 @@
 from graphfp8 import ops
 from graphfp8.autocast import fp8_autocast
 from graphfp8.graphs import CaptureError, make_graphed_callables
-from graphfp8.modules import FP8Module, LayerNormLinear, LayerNormMLP, Linear, convert
+from graphfp8.modules import (
+    FP8Module,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    TransformerLayer,
+    convert,
+)
 from graphfp8.recipe import DelayedScaling, Format
 from graphfp8.tensor import Float8Tensor
 
@@ -16,6 +23,7 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "TransformerLayer",
     "convert",
     "fp8_autocast",
     "make_graphed_callables",

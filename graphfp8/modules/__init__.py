@@ -5,5 +5,6 @@ from graphfp8.modules.convert import convert
 from graphfp8.modules.layernorm_linear import LayerNormLinear
 from graphfp8.modules.layernorm_mlp import LayerNormMLP
 from graphfp8.modules.linear import Linear
+from graphfp8.modules.transformer import TransformerLayer
 
-__all__ = ["FP8Module", "LayerNormLinear", "LayerNormMLP", "Linear", "convert"]
+__all__ = ["FP8Module", "LayerNormLinear", "LayerNormMLP", "Linear", "TransformerLayer", "convert"]

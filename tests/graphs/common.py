@@ -8,7 +8,7 @@ import torch
 
 import graphfp8 as g8
 from graphfp8.testing import assert_bitwise_equal
-from tests.modules.common import T, build, fp8_state, in_features
+from tests.modules.common import build, fp8_state, input_shape
 
 
 def compare_models(eager, graphed, what: str) -> None:
@@ -27,8 +27,8 @@ def train_side_by_side(kind, recipe, caching, device, steps=3, mbs=3, set_to_non
     equality after every microbatch and every optimizer step. Returns the two models."""
     eager = build(kind, device=device)
     graphed_model = copy.deepcopy(eager)
-    k = in_features(eager)
-    sample = torch.randn(T, k, dtype=torch.bfloat16, device=device, requires_grad=True)
+    shape = input_shape(eager)
+    sample = torch.randn(shape, dtype=torch.bfloat16, device=device, requires_grad=True)
     graphed = g8.make_graphed_callables(graphed_model, (sample,), fp8_enabled=True,
                                         fp8_recipe=recipe, fp8_weight_caching=caching)  # fmt: skip
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
@@ -36,7 +36,7 @@ def train_side_by_side(kind, recipe, caching, device, steps=3, mbs=3, set_to_non
     for step in range(steps):
         for mb in range(mbs):
             first = (mb == 0) if caching else None
-            x = torch.randn(T, k, dtype=torch.bfloat16, device=device) * 10.0 ** (mb - 1)
+            x = torch.randn(shape, dtype=torch.bfloat16, device=device) * 10.0 ** (mb - 1)
             xe, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
             with g8.fp8_autocast(recipe=recipe):
                 ye = eager(xe, is_first_microbatch=first)

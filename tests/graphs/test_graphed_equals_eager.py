@@ -31,6 +31,13 @@ def test_graphed_equals_eager_rmsnorm_and_fp8_chain(device, kind):
     train_side_by_side(kind, g8.DelayedScaling(amax_history_len=4), True, device)
 
 
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("fmt", [g8.Format.HYBRID, g8.Format.E4M3])
+def test_graphed_equals_eager_transformer_layer(device, caching, fmt):
+    train_side_by_side("TransformerLayer", g8.DelayedScaling(fp8_format=fmt, amax_history_len=4),
+                       caching, device)  # fmt: skip
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_grad_accumulation_with_either_zero_grad(device, set_to_none):
     train_side_by_side("LayerNormMLP", g8.DelayedScaling(amax_history_len=4), True, device,

@@ -48,6 +48,8 @@ def build(kind: str, dtype=torch.bfloat16, device="cpu") -> nn.Module:
         return Stack(dtype=dtype, device=device)
     if kind == "Chain":
         return Stack(dtype=dtype, device=device, fp8_output=True)
+    if kind == "TransformerLayer":
+        return g8.TransformerLayer(H, 2, 2 * H, max_seq_len=T, **kw)
     raise ValueError(kind)
 
 
@@ -73,11 +75,27 @@ def torch_twin(m: nn.Module):
             return F.linear(y, m.fc2_weight, m.fc2_bias)
 
         return f
+    if isinstance(m, g8.TransformerLayer):
+
+        def f(x):
+            h = x + torch_twin(m.proj)(m.attention(torch_twin(m.qkv)(x)))
+            return h + torch_twin(m.mlp)(h)
+
+        return f
     raise ValueError(type(m))
 
 
+def input_shape(m: nn.Module, tokens: int = T) -> tuple[int, ...]:
+    """A (tokens, features) input, or (2, tokens / 2, H) for a TransformerLayer."""
+    if isinstance(m, g8.TransformerLayer):
+        return (2, tokens // 2, m.hidden_size)
+    return (tokens, in_features(m))
+
+
 def in_features(m: nn.Module) -> int:
-    return m.hidden_size if isinstance(m, g8.LayerNormMLP) else getattr(m, "in_features", H)
+    if isinstance(m, (g8.LayerNormMLP, g8.TransformerLayer)):
+        return m.hidden_size
+    return getattr(m, "in_features", H)
 
 
 def fp8_state(m: nn.Module) -> list[tuple[str, torch.Tensor]]:

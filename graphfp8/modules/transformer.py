@@ -1,0 +1,118 @@
+"""graphfp8.TransformerLayer: pre-norm GPT block with FP8 GEMMs, rotary embeddings and SDPA.
+
+    x (B, S, H) -> LayerNormLinear (QKV, FP8) -> RoPE on q, k -> causal SDPA -> Linear (proj, FP8)
+      -> + x -> LayerNormMLP (FP8) -> + residual
+
+Attention itself runs in the parameter dtype (torch's flash / memory-efficient kernels). Every
+per-step quantity lives on the device and the rotary tables are precomputed buffers, so the
+layer captures into a CUDA graph (or the CPU replay tape) without host syncs. No FP8 output is
+chained here: the QKV output feeds RoPE and attention, which need high precision, and the
+attention output is cast once by the projection anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphfp8.modules.layernorm_linear import LayerNormLinear
+from graphfp8.modules.layernorm_mlp import LayerNormMLP
+from graphfp8.modules.linear import Linear
+
+__all__ = ["TransformerLayer", "rope_tables", "apply_rope"]
+
+
+def rope_tables(max_seq_len: int, head_dim: int, base: float, dtype, device):
+    """cos, sin: (max_seq_len, head_dim) in `dtype`, computed in float64 then rounded once."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the two halves of the head dim (GPT-NeoX / Llama layout).
+
+    Args:
+        x: (B, S, heads, head_dim).
+        cos, sin: (S, head_dim), x's dtype.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class TransformerLayer(nn.Module):
+    """One pre-norm transformer block whose four GEMMs run in FP8 under fp8_autocast.
+
+    Args:
+        hidden_size: H, a multiple of 16 for FP8 and of num_heads.
+        num_heads: attention heads; head_dim = H / num_heads must be even for RoPE.
+        ffn_hidden_size: F of the MLP, a multiple of 16 for FP8.
+        rope: apply rotary position embeddings to q and k.
+        max_seq_len: longest sequence the rotary tables cover.
+        rope_base: rotary frequency base.
+        eps, bias, activation, normalization: as for LayerNormMLP (shared by both norms).
+        params_dtype, device: as for Linear.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, rope: bool = True,
+                 max_seq_len: int = 2048, rope_base: float = 10000.0, eps: float = 1e-5,
+                 bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
+                 params_dtype: torch.dtype | None = None, device=None):  # fmt: skip
+        super().__init__()
+        if num_heads < 1 or hidden_size % num_heads:
+            raise ValueError(
+                f"TransformerLayer: hidden_size {hidden_size} must be a multiple of num_heads "
+                f"{num_heads}"
+            )
+        head_dim = hidden_size // num_heads
+        if rope and head_dim % 2:
+            raise ValueError(f"TransformerLayer: RoPE needs an even head_dim, got {head_dim}")
+        dtype = params_dtype or torch.get_default_dtype()
+        kw = dict(eps=eps, bias=bias, normalization=normalization, params_dtype=dtype,
+                  device=device)  # fmt: skip
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.ffn_hidden_size, self.rope, self.max_seq_len = ffn_hidden_size, rope, max_seq_len
+        self.qkv = LayerNormLinear(hidden_size, 3 * hidden_size, **kw)
+        self.proj = Linear(hidden_size, hidden_size, bias=bias, params_dtype=dtype, device=device)
+        self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation, **kw)
+        if rope:
+            cos, sin = rope_tables(max_seq_len, head_dim, rope_base, dtype, device)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def attention(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention core: qkv (B, S, 3H) -> (B, S, H), in qkv's dtype."""
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, 3, self.num_heads, self.head_dim).unbind(dim=2)
+        if self.rope:
+            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, S, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).reshape(b, s, self.hidden_size)
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """x: (B, S, H) in params_dtype, S <= max_seq_len. Returns (B, S, H).
+        is_first_microbatch: as for Linear (all four weights)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"TransformerLayer: expected input (batch, seq, {self.hidden_size}), got {shape}"
+            )
+        if self.rope and x.shape[1] > self.max_seq_len:
+            raise ValueError(
+                f"TransformerLayer: sequence length {x.shape[1]} exceeds max_seq_len "
+                f"{self.max_seq_len} of the rotary tables"
+            )
+        qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
+        h = x + self.proj(self.attention(qkv), is_first_microbatch=is_first_microbatch)
+        return h + self.mlp(h, is_first_microbatch=is_first_microbatch)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
+            f"ffn_hidden_size={self.ffn_hidden_size}, rope={self.rope}"
+        )
