@@ -6,7 +6,7 @@ export MAX_JOBS ?= $(shell nproc)
 export TORCH_CUDA_ARCH_LIST ?= 9.0
 OUT ?= build/out
 
-.PHONY: help setup install build test test-gpu gpu-check bench profile demo lint format clean
+.PHONY: help setup install build test test-gpu gpu-check bench profile train demo lint format clean
 
 help:
 	@echo "setup      install torch $(TORCH_CPU_VERSION) (CPU) if torch is missing, plus nvtx/pytest/ruff"
@@ -16,13 +16,15 @@ help:
 	@echo "test-gpu   CUDA tests only (needs a GPU)"
 	@echo "gpu-check  build + CUDA tests + benchmarks; logs and JSON under \$$OUT"
 	@echo "bench      kernel benchmark (python -m graphfp8.bench kernels)"
-	@echo "demo       the main job for now: train a small model bf16 / FP8 eager / FP8 graphed"
-	@echo "profile    not implemented yet (the profiling issue): says so and fails"
+	@echo "train      the main job: graphfp8-train with its defaults (FP8 + graphs; tiny on CPU)"
+	@echo "demo       bf16 / FP8 eager / FP8 graphed side by side on a small MLP stack"
+	@echo "profile    a few graphed training steps under nsys or torch.profiler -> profiles/"
 	@echo "lint       ruff check + format check"
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_CPU_VERSION)
-	@$(PYTHON) -c "import nvtx, pytest, ruff" 2>/dev/null || $(PIP) install -q nvtx pytest ruff
+	@$(PYTHON) -c "import nvtx, pytest, ruff, matplotlib" 2>/dev/null || \
+		$(PIP) install -q nvtx pytest ruff matplotlib
 
 install: setup
 	$(PIP) install -q --no-build-isolation --no-deps -e .
@@ -45,11 +47,11 @@ bench: install
 demo: install
 	$(PYTHON) -m graphfp8.demo
 
-profile:
-	@echo "make profile: not implemented yet - the nsys / torch.profiler runner comes with the"
-	@echo "training CLI (issue 6). For kernel counts and GPU busy fraction today, see"
-	@echo "'python -m graphfp8.bench block'."
-	@exit 1
+train: install
+	$(PYTHON) -m graphfp8.train $(TRAIN_ARGS)
+
+profile: install
+	$(PYTHON) -m graphfp8.profiling $(PROFILE_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check graphfp8 tests setup.py

@@ -34,6 +34,7 @@ from graphfp8.graphs.static_io import (
     hook_dicts,
 )
 from graphfp8.modules.base import FP8Module
+from graphfp8.profiling import nvtx_range
 from graphfp8.recipe import DelayedScaling
 
 __all__ = ["make_graphed_callables"]
@@ -109,7 +110,7 @@ def make_graphed_callables(
     if fp8_enabled:
         scaling.new_init_group()  # the captured modules never share arenas with other models
         _init_fp8_modules(callables, recipe, device)
-    with _fp8_and_rng_preserved(recipe, device):
+    with _fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
         _warmup(callables, runners, num_warmup_iters, allow_unused_input, state, device)
     arenas = sorted(capture.arenas.values(), key=lambda a: a.serial)
     for arena in arenas:
@@ -119,7 +120,7 @@ def make_graphed_callables(
     # The CPU tape runs what it records, hence the snapshot. No garbage collection while
     # capturing: a collected graph of an earlier capture frees its memory pool, which a CUDA
     # capture in progress does not allow (seen on the H200 as cudaErrorStreamCaptureInvalidated).
-    with _fp8_and_rng_preserved(recipe, device), _gc_paused():
+    with _fp8_and_rng_preserved(recipe, device), _gc_paused(), nvtx_range("capture"):
         _capture_forwards(callables, runners, arenas, state, pool, device)
         _capture_backwards(runners, arenas, state, pool, allow_unused_input, device)
     graphed = tuple(_wrap(c, r) for c, r in zip(callables, runners))

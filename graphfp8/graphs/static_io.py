@@ -10,6 +10,7 @@ from torch.nn.modules import module as _nn_module
 from torch.utils._pytree import tree_unflatten
 
 from graphfp8.autocast import STATE, check_is_first_microbatch
+from graphfp8.profiling import nvtx_range
 
 __all__ = ["WeightFlag", "GradAccumulator", "GraphedRunner", "GraphedFunction"]
 
@@ -177,15 +178,17 @@ class GraphedRunner:
         for static, given in zip(self.static_inputs, flat_inputs):
             if static.data_ptr() != given.data_ptr():
                 static.copy_(given)
-        self.fwd_graph.replay()
+        with nvtx_range("replay-forward"):
+            self.fwd_graph.replay()
 
     def replay_backward(self, grads) -> tuple:
         for static, given in zip(self.static_grad_outputs, grads):
             if static is not None and given is not None and static.data_ptr() != given.data_ptr():
                 static.copy_(given)
-        self.bwd_graph.replay()
-        if self.accumulator is not None:
-            self.accumulator.accumulate()
+        with nvtx_range("replay-backward"):
+            self.bwd_graph.replay()
+            if self.accumulator is not None:
+                self.accumulator.accumulate()
         # Returned without detach(): the runner keeps a reference, so AccumulateGrad clones
         # them into a leaf input's .grad instead of stealing a static buffer that the next
         # replay overwrites.

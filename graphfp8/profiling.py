@@ -1,0 +1,57 @@
+"""NVTX ranges around the runtime's phases, and the profile runner behind `make profile`.
+
+Ranges (domain "graphfp8"): warmup, capture, replay-forward, replay-backward (graphs/), and
+forward, backward, optimizer (the training loop). They are emitted only while profiling (the
+runner turns them on; GRAPHFP8_NVTX=1 does too), so an ordinary run pays nothing for them.
+Each range is an NVTX range (for nsys) and a torch.profiler record_function (for the fallback).
+
+    python -m graphfp8.profiling [--preset 100m] [--precision fp8] [--steps 3] [--tool auto]
+
+runs a few graphed training steps under `nsys profile -t cuda,nvtx --cuda-graph-trace=node`
+when nsys is on PATH, else under torch.profiler (Chrome trace), and writes a summary (kernels
+per microbatch, GPU busy fraction, host time per microbatch, top kernels) into profiles/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+__all__ = ["nvtx_range", "enable_ranges"]
+
+_ENABLED = os.environ.get("GRAPHFP8_NVTX", "") == "1"
+
+
+def enable_ranges(enabled: bool = True) -> None:
+    """Turns the phase ranges on or off (they are off unless profiling)."""
+    global _ENABLED
+    _ENABLED = enabled
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str):
+    """A named phase: an NVTX range and a torch.profiler range, while ranges are enabled."""
+    if not _ENABLED:
+        yield
+        return
+    import torch
+
+    try:
+        import nvtx
+    except ImportError:  # the ranges still reach torch.profiler
+        nvtx = None
+    with contextlib.ExitStack() as stack:
+        if nvtx is not None:
+            stack.enter_context(nvtx.annotate(name, domain="graphfp8"))
+        stack.enter_context(torch.profiler.record_function(f"graphfp8::{name}"))
+        yield
+
+
+def main(argv=None) -> int:
+    from graphfp8.training.profile_run import main as run
+
+    return run(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

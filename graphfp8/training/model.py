@@ -1,0 +1,110 @@
+"""A small GPT built from graphfp8.TransformerLayers, and the model-size presets.
+
+    tokens (B, S) int64 -> Embedding -> Blocks (the graphed part) -> LayerNorm -> head -> logits
+
+Only `Blocks` holds FP8 layers and is what the training loop captures: the embedding, the final
+norm, the vocabulary head and the loss stay eager (a handful of kernels per microbatch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphfp8.modules.transformer import TransformerLayer
+from graphfp8.training.data import VOCAB_SIZE
+
+__all__ = ["GPT", "Blocks", "ModelConfig", "PRESETS", "count_parameters"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Model shape and the per-microbatch batch of a preset."""
+
+    hidden: int
+    heads: int
+    ffn: int
+    layers: int
+    seq_len: int
+    batch: int  # sequences per microbatch
+    lr: float
+    vocab: int = VOCAB_SIZE
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS = {
+    # CPU default: the whole run (FP8, CPU replay tape) in well under two minutes on 2 cores.
+    "tiny": ModelConfig(hidden=64, heads=4, ffn=256, layers=2, seq_len=64, batch=8, lr=3e-3),
+    "small": ModelConfig(hidden=256, heads=4, ffn=1024, layers=4, seq_len=256, batch=8, lr=1e-3),
+    # GPU default, 101M parameters.
+    "100m": ModelConfig(
+        hidden=1024, heads=16, ffn=4096, layers=8, seq_len=1024, batch=8, lr=6e-4
+    ),  # fmt: skip
+    "300m": ModelConfig(
+        hidden=1024, heads=16, ffn=4096, layers=24, seq_len=1024, batch=8, lr=3e-4
+    ),  # fmt: skip
+}
+
+
+class Blocks(nn.Module):
+    """The TransformerLayers, called in order: (B, S, H) -> (B, S, H)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            TransformerLayer(
+                cfg.hidden,
+                cfg.heads,
+                cfg.ffn,
+                max_seq_len=cfg.seq_len,
+                params_dtype=dtype,
+                device=device,
+            )  # fmt: skip
+            for _ in range(cfg.layers)
+        )
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, is_first_microbatch=is_first_microbatch)
+        return x
+
+
+class GPT(nn.Module):
+    """Byte-level decoder-only language model.
+
+    Args:
+        cfg: the preset.
+        dtype: parameter and activation dtype (bf16 for training).
+        device: where the parameters live.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dtype, device=device)
+        self.blocks = Blocks(cfg, dtype, device)
+        self.norm = nn.LayerNorm(cfg.hidden, dtype=dtype, device=device)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype, device=device)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.head.weight, std=0.02)
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """hidden: (B, S, H) output of the blocks; targets: (B, S) int64. Mean cross entropy,
+        float32."""
+        logits = self.head(self.norm(hidden)).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                is_first_microbatch: bool | None = None) -> torch.Tensor:  # fmt: skip
+        """tokens, targets: (B, S) int64. Returns the mean cross entropy (float32)."""
+        hidden = self.blocks(self.embed(tokens), is_first_microbatch=is_first_microbatch)
+        return self.loss(hidden, targets)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,191 @@
+"""`make profile`: a few graphed training steps under nsys (when on PATH) or torch.profiler, and
+a summary of where the time goes, written into profiles/<device>-<date>/."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from graphfp8.profiling import enable_ranges
+from graphfp8.training.data import make_corpus
+from graphfp8.training.loop import PRECISIONS, Run, RunSpec
+from graphfp8.training.model import PRESETS
+from graphfp8.training.profile_stats import busy_fraction, nsys_summary, top_kernels
+
+__all__ = ["main"]
+
+
+def _parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m graphfp8.profiling")
+    cuda = torch.cuda.is_available()
+    p.add_argument("--preset", choices=sorted(PRESETS), default="100m" if cuda else "tiny")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp8")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3, help="profiled optimizer steps")
+    p.add_argument("--warmup-steps", type=int, default=3, help="steps before profiling")
+    p.add_argument("--tool", choices=("auto", "nsys", "torch"), default="auto")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--out", type=Path, help="default profiles/<device>-<date>")
+    args = p.parse_args(argv)
+    if args.tool == "auto":
+        args.tool = "nsys" if shutil.which("nsys") and args.device.startswith("cuda") else "torch"
+    if args.out is None:
+        tag = "cpu"
+        if args.device.startswith("cuda"):
+            tag = torch.cuda.get_device_name(torch.device(args.device)).split()[-1].lower()
+        args.out = Path("profiles") / f"{tag}-{datetime.now(timezone.utc):%Y-%m-%d}"
+    return args
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _host_times(run: Run, steps: int, total: int) -> tuple[float, float]:
+    """(host enqueue ms, wall ms) per microbatch, median over `steps` unprofiled steps."""
+    host, wall = [], []
+    for _ in range(steps):
+        _sync(run.spec.device)
+        t0 = time.perf_counter()
+        run.train_step(total)
+        t1 = time.perf_counter()
+        _sync(run.spec.device)
+        host.append((t1 - t0) * 1e3)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    mbs = run.spec.microbatches
+    return statistics.median(host) / mbs, statistics.median(wall) / mbs
+
+
+def _is_top_level_op(event) -> bool:
+    """An aten op that no other aten op called (what the caller, or a tape, dispatched)."""
+    if not event.name.startswith("aten::"):
+        return False
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def _torch_profile(run: Run, args, total: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    _sync(args.device)
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            run.train_step(total)
+        _sync(args.device)
+    trace = args.out / f"trace_{run.spec.preset}_{run.spec.name}.json"
+    prof.export_chrome_trace(str(trace))
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    microbatches = args.steps * args.microbatches
+    if not events:  # CPU: operators instead of kernels
+        ops = [e for e in prof.events() if _is_top_level_op(e)]
+        return {"tool": "torch.profiler", "trace": str(trace), "kernels_per_microbatch": None,
+                "top_level_ops_per_microbatch": len(ops) / microbatches,
+                "busy_fraction": None,
+                "top": top_kernels([(e.name, e.self_cpu_time_total) for e in ops])}  # fmt: skip
+    intervals = [(e.time_range.start, e.time_range.end) for e in events]
+    return {"tool": "torch.profiler", "trace": str(trace),
+            "kernels_per_microbatch": len(events) / microbatches,
+            "busy_fraction": busy_fraction(intervals),
+            "top": top_kernels([(e.name, e.device_time) for e in events])}  # fmt: skip
+
+
+def _nsys_profile(args, argv) -> dict:
+    """Re-runs this command under nsys (profiling only the marked steps), then reads its stats."""
+    report = args.out / "nsys_report"
+    cmd = ["nsys", "profile", "-t", "cuda,nvtx", "--cuda-graph-trace=node", "--force-overwrite",
+           "true", "--capture-range=cudaProfilerApi", "-o", str(report), sys.executable, "-m",
+           "graphfp8.profiling", *argv, "--tool", "torch", "--out", str(args.out)]  # fmt: skip
+    env = dict(os.environ, GRAPHFP8_UNDER_NSYS="1")
+    subprocess.run(cmd, check=True, env=env)
+    return nsys_summary(report.with_suffix(".nsys-rep"), args.steps * args.microbatches)
+
+
+def _markdown(summary: dict) -> str:
+    p = summary["profile"]
+    lines = [
+        f"# make profile: {summary['run']} ({summary['preset']}), {summary['date']}",
+        "",
+        f"- device: {summary['device']}; torch {summary['torch']}; tool: {p['tool']}",
+        f"- microbatches profiled: {summary['microbatches_profiled']}",
+        f"- host enqueue time per microbatch: {summary['host_ms_per_microbatch']:.3f} ms; "
+        f"wall time per microbatch (synchronised): {summary['wall_ms_per_microbatch']:.3f} ms",
+    ]
+    if p.get("kernels_per_microbatch") is not None:
+        lines.append(f"- kernels per microbatch: {p['kernels_per_microbatch']:.1f}")
+        lines.append(f"- GPU busy fraction during the profiled steps: {p['busy_fraction']:.3f}")
+    else:
+        lines.append(f"- top-level operators per microbatch (CPU): "
+                     f"{p['top_level_ops_per_microbatch']:.1f}; no GPU")  # fmt: skip
+    lines += ["", "| kernel | calls | total us | share |", "| --- | --- | --- | --- |"]
+    lines += [f"| {k['name'][:90]} | {k['calls']} | {k['us']:.1f} | {k['share']:.3f} |"
+              for k in p["top"]]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parse(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    enable_ranges(True)
+    spec = RunSpec(
+        preset=args.preset,
+        model=PRESETS[args.preset],
+        precision=args.precision,
+        graphs=args.graphs,
+        microbatches=args.microbatches,
+        device=args.device,
+    )
+    run = Run(spec, make_corpus(1 << 20))
+    run.prepare()
+    total = args.warmup_steps + 2 * args.steps
+    for _ in range(args.warmup_steps):
+        run.train_step(total)
+    host_ms, wall_ms = _host_times(run, args.steps, total)
+    if args.tool == "nsys":
+        profile = _nsys_profile(args, argv)
+    elif os.environ.get("GRAPHFP8_UNDER_NSYS") == "1":  # the child nsys runs: mark the steps
+        _sync(args.device)
+        torch.cuda.cudart().cudaProfilerStart()
+        for _ in range(args.steps):
+            run.train_step(total)
+        _sync(args.device)
+        torch.cuda.cudart().cudaProfilerStop()
+        return 0
+    else:
+        profile = _torch_profile(run, args, total)
+    summary = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}", "run": spec.name,
+               "preset": args.preset, "device": _device_name(args.device),
+               "torch": torch.__version__, "microbatches_profiled": args.steps * args.microbatches,
+               "host_ms_per_microbatch": host_ms, "wall_ms_per_microbatch": wall_ms,
+               "profile": profile}  # fmt: skip
+    stem = args.out / f"profile_{args.preset}_{spec.name}"
+    stem.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(_markdown(summary))
+    print(_markdown(summary))
+    print(f"wrote {stem}.md and .json")
+    return 0
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
