@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-call GPU check (what `make gpu-check` runs on the H200): build graphfp8._C for sm_90, run
 # the CUDA tests and the benchmarks; logs, JSON and a summary land in $OUT.
-#   GPU_STEPS  which steps to run (default: "tests kernels eager block")
+#   GPU_STEPS  which steps to run (default: "tests kernels eager block train profile")
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
 set -uo pipefail
 OUT=${OUT:-build/out}
@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
-STEPS=${GPU_STEPS:-"tests kernels eager block"}
+STEPS=${GPU_STEPS:-"tests kernels eager block train profile"}
 status=0
 
 # Wheels carried in .whl/ (nvtx, torchao): the device machine has no package index.
@@ -41,6 +41,14 @@ for step in $STEPS; do
       $PY -m pytest -q -m cuda -p no:cacheprovider ${PYTEST_ARGS:-} tests > "$OUT/tests_gpu.log" 2>&1
       rc=$?; tail -25 "$OUT/tests_gpu.log"; tail -1 "$OUT/tests_gpu.log" >> "$OUT/summary.md"
       [ $rc -eq 0 ] || status=1 ;;
+    train)  # the issue-6 comparison on the GPU default preset
+      $PY -m graphfp8.train --compare ${TRAIN_RUNS:-bf16:eager,bf16:graphs,fp8:eager,fp8:graphs} \
+        --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_STEPS:-300} --out "$OUT/train" \
+        > "$OUT/train.log" 2>&1 || status=1
+      tail -8 "$OUT/train.log" | tee -a "$OUT/summary.md" ;;
+    profile)
+      $PY -m graphfp8.profiling --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || status=1
+      grep -v USDT "$OUT/profile.log" | head -40 | tee -a "$OUT/summary.md" ;;
     kernels|eager|block)
       $PY -m graphfp8.bench "$step" --json "$OUT/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }

@@ -16,7 +16,7 @@ from graphfp8.training.model import PRESETS
 from graphfp8.training.profile_stats import busy_fraction, parse_gpu_trace, top_kernels
 from graphfp8.training.runner import RunOptions, train_run
 
-SMALL = ["--device", "cpu", "--batch", "2", "--seq-len", "32", "--microbatches", "2"]
+SMALL = ["--batch", "2", "--seq-len", "32", "--microbatches", "2"]
 
 
 def test_corpus_and_batches_are_deterministic():
@@ -28,10 +28,10 @@ def test_corpus_and_batches_are_deterministic():
     assert batch(a, 0, 0, 4, 16).shape == (4, 17)
 
 
-def test_compare_trains_graphed_equal_to_eager_and_writes_logs(tmp_path, capsys):
+def test_compare_trains_graphed_equal_to_eager_and_writes_logs(device, tmp_path, capsys):
     runs = "bf16:eager,bf16:graphs,fp8:eager,fp8:graphs"
-    assert train.main([*SMALL, "--steps", "12", "--log-every", "4", "--compare", runs,
-                       "--out", str(tmp_path)]) == 0  # fmt: skip
+    argv = [*SMALL, "--device", device, "--steps", "12", "--log-every", "4"]
+    assert train.main([*argv, "--compare", runs, "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     losses = {r["name"]: r["losses"] for r in summary["runs"]}
     assert len(losses["fp8-graphs"]) == 12
@@ -47,11 +47,11 @@ def test_compare_trains_graphed_equal_to_eager_and_writes_logs(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_resume_is_bit_exact(tmp_path, graphs):
+def test_resume_is_bit_exact(device, tmp_path, graphs):
     """A 6-step run stopped after step 3 and saved, then resumed == 6 steps straight: losses
     and every weight and FP8 history bit for bit."""
     model = type(PRESETS["tiny"])(**{**PRESETS["tiny"].to_dict(), "batch": 2, "seq_len": 32})
-    spec = RunSpec("tiny", model, "fp8", graphs, microbatches=2, device="cpu")
+    spec = RunSpec("tiny", model, "fp8", graphs, microbatches=2, device=device)
     corpus = make_corpus(1 << 16)
     kw = dict(out=tmp_path, corpus=corpus, keep_state=True, log_every=2)
     straight = train_run(spec, RunOptions(steps=6, **kw))
@@ -71,10 +71,10 @@ def test_resume_is_bit_exact(tmp_path, graphs):
 
 def test_resume_rejects_another_run(tmp_path):
     ckpt = tmp_path / "ckpt.pt"
-    assert train.main([*SMALL, "--steps", "2", "--out", str(tmp_path), "--save", str(ckpt)]) == 0
+    argv = [*SMALL, "--device", "cpu", "--steps", "2", "--out", str(tmp_path)]
+    assert train.main([*argv, "--save", str(ckpt)]) == 0
     with pytest.raises(ValueError, match="precision: checkpoint 'fp8', this run 'bf16'"):
-        train.main([*SMALL, "--steps", "4", "--out", str(tmp_path), "--resume", str(ckpt),
-                    "--precision", "bf16"])  # fmt: skip
+        train.main([*argv, "--resume", str(ckpt), "--precision", "bf16"])
 
 
 @pytest.mark.parametrize(
