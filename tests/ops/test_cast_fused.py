@@ -122,8 +122,9 @@ def test_fused_matches_reference(device, op, hp_dtype, fp8_dtype, shape):
             assert_bitwise_equal(g, w, name)
     else:
         _assert_fp8_close(got[0], want[0], scale, f_slack)
-        rel = torch.finfo(hp_dtype).eps
-        torch.testing.assert_close(got[3], want[3], rtol=rel, atol=0.0, msg="amax")
+        # max|f| moves by at most the largest elementwise slack of f.
+        slack = float(f_slack.max()) if f_slack.numel() else 0.0
+        torch.testing.assert_close(got[3], want[3], rtol=0.0, atol=slack, msg="amax")
     if op != "gelu_cast_transpose":
         _assert_dbias_close(got[4], f_values, None if exact else f_slack.sum(dim=0))
 
