@@ -60,7 +60,30 @@ struct DequantizeParams {
   int64_t numel;
 };
 
+// The elementwise function f that a fused cast-transpose applies before casting.
+//   kNone:  f = x                              (the grad-output cast with dbias)
+//   kGelu:  f = gelu_tanh(x)                   (the activation's forward)
+//   kDgelu: f = x * gelu_tanh'(act_in)         (x is dy, act_in the saved GELU input)
+// f is computed in fp32 and rounded to x's dtype before it is scaled, folded into amax or summed,
+// so the result equals torch's gelu / gelu_backward followed by the plain cast-transpose.
+enum class FusedAct : int { kNone, kGelu, kDgelu };
+
+// Rows of x covered by one row of the CUDA dbias workspace: every tile height (128 or 64) is a
+// multiple of it, so ceil(rows / kDbiasPartialRows) workspace rows are always enough.
+constexpr int64_t kDbiasPartialRows = 64;
+
+// Cast-transpose of f(x) (both layouts, fused amax and scale_inv), optionally with
+// dbias = sum over rows of f(x), accumulated in fp32 and rounded to x's dtype.
+struct FusedCastTransposeParams {
+  CastParams cast;      // x, out, out_t (required), scale, scale_inv, amax; cast.noop unused
+  FusedAct act;
+  const void* act_in;   // (rows, cols), cast.x_dtype: the GELU input (kDgelu only), else nullptr
+  void* dbias;          // (cols,), cast.x_dtype, or nullptr
+  float* workspace;     // CUDA with dbias: (ceil(rows / kDbiasPartialRows), cols) fp32 scratch
+};
+
 void cast_cpu(const CastParams& p);
+void cast_transpose_fused_cpu(const FusedCastTransposeParams& p);
 void transpose_cpu(const TransposeParams& p);
 void scale_update_cpu(const ScaleUpdateParams& p);
 void dequantize_cpu(const DequantizeParams& p);
@@ -71,5 +94,6 @@ void cast_transpose_cuda(const CastParams& p, void* stream);  // cast_cuda with 
 void transpose_cuda(const TransposeParams& p, void* stream);
 void scale_update_cuda(const ScaleUpdateParams& p, void* stream);
 void dequantize_cuda(const DequantizeParams& p, void* stream);
+void cast_transpose_fused_cuda(const FusedCastTransposeParams& p, void* stream);
 
 }  // namespace graphfp8

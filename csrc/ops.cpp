@@ -199,6 +199,88 @@ void dequantize(const at::Tensor& x, const at::Tensor& scale_inv, const at::Tens
   launch(x, p, dequantize_cpu, [](const DequantizeParams& q, void* s) { dequantize_cuda(q, s); });
 }
 
+// Checks and launches a fused cast-transpose: f(x) -> out, out_t, scale_inv, amax (and dbias).
+void fused_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Tensor* act_in,
+                const at::Tensor& scale, const at::Tensor& out, const at::Tensor& out_t,
+                const at::Tensor& scale_inv, const at::Tensor& amax, const at::Tensor* dbias) {
+  TORCH_CHECK(is_hp(x.scalar_type()), op, ": argument 'x' must be float32, bfloat16 or float16, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, op, ": argument 'x' must be 2-D, got ", x.dim(), "-D");
+  TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
+  if (act_in != nullptr) {
+    check_common(op, "act_in", *act_in, x);
+    TORCH_CHECK(act_in->scalar_type() == x.scalar_type() && act_in->sizes() == x.sizes(), op,
+                ": argument 'act_in' must have the shape and dtype of the gradient, got ",
+                act_in->sizes(), " ", act_in->scalar_type());
+  }
+  check_scalar_f32(op, "scale", scale, x);
+  check_fp8_out(op, "out", out, x, x.sizes());
+  check_fp8_out(op, "out_t", out_t, x, {x.size(1), x.size(0)});
+  TORCH_CHECK(out_t.scalar_type() == out.scalar_type(), op,
+              ": arguments 'out' and 'out_t' must have the same dtype");
+  check_scalar_f32(op, "scale_inv", scale_inv, x);
+  check_scalar_f32(op, "amax", amax, x);
+  FusedCastTransposeParams p{};
+  p.cast.x = x.data_ptr();
+  p.cast.x_dtype = to_dtype(x.scalar_type());
+  p.cast.out = out.data_ptr();
+  p.cast.out_t = out_t.data_ptr();
+  p.cast.out_dtype = to_dtype(out.scalar_type());
+  p.cast.scale = scale.data_ptr<float>();
+  p.cast.scale_inv = scale_inv.data_ptr<float>();
+  p.cast.amax = amax.data_ptr<float>();
+  p.cast.noop = nullptr;
+  p.cast.rows = x.size(0);
+  p.cast.cols = x.size(1);
+  p.act = act;
+  p.act_in = act_in != nullptr ? act_in->data_ptr() : nullptr;
+  at::Tensor workspace;
+  if (dbias != nullptr) {
+    check_common(op, "dbias", *dbias, x);
+    TORCH_CHECK(dbias->scalar_type() == x.scalar_type(), op,
+                ": argument 'dbias' must have the dtype of the gradient, got ",
+                dbias->scalar_type());
+    TORCH_CHECK(dbias->dim() == 1 && dbias->size(0) == x.size(1), op,
+                ": argument 'dbias' must have shape (", x.size(1), ",), got ", dbias->sizes());
+    p.dbias = dbias->data_ptr();
+    if (x.is_cuda() && x.numel() > 0) {
+      // Per-tile column sums, reduced by a second kernel in a fixed order (deterministic, so
+      // graphed and eager runs agree bit for bit). The caching allocator makes this capturable.
+      const int64_t partial_rows = (x.size(0) + kDbiasPartialRows - 1) / kDbiasPartialRows;
+      workspace = at::empty({partial_rows, x.size(1)}, x.options().dtype(at::kFloat));
+      p.workspace = workspace.data_ptr<float>();
+    }
+  }
+  if (x.numel() == 0) {
+    if (dbias != nullptr) dbias->zero_();  // an empty sum is zero, as torch's
+    return;
+  }
+  launch(x, p, cast_transpose_fused_cpu,
+         [](const FusedCastTransposeParams& q, void* s) { cast_transpose_fused_cuda(q, s); });
+}
+
+void cast_transpose_dbias(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
+                          const at::Tensor& out_t, const at::Tensor& scale_inv,
+                          const at::Tensor& amax, const at::Tensor& dbias) {
+  fused_impl("graphfp8.cast_transpose_dbias", FusedAct::kNone, x, nullptr, scale, out, out_t,
+             scale_inv, amax, &dbias);
+}
+
+void gelu_cast_transpose(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
+                         const at::Tensor& out_t, const at::Tensor& scale_inv,
+                         const at::Tensor& amax) {
+  fused_impl("graphfp8.gelu_cast_transpose", FusedAct::kGelu, x, nullptr, scale, out, out_t,
+             scale_inv, amax, nullptr);
+}
+
+void dgelu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale,
+                                const at::Tensor& out, const at::Tensor& out_t,
+                                const at::Tensor& scale_inv, const at::Tensor& amax,
+                                const at::Tensor& dbias) {
+  fused_impl("graphfp8.dgelu_cast_transpose_dbias", FusedAct::kDgelu, dy, &x, scale, out, out_t,
+             scale_inv, amax, &dbias);
+}
+
 bool built_with_cuda() {
 #ifdef GRAPHFP8_WITH_CUDA
   return true;
@@ -219,6 +301,12 @@ TORCH_LIBRARY(graphfp8, m) {
   m.def("scale_update(Tensor(a!) amax_history, Tensor(b!) scale, Tensor scaled_max, "
         "bool most_recent) -> ()");
   m.def("dequantize(Tensor x, Tensor scale_inv, Tensor(a!) out) -> ()");
+  m.def("cast_transpose_dbias(Tensor x, Tensor scale, Tensor(a!) out, Tensor(b!) out_t, "
+        "Tensor(c!) scale_inv, Tensor(d!) amax, Tensor(e!) dbias) -> ()");
+  m.def("gelu_cast_transpose(Tensor x, Tensor scale, Tensor(a!) out, Tensor(b!) out_t, "
+        "Tensor(c!) scale_inv, Tensor(d!) amax) -> ()");
+  m.def("dgelu_cast_transpose_dbias(Tensor dy, Tensor x, Tensor scale, Tensor(a!) out, "
+        "Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax, Tensor(e!) dbias) -> ()");
 }
 
 // The same checked entry points serve both backends: each picks its launcher by device.
@@ -227,7 +315,10 @@ TORCH_LIBRARY(graphfp8, m) {
   m.impl("cast_transpose", &graphfp8::cast_transpose);        \
   m.impl("fp8_transpose", &graphfp8::fp8_transpose);          \
   m.impl("scale_update", &graphfp8::scale_update);            \
-  m.impl("dequantize", &graphfp8::dequantize)
+  m.impl("dequantize", &graphfp8::dequantize);                \
+  m.impl("cast_transpose_dbias", &graphfp8::cast_transpose_dbias); \
+  m.impl("gelu_cast_transpose", &graphfp8::gelu_cast_transpose);   \
+  m.impl("dgelu_cast_transpose_dbias", &graphfp8::dgelu_cast_transpose_dbias)
 
 TORCH_LIBRARY_IMPL(graphfp8, CPU, m) { GRAPHFP8_IMPL_ALL(m); }
 

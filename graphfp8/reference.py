@@ -7,6 +7,7 @@ for bit. Runtime code never imports this module; tests and CPU debugging do.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from graphfp8.recipe import fp8_max
 
@@ -18,6 +19,9 @@ __all__ = [
     "fp8_transpose",
     "scale_update",
     "dequantize",
+    "cast_transpose_dbias",
+    "gelu_cast_transpose",
+    "dgelu_cast_transpose_dbias",
 ]
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -94,3 +98,21 @@ def scale_update(amax_history, scale, scaled_max, most_recent) -> None:
 def dequantize(x, scale_inv, out) -> None:
     """Twin of torch.ops.graphfp8.dequantize."""
     out.copy_((x.float() * scale_inv.reshape(())).to(out.dtype))
+
+
+def cast_transpose_dbias(x, scale, out, out_t, scale_inv, amax, dbias) -> None:
+    """Twin of torch.ops.graphfp8.cast_transpose_dbias: cast_transpose, then the fp32 row sum."""
+    cast_transpose(x, scale, out, out_t, scale_inv, amax)
+    dbias.copy_(x.float().sum(dim=0).to(dbias.dtype))
+
+
+def gelu_cast_transpose(x, scale, out, out_t, scale_inv, amax) -> None:
+    """Twin of torch.ops.graphfp8.gelu_cast_transpose: torch's tanh GELU, then cast_transpose."""
+    cast_transpose(F.gelu(x, approximate="tanh"), scale, out, out_t, scale_inv, amax)
+
+
+def dgelu_cast_transpose_dbias(dy, x, scale, out, out_t, scale_inv, amax, dbias) -> None:
+    """Twin of torch.ops.graphfp8.dgelu_cast_transpose_dbias: torch's tanh gelu_backward, then
+    cast_transpose_dbias of the result."""
+    dx = torch.ops.aten.gelu_backward(dy, x, approximate="tanh")
+    cast_transpose_dbias(dx, scale, out, out_t, scale_inv, amax, dbias)

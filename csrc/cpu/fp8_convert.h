@@ -45,6 +45,18 @@ inline void store_from_float(void* base, DType dtype, int64_t i, float v) {
   }
 }
 
+// v rounded to a high-precision dtype and back to float (identity for float32).
+inline float round_to(DType dtype, float v) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return static_cast<float>(c10::BFloat16(v));
+    case DType::kFloat16:
+      return static_cast<float>(c10::Half(v));
+    default:
+      return v;
+  }
+}
+
 inline float fp8_max(DType dtype) { return dtype == DType::kE4M3 ? kE4M3Max : kE5M2Max; }
 
 // Saturating quantization of an already-scaled value. Every NaN becomes the canonical 0x7F (the

@@ -17,6 +17,7 @@
 
 #include "../common.h"
 #include "fp8_util.cuh"
+#include "tile.cuh"
 #include "vec.cuh"
 
 namespace graphfp8 {
@@ -50,17 +51,9 @@ __device__ __forceinline__ uint8_t convert(InT v, float scale, float& amax) {
   }
 }
 
-// Vector path tile: 128 rows x 64 columns. Its transpose is 64 rows of 128 bytes, so every warp
-// of the transposed phase writes whole 128-byte lines.
-constexpr int kVecRows = 128;
-constexpr int kVecCols = 64;
-
-// Shared tile row r holds 64 FP8 bytes as four 16-byte units; unit u of row r is stored at
-// u ^ ((r / 32) & 3), so that the four 32-row quarters read in the transposed phase fall in
-// different banks.
-__device__ __forceinline__ int swizzle(int r, int byte) {
-  return ((((byte >> 4) ^ (r >> 5)) & 3) << 4) | (byte & 15);
-}
+using cuda::kVecCols;
+using cuda::kVecRows;
+using cuda::swizzle;
 
 template <typename InT, bool kCast, bool kE4M3, int kLoads>
 __device__ __forceinline__ void load_tile(const TileArgs<InT, kCast, kE4M3>& a, int64_t t,

@@ -1,13 +1,15 @@
 """Kernel benchmark: cast-transpose bandwidth against a device-to-device copy measured in the same
-run, and the fused scale update against the same math in plain PyTorch ops."""
+run, the fused cast-transposes (dbias, GELU, dGELU + dbias) against the copy and against the
+unfused sequences they replace, and the fused scale update against plain PyTorch ops."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
-from graphfp8 import reference
+from graphfp8 import ops, reference
 from graphfp8.bench.common import environment, graph_of, print_table, time_device
 from graphfp8.bench.profile_util import kernel_stats
 
@@ -63,6 +65,53 @@ def _cast_transpose_row(device, m: int, n: int) -> dict:
     )
 
 
+# Each fused op: (bytes it moves per element, the fused call, the unfused sequence it replaces).
+# bf16 in, FP8 out in both layouts: a bf16 read is 2 B, the two FP8 writes 1 B each.
+def _fused_cases(scale, amax):
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+    def dbias_unfused(dy, x):
+        ops.cast_transpose(dy, scale, amax, e5m2)
+        return dy.sum(dim=0)
+
+    def gelu_unfused(dy, x):
+        return ops.cast_transpose(F.gelu(x, approximate="tanh"), scale, amax, e4m3)
+
+    def dgelu_unfused(dy, x):
+        dx = torch.ops.aten.gelu_backward(dy, x, approximate="tanh")
+        ops.cast_transpose(dx, scale, amax, e5m2)
+        return dx.sum(dim=0)
+
+    return {
+        "cast_transpose_dbias": (
+            4, lambda dy, x: ops.cast_transpose_dbias(dy, scale, amax, e5m2), dbias_unfused),
+        "gelu_cast_transpose": (
+            4, lambda dy, x: ops.gelu_cast_transpose(x, scale, amax, e4m3), gelu_unfused),
+        "dgelu_cast_transpose_dbias": (
+            6, lambda dy, x: ops.dgelu_cast_transpose_dbias(dy, x, scale, amax, e5m2),
+            dgelu_unfused),
+    }  # fmt: skip
+
+
+def _fused_rows(device, m: int, n: int, copy_gbs: float) -> list[dict]:
+    """One row per fused op at (m, n): its GB/s, the ratio to the copy rate of the same run, and
+    the time of the unfused sequence it replaces."""
+    sets = _rotating(
+        lambda: tuple(torch.randn(m, n, device=device, dtype=torch.bfloat16) for _ in range(2)),
+        4 * m * n,
+    )
+    scale, amax = torch.ones(1, device=device), torch.zeros(1, device=device)
+    rows = []
+    for name, (bytes_per_elem, fused, unfused) in _fused_cases(scale, amax).items():
+        ms = _timed(lambda i, f=fused: f(*sets[i]), len(sets), device)
+        ms_unfused = _timed(lambda i, f=unfused: f(*sets[i]), len(sets), device)
+        gbs = bytes_per_elem * m * n / ms / 1e6
+        rows.append(dict(op=name, shape=f"{m}x{n}", fused_ms=ms, unfused_ms=ms_unfused,
+                         GBps=gbs, ratio_to_copy=gbs / copy_gbs,
+                         speedup=ms_unfused / ms))  # fmt: skip
+    return rows
+
+
 def _scale_update_row(device, slots: int, length: int) -> dict:
     history = torch.rand(length, slots, device=device) + 0.5
     scale = torch.ones(slots, device=device)
@@ -102,6 +151,10 @@ def run(device, quick: bool = False) -> dict:
     shapes = [(1024, 1024)] if quick else [(4096, 4096), (8192, 8192)]
     slot_counts = [10, 100] if quick else [10, 100, 1000]
     ct = [_cast_transpose_row(device, m, n) for m, n in shapes]
+    # The MLP block's activation (T, 4h) at h, T = 2048, 4096 (quick: a small one).
+    fused_shapes = [(1024, 1024)] if quick else [(4096, 8192), (8192, 16384)]
+    copy_gbs = ct[-1]["copy_GBps"]
+    fused = [row for m, n in fused_shapes for row in _fused_rows(device, m, n, copy_gbs)]
     up = [_scale_update_row(device, slots, 1024) for slots in slot_counts]
     text = print_table(
         f"cast-transpose (bf16 -> E4M3, both layouts) vs copy, {device}",
@@ -117,6 +170,12 @@ def run(device, quick: bool = False) -> dict:
             for r in ct
         ],
     )
+    text += print_table(
+        f"fused cast-transposes (bf16 -> FP8, both layouts) vs copy and vs unfused, {device}",
+        ["op", "shape", "fused ms", "GB/s", "ratio to copy", "unfused ms", "speedup"],
+        [[r["op"], r["shape"], r["fused_ms"], r["GBps"], r["ratio_to_copy"], r["unfused_ms"],
+          r["speedup"]] for r in fused],
+    )  # fmt: skip
     header = ["slots", "history", "fused eager ms", "plain eager ms", "speedup"]
     keys = ["slots", "history", "fused_eager_ms", "plain_eager_ms", "speedup_eager"]
     if torch.device(device).type == "cuda":
@@ -127,4 +186,5 @@ def run(device, quick: bool = False) -> dict:
         header,
         [[r[k] for k in keys] for r in up],
     )
-    return {"env": environment(device), "cast_transpose": ct, "scale_update": up, "table": text}
+    return {"env": environment(device), "cast_transpose": ct, "fused": fused,
+            "scale_update": up, "table": text}  # fmt: skip

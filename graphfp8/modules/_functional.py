@@ -18,7 +18,16 @@ from graphfp8.autocast import queue_backward_update
 from graphfp8.scaling import SlotBlock
 from graphfp8.tensor import Float8Tensor
 
-__all__ = ["GemmConfig", "fp8_linear"]
+__all__ = [
+    "GemmConfig",
+    "backward_gemms",
+    "cast_grad_output",
+    "cast_input",
+    "cast_weight_",
+    "fp8_linear",
+    "forward_gemm",
+    "save_weight",
+]
 
 
 class GemmConfig:
@@ -54,7 +63,7 @@ class GemmConfig:
         self.backward_update = backward_update
 
 
-def _cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
+def cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
     """(x_fp8 (M, K), x_t_fp8 (K, M) or None, scale_inv) for a high-precision or FP8 input."""
     if isinstance(inp, Float8Tensor):
         x_fp8 = inp._data.reshape(-1, in_features)
@@ -70,31 +79,81 @@ def _cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
     return x_fp8, None, scale_inv
 
 
+def cast_weight_(weight: torch.Tensor, cfg: GemmConfig) -> Float8Tensor:
+    """The GEMM's FP8 weight workspace, cast (both layouts) first when cfg says so.
+
+    weight: (N, K) high precision. The noop flag lets a graph skip the cast on later microbatches.
+    """
+    w = cfg.weight_fp8
+    if cfg.cast_weight:
+        slot = 3 * cfg.gemm + 1
+        ops.cast_transpose(
+            weight, cfg.fwd.scale(slot), cfg.fwd.amax(slot), cfg.fwd_dtype,
+            out=w._data, out_t=w._transpose, scale_inv=w._scale_inv, noop=cfg.weight_noop,
+        )  # fmt: skip
+        w.mark_data_changed(transpose_written=True)
+    return w
+
+
+def forward_gemm(x_fp8, x_scale_inv, weight, bias, cfg: GemmConfig) -> torch.Tensor:
+    """y (M, N) = x @ weight.T (+ bias) in weight.dtype, the bias fused into the GEMM when the
+    output is bf16/fp16. x_fp8: (M, K) FP8; weight: (N, K); bias: (N,) or None."""
+    w = cast_weight_(weight, cfg)
+    out_dtype = weight.dtype
+    fuse_bias = bias is not None and out_dtype != torch.float32
+    y = ops.fp8_gemm(
+        x_fp8, x_scale_inv, w._data.t(), w._scale_inv, out_dtype,
+        bias=bias if fuse_bias else None, use_fast_accum=True,
+    )  # fmt: skip
+    return y + bias if bias is not None and not fuse_bias else y
+
+
+def cast_grad_output(dy: torch.Tensor, cfg: GemmConfig, needs_wgrad: bool, needs_dbias: bool):
+    """Casts the GEMM's grad output into its backward slot.
+
+    dy: (M, N) contiguous. Returns (dy_fp8 (M, N), dy_t_fp8 (N, M) or None, scale_inv,
+    dbias (N,) or None): one fused pass when both the transpose and the bias grad are needed.
+    """
+    slot = 2 * cfg.gemm
+    scale, amax = cfg.bwd.scale(slot), cfg.bwd.amax(slot)
+    if needs_wgrad and needs_dbias:
+        return ops.cast_transpose_dbias(dy, scale, amax, cfg.bwd_dtype)
+    dbias = dy.sum(dim=0) if needs_dbias else None
+    if needs_wgrad:
+        return (*ops.cast_transpose(dy, scale, amax, cfg.bwd_dtype), dbias)
+    dy_fp8, scale_inv = ops.cast_to_fp8(dy, scale, amax, cfg.bwd_dtype)
+    return dy_fp8, None, scale_inv, dbias
+
+
+def backward_gemms(dy_cast, x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv, out_dtype,
+                   needs_dgrad: bool, needs_wgrad: bool):  # fmt: skip
+    """(dx (M, K) or None, dw (N, K) or None) from cast_grad_output's result, the saved
+    x_t_fp8 (K, M) and the weight's w_t_fp8 (K, N)."""
+    dy_fp8, dy_t_fp8, dy_scale_inv, _ = dy_cast
+    dx = dw = None
+    if needs_dgrad:
+        dx = ops.fp8_gemm(dy_fp8, dy_scale_inv, w_t_fp8.t(), w_scale_inv, out_dtype)
+    if needs_wgrad:
+        dw = ops.fp8_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8.t(), x_scale_inv, out_dtype)
+    return dx, dw
+
+
+def save_weight(ctx, key: str, cfg: GemmConfig) -> None:
+    """Keeps the weight workspace's transpose and scale_inv on ctx. The workspace is rewritten in
+    place by later casts: keep it out of save_for_backward's version checks. Its data and
+    scale_inv always pair up."""
+    w = cfg.weight_fp8
+    setattr(ctx, key, (w._transpose, w._scale_inv))
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, cfg: GemmConfig, needs_dgrad: bool, needs_wgrad: bool):
         out_features, in_features = weight.shape
         lead = inp.shape[:-1]
-        x_fp8, x_t_fp8, x_scale_inv = _cast_input(inp, in_features, cfg, needs_wgrad)
-        w = cfg.weight_fp8
-        if cfg.cast_weight:
-            slot = 3 * cfg.gemm + 1
-            ops.cast_transpose(
-                weight, cfg.fwd.scale(slot), cfg.fwd.amax(slot), cfg.fwd_dtype,
-                out=w._data, out_t=w._transpose, scale_inv=w._scale_inv, noop=cfg.weight_noop,
-            )  # fmt: skip
-            w.mark_data_changed(transpose_written=True)
-        out_dtype = weight.dtype
-        fuse_bias = bias is not None and out_dtype != torch.float32
-        y = ops.fp8_gemm(
-            x_fp8, x_scale_inv, w._data.t(), w._scale_inv, out_dtype,
-            bias=bias if fuse_bias else None, use_fast_accum=True,
-        )  # fmt: skip
-        if bias is not None and not fuse_bias:
-            y = y + bias
-        # The weight workspace is rewritten in place by later casts: keep it out of
-        # save_for_backward's version checks. Its data and scale_inv always pair up.
-        ctx.w_t_fp8, ctx.w_scale_inv = w._transpose, w._scale_inv
+        x_fp8, x_t_fp8, x_scale_inv = cast_input(inp, in_features, cfg, needs_wgrad)
+        y = forward_gemm(x_fp8, x_scale_inv, weight, bias, cfg)
+        save_weight(ctx, "w", cfg)
         ctx.save_for_backward(x_t_fp8, x_scale_inv)
         ctx.cfg, ctx.inp_shape = cfg, inp.shape
         ctx.needs_dgrad, ctx.needs_wgrad = needs_dgrad, needs_wgrad
@@ -106,7 +165,7 @@ class _FP8Linear(torch.autograd.Function):
             y, cfg.fwd.scale(slot), cfg.fwd.amax(slot), cfg.fwd_dtype
         )
         return Float8Tensor(
-            y_fp8.view(*lead, out_features), y_scale_inv, out_dtype,
+            y_fp8.view(*lead, out_features), y_scale_inv, y.dtype,
             transpose=y_t_fp8, transpose_valid=True,
         )  # fmt: skip
 
@@ -114,27 +173,16 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         cfg: GemmConfig = ctx.cfg
         x_t_fp8, x_scale_inv = ctx.saved_tensors
-        out_features = dy.shape[-1]
-        dy2 = dy.reshape(-1, out_features)
-        if not dy2.is_contiguous():
-            dy2 = dy2.contiguous()
-        slot = 2 * cfg.gemm
-        scale, amax = cfg.bwd.scale(slot), cfg.bwd.amax(slot)
-        if ctx.needs_wgrad:
-            dy_fp8, dy_t_fp8, dy_scale_inv = ops.cast_transpose(dy2, scale, amax, cfg.bwd_dtype)
-        else:
-            dy_fp8, dy_scale_inv = ops.cast_to_fp8(dy2, scale, amax, cfg.bwd_dtype)
-        dx = dw = db = None
-        if ctx.needs_dgrad:
-            dx = ops.fp8_gemm(dy_fp8, dy_scale_inv, ctx.w_t_fp8.t(), ctx.w_scale_inv, dy.dtype)
+        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+        needs_dbias = ctx.has_bias and ctx.needs_input_grad[2]
+        dy_cast = cast_grad_output(dy2, cfg, ctx.needs_wgrad, needs_dbias)
+        dx, dw = backward_gemms(dy_cast, x_t_fp8, x_scale_inv, *ctx.w, dy.dtype,
+                                ctx.needs_dgrad, ctx.needs_wgrad)  # fmt: skip
+        if dx is not None:
             dx = dx.view(ctx.inp_shape)
-        if ctx.needs_wgrad:
-            dw = ops.fp8_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8.t(), x_scale_inv, dy.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.sum(dim=0)
         if cfg.backward_update is not None:
             queue_backward_update(*cfg.backward_update)
-        return dx, dw, db, None, None, None
+        return dx, dw, dy_cast[3], None, None, None
 
 
 def fp8_linear(inp, weight, bias, cfg: GemmConfig):

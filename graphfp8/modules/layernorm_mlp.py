@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from graphfp8.autocast import STATE
 from graphfp8.modules._functional import fp8_linear
+from graphfp8.modules._mlp import fp8_gelu_mlp
 from graphfp8.modules._norm import apply_norm, make_norm_params
 from graphfp8.modules.base import FP8Module
 from graphfp8.modules.linear import linear_params
@@ -67,6 +68,10 @@ class LayerNormMLP(FP8Module):
         cfg1, cfg2 = self._gemm_configs(
             [("fc1", self.fc1_weight), ("fc2", self.fc2_weight)], is_first_microbatch
         )
+        if self.activation == "gelu":
+            # GELU and dGELU fused into the FP8 casts around it (graphfp8.modules._mlp).
+            return fp8_gelu_mlp(ln_out, self.fc1_weight, self.fc1_bias, self.fc2_weight,
+                                self.fc2_bias, cfg1, cfg2)  # fmt: skip
         hidden = act(fp8_linear(ln_out, self.fc1_weight, self.fc1_bias, cfg1))
         return fp8_linear(hidden, self.fc2_weight, self.fc2_bias, cfg2)
 

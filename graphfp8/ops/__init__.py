@@ -2,6 +2,11 @@
 
 from graphfp8.ops._lib import built_with_cuda
 from graphfp8.ops.cast import cast_to_fp8, cast_transpose
+from graphfp8.ops.cast_fused import (
+    cast_transpose_dbias,
+    dgelu_cast_transpose_dbias,
+    gelu_cast_transpose,
+)
 from graphfp8.ops.dequantize import dequantize
 from graphfp8.ops.gemm import check_gemm_dims, fp8_gemm
 from graphfp8.ops.scale_update import scale_update_
@@ -11,9 +16,12 @@ __all__ = [
     "built_with_cuda",
     "cast_to_fp8",
     "cast_transpose",
+    "cast_transpose_dbias",
+    "dgelu_cast_transpose_dbias",
     "check_gemm_dims",
     "dequantize",
     "fp8_gemm",
     "fp8_transpose",
+    "gelu_cast_transpose",
     "scale_update_",
 ]

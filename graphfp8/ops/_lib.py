@@ -44,3 +44,18 @@ def _scale_update_fake(amax_history, scale, scaled_max, most_recent):
 @torch.library.register_fake("graphfp8::dequantize")
 def _dequantize_fake(x, scale_inv, out):
     return None
+
+
+@torch.library.register_fake("graphfp8::cast_transpose_dbias")
+def _cast_transpose_dbias_fake(x, scale, out, out_t, scale_inv, amax, dbias):
+    return None
+
+
+@torch.library.register_fake("graphfp8::gelu_cast_transpose")
+def _gelu_cast_transpose_fake(x, scale, out, out_t, scale_inv, amax):
+    return None
+
+
+@torch.library.register_fake("graphfp8::dgelu_cast_transpose_dbias")
+def _dgelu_cast_transpose_dbias_fake(dy, x, scale, out, out_t, scale_inv, amax, dbias):
+    return None

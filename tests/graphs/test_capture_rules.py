@@ -80,9 +80,11 @@ def test_captured_graphs_hold_the_fp8_kernels(device):
     _, g = _graphed("LayerNormMLP", device=device)
     ops = g.captured_ops()
     assert ops["forward"][0] == "graphfp8::scale_update", "the update opens the forward graph"
-    assert ops["forward"].count("graphfp8::cast_transpose") == 4  # 2 inputs, 2 weights
+    assert ops["forward"].count("graphfp8::cast_transpose") == 3  # fc1's input, 2 weights
+    assert ops["forward"].count("graphfp8::gelu_cast_transpose") == 1  # fc2's input
     assert ops["backward"][-1] == "graphfp8::scale_update", "and closes the backward graph"
-    assert ops["backward"].count("graphfp8::cast_transpose") == 2  # 2 grad outputs
+    assert ops["backward"].count("graphfp8::cast_transpose_dbias") == 1  # fc2's grad output
+    assert ops["backward"].count("graphfp8::dgelu_cast_transpose_dbias") == 1  # fc1's
     assert ops["forward"].count("aten::_scaled_mm") == 2
     assert ops["backward"].count("aten::_scaled_mm") == 4
     kernels = g.captured_kernels()
