@@ -82,11 +82,32 @@ struct FusedCastTransposeParams {
   float* workspace;     // CUDA with dbias: (ceil(rows / kDbiasPartialRows), cols) fp32 scratch
 };
 
+// Rotary position embedding of the q and k parts of a fused QKV tensor; the v part is copied.
+// For head_dim index i < half = head_dim / 2, with c = cos[s], n = sin[s]:
+//   forward   out[i] = x[i] c[i] - x[i+half] n[i],    out[i+half] = x[i+half] c[i+half] + x[i] n[i+half]
+//   inverse   (the backward: the transposed rotation applied to a gradient)
+//             out[i] = x[i] c[i] + x[i+half] n[i+half], out[i+half] = x[i+half] c[i+half] - x[i] n[i]
+// computed in double (the products are exact) and rounded through float to the dtype, so CPU,
+// CUDA and the PyTorch twin agree bit for bit.
+struct RopeParams {
+  const void* x;       // (batch, seq, 3, heads, head_dim), dtype, contiguous
+  void* out;           // same shape and dtype
+  DType dtype;         // float32, bfloat16 or float16
+  const float* cos;    // (>= seq, head_dim) float32, row-major
+  const float* sin;    // (>= seq, head_dim) float32, row-major
+  int64_t batch;
+  int64_t seq;
+  int64_t heads;
+  int64_t head_dim;    // even
+  bool inverse;
+};
+
 void cast_cpu(const CastParams& p);
 void cast_transpose_fused_cpu(const FusedCastTransposeParams& p);
 void transpose_cpu(const TransposeParams& p);
 void scale_update_cpu(const ScaleUpdateParams& p);
 void dequantize_cpu(const DequantizeParams& p);
+void rope_cpu(const RopeParams& p);
 
 // CUDA launchers take the stream as an opaque cudaStream_t.
 void cast_cuda(const CastParams& p, void* stream);
@@ -94,6 +115,7 @@ void cast_transpose_cuda(const CastParams& p, void* stream);  // cast_cuda with 
 void transpose_cuda(const TransposeParams& p, void* stream);
 void scale_update_cuda(const ScaleUpdateParams& p, void* stream);
 void dequantize_cuda(const DequantizeParams& p, void* stream);
+void rope_cuda(const RopeParams& p, void* stream);
 void cast_transpose_fused_cuda(const FusedCastTransposeParams& p, void* stream);
 
 }  // namespace graphfp8

@@ -289,6 +289,45 @@ bool built_with_cuda() {
 #endif
 }
 
+void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+              int64_t num_heads, bool inverse, const at::Tensor& out) {
+  const char* op = "graphfp8.rope_qkv";
+  TORCH_CHECK(is_hp(qkv.scalar_type()), op,
+              ": argument 'qkv' must be float32, bfloat16 or float16, got ", qkv.scalar_type());
+  TORCH_CHECK(qkv.dim() == 3, op, ": argument 'qkv' must be (batch, seq, 3 * hidden), got ",
+              qkv.dim(), "-D");
+  TORCH_CHECK(qkv.is_contiguous(), op, ": argument 'qkv' must be contiguous");
+  const int64_t width = qkv.size(2);
+  TORCH_CHECK(num_heads > 0 && width % (3 * num_heads) == 0, op, ": last dim ", width,
+              " is not 3 * num_heads (", num_heads, ") * head_dim");
+  const int64_t head_dim = width / (3 * num_heads);
+  TORCH_CHECK(head_dim % 2 == 0, op, ": head_dim must be even, got ", head_dim);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"cos", &cos}, {"sin", &sin}}) {
+    check_common(op, name, *t, qkv);
+    TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": argument '", name,
+                "' must be float32, got ", t->scalar_type());
+    TORCH_CHECK(t->dim() == 2 && t->size(0) >= qkv.size(1) && t->size(1) == head_dim, op,
+                ": argument '", name, "' must be (>= ", qkv.size(1), ", ", head_dim, "), got ",
+                t->sizes());
+  }
+  check_common(op, "out", out, qkv);
+  TORCH_CHECK(out.scalar_type() == qkv.scalar_type() && out.sizes() == qkv.sizes(), op,
+              ": argument 'out' must match 'qkv' in dtype and shape");
+  RopeParams p{};
+  p.x = qkv.data_ptr();
+  p.out = out.data_ptr();
+  p.dtype = to_dtype(qkv.scalar_type());
+  p.cos = cos.data_ptr<float>();
+  p.sin = sin.data_ptr<float>();
+  p.batch = qkv.size(0);
+  p.seq = qkv.size(1);
+  p.heads = num_heads;
+  p.head_dim = head_dim;
+  p.inverse = inverse;
+  if (qkv.numel() == 0) return;
+  launch(qkv, p, rope_cpu, [](const RopeParams& q, void* s) { rope_cuda(q, s); });
+}
+
 }  // namespace
 }  // namespace graphfp8
 
@@ -305,6 +344,8 @@ TORCH_LIBRARY(graphfp8, m) {
         "Tensor(c!) scale_inv, Tensor(d!) amax, Tensor(e!) dbias) -> ()");
   m.def("gelu_cast_transpose(Tensor x, Tensor scale, Tensor(a!) out, Tensor(b!) out_t, "
         "Tensor(c!) scale_inv, Tensor(d!) amax) -> ()");
+  m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int num_heads, bool inverse, "
+        "Tensor(a!) out) -> ()");
   m.def("dgelu_cast_transpose_dbias(Tensor dy, Tensor x, Tensor scale, Tensor(a!) out, "
         "Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax, Tensor(e!) dbias) -> ()");
 }
@@ -318,7 +359,8 @@ TORCH_LIBRARY(graphfp8, m) {
   m.impl("dequantize", &graphfp8::dequantize);                \
   m.impl("cast_transpose_dbias", &graphfp8::cast_transpose_dbias); \
   m.impl("gelu_cast_transpose", &graphfp8::gelu_cast_transpose);   \
-  m.impl("dgelu_cast_transpose_dbias", &graphfp8::dgelu_cast_transpose_dbias)
+  m.impl("dgelu_cast_transpose_dbias", &graphfp8::dgelu_cast_transpose_dbias); \
+  m.impl("rope_qkv", &graphfp8::rope_qkv)
 
 TORCH_LIBRARY_IMPL(graphfp8, CPU, m) { GRAPHFP8_IMPL_ALL(m); }
 

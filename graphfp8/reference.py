@@ -22,6 +22,7 @@ __all__ = [
     "cast_transpose_dbias",
     "gelu_cast_transpose",
     "dgelu_cast_transpose_dbias",
+    "rope_qkv",
 ]
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -116,3 +117,22 @@ def dgelu_cast_transpose_dbias(dy, x, scale, out, out_t, scale_inv, amax, dbias)
     cast_transpose_dbias of the result."""
     dx = torch.ops.aten.gelu_backward(dy, x, approximate="tanh")
     cast_transpose_dbias(dx, scale, out, out_t, scale_inv, amax, dbias)
+
+
+def rope_qkv(qkv, cos, sin, num_heads, inverse, out) -> None:
+    """Twin of torch.ops.graphfp8.rope_qkv: the rotation in float64 (exact products), rounded
+    through float32 to qkv's dtype."""
+    b, s, width = qkv.shape
+    head_dim = width // (3 * num_heads)
+    half = head_dim // 2
+    x = qkv.view(b, s, 3, num_heads, head_dim).double()
+    c = cos[:s, None, None, :].double()  # (s, 1, 1, head_dim): broadcast over parts, heads
+    n = sin[:s, None, None, :].double()
+    lo, hi = x[:, :, :2, :, :half], x[:, :, :2, :, half:]
+    c_lo, c_hi, n_lo, n_hi = c[..., :half], c[..., half:], n[..., :half], n[..., half:]
+    if inverse:
+        rot = torch.cat([lo * c_lo + hi * n_hi, hi * c_hi - lo * n_lo], dim=-1)
+    else:
+        rot = torch.cat([lo * c_lo - hi * n_lo, hi * c_hi + lo * n_hi], dim=-1)
+    y = torch.cat([rot, x[:, :, 2:]], dim=2)
+    out.copy_(y.float().to(out.dtype).view(b, s, width))

@@ -1,6 +1,7 @@
 """Kernel benchmark: cast-transpose bandwidth against a device-to-device copy measured in the same
-run, the fused cast-transposes (dbias, GELU, dGELU + dbias) against the copy and against the
-unfused sequences they replace, and the fused scale update against plain PyTorch ops."""
+run, the fused cast-transposes (dbias, GELU, dGELU + dbias) and the fused-QKV RoPE against the
+copy and against the unfused sequences they replace, and the fused scale update against plain
+PyTorch ops."""
 
 from __future__ import annotations
 
@@ -112,6 +113,38 @@ def _fused_rows(device, m: int, n: int, copy_gbs: float) -> list[dict]:
     return rows
 
 
+def _rope_torch_ops(qkv, cos, sin, heads: int):
+    """The unfused baseline: RoPE as torch ops on the strided q/k views of the fused QKV."""
+    b, s, width = qkv.shape
+    q, k, v = qkv.view(b, s, 3, heads, width // (3 * heads)).unbind(dim=2)
+    c, n = cos[:s, None, :].to(qkv.dtype), sin[:s, None, :].to(qkv.dtype)
+
+    def rot(x):
+        half = x.shape[-1] // 2
+        return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * n
+
+    return rot(q), rot(k), v
+
+
+def _rope_row(device, batch: int, seq: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
+    """rope_qkv on a (batch, seq, 3 * heads * head_dim) bf16 QKV against the copy rate and the
+    torch-ops formulation it replaced in TransformerLayer."""
+    from graphfp8.modules.transformer import rope_tables
+
+    width = 3 * heads * head_dim
+    nbytes = 4 * batch * seq * width  # bf16 read + bf16 written per element
+    sets = _rotating(lambda: (torch.randn(batch, seq, width, device=device, dtype=torch.bfloat16),
+                              torch.empty(batch, seq, width, device=device,
+                                          dtype=torch.bfloat16)), nbytes)  # fmt: skip
+    cos, sin = rope_tables(seq, head_dim, 10000.0, torch.float32, device)
+    ms = _timed(lambda i: ops.rope_qkv(sets[i][0], cos, sin, heads, out=sets[i][1]), len(sets),
+                device)  # fmt: skip
+    ms_torch = _timed(lambda i: _rope_torch_ops(sets[i][0], cos, sin, heads), len(sets), device)
+    gbs = nbytes / ms / 1e6
+    return dict(op="rope_qkv", shape=f"{batch}x{seq}x{width}", fused_ms=ms, unfused_ms=ms_torch,
+                GBps=gbs, ratio_to_copy=gbs / copy_gbs, speedup=ms_torch / ms)  # fmt: skip
+
+
 def _scale_update_row(device, slots: int, length: int) -> dict:
     history = torch.rand(length, slots, device=device) + 0.5
     scale = torch.ones(slots, device=device)
@@ -155,6 +188,8 @@ def run(device, quick: bool = False) -> dict:
     fused_shapes = [(1024, 1024)] if quick else [(4096, 8192), (8192, 16384)]
     copy_gbs = ct[-1]["copy_GBps"]
     fused = [row for m, n in fused_shapes for row in _fused_rows(device, m, n, copy_gbs)]
+    rope_shape = (2, 64, 2, 32) if quick else (8, 1024, 16, 64)  # the 100m preset's QKV
+    fused.append(_rope_row(device, *rope_shape, copy_gbs))
     up = [_scale_update_row(device, slots, 1024) for slots in slot_counts]
     text = print_table(
         f"cast-transpose (bf16 -> E4M3, both layouts) vs copy, {device}",
@@ -171,7 +206,8 @@ def run(device, quick: bool = False) -> dict:
         ],
     )
     text += print_table(
-        f"fused cast-transposes (bf16 -> FP8, both layouts) vs copy and vs unfused, {device}",
+        f"fused kernels (cast-transposes bf16 -> FP8 both layouts; RoPE) vs copy and unfused, "
+        f"{device}",
         ["op", "shape", "fused ms", "GB/s", "ratio to copy", "unfused ms", "speedup"],
         [[r["op"], r["shape"], r["fused_ms"], r["GBps"], r["ratio_to_copy"], r["unfused_ms"],
           r["speedup"]] for r in fused],

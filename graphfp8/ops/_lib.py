@@ -59,3 +59,8 @@ def _gelu_cast_transpose_fake(x, scale, out, out_t, scale_inv, amax):
 @torch.library.register_fake("graphfp8::dgelu_cast_transpose_dbias")
 def _dgelu_cast_transpose_dbias_fake(dy, x, scale, out, out_t, scale_inv, amax, dbias):
     return None
+
+
+@torch.library.register_fake("graphfp8::rope_qkv")
+def _rope_qkv_fake(qkv, cos, sin, num_heads, inverse, out):
+    return None

@@ -93,7 +93,10 @@ def _torch_profile(run: Run, args, total: int) -> dict:
         _sync(args.device)
     trace = args.out / f"trace_{run.spec.preset}_{run.spec.name}.json"
     prof.export_chrome_trace(str(trace))
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # GPU-side copies of the NVTX/record_function ranges are annotations, not kernels.
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+              and not e.name.startswith("graphfp8::")
+              and not getattr(e, "is_user_annotation", False)]  # fmt: skip
     microbatches = args.steps * args.microbatches
     if not events:  # CPU: operators instead of kernels
         ops = [e for e in prof.events() if _is_top_level_op(e)]

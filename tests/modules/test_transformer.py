@@ -7,17 +7,24 @@ import pytest
 import torch
 
 import graphfp8 as g8
-from graphfp8.modules.transformer import apply_rope, rope_tables
+from graphfp8.modules.transformer import rope_tables
 from graphfp8.testing import assert_bitwise_equal
 from tests.modules.common import H, T, build, fp8_state
 
 
+def _rope(vectors: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """The layer's RoPE kernel on q = k = v = vectors (S, head_dim) float32, one head; returns
+    the rotated q (S, head_dim)."""
+    s, d = vectors.shape
+    cos, sin = rope_tables(s, d, base, torch.float32, "cpu")
+    qkv = vectors[None, :, None, :].expand(1, s, 3, d).reshape(1, s, 3 * d).contiguous()
+    return g8.ops.rope_qkv(qkv, cos, sin, 1).view(s, 3, d)[:, 0]
+
+
 def test_rope_is_a_rotation_with_relative_phase():
     """RoPE keeps norms, and <rope(q, m), rope(k, n)> depends only on m - n."""
-    cos, sin = rope_tables(64, 16, 10000.0, torch.float64, "cpu")
-    q, k = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
-    seq = lambda v: v.expand(1, 64, 1, 16)  # noqa: E731  the same vector at every position
-    rq, rk = apply_rope(seq(q), cos, sin)[0, :, 0], apply_rope(seq(k), cos, sin)[0, :, 0]
+    q, k = torch.randn(16), torch.randn(16)
+    rq, rk = _rope(q.expand(64, 16)), _rope(k.expand(64, 16))
     torch.testing.assert_close(rq.norm(dim=-1), q.norm().expand(64))
     torch.testing.assert_close(rq[10] @ rk[3], rq[40] @ rk[33])
     torch.testing.assert_close(rq[0], q)  # position 0 is the identity
@@ -26,15 +33,14 @@ def test_rope_is_a_rotation_with_relative_phase():
 def test_rope_matches_complex_rotation():
     """The half-split layout equals multiplying (x_i, x_{i+d/2}) pairs by exp(i * pos * f_i)."""
     d, s = 8, 5
-    cos, sin = rope_tables(s, d, 100.0, torch.float64, "cpu")
-    x = torch.randn(1, s, 1, d, dtype=torch.float64)
+    x = torch.randn(s, d)
     freqs = 100.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     angle = torch.arange(s, dtype=torch.float64)[:, None] * freqs
-    z = torch.complex(x[0, :, 0, : d // 2], x[0, :, 0, d // 2 :]) * torch.polar(
+    z = torch.complex(x[:, : d // 2].double(), x[:, d // 2 :].double()) * torch.polar(
         torch.ones_like(angle), angle
     )
-    want = torch.cat([z.real, z.imag], dim=-1)
-    torch.testing.assert_close(apply_rope(x, cos, sin)[0, :, 0], want)
+    want = torch.cat([z.real, z.imag], dim=-1).float()
+    torch.testing.assert_close(_rope(x, base=100.0), want)
 
 
 def test_causal(device):

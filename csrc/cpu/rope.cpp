@@ -1,0 +1,34 @@
+// CPU kernel: rotary position embedding of the q and k parts of a fused QKV tensor (common.h has
+// the math). Reference-speed loops, bit-identical to graphfp8/reference.py's rope_qkv.
+#include "../common.h"
+#include "fp8_convert.h"
+
+namespace graphfp8 {
+
+void rope_cpu(const RopeParams& p) {
+  const int64_t half = p.head_dim / 2;
+  const int64_t rows = p.batch * p.seq * 3 * p.heads;  // one row per (b, s, part, head)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t part = (r / p.heads) % 3;
+    const int64_t s = (r / (3 * p.heads)) % p.seq;
+    const int64_t base = r * p.head_dim;
+    const float* c = p.cos + s * p.head_dim;
+    const float* n = p.sin + s * p.head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const double lo = cpu::load_as_float(p.x, p.dtype, base + i);
+      const double hi = cpu::load_as_float(p.x, p.dtype, base + i + half);
+      double out_lo = lo, out_hi = hi;
+      if (part < 2 && !p.inverse) {
+        out_lo = lo * c[i] - hi * n[i];
+        out_hi = hi * c[i + half] + lo * n[i + half];
+      } else if (part < 2) {
+        out_lo = lo * c[i] + hi * n[i + half];
+        out_hi = hi * c[i + half] - lo * n[i];
+      }
+      cpu::store_from_float(p.out, p.dtype, base + i, static_cast<float>(out_lo));
+      cpu::store_from_float(p.out, p.dtype, base + i + half, static_cast<float>(out_hi));
+    }
+  }
+}
+
+}  // namespace graphfp8

@@ -1,0 +1,87 @@
+"""rope_qkv against its PyTorch twin (bit for bit), its backward (the transposed rotation), and
+bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphfp8 import ops, reference
+from graphfp8.modules.transformer import rope_tables
+from graphfp8.testing import assert_bitwise_equal
+from tests.helpers import HP_DTYPES
+
+
+def _inputs(batch, seq, heads, head_dim, dtype, device, extra_rows=3):
+    qkv = torch.randn(batch, seq, 3 * heads * head_dim, device=device).to(dtype) * 4
+    cos, sin = rope_tables(seq + extra_rows, head_dim, 500.0, torch.float32, device)
+    return qkv, cos, sin
+
+
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", [(2, 24, 2, 16), (1, 7, 3, 6), (3, 1, 1, 2), (1, 130, 4, 64)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_matches_twin_bitwise(device, dtype, shape, inverse):
+    qkv, cos, sin = _inputs(*shape, dtype, device)
+    heads = shape[2]
+    want = torch.empty_like(qkv)
+    reference.rope_qkv(qkv, cos, sin, heads, inverse, want)
+    assert_bitwise_equal(ops.rope_qkv(qkv, cos, sin, heads, inverse), want)
+    # v is copied untouched, and position 0 is the identity for q and k too
+    width = qkv.shape[-1] // 3
+    assert_bitwise_equal(want[..., 2 * width :], qkv[..., 2 * width :])
+    assert_bitwise_equal(want[:, 0], qkv[:, 0])
+
+
+def test_in_place(device):
+    qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, device)
+    want = ops.rope_qkv(qkv, cos, sin, 2)
+    ops.rope_qkv(qkv, cos, sin, 2, out=qkv)
+    assert_bitwise_equal(qkv, want)
+
+
+def test_inverse_is_the_transpose(device):
+    """<rope(x), g> == <x, rope_inverse(g)>, the identity the backward relies on; and the inverse
+    undoes the forward (a rotation)."""
+    x, cos, sin = _inputs(2, 20, 2, 16, torch.float32, device)
+    g = torch.randn_like(x)
+    lhs = (ops.rope_qkv(x, cos, sin, 2).double() * g.double()).sum()
+    rhs = (x.double() * ops.rope_qkv(g, cos, sin, 2, inverse=True).double()).sum()
+    torch.testing.assert_close(lhs, rhs, rtol=1e-5, atol=1e-3)
+    back = ops.rope_qkv(ops.rope_qkv(x, cos, sin, 2), cos, sin, 2, inverse=True)
+    torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
+
+
+def test_module_backward_uses_inverse(device):
+    """The layer's autograd Function: grad of sum(rope(x) * g) is rope_inverse(g)."""
+    from graphfp8.modules.transformer import _RopeQKV
+
+    x, cos, sin = _inputs(1, 16, 2, 8, torch.bfloat16, device)
+    x.requires_grad_()
+    g = torch.randn_like(x)
+    (_RopeQKV.apply(x, cos, sin, 2) * g).sum().backward()
+    assert_bitwise_equal(x.grad, ops.rope_qkv(g, cos, sin, 2, inverse=True))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda q, c, s: (q.to(torch.int32), c, s, 2), "must be float32, bfloat16 or float16"),
+        (lambda q, c, s: (q[0], c, s, 2), "must be \\(batch, seq, 3 \\* hidden\\)"),
+        (lambda q, c, s: (q, c, s, 5), "is not 3 \\* num_heads"),
+        (lambda q, c, s: (q, c[:4], s, 2), "argument 'cos' must be"),
+        (lambda q, c, s: (q, c, s.double(), 2), "argument 'sin' must be float32"),
+        (lambda q, c, s: (q.transpose(0, 1), c, s, 2), "must be contiguous"),
+    ],
+)
+def test_errors(device, change, match):
+    qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, device)
+    with pytest.raises(RuntimeError, match=match):
+        ops.rope_qkv(*change(qkv, cos, sin))
+
+
+def test_odd_head_dim_rejected():
+    qkv = torch.randn(1, 4, 3 * 2 * 3)
+    cos, sin = torch.ones(4, 3), torch.zeros(4, 3)
+    with pytest.raises(RuntimeError, match="head_dim must be even"):
+        ops.rope_qkv(qkv, cos, sin, 2)
