@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-call GPU check (what `make gpu-check` runs on the H200): build graphfp8._C for sm_90, run
-# the CUDA tests and the benchmarks; logs, JSON and a summary land in $OUT.
+# the CUDA tests, the benchmarks, a training comparison and a profile; logs, JSON and a summary
+# land in $OUT (packed into $OUT/results.tgz next to summary.md).
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block train profile")
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
 set -uo pipefail
@@ -58,4 +59,7 @@ for step in $STEPS; do
   esac
 done
 cat "$OUT/summary.md"
+# At most 8 files come back from the device machine: pack everything into one archive.
+tar czf /tmp/gpu_results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -not -name summary.md -delete \
+  && mv /tmp/gpu_results.tgz "$OUT/results.tgz"
 exit $status
