@@ -1,10 +1,11 @@
 // CUDA: rotary position embedding of the q and k parts of a fused QKV tensor, v copied (common.h
 // has the math; the backward is the same kernel with inverse = true).
 //
-// Grid: a grid-stride loop over the (lo, hi) element pairs of all rows, a row being one
-// (batch, seq, part, head) vector of head_dim elements. Consecutive threads take consecutive
-// pairs of a row, so a warp's loads of x[i] and of x[i + half] are each contiguous. Math in double
-// (the products of a 16/32-bit value and a float32 table entry are exact), rounded through float.
+// Grid: one warp per row, a row being one (batch, seq, part, head) vector of head_dim elements;
+// warps stride over rows (8 per block), and the row's position and part are worked out once per
+// row, not per element (64-bit divisions are slow). Lane l takes the pairs l, l + 32, ... of its
+// row, so a warp's loads of x[i] and of x[i + half] are each contiguous. Math in double (the
+// products of a 16/32-bit value and a float32 table entry are exact), rounded through float.
 #include "../common.h"
 #include "fp8_util.cuh"
 #include "vec.cuh"
@@ -29,44 +30,45 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     rope_kernel(const T* __restrict__ x, T* __restrict__ out, const float* __restrict__ cos_t,
                 const float* __restrict__ sin_t, int64_t seq, int64_t heads, int64_t head_dim,
-                int64_t pairs, bool inverse) {
+                int64_t rows, bool inverse) {
   const int64_t half = head_dim / 2;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < pairs;
-       idx += stride) {
-    const int64_t i = idx % half;
-    const int64_t r = idx / half;
-    const int64_t part = (r / heads) % 3;
-    const int64_t s = (r / (3 * heads)) % seq;
-    const int64_t lo_at = r * head_dim + i;
-    const double lo = load(x + lo_at);
-    const double hi = load(x + lo_at + half);
-    double out_lo = lo, out_hi = hi;
-    if (part < 2) {
-      const float* c = cos_t + s * head_dim;
-      const float* n = sin_t + s * head_dim;
-      if (!inverse) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; r < rows;
+       r += warps) {
+    const int64_t head_row = r / heads;  // (batch, seq, part)
+    const int64_t part = head_row % 3;
+    const int64_t s = (head_row / 3) % seq;
+    const T* xr = x + r * head_dim;
+    T* outr = out + r * head_dim;
+    const float* c = cos_t + s * head_dim;
+    const float* n = sin_t + s * head_dim;
+    for (int64_t i = lane; i < half; i += 32) {
+      const double lo = load(xr + i);
+      const double hi = load(xr + i + half);
+      double out_lo = lo, out_hi = hi;
+      if (part < 2 && !inverse) {
         out_lo = lo * c[i] - hi * n[i];
         out_hi = hi * c[i + half] + lo * n[i + half];
-      } else {
+      } else if (part < 2) {
         out_lo = lo * c[i] + hi * n[i + half];
         out_hi = hi * c[i + half] - lo * n[i];
       }
+      outr[i] = cuda::from_float<T>(static_cast<float>(out_lo));
+      outr[i + half] = cuda::from_float<T>(static_cast<float>(out_hi));
     }
-    out[lo_at] = cuda::from_float<T>(static_cast<float>(out_lo));
-    out[lo_at + half] = cuda::from_float<T>(static_cast<float>(out_hi));
   }
 }
 
 template <typename T>
 void launch(const RopeParams& p, cudaStream_t stream) {
-  const int64_t pairs = p.batch * p.seq * 3 * p.heads * (p.head_dim / 2);
-  const int64_t wanted = (pairs + kThreads - 1) / kThreads;
-  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * 8;
+  const int64_t rows = p.batch * p.seq * 3 * p.heads;
+  const int64_t wanted = (rows + kThreads / 32 - 1) / (kThreads / 32);
+  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * 16;
   const int blocks = static_cast<int>(wanted < cap ? wanted : cap);
   rope_kernel<T><<<blocks, kThreads, 0, stream>>>(
       static_cast<const T*>(p.x), static_cast<T*>(p.out), p.cos, p.sin, p.seq, p.heads,
-      p.head_dim, pairs, p.inverse);
+      p.head_dim, rows, p.inverse);
 }
 
 }  // namespace
