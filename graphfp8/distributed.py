@@ -78,6 +78,8 @@ def _field_text(name: str, value: int) -> str:
         return _FORMATS[value].name
     if name == "amax_compute_algo":
         return repr(_ALGOS[value])
+    if name == "reduce_amax":
+        return str(bool(value))
     return str(value)
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import graphfp8 as g8
-from graphfp8.distributed import allreduce_gradients, cleanup
+from graphfp8.distributed import _buckets, allreduce_gradients, cleanup
 from graphfp8.graphs import RecordingMode, ReplayTape
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import compare_models
@@ -129,6 +129,7 @@ def _train_eager_and_graphed(rank, device, kind, steps=3, mbs=3):
     ops = graphed.captured_ops()
     assert ops["forward"].count("c10d::allreduce_") == 1
     assert ops["backward"].count("c10d::allreduce_") == 1
+    assert not any("allgather" in op for op in ops["forward"] + ops["backward"])  # setup check
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     opt_g = torch.optim.AdamW(graphed_model.parameters(), lr=1e-2)
     losses = []
@@ -271,3 +272,83 @@ def test_group_run_matches_single_process_runs(tmp_path, backend, kind):
     launch(tmp_path, backend, _same_data_equals_single_process, kind)
     (tmp_path / "different").mkdir()
     launch(tmp_path / "different", backend, _different_data_reduces_to_the_max, kind)
+
+
+# (d) mismatched FP8 state raises on every rank ----------------------------------------------
+
+
+def _mismatched_fp8_state_raises(rank, device, case):
+    group = dist.group.WORLD
+    kind, recipe = "Linear", g8.DelayedScaling(amax_history_len=4)
+    if case == "slots" and rank == 1:
+        kind = "Stack"  # 12 forward slots against Linear's 3
+    if case == "recipe" and rank == 1:
+        recipe = g8.DelayedScaling(amax_history_len=4, margin=1)
+    if case == "reduce_amax" and rank == 1:
+        recipe = g8.DelayedScaling(amax_history_len=4, reduce_amax=False)
+    model = build(kind, device=device)
+    x = torch.randn(T, in_features(model), dtype=torch.bfloat16, device=device)
+    expected = {
+        "slots": "rank 1 has 12 forward FP8 slots, rank 0 has 3",
+        "recipe": "rank 1 has margin=1 in its forward arena, rank 0 has margin=0",
+        "reduce_amax": "rank 1 has reduce_amax=False in its forward arena, rank 0 has "
+        "reduce_amax=True",
+    }[case]
+    with pytest.raises(RuntimeError, match=expected):
+        if case == "slots":  # graphed: found before warmup
+            g8.make_graphed_callables(model, (x,), fp8_enabled=True, fp8_recipe=recipe,
+                                      fp8_group=group)  # fmt: skip
+        else:  # eager: found at the first forward update
+            with g8.fp8_autocast(recipe=recipe, fp8_group=group):
+                model(x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["slots", "recipe", "reduce_amax"])
+def test_mismatched_fp8_state_raises_on_every_rank(tmp_path, backend, case):
+    launch(tmp_path, backend, _mismatched_fp8_state_raises, case)
+
+
+# (e) gradient all-reduce ---------------------------------------------------------------------
+
+
+def _rank_grads(rank, shapes_dtypes, device) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(77 + rank)
+    return [torch.randn(s, generator=gen).to(dt).to(device) for s, dt in shapes_dtypes]
+
+
+def _allreduce_gradients_averages(rank, device):
+    """Two dtypes, a parameter without grad, one listed twice, buckets small enough to split:
+    every grad ends as the average (or sum) of the ranks' grads, bit for bit."""
+    specs = [((16, 8), torch.float32), ((5,), torch.bfloat16), ((3, 4), torch.float32),
+             ((7, 3), torch.bfloat16), ((9,), torch.float32)]  # fmt: skip
+    for average in (True, False):
+        params = [torch.nn.Parameter(torch.zeros(s, dtype=dt, device=device)) for s, dt in specs]
+        no_grad = torch.nn.Parameter(torch.zeros(3, device=device))
+        for p, g in zip(params, _rank_grads(rank, specs, device)):
+            p.grad = g
+        allreduce_gradients([*params, no_grad, params[0]], bucket_mb=100 / 2**20, average=average)
+        per_rank = [_rank_grads(r, specs, device) for r in range(WORLD)]
+        for i, p in enumerate(params):
+            expected = per_rank[0][i] + per_rank[1][i]
+            if average:
+                expected = expected / WORLD
+            assert_bitwise_equal(p.grad, expected, f"param {i}, average={average}")
+        assert no_grad.grad is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_allreduce_gradients_averages(tmp_path, backend):
+    launch(tmp_path, backend, _allreduce_gradients_averages)
+
+
+def test_gradient_buckets_split_by_kind_and_size():
+    grads = [torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8),
+             torch.zeros(64), torch.zeros(4)]  # fmt: skip
+    buckets = _buckets(grads, bucket_bytes=64)
+    assert [[tuple(g.shape) + (g.dtype,) for g in b] for b in buckets] == [
+        [(8, torch.float32), (8, torch.float32)],
+        [(64, torch.float32)],
+        [(4, torch.float32)],
+        [(8, torch.bfloat16)],
+    ]
