@@ -5,7 +5,8 @@ backwards in reverse order (one memory pool), and wrapping each callable in an a
 What runs where on every microbatch (one forward replay and one backward replay per callable):
 
     forward graph of callable 0:  the fused scale update of every forward arena (after the MAX
-                                  all-reduce of the amaxes over fp8_group, when given)
+                                  all-reduce of the amaxes over fp8_group, when given: captured
+                                  as a NCCL collective, replayed and waited for by the CPU tape)
     forward graphs:               weight cast-transpose guarded by the device noop flag (nothing
                                   is written when it holds 1), activation casts with amax, GEMMs
     backward graphs:              grad casts with amax, GEMMs
@@ -64,7 +65,11 @@ def make_graphed_callables(
         fp8_recipe: the DelayedScaling recipe (default recipe when None).
         fp8_weight_caching: guard the weight casts with a device flag driven by the
             is_first_microbatch argument of each call (True/None cast, False reuses the cache).
-        fp8_group: torch.distributed group whose ranks MAX-reduce amaxes inside the graphs.
+        fp8_group: torch.distributed group whose ranks MAX-reduce amaxes inside the graphs,
+            with every scale update (once per microbatch per direction). Every rank of the
+            group must call make_graphed_callables with the same modules and recipe: the ranks
+            check this before warmup and raise on every rank otherwise. Gradients are not
+            reduced here: call distributed.allreduce_gradients once per optimizer step.
         pool: a memory pool handle shared with other graphs (CUDA).
 
     Returns:
