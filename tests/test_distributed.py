@@ -4,6 +4,8 @@ marked `cuda`, NCCL with CUDA graphs on 2 GPUs."""
 from __future__ import annotations
 
 import copy
+import os
+import socket
 import time
 from datetime import timedelta
 
@@ -13,7 +15,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import graphfp8 as g8
-from graphfp8.distributed import _buckets, allreduce_gradients, cleanup
+from graphfp8.distributed import (
+    DistInfo,
+    _buckets,
+    allreduce_gradients,
+    cleanup,
+    init_distributed,
+    is_distributed,
+)
 from graphfp8.graphs import RecordingMode, ReplayTape
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import compare_models
@@ -61,13 +70,16 @@ def _entry(rank: int, store: str, backend: str, worker, args) -> None:
 
 def launch(tmp_path, backend: str, worker, *args) -> None:
     """Runs worker on WORLD spawned ranks; re-raises a rank's failure; kills them on a hang."""
-    ctx = mp.start_processes(_entry, args=(str(tmp_path / "store"), backend, worker, args),
-                             nprocs=WORLD, join=False, start_method="spawn")  # fmt: skip
+    _spawn(_entry, (str(tmp_path / "store"), backend, worker, args), worker.__name__)
+
+
+def _spawn(entry, args, name: str) -> None:
+    ctx = mp.start_processes(entry, args=args, nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{worker.__name__}: the ranks did not finish in time")
+                raise TimeoutError(f"{name}: the ranks did not finish in time")
     finally:
         for proc in ctx.processes:
             if proc.is_alive():
@@ -352,3 +364,40 @@ def test_gradient_buckets_split_by_kind_and_size():
         [(4, torch.float32)],
         [(8, torch.bfloat16)],
     ]
+
+
+# init_distributed ------------------------------------------------------------------------------
+
+
+def _torchrun_entry(rank: int, port: int) -> None:
+    """One rank started the way torchrun starts it: only the environment says who it is."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    info = init_distributed("cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
+    assert info == DistInfo(rank, WORLD, rank, torch.device("cpu"))
+    assert init_distributed("cpu") == info  # idempotent
+    assert is_distributed() and dist.get_backend() == "gloo"
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    assert t.item() == 1.0
+    cleanup()
+    assert not is_distributed()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_init_distributed_from_torchrun_env():
+    _spawn(_torchrun_entry, (_free_port(),), "init_distributed")
+
+
+def test_init_distributed_without_torchrun_is_a_world_of_one(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert init_distributed("cpu") == DistInfo(0, 1, 0, torch.device("cpu"))
+    assert not is_distributed()
+    with pytest.raises(ValueError, match="device_type"):
+        init_distributed("tpu")
