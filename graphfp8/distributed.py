@@ -37,9 +37,11 @@ __all__ = [
     "DistInfo",
     "allreduce_gradients",
     "check_arena_consistency",
+    "check_arenas",
     "cleanup",
     "init_distributed",
     "is_distributed",
+    "needs_reduction",
 ]
 
 # What ranks must agree on before they all-reduce an arena, in the exchanged order.
@@ -260,5 +262,6 @@ def cleanup() -> None:
     collection here frees graphs that only reference cycles still hold.
     """
     if dist.is_available() and dist.is_initialized():
+        _CHECKED.clear()  # holds groups, which are all invalid from here on
         gc.collect()
         dist.destroy_process_group()
