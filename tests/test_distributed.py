@@ -292,7 +292,7 @@ def test_group_run_matches_single_process_runs(tmp_path, backend, kind):
 def _mismatched_fp8_state_raises(rank, device, case):
     group = dist.group.WORLD
     kind, recipe = "Linear", g8.DelayedScaling(amax_history_len=4)
-    if case == "slots" and rank == 1:
+    if case in ("slots", "eager_slots") and rank == 1:
         kind = "Stack"  # 12 forward slots against Linear's 3
     if case == "recipe" and rank == 1:
         recipe = g8.DelayedScaling(amax_history_len=4, margin=1)
@@ -302,6 +302,9 @@ def _mismatched_fp8_state_raises(rank, device, case):
     x = torch.randn(T, in_features(model), dtype=torch.bfloat16, device=device)
     expected = {
         "slots": "rank 1 has 12 forward FP8 slots, rank 0 has 3",
+        # Eagerly the first forward update sees only the first layer's 3 slots on both ranks;
+        # the backward update, at the end of the backward pass, sees all of them.
+        "eager_slots": "rank 1 has 8 backward FP8 slots, rank 0 has 2",
         "recipe": "rank 1 has margin=1 in its forward arena, rank 0 has margin=0",
         "reduce_amax": "rank 1 has reduce_amax=False in its forward arena, rank 0 has "
         "reduce_amax=True",
@@ -310,13 +313,14 @@ def _mismatched_fp8_state_raises(rank, device, case):
         if case == "slots":  # graphed: found before warmup
             g8.make_graphed_callables(model, (x,), fp8_enabled=True, fp8_recipe=recipe,
                                       fp8_group=group)  # fmt: skip
-        else:  # eager: found at the first forward update
+        else:  # eager: found at the first update
             with g8.fp8_autocast(recipe=recipe, fp8_group=group):
-                model(x)
+                y = model(x)
+            y.float().sum().backward()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["slots", "recipe", "reduce_amax"])
+@pytest.mark.parametrize("case", ["slots", "eager_slots", "recipe", "reduce_amax"])
 def test_mismatched_fp8_state_raises_on_every_rank(tmp_path, backend, case):
     launch(tmp_path, backend, _mismatched_fp8_state_raises, case)
 
