@@ -74,7 +74,9 @@ def fp8_autocast(enabled: bool = True, recipe: DelayedScaling | None = None, fp8
     Args:
         enabled: False runs the modules in their parameter dtype.
         recipe: a DelayedScaling; the default recipe when None.
-        fp8_group: torch.distributed group whose ranks MAX-reduce their amaxes before updates.
+        fp8_group: torch.distributed group whose ranks MAX-reduce their amaxes before every
+            scale update (the forward arena's in this region, the backward arena's at the end of
+            its backward pass); see graphfp8.distributed.
     """
     if recipe is None:
         recipe = DelayedScaling()

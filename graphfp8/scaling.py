@@ -27,8 +27,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from graphfp8 import ops
+from graphfp8 import distributed, ops
 from graphfp8.recipe import DelayedScaling, fp8_max
 
 __all__ = ["Arena", "SlotBlock", "allocate", "live_arenas", "new_init_group", "update_"]
@@ -84,13 +85,14 @@ class Arena:
         """One delayed-scaling step for every slot: optional MAX all-reduce of row 0 over
         `group` (when the recipe says reduce_amax and the group has several ranks), then the
         fused kernel. Reducing row 0 in place equals DESIGN.md's `a = R if R != 0 else H[0]`:
-        R is the max over ranks of non-negative amaxes, so R == 0 implies H[0] == 0."""
+        R is the max over ranks of non-negative amaxes, so R == 0 implies H[0] == 0. Before the
+        first reduction of this arena over `group`, the ranks check that their arenas match
+        (distributed.check_arena_consistency), so a mismatch raises instead of hanging."""
         if self.num_slots == 0:
             return
-        if group is not None and self.recipe.reduce_amax:
-            import torch.distributed as dist
-
-            if dist.get_world_size(group) > 1:
+        if distributed.needs_reduction(group):
+            distributed.check_arena_consistency(self, group)
+            if self.recipe.reduce_amax:
                 dist.all_reduce(self.amax_history[0], op=dist.ReduceOp.MAX, group=group)
         ops.scale_update_(
             self.amax_history,

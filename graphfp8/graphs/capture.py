@@ -5,7 +5,8 @@ backwards in reverse order (one memory pool), and wrapping each callable in an a
 What runs where on every microbatch (one forward replay and one backward replay per callable):
 
     forward graph of callable 0:  the fused scale update of every forward arena (after the MAX
-                                  all-reduce of the amaxes over fp8_group, when given)
+                                  all-reduce of the amaxes over fp8_group, when given: captured
+                                  as a NCCL collective, replayed and waited for by the CPU tape)
     forward graphs:               weight cast-transpose guarded by the device noop flag (nothing
                                   is written when it holds 1), activation casts with amax, GEMMs
     backward graphs:              grad casts with amax, GEMMs
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from graphfp8 import scaling
+from graphfp8 import distributed, scaling
 from graphfp8.autocast import CaptureState, capture_state
 from graphfp8.graphs.backends import capture_stream, new_graph
 from graphfp8.graphs.static_io import (
@@ -65,7 +66,11 @@ def make_graphed_callables(
         fp8_recipe: the DelayedScaling recipe (default recipe when None).
         fp8_weight_caching: guard the weight casts with a device flag driven by the
             is_first_microbatch argument of each call (True/None cast, False reuses the cache).
-        fp8_group: torch.distributed group whose ranks MAX-reduce amaxes inside the graphs.
+        fp8_group: torch.distributed group whose ranks MAX-reduce amaxes inside the graphs,
+            with every scale update (once per microbatch per direction). Every rank of the
+            group must call make_graphed_callables with the same modules and recipe: the ranks
+            check this before warmup and raise on every rank otherwise. Gradients are not
+            reduced here: call distributed.allreduce_gradients once per optimizer step.
         pool: a memory pool handle shared with other graphs (CUDA).
 
     Returns:
@@ -109,10 +114,14 @@ def make_graphed_callables(
     state = dict(fp8_enabled=fp8_enabled, recipe=recipe, group=fp8_group, capture=capture)
     if fp8_enabled:
         scaling.new_init_group()  # the captured modules never share arenas with other models
-        _init_fp8_modules(callables, recipe, device)
+        arenas = _init_fp8_modules(callables, recipe, device)
+        distributed.check_arenas(arenas, fp8_group)  # before warmup: fail fast, on every rank
     with _fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
         _warmup(callables, runners, num_warmup_iters, allow_unused_input, state, device)
     arenas = sorted(capture.arenas.values(), key=lambda a: a.serial)
+    # Arenas that only plain functions reach are allocated by the warmup; a check inside the
+    # capture would record its all_gather (and its host read) into the graph.
+    distributed.check_arenas(arenas, fp8_group)
     for arena in arenas:
         arena.frozen = True
     if pool is None and device.type == "cuda":
@@ -163,14 +172,18 @@ def _prepare(callables, sample_args, sample_kwargs, fp8_enabled, caching):
     return runners, device
 
 
-def _init_fp8_modules(callables, recipe, device) -> None:
+def _init_fp8_modules(callables, recipe, device) -> list[scaling.Arena]:
     """Allocates the slots of every FP8 module reachable from the callables before the
-    snapshot; modules only reached through plain functions allocate during warmup."""
+    snapshot, and returns their arenas in creation order; modules only reached through plain
+    functions allocate during warmup."""
+    arenas = {}
     for func in callables:
         if isinstance(func, nn.Module):
             for m in func.modules():
                 if isinstance(m, FP8Module):
-                    m.fp8_init(recipe, device)
+                    meta = m.fp8_init(recipe, device)
+                    arenas.update({id(b.arena): b.arena for b in (meta.fwd, meta.bwd)})
+    return sorted(arenas.values(), key=lambda a: a.serial)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,8 @@
 """The CPU replay tape: records every dispatcher op run during a capture and replays exactly those
 ops on the same tensors, without running Python again - a CPU stand-in for a CUDA graph that
-freezes Python state the same way a CUDA graph does.
+freezes Python state the same way a CUDA graph does. In-place torch.distributed collectives (the
+amax all-reduce over fp8_group) are replayed too: re-issued on the same tensors at the same point,
+then waited for, as a NCCL collective captured in a CUDA graph runs in stream order.
 
 The same recording mode guards CUDA captures: an op that would synchronise with the host (or
 whose output shape depends on data) raises a CaptureError naming the op and the user's line,
@@ -83,6 +85,14 @@ def _check_capturable(func, args, kwargs) -> None:
         )
 
 
+def _wait_for_work(result) -> None:
+    """Waits on every c10d Work a collective returned, as torch.distributed's Python wrappers do
+    with async_op=False: the tape replays the op itself, below those wrappers."""
+    for item in tree_flatten(result)[0]:
+        if isinstance(item, torch.ScriptObject) and hasattr(item, "wait"):
+            item.wait()
+
+
 class _Record:
     """One recorded op and how to replay it."""
 
@@ -92,7 +102,17 @@ class _Record:
         self.func, self.args, self.kwargs = func, args, kwargs
         schema = func._schema
         self.outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if func in _ALLOC_ONLY:
+        if func.namespace == "c10d":
+            # An in-place collective on the recorded tensors (e.g. the amax MAX all-reduce):
+            # re-issued on the same tensors at the same point of the tape, and waited for, so
+            # that the ops after it read the reduced values, as they did at capture.
+            self.mode = "collective"
+        elif func.namespace == "_c10d_functional":
+            raise CaptureError(
+                f"graphfp8 tape: cannot replay the functional collective {func}; use the "
+                "in-place torch.distributed collectives (dist.all_reduce) inside a capture"
+            )
+        elif func in _ALLOC_ONLY:
             self.mode = "skip"  # a graph does not re-allocate
         elif schema.is_mutable:
             self.mode = "inplace"
@@ -107,7 +127,9 @@ class _Record:
         if self.mode == "skip":
             return
         result = self.func(*self.args, **self.kwargs)
-        if self.mode == "copy":
+        if self.mode == "collective":
+            _wait_for_work(result)
+        elif self.mode == "copy":
             fresh = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
             for dst, src in zip(self.outs, fresh):
                 dst.copy_(src)
