@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import platform
 import sys
 from datetime import datetime, timezone
@@ -90,6 +91,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--save/--resume/--stop-at work on a single run, not with --compare")
     if args.seq_len is not None and args.seq_len % 16:
         p.error(f"--seq-len must be a multiple of 16 for FP8 GEMMs, got {args.seq_len}")
+    if args.ddp and "WORLD_SIZE" not in os.environ:
+        p.error("--ddp runs under torchrun: torchrun --nproc_per_node=N -m graphfp8.train --ddp")
     if args.resume is not None and not args.resume.is_file():
         p.error(f"--resume: no checkpoint at {args.resume}")
     args.runs = _parse_runs(p, args)
@@ -142,10 +145,19 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     group, rank, world = None, 0, 1
     if args.ddp:
-        from graphfp8.distributed import init_distributed
+        from graphfp8 import distributed
 
-        rank, world, args.device = init_distributed(args.device)
+        info = distributed.init_distributed("cuda" if args.device.startswith("cuda") else "cpu")
+        rank, world, args.device = info.rank, info.world_size, str(info.device)
         group = torch.distributed.group.WORLD
+    try:
+        return _train_all(args, group, rank, world, argv)
+    finally:
+        if args.ddp:
+            distributed.cleanup()
+
+
+def _train_all(args, group, rank: int, world: int, argv) -> int:
     is_main = rank == 0
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = args.out or Path("runs") / stamp
@@ -164,6 +176,11 @@ def main(argv=None) -> int:
     for r in results:
         r.pop("model_state")
     _print_table(results)
+    for r in results:
+        if r["ranks_agree"] is not None:
+            agree = ", ".join(f"{k} {'identical' if v else 'DIFFERENT'}"
+                              for k, v in r["ranks_agree"].items())  # fmt: skip
+            print(f"{r['name']}: across {world} ranks: {agree}")
     summary = {"date": stamp, "argv": sys.argv[1:] if argv is None else list(argv),
                "preset": args.preset, "model": PRESETS[args.preset].to_dict(),
                "microbatches": args.microbatches, "world_size": world,

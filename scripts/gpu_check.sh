@@ -4,6 +4,7 @@
 # land in $OUT (packed into $OUT/results.tgz next to summary.md).
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block train profile")
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
+#   FIRST_TESTS tests that the tests-first step runs verbosely before the rest
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -42,6 +43,20 @@ for step in $STEPS; do
       $PY -m pytest -q -m cuda -p no:cacheprovider ${PYTEST_ARGS:-} tests > "$OUT/tests_gpu.log" 2>&1
       rc=$?; tail -25 "$OUT/tests_gpu.log"; tail -1 "$OUT/tests_gpu.log" >> "$OUT/summary.md"
       [ $rc -eq 0 ] || status=1 ;;
+    ddp)  # data parallel: 1 vs all GPUs of the machine, FP8 + graphs, the GPU default preset
+      n=$($PY -c "import torch; print(torch.cuda.device_count())")
+      procs_list=1; [ "$n" -gt 1 ] && procs_list="1 $n"
+      for procs in $procs_list; do
+        $PY -m torch.distributed.run --standalone --nproc_per_node=$procs -m graphfp8.train \
+          --ddp --preset ${TRAIN_PRESET:-100m} --steps ${DDP_STEPS:-100} --out "$OUT/ddp$procs" \
+          > "$OUT/ddp$procs.log" 2>&1 || status=1
+        echo "-- $procs GPU(s)" | tee -a "$OUT/summary.md"
+        grep -A3 "final loss" "$OUT/ddp$procs.log" | tee -a "$OUT/summary.md"
+        grep "across" "$OUT/ddp$procs.log" | tee -a "$OUT/summary.md"
+      done ;;
+    tests-first)  # one file first, verbose, so a crash names its test
+      $PY -m pytest -v -m cuda -p no:cacheprovider ${FIRST_TESTS:-tests/ops} > "$OUT/tests_first.log" 2>&1
+      rc=$?; tail -5 "$OUT/tests_first.log" | tee -a "$OUT/summary.md"; [ $rc -eq 0 ] || status=1 ;;
     train)  # the issue-6 comparison on the GPU default preset
       $PY -m graphfp8.train --compare ${TRAIN_RUNS:-bf16:eager,bf16:graphs,fp8:eager,fp8:graphs} \
         --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_STEPS:-300} --out "$OUT/train" \

@@ -4,6 +4,10 @@ resume, logs and plot written, clear argument errors."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +105,35 @@ def test_cuda_device_without_gpu(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--device", "cuda"])
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "ddp_device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="needs 2 GPUs")])],
+)  # fmt: skip
+def test_ddp_under_torchrun(tmp_path, ddp_device):
+    """torchrun --nproc_per_node=2 -m graphfp8.train --ddp: both ranks end with the same FP8
+    scales and histories and the same parameters, and the loss goes down."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "graphfp8.train", "--ddp", "--device", ddp_device, *SMALL, "--steps", "8",
+           "--log-every", "4", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    run = summary["runs"][0]
+    assert summary["world_size"] == 2
+    assert run["ranks_agree"] == {"fp8_state": True, "parameters": True}
+    assert run["losses"][-1] < run["losses"][0] - 0.5
+    assert "fp8_state identical, parameters identical" in done.stdout
+
+
+def test_ddp_without_torchrun(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--device", "cpu", "--ddp"])
+    assert "runs under torchrun" in capsys.readouterr().err
 
 
 def test_profile_runner_writes_summary(tmp_path):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from graphfp8.autocast import fp8_autocast
+from graphfp8.distributed import allreduce_gradients
 from graphfp8.graphs import make_graphed_callables
 from graphfp8.profiling import nvtx_range
 from graphfp8.recipe import DelayedScaling
@@ -125,8 +126,6 @@ class Run:
             total += loss.detach()
         with nvtx_range("optimizer"):
             if self.group is not None:
-                from graphfp8.distributed import allreduce_gradients
-
                 allreduce_gradients(model.parameters(), self.group)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             for group in self.optimizer.param_groups:

@@ -35,6 +35,29 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _ranks_agree(model: torch.nn.Module, group) -> dict[str, bool]:
+    """Whether every rank holds the same FP8 scales and amax histories (rows 1+: row 0 holds
+    this rank's amaxes of the microbatch in flight) and the same parameters (compared through
+    per-tensor float64 sums)."""
+    import torch.distributed as dist
+
+    fp8, fingerprint = [], []
+    for module in model.modules():
+        meta = getattr(module, "fp8_meta", None)
+        if meta is not None:
+            for block in (meta.fwd, meta.bwd):
+                fp8 += [block.scales().flatten(), block.history()[1:].flatten()]
+    for p in model.parameters():
+        fingerprint.append(p.detach().double().sum().reshape(1))
+    out = {}
+    for name, parts in (("fp8_state", fp8), ("parameters", fingerprint)):
+        mine = torch.cat(parts) if parts else torch.zeros(1, device=next(model.parameters()).device)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        out[name] = all(torch.equal(g, gathered[0]) for g in gathered)
+    return out
+
+
 def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     """Trains `spec` for opts.steps optimizer steps (counting from a resumed step).
 
@@ -86,6 +109,7 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     if opts.save is not None and opts.is_main:
         opts.save.parent.mkdir(parents=True, exist_ok=True)
         torch.save(run.state_dict(), opts.save)
+    agree = _ranks_agree(run.model, opts.group) if opts.group is not None else None
     steady_tokens = tokens_per_step * (steps - steady_from)
     return {
         "name": spec.name,
@@ -99,5 +123,6 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         "capture_s": round(capture_s, 3),
         "train_s": round(t_end - t_start, 3),
         "tokens_per_s": steady_tokens / (t_end - t_steady) if t_steady and steady_tokens else None,
+        "ranks_agree": agree,
         "model_state": run.model.state_dict() if opts.keep_state else None,
     }
