@@ -87,8 +87,8 @@ struct FusedCastTransposeParams {
 //   forward   out[i] = x[i] c[i] - x[i+half] n[i],    out[i+half] = x[i+half] c[i+half] + x[i] n[i+half]
 //   inverse   (the backward: the transposed rotation applied to a gradient)
 //             out[i] = x[i] c[i] + x[i+half] n[i+half], out[i+half] = x[i+half] c[i+half] - x[i] n[i]
-// computed in double (the products are exact) and rounded through float to the dtype, so CPU,
-// CUDA and the PyTorch twin agree bit for bit.
+// in fp32, every product and sum rounded on its own (no fused multiply-add), then rounded to the
+// dtype, so CPU, CUDA and the PyTorch twin agree bit for bit.
 struct RopeParams {
   const void* x;       // (batch, seq, 3, heads, head_dim), dtype, contiguous
   void* out;           // same shape and dtype

@@ -120,14 +120,14 @@ def dgelu_cast_transpose_dbias(dy, x, scale, out, out_t, scale_inv, amax, dbias)
 
 
 def rope_qkv(qkv, cos, sin, num_heads, inverse, out) -> None:
-    """Twin of torch.ops.graphfp8.rope_qkv: the rotation in float64 (exact products), rounded
-    through float32 to qkv's dtype."""
+    """Twin of torch.ops.graphfp8.rope_qkv: the rotation in float32, each product and sum
+    rounded on its own, then rounded to qkv's dtype."""
     b, s, width = qkv.shape
     head_dim = width // (3 * num_heads)
     half = head_dim // 2
-    x = qkv.view(b, s, 3, num_heads, head_dim).double()
-    c = cos[:s, None, None, :].double()  # (s, 1, 1, head_dim): broadcast over parts, heads
-    n = sin[:s, None, None, :].double()
+    x = qkv.view(b, s, 3, num_heads, head_dim).float()
+    c = cos[:s, None, None, :].float()  # (s, 1, 1, head_dim): broadcast over parts, heads
+    n = sin[:s, None, None, :].float()
     lo, hi = x[:, :, :2, :, :half], x[:, :, :2, :, half:]
     c_lo, c_hi, n_lo, n_hi = c[..., :half], c[..., half:], n[..., :half], n[..., half:]
     if inverse:
@@ -135,4 +135,4 @@ def rope_qkv(qkv, cos, sin, num_heads, inverse, out) -> None:
     else:
         rot = torch.cat([lo * c_lo - hi * n_lo, hi * c_hi + lo * n_hi], dim=-1)
     y = torch.cat([rot, x[:, :, 2:]], dim=2)
-    out.copy_(y.float().to(out.dtype).view(b, s, width))
+    out.copy_(y.to(out.dtype).view(b, s, width))

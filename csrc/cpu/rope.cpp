@@ -1,5 +1,6 @@
 // CPU kernel: rotary position embedding of the q and k parts of a fused QKV tensor (common.h has
-// the math). Reference-speed loops, bit-identical to graphfp8/reference.py's rope_qkv.
+// the math). Reference-speed loops in fp32, each product and sum rounded on its own (setup.py
+// builds with -ffp-contract=off), bit-identical to graphfp8/reference.py's rope_qkv.
 #include "../common.h"
 #include "fp8_convert.h"
 
@@ -15,9 +16,9 @@ void rope_cpu(const RopeParams& p) {
     const float* c = p.cos + s * p.head_dim;
     const float* n = p.sin + s * p.head_dim;
     for (int64_t i = 0; i < half; ++i) {
-      const double lo = cpu::load_as_float(p.x, p.dtype, base + i);
-      const double hi = cpu::load_as_float(p.x, p.dtype, base + i + half);
-      double out_lo = lo, out_hi = hi;
+      const float lo = cpu::load_as_float(p.x, p.dtype, base + i);
+      const float hi = cpu::load_as_float(p.x, p.dtype, base + i + half);
+      float out_lo = lo, out_hi = hi;
       if (part < 2 && !p.inverse) {
         out_lo = lo * c[i] - hi * n[i];
         out_hi = hi * c[i + half] + lo * n[i + half];
@@ -25,8 +26,8 @@ void rope_cpu(const RopeParams& p) {
         out_lo = lo * c[i] + hi * n[i + half];
         out_hi = hi * c[i + half] - lo * n[i];
       }
-      cpu::store_from_float(p.out, p.dtype, base + i, static_cast<float>(out_lo));
-      cpu::store_from_float(p.out, p.dtype, base + i + half, static_cast<float>(out_hi));
+      cpu::store_from_float(p.out, p.dtype, base + i, out_lo);
+      cpu::store_from_float(p.out, p.dtype, base + i + half, out_hi);
     }
   }
 }

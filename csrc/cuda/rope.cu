@@ -1,11 +1,15 @@
 // CUDA: rotary position embedding of the q and k parts of a fused QKV tensor, v copied (common.h
 // has the math; the backward is the same kernel with inverse = true).
 //
-// Grid: one warp per row, a row being one (batch, seq, part, head) vector of head_dim elements;
-// warps stride over rows (8 per block), and the row's position and part are worked out once per
-// row, not per element (64-bit divisions are slow). Lane l takes the pairs l, l + 32, ... of its
-// row, so a warp's loads of x[i] and of x[i + half] are each contiguous. Math in double (the
-// products of a 16/32-bit value and a float32 table entry are exact), rounded through float.
+// Vector path (half = head_dim / 2 a multiple of N = 16 / sizeof(T), 16-byte-aligned tensors): a
+// grid-stride loop over chunks, a chunk being N consecutive (lo, hi) pairs of one row (one
+// (batch, seq, part, head) vector). A thread loads its chunk's lo and hi halves with one 16-byte
+// load each, rotates them in fp32 and stores them with one 16-byte store each; consecutive
+// threads take consecutive chunks, so a warp moves whole rows. The row's position and part are
+// worked out once per chunk. Other shapes take a scalar loop, one pair per iteration.
+//
+// The arithmetic uses explicitly rounded fp32 operations (no fused multiply-add), like the CPU
+// kernel (built with -ffp-contract=off) and the PyTorch twin, so all three agree bit for bit.
 #include "../common.h"
 #include "fp8_util.cuh"
 #include "vec.cuh"
@@ -15,60 +19,120 @@ namespace {
 
 constexpr int kThreads = 256;
 
+struct Rotation {
+  float lo, hi;
+};
+
+// One pair: c_lo = cos[i], c_hi = cos[i + half], likewise n_* for sin.
+__device__ __forceinline__ Rotation rotate(float lo, float hi, float c_lo, float c_hi, float n_lo,
+                                           float n_hi, bool inverse) {
+  if (!inverse) {
+    return {__fsub_rn(__fmul_rn(lo, c_lo), __fmul_rn(hi, n_lo)),
+            __fadd_rn(__fmul_rn(hi, c_hi), __fmul_rn(lo, n_hi))};
+  }
+  return {__fadd_rn(__fmul_rn(lo, c_lo), __fmul_rn(hi, n_hi)),
+          __fsub_rn(__fmul_rn(hi, c_hi), __fmul_rn(lo, n_lo))};
+}
+
+struct RowInfo {
+  int64_t seq, heads, head_dim;
+};
+
+// Whether row r holds q or k (rotated) rather than v (copied), and its position s.
+__device__ __forceinline__ bool row_position(int64_t r, const RowInfo& info, int64_t& s) {
+  const int64_t head_row = r / info.heads;  // (batch, seq, part)
+  s = (head_row / 3) % info.seq;
+  return head_row % 3 < 2;
+}
+
 template <typename T>
-__device__ __forceinline__ double load(const T* p) {
-  if constexpr (sizeof(T) == 4) {
-    return static_cast<double>(*p);
-  } else if constexpr (std::is_same_v<T, __half>) {
-    return static_cast<double>(__half2float(*p));
-  } else {
-    return static_cast<double>(__bfloat162float(*p));
+__global__ void __launch_bounds__(kThreads)
+    rope_vec_kernel(const T* __restrict__ x, T* __restrict__ out, const float* __restrict__ cos_t,
+                    const float* __restrict__ sin_t, RowInfo info, int64_t chunks, bool inverse) {
+  constexpr int N = cuda::Vec<T>::N;
+  const int64_t half = info.head_dim / 2;
+  const int64_t per_row = half / N;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks;
+       c += stride) {
+    const int64_t r = c / per_row;
+    const int64_t i0 = (c - r * per_row) * N;
+    const int64_t lo_at = r * info.head_dim + i0;
+    float lo[N], hi[N];
+    cuda::load_vec(x + lo_at, lo);
+    cuda::load_vec(x + lo_at + half, hi);
+    int64_t s = 0;
+    if (row_position(r, info, s)) {
+      const float* cs = cos_t + s * info.head_dim + i0;
+      const float* sn = sin_t + s * info.head_dim + i0;
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const Rotation o = rotate(lo[k], hi[k], __ldg(cs + k), __ldg(cs + half + k),
+                                  __ldg(sn + k), __ldg(sn + half + k), inverse);
+        lo[k] = o.lo;
+        hi[k] = o.hi;
+      }
+    }
+    alignas(16) T lo_out[N];
+    alignas(16) T hi_out[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      lo_out[k] = cuda::from_float<T>(lo[k]);
+      hi_out[k] = cuda::from_float<T>(hi[k]);
+    }
+    *reinterpret_cast<uint4*>(out + lo_at) = *reinterpret_cast<const uint4*>(lo_out);
+    *reinterpret_cast<uint4*>(out + lo_at + half) = *reinterpret_cast<const uint4*>(hi_out);
   }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    rope_kernel(const T* __restrict__ x, T* __restrict__ out, const float* __restrict__ cos_t,
-                const float* __restrict__ sin_t, int64_t seq, int64_t heads, int64_t head_dim,
-                int64_t rows, bool inverse) {
-  const int64_t half = head_dim / 2;
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; r < rows;
-       r += warps) {
-    const int64_t head_row = r / heads;  // (batch, seq, part)
-    const int64_t part = head_row % 3;
-    const int64_t s = (head_row / 3) % seq;
-    const T* xr = x + r * head_dim;
-    T* outr = out + r * head_dim;
-    const float* c = cos_t + s * head_dim;
-    const float* n = sin_t + s * head_dim;
-    for (int64_t i = lane; i < half; i += 32) {
-      const double lo = load(xr + i);
-      const double hi = load(xr + i + half);
-      double out_lo = lo, out_hi = hi;
-      if (part < 2 && !inverse) {
-        out_lo = lo * c[i] - hi * n[i];
-        out_hi = hi * c[i + half] + lo * n[i + half];
-      } else if (part < 2) {
-        out_lo = lo * c[i] + hi * n[i + half];
-        out_hi = hi * c[i + half] - lo * n[i];
-      }
-      outr[i] = cuda::from_float<T>(static_cast<float>(out_lo));
-      outr[i + half] = cuda::from_float<T>(static_cast<float>(out_hi));
+    rope_scalar_kernel(const T* __restrict__ x, T* __restrict__ out, const float* __restrict__ cos_t,
+                       const float* __restrict__ sin_t, RowInfo info, int64_t pairs, bool inverse) {
+  const int64_t half = info.head_dim / 2;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < pairs;
+       p += stride) {
+    const int64_t r = p / half;
+    const int64_t i = p - r * half;
+    const int64_t lo_at = r * info.head_dim + i;
+    float lo = cuda::to_float(x[lo_at]), hi = cuda::to_float(x[lo_at + half]);
+    int64_t s = 0;
+    if (row_position(r, info, s)) {
+      const float* cs = cos_t + s * info.head_dim;
+      const float* sn = sin_t + s * info.head_dim;
+      const Rotation o = rotate(lo, hi, cs[i], cs[i + half], sn[i], sn[i + half], inverse);
+      lo = o.lo;
+      hi = o.hi;
     }
+    out[lo_at] = cuda::from_float<T>(lo);
+    out[lo_at + half] = cuda::from_float<T>(hi);
   }
+}
+
+int grid_for(int64_t work) {
+  const int64_t wanted = (work + kThreads - 1) / kThreads;
+  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * 8;
+  return static_cast<int>(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
 }
 
 template <typename T>
 void launch(const RopeParams& p, cudaStream_t stream) {
+  constexpr int N = cuda::Vec<T>::N;
+  const RowInfo info{p.seq, p.heads, p.head_dim};
   const int64_t rows = p.batch * p.seq * 3 * p.heads;
-  const int64_t wanted = (rows + kThreads / 32 - 1) / (kThreads / 32);
-  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * 16;
-  const int blocks = static_cast<int>(wanted < cap ? wanted : cap);
-  rope_kernel<T><<<blocks, kThreads, 0, stream>>>(
-      static_cast<const T*>(p.x), static_cast<T*>(p.out), p.cos, p.sin, p.seq, p.heads,
-      p.head_dim, rows, p.inverse);
+  const int64_t half = p.head_dim / 2;
+  const auto* x = static_cast<const T*>(p.x);
+  auto* out = static_cast<T*>(p.out);
+  if (half % N == 0 && cuda::aligned16(x) && cuda::aligned16(out)) {
+    const int64_t chunks = rows * (half / N);
+    rope_vec_kernel<T><<<grid_for(chunks), kThreads, 0, stream>>>(x, out, p.cos, p.sin, info,
+                                                                   chunks, p.inverse);
+  } else {
+    const int64_t pairs = rows * half;
+    rope_scalar_kernel<T><<<grid_for(pairs), kThreads, 0, stream>>>(x, out, p.cos, p.sin, info,
+                                                                    pairs, p.inverse);
+  }
 }
 
 }  // namespace

@@ -64,24 +64,42 @@ def test_module_backward_uses_inverse(device):
 
 
 @pytest.mark.parametrize(
-    "change, match",
+    "change, error, match",
     [
-        (lambda q, c, s: (q.to(torch.int32), c, s, 2), "must be float32, bfloat16 or float16"),
-        (lambda q, c, s: (q[0], c, s, 2), "must be \\(batch, seq, 3 \\* hidden\\)"),
-        (lambda q, c, s: (q, c, s, 5), "is not 3 \\* num_heads"),
-        (lambda q, c, s: (q, c[:4], s, 2), "argument 'cos' must be"),
-        (lambda q, c, s: (q, c, s.double(), 2), "argument 'sin' must be float32"),
-        (lambda q, c, s: (q.transpose(0, 1), c, s, 2), "must be contiguous"),
+        (lambda q, c, s: (q.to(torch.int32), c, s, 2), TypeError, "float32, bfloat16 or float16"),
+        (lambda q, c, s: (q[0], c, s, 2), ValueError, r"must be \(batch, seq, 3 \* hidden\)"),
+        (lambda q, c, s: (q, c, s, 5), ValueError, r"is not 3 \* num_heads"),
+        (lambda q, c, s: (q, c[:4], s, 2), ValueError, "argument 'cos' must be"),
+        (lambda q, c, s: (q, c, s.double(), 2), TypeError, "argument 'sin' must be float32"),
+        (lambda q, c, s: (q.transpose(0, 1), c, s, 2), ValueError, "must be contiguous"),
+        (lambda q, c, s: (q, c.cpu() if q.is_cuda else c.t(), s, 2), ValueError, "argument 'cos'"),
     ],
 )
-def test_errors(device, change, match):
+def test_errors(device, change, error, match):
     qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, device)
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(error, match=match):
         ops.rope_qkv(*change(qkv, cos, sin))
 
 
 def test_odd_head_dim_rejected():
     qkv = torch.randn(1, 4, 3 * 2 * 3)
     cos, sin = torch.ones(4, 3), torch.zeros(4, 3)
-    with pytest.raises(RuntimeError, match="head_dim must be even"):
+    with pytest.raises(ValueError, match="head_dim must be even"):
         ops.rope_qkv(qkv, cos, sin, 2)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda q, c, s: (q[0], c, s, 2), r"must be \(batch, seq, 3 \* hidden\)"),
+        (lambda q, c, s: (q, c, s, 5), r"is not 3 \* num_heads"),
+        (lambda q, c, s: (q, c[:4], s, 2), "argument 'cos' must be"),
+        (lambda q, c, s: (q, c, s.double(), 2), "argument 'sin' must be float32"),
+    ],
+)
+def test_op_checks_too(change, match):
+    """The dispatcher op repeats the wrapper's checks for direct torch.ops calls (CPU)."""
+    qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, "cpu")
+    args = change(qkv, cos, sin)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.graphfp8.rope_qkv(*args, False, torch.empty_like(args[0]))
