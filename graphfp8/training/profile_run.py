@@ -105,8 +105,10 @@ def _torch_profile(run: Run, args, total: int) -> dict:
                 "busy_fraction": None,
                 "top": top_kernels([(e.name, e.self_cpu_time_total) for e in ops])}  # fmt: skip
     intervals = [(e.time_range.start, e.time_range.end) for e in events]
+    memops = sum(e.name.startswith(("Memset", "Memcpy")) for e in events)
     return {"tool": "torch.profiler", "trace": str(trace),
-            "kernels_per_microbatch": len(events) / microbatches,
+            "kernels_per_microbatch": (len(events) - memops) / microbatches,
+            "memcpy_memset_per_microbatch": memops / microbatches,
             "busy_fraction": busy_fraction(intervals),
             "top": top_kernels([(e.name, e.device_time) for e in events])}  # fmt: skip
 
@@ -133,7 +135,9 @@ def _markdown(summary: dict) -> str:
         f"wall time per microbatch (synchronised): {summary['wall_ms_per_microbatch']:.3f} ms",
     ]
     if p.get("kernels_per_microbatch") is not None:
-        lines.append(f"- kernels per microbatch: {p['kernels_per_microbatch']:.1f}")
+        memops = p.get("memcpy_memset_per_microbatch")
+        extra = f" (+ {memops:.1f} memcpy/memset)" if memops is not None else ""
+        lines.append(f"- kernels per microbatch: {p['kernels_per_microbatch']:.1f}{extra}")
         lines.append(f"- GPU busy fraction during the profiled steps: {p['busy_fraction']:.3f}")
     else:
         lines.append(f"- top-level operators per microbatch (CPU): "
