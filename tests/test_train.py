@@ -81,6 +81,14 @@ def test_resume_rejects_another_run(tmp_path):
         train.main([*argv, "--resume", str(ckpt), "--precision", "bf16"])
 
 
+def test_resume_with_nothing_left_to_train(tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    argv = [*SMALL, "--device", "cpu", "--steps", "2", "--out", str(tmp_path)]
+    assert train.main([*argv, "--save", str(ckpt)]) == 0
+    with pytest.raises(ValueError, match="checkpoint is at step 2"):
+        train.main([*argv, "--resume", str(ckpt)])
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -38,6 +38,9 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--out", type=Path, help="default profiles/<device>-<date>")
     args = p.parse_args(argv)
+    for name in ("microbatches", "steps", "warmup_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.tool == "auto":
         args.tool = "nsys" if shutil.which("nsys") and args.device.startswith("cuda") else "torch"
     if args.out is None:

@@ -75,6 +75,9 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     tokens_per_step = spec.tokens_per_microbatch * spec.microbatches * opts.world_size
     first, total = run.step, opts.steps
     steps = min(total, opts.stop_at or total)
+    if first >= steps:
+        raise ValueError(f"the checkpoint is at step {first}: --steps {total} (stop at {steps}) "
+                         "leaves nothing to train")  # fmt: skip
     steady_from = first + max(1, (steps - first) // 10)
     log = MetricsLog(opts.out / f"{spec.name}.csv") if opts.is_main else None
     progress = Progress(steps - first, spec.name, opts.is_main)
