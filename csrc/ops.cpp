@@ -27,13 +27,25 @@ DType to_dtype(at::ScalarType t) {
   }
 }
 
+// Message pieces as strings. Streaming a number into an ostream from this extension crashed on
+// the GPU machine (a segfault instead of the error: its g++ is newer than the libstdc++ the
+// process loads, and number formatting goes through locale facets), so numbers and shapes are
+// formatted with std::to_string and devices by libc10 (Device::str).
+std::string fmt(int64_t v) { return std::to_string(v); }
+
+std::string fmt(at::IntArrayRef v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
 bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 bool is_hp(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 // Checks shared by every tensor argument: same device as the reference tensor, contiguous.
 void check_common(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref) {
-  TORCH_CHECK(t.device() == ref.device(), op, ": argument '", name, "' is on ", t.device(),
-              " but the input is on ", ref.device());
+  TORCH_CHECK(t.device() == ref.device(), op, ": argument '", name, "' is on ", t.device().str(),
+              " but the input is on ", ref.device().str());
   TORCH_CHECK(t.is_contiguous(), op, ": argument '", name, "' must be contiguous");
 }
 
@@ -42,7 +54,7 @@ void check_scalar_f32(const char* op, const char* name, const at::Tensor& t, con
   TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": argument '", name, "' must be float32, got ",
               t.scalar_type());
   TORCH_CHECK(t.numel() == 1, op, ": argument '", name, "' must hold one element, got ",
-              t.numel());
+              fmt(t.numel()));
 }
 
 void check_fp8_out(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref,
@@ -50,8 +62,8 @@ void check_fp8_out(const char* op, const char* name, const at::Tensor& t, const 
   check_common(op, name, t, ref);
   TORCH_CHECK(is_fp8(t.scalar_type()), op, ": argument '", name,
               "' must be float8_e4m3fn or float8_e5m2, got ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == shape, op, ": argument '", name, "' must have shape ", shape, ", got ",
-              t.sizes());
+  TORCH_CHECK(t.sizes() == shape, op, ": argument '", name, "' must have shape ", fmt(shape),
+              ", got ", fmt(t.sizes()));
 }
 
 const float* noop_ptr(const char* op, const c10::optional<at::Tensor>& noop, const at::Tensor& ref) {
@@ -73,12 +85,12 @@ void launch(const at::Tensor& ref, const Params& p, CpuFn cpu_fn, CudaFn cuda_fn
     return;
   }
 #ifdef GRAPHFP8_WITH_CUDA
-  TORCH_CHECK(ref.is_cuda(), "graphfp8: unsupported device ", ref.device());
+  TORCH_CHECK(ref.is_cuda(), "graphfp8: unsupported device ", ref.device().str());
   const c10::cuda::CUDAGuard guard(ref.device());
   cuda_fn(p, current_stream(ref));
 #else
   (void)cuda_fn;
-  TORCH_CHECK(false, "graphfp8 was built without CUDA; cannot run on ", ref.device());
+  TORCH_CHECK(false, "graphfp8 was built without CUDA; cannot run on ", ref.device().str());
 #endif
 }
 
@@ -99,7 +111,7 @@ void cast_impl(const char* op, const at::Tensor& x, const at::Tensor& scale, con
   p.out_dtype = to_dtype(out.scalar_type());
   p.out_t = nullptr;
   if (out_t != nullptr) {
-    TORCH_CHECK(x.dim() == 2, op, ": argument 'x' must be 2-D, got ", x.dim(), "-D");
+    TORCH_CHECK(x.dim() == 2, op, ": argument 'x' must be 2-D, got ", fmt(x.dim()), "-D");
     check_fp8_out(op, "out_t", *out_t, x, {x.size(1), x.size(0)});
     TORCH_CHECK(out_t->scalar_type() == out.scalar_type(), op,
                 ": arguments 'out' and 'out_t' must have the same dtype");
@@ -132,7 +144,7 @@ void fp8_transpose(const at::Tensor& x, const at::Tensor& out_t,
   const char* op = "graphfp8.fp8_transpose";
   TORCH_CHECK(is_fp8(x.scalar_type()), op, ": argument 'x' must be float8_e4m3fn or float8_e5m2, got ",
               x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, op, ": argument 'x' must be 2-D, got ", x.dim(), "-D");
+  TORCH_CHECK(x.dim() == 2, op, ": argument 'x' must be 2-D, got ", fmt(x.dim()), "-D");
   TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
   check_fp8_out(op, "out_t", out_t, x, {x.size(1), x.size(0)});
   TORCH_CHECK(out_t.scalar_type() == x.scalar_type(), op,
@@ -154,7 +166,8 @@ void scale_update(const at::Tensor& amax_history, const at::Tensor& scale,
   TORCH_CHECK(h.scalar_type() == at::kFloat, op, ": argument 'amax_history' must be float32, got ",
               h.scalar_type());
   TORCH_CHECK(h.dim() == 2, op,
-              ": argument 'amax_history' must be 2-D (history_len, num_slots), got ", h.dim(), "-D");
+              ": argument 'amax_history' must be 2-D (history_len, num_slots), got ",
+              fmt(h.dim()), "-D");
   TORCH_CHECK(h.is_contiguous(), op, ": argument 'amax_history' must be contiguous");
   TORCH_CHECK(h.size(0) >= 1, op, ": argument 'amax_history' needs a history length >= 1");
   const int64_t num_slots = h.size(1);
@@ -164,7 +177,7 @@ void scale_update(const at::Tensor& amax_history, const at::Tensor& scale,
     TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": argument '", name,
                 "' must be float32, got ", t->scalar_type());
     TORCH_CHECK(t->dim() == 1 && t->size(0) == num_slots, op, ": argument '", name,
-                "' must have shape (", num_slots, ",), got ", t->sizes());
+                "' must have shape (", fmt(num_slots), ",), got ", fmt(t->sizes()));
   }
   ScaleUpdateParams p{};
   p.amax_history = h.data_ptr<float>();
@@ -186,8 +199,8 @@ void dequantize(const at::Tensor& x, const at::Tensor& scale_inv, const at::Tens
   check_common(op, "out", out, x);
   TORCH_CHECK(is_hp(out.scalar_type()), op,
               ": argument 'out' must be float32, bfloat16 or float16, got ", out.scalar_type());
-  TORCH_CHECK(out.sizes() == x.sizes(), op, ": argument 'out' must have shape ", x.sizes(),
-              ", got ", out.sizes());
+  TORCH_CHECK(out.sizes() == x.sizes(), op, ": argument 'out' must have shape ", fmt(x.sizes()),
+              ", got ", fmt(out.sizes()));
   DequantizeParams p{};
   p.x = static_cast<const uint8_t*>(x.data_ptr());
   p.x_dtype = to_dtype(x.scalar_type());
@@ -205,13 +218,13 @@ void fused_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Ten
                 const at::Tensor& scale_inv, const at::Tensor& amax, const at::Tensor* dbias) {
   TORCH_CHECK(is_hp(x.scalar_type()), op, ": argument 'x' must be float32, bfloat16 or float16, got ",
               x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, op, ": argument 'x' must be 2-D, got ", x.dim(), "-D");
+  TORCH_CHECK(x.dim() == 2, op, ": argument 'x' must be 2-D, got ", fmt(x.dim()), "-D");
   TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
   if (act_in != nullptr) {
     check_common(op, "act_in", *act_in, x);
     TORCH_CHECK(act_in->scalar_type() == x.scalar_type() && act_in->sizes() == x.sizes(), op,
                 ": argument 'act_in' must have the shape and dtype of the gradient, got ",
-                act_in->sizes(), " ", act_in->scalar_type());
+                fmt(act_in->sizes()), " ", act_in->scalar_type());
   }
   check_scalar_f32(op, "scale", scale, x);
   check_fp8_out(op, "out", out, x, x.sizes());
@@ -241,7 +254,8 @@ void fused_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Ten
                 ": argument 'dbias' must have the dtype of the gradient, got ",
                 dbias->scalar_type());
     TORCH_CHECK(dbias->dim() == 1 && dbias->size(0) == x.size(1), op,
-                ": argument 'dbias' must have shape (", x.size(1), ",), got ", dbias->sizes());
+                ": argument 'dbias' must have shape (", fmt(x.size(1)), ",), got ",
+                fmt(dbias->sizes()));
     p.dbias = dbias->data_ptr();
     if (x.is_cuda() && x.numel() > 0) {
       // Per-tile column sums, reduced by a second kernel in a fixed order (deterministic, so
@@ -295,20 +309,20 @@ void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
   TORCH_CHECK(is_hp(qkv.scalar_type()), op,
               ": argument 'qkv' must be float32, bfloat16 or float16, got ", qkv.scalar_type());
   TORCH_CHECK(qkv.dim() == 3, op, ": argument 'qkv' must be (batch, seq, 3 * hidden), got ",
-              qkv.dim(), "-D");
+              fmt(qkv.dim()), "-D");
   TORCH_CHECK(qkv.is_contiguous(), op, ": argument 'qkv' must be contiguous");
   const int64_t width = qkv.size(2);
-  TORCH_CHECK(num_heads > 0 && width % (3 * num_heads) == 0, op, ": last dim ", width,
-              " is not 3 * num_heads (", num_heads, ") * head_dim");
+  TORCH_CHECK(num_heads > 0 && width % (3 * num_heads) == 0, op, ": last dim ", fmt(width),
+              " is not 3 * num_heads (", fmt(num_heads), ") * head_dim");
   const int64_t head_dim = width / (3 * num_heads);
-  TORCH_CHECK(head_dim % 2 == 0, op, ": head_dim must be even, got ", head_dim);
+  TORCH_CHECK(head_dim % 2 == 0, op, ": head_dim must be even, got ", fmt(head_dim));
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"cos", &cos}, {"sin", &sin}}) {
     check_common(op, name, *t, qkv);
     TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": argument '", name,
                 "' must be float32, got ", t->scalar_type());
     TORCH_CHECK(t->dim() == 2 && t->size(0) >= qkv.size(1) && t->size(1) == head_dim, op,
-                ": argument '", name, "' must be (>= ", qkv.size(1), ", ", head_dim, "), got ",
-                t->sizes());
+                ": argument '", name, "' must be (>= ", fmt(qkv.size(1)), ", ", fmt(head_dim),
+                "), got ", fmt(t->sizes()));
   }
   check_common(op, "out", out, qkv);
   TORCH_CHECK(out.scalar_type() == qkv.scalar_type() && out.sizes() == qkv.sizes(), op,

@@ -97,9 +97,11 @@ def test_odd_head_dim_rejected():
         (lambda q, c, s: (q, c, s.double(), 2), "argument 'sin' must be float32"),
     ],
 )
-def test_op_checks_too(change, match):
-    """The dispatcher op repeats the wrapper's checks for direct torch.ops calls (CPU)."""
-    qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, "cpu")
+def test_op_checks_too(device, change, match):
+    """The dispatcher op repeats the wrapper's checks for direct torch.ops calls. (On the GPU
+    machine, messages that streamed numbers once crashed the process instead of raising: ops.cpp
+    formats them with std::to_string now.)"""
+    qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, device)
     args = change(qkv, cos, sin)
     with pytest.raises(RuntimeError, match=match):
         torch.ops.graphfp8.rope_qkv(*args, False, torch.empty_like(args[0]))
