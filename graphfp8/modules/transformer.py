@@ -52,35 +52,6 @@ class _RopeQKV(torch.autograd.Function):
         return dqkv, None, None, None
 
 
-class _RopeQKV(torch.autograd.Function):
-    """qkv (B, S, 3H) -> the same layout with q and k rotated; backward rotates the gradient
-    back (the transposed rotation) and passes v's gradient through."""
-
-    @staticmethod
-    def forward(ctx, qkv, cos, sin, num_heads: int):
-        ctx.save_for_backward(cos, sin)
-        ctx.num_heads = num_heads
-        return ops.rope_qkv(qkv, cos, sin, num_heads)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        dqkv = ops.rope_qkv(grad.contiguous(), cos, sin, ctx.num_heads, inverse=True)
-        return dqkv, None, None, None
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates the two halves of the head dim (GPT-NeoX / Llama layout).
-
-    Args:
-        x: (B, S, heads, head_dim).
-        cos, sin: (S, head_dim), x's dtype.
-    """
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class TransformerLayer(nn.Module):
     """One pre-norm transformer block whose four GEMMs run in FP8 under fp8_autocast.
 
