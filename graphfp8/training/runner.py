@@ -58,8 +58,64 @@ def _ranks_agree(model: torch.nn.Module, group) -> dict[str, bool]:
     return out
 
 
+def _log_interval(
+    run: Run,
+    opts: RunOptions,
+    log,
+    pending,
+    last_step: int,
+    t_start: float,
+    t_last: float,
+    tokens_per_step: int,
+) -> tuple[list[float], float]:
+    """Materialises the losses of the steps since the last log point (the one host sync per
+    interval), writes their CSV rows. Returns (losses, tokens/s over the interval)."""
+    values = torch.stack(pending).tolist()
+    pending.clear()
+    now = time.perf_counter()
+    rate = tokens_per_step * (run.step - last_step) / (now - t_last)
+    if log is not None:
+        for i, value in enumerate(values):
+            step = last_step + i + 1
+            log.write(dict(step=step, loss=value, lr=run.lr_at(step - 1, opts.steps),
+                           tokens=step * tokens_per_step, elapsed_s=round(now - t_start, 3),
+                           tokens_per_s=round(rate, 1)))  # fmt: skip
+    return values, rate
+
+
+def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int) -> dict:
+    """Steps `run` up to `steps`, logging every opts.log_every steps. Returns the losses and the
+    timestamps that the tokens/s figures come from."""
+    first = run.step
+    steady_from = first + max(1, (steps - first) // 10)
+    log = MetricsLog(opts.out / f"{run.spec.name}.csv") if opts.is_main else None
+    progress = Progress(steps - first, run.spec.name, opts.is_main)
+    losses: list[float] = []
+    pending: list[torch.Tensor] = []
+    t_start = t_last = time.perf_counter()
+    t_steady, last_step = None, first
+    while run.step < steps:
+        pending.append(run.train_step(opts.steps))
+        if run.step == steady_from:
+            _sync(run.spec.device)
+            t_steady = time.perf_counter()
+        if run.step % opts.log_every and run.step != steps:
+            continue
+        values, rate = _log_interval(run, opts, log, pending, last_step, t_start, t_last,
+                                     tokens_per_step)  # fmt: skip
+        losses += values
+        progress.update(run.step - first, loss=f"{values[-1]:.4f}", tok_s=f"{rate:,.0f}")
+        t_last, last_step = time.perf_counter(), run.step
+    _sync(run.spec.device)
+    if log is not None:
+        log.close()
+    return dict(losses=losses, t_start=t_start, t_steady=t_steady, t_end=time.perf_counter(),
+                steady_steps=steps - steady_from)  # fmt: skip
+
+
 def train_run(spec: RunSpec, opts: RunOptions) -> dict:
-    """Trains `spec` for opts.steps optimizer steps (counting from a resumed step).
+    """Trains `spec` for opts.steps optimizer steps (counting from a resumed step; ending early
+    at opts.stop_at).
 
     Returns:
         {"name", "losses" (per step), "final_loss", "tokens_per_s" (steady state: after the
@@ -68,52 +124,21 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     run = Run(spec, opts.corpus, opts.group)
     if opts.resume is not None:
         run.load_state_dict(torch.load(opts.resume, map_location=spec.device, weights_only=False))
+    first, steps = run.step, min(opts.steps, opts.stop_at or opts.steps)
+    if first >= steps:
+        raise ValueError(f"the checkpoint is at step {first}: --steps {opts.steps} (stop at "
+                         f"{steps}) leaves nothing to train")  # fmt: skip
     t0 = time.perf_counter()
     run.prepare()
     _sync(spec.device)
     capture_s = time.perf_counter() - t0
     tokens_per_step = spec.tokens_per_microbatch * spec.microbatches * opts.world_size
-    first, total = run.step, opts.steps
-    steps = min(total, opts.stop_at or total)
-    if first >= steps:
-        raise ValueError(f"the checkpoint is at step {first}: --steps {total} (stop at {steps}) "
-                         "leaves nothing to train")  # fmt: skip
-    steady_from = first + max(1, (steps - first) // 10)
-    log = MetricsLog(opts.out / f"{spec.name}.csv") if opts.is_main else None
-    progress = Progress(steps - first, spec.name, opts.is_main)
-    losses: list[float] = []
-    pending: list[torch.Tensor] = []
-    t_start = t_last = time.perf_counter()
-    t_steady, last_step = None, first
-    while run.step < steps:
-        pending.append(run.train_step(total))
-        if run.step == steady_from:
-            _sync(spec.device)
-            t_steady = time.perf_counter()
-        if run.step % opts.log_every and run.step != steps:
-            continue
-        values = torch.stack(pending).tolist()  # the one host sync per log interval
-        pending.clear()
-        now = time.perf_counter()
-        rate = tokens_per_step * (run.step - last_step) / (now - t_last)
-        for i, value in enumerate(values):
-            losses.append(value)
-            if log is not None:
-                step = last_step + i + 1
-                log.write(dict(step=step, loss=value, lr=run.lr_at(step - 1, total),
-                               tokens=step * tokens_per_step, elapsed_s=round(now - t_start, 3),
-                               tokens_per_s=round(rate, 1)))  # fmt: skip
-        progress.update(run.step - first, loss=f"{values[-1]:.4f}", tok_s=f"{rate:,.0f}")
-        t_last, last_step = now, run.step
-    _sync(spec.device)
-    t_end = time.perf_counter()
-    if log is not None:
-        log.close()
+    t = _train_steps(run, opts, steps, tokens_per_step)
     if opts.save is not None and opts.is_main:
         opts.save.parent.mkdir(parents=True, exist_ok=True)
         torch.save(run.state_dict(), opts.save)
-    agree = _ranks_agree(run.model, opts.group) if opts.group is not None else None
-    steady_tokens = tokens_per_step * (steps - steady_from)
+    steady_tokens = tokens_per_step * t["steady_steps"]
+    steady_s = t["t_end"] - t["t_steady"] if t["t_steady"] is not None else 0.0
     return {
         "name": spec.name,
         "precision": spec.precision,
@@ -121,11 +146,11 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         "parameters": count_parameters(run.model),
         "first_step": first,
         "steps": steps,
-        "losses": losses,
-        "final_loss": final_loss(losses) if losses else None,
+        "losses": t["losses"],
+        "final_loss": final_loss(t["losses"]),
         "capture_s": round(capture_s, 3),
-        "train_s": round(t_end - t_start, 3),
-        "tokens_per_s": steady_tokens / (t_end - t_steady) if t_steady and steady_tokens else None,
-        "ranks_agree": agree,
+        "train_s": round(t["t_end"] - t["t_start"], 3),
+        "tokens_per_s": steady_tokens / steady_s if steady_tokens and steady_s > 0 else None,
+        "ranks_agree": _ranks_agree(run.model, opts.group) if opts.group is not None else None,
         "model_state": run.model.state_dict() if opts.keep_state else None,
     }
