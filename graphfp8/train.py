@@ -182,7 +182,7 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
                               for k, v in r["ranks_agree"].items())  # fmt: skip
             print(f"{r['name']}: across {world} ranks: {agree}")
     summary = {"date": stamp, "argv": sys.argv[1:] if argv is None else list(argv),
-               "preset": args.preset, "model": PRESETS[args.preset].to_dict(),
+               "preset": args.preset, "model": _spec(args, *args.runs[0]).model.to_dict(),
                "microbatches": args.microbatches, "world_size": world,
                "environment": _environment(args.device), "runs": results}  # fmt: skip
     print(f"wrote {write_summary(out, summary)}")

@@ -37,6 +37,7 @@ def test_compare_trains_graphed_equal_to_eager_and_writes_logs(device, tmp_path,
     argv = [*SMALL, "--device", device, "--steps", "12", "--log-every", "4"]
     assert train.main([*argv, "--compare", runs, "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["model"]["batch"], summary["model"]["seq_len"]) == (2, 32)
     losses = {r["name"]: r["losses"] for r in summary["runs"]}
     assert len(losses["fp8-graphs"]) == 12
     assert losses["bf16-graphs"] == losses["bf16-eager"], "bf16 graphed != eager"
