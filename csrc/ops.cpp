@@ -28,9 +28,9 @@ DType to_dtype(at::ScalarType t) {
 }
 
 // Message pieces as strings. Streaming a number into an ostream from this extension crashed on
-// the GPU machine (a segfault instead of the error: its g++ is newer than the libstdc++ the
-// process loads, and number formatting goes through locale facets), so numbers and shapes are
-// formatted with std::to_string and devices by libc10 (Device::str).
+// the GPU machine (a segfault instead of the error; strings and dtypes streamed fine; likely a
+// libstdc++ mismatch, not proven), so numbers and shapes are formatted with std::to_string and
+// devices by libc10 (Device::str).
 std::string fmt(int64_t v) { return std::to_string(v); }
 
 std::string fmt(at::IntArrayRef v) {
