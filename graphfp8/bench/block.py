@@ -53,6 +53,9 @@ def _measure(step, iters: int) -> dict:
     row["kernels"] = sum(c for c, _ in stats.values())
     row["kernel_ms"] = sum(us for _, us in stats.values()) / 1e3
     row["busy"] = min(1.0, row["kernel_ms"] / row["device_ms"])
+    # Per-kernel split (GEMMs vs the rest): [name, launches, GPU us] per microbatch, top 15.
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][1])[:15]
+    row["top_kernels"] = [[name, count, us] for name, (count, us) in ranked]
     return row
 
 
