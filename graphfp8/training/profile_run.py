@@ -21,6 +21,7 @@ from graphfp8.training.data import make_corpus
 from graphfp8.training.loop import PRECISIONS, Run, RunSpec
 from graphfp8.training.model import PRESETS
 from graphfp8.training.profile_stats import busy_fraction, nsys_summary, top_kernels
+from graphfp8.training.runner import sync
 
 __all__ = ["main"]
 
@@ -51,20 +52,15 @@ def _parse(argv) -> argparse.Namespace:
     return args
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _host_times(run: Run, steps: int, total: int) -> tuple[float, float]:
     """(host enqueue ms, wall ms) per microbatch, median over `steps` unprofiled steps."""
     host, wall = [], []
     for _ in range(steps):
-        _sync(run.spec.device)
+        sync(run.spec.device)
         t0 = time.perf_counter()
         run.train_step(total)
         t1 = time.perf_counter()
-        _sync(run.spec.device)
+        sync(run.spec.device)
         host.append((t1 - t0) * 1e3)
         wall.append((time.perf_counter() - t0) * 1e3)
     mbs = run.spec.microbatches
@@ -89,11 +85,11 @@ def _torch_profile(run: Run, args, total: int) -> dict:
     activities = [ProfilerActivity.CPU]
     if args.device.startswith("cuda"):
         activities.append(ProfilerActivity.CUDA)
-    _sync(args.device)
+    sync(args.device)
     with profile(activities=activities) as prof:
         for _ in range(args.steps):
             run.train_step(total)
-        _sync(args.device)
+        sync(args.device)
     trace = args.out / f"trace_{run.spec.preset}_{run.spec.name}.json"
     prof.export_chrome_trace(str(trace))
     # GPU-side copies of the NVTX/record_function ranges are annotations, not kernels.
@@ -173,11 +169,11 @@ def main(argv=None) -> int:
     if args.tool == "nsys":
         profile = _nsys_profile(args, argv)
     elif os.environ.get("GRAPHFP8_UNDER_NSYS") == "1":  # the child nsys runs: mark the steps
-        _sync(args.device)
+        sync(args.device)
         torch.cuda.cudart().cudaProfilerStart()
         for _ in range(args.steps):
             run.train_step(total)
-        _sync(args.device)
+        sync(args.device)
         torch.cuda.cudart().cudaProfilerStop()
         return 0
     else:

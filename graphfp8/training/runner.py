@@ -12,7 +12,7 @@ from graphfp8.training.loop import Run, RunSpec
 from graphfp8.training.model import count_parameters
 from graphfp8.training.report import MetricsLog, Progress, final_loss
 
-__all__ = ["RunOptions", "train_run"]
+__all__ = ["RunOptions", "sync", "train_run"]
 
 
 @dataclass
@@ -30,7 +30,8 @@ class RunOptions:
     corpus: torch.Tensor = field(default=None, repr=False)
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
+    """Waits for the device's queued work (a no-op on the CPU)."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -97,7 +98,7 @@ def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int) -
     while run.step < steps:
         pending.append(run.train_step(opts.steps))
         if run.step == steady_from:
-            _sync(run.spec.device)
+            sync(run.spec.device)
             t_steady = time.perf_counter()
         if run.step % opts.log_every and run.step != steps:
             continue
@@ -106,7 +107,7 @@ def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int) -
         losses += values
         progress.update(run.step - first, loss=f"{values[-1]:.4f}", tok_s=f"{rate:,.0f}")
         t_last, last_step = time.perf_counter(), run.step
-    _sync(run.spec.device)
+    sync(run.spec.device)
     if log is not None:
         log.close()
     return dict(losses=losses, t_start=t_start, t_steady=t_steady, t_end=time.perf_counter(),
@@ -130,7 +131,7 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
                          f"{steps}) leaves nothing to train")  # fmt: skip
     t0 = time.perf_counter()
     run.prepare()
-    _sync(spec.device)
+    sync(spec.device)
     capture_s = time.perf_counter() - t0
     tokens_per_step = spec.tokens_per_microbatch * spec.microbatches * opts.world_size
     t = _train_steps(run, opts, steps, tokens_per_step)
