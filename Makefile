@@ -6,18 +6,23 @@ export MAX_JOBS ?= $(shell nproc)
 export TORCH_CUDA_ARCH_LIST ?= 9.0
 OUT ?= build/out
 
-.PHONY: help setup install build test test-gpu gpu-check bench profile train demo lint format clean
+# The extension is rebuilt only when a C++/CUDA source or the build files changed.
+CSRC := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h')
+BUILD_FILES := setup.py setup.cfg pyproject.toml
+INSTALLED := build/.installed
+EXT := build/.ext-built
+
+.PHONY: help setup install build test test-gpu gpu-check bench profile train lint format clean
 
 help:
 	@echo "setup      install torch $(TORCH_CPU_VERSION) (CPU) if torch is missing, plus nvtx/pytest/ruff"
-	@echo "install    setup + editable install of graphfp8 (builds graphfp8._C)"
-	@echo "build      (re)build graphfp8._C in place"
+	@echo "install    setup + editable install of graphfp8; rebuilds graphfp8._C when csrc/ changed"
+	@echo "build      (re)build graphfp8._C in place, unconditionally"
 	@echo "test       CPU test suite (what CI runs)"
 	@echo "test-gpu   CUDA tests only (needs a GPU)"
 	@echo "gpu-check  build + CUDA tests + benchmarks; logs and JSON under \$$OUT"
 	@echo "bench      kernel benchmark (python -m graphfp8.bench kernels)"
 	@echo "train      the main job: graphfp8-train with its defaults (FP8 + graphs; tiny on CPU)"
-	@echo "demo       bf16 / FP8 eager / FP8 graphed side by side on a small MLP stack"
 	@echo "profile    a few graphed training steps under nsys or torch.profiler -> profiles/"
 	@echo "lint       ruff check + format check"
 
@@ -26,11 +31,23 @@ setup:
 	@$(PYTHON) -c "import nvtx, pytest, ruff, matplotlib" 2>/dev/null || \
 		$(PIP) install -q nvtx pytest ruff matplotlib
 
-install: setup
-	$(PIP) install -q --no-build-isolation --no-deps -e .
+# First install (editable; builds the extension), again only when the build files change.
+$(INSTALLED): $(BUILD_FILES)
+	@echo "== installing graphfp8 (editable) and building graphfp8._C"
+	$(PIP) install --no-build-isolation --no-deps -e .
+	@mkdir -p build && touch $@ $(EXT)
+
+# Rebuild when a source changed since the last build; the compiler lines show the progress.
+$(EXT): $(CSRC) $(INSTALLED)
+	@echo "== csrc/ changed: rebuilding graphfp8._C"
+	$(PYTHON) setup.py build_ext --inplace
+	@touch $@
+
+install: setup $(INSTALLED) $(EXT)
 
 build:
-	$(PYTHON) setup.py -q build_ext --inplace
+	$(PYTHON) setup.py build_ext --inplace
+	@mkdir -p build && touch $(EXT)
 
 test: install
 	$(PYTHON) -m pytest -q -m "not cuda" tests
@@ -44,14 +61,11 @@ gpu-check:
 bench: install
 	$(PYTHON) -m graphfp8.bench kernels
 
-demo: install
-	$(PYTHON) -m graphfp8.demo
-
 train: install
 	$(PYTHON) -m graphfp8.train $(TRAIN_ARGS)
 
 profile: install
-	$(PYTHON) -m graphfp8.profiling $(PROFILE_ARGS)
+	$(PYTHON) -m graphfp8.training.profile $(PROFILE_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check graphfp8 tests setup.py

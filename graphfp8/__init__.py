@@ -1,7 +1,7 @@
 """graphfp8: CUDA-graph-centric FP8 training for PyTorch."""
 
 from graphfp8 import ops
-from graphfp8.autocast import fp8_autocast
+from graphfp8.fp8 import DelayedScaling, Float8Tensor, Format, fp8_autocast, reset_state
 from graphfp8.graphs import CaptureError, make_graphed_callables
 from graphfp8.modules import (
     FP8Module,
@@ -11,8 +11,6 @@ from graphfp8.modules import (
     TransformerLayer,
     convert,
 )
-from graphfp8.recipe import DelayedScaling, Format
-from graphfp8.tensor import Float8Tensor
 
 __all__ = [
     "CaptureError",
@@ -28,4 +26,5 @@ __all__ = [
     "fp8_autocast",
     "make_graphed_callables",
     "ops",
+    "reset_state",
 ]

@@ -1,4 +1,4 @@
-"""Data parallel FP8: the amax reduction group's setup check, gradient all-reduce, torchrun init.
+"""Data parallel: gradient all-reduce and torchrun init (the amax reduction lives with the arenas).
 
 How often the amax MAX all-reduce runs: with every scale update, i.e. once per microbatch per
 direction - in the forward arena update (entering each fp8_autocast region eagerly, the start
@@ -7,7 +7,9 @@ each backward pass, the end of the last backward graph). In graphfp8's delayed s
 microbatch is one scale-update step: the update consumes row 0 of the amax history (it rolls
 into the history and sets the next microbatch's scales), so the ranks must agree on row 0 at each
 update, or their scales - and with them the FP8 weights they compute with - drift apart. The
-collective is one (num_slots,) float32 tensor per arena: latency, not bandwidth.
+collective is one (num_slots,) float32 tensor per arena: latency, not bandwidth. It and the
+setup check before it live with the arenas (graphfp8.fp8.scaling, graphfp8.fp8.arena_check):
+this module depends on nothing of the FP8 layer.
 
 Gradients are another matter: graphed callables fold parameter gradients into `.grad` inside
 captured graphs, without autograd's AccumulateGrad, so DistributedDataParallel (whose reducer
@@ -20,124 +22,13 @@ from __future__ import annotations
 
 import gc
 import os
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from graphfp8.recipe import Format
-
-if TYPE_CHECKING:
-    from graphfp8.scaling import Arena
-
-__all__ = [
-    "DistInfo",
-    "allreduce_gradients",
-    "check_arena_consistency",
-    "check_arenas",
-    "cleanup",
-    "init_distributed",
-    "is_distributed",
-    "needs_reduction",
-]
-
-# What ranks must agree on before they all-reduce an arena, in the exchanged order.
-_FIELDS = ("direction", "slots", "history_len", "margin", "format", "amax_compute_algo",
-           "reduce_amax")  # fmt: skip
-_DIRECTIONS = ("forward", "backward")
-_FORMATS = tuple(Format)
-_ALGOS = ("max", "most_recent")
-
-# arena -> {group: arena.version when checked}; an arena that grows is checked again.
-_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def needs_reduction(group) -> bool:
-    """True when `group` is given and has more than one rank."""
-    return group is not None and dist.get_world_size(group) > 1
-
-
-def _describe(arena: Arena) -> list[int]:
-    recipe = arena.recipe
-    return [
-        _DIRECTIONS.index(arena.direction),
-        arena.num_slots,
-        arena.amax_history.shape[0],
-        recipe.margin,
-        _FORMATS.index(recipe.fp8_format),
-        _ALGOS.index(recipe.amax_compute_algo),
-        int(recipe.reduce_amax),
-    ]
-
-
-def _field_text(name: str, value: int) -> str:
-    if name == "direction":
-        return _DIRECTIONS[value]
-    if name == "format":
-        return _FORMATS[value].name
-    if name == "amax_compute_algo":
-        return repr(_ALGOS[value])
-    if name == "reduce_amax":
-        return str(bool(value))
-    return str(value)
-
-
-def _mismatches(rows: list[list[int]], direction: str) -> list[str]:
-    """One line per rank and field that differs from group rank 0."""
-    lines = []
-    for rank, row in enumerate(rows[1:], start=1):
-        for name, mine, theirs in zip(_FIELDS, row, rows[0]):
-            if mine == theirs:
-                continue
-            if name == "slots":
-                lines.append(f"rank {rank} has {mine} {direction} FP8 slots, rank 0 has {theirs}")
-            else:
-                lines.append(
-                    f"rank {rank} has {name}={_field_text(name, mine)} in its {direction} arena, "
-                    f"rank 0 has {name}={_field_text(name, theirs)}"
-                )
-    return lines
-
-
-def check_arena_consistency(arena: Arena, group) -> None:
-    """Checks, once per (arena, group, arena size), that every rank of `group` holds an arena of
-    the same direction, slot count, history length and recipe, so the amax all-reduce that
-    follows cannot hang or mix unrelated slots. A collective: every rank must call it.
-
-    Args:
-        arena: the scaling.Arena about to be all-reduced over `group`.
-        group: a torch.distributed process group (None: nothing to check).
-
-    Raises:
-        RuntimeError: on every rank, naming each difference ("rank 1 has 12 forward FP8 slots,
-            rank 0 has 9").
-    """
-    if not needs_reduction(group):
-        return
-    checked = _CHECKED.setdefault(arena, {})
-    if checked.get(group) == arena.version:
-        return
-    mine = torch.tensor(_describe(arena), dtype=torch.int64, device=arena.device)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, mine, group=group)
-    lines = _mismatches([r.tolist() for r in rows], arena.direction)
-    if lines:
-        raise RuntimeError(
-            "graphfp8: the FP8 state differs across the ranks of fp8_group, so their amax "
-            "all-reduce would hang or mix unrelated slots (every rank must run the same FP8 "
-            "modules with the same recipe): " + "; ".join(lines)
-        )
-    checked[group] = arena.version
-
-
-def check_arenas(arenas, group) -> None:
-    """check_arena_consistency for each arena, in order (the same order on every rank)."""
-    for arena in arenas:
-        check_arena_consistency(arena, group)
-
+__all__ = ["DistInfo", "allreduce_gradients", "cleanup", "init_distributed", "is_distributed"]
 
 # Gradients ------------------------------------------------------------------------------------
 
@@ -197,7 +88,7 @@ def allreduce_gradients(
         work.wait()
         if average:
             flat.div_(size)
-        for g, chunk in zip(bucket, flat.split([g.numel() for g in bucket])):
+        for g, chunk in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
             g.copy_(chunk.view_as(g))
 
 
@@ -259,9 +150,9 @@ def cleanup() -> None:
     Drop the graphed callables first: a captured graph (a CPU tape) holds the process group,
     and a group that outlives destroy_process_group is destroyed during interpreter shutdown,
     where gloo was seen to abort ("terminate called without an active exception"). The garbage
-    collection here frees graphs that only reference cycles still hold.
+    collection here frees graphs that only reference cycles still hold. (The arenas' setup-check
+    cache holds groups weakly.)
     """
     if dist.is_available() and dist.is_initialized():
-        _CHECKED.clear()  # holds groups, which are all invalid from here on
         gc.collect()
         dist.destroy_process_group()

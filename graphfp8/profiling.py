@@ -1,11 +1,11 @@
-"""NVTX ranges around the runtime's phases, and the profile runner behind `make profile`.
+"""NVTX ranges around the runtime's phases (the profile runner is graphfp8.training.profile).
 
 Ranges (domain "graphfp8"): warmup, capture, replay-forward, replay-backward (graphs/), and
 forward, backward, optimizer (the training loop). They are emitted only while profiling (the
 runner turns them on; GRAPHFP8_NVTX=1 does too), so an ordinary run pays nothing for them.
 Each range is an NVTX range (for nsys) and a torch.profiler record_function (for the fallback).
 
-    python -m graphfp8.profiling [--preset 100m] [--precision fp8] [--steps 3] [--tool auto]
+    python -m graphfp8.training.profile [--preset 100m] [--precision fp8] [--steps 3]
 
 runs a few graphed training steps under `nsys profile -t cuda,nvtx --cuda-graph-trace=node`
 when nsys is on PATH, else under torch.profiler (Chrome trace), and writes a summary (kernels
@@ -45,13 +45,3 @@ def nvtx_range(name: str):
             stack.enter_context(nvtx.annotate(name, domain="graphfp8"))
         stack.enter_context(torch.profiler.record_function(f"graphfp8::{name}"))
         yield
-
-
-def main(argv=None) -> int:
-    from graphfp8.training.profile_run import main as run
-
-    return run(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphfp8.recipe import fp8_max
+from graphfp8.fp8.recipe import fp8_max
 
 __all__ = [
     "quantize",

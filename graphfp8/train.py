@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from graphfp8.training.data import make_corpus
-from graphfp8.training.loop import PRECISIONS, RunSpec
+from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.report import plot_losses, write_summary
-from graphfp8.training.runner import RunOptions, train_run
+from graphfp8.training.run import PRECISIONS, RunSpec
 
 __all__ = ["main", "parse_args"]
 

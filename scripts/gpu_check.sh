@@ -63,7 +63,7 @@ for step in $STEPS; do
         > "$OUT/train.log" 2>&1 || status=1
       tail -8 "$OUT/train.log" | tee -a "$OUT/summary.md" ;;
     profile)
-      $PY -m graphfp8.profiling --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || status=1
+      $PY -m graphfp8.training.profile --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || status=1
       grep -v USDT "$OUT/profile.log" | head -40 | tee -a "$OUT/summary.md" ;;
     kernels|eager|block)
       $PY -m graphfp8.bench "$step" --json "$OUT/bench_$step.json" > /tmp/bench_$step.log 2>&1 \

@@ -1,18 +1,22 @@
-"""Seeds every test and provides the `device` fixture (CPU, and CUDA marked `cuda`)."""
+"""Resets graphfp8's global state and seeds before every test; the `device` fixture (CPU, and
+CUDA marked `cuda`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import graphfp8  # noqa: F401  (registers torch.ops.graphfp8)
+import graphfp8
 from tests.helpers import DEVICES
 
 
 @pytest.fixture(autouse=True)
-def _seed():
+def _fresh_state():
+    """Every test starts from a fresh process's graphfp8 state and the same seed."""
+    graphfp8.reset_state()
     torch.manual_seed(1234)
     yield
+    graphfp8.reset_state()
 
 
 @pytest.fixture(params=DEVICES)

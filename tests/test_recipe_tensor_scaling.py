@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphfp8 as g8
-from graphfp8 import scaling
+from graphfp8.fp8 import scaling
 from graphfp8.testing import assert_bitwise_equal
 
 

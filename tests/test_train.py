@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphfp8 import profiling, train
+from graphfp8 import train
 from graphfp8.testing import assert_bitwise_equal
+from graphfp8.training import profile as profile_runner
 from graphfp8.training.data import batch, make_corpus
-from graphfp8.training.loop import RunSpec
+from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.profile_stats import busy_fraction, parse_gpu_trace, top_kernels
-from graphfp8.training.runner import RunOptions, train_run
+from graphfp8.training.run import RunSpec
 
 SMALL = ["--batch", "2", "--seq-len", "32", "--microbatches", "2"]
 
@@ -148,7 +149,7 @@ def test_ddp_without_torchrun(capsys):
 def test_profile_runner_writes_summary(tmp_path):
     argv = ["--device", "cpu", "--steps", "1", "--warmup-steps", "1", "--microbatches", "2",
             "--out", str(tmp_path)]  # fmt: skip
-    assert profiling.main(argv) == 0
+    assert profile_runner.main(argv) == 0
     summary = json.loads((tmp_path / "profile_tiny_fp8-graphs.json").read_text())
     assert summary["profile"]["tool"] == "torch.profiler"
     assert summary["profile"]["top_level_ops_per_microbatch"] > 50

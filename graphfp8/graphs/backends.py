@@ -78,9 +78,6 @@ class CudaGraph:
     def replay(self) -> None:
         self.graph.replay()
 
-    def pool(self):
-        return self.graph.pool()
-
     def kernels(self) -> list[str]:
         """Kernel nodes of the graph, in dump order (demangled when c++filt is available)."""
         with tempfile.TemporaryDirectory() as tmp:

@@ -7,12 +7,13 @@ What runs where on every microbatch (one forward replay and one backward replay 
     forward graph of callable 0:  the fused scale update of every forward arena (after the MAX
                                   all-reduce of the amaxes over fp8_group, when given: captured
                                   as a NCCL collective, replayed and waited for by the CPU tape)
-    forward graphs:               weight cast-transpose guarded by the device noop flag (nothing
-                                  is written when it holds 1), activation casts with amax, GEMMs
+    forward graphs:               weight cast-transpose guarded by the device weight-cache flag
+                                  (nothing is written when it holds 1), activation casts with
+                                  amax, GEMMs
     backward graphs:              grad casts with amax, GEMMs
     backward graph of callable 0  (the last to run): the fused update of every backward arena
     eager, between replays:       input copies (only when the pointer differs), and a fill_ of
-                                  the noop flag when is_first_microbatch changes its value
+                                  the weight-cache flag when is_first_microbatch changes value
 """
 
 from __future__ import annotations
@@ -24,19 +25,20 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from graphfp8 import distributed, scaling
-from graphfp8.autocast import CaptureState, capture_state
+from graphfp8.fp8 import scaling
+from graphfp8.fp8.arena_check import check_arenas
+from graphfp8.fp8.autocast import CaptureState, capture_state
+from graphfp8.fp8.recipe import DelayedScaling
 from graphfp8.graphs.backends import capture_stream, new_graph
-from graphfp8.graphs.static_io import (
+from graphfp8.graphs.replay import (
     GradAccumulator,
     GraphedFunction,
     GraphedRunner,
-    WeightFlag,
+    WeightCacheFlag,
     hook_dicts,
 )
 from graphfp8.modules.base import FP8Module
 from graphfp8.profiling import nvtx_range
-from graphfp8.recipe import DelayedScaling
 
 __all__ = ["make_graphed_callables"]
 
@@ -110,18 +112,18 @@ def make_graphed_callables(
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     runners, device = _prepare(callables, sample_args, sample_kwargs, fp8_enabled,
                                fp8_weight_caching)  # fmt: skip
-    capture = CaptureState(weight_noop=runners[0].flag.tensor)
+    capture = CaptureState(weight_cache_flag=runners[0].weight_cache_flag.tensor)
     state = dict(fp8_enabled=fp8_enabled, recipe=recipe, group=fp8_group, capture=capture)
     if fp8_enabled:
         scaling.new_init_group()  # the captured modules never share arenas with other models
         arenas = _init_fp8_modules(callables, recipe, device)
-        distributed.check_arenas(arenas, fp8_group)  # before warmup: fail fast, on every rank
+        check_arenas(arenas, fp8_group)  # before warmup: fail fast, on every rank
     with _fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
         _warmup(callables, runners, num_warmup_iters, allow_unused_input, state, device)
     arenas = sorted(capture.arenas.values(), key=lambda a: a.serial)
     # Arenas that only plain functions reach are allocated by the warmup; a check inside the
     # capture would record its all_gather (and its host read) into the graph.
-    distributed.check_arenas(arenas, fp8_group)
+    check_arenas(arenas, fp8_group)
     for arena in arenas:
         arena.frozen = True
     if pool is None and device.type == "cuda":
@@ -157,7 +159,7 @@ def _prepare(callables, sample_args, sample_kwargs, fp8_enabled, caching):
                 raise RuntimeError(f"{name}: modules must have no hooks when captured")
             params = tuple(func.parameters())
             devices.update(p.device for p in params)
-        runners.append(GraphedRunner(name, flat, list(kwargs), params, modules, None))
+        runners.append(GraphedRunner(name, flat, list(kwargs), params, modules))
     if len(devices) != 1:
         raise ValueError(
             f"make_graphed_callables: all tensors must be on one device, got {devices}"
@@ -166,9 +168,9 @@ def _prepare(callables, sample_args, sample_kwargs, fp8_enabled, caching):
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"make_graphed_callables: unsupported device {device}")
     flag_tensor = torch.zeros(1, device=device) if fp8_enabled and caching else None
-    flag = WeightFlag(flag_tensor, fp8_enabled, caching)
+    flag = WeightCacheFlag(flag_tensor, fp8_enabled, caching)
     for r in runners:
-        r.flag = flag
+        r.weight_cache_flag = flag
     return runners, device
 
 

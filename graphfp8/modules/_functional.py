@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 
 from graphfp8 import ops
-from graphfp8.autocast import queue_backward_update
-from graphfp8.scaling import SlotBlock
-from graphfp8.tensor import Float8Tensor
+from graphfp8.fp8.autocast import queue_backward_update
+from graphfp8.fp8.scaling import SlotBlock
+from graphfp8.fp8.slots import BwdRole, FwdRole, Quantizer, slot_index
+from graphfp8.fp8.tensor import Float8Tensor
 
 __all__ = [
     "GemmConfig",
@@ -33,13 +34,22 @@ __all__ = [
 class GemmConfig:
     """Everything one FP8 GEMM call needs besides its tensors.
 
-    Forward slots of GEMM g: 3g input, 3g + 1 weight, 3g + 2 output; backward slots: 2g
-    grad_output, 2g + 1 grad_input (TransformerEngine's layout).
+    Attributes:
+        fwd, bwd: the module's slot blocks in the forward and backward arenas.
+        gemm: which GEMM of the module this is (0 for fc1, 1 for fc2, ...).
+        weight_fp8: the persistent FP8 weight workspace (data, transpose, private scale_inv).
+        cast_weight: cast the weight into the workspace in this call (always True in a graph,
+            where `weight_cache_flag` decides on the device).
+        weight_cache_flag: (1,) float32 device flag, 1 = the cached FP8 weight is valid and the
+            cast does nothing; None = cast unconditionally.
+        fp8_output: return this GEMM's output as a Float8Tensor (its OUTPUT slot).
+        backward_update: (backward arena, group) whose update runs at the end of the backward
+            pass (eager mode), or None (graphs place it themselves).
     """
 
     __slots__ = (
-        "fwd", "bwd", "gemm", "fwd_dtype", "bwd_dtype", "weight_fp8", "cast_weight",
-        "weight_noop", "fp8_output", "backward_update",
+        "fwd", "bwd", "gemm", "weight_fp8", "cast_weight", "weight_cache_flag", "fp8_output",
+        "backward_update",
     )  # fmt: skip
 
     def __init__(
@@ -49,18 +59,22 @@ class GemmConfig:
         gemm: int,
         weight_fp8: Float8Tensor,
         cast_weight: bool,
-        weight_noop: torch.Tensor | None,
+        weight_cache_flag: torch.Tensor | None,
         fp8_output: bool = False,
         backward_update: tuple | None = None,
     ):
         self.fwd, self.bwd, self.gemm = fwd, bwd, gemm
-        self.fwd_dtype = fwd.arena.fp8_dtype
-        self.bwd_dtype = bwd.arena.fp8_dtype
         self.weight_fp8 = weight_fp8
         self.cast_weight = cast_weight
-        self.weight_noop = weight_noop
+        self.weight_cache_flag = weight_cache_flag
         self.fp8_output = fp8_output
         self.backward_update = backward_update
+
+    def quantizer(self, role: FwdRole | BwdRole) -> Quantizer:
+        """Scale, amax and FP8 dtype of this GEMM's slot for `role`."""
+        block = self.fwd if isinstance(role, FwdRole) else self.bwd
+        i = slot_index(role, self.gemm)
+        return Quantizer(block.scale(i), block.amax(i), block.arena.fp8_dtype)
 
 
 def cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
@@ -71,25 +85,24 @@ def cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
     x = inp.reshape(-1, in_features)
     if not x.is_contiguous():
         x = x.contiguous()
-    slot = 3 * cfg.gemm
-    scale, amax = cfg.fwd.scale(slot), cfg.fwd.amax(slot)
+    quantizer = cfg.quantizer(FwdRole.INPUT)
     if needs_t:
-        return ops.cast_transpose(x, scale, amax, cfg.fwd_dtype)
-    x_fp8, scale_inv = ops.cast_to_fp8(x, scale, amax, cfg.fwd_dtype)
+        return ops.cast_transpose(x, *quantizer)
+    x_fp8, scale_inv = ops.cast_to_fp8(x, *quantizer)
     return x_fp8, None, scale_inv
 
 
 def cast_weight_(weight: torch.Tensor, cfg: GemmConfig) -> Float8Tensor:
     """The GEMM's FP8 weight workspace, cast (both layouts) first when cfg says so.
 
-    weight: (N, K) high precision. The noop flag lets a graph skip the cast on later microbatches.
+    weight: (N, K) high precision. The weight-cache flag lets a graph skip the cast on later
+    microbatches.
     """
     w = cfg.weight_fp8
     if cfg.cast_weight:
-        slot = 3 * cfg.gemm + 1
         ops.cast_transpose(
-            weight, cfg.fwd.scale(slot), cfg.fwd.amax(slot), cfg.fwd_dtype,
-            out=w._data, out_t=w._transpose, scale_inv=w._scale_inv, noop=cfg.weight_noop,
+            weight, *cfg.quantizer(FwdRole.WEIGHT),
+            out=w._data, out_t=w._transpose, scale_inv=w._scale_inv, noop=cfg.weight_cache_flag,
         )  # fmt: skip
         w.mark_data_changed(transpose_written=True)
     return w
@@ -114,14 +127,13 @@ def cast_grad_output(dy: torch.Tensor, cfg: GemmConfig, needs_wgrad: bool, needs
     dy: (M, N) contiguous. Returns (dy_fp8 (M, N), dy_t_fp8 (N, M) or None, scale_inv,
     dbias (N,) or None): one fused pass when both the transpose and the bias grad are needed.
     """
-    slot = 2 * cfg.gemm
-    scale, amax = cfg.bwd.scale(slot), cfg.bwd.amax(slot)
+    quantizer = cfg.quantizer(BwdRole.GRAD_OUTPUT)
     if needs_wgrad and needs_dbias:
-        return ops.cast_transpose_dbias(dy, scale, amax, cfg.bwd_dtype)
+        return ops.cast_transpose_dbias(dy, *quantizer)
     dbias = dy.sum(dim=0) if needs_dbias else None
     if needs_wgrad:
-        return (*ops.cast_transpose(dy, scale, amax, cfg.bwd_dtype), dbias)
-    dy_fp8, scale_inv = ops.cast_to_fp8(dy, scale, amax, cfg.bwd_dtype)
+        return (*ops.cast_transpose(dy, *quantizer), dbias)
+    dy_fp8, scale_inv = ops.cast_to_fp8(dy, *quantizer)
     return dy_fp8, None, scale_inv, dbias
 
 
@@ -160,10 +172,7 @@ class _FP8Linear(torch.autograd.Function):
         ctx.has_bias = bias is not None
         if not cfg.fp8_output:
             return y.view(*lead, out_features)
-        slot = 3 * cfg.gemm + 2
-        y_fp8, y_t_fp8, y_scale_inv = ops.cast_transpose(
-            y, cfg.fwd.scale(slot), cfg.fwd.amax(slot), cfg.fwd_dtype
-        )
+        y_fp8, y_t_fp8, y_scale_inv = ops.cast_transpose(y, *cfg.quantizer(FwdRole.OUTPUT))
         return Float8Tensor(
             y_fp8.view(*lead, out_features), y_scale_inv, y.dtype,
             transpose=y_t_fp8, transpose_valid=True,

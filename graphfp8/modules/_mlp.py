@@ -8,8 +8,7 @@
               dh_fp8, dh_t_fp8, db1 = dgelu_cast_transpose_dbias(da, h)
               dx = dgrad1, dw1 = wgrad1
 
-Slots as in _functional: gelu(h) is fc2's input (forward slot 3), dh is fc1's grad output
-(backward slot 0), dy is fc2's (backward slot 2).
+Slots: gelu(h) is fc2's INPUT, dh is fc1's GRAD_OUTPUT, dy is fc2's GRAD_OUTPUT.
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from graphfp8 import ops
-from graphfp8.autocast import queue_backward_update
+from graphfp8.fp8.autocast import queue_backward_update
+from graphfp8.fp8.slots import BwdRole, FwdRole
 from graphfp8.modules._functional import (
     GemmConfig,
     backward_gemms,
@@ -37,10 +37,7 @@ class _FP8GeluMLP(torch.autograd.Function):
         lead = inp.shape[:-1]
         x_fp8, x_t_fp8, x_scale_inv = cast_input(inp, hidden, cfg1, needs[1])
         h = forward_gemm(x_fp8, x_scale_inv, w1, b1, cfg1)
-        slot = 3 * cfg2.gemm
-        a_fp8, a_t_fp8, a_scale_inv = ops.gelu_cast_transpose(
-            h, cfg2.fwd.scale(slot), cfg2.fwd.amax(slot), cfg2.fwd_dtype
-        )
+        a_fp8, a_t_fp8, a_scale_inv = ops.gelu_cast_transpose(h, *cfg2.quantizer(FwdRole.INPUT))
         y = forward_gemm(a_fp8, a_scale_inv, w2, b2, cfg2)
         save_weight(ctx, "w1", cfg1)
         save_weight(ctx, "w2", cfg2)
@@ -66,10 +63,7 @@ class _FP8GeluMLP(torch.autograd.Function):
         db2 = dy_cast[3]
         if not needs_fc1:
             return None, None, None, dw2, db2, None, None, None
-        slot = 2 * cfg1.gemm
-        dh_cast = ops.dgelu_cast_transpose_dbias(
-            da, h, cfg1.bwd.scale(slot), cfg1.bwd.amax(slot), cfg1.bwd_dtype
-        )
+        dh_cast = ops.dgelu_cast_transpose_dbias(da, h, *cfg1.quantizer(BwdRole.GRAD_OUTPUT))
         dx, dw1 = backward_gemms(dh_cast, x_t_fp8, x_scale_inv, *ctx.w1, dy.dtype,
                                  needs_dgrad, needs_wgrad1)  # fmt: skip
         if dx is not None:

@@ -6,30 +6,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphfp8 import scaling
-from graphfp8.autocast import STATE, check_is_first_microbatch
+from graphfp8.fp8 import scaling
+from graphfp8.fp8.autocast import STATE, check_is_first_microbatch
+from graphfp8.fp8.recipe import DelayedScaling, Format
+from graphfp8.fp8.slots import BwdRole, FwdRole, slot_index, slots_per_gemm
+from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
-from graphfp8.recipe import DelayedScaling, Format
-from graphfp8.tensor import Float8Tensor
 
 __all__ = ["FP8Meta", "FP8Module"]
 
 
+# _extra_state layout: 0 (no "version" key) held 2 backward slots per GEMM (grad_output and an
+# unused grad_input); 1 holds the slots of graphfp8.fp8.slots.
+EXTRA_STATE_VERSION = 1
+
+
 class FP8Meta:
-    """One module's FP8 slots: 3 per GEMM in the forward arena (input, weight, output) and 2 per
-    GEMM in the backward arena (grad_output, grad_input), as TransformerEngine lays them out."""
+    """One module's FP8 slots (graphfp8.fp8.slots): FwdRole slots per GEMM in the forward arena
+    and BwdRole slots per GEMM in the backward arena."""
 
     def __init__(self, recipe: DelayedScaling, device: torch.device, num_gemms: int):
         self.recipe = recipe
         self.device = torch.device(device)
-        self.fwd = scaling.allocate(recipe, device, scaling.FORWARD, 3 * num_gemms)
-        self.bwd = scaling.allocate(recipe, device, scaling.BACKWARD, 2 * num_gemms)
+        self.num_gemms = num_gemms
+        fwd_count = slots_per_gemm(FwdRole) * num_gemms
+        bwd_count = slots_per_gemm(BwdRole) * num_gemms
+        self.fwd = scaling.allocate(recipe, device, scaling.FORWARD, fwd_count)
+        self.bwd = scaling.allocate(recipe, device, scaling.BACKWARD, bwd_count)
 
     def __deepcopy__(self, memo) -> FP8Meta:
         """A copied module gets fresh slots (in the open arena, so updates reach them) holding
         the same histories and scales."""
-        new = FP8Meta(self.recipe, self.device, self.fwd.count // 3)
+        new = FP8Meta(self.recipe, self.device, self.num_gemms)
         new.copy_from_(self)
         return new
 
@@ -50,8 +59,9 @@ def _recipe_to_dict(recipe: DelayedScaling) -> dict:
 
 
 class FP8Module(nn.Module):
-    """Base of the graphfp8 layers. Subclasses set `num_gemms` and call `_gemm_configs` from an
-    FP8 forward; outside fp8_autocast they run as ordinary layers in their parameter dtype."""
+    """Base of the graphfp8 layers. A subclass sets `num_gemms`, and its forward calls
+    `_fp8_forward_configs`, which checks the input and returns the GEMM configs under
+    fp8_autocast, or None: then the layer runs as an ordinary layer in its parameter dtype."""
 
     num_gemms = 1
 
@@ -59,7 +69,38 @@ class FP8Module(nn.Module):
         super().__init__()
         self.fp8_meta: FP8Meta | None = None
         self._weight_fp8: dict[str, Float8Tensor] = {}
+        # Eager weight cache: the FP8 workspaces hold the current weights (cast with
+        # is_first_microbatch True or None). Graphs use their device weight-cache flag instead.
         self._weight_cache_valid = False
+
+    # The forward preamble ----------------------------------------------------------------------
+
+    def _fp8_forward_configs(
+        self,
+        inp,
+        features: int,
+        weights: list[tuple[str, torch.Tensor]],
+        is_first_microbatch: bool | None,
+        *,
+        high_precision_input: bool = False,
+        fp8_output: bool = False,
+    ) -> list[GemmConfig] | None:
+        """Checks a forward call; returns one GemmConfig per weight under fp8_autocast, else None.
+
+        Args:
+            inp: the layer input, (..., features).
+            features: the input's last dim.
+            weights: (workspace key, weight (N, K)) per GEMM, in GEMM order.
+            is_first_microbatch: None, True or False (see Linear.forward).
+            high_precision_input: the layer needs a plain tensor (it normalizes its input).
+            fp8_output: the last GEMM's output becomes a Float8Tensor.
+        """
+        self._check_input(inp, features, weights[0][1], high_precision_input)
+        check_is_first_microbatch(is_first_microbatch)
+        if not STATE.enabled:
+            return None
+        self._check_fp8_dims(inp, [w for _, w in weights])
+        return self._gemm_configs(weights, is_first_microbatch, fp8_output)
 
     # FP8 state -------------------------------------------------------------------------------
 
@@ -118,10 +159,9 @@ class FP8Module(nn.Module):
         self,
         weights: list[tuple[str, torch.Tensor]],
         is_first_microbatch: bool | None,
-        fp8_output: bool = False,
+        fp8_output: bool,
     ) -> list[GemmConfig]:
         """One GemmConfig per (workspace key, weight) for this FP8 forward."""
-        check_is_first_microbatch(is_first_microbatch)
         meta = self.fp8_init(STATE.recipe, weights[0][1].device)
         fp8_dtype = meta.fwd.arena.fp8_dtype
         workspaces = [self._weight_workspace(key, w, fp8_dtype) for key, w in weights]
@@ -130,10 +170,10 @@ class FP8Module(nn.Module):
             # The graph decides through its device flag; scale updates are placed by the capturer.
             capture.arenas[id(meta.fwd.arena)] = meta.fwd.arena
             capture.arenas[id(meta.bwd.arena)] = meta.bwd.arena
-            cast, noop, bwd_update = True, capture.weight_noop, None
+            cast, flag, bwd_update = True, capture.weight_cache_flag, None
         else:
             meta.fwd.arena.update_once(STATE.region, STATE.group)
-            cast, noop = self._eager_weight_cast(is_first_microbatch), None
+            cast, flag = self._eager_weight_cast(is_first_microbatch), None
             bwd_update = (meta.bwd.arena, STATE.group)
         last = len(weights) - 1
         return [
@@ -143,7 +183,7 @@ class FP8Module(nn.Module):
                 g,
                 ws,
                 cast,
-                noop,
+                flag,
                 fp8_output=fp8_output and g == last,
                 backward_update=bwd_update,
             )  # fmt: skip
@@ -152,7 +192,7 @@ class FP8Module(nn.Module):
 
     # Checks --------------------------------------------------------------------------------------
 
-    def _check_input(self, inp, features: int, weight: torch.Tensor) -> None:
+    def _check_input(self, inp, features: int, weight: torch.Tensor, high_precision: bool) -> None:
         name = type(self).__name__
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"{name}: input must be a tensor, got {type(inp).__name__}")
@@ -166,14 +206,23 @@ class FP8Module(nn.Module):
             raise ValueError(
                 f"{name}: input is on {inp.device} but the parameters are on {weight.device}"
             )
-        if isinstance(inp, Float8Tensor) and not STATE.enabled:
-            raise TypeError(f"{name}: a Float8Tensor input needs fp8_autocast(enabled=True)")
+        if isinstance(inp, Float8Tensor):
+            if high_precision:
+                raise TypeError(f"{name}: the normalization needs a high-precision input")
+            if not STATE.enabled:
+                raise TypeError(f"{name}: a Float8Tensor input needs fp8_autocast(enabled=True)")
 
     def _check_fp8_dims(self, inp: torch.Tensor, weights: list[torch.Tensor]) -> None:
-        """FP8 GEMMs need K and N multiples of 16, and the token count too when the weight
-        gradient (whose inner dim is the token count) will be computed."""
+        """FP8 GEMMs need float32/bfloat16/float16 weights, K and N multiples of 16, and the
+        token count a multiple of 16 too when the weight gradient (whose inner dim is the token
+        count) will be computed."""
         name = type(self).__name__
         for w in weights:
+            if w.dtype not in FP8_PARAM_DTYPES:
+                raise TypeError(
+                    f"{name}: FP8 needs float32, bfloat16 or float16 parameters, got {w.dtype} "
+                    "(params_dtype)"
+                )
             check_gemm_dims(w.shape[1], w.shape[0], name)
         tokens = inp.numel() // inp.shape[-1]
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights) and tokens % 16:
@@ -189,6 +238,7 @@ class FP8Module(nn.Module):
         if meta is None:
             return None
         return {
+            "version": EXTRA_STATE_VERSION,
             "recipe": _recipe_to_dict(meta.recipe),
             "fwd_amax_history": meta.fwd.history().detach().clone(),
             "fwd_scale": meta.fwd.scales().detach().clone(),
@@ -199,18 +249,55 @@ class FP8Module(nn.Module):
     def set_extra_state(self, state) -> None:
         if state is None:
             return
-        name = type(self).__name__
-        saved = dict(state["recipe"])
-        saved["fp8_format"] = Format(saved["fp8_format"])
-        recipe = DelayedScaling(**saved)
-        meta = self.fp8_init(recipe, next(self.parameters()).device)
+        state = _upgrade_extra_state(state, type(self).__name__, self.num_gemms)
+        meta = self.fp8_init(state["recipe"], next(self.parameters()).device)
         for key, block in (("fwd", meta.fwd), ("bwd", meta.bwd)):
             history, scale = state[f"{key}_amax_history"], state[f"{key}_scale"]
             if tuple(history.shape) != tuple(block.history().shape):
                 raise ValueError(
-                    f"{name}: checkpoint {key} amax history has shape {tuple(history.shape)}, "
-                    f"the module's is {tuple(block.history().shape)}"
+                    f"{type(self).__name__}: checkpoint {key} amax history has shape "
+                    f"{tuple(history.shape)}, the module's is {tuple(block.history().shape)}"
                 )
             block.history().copy_(history)
             block.scales().copy_(scale)
         self._weight_cache_valid = False
+
+
+FP8_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_EXTRA_KEYS = ("recipe", "fwd_amax_history", "fwd_scale", "bwd_amax_history", "bwd_scale")
+
+
+def _upgrade_extra_state(state, name: str, num_gemms: int) -> dict:
+    """Validates a checkpoint's FP8 state and brings it to EXTRA_STATE_VERSION: a dict whose
+    "recipe" is a DelayedScaling. Version 0 had a second backward slot per GEMM, dropped here."""
+    where = f"{name}: the checkpoint's FP8 state (_extra_state)"
+    if not isinstance(state, dict) or any(k not in state for k in _EXTRA_KEYS):
+        found = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"{where} is not one that graphfp8 wrote: expected a dict with keys "
+            f"{list(_EXTRA_KEYS)}, got {found}"
+        )
+    version = state.get("version", 0)
+    if version not in (0, EXTRA_STATE_VERSION):
+        raise ValueError(
+            f"{where} has version {version!r}; this graphfp8 reads versions 0 to "
+            f"{EXTRA_STATE_VERSION}"
+        )
+    try:
+        recipe = DelayedScaling(
+            **{**state["recipe"], "fp8_format": Format(state["recipe"]["fp8_format"])}
+        )
+    except (TypeError, KeyError, ValueError) as exc:
+        raise ValueError(f"{where} holds an invalid recipe {state['recipe']!r}: {exc}") from exc
+    state = {**state, "recipe": recipe}
+    if version == 0:  # backward slots were (grad_output, grad_input) per GEMM
+        old = 2 * num_gemms
+        keep = [2 * g + slot_index(BwdRole.GRAD_OUTPUT, 0) for g in range(num_gemms)]
+        history, scale = state["bwd_amax_history"], state["bwd_scale"]
+        if history.dim() != 2 or history.shape[1] != old or scale.shape != (old,):
+            raise ValueError(
+                f"{where} (version 0) has backward history {tuple(history.shape)} and scale "
+                f"{tuple(scale.shape)}; a module with {num_gemms} GEMMs had {old} slots"
+            )
+        state["bwd_amax_history"], state["bwd_scale"] = history[:, keep], scale[keep]
+    return state

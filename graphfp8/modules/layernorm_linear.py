@@ -5,12 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphfp8.autocast import STATE
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules._norm import apply_norm, make_norm_params
 from graphfp8.modules.base import FP8Module
 from graphfp8.modules.linear import linear_params
-from graphfp8.tensor import Float8Tensor
 
 __all__ = ["LayerNormLinear"]
 
@@ -41,16 +39,14 @@ class LayerNormLinear(FP8Module):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         """inp: (..., in_features) in params_dtype. Returns (..., out_features), a Float8Tensor
         when fp8_output and FP8 are on. is_first_microbatch: as for Linear."""
-        self._check_input(inp, self.in_features, self.weight)
-        if isinstance(inp, Float8Tensor):
-            raise TypeError("LayerNormLinear: the normalization needs a high-precision input")
+        cfgs = self._fp8_forward_configs(
+            inp, self.in_features, [("weight", self.weight)], is_first_microbatch,
+            high_precision_input=True, fp8_output=self.fp8_output,
+        )  # fmt: skip
         ln_out = apply_norm(self, inp, self.normalization, self.eps)
-        if not STATE.enabled:
+        if cfgs is None:
             return F.linear(ln_out, self.weight, self.bias)
-        self._check_fp8_dims(inp, [self.weight])
-        (cfg,) = self._gemm_configs([("weight", self.weight)], is_first_microbatch,
-                                    fp8_output=self.fp8_output)  # fmt: skip
-        return fp8_linear(ln_out, self.weight, self.bias, cfg)
+        return fp8_linear(ln_out, self.weight, self.bias, cfgs[0])
 
     def extra_repr(self) -> str:
         return (

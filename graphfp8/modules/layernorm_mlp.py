@@ -5,13 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphfp8.autocast import STATE
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules._mlp import fp8_gelu_mlp
 from graphfp8.modules._norm import apply_norm, make_norm_params
 from graphfp8.modules.base import FP8Module
 from graphfp8.modules.linear import linear_params
-from graphfp8.tensor import Float8Tensor
 
 __all__ = ["LayerNormMLP"]
 
@@ -56,18 +54,15 @@ class LayerNormMLP(FP8Module):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """inp: (..., hidden_size) in params_dtype. Returns (..., hidden_size).
         is_first_microbatch: as for Linear (both weights)."""
-        self._check_input(inp, self.hidden_size, self.fc1_weight)
-        if isinstance(inp, Float8Tensor):
-            raise TypeError("LayerNormMLP: the normalization needs a high-precision input")
+        weights = [("fc1", self.fc1_weight), ("fc2", self.fc2_weight)]
+        cfgs = self._fp8_forward_configs(inp, self.hidden_size, weights, is_first_microbatch,
+                                         high_precision_input=True)  # fmt: skip
         act = ACTIVATIONS[self.activation]
         ln_out = apply_norm(self, inp, self.normalization, self.eps)
-        if not STATE.enabled:
+        if cfgs is None:
             return F.linear(act(F.linear(ln_out, self.fc1_weight, self.fc1_bias)),
                             self.fc2_weight, self.fc2_bias)  # fmt: skip
-        self._check_fp8_dims(inp, [self.fc1_weight, self.fc2_weight])
-        cfg1, cfg2 = self._gemm_configs(
-            [("fc1", self.fc1_weight), ("fc2", self.fc2_weight)], is_first_microbatch
-        )
+        cfg1, cfg2 = cfgs
         if self.activation == "gelu":
             # GELU and dGELU fused into the FP8 casts around it (graphfp8.modules._mlp).
             return fp8_gelu_mlp(ln_out, self.fc1_weight, self.fc1_bias, self.fc2_weight,

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphfp8.autocast import STATE
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules.base import FP8Module
 
@@ -54,12 +53,11 @@ class Linear(FP8Module):
         False reuses the cached FP8 weight (gradient accumulation over microbatches).
         Returns (..., out_features) in params_dtype.
         """
-        self._check_input(inp, self.in_features, self.weight)
-        if not STATE.enabled:
+        cfgs = self._fp8_forward_configs(inp, self.in_features, [("weight", self.weight)],
+                                         is_first_microbatch)  # fmt: skip
+        if cfgs is None:
             return F.linear(inp, self.weight, self.bias)
-        self._check_fp8_dims(inp, [self.weight])
-        (cfg,) = self._gemm_configs([("weight", self.weight)], is_first_microbatch)
-        return fp8_linear(inp, self.weight, self.bias, cfg)
+        return fp8_linear(inp, self.weight, self.bias, cfgs[0])
 
     def extra_repr(self) -> str:
         return (

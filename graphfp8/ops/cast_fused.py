@@ -8,10 +8,11 @@ from graphfp8.ops._lib import ops
 
 __all__ = ["cast_transpose_dbias", "gelu_cast_transpose", "dgelu_cast_transpose_dbias"]
 
-Fp8Pair = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# (x_fp8 (rows, cols), x_t_fp8 (cols, rows), scale_inv (1,)): both layouts and their scale_inv.
+CastTransposed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _outputs(x: torch.Tensor, fp8_dtype: torch.dtype, what: str) -> Fp8Pair:
+def _outputs(x: torch.Tensor, fp8_dtype: torch.dtype, what: str) -> CastTransposed:
     """Fresh (out (rows, cols), out_t (cols, rows), scale_inv (1,)) for a 2-D x."""
     if x.dim() != 2:
         raise ValueError(f"graphfp8.{what}: argument 'x' must be 2-D, got {x.dim()}-D")
@@ -44,7 +45,7 @@ def cast_transpose_dbias(
 
 def gelu_cast_transpose(
     x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype
-) -> Fp8Pair:
+) -> CastTransposed:
     """FP8 cast-transpose of gelu(x) (tanh approximation), without writing gelu(x) itself.
 
     gelu(x) is computed in fp32 and rounded to x.dtype before it is scaled and folded into amax,

@@ -1,166 +1,157 @@
-"""One training run: a GPT in bf16 or FP8, eager or graphed, with gradient accumulation.
-
-Per optimizer step, for each of `microbatches` microbatches: embedding (eager) -> the blocks
-(one graph replay forward, one backward when graphed; an fp8_autocast region per microbatch when
-eager) -> norm, head, cross entropy (eager) -> backward. Then (data parallel) one all-reduce of
-the accumulated gradients, clipping, AdamW, zero_grad. `is_first_microbatch` is True on the
-first microbatch of every step: the FP8 weights are cast then and reused by the others.
-
-No host sync inside a step: losses stay on the device until a log point asks for them.
-"""
+"""Drives one Run through its steps: timing, logging, progress and checkpoints."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from graphfp8.autocast import fp8_autocast
-from graphfp8.distributed import allreduce_gradients
-from graphfp8.graphs import make_graphed_callables
-from graphfp8.profiling import nvtx_range
-from graphfp8.recipe import DelayedScaling
-from graphfp8.training.data import batch
-from graphfp8.training.model import GPT, ModelConfig
+from graphfp8.training.model import count_parameters
+from graphfp8.training.report import MetricsLog, Progress, final_loss
+from graphfp8.training.run import Run, RunSpec
 
-__all__ = ["RunSpec", "Run"]
-
-PRECISIONS = ("bf16", "fp8")
+__all__ = ["RunOptions", "sync", "train_run"]
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    """What one run trains and how."""
-
-    preset: str
-    model: ModelConfig
-    precision: str  # "bf16" or "fp8"
-    graphs: bool
-    microbatches: int
-    device: str
-    seed: int = 0
-    amax_history_len: int = 16
-
-    @property
-    def name(self) -> str:
-        return f"{self.precision}-{'graphs' if self.graphs else 'eager'}"
-
-    @property
-    def tokens_per_microbatch(self) -> int:
-        return self.model.batch * self.model.seq_len
+@dataclass
+class RunOptions:
+    steps: int  # the run's length: the LR schedule spans it
+    out: Path
+    log_every: int = 10
+    save: Path | None = None
+    resume: Path | None = None
+    group: object = None
+    world_size: int = 1
+    is_main: bool = True
+    keep_state: bool = False  # return the final model state_dict (tests)
+    stop_at: int | None = None  # end early after this step (e.g. save, resume later)
+    corpus: torch.Tensor = field(default=None, repr=False)
 
 
-class Run:
-    """Model, optimizer and step counter of one run; `train_step` does one optimizer step.
+def sync(device: str) -> None:
+    """Waits for the device's queued work (a no-op on the CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
-    Args:
-        spec: the run.
-        corpus: (N,) uint8 training text.
-        group: torch.distributed group for data parallelism (gradients all-reduced, FP8 amaxes
-            MAX-reduced), or None.
+
+def _ranks_agree(model: torch.nn.Module, group) -> dict[str, bool]:
+    """Whether every rank holds the same FP8 scales and amax histories (rows 1+: row 0 holds
+    this rank's amaxes of the microbatch in flight) and the same parameters (compared through
+    per-tensor float64 sums)."""
+    import torch.distributed as dist
+
+    fp8, fingerprint = [], []
+    for module in model.modules():
+        meta = getattr(module, "fp8_meta", None)
+        if meta is not None:
+            for block in (meta.fwd, meta.bwd):
+                fp8 += [block.scales().flatten(), block.history()[1:].flatten()]
+    for p in model.parameters():
+        fingerprint.append(p.detach().double().sum().reshape(1))
+    out = {}
+    for name, parts in (("fp8_state", fp8), ("parameters", fingerprint)):
+        mine = torch.cat(parts) if parts else torch.zeros(1, device=next(model.parameters()).device)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        out[name] = all(torch.equal(g, gathered[0]) for g in gathered)
+    return out
+
+
+def _log_interval(
+    run: Run,
+    opts: RunOptions,
+    log,
+    pending,
+    last_step: int,
+    t_start: float,
+    t_last: float,
+    tokens_per_step: int,
+) -> tuple[list[float], float]:
+    """Materialises the losses of the steps since the last log point (the one host sync per
+    interval), writes their CSV rows. Returns (losses, tokens/s over the interval)."""
+    values = torch.stack(pending).tolist()
+    pending.clear()
+    now = time.perf_counter()
+    rate = tokens_per_step * (run.step - last_step) / (now - t_last)
+    if log is not None:
+        for i, value in enumerate(values):
+            step = last_step + i + 1
+            log.write(dict(step=step, loss=value, lr=run.lr_at(step - 1, opts.steps),
+                           tokens=step * tokens_per_step, elapsed_s=round(now - t_start, 3),
+                           tokens_per_s=round(rate, 1)))  # fmt: skip
+    return values, rate
+
+
+def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int) -> dict:
+    """Steps `run` up to `steps`, logging every opts.log_every steps. Returns the losses and the
+    timestamps that the tokens/s figures come from."""
+    first = run.step
+    steady_from = first + max(1, (steps - first) // 10)
+    log = MetricsLog(opts.out / f"{run.spec.name}.csv") if opts.is_main else None
+    progress = Progress(steps - first, run.spec.name, opts.is_main)
+    losses: list[float] = []
+    pending: list[torch.Tensor] = []
+    t_start = t_last = time.perf_counter()
+    t_steady, last_step = None, first
+    while run.step < steps:
+        pending.append(run.train_step(opts.steps))
+        if run.step == steady_from:
+            sync(run.spec.device)
+            t_steady = time.perf_counter()
+        if run.step % opts.log_every and run.step != steps:
+            continue
+        values, rate = _log_interval(run, opts, log, pending, last_step, t_start, t_last,
+                                     tokens_per_step)  # fmt: skip
+        losses += values
+        progress.update(run.step - first, loss=f"{values[-1]:.4f}", tok_s=f"{rate:,.0f}")
+        t_last, last_step = time.perf_counter(), run.step
+    sync(run.spec.device)
+    if log is not None:
+        log.close()
+    return dict(losses=losses, t_start=t_start, t_steady=t_steady, t_end=time.perf_counter(),
+                steady_steps=steps - steady_from)  # fmt: skip
+
+
+def train_run(spec: RunSpec, opts: RunOptions) -> dict:
+    """Trains `spec` for opts.steps optimizer steps (counting from a resumed step; ending early
+    at opts.stop_at).
+
+    Returns:
+        {"name", "losses" (per step), "final_loss", "tokens_per_s" (steady state: after the
+        first tenth of the steps, capture excluded), "capture_s", "parameters", ...}.
     """
-
-    def __init__(self, spec: RunSpec, corpus: torch.Tensor, group=None):
-        if spec.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {spec.precision!r}")
-        self.spec, self.corpus, self.group = spec, corpus, group
-        self.rank = torch.distributed.get_rank(group) if group is not None else 0
-        torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
-        self.model = GPT(spec.model, torch.bfloat16, spec.device)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=spec.model.lr, betas=(0.9, 0.95), weight_decay=0.1
-        )
-        self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len)
-        self.step = 0
-        self.blocks = None  # the callable that runs the blocks, set by prepare()
-
-    @property
-    def fp8(self) -> bool:
-        return self.spec.precision == "fp8"
-
-    def prepare(self) -> None:
-        """Captures the blocks when the run uses graphs (after any checkpoint was loaded)."""
-        if not self.spec.graphs:
-            self.blocks = self._eager_blocks
-            return
-        cfg = self.spec.model
-        sample = torch.randn(cfg.batch, cfg.seq_len, cfg.hidden, dtype=torch.bfloat16,
-                             device=self.spec.device, requires_grad=True)  # fmt: skip
-        self.blocks = make_graphed_callables(
-            self.model.blocks, (sample,), fp8_enabled=self.fp8, fp8_recipe=self.recipe,
-            fp8_weight_caching=True, fp8_group=self.group,
-        )  # fmt: skip
-
-    def _eager_blocks(self, x, is_first_microbatch=None):
-        with fp8_autocast(enabled=self.fp8, recipe=self.recipe, fp8_group=self.group):
-            return self.model.blocks(x, is_first_microbatch=is_first_microbatch)
-
-    def lr_at(self, step: int, total: int) -> float:
-        """Linear warm-up over the first 10% of steps (at most 100), then cosine to 10%."""
-        warmup = max(1, min(100, total // 10))
-        if step < warmup:
-            return self.spec.model.lr * (step + 1) / warmup
-        t = (step - warmup) / max(1, total - warmup)
-        return self.spec.model.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, t))))
-
-    def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.spec.model
-        tokens = batch(self.corpus, self.step, mb, cfg.batch, cfg.seq_len, self.spec.seed,
-                       self.rank)  # fmt: skip
-        tokens = tokens.to(self.spec.device, non_blocking=True)
-        return tokens[:, :-1], tokens[:, 1:]
-
-    def train_step(self, total_steps: int) -> torch.Tensor:
-        """One optimizer step over `microbatches` microbatches. Returns the step's mean loss as
-        a 0-d float32 device tensor (not synchronised)."""
-        model, mbs = self.model, self.spec.microbatches
-        total = torch.zeros((), dtype=torch.float32, device=self.spec.device)
-        for mb in range(mbs):
-            inputs, targets = self._microbatch(mb)
-            with nvtx_range("forward"):
-                hidden = self.blocks(model.embed(inputs), is_first_microbatch=mb == 0)
-                loss = model.loss(hidden, targets) / mbs
-            with nvtx_range("backward"):
-                loss.backward()
-            total += loss.detach()
-        with nvtx_range("optimizer"):
-            if self.group is not None:
-                allreduce_gradients(model.parameters(), self.group)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.lr_at(self.step, total_steps)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return total
-
-    # Checkpoints ---------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        return {
-            "spec": {
-                "preset": self.spec.preset,
-                "precision": self.spec.precision,
-                "model": self.spec.model.to_dict(),
-                "seed": self.spec.seed,
-                "microbatches": self.spec.microbatches,
-                "amax_history_len": self.spec.amax_history_len,
-            },  # fmt: skip
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resumes from `state_dict()`; the run must train the same model the same way."""
-        saved, mine = state["spec"], self.state_dict()["spec"]
-        diff = [f"{k}: checkpoint {saved[k]!r}, this run {mine[k]!r}"
-                for k in mine if saved.get(k) != mine[k]]  # fmt: skip
-        if diff:
-            raise ValueError("checkpoint does not match this run: " + "; ".join(diff))
-        if self.blocks is not None and self.spec.graphs:
-            raise RuntimeError("load the checkpoint before prepare(): the graphs are captured")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step = state["step"]
+    run = Run(spec, opts.corpus, opts.group)
+    if opts.resume is not None:
+        run.load_state_dict(torch.load(opts.resume, map_location=spec.device, weights_only=False))
+    first, steps = run.step, min(opts.steps, opts.stop_at or opts.steps)
+    if first >= steps:
+        raise ValueError(f"the checkpoint is at step {first}: --steps {opts.steps} (stop at "
+                         f"{steps}) leaves nothing to train")  # fmt: skip
+    t0 = time.perf_counter()
+    run.prepare()
+    sync(spec.device)
+    capture_s = time.perf_counter() - t0
+    tokens_per_step = spec.tokens_per_microbatch * spec.microbatches * opts.world_size
+    t = _train_steps(run, opts, steps, tokens_per_step)
+    if opts.save is not None and opts.is_main:
+        opts.save.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(run.state_dict(), opts.save)
+    steady_tokens = tokens_per_step * t["steady_steps"]
+    steady_s = t["t_end"] - t["t_steady"] if t["t_steady"] is not None else 0.0
+    return {
+        "name": spec.name,
+        "precision": spec.precision,
+        "graphs": spec.graphs,
+        "parameters": count_parameters(run.model),
+        "first_step": first,
+        "steps": steps,
+        "losses": t["losses"],
+        "final_loss": final_loss(t["losses"]),
+        "capture_s": round(capture_s, 3),
+        "train_s": round(t["t_end"] - t["t_start"], 3),
+        "tokens_per_s": steady_tokens / steady_s if steady_tokens and steady_s > 0 else None,
+        "ranks_agree": _ranks_agree(run.model, opts.group) if opts.group is not None else None,
+        "model_state": run.model.state_dict() if opts.keep_state else None,
+    }

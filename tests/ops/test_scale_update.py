@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphfp8 import reference
-from graphfp8.recipe import fp8_max
+from graphfp8.fp8.recipe import fp8_max
 from graphfp8.testing import assert_bitwise_equal
 
 FLT_MAX = torch.finfo(torch.float32).max

@@ -23,16 +23,26 @@ each region (`update_once`), graphs at the start of their first forward.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from graphfp8 import distributed, ops
-from graphfp8.recipe import DelayedScaling, fp8_max
+from graphfp8 import ops
+from graphfp8.fp8.arena_check import check_arena_consistency, needs_reduction
+from graphfp8.fp8.recipe import DelayedScaling, fp8_max
 
-__all__ = ["Arena", "SlotBlock", "allocate", "live_arenas", "new_init_group", "update_"]
+__all__ = [
+    "Arena",
+    "REGISTRY",
+    "SlotBlock",
+    "allocate",
+    "live_arenas",
+    "new_init_group",
+    "update_",
+]
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -40,11 +50,10 @@ FORWARD, BACKWARD = "forward", "backward"
 class Arena:
     """All FP8 slots of one direction for one recipe on one device."""
 
-    _created = 0
+    _serials = itertools.count(1)  # creation order, never reused
 
     def __init__(self, recipe: DelayedScaling, device: torch.device, direction: str):
-        Arena._created += 1
-        self.serial = Arena._created
+        self.serial = next(Arena._serials)
         self.recipe = recipe
         self.device = torch.device(device)
         self.direction = direction
@@ -57,6 +66,9 @@ class Arena:
         self.version = 0
         self.frozen = False
         self.updated_in = -1  # the fp8_autocast region that last updated it (eager mode)
+        # {group: version} of the groups whose ranks were found to hold a matching arena
+        # (arena_check); weak, so that a destroyed group is not kept alive here.
+        self.checked_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def num_slots(self) -> int:
@@ -87,11 +99,11 @@ class Arena:
         fused kernel. Reducing row 0 in place equals DESIGN.md's `a = R if R != 0 else H[0]`:
         R is the max over ranks of non-negative amaxes, so R == 0 implies H[0] == 0. Before the
         first reduction of this arena over `group`, the ranks check that their arenas match
-        (distributed.check_arena_consistency), so a mismatch raises instead of hanging."""
+        (arena_check.check_arena_consistency), so a mismatch raises instead of hanging."""
         if self.num_slots == 0:
             return
-        if distributed.needs_reduction(group):
-            distributed.check_arena_consistency(self, group)
+        if needs_reduction(group):
+            check_arena_consistency(self, group)
             if self.recipe.reduce_amax:
                 dist.all_reduce(self.amax_history[0], op=dist.ReduceOp.MAX, group=group)
         ops.scale_update_(
@@ -164,31 +176,42 @@ class SlotBlock:
         return self.arena.scale[self.start : self.start + self.count]
 
 
-# Every live arena, and the current init group: {(recipe, device, direction): open arena}.
-_ARENAS: weakref.WeakSet[Arena] = weakref.WeakSet()
-_GROUP: dict[tuple, Arena] = {}
+class ArenaRegistry:
+    """Every live arena (weakly), and the current init group's open arenas:
+    {(recipe, device, direction): arena}."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every arena (modules keep theirs) and starts a new init group."""
+        self.arenas: weakref.WeakSet[Arena] = weakref.WeakSet()
+        self.open: dict[tuple, Arena] = {}
+
+
+REGISTRY = ArenaRegistry()
 
 
 def new_init_group() -> None:
     """Modules that get their slots from now on go into new arenas."""
-    global _GROUP
-    _GROUP = {}
+    REGISTRY.open = {}
 
 
 def allocate(recipe: DelayedScaling, device, direction: str, count: int) -> SlotBlock:
     """Reserves `count` slots in the current init group's arena for (recipe, device, direction)."""
     key = (recipe, torch.device(device), direction)
-    arena = _GROUP.get(key)
+    arena = REGISTRY.open.get(key)
     if arena is None or arena.frozen:
         arena = Arena(recipe, torch.device(device), direction)
-        _ARENAS.add(arena)
-        _GROUP[key] = arena
+        REGISTRY.arenas.add(arena)
+        REGISTRY.open[key] = arena
     return SlotBlock(arena, arena.grow(count), count)
 
 
 def live_arenas(recipe: DelayedScaling) -> list[Arena]:
     """Live arenas of one recipe, both directions, in creation order."""
-    return sorted((a for a in list(_ARENAS) if a.recipe == recipe), key=lambda a: a.serial)
+    arenas = (a for a in list(REGISTRY.arenas) if a.recipe == recipe)
+    return sorted(arenas, key=lambda a: a.serial)
 
 
 def update_(arenas, group=None) -> None:

@@ -18,16 +18,16 @@ import torch
 
 from graphfp8.profiling import enable_ranges
 from graphfp8.training.data import make_corpus
-from graphfp8.training.loop import PRECISIONS, Run, RunSpec
+from graphfp8.training.loop import sync
 from graphfp8.training.model import PRESETS
 from graphfp8.training.profile_stats import busy_fraction, nsys_summary, top_kernels
-from graphfp8.training.runner import sync
+from graphfp8.training.run import PRECISIONS, Run, RunSpec
 
 __all__ = ["main"]
 
 
 def _parse(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m graphfp8.profiling")
+    p = argparse.ArgumentParser(prog="python -m graphfp8.training.profile")
     cuda = torch.cuda.is_available()
     p.add_argument("--preset", choices=sorted(PRESETS), default="100m" if cuda else "tiny")
     p.add_argument("--precision", choices=PRECISIONS, default="fp8")
@@ -117,7 +117,8 @@ def _nsys_profile(args, argv) -> dict:
     report = args.out / "nsys_report"
     cmd = ["nsys", "profile", "-t", "cuda,nvtx", "--cuda-graph-trace=node", "--force-overwrite",
            "true", "--capture-range=cudaProfilerApi", "-o", str(report), sys.executable, "-m",
-           "graphfp8.profiling", *argv, "--tool", "torch", "--out", str(args.out)]  # fmt: skip
+           "graphfp8.training.profile", *argv, "--tool", "torch",
+           "--out", str(args.out)]  # fmt: skip
     env = dict(os.environ, GRAPHFP8_UNDER_NSYS="1")
     subprocess.run(cmd, check=True, env=env)
     return nsys_summary(report.with_suffix(".nsys-rep"), args.steps * args.microbatches)
@@ -195,3 +196,7 @@ def _device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
     return "cpu"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,5 +1,6 @@
-"""Static inputs and outputs of a captured callable, the checks made before every replay, the
-is_first_microbatch device flag, and the autograd.Function that replays the two graphs."""
+"""Replaying a captured callable: its static inputs and outputs (GraphedRunner), the checks made
+before every replay, the is_first_microbatch device flag (WeightCacheFlag), the gradient fold
+into `.grad` (GradAccumulator) and the autograd.Function that replays the two graphs."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import torch
 from torch.nn.modules import module as _nn_module
 from torch.utils._pytree import tree_unflatten
 
-from graphfp8.autocast import STATE, check_is_first_microbatch
+from graphfp8.fp8.autocast import STATE, check_is_first_microbatch
 from graphfp8.profiling import nvtx_range
 
-__all__ = ["WeightFlag", "GradAccumulator", "GraphedRunner", "GraphedFunction"]
+__all__ = ["WeightCacheFlag", "GradAccumulator", "GraphedRunner", "GraphedFunction"]
 
 
-class WeightFlag:
-    """The device noop flag that the captured weight casts read (1 = skip, reuse the cache).
+class WeightCacheFlag:
+    """The device flag that the captured weight casts read (1 = the cached FP8 weight is valid:
+    the cast writes nothing; the kernels call such a flag `noop`).
 
     It is refreshed by an eager fill_ enqueued before a replay, only when its value changes: with
     N microbatches per step that is 2 fills per step (True -> 0, then False -> 1), none on the
@@ -106,7 +108,7 @@ def hook_dicts(modules) -> list:
     ]
 
 
-def _describe(t: torch.Tensor) -> str:
+def _tensor_text(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {t.dtype} on {t.device}, requires_grad={t.requires_grad}"
 
 
@@ -121,14 +123,13 @@ class GraphedRunner:
         static_grad_inputs: one gradient per static input; None where there is none.
     """
 
-    def __init__(self, name, static_inputs, kwarg_names, params, modules, flag):
+    def __init__(self, name, static_inputs, kwarg_names, params, modules):
         self.name = name
         self.static_inputs = static_inputs
         self.kwarg_names = kwarg_names
         self.params = params
-        self.modules = modules
         self.hook_dicts = hook_dicts(modules)
-        self.flag = flag
+        self.weight_cache_flag: WeightCacheFlag | None = None  # set by the capturer
         self.fwd_graph = self.bwd_graph = None
         self.static_outputs: list[torch.Tensor] = []
         self.out_spec = None
@@ -162,8 +163,8 @@ class GraphedRunner:
             if (a.shape != s.shape or a.dtype != s.dtype or a.device != s.device
                     or a.requires_grad != s.requires_grad):  # fmt: skip
                 raise ValueError(
-                    f"{self.name}: argument {i} is {_describe(a)}, but the graph was captured "
-                    f"for {_describe(s)}; capture another graph for other inputs"
+                    f"{self.name}: argument {i} is {_tensor_text(a)}, but the graph was captured "
+                    f"for {_tensor_text(s)}; capture another graph for other inputs"
                 )
         dicts = self.hook_dicts if full_hook_check else self.hook_dicts[:4]
         if any(dicts):
@@ -171,7 +172,7 @@ class GraphedRunner:
                 f"{self.name}: hooks were registered on a captured module (or globally) after "
                 "capture; a captured graph would not run them"
             )
-        self.flag.set(is_first_microbatch)
+        self.weight_cache_flag.set(is_first_microbatch)
         return flat
 
     def replay_forward(self, flat_inputs) -> None:

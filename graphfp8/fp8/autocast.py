@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphfp8 import scaling
-from graphfp8.recipe import DelayedScaling
+from graphfp8.fp8 import scaling
+from graphfp8.fp8.recipe import DelayedScaling
 
 __all__ = [
     "fp8_autocast",
@@ -25,6 +25,7 @@ __all__ = [
     "CaptureState",
     "check_is_first_microbatch",
     "queue_backward_update",
+    "reset_state",
 ]
 
 
@@ -33,26 +34,42 @@ class CaptureState:
     """Set by graphs/ during warmup and capture: FP8 bookkeeping is recorded into the graphs.
 
     Attributes:
-        weight_noop: (1,) float32 device flag read by the weight cast-transpose kernels (1 skips
-            the cast, so the cached FP8 weight is reused); None casts weights on every replay.
+        weight_cache_flag: (1,) float32 device flag read by the weight cast-transpose kernels
+            (1: the cached FP8 weight is valid, the cast writes nothing); None casts weights on
+            every replay.
         arenas: the arenas that the captured modules use, filled while warming up.
     """
 
-    weight_noop: torch.Tensor | None
+    weight_cache_flag: torch.Tensor | None
     arenas: dict[int, scaling.Arena] = field(default_factory=dict)
 
 
 class _State:
+    """The process's FP8 state: what the innermost fp8_autocast (or capture) says."""
+
     def __init__(self) -> None:
+        # Counts outermost enabled fp8_autocast regions. Never reset: arenas remember the region
+        # that last updated them, so a reused number would skip an update.
+        self.region = 0
+        self.reset()
+
+    def reset(self) -> None:
         self.enabled = False
         self.recipe: DelayedScaling | None = None
         self.group = None
         self.capture: CaptureState | None = None
-        self.region = 0  # counts outermost enabled fp8_autocast regions
         self.queued_backward: dict[int, tuple] = {}
 
 
 STATE = _State()
+
+
+def reset_state() -> None:
+    """Returns graphfp8's global state to that of a fresh process: no fp8_autocast region or
+    capture in progress, no queued backward update, no registered arena (modules keep theirs).
+    Tests call it between cases."""
+    STATE.reset()
+    scaling.REGISTRY.reset()
 
 
 def check_is_first_microbatch(is_first_microbatch) -> None:

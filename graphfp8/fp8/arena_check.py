@@ -1,0 +1,113 @@
+"""Before ranks MAX-reduce an FP8 arena over a process group, they check that their arenas match.
+
+A mismatch (another slot count, history length or recipe on one rank) would make the amax
+all-reduce hang or mix unrelated slots; instead every rank raises a RuntimeError naming each
+difference. The check is itself a collective (an all_gather of a few integers), run once per
+(arena, group, arena size): eagerly at the first update, and by make_graphed_callables before
+warmup, never inside a capture.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from graphfp8.fp8.recipe import Format
+
+if TYPE_CHECKING:
+    from graphfp8.fp8.scaling import Arena
+
+__all__ = ["check_arena_consistency", "check_arenas", "needs_reduction"]
+
+# What ranks must agree on before they all-reduce an arena, in the exchanged order.
+_FIELDS = ("direction", "slots", "history_len", "margin", "format", "amax_compute_algo",
+           "reduce_amax")  # fmt: skip
+_DIRECTIONS = ("forward", "backward")
+_FORMATS = tuple(Format)
+_ALGOS = ("max", "most_recent")
+
+
+def needs_reduction(group) -> bool:
+    """True when `group` is given and has more than one rank."""
+    return group is not None and dist.get_world_size(group) > 1
+
+
+def _layout(arena: Arena) -> list[int]:
+    """The arena's direction, size and recipe as integers, in _FIELDS order."""
+    recipe = arena.recipe
+    return [
+        _DIRECTIONS.index(arena.direction),
+        arena.num_slots,
+        arena.amax_history.shape[0],
+        recipe.margin,
+        _FORMATS.index(recipe.fp8_format),
+        _ALGOS.index(recipe.amax_compute_algo),
+        int(recipe.reduce_amax),
+    ]
+
+
+def _field_text(name: str, value: int) -> str:
+    if name == "direction":
+        return _DIRECTIONS[value]
+    if name == "format":
+        return _FORMATS[value].name
+    if name == "amax_compute_algo":
+        return repr(_ALGOS[value])
+    if name == "reduce_amax":
+        return str(bool(value))
+    return str(value)
+
+
+def _mismatches(rows: list[list[int]], direction: str) -> list[str]:
+    """One line per rank and field that differs from group rank 0."""
+    lines = []
+    for rank, row in enumerate(rows[1:], start=1):
+        for name, mine, theirs in zip(_FIELDS, row, rows[0], strict=True):
+            if mine == theirs:
+                continue
+            if name == "slots":
+                lines.append(f"rank {rank} has {mine} {direction} FP8 slots, rank 0 has {theirs}")
+            else:
+                lines.append(
+                    f"rank {rank} has {name}={_field_text(name, mine)} in its {direction} arena, "
+                    f"rank 0 has {name}={_field_text(name, theirs)}"
+                )
+    return lines
+
+
+def check_arena_consistency(arena: Arena, group) -> None:
+    """Checks, once per (arena, group, arena size), that every rank of `group` holds an arena of
+    the same direction, slot count, history length and recipe, so the amax all-reduce that
+    follows cannot hang or mix unrelated slots. A collective: every rank must call it.
+
+    Args:
+        arena: the Arena about to be all-reduced over `group`.
+        group: a torch.distributed process group (None: nothing to check).
+
+    Raises:
+        RuntimeError: on every rank, naming each difference ("rank 1 has 12 forward FP8 slots,
+            rank 0 has 9").
+    """
+    if not needs_reduction(group):
+        return
+    if arena.checked_groups.get(group) == arena.version:
+        return
+    mine = torch.tensor(_layout(arena), dtype=torch.int64, device=arena.device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    lines = _mismatches([r.tolist() for r in rows], arena.direction)
+    if lines:
+        raise RuntimeError(
+            "graphfp8: the FP8 state differs across the ranks of fp8_group, so their amax "
+            "all-reduce would hang or mix unrelated slots (every rank must run the same FP8 "
+            "modules with the same recipe): " + "; ".join(lines)
+        )
+    arena.checked_groups[group] = arena.version
+
+
+def check_arenas(arenas, group) -> None:
+    """check_arena_consistency for each arena, in order (the same order on every rank)."""
+    for arena in arenas:
+        check_arena_consistency(arena, group)

@@ -1,0 +1,166 @@
+"""One training run: a GPT in bf16 or FP8, eager or graphed, with gradient accumulation.
+
+Per optimizer step, for each of `microbatches` microbatches: embedding (eager) -> the blocks
+(one graph replay forward, one backward when graphed; an fp8_autocast region per microbatch when
+eager) -> norm, head, cross entropy (eager) -> backward. Then (data parallel) one all-reduce of
+the accumulated gradients, clipping, AdamW, zero_grad. `is_first_microbatch` is True on the
+first microbatch of every step: the FP8 weights are cast then and reused by the others.
+
+No host sync inside a step: losses stay on the device until a log point asks for them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from graphfp8.distributed import allreduce_gradients
+from graphfp8.fp8.autocast import fp8_autocast
+from graphfp8.fp8.recipe import DelayedScaling
+from graphfp8.graphs import make_graphed_callables
+from graphfp8.profiling import nvtx_range
+from graphfp8.training.data import batch
+from graphfp8.training.model import GPT, ModelConfig
+
+__all__ = ["RunSpec", "Run"]
+
+PRECISIONS = ("bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What one run trains and how."""
+
+    preset: str
+    model: ModelConfig
+    precision: str  # "bf16" or "fp8"
+    graphs: bool
+    microbatches: int
+    device: str
+    seed: int = 0
+    amax_history_len: int = 16
+
+    @property
+    def name(self) -> str:
+        return f"{self.precision}-{'graphs' if self.graphs else 'eager'}"
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.model.batch * self.model.seq_len
+
+
+class Run:
+    """Model, optimizer and step counter of one run; `train_step` does one optimizer step.
+
+    Args:
+        spec: the run.
+        corpus: (N,) uint8 training text.
+        group: torch.distributed group for data parallelism (gradients all-reduced, FP8 amaxes
+            MAX-reduced), or None.
+    """
+
+    def __init__(self, spec: RunSpec, corpus: torch.Tensor, group=None):
+        if spec.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {spec.precision!r}")
+        self.spec, self.corpus, self.group = spec, corpus, group
+        self.rank = torch.distributed.get_rank(group) if group is not None else 0
+        torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
+        self.model = GPT(spec.model, torch.bfloat16, spec.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=spec.model.lr, betas=(0.9, 0.95), weight_decay=0.1
+        )
+        self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len)
+        self.step = 0
+        self.blocks = None  # the callable that runs the blocks, set by prepare()
+
+    @property
+    def fp8(self) -> bool:
+        return self.spec.precision == "fp8"
+
+    def prepare(self) -> None:
+        """Captures the blocks when the run uses graphs (after any checkpoint was loaded)."""
+        if not self.spec.graphs:
+            self.blocks = self._eager_blocks
+            return
+        cfg = self.spec.model
+        sample = torch.randn(cfg.batch, cfg.seq_len, cfg.hidden, dtype=torch.bfloat16,
+                             device=self.spec.device, requires_grad=True)  # fmt: skip
+        self.blocks = make_graphed_callables(
+            self.model.blocks, (sample,), fp8_enabled=self.fp8, fp8_recipe=self.recipe,
+            fp8_weight_caching=True, fp8_group=self.group,
+        )  # fmt: skip
+
+    def _eager_blocks(self, x, is_first_microbatch=None):
+        with fp8_autocast(enabled=self.fp8, recipe=self.recipe, fp8_group=self.group):
+            return self.model.blocks(x, is_first_microbatch=is_first_microbatch)
+
+    def lr_at(self, step: int, total: int) -> float:
+        """Linear warm-up over the first 10% of steps (at most 100), then cosine to 10%."""
+        warmup = max(1, min(100, total // 10))
+        if step < warmup:
+            return self.spec.model.lr * (step + 1) / warmup
+        t = (step - warmup) / max(1, total - warmup)
+        return self.spec.model.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, t))))
+
+    def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.spec.model
+        tokens = batch(self.corpus, self.step, mb, cfg.batch, cfg.seq_len, self.spec.seed,
+                       self.rank)  # fmt: skip
+        tokens = tokens.to(self.spec.device, non_blocking=True)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def train_step(self, total_steps: int) -> torch.Tensor:
+        """One optimizer step over `microbatches` microbatches. Returns the step's mean loss as
+        a 0-d float32 device tensor (not synchronised)."""
+        model, mbs = self.model, self.spec.microbatches
+        total = torch.zeros((), dtype=torch.float32, device=self.spec.device)
+        for mb in range(mbs):
+            inputs, targets = self._microbatch(mb)
+            with nvtx_range("forward"):
+                hidden = self.blocks(model.embed(inputs), is_first_microbatch=mb == 0)
+                loss = model.loss(hidden, targets) / mbs
+            with nvtx_range("backward"):
+                loss.backward()
+            total += loss.detach()
+        with nvtx_range("optimizer"):
+            if self.group is not None:
+                allreduce_gradients(model.parameters(), self.group)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr_at(self.step, total_steps)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return total
+
+    # Checkpoints ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "spec": {
+                "preset": self.spec.preset,
+                "precision": self.spec.precision,
+                "model": self.spec.model.to_dict(),
+                "seed": self.spec.seed,
+                "microbatches": self.spec.microbatches,
+                "amax_history_len": self.spec.amax_history_len,
+            },  # fmt: skip
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resumes from `state_dict()`; the run must train the same model the same way."""
+        saved, mine = state["spec"], self.state_dict()["spec"]
+        diff = [f"{k}: checkpoint {saved[k]!r}, this run {mine[k]!r}"
+                for k in mine if saved.get(k) != mine[k]]  # fmt: skip
+        if diff:
+            raise ValueError("checkpoint does not match this run: " + "; ".join(diff))
+        if self.blocks is not None and self.spec.graphs:
+            raise RuntimeError("load the checkpoint before prepare(): the graphs are captured")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]

@@ -1,0 +1,100 @@
+"""Checkpoints written by older graphfp8 versions load and compute exactly as they did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphfp8 as g8
+from graphfp8.testing import assert_bitwise_equal
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+RECIPE = g8.DelayedScaling(amax_history_len=4)
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(
+        g8.LayerNormLinear(32, 32), g8.LayerNormMLP(32, 64), g8.Linear(32, 16)
+    )
+
+
+def _microbatch(model, x, first: bool) -> torch.Tensor:
+    with g8.fp8_autocast(recipe=RECIPE):
+        h = model[0](x, is_first_microbatch=first)
+        y = model[2](model[1](h, is_first_microbatch=first), is_first_microbatch=first)
+    y.float().pow(2).sum().backward()
+    return y.detach()
+
+
+def test_version_0_checkpoint_loads_and_computes_as_before():
+    """tests/data/checkpoint_v0.pt holds 2 backward slots per GEMM (the unused grad_input one
+    included); the code of that time computed checkpoint_v0_expected.pt after loading it."""
+    old = torch.load(DATA / "checkpoint_v0.pt", weights_only=True)
+    expected = torch.load(DATA / "checkpoint_v0_expected.pt", weights_only=True)
+    model = _model()
+    model.load_state_dict(old)
+    x = expected["x"].clone().requires_grad_()
+    outputs = [_microbatch(model, x, first=mb == 0) for mb in range(2)]
+    for got, want in zip(outputs, expected["outputs"], strict=True):
+        assert_bitwise_equal(got, want)
+    assert_bitwise_equal(x.grad, expected["x_grad"])
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert sorted(grads) == sorted(expected["grads"])
+    for name, grad in grads.items():
+        assert_bitwise_equal(grad, expected["grads"][name], name)
+    # Afterwards: the same FP8 state, less the dropped grad_input slots (odd backward columns).
+    for key, state in model.state_dict().items():
+        if not key.endswith("_extra_state"):
+            continue
+        before = expected["state_after"][key]
+        assert state["version"] == 1
+        assert_bitwise_equal(state["fwd_amax_history"], before["fwd_amax_history"], key)
+        assert_bitwise_equal(state["fwd_scale"], before["fwd_scale"], key)
+        assert_bitwise_equal(state["bwd_amax_history"], before["bwd_amax_history"][:, 0::2], key)
+        assert_bitwise_equal(state["bwd_scale"], before["bwd_scale"][0::2], key)
+
+
+def test_current_checkpoint_round_trips():
+    model = _model()
+    x = torch.randn(16, 32, requires_grad=True)
+    _microbatch(model, x, first=True)
+    state = model.state_dict()
+    assert state["2._extra_state"]["bwd_scale"].shape == (1,), "one backward slot per GEMM"
+    assert state["1._extra_state"]["bwd_scale"].shape == (2,)
+    fresh = _model()
+    fresh.load_state_dict(state)
+    for key, value in fresh.state_dict().items():
+        if key.endswith("_extra_state"):
+            for name, t in value.items():
+                if isinstance(t, torch.Tensor):
+                    assert_bitwise_equal(t, state[key][name], f"{key}.{name}")
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("not a dict", "not one that graphfp8 wrote"),
+        ({"recipe": {}}, "not one that graphfp8 wrote"),
+        ("version", "has version 7"),
+        ("recipe", "invalid recipe"),
+        ("v0 shape", "had 2 slots"),
+    ],
+)
+def test_foreign_extra_state_raises_clearly(bad, match):
+    good = _model()[2]
+    with g8.fp8_autocast(recipe=RECIPE):
+        good(torch.randn(16, 32), is_first_microbatch=True)
+    state = good.get_extra_state()
+    if bad == "version":
+        state["version"] = 7
+    elif bad == "recipe":
+        state["recipe"] = {**state["recipe"], "margin": -1}
+    elif bad == "v0 shape":
+        del state["version"]
+    else:
+        state = bad
+    with pytest.raises(ValueError, match=match):
+        g8.Linear(32, 16).set_extra_state(state)
