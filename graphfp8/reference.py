@@ -80,7 +80,7 @@ def fp8_transpose(x, out_t, noop=None) -> None:
 
 
 def scale_update(amax_history, scale, scaled_max, most_recent) -> None:
-    """Twin of torch.ops.graphfp8.scale_update: DESIGN.md's delayed-scaling math, all slots."""
+    """Twin of torch.ops.graphfp8.scale_update: docs/fp8.md's delayed-scaling math, all slots."""
     length, slots = amax_history.shape
     a = amax_history[0].clone()
     roll = a != 0

@@ -1,4 +1,4 @@
-// CPU kernel: the fused delayed-scaling update of every slot of an arena (DESIGN.md's exact math).
+// CPU kernel: the fused delayed-scaling update of every slot of an arena (docs/fp8.md's exact math).
 #include <cmath>
 #include <limits>
 

@@ -43,9 +43,10 @@ def _grad_floor(kind: str, fmt) -> float:
 )
 @pytest.mark.parametrize("fmt", [g8.Format.HYBRID, g8.Format.E4M3])
 def test_sqnr_against_torch_after_warmup(device, kind, fmt):
-    """STYLE.md: >= 25 dB on outputs, >= 20 dB on grads, after the scales have warmed up. Each
-    SQNR is measured over 4 independent batches: a LayerNorm bias gradient has only H elements,
-    too few for one batch to estimate its SQNR (E5M2 grads through two GEMMs sit near 21 dB)."""
+    """docs/benchmarking.md: >= 25 dB on outputs, >= 20 dB on grads, after the scales have warmed
+    up. Each SQNR is measured over 4 independent batches: a LayerNorm bias gradient has only H
+    elements, too few for one batch to estimate its SQNR (E5M2 grads through two GEMMs sit near 21
+    dB)."""
     m = build(kind, device=device)
     recipe = g8.DelayedScaling(fp8_format=fmt, amax_history_len=16)
     batches = []

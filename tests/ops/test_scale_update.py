@@ -1,5 +1,5 @@
 """The fused multi-slot scale update: kernel == reference twin == a literal per-slot loop of
-DESIGN.md's math, bit for bit, on edge cases and random histories."""
+docs/fp8.md's math, bit for bit, on edge cases and random histories."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _f32(v: float) -> torch.Tensor:
 
 
 def literal_update(history: list[float], scale: float, scaled_max: float, algo: str):
-    """DESIGN.md's per-slot pseudo-code, one slot, written as plainly as possible."""
+    """docs/fp8.md's per-slot pseudo-code, one slot, written as plainly as possible."""
     h = list(history)
     a = h[0]
     if a != 0:
