@@ -22,3 +22,12 @@ def _fresh_state():
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_pools():
+    """Stops the data-parallel test ranks (tests/rank_pool.py) when the session ends."""
+    yield
+    from tests import rank_pool
+
+    rank_pool.shutdown()
