@@ -23,6 +23,8 @@ __all__ = [
     "gelu_cast_transpose",
     "dgelu_cast_transpose_dbias",
     "rope_qkv",
+    "rope_fp8",
+    "rope_fp8_backward",
 ]
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -136,3 +138,27 @@ def rope_qkv(qkv, cos, sin, num_heads, inverse, out) -> None:
         rot = torch.cat([lo * c_lo - hi * n_lo, hi * c_hi + lo * n_hi], dim=-1)
     y = torch.cat([rot, x[:, :, 2:]], dim=2)
     out.copy_(y.to(out.dtype).view(b, s, width))
+
+
+def rope_fp8(qkv, cos, sin, num_heads, scale, out, scale_inv, amax) -> None:
+    """Twin of torch.ops.graphfp8.rope_fp8: rope_qkv (the identity without tables), then one
+    cast_to_fp8 per part into (batch, seq, heads, head_dim)."""
+    b, s, width = qkv.shape
+    rotated = qkv.clone()
+    if cos is not None:
+        rope_qkv(qkv, cos, sin, num_heads, False, rotated)
+    parts = rotated.view(b, s, 3, num_heads, width // (3 * num_heads))
+    for p in range(3):
+        cast_to_fp8(parts[:, :, p].contiguous(), scale[p], out[p], scale_inv[p], amax[p])
+
+
+def rope_fp8_backward(grads, scale_inv, cos, sin, num_heads, out) -> None:
+    """Twin of torch.ops.graphfp8.rope_fp8_backward: each part dequantized in float32, rope_qkv's
+    inverse rotation in float32 on the packed gradient, one rounding to out's dtype."""
+    b, s, width = out.shape
+    parts = [g.float() * si.reshape(()) for g, si in zip(grads, scale_inv, strict=True)]
+    packed = torch.stack(parts, dim=2).reshape(b, s, width)
+    rotated = packed.clone()
+    if cos is not None:
+        rope_qkv(packed, cos, sin, num_heads, True, rotated)
+    out.copy_(rotated.to(out.dtype))

@@ -10,6 +10,7 @@ from graphfp8.ops.cast_fused import (
 from graphfp8.ops.dequantize import dequantize
 from graphfp8.ops.gemm import check_gemm_dims, fp8_gemm
 from graphfp8.ops.rope import rope_qkv
+from graphfp8.ops.rope_fp8 import rope_fp8, rope_fp8_backward
 from graphfp8.ops.scale_update import scale_update_
 from graphfp8.ops.transpose import fp8_transpose
 
@@ -24,6 +25,8 @@ __all__ = [
     "fp8_gemm",
     "fp8_transpose",
     "gelu_cast_transpose",
+    "rope_fp8",
+    "rope_fp8_backward",
     "rope_qkv",
     "scale_update_",
 ]
