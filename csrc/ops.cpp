@@ -1,4 +1,5 @@
 // The only torch-aware C++ of graphfp8: tensor checks -> Params -> launcher, and op registration.
+// Longer than 400 lines because every op's checks live in this one torch-aware file.
 //
 // Every op writes into tensors the caller passes in (graph-friendly: nothing is allocated here),
 // and every value that changes between steps (scale, amax, noop flag) is read from a tensor.

@@ -27,8 +27,9 @@ def _check_tables(name: str, cos, sin, seq: int, head_dim: int, device) -> None:
         if t.dtype != torch.float32:
             raise TypeError(f"{name}: argument '{arg}' must be float32, got {t.dtype}")
         if t.dim() != 2 or t.shape[0] < seq or t.shape[1] != head_dim:
-            raise ValueError(f"{name}: argument '{arg}' must be (>= {seq}, {head_dim}), got "
-                             f"{tuple(t.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{name}: argument '{arg}' must be (>= {seq}, {head_dim}), got {tuple(t.shape)}"
+            )
         if t.device != device or not t.is_contiguous():
             raise ValueError(f"{name}: argument '{arg}' must be contiguous on {device}")
 
@@ -70,21 +71,34 @@ def rope_fp8(
     """
     name = "graphfp8.rope_fp8"
     if qkv.dtype not in _HP:
-        raise TypeError(f"{name}: argument 'qkv' must be float32, bfloat16 or float16, got "
-                        f"{qkv.dtype}")  # fmt: skip
+        raise TypeError(
+            f"{name}: argument 'qkv' must be float32, bfloat16 or float16, got {qkv.dtype}"
+        )
     if qkv.dim() != 3 or not qkv.is_contiguous():
-        raise ValueError(f"{name}: argument 'qkv' must be a contiguous (batch, seq, 3 * hidden) "
-                         f"tensor, got {tuple(qkv.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{name}: argument 'qkv' must be a contiguous (batch, seq, 3 * hidden) "
+            f"tensor, got {tuple(qkv.shape)}"
+        )
     head_dim = _head_dim(name, qkv.shape[-1], num_heads)
     _check_tables(name, cos, sin, qkv.shape[1], head_dim, qkv.device)
     dtypes = {dtype for _, _, dtype in quantizers}
     if len(quantizers) != 3 or len(dtypes) != 1 or not dtypes <= set(_FP8):
-        raise ValueError(f"{name}: need 3 quantizers of one FP8 dtype, got {sorted(map(str, dtypes))}")
+        raise ValueError(
+            f"{name}: need 3 quantizers of one FP8 dtype, got {sorted(map(str, dtypes))}"
+        )
     shape, fp8_dtype = (qkv.shape[0], qkv.shape[1], num_heads, head_dim), dtypes.pop()
     out = [torch.empty(shape, dtype=fp8_dtype, device=qkv.device) for _ in range(3)]
     scale_inv = [torch.empty(1, dtype=torch.float32, device=qkv.device) for _ in range(3)]
-    ops.rope_fp8(qkv, cos, sin, num_heads, [s for s, _, _ in quantizers], out, scale_inv,
-                 [a for _, a, _ in quantizers])  # fmt: skip
+    ops.rope_fp8(
+        qkv,
+        cos,
+        sin,
+        num_heads,
+        [s for s, _, _ in quantizers],
+        out,
+        scale_inv,
+        [a for _, a, _ in quantizers],
+    )
     return out, scale_inv
 
 
@@ -112,8 +126,10 @@ def rope_fp8_backward(
         raise ValueError(f"{name}: need 3 gradients and 3 scale_inv tensors")
     g = grads[0]
     if g.dim() != 4 or any(t.shape != g.shape or t.dtype != g.dtype for t in grads):
-        raise ValueError(f"{name}: the gradients must share one (batch, seq, heads, head_dim) "
-                         f"shape and FP8 dtype, got {[tuple(t.shape) for t in grads]}")  # fmt: skip
+        raise ValueError(
+            f"{name}: the gradients must share one (batch, seq, heads, head_dim) "
+            f"shape and FP8 dtype, got {[tuple(t.shape) for t in grads]}"
+        )
     if g.dtype not in _FP8:
         raise TypeError(f"{name}: the gradients must be FP8, got {g.dtype}")
     if dtype not in _HP:
