@@ -17,6 +17,7 @@ without a data type takes the graph's FP8 I/O type, so each one names its type.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -78,7 +79,7 @@ class _Uid(enum.IntEnum):
 
 @dataclass(frozen=True)
 class SdpaKey:
-    """What a cached pair of cuDNN graphs is built for."""
+    """What a cached cuDNN graph is built for (bwd_dtype None for a forward graph)."""
 
     device: int
     batch: int
@@ -87,22 +88,14 @@ class SdpaKey:
     kv_heads: int
     head_dim: int
     fwd_dtype: torch.dtype
-    bwd_dtype: torch.dtype
+    bwd_dtype: torch.dtype | None
     attn_scale: float
     causal: bool
 
 
-class _Graphs:
-    """A key's built cuDNN graphs (backward only once a training call asked for it)."""
-
-    def __init__(self) -> None:
-        self.fwd = None
-        self.fwd_workspace = 0
-        self.bwd = None
-        self.bwd_workspace = 0
-
-
-_CACHE: dict[SdpaKey, _Graphs] = {}
+# Built graphs and their workspace sizes: forward ones by key with bwd_dtype None.
+_FORWARD: dict[SdpaKey, tuple[object, int]] = {}
+_BACKWARD: dict[SdpaKey, tuple[object, int]] = {}
 _HANDLES: dict[int, object] = {}
 
 
@@ -261,19 +254,26 @@ def _build_backward(cudnn, key: SdpaKey):
 
 
 def prepare(key: SdpaKey, backward: bool) -> None:
-    """Builds (once) the forward graph of `key`, and the backward one when `backward`; raises
-    ValueError with cuDNN's reason when cuDNN does not support the shape."""
-    cudnn = cudnn_module()
-    graphs = _CACHE.get(key)
-    if graphs is not None and (graphs.bwd is not None or not backward):
+    """Builds (once) the forward graph of `key`, and its backward graph (for key.bwd_dtype)
+    when `backward`; raises ValueError with cuDNN's reason when cuDNN does not support the
+    shape, and RuntimeError when a graph would have to be built inside a CUDA-graph capture."""
+    fwd_key = dataclasses.replace(key, bwd_dtype=None)
+    need_fwd, need_bwd = fwd_key not in _FORWARD, backward and key not in _BACKWARD
+    if not (need_fwd or need_bwd):
         return
-    graphs = graphs or _Graphs()
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"graphfp8: the cuDNN FP8 attention graph for {key} is not built and cannot be built "
+            "inside a CUDA-graph capture: run the call once before capturing it (graphfp8's "
+            "layers and make_graphed_callables' warmup do)"
+        )
+    cudnn = cudnn_module()
     try:
         with torch.cuda.device(key.device):
-            if graphs.fwd is None:
-                graphs.fwd, graphs.fwd_workspace = _build_forward(cudnn, key)
-            if backward and graphs.bwd is None:
-                graphs.bwd, graphs.bwd_workspace = _build_backward(cudnn, key)
+            if need_fwd:
+                _FORWARD[fwd_key] = _build_forward(cudnn, key)
+            if need_bwd:
+                _BACKWARD[key] = _build_backward(cudnn, key)
     except cudnn.cudnnGraphNotSupportedError as exc:
         raise ValueError(
             f"graphfp8: cuDNN does not support FP8 attention for batch={key.batch}, "
@@ -281,13 +281,13 @@ def prepare(key: SdpaKey, backward: bool) -> None:
             f"head_dim={key.head_dim}, causal={key.causal} on this GPU and cuDNN "
             f"{cudnn.backend_version_string()}: {exc}"
         ) from exc
-    _CACHE[key] = graphs
 
 
-def key_for(q: torch.Tensor, k: torch.Tensor, grad_dtype, attn_scale, causal) -> SdpaKey:
+def key_for(q: torch.Tensor, k: torch.Tensor, bwd_dtype, attn_scale, causal) -> SdpaKey:
+    """The key of a call on q (batch, seq, heads, d) and k (batch, seq, kv_heads, d)."""
     b, s, h, d = q.shape
     return SdpaKey(
-        q.device.index, b, s, h, k.shape[2], d, q.dtype, grad_dtype, float(attn_scale), bool(causal)
+        q.device.index, b, s, h, k.shape[2], d, q.dtype, bwd_dtype, float(attn_scale), bool(causal)
     )
 
 
@@ -301,45 +301,29 @@ def _execute(graph, workspace_bytes: int, pack: dict, device: torch.device) -> N
 
 def forward(q, k, v, scales, o, stats, amax, attn_scale, causal) -> None:
     """torch.ops.graphfp8.sdpa_fp8_fwd on CUDA (graphfp8.ops.sdpa_fp8 has the contract)."""
-    key = key_for(q, k, o.dtype, attn_scale, causal)
-    graphs = _CACHE.get(key)
-    if graphs is None:  # a direct op call: build now (graphfp8's layers prepare first)
+    key = key_for(q, k, None, attn_scale, causal)
+    if key not in _FORWARD:  # a direct op call: build now (graphfp8's layers prepare first)
         prepare(key, backward=False)
-        graphs = _CACHE[key]
+    graph, workspace = _FORWARD[key]
     pack = {
-        int(_Uid.Q): q,
-        int(_Uid.K): k,
-        int(_Uid.V): v,
-        int(_Uid.O): o,
-        int(_Uid.STATS): stats,
-        int(_Uid.AMAX_S): amax[0],
-        int(_Uid.AMAX_O): amax[1],
-    }
+        int(_Uid.Q): q, int(_Uid.K): k, int(_Uid.V): v, int(_Uid.O): o, int(_Uid.STATS): stats,
+        int(_Uid.AMAX_S): amax[0], int(_Uid.AMAX_O): amax[1],
+    }  # fmt: skip
     pack.update({int(_Uid.SCALES) + i: t for i, t in enumerate(scales)})
-    _execute(graphs.fwd, graphs.fwd_workspace, pack, q.device)
+    _execute(graph, workspace, pack, q.device)
 
 
 def backward(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causal) -> None:
     """torch.ops.graphfp8.sdpa_fp8_bwd on CUDA (graphfp8.ops.sdpa_fp8 has the contract)."""
     key = key_for(q, k, d_o.dtype, attn_scale, causal)
-    graphs = _CACHE.get(key)
-    if graphs is None or graphs.bwd is None:
+    if key not in _BACKWARD:
         prepare(key, backward=True)
-        graphs = _CACHE[key]
+    graph, workspace = _BACKWARD[key]
     pack = {
-        int(_Uid.Q): q,
-        int(_Uid.K): k,
-        int(_Uid.V): v,
-        int(_Uid.O): o,
-        int(_Uid.DO): d_o,
-        int(_Uid.STATS): stats,
-        int(_Uid.DQ): dq,
-        int(_Uid.DK): dk,
-        int(_Uid.DV): dv,
-        int(_Uid.AMAX_DP): amax[0],
-        int(_Uid.AMAX_DQ): amax[1],
-        int(_Uid.AMAX_DK): amax[2],
+        int(_Uid.Q): q, int(_Uid.K): k, int(_Uid.V): v, int(_Uid.O): o, int(_Uid.DO): d_o,
+        int(_Uid.STATS): stats, int(_Uid.DQ): dq, int(_Uid.DK): dk, int(_Uid.DV): dv,
+        int(_Uid.AMAX_DP): amax[0], int(_Uid.AMAX_DQ): amax[1], int(_Uid.AMAX_DK): amax[2],
         int(_Uid.AMAX_DV): amax[3],
-    }
+    }  # fmt: skip
     pack.update({int(_Uid.SCALES) + i: t for i, t in enumerate(scales)})
-    _execute(graphs.bwd, graphs.bwd_workspace, pack, q.device)
+    _execute(graph, workspace, pack, q.device)
