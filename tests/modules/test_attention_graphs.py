@@ -50,13 +50,9 @@ def _train_side_by_side(recipe, caching: bool, device, steps: int = 3, mbs: int 
     return eager, graphed_model, graphed
 
 
-# Each of caching on/off and fp8_dpa/fp8_mha with both formats, in 4 cases (the CPU suite's time).
-CASES = [
-    (True, False, g8.Format.HYBRID),
-    (False, True, g8.Format.HYBRID),
-    (True, True, g8.Format.E4M3),
-    (False, False, g8.Format.E4M3),
-]
+# Caching on and off, fp8_dpa and fp8_mha, both formats: each value in one of two cases (the CPU
+# suite's time).
+CASES = [(True, True, g8.Format.HYBRID), (False, False, g8.Format.E4M3)]
 
 
 @pytest.mark.parametrize("caching, mha, fmt", CASES)

@@ -11,7 +11,7 @@ from graphfp8.modules.transformer import rope_tables
 from graphfp8.testing import assert_bitwise_equal, fp8_test_data
 from tests.helpers import FP8_DTYPES, HP_DTYPES, poison
 
-SHAPES = [(2, 24, 2, 16), (1, 7, 3, 6), (3, 1, 1, 2), (1, 130, 4, 64), (2, 9, 2, 128)]
+SHAPES = [(2, 24, 2, 16), (1, 7, 3, 6), (3, 1, 1, 2), (2, 9, 2, 128)]
 
 
 def _inputs(batch, seq, heads, head_dim, dtype, device, specials=False):
@@ -99,19 +99,17 @@ def test_backward_matches_twin_bitwise(device, dtype, fp8_dtype, shape, tables):
 
 
 def test_backward_is_the_transposed_rotation(device):
-    """<rope_fp8 value of x, g> == <x, rope_fp8_backward(g)> up to rounding, the identity the
-    attention backward relies on (scale 1, values exact in E4M3 and float32)."""
-    qkv, cos, sin = _inputs(1, 16, 2, 16, torch.float32, device)
-    qkv = qkv.to(torch.float8_e4m3fn).float()  # representable, so the cast is exact
-    ones = [(torch.ones(1, device=device), torch.zeros(1, device=device), torch.float8_e5m2)] * 3
-    parts, inv = ops.rope_fp8(qkv, cos, sin, 2, ones)
+    """<rope(x), g> == <x, rope_fp8_backward(g)> up to float32 rounding (scale_inv 1): the
+    identity the attention backward relies on."""
+    x = torch.randn(1, 16, 3 * 2 * 16, device=device)
+    cos, sin = rope_tables(16, 16, 500.0, torch.float32, device)
     g = [torch.randn(1, 16, 2, 16, device=device).to(torch.float8_e5m2) for _ in range(3)]
-    lhs = sum((p.double() * gi.double()).sum() for p, gi in zip(parts, g, strict=True))
-    rhs = (qkv.double() * ops.rope_fp8_backward(g, inv, cos, sin, torch.float32).double()).sum()
-    rotated = ops.rope_qkv(qkv, cos, sin, 2).view(1, 16, 3, 2, 16)
-    exact = sum((rotated[:, :, i].double() * g[i].double()).sum() for i in range(3))
-    torch.testing.assert_close(rhs, exact, rtol=1e-5, atol=1e-2)
-    assert lhs.isfinite()
+    ones = [torch.ones(1, device=device)] * 3
+    back = ops.rope_fp8_backward(g, ones, cos, sin, torch.float32)
+    rotated = ops.rope_qkv(x, cos, sin, 2).view(1, 16, 3, 2, 16)
+    lhs = sum((rotated[:, :, i].double() * g[i].double()).sum() for i in range(3))
+    rhs = (x.double() * back.double()).sum()
+    torch.testing.assert_close(rhs, lhs, rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.parametrize(
