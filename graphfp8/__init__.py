@@ -4,6 +4,7 @@ from graphfp8 import ops
 from graphfp8.fp8 import DelayedScaling, Float8Tensor, Format, fp8_autocast, reset_state
 from graphfp8.graphs import CaptureError, make_graphed_callables
 from graphfp8.modules import (
+    DotProductAttention,
     FP8Module,
     LayerNormLinear,
     LayerNormMLP,
@@ -15,6 +16,7 @@ from graphfp8.modules import (
 __all__ = [
     "CaptureError",
     "DelayedScaling",
+    "DotProductAttention",
     "FP8Module",
     "Float8Tensor",
     "Format",

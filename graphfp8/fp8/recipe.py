@@ -49,6 +49,10 @@ class DelayedScaling:
         amax_compute_algo: "max" (max over the history) or "most_recent".
         reduce_amax: MAX-all-reduce the amaxes over `fp8_group` before each update, when a
             group with more than one rank is given.
+        fp8_dpa: run dot-product attention (graphfp8.DotProductAttention, and the attention of
+            TransformerLayer) in FP8 (cuDNN on the GPU), with high-precision input and output.
+        fp8_mha: also keep the attention output in FP8 (a Float8Tensor) for the next layer, and
+            quantize the fused QKV output once, in the rotary-embedding kernel; needs fp8_dpa.
     """
 
     margin: int = 0
@@ -56,6 +60,8 @@ class DelayedScaling:
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
@@ -74,7 +80,13 @@ class DelayedScaling:
                 "DelayedScaling: amax_compute_algo must be 'max' or 'most_recent', "
                 f"got {self.amax_compute_algo!r}"
             )
-        if not isinstance(self.reduce_amax, bool):
+        for name in ("reduce_amax", "fp8_dpa", "fp8_mha"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"DelayedScaling: {name} must be a bool, got {getattr(self, name)!r}"
+                )
+        if self.fp8_mha and not self.fp8_dpa:
             raise ValueError(
-                f"DelayedScaling: reduce_amax must be a bool, got {self.reduce_amax!r}"
+                "DelayedScaling: fp8_mha=True needs fp8_dpa=True (FP8 MHA runs the attention "
+                "itself in FP8)"
             )

@@ -182,7 +182,7 @@ def _init_fp8_modules(callables, recipe, device) -> list[scaling.Arena]:
     for func in callables:
         if isinstance(func, nn.Module):
             for m in func.modules():
-                if isinstance(m, FP8Module):
+                if isinstance(m, FP8Module) and m.uses_fp8(recipe):
                     meta = m.fp8_init(recipe, device)
                     arenas.update({id(b.arena): b.arena for b in (meta.fwd, meta.bwd)})
     return sorted(arenas.values(), key=lambda a: a.serial)

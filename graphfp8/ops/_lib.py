@@ -64,3 +64,13 @@ def _dgelu_cast_transpose_dbias_fake(dy, x, scale, out, out_t, scale_inv, amax, 
 @torch.library.register_fake("graphfp8::rope_qkv")
 def _rope_qkv_fake(qkv, cos, sin, num_heads, inverse, out):
     return None
+
+
+@torch.library.register_fake("graphfp8::rope_fp8")
+def _rope_fp8_fake(qkv, cos, sin, num_heads, scale, out, scale_inv, amax):
+    return None
+
+
+@torch.library.register_fake("graphfp8::rope_fp8_backward")
+def _rope_fp8_backward_fake(grads, scale_inv, cos, sin, num_heads, out):
+    return None
