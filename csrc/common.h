@@ -11,6 +11,15 @@ namespace graphfp8 {
 
 enum class DType : int { kFloat32, kBFloat16, kFloat16, kE4M3, kE5M2 };
 
+// What a launcher returns: success, or which kernel (or dispatch) failed and why. The kernels'
+// files never throw: ops.cpp validates every argument before it calls a launcher, and turns a
+// failed Status (an internal invariant or a CUDA launch error) into a Python exception.
+struct Status {
+  const char* where = nullptr;   // the failing kernel or dispatch; nullptr on success
+  const char* reason = nullptr;  // a static string (cudaGetErrorString's, or a literal)
+  bool ok() const { return where == nullptr; }
+};
+
 // Largest finite value of each FP8 format.
 constexpr float kE4M3Max = 448.0f;
 constexpr float kE5M2Max = 57344.0f;
@@ -74,8 +83,9 @@ constexpr int64_t kDbiasPartialRows = 64;
 
 // Cast-transpose of f(x) (both layouts, fused amax and scale_inv), optionally with
 // dbias = sum over rows of f(x), accumulated in fp32 and rounded to x's dtype.
+// The plain case (kNone, no dbias) is cast_transpose itself and may carry a noop flag.
 struct FusedCastTransposeParams {
-  CastParams cast;      // x, out, out_t (required), scale, scale_inv, amax; cast.noop unused
+  CastParams cast;      // x, out, out_t (required), scale, scale_inv, amax, noop (plain case)
   FusedAct act;
   const void* act_in;   // (rows, cols), cast.x_dtype: the GELU input (kDgelu only), else nullptr
   void* dbias;          // (cols,), cast.x_dtype, or nullptr
@@ -102,20 +112,21 @@ struct RopeParams {
   bool inverse;
 };
 
-void cast_cpu(const CastParams& p);
-void cast_transpose_fused_cpu(const FusedCastTransposeParams& p);
-void transpose_cpu(const TransposeParams& p);
-void scale_update_cpu(const ScaleUpdateParams& p);
-void dequantize_cpu(const DequantizeParams& p);
-void rope_cpu(const RopeParams& p);
+// Launchers assume validated parameters (ops.cpp's checks) and a non-empty input.
+Status cast_cpu(const CastParams& p);
+Status cast_transpose_fused_cpu(const FusedCastTransposeParams& p);
+Status transpose_cpu(const TransposeParams& p);
+Status scale_update_cpu(const ScaleUpdateParams& p);
+Status dequantize_cpu(const DequantizeParams& p);
+Status rope_cpu(const RopeParams& p);
 
 // CUDA launchers take the stream as an opaque cudaStream_t.
-void cast_cuda(const CastParams& p, void* stream);
-void cast_transpose_cuda(const CastParams& p, void* stream);  // cast_cuda with p.out_t set
-void transpose_cuda(const TransposeParams& p, void* stream);
-void scale_update_cuda(const ScaleUpdateParams& p, void* stream);
-void dequantize_cuda(const DequantizeParams& p, void* stream);
-void rope_cuda(const RopeParams& p, void* stream);
-void cast_transpose_fused_cuda(const FusedCastTransposeParams& p, void* stream);
+Status cast_cuda(const CastParams& p, void* stream);
+Status cast_transpose_cuda(const CastParams& p, void* stream);  // cast_cuda with p.out_t set
+Status transpose_cuda(const TransposeParams& p, void* stream);
+Status scale_update_cuda(const ScaleUpdateParams& p, void* stream);
+Status dequantize_cuda(const DequantizeParams& p, void* stream);
+Status rope_cuda(const RopeParams& p, void* stream);
+Status cast_transpose_fused_cuda(const FusedCastTransposeParams& p, void* stream);
 
 }  // namespace graphfp8

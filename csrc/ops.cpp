@@ -1,8 +1,10 @@
 // The only torch-aware C++ of graphfp8: tensor checks -> Params -> launcher, and op registration.
 // Longer than 400 lines because every op's checks live in this one torch-aware file.
 //
-// Every op writes into tensors the caller passes in (graph-friendly: nothing is allocated here),
-// and every value that changes between steps (scale, amax, noop flag) is read from a tensor.
+// Every op writes into tensors the caller passes in (graph-friendly: nothing is allocated here
+// but the dbias workspace), and every value that changes between steps (scale, amax, noop flag)
+// is read from a tensor. Every argument a user can get wrong is checked here, before the
+// launcher runs; launchers return a Status instead of throwing, and launch() raises on a failure.
 #include <torch/extension.h>
 
 #include <string>
@@ -80,20 +82,25 @@ void* current_stream(const at::Tensor& t) {
 }
 #endif
 
+// Runs the CPU or CUDA launcher for ref's device. Launchers assume the checks above have passed;
+// a failed Status (an internal invariant, or a CUDA launch error) becomes an exception here.
 template <typename Params, typename CpuFn, typename CudaFn>
-void launch(const at::Tensor& ref, const Params& p, CpuFn cpu_fn, CudaFn cuda_fn) {
+void launch(const char* op, const at::Tensor& ref, const Params& p, CpuFn cpu_fn, CudaFn cuda_fn) {
+  Status status;
   if (ref.is_cpu()) {
-    cpu_fn(p);
-    return;
-  }
+    status = cpu_fn(p);
+  } else {
 #ifdef GRAPHFP8_WITH_CUDA
-  TORCH_CHECK(ref.is_cuda(), "graphfp8: unsupported device ", ref.device().str());
-  const c10::cuda::CUDAGuard guard(ref.device());
-  cuda_fn(p, current_stream(ref));
+    TORCH_CHECK(ref.is_cuda(), op, ": unsupported device ", ref.device().str());
+    const c10::cuda::CUDAGuard guard(ref.device());
+    status = cuda_fn(p, current_stream(ref));
 #else
-  (void)cuda_fn;
-  TORCH_CHECK(false, "graphfp8 was built without CUDA; cannot run on ", ref.device().str());
+    (void)cuda_fn;
+    TORCH_CHECK(false, op, ": graphfp8 was built without CUDA; cannot run on ",
+                ref.device().str());
 #endif
+  }
+  TORCH_CHECK(status.ok(), op, ": ", status.where, " failed: ", status.reason);
 }
 
 void cast_impl(const char* op, const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
@@ -126,7 +133,7 @@ void cast_impl(const char* op, const at::Tensor& x, const at::Tensor& scale, con
   p.rows = x.dim() == 2 ? x.size(0) : 1;
   p.cols = x.dim() == 2 ? x.size(1) : x.numel();
   if (x.numel() == 0) return;
-  launch(x, p, cast_cpu, [](const CastParams& q, void* s) { cast_cuda(q, s); });
+  launch(op, x, p, cast_cpu, [](const CastParams& q, void* s) { return cast_cuda(q, s); });
 }
 
 void cast_to_fp8(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
@@ -158,7 +165,8 @@ void fp8_transpose(const at::Tensor& x, const at::Tensor& out_t,
   p.rows = x.size(0);
   p.cols = x.size(1);
   if (x.numel() == 0) return;
-  launch(x, p, transpose_cpu, [](const TransposeParams& q, void* s) { transpose_cuda(q, s); });
+  launch(op, x, p, transpose_cpu,
+         [](const TransposeParams& q, void* s) { return transpose_cuda(q, s); });
 }
 
 void scale_update(const at::Tensor& amax_history, const at::Tensor& scale,
@@ -189,7 +197,8 @@ void scale_update(const at::Tensor& amax_history, const at::Tensor& scale,
   p.num_slots = num_slots;
   p.most_recent = most_recent;
   if (num_slots == 0) return;
-  launch(h, p, scale_update_cpu, [](const ScaleUpdateParams& q, void* s) { scale_update_cuda(q, s); });
+  launch(op, h, p, scale_update_cpu,
+         [](const ScaleUpdateParams& q, void* s) { return scale_update_cuda(q, s); });
 }
 
 void dequantize(const at::Tensor& x, const at::Tensor& scale_inv, const at::Tensor& out) {
@@ -211,7 +220,8 @@ void dequantize(const at::Tensor& x, const at::Tensor& scale_inv, const at::Tens
   p.scale_inv = scale_inv.data_ptr<float>();
   p.numel = x.numel();
   if (x.numel() == 0) return;
-  launch(x, p, dequantize_cpu, [](const DequantizeParams& q, void* s) { dequantize_cuda(q, s); });
+  launch(op, x, p, dequantize_cpu,
+         [](const DequantizeParams& q, void* s) { return dequantize_cuda(q, s); });
 }
 
 // Checks and launches a fused cast-transpose: f(x) -> out, out_t, scale_inv, amax (and dbias).
@@ -271,8 +281,8 @@ void fused_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Ten
     if (dbias != nullptr) dbias->zero_();  // an empty sum is zero, as torch's
     return;
   }
-  launch(x, p, cast_transpose_fused_cpu,
-         [](const FusedCastTransposeParams& q, void* s) { cast_transpose_fused_cuda(q, s); });
+  launch(op, x, p, cast_transpose_fused_cpu,
+         [](const FusedCastTransposeParams& q, void* s) { return cast_transpose_fused_cuda(q, s); });
 }
 
 void cast_transpose_dbias(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
@@ -305,30 +315,43 @@ bool built_with_cuda() {
 #endif
 }
 
+// rope_qkv's checks raise TypeError (dtypes) and ValueError (shapes, layout, devices): the
+// classes that its Python wrapper raised when it checked the arguments itself.
+void check_rope_table(const char* op, const char* name, const at::Tensor& t, const at::Tensor& qkv,
+                      int64_t head_dim) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": argument '", name,
+                   "' must be float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) >= qkv.size(1) && t.size(1) == head_dim, op,
+                    ": argument '", name, "' must be (>= ", fmt(qkv.size(1)), ", ",
+                    fmt(head_dim), "), got ", fmt(t.sizes()));
+  TORCH_CHECK_VALUE(t.device() == qkv.device(), op, ": argument '", name, "' is on ",
+                    t.device().str(), " but the input is on ", qkv.device().str());
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": argument '", name, "' must be contiguous");
+}
+
 void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
               int64_t num_heads, bool inverse, const at::Tensor& out) {
   const char* op = "graphfp8.rope_qkv";
-  TORCH_CHECK(is_hp(qkv.scalar_type()), op,
-              ": argument 'qkv' must be float32, bfloat16 or float16, got ", qkv.scalar_type());
-  TORCH_CHECK(qkv.dim() == 3, op, ": argument 'qkv' must be (batch, seq, 3 * hidden), got ",
-              fmt(qkv.dim()), "-D");
-  TORCH_CHECK(qkv.is_contiguous(), op, ": argument 'qkv' must be contiguous");
+  TORCH_CHECK_TYPE(is_hp(qkv.scalar_type()), op,
+                   ": argument 'qkv' must be float32, bfloat16 or float16, got ",
+                   qkv.scalar_type());
+  TORCH_CHECK_VALUE(qkv.dim() == 3, op,
+                    ": argument 'qkv' must be (batch, seq, 3 * hidden), got ", fmt(qkv.sizes()));
+  TORCH_CHECK_VALUE(qkv.is_contiguous(), op, ": argument 'qkv' must be contiguous");
   const int64_t width = qkv.size(2);
-  TORCH_CHECK(num_heads > 0 && width % (3 * num_heads) == 0, op, ": last dim ", fmt(width),
-              " is not 3 * num_heads (", fmt(num_heads), ") * head_dim");
+  TORCH_CHECK_VALUE(num_heads > 0 && width % (3 * num_heads) == 0, op, ": last dim ",
+                    fmt(width), " is not 3 * num_heads (", fmt(num_heads), ") * head_dim");
   const int64_t head_dim = width / (3 * num_heads);
-  TORCH_CHECK(head_dim % 2 == 0, op, ": head_dim must be even, got ", fmt(head_dim));
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"cos", &cos}, {"sin", &sin}}) {
-    check_common(op, name, *t, qkv);
-    TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": argument '", name,
-                "' must be float32, got ", t->scalar_type());
-    TORCH_CHECK(t->dim() == 2 && t->size(0) >= qkv.size(1) && t->size(1) == head_dim, op,
-                ": argument '", name, "' must be (>= ", fmt(qkv.size(1)), ", ", fmt(head_dim),
-                "), got ", fmt(t->sizes()));
-  }
-  check_common(op, "out", out, qkv);
-  TORCH_CHECK(out.scalar_type() == qkv.scalar_type() && out.sizes() == qkv.sizes(), op,
-              ": argument 'out' must match 'qkv' in dtype and shape");
+  TORCH_CHECK_VALUE(head_dim % 2 == 0, op, ": head_dim must be even, got ", fmt(head_dim));
+  check_rope_table(op, "cos", cos, qkv, head_dim);
+  check_rope_table(op, "sin", sin, qkv, head_dim);
+  TORCH_CHECK_TYPE(out.scalar_type() == qkv.scalar_type(), op,
+                   ": argument 'out' must have the dtype of 'qkv', got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.sizes() == qkv.sizes(), op, ": argument 'out' must have shape ",
+                    fmt(qkv.sizes()), ", got ", fmt(out.sizes()));
+  TORCH_CHECK_VALUE(out.device() == qkv.device(), op, ": argument 'out' is on ",
+                    out.device().str(), " but the input is on ", qkv.device().str());
+  TORCH_CHECK_VALUE(out.is_contiguous(), op, ": argument 'out' must be contiguous");
   RopeParams p{};
   p.x = qkv.data_ptr();
   p.out = out.data_ptr();
@@ -341,7 +364,7 @@ void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
   p.head_dim = head_dim;
   p.inverse = inverse;
   if (qkv.numel() == 0) return;
-  launch(qkv, p, rope_cpu, [](const RopeParams& q, void* s) { rope_cuda(q, s); });
+  launch(op, qkv, p, rope_cpu, [](const RopeParams& q, void* s) { return rope_cuda(q, s); });
 }
 
 // RoPE fused with the FP8 casts of q, k, v (rope_fp8.h): the checks both directions share.

@@ -2,7 +2,10 @@
 # One-call GPU check (what `make gpu-check` runs on the H200): build graphfp8._C for sm_90, run
 # the CUDA tests, the benchmarks, a training comparison and a profile; logs, JSON and a summary
 # land in $OUT (packed into $OUT/results.tgz next to summary.md).
-#   GPU_STEPS  which steps to run (default: "tests kernels eager block attention train profile")
+#   GPU_STEPS  which steps to run (default: "tests kernels eager block attention train profile";
+#              also kernels-ab, tests-first, ddp)
+#   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
+#              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
 #   FIRST_TESTS tests that the tests-first step runs verbosely before the rest
 set -uo pipefail
@@ -66,6 +69,10 @@ for step in $STEPS; do
     profile)
       $PY -m graphfp8.training.profile --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || status=1
       grep -v USDT "$OUT/profile.log" | head -40 | tee -a "$OUT/summary.md" ;;
+    kernels-ab)  # kernel benchmark and kernel outputs (bit for bit): AB_BASE vs this tree
+      bash scripts/bench_before_after.sh "${AB_BASE:-30328b1}" > "$OUT/kernels_ab.log" 2>&1 \
+        || { status=1; tail -30 "$OUT/kernels_ab.log"; }
+      grep -v "^wrote\|kernel output digests" "$OUT/kernels_ab.log" >> "$OUT/summary.md" ;;
     kernels|eager|block|attention)
       $PY -m graphfp8.bench "$step" --json "$OUT/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }

@@ -2,28 +2,28 @@
 //
 // Reference-speed loops for CI and debugging; the CUDA files hold the fast versions. Results are
 // bit-identical to graphfp8/reference.py, which the tests check.
-#include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "../common.h"
+#include "../dtype_switch.h"
 #include "fp8_convert.h"
 
 namespace graphfp8 {
+namespace {
 
-void cast_cpu(const CastParams& p) {
-  if (p.noop != nullptr && *p.noop == 1.0f) return;
+template <typename T, bool kE4M3>
+void cast_loop(const CastParams& p) {
   const float scale = *p.scale;
-  const float max_val = cpu::fp8_max(p.out_dtype);
+  const auto* x = static_cast<const T*>(p.x);
   auto* out = static_cast<uint8_t*>(p.out);
   auto* out_t = static_cast<uint8_t*>(p.out_t);
   float amax = 0.0f;
   for (int64_t r = 0; r < p.rows; ++r) {
     for (int64_t c = 0; c < p.cols; ++c) {
       const int64_t i = r * p.cols + c;
-      const float v = cpu::load_as_float(p.x, p.x_dtype, i);
+      const float v = static_cast<float>(x[i]);
       amax = std::fmax(amax, std::fabs(v));  // fmax ignores NaN, as fmaxf does on the GPU
-      const uint8_t q = cpu::quantize(v * scale, p.out_dtype, max_val);
+      const uint8_t q = cpu::quantize<kE4M3>(v * scale);
       out[i] = q;
       if (out_t != nullptr) out_t[c * p.rows + r] = q;
     }
@@ -32,18 +32,34 @@ void cast_cpu(const CastParams& p) {
   *p.scale_inv = 1.0f / scale;
 }
 
-void transpose_cpu(const TransposeParams& p) {
-  if (p.noop != nullptr && *p.noop == 1.0f) return;
+template <typename OutT, bool kE4M3>
+void dequantize_loop(const DequantizeParams& p) {
+  const float scale_inv = *p.scale_inv;
+  auto* out = static_cast<OutT*>(p.out);
+  for (int64_t i = 0; i < p.numel; ++i) out[i] = OutT(cpu::fp8_to_float<kE4M3>(p.x[i]) * scale_inv);
+}
+
+}  // namespace
+
+Status cast_cpu(const CastParams& p) {
+  if (p.noop != nullptr && *p.noop == 1.0f) return Status{};
+  GRAPHFP8_SWITCH_HP(p.x_dtype, "cast_cpu", T,
+    GRAPHFP8_SWITCH_FP8(p.out_dtype, "cast_cpu", kE4M3, cast_loop<T, kE4M3>(p);))
+  return Status{};
+}
+
+Status transpose_cpu(const TransposeParams& p) {
+  if (p.noop != nullptr && *p.noop == 1.0f) return Status{};
   for (int64_t r = 0; r < p.rows; ++r) {
     for (int64_t c = 0; c < p.cols; ++c) p.out_t[c * p.rows + r] = p.x[r * p.cols + c];
   }
+  return Status{};
 }
 
-void dequantize_cpu(const DequantizeParams& p) {
-  const float scale_inv = *p.scale_inv;
-  for (int64_t i = 0; i < p.numel; ++i) {
-    cpu::store_from_float(p.out, p.out_dtype, i, cpu::load_as_float(p.x, p.x_dtype, i) * scale_inv);
-  }
+Status dequantize_cpu(const DequantizeParams& p) {
+  GRAPHFP8_SWITCH_HP(p.out_dtype, "dequantize_cpu", OutT,
+    GRAPHFP8_SWITCH_FP8(p.x_dtype, "dequantize_cpu", kE4M3, dequantize_loop<OutT, kE4M3>(p);))
+  return Status{};
 }
 
 }  // namespace graphfp8

@@ -7,31 +7,30 @@
 #include <vector>
 
 #include "../common.h"
+#include "../dtype_switch.h"
 #include "../gelu_math.h"
 #include "fp8_convert.h"
 
 namespace graphfp8 {
 namespace {
 
-// f(x) at flat index i in fp32, rounded to x's dtype (a no-op for fp32 inputs).
+// f(x) at flat index i in fp32, rounded to T (a no-op for float inputs).
+template <typename T>
 float fused_value(const FusedCastTransposeParams& p, int64_t i) {
-  const DType dt = p.cast.x_dtype;
-  const float x = cpu::load_as_float(p.cast.x, dt, i);
+  const float x = static_cast<float>(static_cast<const T*>(p.cast.x)[i]);
   float f = x;
   if (p.act == FusedAct::kGelu) {
     f = gelu_tanh(x);
   } else if (p.act == FusedAct::kDgelu) {
-    f = dgelu_tanh(x, cpu::load_as_float(p.act_in, dt, i));
+    f = dgelu_tanh(x, static_cast<float>(static_cast<const T*>(p.act_in)[i]));
   }
-  return cpu::round_to(dt, f);
+  return cpu::round_to<T>(f);
 }
 
-}  // namespace
-
-void cast_transpose_fused_cpu(const FusedCastTransposeParams& p) {
+template <typename T, bool kE4M3>
+void fused_loop(const FusedCastTransposeParams& p) {
   const CastParams& c = p.cast;
   const float scale = *c.scale;
-  const float max_val = cpu::fp8_max(c.out_dtype);
   auto* out = static_cast<uint8_t*>(c.out);
   auto* out_t = static_cast<uint8_t*>(c.out_t);
   std::vector<float> col_sum(p.dbias != nullptr ? c.cols : 0, 0.0f);
@@ -39,9 +38,9 @@ void cast_transpose_fused_cpu(const FusedCastTransposeParams& p) {
   for (int64_t r = 0; r < c.rows; ++r) {
     for (int64_t col = 0; col < c.cols; ++col) {
       const int64_t i = r * c.cols + col;
-      const float v = fused_value(p, i);
+      const float v = fused_value<T>(p, i);
       amax = std::fmax(amax, std::fabs(v));  // fmax ignores NaN, as fmaxf does on the GPU
-      const uint8_t q = cpu::quantize(v * scale, c.out_dtype, max_val);
+      const uint8_t q = cpu::quantize<kE4M3>(v * scale);
       out[i] = q;
       out_t[col * c.rows + r] = q;
       if (p.dbias != nullptr) col_sum[col] += v;
@@ -49,9 +48,18 @@ void cast_transpose_fused_cpu(const FusedCastTransposeParams& p) {
   }
   if (*c.amax < amax) *c.amax = amax;
   *c.scale_inv = 1.0f / scale;
-  for (int64_t col = 0; col < static_cast<int64_t>(col_sum.size()); ++col) {
-    cpu::store_from_float(p.dbias, c.x_dtype, col, col_sum[col]);
-  }
+  auto* dbias = static_cast<T*>(p.dbias);
+  for (size_t col = 0; col < col_sum.size(); ++col) dbias[col] = T(col_sum[col]);
+}
+
+}  // namespace
+
+Status cast_transpose_fused_cpu(const FusedCastTransposeParams& p) {
+  if (p.cast.noop != nullptr && *p.cast.noop == 1.0f) return Status{};
+  GRAPHFP8_SWITCH_HP(p.cast.x_dtype, "cast_transpose_fused_cpu", T,
+    GRAPHFP8_SWITCH_FP8(p.cast.out_dtype, "cast_transpose_fused_cpu", kE4M3,
+      fused_loop<T, kE4M3>(p);))
+  return Status{};
 }
 
 }  // namespace graphfp8

@@ -2,11 +2,15 @@
 // the math). Reference-speed loops in fp32, each product and sum rounded on its own (setup.py
 // builds with -ffp-contract=off), bit-identical to graphfp8/reference.py's rope_qkv.
 #include "../common.h"
-#include "fp8_convert.h"
+#include "../dtype_switch.h"
 
 namespace graphfp8 {
+namespace {
 
-void rope_cpu(const RopeParams& p) {
+template <typename T>
+void rope_loop(const RopeParams& p) {
+  const auto* x = static_cast<const T*>(p.x);
+  auto* y = static_cast<T*>(p.out);
   const int64_t half = p.head_dim / 2;
   const int64_t rows = p.batch * p.seq * 3 * p.heads;  // one row per (b, s, part, head)
   for (int64_t r = 0; r < rows; ++r) {
@@ -16,8 +20,8 @@ void rope_cpu(const RopeParams& p) {
     const float* c = p.cos + s * p.head_dim;
     const float* n = p.sin + s * p.head_dim;
     for (int64_t i = 0; i < half; ++i) {
-      const float lo = cpu::load_as_float(p.x, p.dtype, base + i);
-      const float hi = cpu::load_as_float(p.x, p.dtype, base + i + half);
+      const float lo = static_cast<float>(x[base + i]);
+      const float hi = static_cast<float>(x[base + i + half]);
       float out_lo = lo, out_hi = hi;
       if (part < 2 && !p.inverse) {
         out_lo = lo * c[i] - hi * n[i];
@@ -26,10 +30,17 @@ void rope_cpu(const RopeParams& p) {
         out_lo = lo * c[i] + hi * n[i + half];
         out_hi = hi * c[i + half] - lo * n[i];
       }
-      cpu::store_from_float(p.out, p.dtype, base + i, out_lo);
-      cpu::store_from_float(p.out, p.dtype, base + i + half, out_hi);
+      y[base + i] = T(out_lo);
+      y[base + i + half] = T(out_hi);
     }
   }
+}
+
+}  // namespace
+
+Status rope_cpu(const RopeParams& p) {
+  GRAPHFP8_SWITCH_HP(p.dtype, "rope_cpu", T, rope_loop<T>(p);)
+  return Status{};
 }
 
 }  // namespace graphfp8

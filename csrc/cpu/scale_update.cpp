@@ -1,4 +1,5 @@
-// CPU kernel: the fused delayed-scaling update of every slot of an arena (docs/fp8.md's exact math).
+// CPU kernel: the fused delayed-scaling update of every slot of an arena (docs/fp8.md's exact
+// math, as cuda/scale_update.cu).
 #include <cmath>
 #include <limits>
 
@@ -6,7 +7,7 @@
 
 namespace graphfp8 {
 
-void scale_update_cpu(const ScaleUpdateParams& p) {
+Status scale_update_cpu(const ScaleUpdateParams& p) {
   const int64_t L = p.history_len;
   const int64_t S = p.num_slots;
   for (int64_t s = 0; s < S; ++s) {
@@ -29,6 +30,7 @@ void scale_update_cpu(const ScaleUpdateParams& p) {
     if (std::isinf(scale)) scale = std::numeric_limits<float>::max();
     p.scale[s] = scale;
   }
+  return Status{};
 }
 
 }  // namespace graphfp8

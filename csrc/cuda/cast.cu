@@ -1,14 +1,16 @@
 // CUDA: elementwise FP8 cast with fused amax and scale_inv write, and FP8 dequantize.
 //
 // cast: out = saturate(x * scale) in E4M3 or E5M2, amax = max(amax, max |x|), scale_inv = 1/scale,
-// in one pass over x. Grid: a persistent grid-stride loop of 256-thread blocks (4 per SM); each
+// in one pass over x. Grid: a grid-stride loop of 256-thread blocks (at most 4 per SM); each
 // iteration of a thread handles 16 consecutive elements with 16-byte loads and one 16-byte FP8
 // store; the tail (or a misaligned tensor) goes element by element. Each block reduces its amax in
 // registers and shared memory and issues one atomic max.
 //
 // dequantize: out = x_fp8 * scale_inv rounded to bf16/fp16/fp32, 16 elements per iteration.
 #include "../common.h"
+#include "../dtype_switch.h"
 #include "fp8_util.cuh"
+#include "tile.cuh"
 #include "vec.cuh"
 
 namespace graphfp8 {
@@ -16,6 +18,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kElems = 16;  // elements per vector iteration: one 16-byte FP8 store
+constexpr int kBlocksPerSm = 4;
 
 template <typename InT, bool kE4M3>
 __global__ void __launch_bounds__(kThreads)
@@ -47,8 +50,7 @@ __global__ void __launch_bounds__(kThreads)
     amax = fmaxf(amax, fabsf(v));
     out[i] = cuda::quantize<kE4M3>(v * scale);
   }
-  cuda::block_amax_atomic(amax, amax_p);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+  cuda::amax_epilogue(amax, amax_p, scale_inv, scale);
 }
 
 template <bool kE4M3, typename OutT>
@@ -80,65 +82,45 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 int grid_for(int64_t work_items) {
-  const int64_t blocks = (work_items + kThreads - 1) / kThreads;
-  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * 4;
-  return static_cast<int>(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
+  return cuda::grid_size(cuda::ceil_div(work_items, kThreads), kBlocksPerSm);
 }
 
-template <typename InT>
-void launch_cast(const CastParams& p, cudaStream_t stream) {
+template <typename InT, bool kE4M3>
+Status launch_cast(const CastParams& p, cudaStream_t stream) {
   const int64_t n = p.rows * p.cols;
   const bool vec = cuda::aligned16(p.x) && cuda::aligned16(p.out);
-  const int grid = grid_for(vec ? n / kElems : n);
-  const auto* x = static_cast<const InT*>(p.x);
-  auto* out = static_cast<uint8_t*>(p.out);
-  if (p.out_dtype == DType::kE4M3) {
-    cast_kernel<InT, true><<<grid, kThreads, 0, stream>>>(x, out, p.scale, p.scale_inv, p.amax,
-                                                          p.noop, n, vec);
-  } else {
-    cast_kernel<InT, false><<<grid, kThreads, 0, stream>>>(x, out, p.scale, p.scale_inv, p.amax,
-                                                           p.noop, n, vec);
-  }
-  cuda::check_launch("cast_kernel");
+  cast_kernel<InT, kE4M3><<<grid_for(vec ? n / kElems : n), kThreads, 0, stream>>>(
+      static_cast<const InT*>(p.x), static_cast<uint8_t*>(p.out), p.scale, p.scale_inv, p.amax,
+      p.noop, n, vec);
+  return cuda::check_launch("cast_kernel");
 }
 
-template <typename OutT>
-void launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
+template <typename OutT, bool kE4M3>
+Status launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
   const bool vec = cuda::aligned16(p.x) && cuda::aligned16(p.out);
-  const int grid = grid_for(vec ? p.numel / kElems : p.numel);
-  auto* out = static_cast<OutT*>(p.out);
-  if (p.x_dtype == DType::kE4M3) {
-    dequantize_kernel<true, OutT><<<grid, kThreads, 0, stream>>>(p.x, out, p.scale_inv, p.numel, vec);
-  } else {
-    dequantize_kernel<false, OutT><<<grid, kThreads, 0, stream>>>(p.x, out, p.scale_inv, p.numel, vec);
-  }
-  cuda::check_launch("dequantize_kernel");
+  dequantize_kernel<kE4M3, OutT><<<grid_for(vec ? p.numel / kElems : p.numel), kThreads, 0,
+                                   stream>>>(p.x, static_cast<OutT*>(p.out), p.scale_inv,
+                                             p.numel, vec);
+  return cuda::check_launch("dequantize_kernel");
 }
 
 }  // namespace
 
-void cast_cuda(const CastParams& p, void* stream_ptr) {
-  if (p.out_t != nullptr) {
-    cast_transpose_cuda(p, stream_ptr);
-    return;
-  }
+Status cast_cuda(const CastParams& p, void* stream_ptr) {
+  if (p.out_t != nullptr) return cast_transpose_cuda(p, stream_ptr);
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  switch (p.x_dtype) {
-    case DType::kFloat32: launch_cast<float>(p, stream); break;
-    case DType::kBFloat16: launch_cast<__nv_bfloat16>(p, stream); break;
-    case DType::kFloat16: launch_cast<__half>(p, stream); break;
-    default: throw std::runtime_error("graphfp8.cast: unsupported input dtype");
-  }
+  GRAPHFP8_SWITCH_HP(p.x_dtype, "cast", InT,
+    GRAPHFP8_SWITCH_FP8(p.out_dtype, "cast", kE4M3,
+      return launch_cast<InT, kE4M3>(p, stream);))
+  return Status{};
 }
 
-void dequantize_cuda(const DequantizeParams& p, void* stream_ptr) {
+Status dequantize_cuda(const DequantizeParams& p, void* stream_ptr) {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  switch (p.out_dtype) {
-    case DType::kFloat32: launch_dequantize<float>(p, stream); break;
-    case DType::kBFloat16: launch_dequantize<__nv_bfloat16>(p, stream); break;
-    case DType::kFloat16: launch_dequantize<__half>(p, stream); break;
-    default: throw std::runtime_error("graphfp8.dequantize: unsupported output dtype");
-  }
+  GRAPHFP8_SWITCH_HP(p.out_dtype, "dequantize", OutT,
+    GRAPHFP8_SWITCH_FP8(p.x_dtype, "dequantize", kE4M3,
+      return launch_dequantize<OutT, kE4M3>(p, stream);))
+  return Status{};
 }
 
 }  // namespace graphfp8

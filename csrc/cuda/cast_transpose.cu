@@ -1,21 +1,29 @@
-// CUDA: FP8 cast-transpose (both layouts in one pass, fused amax and scale_inv) and FP8 transpose,
-// both guarded by a device noop flag.
+// CUDA: the one cast-transpose kernel. For f in {identity, gelu_tanh, dgelu_tanh} (common.h):
 //
-// cast_transpose: out = saturate(x * scale) (rows, cols) and out_t = out^T (cols, rows);
-// fp8_transpose: out_t = x^T for an FP8 x. When *noop == 1 the kernel returns before touching
-// anything, so a graph can hold it and skip it on later microbatches.
+//   cast_transpose:              f = x                       (noop flag optional)
+//   cast_transpose_dbias:        f = dy                      and dbias = sum_rows f
+//   gelu_cast_transpose:         f = gelu_tanh(x)
+//   dgelu_cast_transpose_dbias:  f = dy * gelu_tanh'(x)      and dbias = sum_rows f
 //
-// Grid: one block of 256 threads per tile (the kernels also loop over tiles when the grid is
-// capped). Vector path (rows and cols multiples of 16, 16-byte-aligned pointers), 128x64 tiles:
-// a thread holds its 16-byte input vectors of the tile in registers, converts them, stores the
-// row-major FP8 bytes straight to `out` and into a swizzled shared tile; after a barrier, thread
-// (j = tid / 4, quarter = tid % 4) gathers 32 bytes of tile column j and writes them with two
-// 16-byte stores into row j of `out_t`: each warp writes eight whole 128-byte lines. Other shapes
-// take a scalar 64x64-tile twin.
-#include <cstdlib>
-#include <type_traits>
-
+// out = saturate(f * scale) (rows, cols), out_t = out^T (cols, rows), amax = max(amax, max |f|),
+// scale_inv = 1 / scale. f is computed in fp32 and rounded to the input dtype first, as torch's
+// activation kernels store it, so each fused op equals "torch activation, then cast_transpose".
+// With the noop flag set (*noop == 1) the kernel returns before touching anything, so a graph can
+// hold the weight cast and skip it on later microbatches.
+//
+// Grid: one 256-thread block per tile of tile.cuh (128x64 vector tiles, 64x64 scalar ones),
+// block b taking tile first_tile + b (tile.cuh's launch_tiles). A thread loads all its vectors of
+// the tile, writes the row-major FP8 bytes and the shared tile; after a barrier the block writes
+// the tile's transpose.
+//
+// dbias: no atomics, so the sums are deterministic (graphed and eager runs agree bit for bit).
+// Each thread sums its own rows per column in registers in row order; the block adds those
+// partials in a fixed order in shared memory and writes row tile_r of an fp32 workspace
+// (row tiles, cols); a second kernel sums the workspace rows of each column in order and rounds to
+// dbias's dtype.
 #include "../common.h"
+#include "../dtype_switch.h"
+#include "../gelu_math.h"
 #include "fp8_util.cuh"
 #include "tile.cuh"
 #include "vec.cuh"
@@ -23,275 +31,185 @@
 namespace graphfp8 {
 namespace {
 
-constexpr int kTile = 64;
-constexpr int kThreads = 256;
+using cuda::kTileThreads;
 
-template <typename InT, bool kCast, bool kE4M3>
+template <typename InT>
 struct TileArgs {
-  const InT* __restrict__ x;
-  uint8_t* __restrict__ out;    // row-major FP8 (cast only)
-  uint8_t* __restrict__ out_t;  // transposed FP8
+  const InT* __restrict__ x;       // (rows, cols): dy for kNone / kDgelu, the GELU input for kGelu
+  const InT* __restrict__ act_in;  // (rows, cols): the GELU input (kDgelu only)
+  uint8_t* __restrict__ out;       // (rows, cols) FP8
+  uint8_t* __restrict__ out_t;     // (cols, rows) FP8
   const float* scale;
   float* scale_inv;
   float* amax;
-  const float* noop;
+  const float* noop;               // (1,), read only by the kNoop variant
+  float* workspace;                // (row tiles, cols) fp32 column partials (kDbias)
   int64_t rows;
   int64_t cols;
 };
 
-// Converts one loaded element: FP8 input bytes pass through, others are scaled and quantized.
-template <typename InT, bool kCast, bool kE4M3>
-__device__ __forceinline__ uint8_t convert(InT v, float scale, float& amax) {
-  if constexpr (kCast) {
-    const float f = cuda::to_float(v);
-    amax = fmaxf(amax, fabsf(f));
-    return cuda::quantize<kE4M3>(f * scale);
+// f(x) for one element, rounded to InT (a no-op for the identity and for fp32).
+template <typename InT, FusedAct kAct>
+__device__ __forceinline__ float apply(float x, float act_in) {
+  if constexpr (kAct == FusedAct::kGelu) {
+    return cuda::to_float(cuda::from_float<InT>(gelu_tanh(x)));
+  } else if constexpr (kAct == FusedAct::kDgelu) {
+    return cuda::to_float(cuda::from_float<InT>(dgelu_tanh(x, act_in)));
   } else {
-    return v;
+    return x;
   }
 }
 
-using cuda::kVecCols;
-using cuda::kVecRows;
-using cuda::swizzle;
-
-template <typename InT, bool kCast, bool kE4M3, int kLoads>
-__device__ __forceinline__ void load_tile(const TileArgs<InT, kCast, kE4M3>& a, int64_t t,
-                                          int64_t tiles_c, uint4 (&raw)[kLoads]) {
-  constexpr int N = cuda::Vec<InT>::N;
-  constexpr int kVecPerRow = kVecCols / N;
-  const int64_t r0 = (t / tiles_c) * kVecRows;
-  const int64_t c0 = (t % tiles_c) * kVecCols;
+// Converts the thread's loads of one tile: row-major FP8 to `out` and to the shared tile, amax,
+// and (kDbias) the per-column sums of its rows, in row order.
+template <typename S, typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kVec>
+__device__ __forceinline__ void convert_tile(const TileArgs<InT>& a,
+                                             const cuda::TileGrid<S>& g, const cuda::TilePos& t,
+                                             cuda::SharedTile<kVec>& tile, float scale,
+                                             float& amax, float (&col_sum)[S::N]) {
+  constexpr bool kHasActIn = kAct == FusedAct::kDgelu;
+  typename S::Frag raw[S::kLoads];
+  typename S::Frag raw_in[kHasActIn ? S::kLoads : 1];
+  cuda::load_tile(a.x, g, t, raw);
+  if constexpr (kHasActIn) cuda::load_tile(a.act_in, g, t, raw_in);
+  const int64_t gc = t.c0 + S::col();
 #pragma unroll
-  for (int l = 0; l < kLoads; ++l) {
-    const int idx = l * kThreads + threadIdx.x;
-    const int64_t gr = r0 + idx / kVecPerRow;
-    const int64_t gc = c0 + (idx % kVecPerRow) * N;
-    if (gr < a.rows && gc < a.cols) {
-      raw[l] = __ldg(reinterpret_cast<const uint4*>(a.x + gr * a.cols + gc));
+  for (int l = 0; l < S::kLoads; ++l) {
+    const int r = S::row(l);
+    const int64_t gr = t.r0 + r;
+    if (!g.in(gr, gc)) continue;  // vector tiles: cols % 16 == 0, so all N columns are in range
+    float f[S::N];
+    float h[S::N];
+    cuda::frag_to_floats<S, InT>(raw[l], f);
+    if constexpr (kHasActIn) cuda::frag_to_floats<S, InT>(raw_in[l], h);
+    uint8_t q[S::N];
+#pragma unroll
+    for (int k = 0; k < S::N; ++k) {
+      const float v = apply<InT, kAct>(f[k], kHasActIn ? h[k] : 0.0f);
+      amax = fmaxf(amax, fabsf(v));
+      q[k] = cuda::quantize<kE4M3>(v * scale);
+      if constexpr (kDbias) col_sum[k] += v;
     }
+    cuda::store_bytes<S::N>(a.out + gr * a.cols + gc, q);
+    cuda::stage<S>(tile, r, q);
   }
 }
 
-template <typename InT, bool kCast, bool kE4M3>
-__device__ __forceinline__ void tile_vec(const TileArgs<InT, kCast, kE4M3>& a) {
-  if (a.noop != nullptr && *a.noop == 1.0f) return;
-  __shared__ __align__(16) uint8_t tile[kVecRows][kVecCols];
-  constexpr int N = cuda::Vec<InT>::N;  // elements per 16-byte load
-  constexpr int kVecPerRow = kVecCols / N;
-  constexpr int kLoads = kVecRows * kVecPerRow / kThreads;
-  const float scale = kCast ? *a.scale : 1.0f;
+template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop, bool kVec>
+__global__ void __launch_bounds__(kTileThreads)
+    cast_transpose_kernel(TileArgs<InT> a, int64_t first_tile) {
+  using S = cuda::TileShape<InT, kVec>;
+  if constexpr (kNoop) {
+    if (*a.noop == 1.0f) return;
+  }
+  __shared__ cuda::SharedTile<kVec> tile;
+  __shared__ float partial[kDbias ? S::kRowGroups : 1][S::kCols];
+  const cuda::TileGrid<S> g(a.rows, a.cols);
+  const cuda::TilePos t = g.at(first_tile + blockIdx.x);
+  const float scale = *a.scale;
   float amax = 0.0f;
-  const int tid = threadIdx.x;
-  const int64_t tiles_c = (a.cols + kVecCols - 1) / kVecCols;
-  const int64_t num_tiles = tiles_c * ((a.rows + kVecRows - 1) / kVecRows);
-  uint4 raw[kLoads];
-  if (blockIdx.x < num_tiles) load_tile(a, blockIdx.x, tiles_c, raw);
-  for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const int64_t r0 = (t / tiles_c) * kVecRows;
-    const int64_t c0 = (t % tiles_c) * kVecCols;
-    // Convert this tile's registers, store the row-major bytes and fill the shared tile.
+  float col_sum[S::N];
 #pragma unroll
-    for (int l = 0; l < kLoads; ++l) {
-      const int idx = l * kThreads + tid;
-      const int r = idx / kVecPerRow;
-      const int c = (idx % kVecPerRow) * N;
-      const int64_t gr = r0 + r;
-      const int64_t gc = c0 + c;
-      if (gr < a.rows && gc < a.cols) {
-        uint8_t q[N];
-        if constexpr (kCast) {
-          float f[N];
-          if constexpr (sizeof(InT) == 4) {
-            cuda::unpack(raw[l], f);
-          } else {
-            cuda::unpack<InT>(raw[l], f);
-          }
+  for (int k = 0; k < S::N; ++k) col_sum[k] = 0.0f;
+  convert_tile<S, InT, kE4M3, kAct, kDbias>(a, g, t, tile, scale, amax, col_sum);
+  if constexpr (kDbias) {
 #pragma unroll
-          for (int k = 0; k < N; ++k) {
-            amax = fmaxf(amax, fabsf(f[k]));
-            q[k] = cuda::quantize<kE4M3>(f[k] * scale);
-          }
-          cuda::store_bytes<N>(a.out + gr * a.cols + gc, q);
-        } else {
-          const uint32_t w[4] = {raw[l].x, raw[l].y, raw[l].z, raw[l].w};
-#pragma unroll
-          for (int k = 0; k < N; ++k) q[k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
-        }
-        cuda::store_bytes<N>(&tile[r][swizzle(r, c)], q);
-      }
+    for (int k = 0; k < S::N; ++k) partial[S::group()][S::col() + k] = col_sum[k];
+  }
+  __syncthreads();
+  cuda::store_transposed(tile, a.out_t, g, t);
+  if constexpr (kDbias) {
+    const int c = threadIdx.x;
+    if (c < S::kCols && t.c0 + c < a.cols) {
+      float s = 0.0f;
+      for (int grp = 0; grp < S::kRowGroups; ++grp) s += partial[grp][c];
+      a.workspace[t.tile_r * a.cols + t.c0 + c] = s;
     }
-    __syncthreads();
-    // The next tile's loads fly while this tile's transpose is written out.
-    const int64_t next = t + gridDim.x;
-    if (next < num_tiles) load_tile(a, next, tiles_c, raw);
-    // Thread (j, quarter) writes 32 bytes of out_t row j: input rows quarter*32 .. +31.
-    const int j = tid / 4;
-    const int quarter = tid % 4;
-    const int64_t gj = c0 + j;
-    if (gj < a.cols) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i0 = quarter * 32 + half * 16;
-        const int64_t gi = r0 + i0;
-        if (gi < a.rows) {
-          uint8_t b[16];
-#pragma unroll
-          for (int k = 0; k < 16; ++k) b[k] = tile[i0 + k][swizzle(i0 + k, j)];
-          cuda::store_bytes<16>(a.out_t + gj * a.rows + gi, b);
-        }
-      }
-    }
-    __syncthreads();
   }
-  if constexpr (kCast) {
-    cuda::block_amax_atomic(amax, a.amax);
-    if (blockIdx.x == 0 && tid == 0) *a.scale_inv = 1.0f / scale;
+  cuda::amax_epilogue(amax, a.amax, a.scale_inv, scale);
+}
+
+// dbias[c] = sum over r of workspace[r][c], in row order, rounded to OutT. One thread per column.
+template <typename OutT>
+__global__ void __launch_bounds__(kTileThreads)
+    dbias_reduce_kernel(const float* __restrict__ workspace, OutT* __restrict__ dbias,
+                        int64_t partial_rows, int64_t cols) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < cols;
+       c += stride) {
+    float s = 0.0f;
+    for (int64_t r = 0; r < partial_rows; ++r) s += workspace[r * cols + c];
+    dbias[c] = cuda::from_float<OutT>(s);
   }
 }
 
-template <typename InT, bool kCast, bool kE4M3>
-__device__ __forceinline__ void tile_scalar(const TileArgs<InT, kCast, kE4M3>& a) {
-  if (a.noop != nullptr && *a.noop == 1.0f) return;
-  __shared__ uint8_t tile[kTile][kTile + 1];  // +1: column reads hit distinct banks
-  const float scale = kCast ? *a.scale : 1.0f;
-  float amax = 0.0f;
-  const int tid = threadIdx.x;
-  const int64_t tiles_c = (a.cols + kTile - 1) / kTile;
-  const int64_t num_tiles = tiles_c * ((a.rows + kTile - 1) / kTile);
-  for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const int64_t r0 = (t / tiles_c) * kTile;
-    const int64_t c0 = (t % tiles_c) * kTile;
-    for (int e = tid; e < kTile * kTile; e += kThreads) {
-      const int r = e / kTile;
-      const int c = e % kTile;
-      const int64_t gr = r0 + r;
-      const int64_t gc = c0 + c;
-      if (gr < a.rows && gc < a.cols) {
-        const uint8_t q = convert<InT, kCast, kE4M3>(a.x[gr * a.cols + gc], scale, amax);
-        if constexpr (kCast) a.out[gr * a.cols + gc] = q;
-        tile[r][c] = q;
-      }
-    }
-    __syncthreads();
-    for (int e = tid; e < kTile * kTile; e += kThreads) {
-      const int j = e / kTile;
-      const int i = e % kTile;
-      const int64_t gj = c0 + j;
-      const int64_t gi = r0 + i;
-      if (gj < a.cols && gi < a.rows) a.out_t[gj * a.rows + gi] = tile[i][j];
-    }
-    __syncthreads();
-  }
-  if constexpr (kCast) {
-    cuda::block_amax_atomic(amax, a.amax);
-    if (blockIdx.x == 0 && tid == 0) *a.scale_inv = 1.0f / scale;
-  }
+template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop, bool kVec>
+Status launch_shape(const TileArgs<InT>& a, void* dbias, cudaStream_t stream) {
+  using S = cuda::TileShape<InT, kVec>;
+  const Status st = cuda::launch_tiles(
+      cuda::TileGrid<S>(a.rows, a.cols).num_tiles, "cast_transpose_kernel",
+      [&](int blocks, int64_t first) {
+        cast_transpose_kernel<InT, kE4M3, kAct, kDbias, kNoop, kVec>
+            <<<blocks, kTileThreads, 0, stream>>>(a, first);
+      });
+  if (!kDbias || !st.ok()) return st;
+  const int grid = cuda::grid_size(cuda::ceil_div(a.cols, kTileThreads), 1024);
+  dbias_reduce_kernel<InT><<<grid, kTileThreads, 0, stream>>>(
+      a.workspace, static_cast<InT*>(dbias), cuda::ceil_div(a.rows, S::kRows), a.cols);
+  return cuda::check_launch("dbias_reduce_kernel");
 }
 
-// Named entry points (the names show in profiles and graph dumps).
+template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop>
+Status launch(const TileArgs<InT>& a, void* dbias, cudaStream_t stream) {
+  if (cuda::vec_tiles_ok(a.rows, a.cols, a.x, a.act_in, a.out, a.out_t)) {
+    return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, true>(a, dbias, stream);
+  }
+  return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, false>(a, dbias, stream);
+}
+
+// The variants that the ops use: (activation, dbias, noop).
 template <typename InT, bool kE4M3>
-__global__ void __launch_bounds__(kThreads)
-    cast_transpose_vec_kernel(TileArgs<InT, true, kE4M3> a) {
-  tile_vec(a);
-}
-
-template <typename InT, bool kE4M3>
-__global__ void __launch_bounds__(kThreads)
-    cast_transpose_scalar_kernel(TileArgs<InT, true, kE4M3> a) {
-  tile_scalar(a);
-}
-
-__global__ void __launch_bounds__(kThreads)
-    fp8_transpose_vec_kernel(TileArgs<uint8_t, false, true> a) {
-  tile_vec(a);
-}
-
-__global__ void __launch_bounds__(kThreads)
-    fp8_transpose_scalar_kernel(TileArgs<uint8_t, false, true> a) {
-  tile_scalar(a);
-}
-
-template <typename InT, bool kCast, bool kE4M3>
-struct Kernels;
-
-template <typename InT, bool kE4M3>
-struct Kernels<InT, true, kE4M3> {
-  static constexpr auto vec = cast_transpose_vec_kernel<InT, kE4M3>;
-  static constexpr auto scalar = cast_transpose_scalar_kernel<InT, kE4M3>;
-};
-
-template <>
-struct Kernels<uint8_t, false, true> {
-  static constexpr auto vec = fp8_transpose_vec_kernel;
-  static constexpr auto scalar = fp8_transpose_scalar_kernel;
-};
-
-template <typename InT, bool kCast, bool kE4M3>
-void launch_tiles(const TileArgs<InT, kCast, kE4M3>& a, cudaStream_t stream) {
-  const bool vec = a.rows % 16 == 0 && a.cols % 16 == 0 && cuda::aligned16(a.x) &&
-                   cuda::aligned16(a.out_t) && (!kCast || cuda::aligned16(a.out));
-  const int tile_rows = vec ? kVecRows : kTile;
-  const int tile_cols = vec ? kVecCols : kTile;
-  const int64_t num_tiles =
-      ((a.rows + tile_rows - 1) / tile_rows) * ((a.cols + tile_cols - 1) / tile_cols);
-  // One tile per block: the block scheduler overlaps tiles better than a persistent loop did
-  // (H200, 8192^2: 81% of copy vs 78%). GRAPHFP8_TILE_BLOCKS_PER_SM (a benchmarking knob)
-  // caps the grid at that many blocks per SM, which makes the loop persistent again.
-  static const int blocks_per_sm = [] {
-    const char* v = std::getenv("GRAPHFP8_TILE_BLOCKS_PER_SM");
-    return v != nullptr ? std::atoi(v) : 0;
-  }();
-  const int per_sm = blocks_per_sm > 0 ? blocks_per_sm : (1 << 20);
-  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * per_sm;
-  const int grid = static_cast<int>(num_tiles < cap ? num_tiles : cap);
-  if (vec) {
-    Kernels<InT, kCast, kE4M3>::vec<<<grid, kThreads, 0, stream>>>(a);
-  } else {
-    Kernels<InT, kCast, kE4M3>::scalar<<<grid, kThreads, 0, stream>>>(a);
+Status dispatch_variant(const FusedCastTransposeParams& p, cudaStream_t stream) {
+  const CastParams& cp = p.cast;
+  const TileArgs<InT> a{static_cast<const InT*>(cp.x), static_cast<const InT*>(p.act_in),
+                        static_cast<uint8_t*>(cp.out), static_cast<uint8_t*>(cp.out_t),
+                        cp.scale, cp.scale_inv, cp.amax, cp.noop, p.workspace, cp.rows, cp.cols};
+  const bool dbias = p.dbias != nullptr;
+  const bool noop = cp.noop != nullptr;
+  if (p.act == FusedAct::kNone && !dbias) {
+    if (noop) return launch<InT, kE4M3, FusedAct::kNone, false, true>(a, nullptr, stream);
+    return launch<InT, kE4M3, FusedAct::kNone, false, false>(a, nullptr, stream);
   }
-  cuda::check_launch(kCast ? "cast_transpose" : "fp8_transpose");
-}
-
-template <typename InT, bool kE4M3>
-void launch_cast_transpose(const CastParams& p, cudaStream_t stream) {
-  TileArgs<InT, true, kE4M3> a{static_cast<const InT*>(p.x),
-                               static_cast<uint8_t*>(p.out),
-                               static_cast<uint8_t*>(p.out_t),
-                               p.scale,
-                               p.scale_inv,
-                               p.amax,
-                               p.noop,
-                               p.rows,
-                               p.cols};
-  launch_tiles(a, stream);
-}
-
-template <typename InT>
-void dispatch_format(const CastParams& p, cudaStream_t stream) {
-  if (p.out_dtype == DType::kE4M3) {
-    launch_cast_transpose<InT, true>(p, stream);
-  } else {
-    launch_cast_transpose<InT, false>(p, stream);
+  if (noop) return Status{"cast_transpose", "a noop flag only goes with the plain cast"};
+  if (p.act == FusedAct::kNone && dbias) {
+    return launch<InT, kE4M3, FusedAct::kNone, true, false>(a, p.dbias, stream);
   }
+  if (p.act == FusedAct::kGelu && !dbias) {
+    return launch<InT, kE4M3, FusedAct::kGelu, false, false>(a, nullptr, stream);
+  }
+  if (p.act == FusedAct::kDgelu && dbias) {
+    return launch<InT, kE4M3, FusedAct::kDgelu, true, false>(a, p.dbias, stream);
+  }
+  return Status{"cast_transpose", "unsupported (activation, dbias) variant"};
 }
 
 }  // namespace
 
-void cast_transpose_cuda(const CastParams& p, void* stream_ptr) {
-  auto stream = static_cast<cudaStream_t>(stream_ptr);
-  switch (p.x_dtype) {
-    case DType::kFloat32: dispatch_format<float>(p, stream); break;
-    case DType::kBFloat16: dispatch_format<__nv_bfloat16>(p, stream); break;
-    case DType::kFloat16: dispatch_format<__half>(p, stream); break;
-    default: throw std::runtime_error("graphfp8.cast_transpose: unsupported input dtype");
+Status cast_transpose_fused_cuda(const FusedCastTransposeParams& p, void* stream_ptr) {
+  if (p.dbias != nullptr && p.workspace == nullptr) {
+    return Status{"cast_transpose", "a fused dbias needs its fp32 workspace"};
   }
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  GRAPHFP8_SWITCH_HP(p.cast.x_dtype, "cast_transpose", InT,
+    GRAPHFP8_SWITCH_FP8(p.cast.out_dtype, "cast_transpose", kE4M3,
+      return dispatch_variant<InT, kE4M3>(p, stream);))
+  return Status{};
 }
 
-void transpose_cuda(const TransposeParams& p, void* stream_ptr) {
-  TileArgs<uint8_t, false, true> a{p.x, nullptr, p.out_t, nullptr, nullptr, nullptr,
-                                   p.noop, p.rows, p.cols};
-  launch_tiles(a, static_cast<cudaStream_t>(stream_ptr));
+Status cast_transpose_cuda(const CastParams& p, void* stream) {
+  return cast_transpose_fused_cuda(FusedCastTransposeParams{p, FusedAct::kNone, nullptr, nullptr,
+                                                            nullptr},
+                                   stream);
 }
 
 }  // namespace graphfp8

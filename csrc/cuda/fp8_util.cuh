@@ -1,5 +1,5 @@
 // Device helpers shared by the CUDA kernels: element conversion, saturating FP8 quantization,
-// block-wide amax reduction, launch checks and grid sizing.
+// block-wide amax reduction, launch checks and grid sizing (the one grid-size helper).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,8 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <stdexcept>
-#include <string>
 
 #include "../common.h"
 
@@ -62,12 +60,11 @@ __device__ __forceinline__ void block_amax_atomic(float v, float* amax) {
   }
 }
 
-inline void check_launch(const char* kernel) {
+// The launch status of the kernel just enqueued (ops.cpp raises on a failure).
+inline Status check_launch(const char* kernel) {
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("graphfp8: launch of ") + kernel +
-                             " failed: " + cudaGetErrorString(err));
-  }
+  if (err != cudaSuccess) return Status{kernel, cudaGetErrorString(err)};
+  return Status{};
 }
 
 // Number of multiprocessors of the current device, cached per device.
@@ -81,6 +78,17 @@ inline int sm_count() {
   if (dev < 64) cached[dev] = n;
   return n;
 }
+
+// The grid of every launcher: one block per `work_blocks` unit of work, capped at
+// `blocks_per_sm` blocks per multiprocessor (every kernel loops over what the grid does not
+// cover), and at least one block.
+inline int grid_size(int64_t work_blocks, int blocks_per_sm) {
+  const int64_t cap = static_cast<int64_t>(sm_count()) * blocks_per_sm;
+  const int64_t blocks = work_blocks < cap ? work_blocks : cap;
+  return static_cast<int>(blocks < 1 ? 1 : blocks);
+}
+
+__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 

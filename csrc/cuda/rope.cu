@@ -11,6 +11,7 @@
 // The arithmetic uses explicitly rounded fp32 operations (no fused multiply-add), like the CPU
 // kernel (built with -ffp-contract=off) and the PyTorch twin, so all three agree bit for bit.
 #include "../common.h"
+#include "../dtype_switch.h"
 #include "fp8_util.cuh"
 #include "vec.cuh"
 
@@ -18,6 +19,7 @@ namespace graphfp8 {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kBlocksPerSm = 8;
 
 struct Rotation {
   float lo, hi;
@@ -110,14 +112,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-int grid_for(int64_t work) {
-  const int64_t wanted = (work + kThreads - 1) / kThreads;
-  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * 8;
-  return static_cast<int>(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
-}
+int grid_for(int64_t work) { return cuda::grid_size(cuda::ceil_div(work, kThreads), kBlocksPerSm); }
 
 template <typename T>
-void launch(const RopeParams& p, cudaStream_t stream) {
+Status launch(const RopeParams& p, cudaStream_t stream) {
   constexpr int N = cuda::Vec<T>::N;
   const RowInfo info{p.seq, p.heads, p.head_dim};
   const int64_t rows = p.batch * p.seq * 3 * p.heads;
@@ -128,23 +126,19 @@ void launch(const RopeParams& p, cudaStream_t stream) {
     const int64_t chunks = rows * (half / N);
     rope_vec_kernel<T><<<grid_for(chunks), kThreads, 0, stream>>>(x, out, p.cos, p.sin, info,
                                                                    chunks, p.inverse);
-  } else {
-    const int64_t pairs = rows * half;
-    rope_scalar_kernel<T><<<grid_for(pairs), kThreads, 0, stream>>>(x, out, p.cos, p.sin, info,
-                                                                    pairs, p.inverse);
+    return cuda::check_launch("rope_vec_kernel");
   }
+  const int64_t pairs = rows * half;
+  rope_scalar_kernel<T><<<grid_for(pairs), kThreads, 0, stream>>>(x, out, p.cos, p.sin, info,
+                                                                  pairs, p.inverse);
+  return cuda::check_launch("rope_scalar_kernel");
 }
 
 }  // namespace
 
-void rope_cuda(const RopeParams& p, void* stream) {
-  auto s = static_cast<cudaStream_t>(stream);
-  switch (p.dtype) {
-    case DType::kFloat32: launch<float>(p, s); break;
-    case DType::kBFloat16: launch<__nv_bfloat16>(p, s); break;
-    case DType::kFloat16: launch<__half>(p, s); break;
-    default: break;  // ops.cpp rejects other dtypes
-  }
+Status rope_cuda(const RopeParams& p, void* stream) {
+  GRAPHFP8_SWITCH_HP(p.dtype, "rope", T, return launch<T>(p, static_cast<cudaStream_t>(stream));)
+  return Status{};
 }
 
 }  // namespace graphfp8

@@ -12,6 +12,7 @@
 // flight together), the block syncs, then writes them to H[r] - the in-place shift needs only
 // that one barrier per tile because a tile reads rows (base, base + T] and writes [base, base + T).
 // For L <= 1024 that is a single tile. The per-slot max is then reduced over TY in shared memory.
+// The grid loops over slot groups when there are more groups than blocks.
 #include <cfloat>
 
 #include "../common.h"
@@ -22,15 +23,17 @@ namespace {
 
 constexpr int kRowsPerThread = 8;
 constexpr int kMaxThreads = 1024;
+constexpr int kBlocksPerSm = 32;  // one pass for up to 33k+ slots on an H200; more slots loop
 
-__global__ void __launch_bounds__(kMaxThreads) scale_update_kernel(ScaleUpdateParams p) {
-  __shared__ float partial[kMaxThreads];
+// One group of blockDim.x slots starting at s0 (every thread of the block calls it).
+__device__ __forceinline__ void update_slots(const ScaleUpdateParams& p, int64_t s0,
+                                             float* partial) {
   const int64_t L = p.history_len;
   const int64_t S = p.num_slots;
   const int tx = threadIdx.x;
   const int ty = threadIdx.y;
   const int TY = blockDim.y;
-  const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + tx;
+  const int64_t s = s0 + tx;
   const bool valid = s < S;
   float* h = p.amax_history + s;
   const float a = valid ? h[0] : 0.0f;
@@ -73,6 +76,15 @@ __global__ void __launch_bounds__(kMaxThreads) scale_update_kernel(ScaleUpdatePa
   }
 }
 
+__global__ void __launch_bounds__(kMaxThreads) scale_update_kernel(ScaleUpdateParams p) {
+  __shared__ float partial[kMaxThreads];
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t s0 = static_cast<int64_t>(blockIdx.x) * blockDim.x; s0 < p.num_slots; s0 += step) {
+    update_slots(p, s0, partial);
+    __syncthreads();  // the next group reuses `partial`
+  }
+}
+
 int pow2_at_least(int64_t n) {
   int p = 1;
   while (p < n) p *= 2;
@@ -81,7 +93,7 @@ int pow2_at_least(int64_t n) {
 
 }  // namespace
 
-void scale_update_cuda(const ScaleUpdateParams& p, void* stream_ptr) {
+Status scale_update_cuda(const ScaleUpdateParams& p, void* stream_ptr) {
   // TY lanes cover the history in one tile when L <= 128 * 8; SX fills the block up to 256
   // threads for short histories, never below 8 (one sector per history row).
   const int64_t lanes = (p.history_len + kRowsPerThread - 1) / kRowsPerThread;
@@ -90,10 +102,9 @@ void scale_update_cuda(const ScaleUpdateParams& p, void* stream_ptr) {
   const int slots_p2 = pow2_at_least(p.num_slots);
   if (sx > slots_p2) sx = slots_p2 < 8 ? 8 : slots_p2;
   const dim3 block(sx, ty);
-  const int64_t grid = (p.num_slots + sx - 1) / sx;
-  scale_update_kernel<<<static_cast<unsigned>(grid), block, 0,
-                        static_cast<cudaStream_t>(stream_ptr)>>>(p);
-  cuda::check_launch("scale_update_kernel");
+  const int grid = cuda::grid_size(cuda::ceil_div(p.num_slots, sx), kBlocksPerSm);
+  scale_update_kernel<<<grid, block, 0, static_cast<cudaStream_t>(stream_ptr)>>>(p);
+  return cuda::check_launch("scale_update_kernel");
 }
 
 }  // namespace graphfp8

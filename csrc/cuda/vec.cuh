@@ -80,16 +80,18 @@ __device__ __forceinline__ uint32_t pack4(const uint8_t* b) {
          (static_cast<uint32_t>(b[2]) << 16) | (static_cast<uint32_t>(b[3]) << 24);
 }
 
-// Stores N FP8 bytes (N = 4, 8 or 16) with one aligned store.
+// Stores N FP8 bytes (N = 1, 4, 8 or 16) with one aligned store.
 template <int N>
 __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&b)[N]) {
   if constexpr (N == 16) {
     *reinterpret_cast<uint4*>(dst) = make_uint4(pack4(b), pack4(b + 4), pack4(b + 8), pack4(b + 12));
   } else if constexpr (N == 8) {
     *reinterpret_cast<uint2*>(dst) = make_uint2(pack4(b), pack4(b + 4));
-  } else {
-    static_assert(N == 4, "store_bytes: N must be 4, 8 or 16");
+  } else if constexpr (N == 4) {
     *reinterpret_cast<uint32_t*>(dst) = pack4(b);
+  } else {
+    static_assert(N == 1, "store_bytes: N must be 1, 4, 8 or 16");
+    *dst = b[0];
   }
 }
 

@@ -63,18 +63,19 @@ def test_module_backward_uses_inverse(device):
     assert_bitwise_equal(x.grad, ops.rope_qkv(g, cos, sin, 2, inverse=True))
 
 
-@pytest.mark.parametrize(
-    "change, error, match",
-    [
-        (lambda q, c, s: (q.to(torch.int32), c, s, 2), TypeError, "float32, bfloat16 or float16"),
-        (lambda q, c, s: (q[0], c, s, 2), ValueError, r"must be \(batch, seq, 3 \* hidden\)"),
-        (lambda q, c, s: (q, c, s, 5), ValueError, r"is not 3 \* num_heads"),
-        (lambda q, c, s: (q, c[:4], s, 2), ValueError, "argument 'cos' must be"),
-        (lambda q, c, s: (q, c, s.double(), 2), TypeError, "argument 'sin' must be float32"),
-        (lambda q, c, s: (q.transpose(0, 1), c, s, 2), ValueError, "must be contiguous"),
-        (lambda q, c, s: (q, c.cpu() if q.is_cuda else c.t(), s, 2), ValueError, "argument 'cos'"),
-    ],
-)
+# (change of the valid arguments, the error it raises, the message).
+ERROR_CASES = [
+    (lambda q, c, s: (q.to(torch.int32), c, s, 2), TypeError, "float32, bfloat16 or float16"),
+    (lambda q, c, s: (q[0], c, s, 2), ValueError, r"must be \(batch, seq, 3 \* hidden\)"),
+    (lambda q, c, s: (q, c, s, 5), ValueError, r"is not 3 \* num_heads"),
+    (lambda q, c, s: (q, c[:4], s, 2), ValueError, "argument 'cos' must be"),
+    (lambda q, c, s: (q, c, s.double(), 2), TypeError, "argument 'sin' must be float32"),
+    (lambda q, c, s: (q.transpose(0, 1), c, s, 2), ValueError, "must be contiguous"),
+    (lambda q, c, s: (q, c.cpu() if q.is_cuda else c.t(), s, 2), ValueError, "argument 'cos'"),
+]
+
+
+@pytest.mark.parametrize("change, error, match", ERROR_CASES)
 def test_errors(device, change, error, match):
     qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, device)
     with pytest.raises(error, match=match):
@@ -88,20 +89,27 @@ def test_odd_head_dim_rejected():
         ops.rope_qkv(qkv, cos, sin, 2)
 
 
-@pytest.mark.parametrize(
-    "change, match",
-    [
-        (lambda q, c, s: (q[0], c, s, 2), r"must be \(batch, seq, 3 \* hidden\)"),
-        (lambda q, c, s: (q, c, s, 5), r"is not 3 \* num_heads"),
-        (lambda q, c, s: (q, c[:4], s, 2), "argument 'cos' must be"),
-        (lambda q, c, s: (q, c, s.double(), 2), "argument 'sin' must be float32"),
-    ],
-)
-def test_op_checks_too(device, change, match):
-    """The dispatcher op repeats the wrapper's checks for direct torch.ops calls. (On the GPU
-    machine, messages that streamed numbers once crashed the process instead of raising: ops.cpp
-    formats them with std::to_string now.)"""
+@pytest.mark.parametrize("change, error, match", ERROR_CASES)
+def test_op_raises_what_the_wrapper_raises(device, change, error, match):
+    """The wrapper has no checks of its own: a direct torch.ops call raises the same errors, from
+    ops.cpp. (On the GPU machine, messages that streamed numbers once crashed the process instead
+    of raising: ops.cpp formats them with std::to_string.)"""
     qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, device)
     args = change(qkv, cos, sin)
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(error, match=match):
         torch.ops.graphfp8.rope_qkv(*args, False, torch.empty_like(args[0]))
+
+
+@pytest.mark.parametrize(
+    "out, error, match",
+    [
+        (lambda q: q.float(), TypeError, "argument 'out' must have the dtype of 'qkv'"),
+        (lambda q: q[:, :8], ValueError, r"argument 'out' must have shape \[2, 16, 48\]"),
+        (lambda q: q.transpose(0, 1).contiguous().transpose(0, 1), ValueError,
+         "argument 'out' must be contiguous"),
+    ],
+)  # fmt: skip
+def test_bad_out(device, out, error, match):
+    qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, device)
+    with pytest.raises(error, match=match):
+        ops.rope_qkv(qkv, cos, sin, 2, out=torch.empty_like(out(qkv)))

@@ -1,0 +1,30 @@
+"""`python -m graphfp8.bench ... --quick` runs on the CPU: CI checks that the benchmarks run and
+write complete tables (on a CPU the numbers themselves mean nothing)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from graphfp8.bench.__main__ import main
+
+
+def _numbers(rows: list[dict]) -> list[float]:
+    return [v for row in rows for v in row.values() if isinstance(v, float)]
+
+
+def test_kernels_quick(tmp_path, capsys):
+    path = tmp_path / "kernels.json"
+    main(["kernels", "--quick", "--device", "cpu", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert result["env"]["device"] == "cpu"
+    assert [r["shape"] for r in result["cast_transpose"]] == ["256x256"]
+    assert [r["op"] for r in result["fused"]] == [
+        "cast_transpose_dbias", "gelu_cast_transpose", "dgelu_cast_transpose_dbias", "rope_qkv",
+    ]  # fmt: skip
+    assert [r["slots"] for r in result["scale_update"]] == [10, 100]
+    numbers = _numbers(result["cast_transpose"] + result["fused"] + result["scale_update"])
+    assert numbers and all(math.isfinite(v) and v > 0 for v in numbers)
+    printed = capsys.readouterr().out
+    assert all(line in printed for line in result["table"].splitlines())
+    assert "| cast_transpose_dbias | 128x256 |" in printed
