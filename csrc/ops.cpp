@@ -431,7 +431,8 @@ void rope_fp8(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos,
   p.heads = num_heads;
   p.head_dim = head_dim;
   if (qkv.numel() == 0) return;
-  launch(qkv, p, rope_fp8_cpu, [](const RopeFp8Params& q, void* s) { rope_fp8_cuda(q, s); });
+  launch(op, qkv, p, rope_fp8_cpu,
+         [](const RopeFp8Params& q, void* s) { return rope_fp8_cuda(q, s); });
 }
 
 void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
@@ -469,8 +470,8 @@ void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
   p.heads = num_heads;
   p.head_dim = head_dim;
   if (out.numel() == 0) return;
-  launch(out, p, rope_fp8_bwd_cpu,
-         [](const RopeFp8BwdParams& q, void* s) { rope_fp8_bwd_cuda(q, s); });
+  launch(op, out, p, rope_fp8_bwd_cpu,
+         [](const RopeFp8BwdParams& q, void* s) { return rope_fp8_bwd_cuda(q, s); });
 }
 
 }  // namespace

@@ -47,9 +47,10 @@ struct RopeFp8BwdParams {
   int64_t head_dim;          // even
 };
 
-void rope_fp8_cpu(const RopeFp8Params& p);
-void rope_fp8_bwd_cpu(const RopeFp8BwdParams& p);
-void rope_fp8_cuda(const RopeFp8Params& p, void* stream);
-void rope_fp8_bwd_cuda(const RopeFp8BwdParams& p, void* stream);
+// Launchers assume ops.cpp's checks passed; a failed Status reports a launch error.
+Status rope_fp8_cpu(const RopeFp8Params& p);
+Status rope_fp8_bwd_cpu(const RopeFp8BwdParams& p);
+Status rope_fp8_cuda(const RopeFp8Params& p, void* stream);
+Status rope_fp8_bwd_cuda(const RopeFp8BwdParams& p, void* stream);
 
 }  // namespace graphfp8

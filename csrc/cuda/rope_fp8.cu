@@ -14,6 +14,7 @@
 // M FP8 bytes loaded per half, one 16-byte store of OutT per half.
 //
 // Explicitly rounded fp32 arithmetic (no fused multiply-add), like the CPU kernel and the twin.
+#include "../dtype_switch.h"
 #include "../rope_fp8.h"
 #include "fp8_util.cuh"
 #include "vec.cuh"
@@ -232,14 +233,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-int grid_for(int64_t work) {
-  const int64_t wanted = (work + kThreads - 1) / kThreads;
-  const int64_t cap = static_cast<int64_t>(cuda::sm_count()) * 8;
-  return static_cast<int>(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
-}
-
 template <typename T, bool kE4M3>
-void launch_fwd(const RopeFp8Params& p, cudaStream_t stream) {
+Status launch_fwd(const RopeFp8Params& p, cudaStream_t stream) {
   constexpr int N = cuda::Vec<T>::N;
   const Shape sh{p.seq, p.heads, p.head_dim};
   const int64_t rows = p.batch * p.seq * 3 * p.heads;
@@ -247,18 +242,16 @@ void launch_fwd(const RopeFp8Params& p, cudaStream_t stream) {
   const auto* qkv = static_cast<const T*>(p.qkv);
   bool vec = half % N == 0 && cuda::aligned16(qkv);
   for (int part = 0; part < 3; ++part) vec = vec && cuda::aligned16(p.out[part]);
-  if (vec) {
-    const int64_t work = rows * (half / N);
-    rope_fp8_kernel<T, kE4M3, true><<<grid_for(work), kThreads, 0, stream>>>(qkv, p, sh, work);
-  } else {
-    const int64_t work = rows * half;
-    rope_fp8_kernel<T, kE4M3, false><<<grid_for(work), kThreads, 0, stream>>>(qkv, p, sh, work);
-  }
-  cuda::check_launch("rope_fp8_kernel");
+  const int64_t work = vec ? rows * (half / N) : rows * half;
+  const int grid = cuda::grid_size(cuda::ceil_div(work, kThreads), 8);
+  GRAPHFP8_SWITCH_BOOL(vec, kVec,
+                       rope_fp8_kernel<T, kE4M3, kVec><<<grid, kThreads, 0, stream>>>(qkv, p, sh,
+                                                                                      work);)
+  return cuda::check_launch("rope_fp8_kernel");
 }
 
 template <typename OutT, bool kE4M3>
-void launch_bwd(const RopeFp8BwdParams& p, cudaStream_t stream) {
+Status launch_bwd(const RopeFp8BwdParams& p, cudaStream_t stream) {
   constexpr int M = cuda::Vec<OutT>::N;
   const Shape sh{p.seq, p.heads, p.head_dim};
   const int64_t rows = p.batch * p.seq * 3 * p.heads;
@@ -266,56 +259,30 @@ void launch_bwd(const RopeFp8BwdParams& p, cudaStream_t stream) {
   auto* out = static_cast<OutT*>(p.out);
   bool vec = half % M == 0 && cuda::aligned16(out);
   for (int part = 0; part < 3; ++part) vec = vec && cuda::aligned16(p.grad[part]);
-  if (vec) {
-    const int64_t work = rows * (half / M);
-    rope_fp8_bwd_kernel<OutT, kE4M3, true><<<grid_for(work), kThreads, 0, stream>>>(out, p, sh,
-                                                                                    work);
-  } else {
-    const int64_t work = rows * half;
-    rope_fp8_bwd_kernel<OutT, kE4M3, false><<<grid_for(work), kThreads, 0, stream>>>(out, p, sh,
-                                                                                     work);
-  }
-  cuda::check_launch("rope_fp8_bwd_kernel");
-}
-
-template <typename T>
-void dispatch_fwd(const RopeFp8Params& p, cudaStream_t s) {
-  if (p.out_dtype == DType::kE4M3) {
-    launch_fwd<T, true>(p, s);
-  } else {
-    launch_fwd<T, false>(p, s);
-  }
-}
-
-template <typename OutT>
-void dispatch_bwd(const RopeFp8BwdParams& p, cudaStream_t s) {
-  if (p.grad_dtype == DType::kE4M3) {
-    launch_bwd<OutT, true>(p, s);
-  } else {
-    launch_bwd<OutT, false>(p, s);
-  }
+  const int64_t work = vec ? rows * (half / M) : rows * half;
+  const int grid = cuda::grid_size(cuda::ceil_div(work, kThreads), 8);
+  GRAPHFP8_SWITCH_BOOL(vec, kVec,
+                       rope_fp8_bwd_kernel<OutT, kE4M3, kVec><<<grid, kThreads, 0, stream>>>(
+                           out, p, sh, work);)
+  return cuda::check_launch("rope_fp8_bwd_kernel");
 }
 
 }  // namespace
 
-void rope_fp8_cuda(const RopeFp8Params& p, void* stream) {
+Status rope_fp8_cuda(const RopeFp8Params& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  switch (p.qkv_dtype) {
-    case DType::kFloat32: dispatch_fwd<float>(p, s); break;
-    case DType::kBFloat16: dispatch_fwd<__nv_bfloat16>(p, s); break;
-    case DType::kFloat16: dispatch_fwd<__half>(p, s); break;
-    default: throw std::runtime_error("graphfp8.rope_fp8: unsupported qkv dtype");
-  }
+  GRAPHFP8_SWITCH_HP(p.qkv_dtype, "rope_fp8_cuda", T,
+                     GRAPHFP8_SWITCH_FP8(p.out_dtype, "rope_fp8_cuda", kE4M3,
+                                         return launch_fwd<T, kE4M3>(p, s);))
+  return Status{};
 }
 
-void rope_fp8_bwd_cuda(const RopeFp8BwdParams& p, void* stream) {
+Status rope_fp8_bwd_cuda(const RopeFp8BwdParams& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  switch (p.out_dtype) {
-    case DType::kFloat32: dispatch_bwd<float>(p, s); break;
-    case DType::kBFloat16: dispatch_bwd<__nv_bfloat16>(p, s); break;
-    case DType::kFloat16: dispatch_bwd<__half>(p, s); break;
-    default: throw std::runtime_error("graphfp8.rope_fp8_backward: unsupported output dtype");
-  }
+  GRAPHFP8_SWITCH_HP(p.out_dtype, "rope_fp8_bwd_cuda", OutT,
+                     GRAPHFP8_SWITCH_FP8(p.grad_dtype, "rope_fp8_bwd_cuda", kE4M3,
+                                         return launch_bwd<OutT, kE4M3>(p, s);))
+  return Status{};
 }
 
 }  // namespace graphfp8
