@@ -2,7 +2,8 @@
 # One-call GPU check (what `make gpu-check` runs on the H200): build graphfp8._C for sm_90, run
 # the CUDA tests, the benchmarks, a training comparison and a profile; logs, JSON and a summary
 # land in $OUT (packed into $OUT/results.tgz next to summary.md).
-#   GPU_STEPS  which steps to run (default: "tests kernels eager block train profile")
+#   GPU_STEPS  which steps to run (default: "tests kernels eager block step train train-step
+#              profile profile-step")
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
 #   FIRST_TESTS tests that the tests-first step runs verbosely before the rest
 set -uo pipefail
@@ -11,7 +12,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
-STEPS=${GPU_STEPS:-"tests kernels eager block train profile"}
+STEPS=${GPU_STEPS:-"tests kernels eager block step train train-step profile profile-step"}
 status=0
 
 # Wheels carried in .whl/ (nvtx, torchao): the device machine has no package index.
@@ -62,10 +63,22 @@ for step in $STEPS; do
         --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_STEPS:-300} --out "$OUT/train" \
         > "$OUT/train.log" 2>&1 || status=1
       tail -8 "$OUT/train.log" | tee -a "$OUT/summary.md" ;;
+    train-step)  # issue 15: per-layer graphs vs the whole step as one graph, small and 100m
+      for preset in ${TRAIN_STEP_PRESETS:-small 100m}; do
+        $PY -m graphfp8.train --compare fp8:layers,fp8:step --preset "$preset" \
+          --steps ${TRAIN_STEP_STEPS:-200} --out "$OUT/train_step_$preset" \
+          > "$OUT/train_step_$preset.log" 2>&1 || status=1
+        echo "-- $preset" | tee -a "$OUT/summary.md"
+        grep -A2 "final loss" "$OUT/train_step_$preset.log" | tee -a "$OUT/summary.md"
+      done ;;
     profile)
       $PY -m graphfp8.training.profile --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || status=1
       grep -v USDT "$OUT/profile.log" | head -40 | tee -a "$OUT/summary.md" ;;
-    kernels|eager|block)
+    profile-step)  # the 100m preset with the whole step as one graph
+      $PY -m graphfp8.training.profile --graphs step --out "$OUT/profile" \
+        > "$OUT/profile_step.log" 2>&1 || status=1
+      grep -v USDT "$OUT/profile_step.log" | head -40 | tee -a "$OUT/summary.md" ;;
+    kernels|eager|block|step)
       $PY -m graphfp8.bench "$step" --json "$OUT/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$OUT/summary.md" ;;
