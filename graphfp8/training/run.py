@@ -130,10 +130,13 @@ class Run:
         )  # fmt: skip
 
     def _step_batch(self):
-        """This step's microbatches for the step graph: ((inputs, targets), ()), each
-        (microbatches, batch, seq_len); the model's output is the loss."""
+        """This step's microbatches, stacked straight into the step graph's static batch
+        ((inputs, targets), (): the model's output is the loss)."""
+        inputs, targets = self.graphed_step.static_batch
         pairs = [self._microbatch(mb) for mb in range(self.spec.microbatches)]
-        return (torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])), ()
+        torch.stack([x for x, _ in pairs], out=inputs)
+        torch.stack([y for _, y in pairs], out=targets)
+        return (inputs, targets), ()
 
     def _eager_blocks(self, x, is_first_microbatch=None):
         with fp8_autocast(enabled=self.fp8, recipe=self.recipe, fp8_group=self.group):
