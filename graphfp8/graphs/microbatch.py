@@ -13,6 +13,8 @@ tensors) and, when is_first_microbatch changes value, a fill_ of the weight-cach
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from graphfp8.fp8.autocast import CaptureState, capture_state
@@ -124,6 +126,7 @@ class GraphedMicrobatch:
 
     def __init__(self, body: TrainBody, graph, accumulator, flag: WeightCacheFlag, loss):
         self._body, self._graph, self._accumulator, self._flag = body, graph, accumulator, flag
+        self._tape = body.device.type == "cpu"
         self.loss = loss
         self.params = body.grad_params
 
@@ -136,8 +139,11 @@ class GraphedMicrobatch:
         given = body.batch.check(batch)
         self._flag.set(is_first_microbatch)
         body.batch.copy(given)
-        # No grad mode: the CPU tape re-runs ops on leaf tensors and views of them in place.
-        with nvtx_range("replay-microbatch"), torch.no_grad():
+        # The CPU tape re-runs ops in place on leaf tensors and views of them: no grad mode.
+        with (
+            nvtx_range("replay-microbatch"),
+            torch.no_grad() if self._tape else contextlib.nullcontext(),
+        ):
             self._graph.replay()
             self._accumulator.accumulate()
         return self.loss

@@ -24,6 +24,7 @@ replays but the batch (when the caller passes other tensors) and whatever the ca
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -120,7 +121,8 @@ def make_graphed_step(
         its state (load_state_dict afterwards raises), and the set of trained parameters.
     .. warning::
         Hooks are not captured: the model's modules and parameters and the optimizer must have
-        none, at capture or later (checked at every replay).
+        none, at capture or later. Module hooks are checked at every replay, parameter hooks
+        only at capture.
     .. warning::
         Capture holds a copy of the parameters, buffers and optimizer state (to undo warmup).
     """
@@ -241,6 +243,7 @@ class GraphedStep:
     def __init__(self, run: _StepRun, graph, guard: OptimizerGuard, loss, grad_norm):
         self._run, self._graph, self._guard = run, graph, guard
         self._body = run.body
+        self._tape = run.body.device.type == "cpu"
         self.loss, self.grad_norm = loss, grad_norm
         self.params = run.body.grad_params
         self.grads, self.grads_before_clipping = run.grads, run.grads_before_clipping
@@ -253,8 +256,8 @@ class GraphedStep:
         self._guard.check()
         given = self._body.batch.check(batch)
         self._body.batch.copy(given)
-        # No grad mode: the CPU tape re-runs ops on leaf tensors and views of them in place.
-        with nvtx_range("replay-step"), torch.no_grad():
+        # The CPU tape re-runs ops in place on leaf tensors and views of them: no grad mode.
+        with nvtx_range("replay-step"), torch.no_grad() if self._tape else contextlib.nullcontext():
             self._graph.replay()
         return self.loss
 

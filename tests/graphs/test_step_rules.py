@@ -95,17 +95,21 @@ def test_hooks_raise_at_capture_and_at_replay(device):
     with pytest.raises(RuntimeError, match="hooks on the model's modules .* when captured"):
         g8.make_graphed_step(model, mse, adamw(model.parameters(), device), (x, x), N)
     handle.remove()
-    model, opt, step, x = _setup(device)
-    registrations = (
-        lambda: model.register_forward_pre_hook(lambda *a: None),
-        lambda: model.fc1_weight.register_hook(lambda g: g),
-        lambda: model.fc2_bias.register_post_accumulate_grad_hook(lambda p: None),
-    )
-    for register in registrations:
-        handle = register()
-        with pytest.raises(RuntimeError, match="after capture"):
-            step((x, x))
+    for register in (lambda p: p.register_hook(lambda g: g),
+                     lambda p: p.register_post_accumulate_grad_hook(lambda p: None)):  # fmt: skip
+        handle = register(model.fc1_weight)
+        with pytest.raises(RuntimeError, match="parameters must have no hooks when captured"):
+            g8.make_graphed_step(model, mse, adamw(model.parameters(), device), (x, x), N)
         handle.remove()
+    model, opt, step, x = _setup(device)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
+    with pytest.raises(RuntimeError, match="global module hooks.* after capture"):
+        step((x, x))
+    handle.remove()
+    handle = model.register_forward_pre_hook(lambda *a: None)
+    with pytest.raises(RuntimeError, match="after capture"):
+        step((x, x))
+    handle.remove()
     model.fc1_bias.requires_grad_(False)
     with pytest.raises(RuntimeError, match="requires_grad=False after capture"):
         step((x, x))
