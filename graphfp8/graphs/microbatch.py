@@ -99,20 +99,24 @@ def make_graphed_microbatch(
     if fp8_enabled:
         init_fp8(model, recipe, fp8_group, device)
     snapshot = TrainingSnapshot(model)  # buffers that the forward updates (batch norm statistics)
-    with _fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"), _side_stream(device):
-        with capture_state(**state):
-            for _ in range(num_warmup_iters):
-                body.microbatch(None, [], [], None)
-    snapshot.restore()
+    try:
+        with _fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
+            with _side_stream(device), capture_state(**state):
+                for _ in range(num_warmup_iters):
+                    body.microbatch(None, [], [], None)
+    finally:
+        snapshot.restore()
     fwd, bwd = freeze_arenas(capture, fp8_group) if fp8_enabled else ([], [])
     if pool is None and device.type == "cuda":
         pool = torch.cuda.graph_pool_handle()
     graph = new_graph(device)
-    with _fp8_and_rng_preserved(recipe, device), _gc_paused(), nvtx_range("capture"):
-        with capture_state(**state), graph.capture(pool):
-            loss, grads = body.microbatch(None, fwd, bwd, fp8_group)
-        accumulator = _grad_accumulator(body.grad_params, grads, pool, device)
-    snapshot.restore()  # the CPU tape ran the microbatch it recorded
+    try:
+        with _fp8_and_rng_preserved(recipe, device), _gc_paused(), nvtx_range("capture"):
+            with capture_state(**state), graph.capture(pool):
+                loss, grads = body.microbatch(None, fwd, bwd, fp8_group)
+            accumulator = _grad_accumulator(body.grad_params, grads, pool, device)
+    finally:
+        snapshot.restore()  # the CPU tape ran (part of) the microbatch it recorded
     return GraphedMicrobatch(body, graph, accumulator, flag, loss)
 
 

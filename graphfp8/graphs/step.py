@@ -154,23 +154,27 @@ def make_graphed_step(
 def _warmup_and_capture(run: _StepRun, state: dict, iters: int, pool):
     body, recipe, device = run.body, state["recipe"], run.body.device
     snapshot = TrainingSnapshot(body.model, run.optimizer)
-    with warnings.catch_warnings():
-        # Eager steps of a capturable optimizer make torch warn that capturable costs speed.
-        warnings.filterwarnings("ignore", message="This instance was constructed with capturable")
-        with _fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"), _side_stream(device):
-            with capture_state(**state):
-                for _ in range(iters):
-                    run([], [], None)
-    snapshot.restore()
+    try:
+        with warnings.catch_warnings():
+            # Eager steps of a capturable optimizer make torch warn that capturable costs speed.
+            warnings.filterwarnings("ignore", message="This instance was constructed with capt")
+            with _fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
+                with _side_stream(device), capture_state(**state):
+                    for _ in range(iters):
+                        run([], [], None)
+    finally:
+        snapshot.restore()
     fwd, bwd = freeze_arenas(run.capture, state["group"]) if state["fp8_enabled"] else ([], [])
     if pool is None and device.type == "cuda":
         pool = torch.cuda.graph_pool_handle()
     graph = new_graph(device)
     # No garbage collection while capturing: see make_graphed_callables.
-    with _fp8_and_rng_preserved(recipe, device), _gc_paused(), nvtx_range("capture"):
-        with capture_state(**state), graph.capture(pool):
-            loss, grad_norm = run(fwd, bwd, state["group"])
-    snapshot.restore()  # the CPU tape ran the step it recorded
+    try:
+        with _fp8_and_rng_preserved(recipe, device), _gc_paused(), nvtx_range("capture"):
+            with capture_state(**state), graph.capture(pool):
+                loss, grad_norm = run(fwd, bwd, state["group"])
+    finally:
+        snapshot.restore()  # the CPU tape ran (part of) the step it recorded
     return graph, loss, grad_norm
 
 
