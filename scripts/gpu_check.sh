@@ -3,8 +3,8 @@
 # the CUDA tests, the benchmarks, a training comparison and a profile; logs, JSON and a summary
 # land in $OUT: summary.md and results.tgz (every log and JSON), both rewritten after every step so
 # that a call stopped at its time limit still brings back what finished.
-#   GPU_STEPS  which steps to run (default: "tests kernels eager block attention train profile";
-#              also kernels-ab, tests-first, ddp)
+#   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step train
+#              train-step profile profile-step"; also kernels-ab, tests-first, ddp)
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -18,7 +18,7 @@ RES=$(mktemp -d /tmp/gpu_results.XXXXXX)  # everything the steps write; packed a
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
-STEPS=${GPU_STEPS:-"tests kernels eager block attention train profile"}
+STEPS=${GPU_STEPS:-"tests kernels eager block attention step train train-step profile profile-step"}
 status=0
 
 # Wheels carried in .whl/ (nvtx, torchao, nvidia-cudnn-frontend for FP8 attention): the device
@@ -78,14 +78,26 @@ for step in $STEPS; do
         --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_STEPS:-300} --out "$RES/train" \
         > "$RES/train.log" 2>&1 || status=1
       tail -8 "$RES/train.log" | tee -a "$RES/summary.md" ;;
+    train-step)  # issue 15: per-layer graphs vs the whole step as one graph, small and 100m
+      for preset in ${TRAIN_STEP_PRESETS:-small 100m}; do
+        $PY -m graphfp8.train --compare fp8:layers,fp8:step --preset "$preset" \
+          --steps ${TRAIN_STEP_STEPS:-200} --out "$RES/train_step_$preset" \
+          > "$RES/train_step_$preset.log" 2>&1 || status=1
+        echo "-- $preset" | tee -a "$RES/summary.md"
+        grep -A2 "final loss" "$RES/train_step_$preset.log" | tee -a "$RES/summary.md"
+      done ;;
     profile)
       $PY -m graphfp8.training.profile --out "$RES/profile" > "$RES/profile.log" 2>&1 || status=1
       grep -v USDT "$RES/profile.log" | head -40 | tee -a "$RES/summary.md" ;;
+    profile-step)  # the 100m preset with the whole step as one graph
+      $PY -m graphfp8.training.profile --graphs step --out "$RES/profile" \
+        > "$RES/profile_step.log" 2>&1 || status=1
+      grep -v USDT "$RES/profile_step.log" | head -40 | tee -a "$RES/summary.md" ;;
     kernels-ab)  # kernel benchmark and kernel outputs (bit for bit): AB_BASE vs this tree
       OUT=$RES bash scripts/bench_before_after.sh "${AB_BASE:-30328b1}" > "$RES/kernels_ab.log" 2>&1 \
         || { status=1; tail -30 "$RES/kernels_ab.log"; }
       grep -v "^wrote\|kernel output digests" "$RES/kernels_ab.log" >> "$RES/summary.md" ;;
-    kernels|eager|block|attention)
+    kernels|eager|block|attention|step)
       $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;

@@ -1,4 +1,5 @@
-"""`python -m graphfp8.bench {kernels,eager,block,attention} [--device D] [--json P] [--quick]`."""
+"""`python -m graphfp8.bench {kernels,eager,block,attention,step} [--device D] [--json P]
+[--quick]`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ SUITES = {
     "eager": "graphfp8.bench.eager",
     "block": "graphfp8.bench.block",
     "attention": "graphfp8.bench.attention",
+    "step": "graphfp8.bench.step",
 }
 
 
