@@ -32,17 +32,13 @@ from graphfp8.fp8.arena_check import check_arenas
 from graphfp8.fp8.autocast import CaptureState, capture_state
 from graphfp8.fp8.recipe import DelayedScaling
 from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.checks import check_distinct, check_options, fp8_modules_of, new_runner
 from graphfp8.graphs.contexts import fp8_and_rng_preserved as _fp8_and_rng_preserved
 from graphfp8.graphs.contexts import gc_paused as _gc_paused
 from graphfp8.graphs.contexts import side_stream as _side_stream
-from graphfp8.graphs.discover import adopt_outside_leaves, closure_modules, next_sequence_nr
-from graphfp8.graphs.guard import build_guard, hook_dicts, tensor_hooks
-from graphfp8.graphs.lifecycle import (
-    CapturedGraphs,
-    check_not_captured,
-    refuse_deepcopy,
-    undone_on_failure,
-)
+from graphfp8.graphs.discover import adopt_outside_leaves, next_sequence_nr
+from graphfp8.graphs.guard import build_guard
+from graphfp8.graphs.lifecycle import CapturedGraphs, refuse_deepcopy, undone_on_failure
 from graphfp8.graphs.replay import GraphedFunction, GraphedRunner, WeightCacheFlag
 from graphfp8.graphs.replay import capture_grad_accumulator as _grad_accumulator
 from graphfp8.graphs.schedule import Layout
@@ -137,16 +133,16 @@ def make_graphed_callables(
     ):
         raise ValueError("make_graphed_callables: need one sample_args entry per callable")
     layout = Layout(len(callables), len(sample_args), order)
-    _check_options(num_warmup_iters, fp8_enabled, fp8_recipe)
+    check_options(num_warmup_iters, fp8_enabled, fp8_recipe)
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     funcs = [callables[i] for i in layout.callable_of]
-    runners, device = _prepare(callables, funcs, sample_args, sample_kwargs, fp8_enabled,
-                               fp8_weight_caching)  # fmt: skip
+    runners, device = _prepare(callables, sample_args, sample_kwargs, fp8_enabled,
+                               fp8_weight_caching, funcs)  # fmt: skip
     graphs = CapturedGraphs(runners, layout, fp8_enabled, recipe, fp8_group, device)
     # Per chunk, so that each chunk's FP8 modules share arenas as they would eagerly, where each
     # chunk's first forward is its own fp8_autocast region.
     chunk_fp8 = [
-        [m for j in layout.units[(c, 0)].runners for m in _fp8_modules(runners[j])]
+        [m for j in layout.units[(c, 0)].runners for m in fp8_modules_of(runners[j])]
         for c in range(layout.num_chunks)
     ]
     fp8_modules = _unique(m for chunk in chunk_fp8 for m in chunk)
@@ -159,27 +155,10 @@ def make_graphed_callables(
             r.graphs = graphs
             r.uses_fp8 = bool(r.arenas) or any(isinstance(m, FP8Module) for m in r.modules)
             r.guard = build_guard(r)
-    wrapped = [_wrap(f, r, replace_forward=not layout.explicit) for f, r in zip(funcs, runners)]
-    roots = [f for f, (_, undo) in zip(funcs, wrapped) if undo is not None]
-    graphs.register(roots, [undo for _, undo in wrapped if undo is not None])
-    graphed = tuple(g for g, _ in wrapped)
+    replace = not layout.explicit
+    graphed = tuple(_wrap(f, r, replace_forward=replace) for f, r in zip(funcs, runners))
+    graphs.register(funcs)
     return graphed[0] if just_one else graphed
-
-
-def _check_options(num_warmup_iters, fp8_enabled: bool, fp8_recipe) -> None:
-    iters = num_warmup_iters
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
-        raise ValueError(
-            f"make_graphed_callables: num_warmup_iters must be an int >= 0, got {iters!r}"
-        )
-    if fp8_enabled and iters < 1:
-        raise ValueError(
-            "make_graphed_callables: fp8_enabled needs num_warmup_iters >= 1: the warmup finds "
-            "the FP8 arenas whose scale updates the graphs hold (without it they held none, and "
-            "every scale stayed 1.0)"
-        )
-    if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
-        raise TypeError(f"fp8_recipe must be a graphfp8.DelayedScaling, got {fp8_recipe!r}")
 
 
 def _capture(funcs, runners, layout, chunk_fp8, iters, allow_unused, state, pool, device,
@@ -224,22 +203,16 @@ def _capture(funcs, runners, layout, chunk_fp8, iters, allow_unused, state, pool
 # Phase 0: static inputs, devices and checks ---------------------------------------------------
 
 
-def _prepare(callables, funcs, sample_args, sample_kwargs, fp8_enabled, caching):
-    """One GraphedRunner per (callable, sample) pair; returns them and the device."""
-    seen = {}
-    for i, func in enumerate(callables):
-        if id(func) in seen and isinstance(func, nn.Module):
-            raise ValueError(
-                f"make_graphed_callables: callables {seen[id(func)]} and {i} are the same "
-                f"{type(func).__name__}; to capture a layer for several microbatches of a "
-                "pipeline schedule, pass it once and give order="
-            )
-        seen[id(func)] = i
+def _prepare(callables, sample_args, sample_kwargs, fp8_enabled, caching, funcs=None):
+    """One GraphedRunner per (funcs[j], sample_args[j]) pair (funcs: the callable of each sample,
+    the callables themselves by default); returns them and the device."""
+    funcs = callables if funcs is None else funcs
+    check_distinct(callables)
     runners, devices = [], set()
     for j, (func, args, kwargs) in enumerate(zip(funcs, sample_args, sample_kwargs)):
         args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
         kwargs = dict(kwargs or {})
-        runner = _runner(j, func, list(args) + list(kwargs.values()), list(kwargs))
+        runner = new_runner(j, func, list(args) + list(kwargs.values()), list(kwargs))
         devices.update(t.device for t in runner.static_inputs)
         devices.update(p.device for p in runner.params)
         runners.append(runner)
@@ -257,41 +230,8 @@ def _prepare(callables, funcs, sample_args, sample_kwargs, fp8_enabled, caching)
     return runners, device
 
 
-def _runner(j: int, func, flat, kwarg_names) -> GraphedRunner:
-    name = f"graphed callable {j} ({type(func).__name__})"
-    for t in flat:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: sample args and kwargs must be tensors, got {type(t)}")
-    modules, named, closure = [], [], []
-    if isinstance(func, nn.Module):
-        modules = list(func.modules())
-        check_not_captured(name, modules)
-        if any(hook_dicts(modules)):
-            raise RuntimeError(f"{name}: modules must have no hooks when captured")
-        named = list(func.named_parameters())
-    else:
-        closure = closure_modules(func)
-        check_not_captured(name, _unique(m for c in closure for m in c.modules()))
-    runner = GraphedRunner(name, flat, kwarg_names, [p for _, p in named], modules,
-                           [n for n, _ in named])  # fmt: skip
-    runner.index, runner.closure = j, closure
-    hooked = tensor_hooks(runner.params)
-    if hooked:
-        raise RuntimeError(
-            f"{name}: parameters {[runner.param_names[i] for i in hooked]} have tensor hooks; "
-            "the captured backward folds gradients into .grad without running them"
-        )
-    return runner
-
-
 def _unique(items) -> list:
     return list({id(x): x for x in items}.values())
-
-
-def _fp8_modules(runner: GraphedRunner) -> list[FP8Module]:
-    """The FP8 modules of a module callable, or of the modules a plain function closes over."""
-    trees = runner.modules + [m for c in runner.closure for m in c.modules()]
-    return [m for m in _unique(trees) if isinstance(m, FP8Module)]
 
 
 def _init_fp8_modules(fp8_modules, recipe, device) -> list[scaling.Arena]:
@@ -405,9 +345,10 @@ def _capture_backwards(runners, arenas, state, pool, allow_unused, device) -> No
 # Phase 4: wrap ------------------------------------------------------------------------------
 
 
-def _wrap(func, runner: GraphedRunner, replace_forward: bool):
-    """Returns (the graphed callable, an undo for reset() or None). A module gets its forward
-    replaced unless replace_forward is False (pipeline schedules: several graphs per module)."""
+def _wrap(func, runner: GraphedRunner, replace_forward: bool = True):
+    """Returns the graphed callable. A module gets its forward replaced (runner.undo puts it
+    back at reset()) unless replace_forward is False (pipeline schedules: several graphs per
+    module, each returned as a function)."""
     runner.expects_grad = any(g is not None for g in runner.static_grad_outputs) and (
         runner.grad_anchor.requires_grad or any(t.requires_grad for t in runner.static_inputs)
     )
@@ -430,7 +371,7 @@ def _wrap(func, runner: GraphedRunner, replace_forward: bool):
                   reset=runner.graphs.reset)  # fmt: skip
     if not isinstance(func, nn.Module):
         vars(graphed).update(extras, runner=runner)
-        return graphed, None
+        return graphed
     training = func.training
     eager_forward = func.forward
 
@@ -441,7 +382,7 @@ def _wrap(func, runner: GraphedRunner, replace_forward: bool):
 
     if not replace_forward:
         vars(forward).update(extras, runner=runner)
-        return forward, None
+        return forward
     added = dict(extras, forward=forward, graphed_runner=runner,
                  __deepcopy__=refuse_deepcopy(func))  # fmt: skip
     vars(func).update(added)
@@ -450,4 +391,5 @@ def _wrap(func, runner: GraphedRunner, replace_forward: bool):
         for key in added:
             vars(func).pop(key, None)
 
-    return func, undo
+    runner.undo = undo
+    return func

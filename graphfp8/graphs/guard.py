@@ -26,8 +26,7 @@ _GLOBAL_HOOKS = (
     _nn_module._global_backward_pre_hooks,
 )
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
-_POST_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+_GRAD_STATE = operator.attrgetter("requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
 _RECAPTURE = "call reset() on the graphed callable and capture again"
 
 
@@ -58,12 +57,14 @@ class CaptureGuard:
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.requires_grad = list(map(_REQUIRES_GRAD, self.params))
+        # One C-level pass reads all three per parameter; hook dicts emptied by handle.remove()
+        # are not None, so a mismatch is looked at more closely before raising.
+        self._grad_state = [(rg, None, None) for rg in self.requires_grad]
         self.owners = [d for d, _, _, _ in tensors]
         self.keys = [k for _, k, _, _ in tensors]
         self.tensors = [t for _, _, t, _ in tensors]
         self.tensor_names = [n for _, _, _, n in tensors]
         self.data_ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
-        self._nones = [None] * len(self.params)
 
     def check(self) -> None:
         """Raises RuntimeError naming what changed since capture; nothing has run yet."""
@@ -76,11 +77,9 @@ class CaptureGuard:
             self._raise_replaced()
         if list(map(torch.Tensor.data_ptr, self.tensors)) != self.data_ptrs:
             self._raise_moved()
-        if list(map(_REQUIRES_GRAD, self.params)) != self.requires_grad:
-            self._raise_requires_grad()
-        if not all(map(operator.is_, map(_TENSOR_HOOKS, self.params), self._nones)) or not all(
-            map(operator.is_, map(_POST_HOOKS, self.params), self._nones)
-        ):
+        if list(map(_GRAD_STATE, self.params)) != self._grad_state:
+            if list(map(_REQUIRES_GRAD, self.params)) != self.requires_grad:
+                self._raise_requires_grad()
             hooked = tensor_hooks(self.params)
             if hooked:
                 names = [self.param_names[i] for i in hooked]

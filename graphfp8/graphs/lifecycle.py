@@ -70,12 +70,14 @@ class CapturedGraphs:
             "Call it outside that region, or capture it with the region's settings"
         )
 
-    def register(self, modules, undo) -> None:
-        """Marks `modules` as replaying these graphs; `undo` (callables) run at reset()."""
-        self.modules = list(modules)
+    def register(self, funcs) -> None:
+        """Marks the modules among `funcs` (one per runner) whose forward now replays these
+        graphs; reset() runs their runners' undo."""
+        pairs = [(f, r.undo) for f, r in zip(funcs, self.runners) if r.undo is not None]
+        self.modules = [f for f, _ in pairs]
         for m in self.modules:
             _CAPTURED[m] = self
-        self._undo = list(undo)
+        self._undo = [undo for _, undo in pairs]
 
     def reset(self) -> None:
         """Frees every graph and static buffer of this capture, so its memory pool returns to

@@ -181,6 +181,7 @@ class GraphedRunner:
         self.static_grad_inputs: list[torch.Tensor | None] = []
         self.accumulator: GradAccumulator | None = None
         self.expects_grad = False
+        self.undo = None  # puts a module's eager forward back (set by _wrap)
         # Makes the outputs require grad when only parameters do (see GraphedFunction).
         self.grad_anchor = torch.empty(0, requires_grad=any(p.requires_grad for p in params))
 
