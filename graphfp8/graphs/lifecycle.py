@@ -20,9 +20,10 @@ from graphfp8.graphs.schedule import Layout, Schedule
 
 __all__ = ["CapturedGraphs", "check_not_captured", "undone_on_failure"]
 
-# Every module whose forward replays a live capture -> its CapturedGraphs. Weak: a dropped model
-# is forgotten.
-_CAPTURED: weakref.WeakKeyDictionary[nn.Module, CapturedGraphs] = weakref.WeakKeyDictionary()
+# Every module whose forward replays a live capture -> a weak reference to its CapturedGraphs.
+# Weak both ways: the graphs refer to the module (its forward is theirs), so a strong value would
+# keep a dropped model alive.
+_CAPTURED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
 class CapturedGraphs:
@@ -41,7 +42,7 @@ class CapturedGraphs:
         self.fp8_enabled, self.recipe, self.group = fp8_enabled, recipe, group
         self.device = device
         self.closed = False
-        self.modules: list[nn.Module] = []
+        self.modules: list[weakref.ref] = []
         self._undo: list = []  # what reset() puts back on the user's modules
 
     def check_fp8_region(self, runner) -> None:
@@ -74,9 +75,9 @@ class CapturedGraphs:
         """Marks the modules among `funcs` (one per runner) whose forward now replays these
         graphs; reset() runs their runners' undo."""
         pairs = [(f, r.undo) for f, r in zip(funcs, self.runners) if r.undo is not None]
-        self.modules = [f for f, _ in pairs]
-        for m in self.modules:
-            _CAPTURED[m] = self
+        self.modules = [weakref.ref(f) for f, _ in pairs]
+        for f, _ in pairs:
+            _CAPTURED[f] = weakref.ref(self)
         self._undo = [undo for _, undo in pairs]
 
     def reset(self) -> None:
@@ -92,17 +93,23 @@ class CapturedGraphs:
             runner.release()
         for undo in self._undo:
             undo()
-        for m in self.modules:
-            if _CAPTURED.get(m) is self:
+        for ref in self.modules:
+            m = ref()
+            if m is not None and _owner(m) is self:
                 del _CAPTURED[m]
         self.closed = True
+
+
+def _owner(module: nn.Module) -> CapturedGraphs | None:
+    ref = _CAPTURED.get(module)
+    return None if ref is None else ref()
 
 
 def check_not_captured(name: str, modules) -> None:
     """Raises if one of `modules` replays the graphs of a live capture: capturing it would
     record a replay inside another capture."""
     for m in modules:
-        owner = _CAPTURED.get(m)
+        owner = _owner(m)
         if owner is not None and not owner.closed:
             raise RuntimeError(
                 f"make_graphed_callables: {name} contains {type(m).__name__}, which an earlier "

@@ -304,3 +304,12 @@ def test_graphed_calls_inside_a_mismatched_fp8_autocast_raise(device):
     plain = g8.make_graphed_callables(torch.nn.GELU(), (_x(device),))
     with g8.fp8_autocast(recipe=RECIPE):  # no FP8 module inside: nothing to disagree on
         plain(_x(device)).float().sum().backward()
+
+
+def test_a_dropped_graphed_model_is_freed():
+    m, g = _graphed()
+    g(_x("cpu"), is_first_microbatch=True).float().sum().backward()
+    ref = weakref.ref(m)
+    del m, g
+    gc.collect()
+    assert ref() is None, "the capture registry keeps no graphed model alive"
