@@ -3,10 +3,12 @@
 A graph holds raw pointers to the parameters and buffers it read at capture, runs no Python (no
 hooks), and folds the gradients of the parameters that required grad then into `.grad`. Changes
 after capture would go unnoticed: load_state_dict(assign=True) or `module.weight = ...` (the
-graph keeps the old tensor), `param.data = ...` or `module.to(dtype)` (new storage),
-requires_grad_ on a parameter (its `.grad` would still, or never, be written), a forward hook on
-a submodule, a tensor hook on a parameter (never run). Each check is one C-level pass over a
-precomputed list (no Python per parameter), so it runs on every call.
+graph keeps the old tensor), `model.layer = other` (it keeps running the old layer),
+`param.data = ...` or `module.to(dtype)` (new storage), requires_grad_ on a parameter (its
+`.grad` would still, or never, be written), a forward hook on a submodule, a tensor hook on a
+parameter (never run). Each check is one C-level pass over a precomputed list (no Python per
+parameter), so it runs on every call (about 1 us per parameter, measured on the loaded 2-core
+CI machine).
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ class CaptureGuard:
         modules: every module the callable runs (found ones included).
         params: the parameters whose gradients the graphs compute, with names.
         tensors: every parameter and buffer the modules hold: (owner dict, key, tensor, name).
+        children: every submodule slot: (owner's _modules, key, child module, name).
     """
 
-    def __init__(self, name: str, modules, params: list[tuple[str, torch.Tensor]], tensors):
+    def __init__(self, name: str, modules, params: list[tuple[str, torch.Tensor]], tensors,
+                 children=()):  # fmt: skip
         self.name = name
         self.hook_dicts = hook_dicts(modules)
         self.modules = list(modules)
@@ -60,8 +64,11 @@ class CaptureGuard:
         # One C-level pass reads all three per parameter; hook dicts emptied by handle.remove()
         # are not None, so a mismatch is looked at more closely before raising.
         self._grad_state = [(rg, None, None) for rg in self.requires_grad]
-        self.owners = [d for d, _, _, _ in tensors]
-        self.keys = [k for _, k, _, _ in tensors]
+        slots = list(tensors) + list(children)
+        self.owners = [d for d, _, _, _ in slots]
+        self.keys = [k for _, k, _, _ in slots]
+        self.objects = [t for _, _, t, _ in slots]
+        self.object_names = [n for _, _, _, n in slots]
         self.tensors = [t for _, _, t, _ in tensors]
         self.tensor_names = [n for _, _, _, n in tensors]
         self.data_ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
@@ -73,7 +80,7 @@ class CaptureGuard:
                 f"{self.name}: hooks were registered on a captured module (or globally) after "
                 f"capture; a captured graph would not run them. Remove them, or {_RECAPTURE}"
             )
-        if not all(map(operator.is_, map(dict.get, self.owners, self.keys), self.tensors)):
+        if not all(map(operator.is_, map(dict.get, self.owners, self.keys), self.objects)):
             self._raise_replaced()
         if list(map(torch.Tensor.data_ptr, self.tensors)) != self.data_ptrs:
             self._raise_moved()
@@ -92,12 +99,12 @@ class CaptureGuard:
     def _raise_replaced(self):
         names = [
             n
-            for d, k, t, n in zip(self.owners, self.keys, self.tensors, self.tensor_names)
+            for d, k, t, n in zip(self.owners, self.keys, self.objects, self.object_names)
             if d.get(k) is not t
         ]
         raise RuntimeError(
-            f"{self.name}: {names} were replaced by other tensors after capture (e.g. "
-            "load_state_dict(assign=True) or an assignment); the graphs still read the old ones. "
+            f"{self.name}: {names} were replaced after capture (load_state_dict(assign=True), an "
+            "assignment of a tensor or submodule); the graphs still run the old ones. "
             f"Copy new values in place (load_state_dict without assign), or {_RECAPTURE}"
         )
 
@@ -135,15 +142,16 @@ def build_guard(runner) -> CaptureGuard:
         runner.modules = list({id(m): m for c in tops for m in c.modules()}.values())
         if any(hook_dicts(runner.modules)):
             raise RuntimeError(f"{runner.name}: modules must have no hooks when captured")
-    owned, tensors = set(), []
+    owned, tensors, children = set(), [], []
     for m in runner.modules:
         for table in (m._parameters, m._buffers):
             for key, t in table.items():
                 if t is not None:
                     tensors.append((table, key, t, f"{type(m).__name__}.{key}"))
                     owned.add(id(t))
+        children += [(m._modules, k, c, f"{type(m).__name__}.{k}") for k, c in m._modules.items()]
     for p, name in zip(runner.params, runner.param_names):
         if id(p) not in owned:
             tensors.append(({"t": p}, "t", p, name))
-    return CaptureGuard(runner.name, runner.modules, list(zip(runner.param_names, runner.params)),
-                        tensors)  # fmt: skip
+    params = list(zip(runner.param_names, runner.params))
+    return CaptureGuard(runner.name, runner.modules, params, tensors, children)

@@ -313,3 +313,11 @@ def test_a_dropped_graphed_model_is_freed():
     del m, g
     gc.collect()
     assert ref() is None, "the capture registry keeps no graphed model alive"
+
+
+def test_replacing_a_submodule_after_capture_raises():
+    model = Stack()
+    g = g8.make_graphed_callables(model, (_x("cpu"),), fp8_enabled=True, fp8_recipe=RECIPE)
+    model.act = torch.nn.ReLU()
+    with pytest.raises(RuntimeError, match=r"\['Stack.act'\] were replaced after capture"):
+        g(_x("cpu"))
