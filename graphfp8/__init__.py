@@ -1,7 +1,14 @@
 """graphfp8: CUDA-graph-centric FP8 training for PyTorch."""
 
 from graphfp8 import ops
-from graphfp8.fp8 import DelayedScaling, Float8Tensor, Format, fp8_autocast, reset_state
+from graphfp8.fp8 import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Float8Tensor,
+    Format,
+    fp8_autocast,
+    reset_state,
+)
 from graphfp8.graphs import (
     CaptureError,
     make_graphed_callables,
@@ -22,6 +29,7 @@ __all__ = [
     "CaptureError",
     "DelayedScaling",
     "DotProductAttention",
+    "Float8CurrentScaling",
     "FP8Module",
     "Float8Tensor",
     "Format",

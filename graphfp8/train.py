@@ -28,7 +28,7 @@ from graphfp8.training.data import make_corpus
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.report import plot_losses, write_summary
-from graphfp8.training.run import GRAPH_MODES, PRECISIONS, RunSpec
+from graphfp8.training.run import GRAPH_MODES, PRECISIONS, SCALINGS, RunSpec
 
 __all__ = ["main", "parse_args"]
 
@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--amax-history-len", type=_positive, default=16)
+    p.add_argument("--scaling", choices=SCALINGS, default="delayed",
+                   help="FP8 recipe: DelayedScaling (amax history) or Float8CurrentScaling "
+                   "(each tensor's own amax)")  # fmt: skip
     p.add_argument("--log-every", type=_positive, default=10)
     p.add_argument("--out", type=Path, help="log directory (default runs/<time>)")
     p.add_argument("--save", type=Path, help="write a checkpoint at the end")
@@ -132,7 +135,7 @@ def _spec(args, precision: str, graphs: str) -> RunSpec:
         model = type(model)(**{**model.to_dict(), **overrides})
     return RunSpec(preset=args.preset, model=model, precision=precision, graphs=graphs,
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
-                   amax_history_len=args.amax_history_len)  # fmt: skip
+                   amax_history_len=args.amax_history_len, scaling=args.scaling)  # fmt: skip
 
 
 def _environment(device: str) -> dict:

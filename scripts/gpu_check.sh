@@ -4,7 +4,7 @@
 # land in $OUT: summary.md and results.tgz (every log and JSON), both rewritten after every step so
 # that a call stopped at its time limit still brings back what finished.
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step train
-#              train-step profile profile-step"; also kernels-ab, tests-first, ddp)
+#              train-step profile profile-step"; also kernels-ab, tests-first, ddp, train-scaling)
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -85,6 +85,14 @@ for step in $STEPS; do
           > "$RES/train_step_$preset.log" 2>&1 || status=1
         echo "-- $preset" | tee -a "$RES/summary.md"
         grep -A2 "final loss" "$RES/train_step_$preset.log" | tee -a "$RES/summary.md"
+      done ;;
+    train-scaling)  # issue 16: Float8CurrentScaling vs DelayedScaling, per-layer graphs, 100m
+      for scaling in delayed current; do
+        $PY -m graphfp8.train --compare fp8:layers --scaling $scaling \
+          --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_SCALING_STEPS:-200} \
+          --out "$RES/train_scaling_$scaling" > "$RES/train_scaling_$scaling.log" 2>&1 || status=1
+        echo "-- $scaling" | tee -a "$RES/summary.md"
+        grep -A2 "final loss" "$RES/train_scaling_$scaling.log" | tee -a "$RES/summary.md"
       done ;;
     profile)
       $PY -m graphfp8.training.profile --out "$RES/profile" > "$RES/profile.log" 2>&1 || status=1

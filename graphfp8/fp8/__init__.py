@@ -1,10 +1,11 @@
 """The FP8 state layer: recipes, slot roles, arenas, Float8Tensor and fp8_autocast.
 
-Imports flow one way: recipe -> slots -> (ops) -> tensor -> arena_check -> scaling -> autocast.
+Imports flow one way: recipe -> slots -> (ops) -> tensor -> arena_check -> scaling -> current
+-> autocast.
 """
 
 from graphfp8.fp8.autocast import fp8_autocast, reset_state
-from graphfp8.fp8.recipe import DelayedScaling, Format, fp8_max
+from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format, fp8_max
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, BwdRole, FwdRole
 from graphfp8.fp8.tensor import Float8Tensor
 
@@ -13,6 +14,7 @@ __all__ = [
     "AttnFwdRole",
     "BwdRole",
     "DelayedScaling",
+    "Float8CurrentScaling",
     "Float8Tensor",
     "Format",
     "FwdRole",

@@ -31,7 +31,7 @@ import torch
 
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.autocast import CaptureState, capture_state
-from graphfp8.fp8.recipe import DelayedScaling
+from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
 from graphfp8.graphs.backends import new_graph
 from graphfp8.graphs.contexts import fp8_and_rng_preserved, gc_paused, side_stream
 from graphfp8.graphs.step_body import StaticBatch, TrainBody, freeze_arenas, init_fp8
@@ -51,7 +51,7 @@ def make_graphed_step(
     num_microbatches: int = 1,
     *,
     fp8_enabled: bool = False,
-    fp8_recipe: DelayedScaling | None = None,
+    fp8_recipe: Recipe | None = None,
     fp8_weight_caching: bool = True,
     max_grad_norm: float | None = None,
     fp8_group=None,
@@ -92,7 +92,7 @@ def make_graphed_step(
             microbatch i is `t[i]`. These tensors become the graph's static batch.
         num_microbatches: N, the gradient-accumulation steps per optimizer step.
         fp8_enabled: run graphfp8 modules in FP8.
-        fp8_recipe: the DelayedScaling recipe (default recipe when None).
+        fp8_recipe: a DelayedScaling or Float8CurrentScaling (DelayedScaling() when None).
         fp8_weight_caching: cast the FP8 weights on microbatch 0 only (False: every microbatch).
         max_grad_norm: clip the gradients to this global L2 norm; None: no clipping.
         fp8_group: torch.distributed group whose ranks MAX-reduce amaxes with every scale update.
@@ -130,8 +130,7 @@ def make_graphed_step(
         raise ValueError(f"{_NAME}: num_warmup_iters must be >= 1, got {num_warmup_iters!r}")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"{_NAME}: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-    if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
-        raise TypeError(f"fp8_recipe must be a graphfp8.DelayedScaling, got {fp8_recipe!r}")
+    check_recipe(fp8_recipe, "make_graphed_step: fp8_recipe")
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     batch = StaticBatch(sample_batch, num_microbatches, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)

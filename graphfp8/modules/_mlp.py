@@ -37,7 +37,8 @@ class _FP8GeluMLP(torch.autograd.Function):
         lead = inp.shape[:-1]
         x_fp8, x_t_fp8, x_scale_inv = cast_input(inp, hidden, cfg1, needs[1])
         h = forward_gemm(x_fp8, x_scale_inv, w1, b1, cfg1)
-        a_fp8, a_t_fp8, a_scale_inv = ops.gelu_cast_transpose(h, *cfg2.quantizer(FwdRole.INPUT))
+        a_quantizer = cfg2.quantizer(FwdRole.INPUT, lambda q: ops.gelu_cast_transpose(h, *q))
+        a_fp8, a_t_fp8, a_scale_inv = ops.gelu_cast_transpose(h, *a_quantizer)
         y = forward_gemm(a_fp8, a_scale_inv, w2, b2, cfg2)
         save_weight(ctx, "w1", cfg1)
         save_weight(ctx, "w2", cfg2)
@@ -63,7 +64,8 @@ class _FP8GeluMLP(torch.autograd.Function):
         db2 = dy_cast[3]
         if not needs_fc1:
             return None, None, None, dw2, db2, None, None, None
-        dh_cast = ops.dgelu_cast_transpose_dbias(da, h, *cfg1.quantizer(BwdRole.GRAD_OUTPUT))
+        dgelu = lambda q: ops.dgelu_cast_transpose_dbias(da, h, *q)  # noqa: E731
+        dh_cast = dgelu(cfg1.quantizer(BwdRole.GRAD_OUTPUT, dgelu))
         dx, dw1 = backward_gemms(dh_cast, x_t_fp8, x_scale_inv, *ctx.w1, dy.dtype,
                                  needs_dgrad, needs_wgrad1)  # fmt: skip
         if dx is not None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.autocast import STATE, check_is_first_microbatch
-from graphfp8.fp8.recipe import DelayedScaling, Format
+from graphfp8.fp8.recipe import Recipe, recipe_from_dict, recipe_to_dict
 from graphfp8.fp8.slots import BwdRole, FwdRole, slot_index, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.modules._functional import GemmConfig
@@ -28,7 +28,7 @@ class FP8Meta:
     """One module's FP8 slots (graphfp8.fp8.slots): `counts` = (forward, backward) slots, e.g.
     FwdRole and BwdRole slots per GEMM, in the forward and backward arenas."""
 
-    def __init__(self, recipe: DelayedScaling, device: torch.device, counts: tuple[int, int]):
+    def __init__(self, recipe: Recipe, device: torch.device, counts: tuple[int, int]):
         self.recipe = recipe
         self.device = torch.device(device)
         self.counts = counts
@@ -46,18 +46,6 @@ class FP8Meta:
         for mine, theirs in ((self.fwd, other.fwd), (self.bwd, other.bwd)):
             mine.history().copy_(theirs.history())
             mine.scales().copy_(theirs.scales())
-
-
-def _recipe_to_dict(recipe: DelayedScaling) -> dict:
-    return {
-        "margin": recipe.margin,
-        "fp8_format": recipe.fp8_format.value,
-        "amax_history_len": recipe.amax_history_len,
-        "amax_compute_algo": recipe.amax_compute_algo,
-        "reduce_amax": recipe.reduce_amax,
-        "fp8_dpa": recipe.fp8_dpa,
-        "fp8_mha": recipe.fp8_mha,
-    }
 
 
 class FP8Module(nn.Module):
@@ -106,7 +94,7 @@ class FP8Module(nn.Module):
 
     # FP8 state -------------------------------------------------------------------------------
 
-    def uses_fp8(self, recipe: DelayedScaling) -> bool:
+    def uses_fp8(self, recipe: Recipe) -> bool:
         """Whether this module runs in FP8 (and owns slots) under `recipe`."""
         return True
 
@@ -114,7 +102,7 @@ class FP8Module(nn.Module):
         """(forward, backward) slots this module owns: the GEMM roles of each of its GEMMs."""
         return slots_per_gemm(FwdRole) * self.num_gemms, slots_per_gemm(BwdRole) * self.num_gemms
 
-    def fp8_init(self, recipe: DelayedScaling, device) -> FP8Meta:
+    def fp8_init(self, recipe: Recipe, device) -> FP8Meta:
         """Allocates this module's slots for `recipe` (or moves them to it from another recipe of
         the same history length), and returns them."""
         meta, device = self.fp8_meta, torch.device(device)
@@ -124,9 +112,10 @@ class FP8Module(nn.Module):
         if meta is not None:
             if meta.recipe.amax_history_len != recipe.amax_history_len:
                 raise ValueError(
-                    f"{name}: its FP8 state has amax_history_len="
-                    f"{meta.recipe.amax_history_len}, the recipe asks for "
-                    f"{recipe.amax_history_len}; history lengths cannot change"
+                    f"{name}: its FP8 state ({type(meta.recipe).__name__}) has amax_history_len="
+                    f"{meta.recipe.amax_history_len}, the recipe ({type(recipe).__name__}) asks "
+                    f"for {recipe.amax_history_len}; history lengths cannot change "
+                    "(Float8CurrentScaling keeps one-long histories)"
                 )
             if meta.fwd.arena.frozen:
                 raise RuntimeError(
@@ -257,7 +246,7 @@ class FP8Module(nn.Module):
             return None
         return {
             "version": EXTRA_STATE_VERSION,
-            "recipe": _recipe_to_dict(meta.recipe),
+            "recipe": recipe_to_dict(meta.recipe),
             "fwd_amax_history": meta.fwd.history().detach().clone(),
             "fwd_scale": meta.fwd.scales().detach().clone(),
             "bwd_amax_history": meta.bwd.history().detach().clone(),
@@ -288,7 +277,7 @@ _EXTRA_KEYS = ("recipe", "fwd_amax_history", "fwd_scale", "bwd_amax_history", "b
 
 def _upgrade_extra_state(state, name: str, num_gemms: int) -> dict:
     """Validates a checkpoint's FP8 state and brings it to EXTRA_STATE_VERSION: a dict whose
-    "recipe" is a DelayedScaling. Version 0 had a second backward slot per GEMM, dropped here."""
+    "recipe" is a recipe object. Version 0 had a second backward slot per GEMM, dropped here."""
     where = f"{name}: the checkpoint's FP8 state (_extra_state)"
     if not isinstance(state, dict) or any(k not in state for k in _EXTRA_KEYS):
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
@@ -303,9 +292,7 @@ def _upgrade_extra_state(state, name: str, num_gemms: int) -> dict:
             f"{EXTRA_STATE_VERSION}"
         )
     try:
-        recipe = DelayedScaling(
-            **{**state["recipe"], "fp8_format": Format(state["recipe"]["fp8_format"])}
-        )
+        recipe = recipe_from_dict(state["recipe"])
     except (TypeError, KeyError, ValueError) as exc:
         raise ValueError(f"{where} holds an invalid recipe {state['recipe']!r}: {exc}") from exc
     state = {**state, "recipe": recipe}

@@ -21,7 +21,7 @@ import torch
 
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.autocast import fp8_autocast
-from graphfp8.fp8.recipe import DelayedScaling
+from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.profiling import nvtx_range
 from graphfp8.training.data import batch
@@ -30,6 +30,7 @@ from graphfp8.training.model import GPT, ModelConfig
 __all__ = ["GRAPH_MODES", "RunSpec", "Run"]
 
 PRECISIONS = ("bf16", "fp8")
+SCALINGS = ("delayed", "current")
 # none: eager; layers: the blocks captured (make_graphed_callables); step: the whole step.
 GRAPH_MODES = ("none", "layers", "step")
 _MODE_NAMES = {"none": "eager", "layers": "graphs", "step": "step"}
@@ -47,8 +48,11 @@ class RunSpec:
     device: str
     seed: int = 0
     amax_history_len: int = 16
+    scaling: str = "delayed"  # one of SCALINGS: the FP8 recipe
 
     def __post_init__(self) -> None:
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
         if isinstance(self.graphs, bool):
             object.__setattr__(self, "graphs", "layers" if self.graphs else "none")
         if self.graphs not in GRAPH_MODES:
@@ -56,7 +60,8 @@ class RunSpec:
 
     @property
     def name(self) -> str:
-        return f"{self.precision}-{_MODE_NAMES[self.graphs]}"
+        suffix = "-current" if self.precision == "fp8" and self.scaling == "current" else ""
+        return f"{self.precision}{suffix}-{_MODE_NAMES[self.graphs]}"
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -87,7 +92,10 @@ class Run:
             self.model.parameters(), lr=torch.tensor(spec.model.lr, device=spec.device),
             betas=(0.9, 0.95), weight_decay=0.1, fused=True, capturable=capturable,
         )  # fmt: skip
-        self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len)
+        if spec.scaling == "current":
+            self.recipe = Float8CurrentScaling()
+        else:
+            self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len)
         self.step = 0
         self.blocks = None  # the callable that runs the blocks, set by prepare()
         self.graphed_step = None  # graphs "step": the captured step, set by prepare()
@@ -201,6 +209,7 @@ class Run:
                 "seed": self.spec.seed,
                 "microbatches": self.spec.microbatches,
                 "amax_history_len": self.spec.amax_history_len,
+                "scaling": self.spec.scaling,
             },  # fmt: skip
             "step": self.step,
             "model": self.model.state_dict(),
@@ -210,7 +219,8 @@ class Run:
     def load_state_dict(self, state: dict) -> None:
         """Resumes from `state_dict()`; the run must train the same model the same way."""
         saved, mine = state["spec"], self.state_dict()["spec"]
-        diff = [f"{k}: checkpoint {saved[k]!r}, this run {mine[k]!r}"
+        saved = {"scaling": "delayed", **saved}  # checkpoints from before --scaling
+        diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {mine[k]!r}"
                 for k in mine if saved.get(k) != mine[k]]  # fmt: skip
         if diff:
             raise ValueError("checkpoint does not match this run: " + "; ".join(diff))
