@@ -112,10 +112,11 @@ class FP8Module(nn.Module):
         if meta is not None:
             if meta.recipe.amax_history_len != recipe.amax_history_len:
                 raise ValueError(
-                    f"{name}: its FP8 state ({type(meta.recipe).__name__}) has amax_history_len="
-                    f"{meta.recipe.amax_history_len}, the recipe ({type(recipe).__name__}) asks "
-                    f"for {recipe.amax_history_len}; history lengths cannot change "
-                    "(Float8CurrentScaling keeps one-long histories)"
+                    f"{name}: its FP8 state has amax_history_len="
+                    f"{meta.recipe.amax_history_len}, the recipe asks for "
+                    f"{recipe.amax_history_len}; history lengths cannot change "
+                    f"({type(meta.recipe).__name__} -> {type(recipe).__name__}; "
+                    "Float8CurrentScaling keeps one-long histories)"
                 )
             if meta.fwd.arena.frozen:
                 raise RuntimeError(
