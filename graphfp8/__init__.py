@@ -6,7 +6,9 @@ from graphfp8.fp8 import (
     Float8CurrentScaling,
     Float8Tensor,
     Format,
+    MasterWeights,
     fp8_autocast,
+    fp8_model_init,
     reset_state,
 )
 from graphfp8.graphs import (
@@ -36,9 +38,11 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "MasterWeights",
     "TransformerLayer",
     "convert",
     "fp8_autocast",
+    "fp8_model_init",
     "make_graphed_callables",
     "make_graphed_microbatch",
     "make_graphed_step",

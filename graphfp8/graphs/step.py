@@ -32,6 +32,7 @@ import torch
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.autocast import CaptureState, capture_state
 from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
+from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.graphs.backends import new_graph
 from graphfp8.graphs.contexts import fp8_and_rng_preserved, gc_paused, side_stream
 from graphfp8.graphs.step_body import StaticBatch, TrainBody, freeze_arenas, init_fp8
@@ -134,6 +135,12 @@ def make_graphed_step(
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     batch = StaticBatch(sample_batch, num_microbatches, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
+    if any(isinstance(p, Float8Tensor) for p in body.params):
+        raise NotImplementedError(
+            f"{_NAME}: the model holds FP8 primary weights (fp8_model_init), whose optimizer "
+            "step (MasterWeights) the step graph does not capture yet; graph the microbatches "
+            "(make_graphed_callables / make_graphed_microbatch) and call MasterWeights.step eagerly"
+        )
     check_optimizer(_NAME, optimizer, body.params, body.device)
     run = _StepRun(body, optimizer, max_grad_norm, process_group, keep_grads_before_clipping,
                    fp8_enabled and fp8_weight_caching)  # fmt: skip

@@ -96,11 +96,14 @@ def cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
 def cast_weight_(weight: torch.Tensor, cfg: GemmConfig) -> Float8Tensor:
     """The GEMM's FP8 weight workspace, cast (both layouts) first when cfg says so.
 
-    weight: (N, K) high precision. The weight-cache flag lets a graph skip the cast on later
-    microbatches.
+    weight: (N, K) high precision, or an FP8 primary weight (a Float8Tensor parameter, its own
+    workspace: only its transpose cache is rebuilt). The weight-cache flag lets a graph skip the
+    cast on later microbatches.
     """
     w = cfg.weight_fp8
-    if cfg.cast_weight:
+    if cfg.cast_weight and w is weight:  # an FP8 primary weight: only its transpose is rebuilt
+        w.rebuild_transpose_(cfg.weight_cache_flag)
+    elif cfg.cast_weight:
         flag = cfg.weight_cache_flag
         ops.cast_transpose(
             weight, *cfg.quantizer(FwdRole.WEIGHT, amax_of(weight, flag)),

@@ -10,6 +10,7 @@ from torch import nn
 
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.autocast import STATE, check_is_first_microbatch
+from graphfp8.fp8.primary import quantize_weight
 from graphfp8.fp8.recipe import Recipe, recipe_from_dict, recipe_to_dict
 from graphfp8.fp8.slots import BwdRole, FwdRole, slot_index, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
@@ -88,6 +89,12 @@ class FP8Module(nn.Module):
         self._check_input(inp, features, weights[0][1], high_precision_input)
         check_is_first_microbatch(is_first_microbatch)
         if not STATE.enabled:
+            if any(isinstance(w, Float8Tensor) for _, w in weights):
+                raise RuntimeError(
+                    f"{type(self).__name__} holds FP8 primary weights (created inside "
+                    "fp8_model_init): run it under fp8_autocast(enabled=True), or create it "
+                    "outside fp8_model_init for a high-precision forward"
+                )
             return None
         self._check_fp8_dims(inp, [w for _, w in weights])
         return self._gemm_configs(weights, is_first_microbatch, fp8_output)
@@ -130,6 +137,13 @@ class FP8Module(nn.Module):
         return new
 
     def _weight_workspace(self, key: str, weight: torch.Tensor, fp8_dtype) -> Float8Tensor:
+        if isinstance(weight, Float8Tensor):  # an FP8 primary weight is its own workspace
+            if weight.fp8_dtype != fp8_dtype:
+                raise TypeError(
+                    f"{type(self).__name__}: FP8 primary weight {key} is {weight.fp8_dtype}, the "
+                    f"recipe's forward format is {fp8_dtype}"
+                )
+            return weight
         ws = self._weight_fp8.get(key)
         if (
             ws is None
@@ -180,9 +194,11 @@ class FP8Module(nn.Module):
         fp8_dtype = meta.fwd.arena.fp8_dtype
         workspaces = [self._weight_workspace(key, w, fp8_dtype) for key, w in weights]
         if STATE.capture is not None:  # the graph decides through its device flag
-            cast, flag = True, STATE.capture.weight_cache_flag
-        else:
+            casts, flag = [True] * len(weights), STATE.capture.weight_cache_flag
+        else:  # an FP8 primary weight rewritten since its last transpose needs a new one
             cast, flag = self._eager_weight_cast(is_first_microbatch), None
+            casts = [cast or (ws is w and not ws._transpose_valid)
+                     for ws, (_, w) in zip(workspaces, weights, strict=True)]  # fmt: skip
         last = len(weights) - 1
         return [
             GemmConfig(
@@ -190,7 +206,7 @@ class FP8Module(nn.Module):
                 meta.bwd,
                 g,
                 ws,
-                cast,
+                casts[g],
                 flag,
                 fp8_output=fp8_output and g == last,
                 backward_update=bwd_update,
@@ -240,6 +256,21 @@ class FP8Module(nn.Module):
             )
 
     # Checkpoints ---------------------------------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A high-precision checkpoint entry for an FP8 primary weight is quantized first (its
+        scale from its own amax, as fp8_model_init does); FP8 entries copy bit for bit."""
+        for name, p in self._parameters.items():
+            entry = state_dict.get(prefix + name)
+            if (
+                isinstance(p, Float8Tensor)
+                and isinstance(entry, torch.Tensor)
+                and not isinstance(entry, Float8Tensor)
+                and entry.shape == p.shape
+            ):
+                hp = entry.to(device=p.device, dtype=p.dtype)
+                state_dict[prefix + name] = quantize_weight(hp, p.fp8_dtype)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def get_extra_state(self):
         meta = self.fp8_meta
