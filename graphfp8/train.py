@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scaling", choices=SCALINGS, default="delayed",
                    help="FP8 recipe: DelayedScaling (amax history) or Float8CurrentScaling "
                    "(each tensor's own amax)")  # fmt: skip
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="FP8 primary weights (fp8_model_init) trained through fp32 MasterWeights "
+                   "(fp8 runs; graphs layers or none)")  # fmt: skip
     p.add_argument("--log-every", type=_positive, default=10)
     p.add_argument("--out", type=Path, help="log directory (default runs/<time>)")
     p.add_argument("--save", type=Path, help="write a checkpoint at the end")
@@ -135,7 +138,8 @@ def _spec(args, precision: str, graphs: str) -> RunSpec:
         model = type(model)(**{**model.to_dict(), **overrides})
     return RunSpec(preset=args.preset, model=model, precision=precision, graphs=graphs,
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
-                   amax_history_len=args.amax_history_len, scaling=args.scaling)  # fmt: skip
+                   amax_history_len=args.amax_history_len, scaling=args.scaling,
+                   fp8_weights=args.fp8_weights and precision == "fp8")  # fmt: skip
 
 
 def _environment(device: str) -> dict:

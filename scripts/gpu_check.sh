@@ -86,13 +86,14 @@ for step in $STEPS; do
         echo "-- $preset" | tee -a "$RES/summary.md"
         grep -A2 "final loss" "$RES/train_step_$preset.log" | tee -a "$RES/summary.md"
       done ;;
-    train-scaling)  # issue 16: Float8CurrentScaling vs DelayedScaling, per-layer graphs, 100m
-      for scaling in delayed current; do
-        $PY -m graphfp8.train --compare fp8:layers --scaling $scaling \
+    train-scaling)  # issue 16: DelayedScaling vs Float8CurrentScaling vs FP8 primary weights
+      for run in delayed current fp8w; do
+        case $run in fp8w) extra="--fp8-weights" ;; *) extra="--scaling $run" ;; esac
+        $PY -m graphfp8.train --compare fp8:layers $extra \
           --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_SCALING_STEPS:-200} \
-          --out "$RES/train_scaling_$scaling" > "$RES/train_scaling_$scaling.log" 2>&1 || status=1
-        echo "-- $scaling" | tee -a "$RES/summary.md"
-        grep -A2 "final loss" "$RES/train_scaling_$scaling.log" | tee -a "$RES/summary.md"
+          --out "$RES/train_scaling_$run" > "$RES/train_scaling_$run.log" 2>&1 || status=1
+        echo "-- $run" | tee -a "$RES/summary.md"
+        grep -A2 "final loss" "$RES/train_scaling_$run.log" | tee -a "$RES/summary.md"
       done ;;
     profile)
       $PY -m graphfp8.training.profile --out "$RES/profile" > "$RES/profile.log" 2>&1 || status=1

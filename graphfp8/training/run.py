@@ -21,6 +21,8 @@ import torch
 
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.autocast import fp8_autocast
+from graphfp8.fp8.master import MasterWeights
+from graphfp8.fp8.primary import fp8_model_init
 from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.profiling import nvtx_range
@@ -49,10 +51,16 @@ class RunSpec:
     seed: int = 0
     amax_history_len: int = 16
     scaling: str = "delayed"  # one of SCALINGS: the FP8 recipe
+    fp8_weights: bool = False  # FP8 primary weights (fp8_model_init) with fp32 MasterWeights
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        if self.fp8_weights and (self.precision != "fp8" or self.graphs == "step"):
+            raise ValueError(
+                "fp8_weights needs precision fp8 and graphs 'layers' or 'none' (the step graph "
+                "does not capture the MasterWeights step yet)"
+            )
         if isinstance(self.graphs, bool):
             object.__setattr__(self, "graphs", "layers" if self.graphs else "none")
         if self.graphs not in GRAPH_MODES:
@@ -61,6 +69,7 @@ class RunSpec:
     @property
     def name(self) -> str:
         suffix = "-current" if self.precision == "fp8" and self.scaling == "current" else ""
+        suffix += "-fp8w" if self.fp8_weights else ""
         return f"{self.precision}{suffix}-{_MODE_NAMES[self.graphs]}"
 
     @property
@@ -84,12 +93,15 @@ class Run:
         self.spec, self.corpus, self.group = spec, corpus, group
         self.rank = torch.distributed.get_rank(group) if group is not None else 0
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
-        self.model = GPT(spec.model, torch.bfloat16, spec.device)
+        with fp8_model_init(enabled=spec.fp8_weights):
+            self.model = GPT(spec.model, torch.bfloat16, spec.device)
+        self.masters = MasterWeights(self.model) if spec.fp8_weights else None
+        params = self.masters.parameters() if self.masters else self.model.parameters()
         # Fused, with the learning rate as a device tensor, in every mode: a step graph can
         # capture it (capturable on the GPU), and all modes compute the same bits.
         capturable = spec.graphs == "step" and torch.device(spec.device).type == "cuda"
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=torch.tensor(spec.model.lr, device=spec.device),
+            params, lr=torch.tensor(spec.model.lr, device=spec.device),
             betas=(0.9, 0.95), weight_decay=0.1, fused=True, capturable=capturable,
         )  # fmt: skip
         if spec.scaling == "current":
@@ -193,8 +205,12 @@ class Run:
             if self.group is not None:
                 allreduce_gradients(model.parameters(), self.group)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.masters is not None:  # fp32 masters, then one cast back into FP8 per weight
+                self.masters.step(self.optimizer)
+                self.masters.zero_grad(set_to_none=True)
+            else:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return total
 
@@ -210,16 +226,18 @@ class Run:
                 "microbatches": self.spec.microbatches,
                 "amax_history_len": self.spec.amax_history_len,
                 "scaling": self.spec.scaling,
+                "fp8_weights": self.spec.fp8_weights,
             },  # fmt: skip
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            **({"masters": self.masters.state_dict()} if self.masters else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Resumes from `state_dict()`; the run must train the same model the same way."""
         saved, mine = state["spec"], self.state_dict()["spec"]
-        saved = {"scaling": "delayed", **saved}  # checkpoints from before --scaling
+        saved = {"scaling": "delayed", "fp8_weights": False, **saved}  # older checkpoints
         diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {mine[k]!r}"
                 for k in mine if saved.get(k) != mine[k]]  # fmt: skip
         if diff:
@@ -229,4 +247,6 @@ class Run:
             raise RuntimeError("load the checkpoint before prepare(): the graphs are captured")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.masters is not None:
+            self.masters.load_state_dict(state["masters"])
         self.step = state["step"]

@@ -203,3 +203,6 @@ def test_misuse_raises_clear_errors(device):
         opt.step()
     with g8.fp8_model_init(enabled=False):
         assert not isinstance(g8.Linear(H, H, device=device).weight, Float8Tensor)
+    with pytest.raises(RuntimeError, match="convert keeps the model's own"):
+        with g8.fp8_model_init():
+            g8.convert(torch.nn.Sequential(torch.nn.Linear(H, H, device=device)))
