@@ -77,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(each tensor's own amax)")  # fmt: skip
     p.add_argument("--fp8-weights", action="store_true",
                    help="FP8 primary weights (fp8_model_init) trained through fp32 MasterWeights "
-                   "(fp8 runs; graphs layers or none)")  # fmt: skip
+                   "(fp8 runs)")  # fmt: skip
     p.add_argument("--log-every", type=_positive, default=10)
     p.add_argument("--out", type=Path, help="log directory (default runs/<time>)")
     p.add_argument("--save", type=Path, help="write a checkpoint at the end")

@@ -29,14 +29,15 @@ def test_resume_rejects_the_other_recipe(tmp_path):
 
 
 def test_fp8_weights_resume_is_bit_exact(tmp_path):
-    """The checkpoint holds the FP8 weights, the fp32 masters and the optimizer state."""
+    """The whole step as one graph (MasterWeights inside); the checkpoint holds the FP8 weights,
+    the fp32 masters and the optimizer state."""
     model = type(PRESETS["tiny"])(**{**PRESETS["tiny"].to_dict(), "batch": 2, "seq_len": 32})
-    spec = RunSpec("tiny", model, "fp8", False, microbatches=2, device="cpu", fp8_weights=True)
+    spec = RunSpec("tiny", model, "fp8", "step", microbatches=2, device="cpu", fp8_weights=True)
     kw = dict(out=tmp_path, corpus=make_corpus(1 << 16), keep_state=True, log_every=2)
-    straight = train_run(spec, RunOptions(steps=3, **kw))
-    train_run(spec, RunOptions(steps=3, stop_at=1, save=tmp_path / "ckpt.pt", **kw))
-    resumed = train_run(spec, RunOptions(steps=3, resume=tmp_path / "ckpt.pt", **kw))
+    straight = train_run(spec, RunOptions(steps=2, **kw))
+    train_run(spec, RunOptions(steps=2, stop_at=1, save=tmp_path / "ckpt.pt", **kw))
+    resumed = train_run(spec, RunOptions(steps=2, resume=tmp_path / "ckpt.pt", **kw))
     assert resumed["losses"] == straight["losses"][1:]
     assert straight["losses"][-1] < straight["losses"][0]
     with pytest.raises(ValueError, match="fp8_weights needs precision fp8"):
-        RunSpec("tiny", model, "fp8", "step", microbatches=2, device="cpu", fp8_weights=True)
+        RunSpec("tiny", model, "bf16", False, microbatches=2, device="cpu", fp8_weights=True)

@@ -47,6 +47,11 @@ class MasterWeights:
         # forward's own weight cast of a high-precision model holding the masters would give.
         self.write_back_()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor that step() changes besides the model's and the optimizer's: the masters
+        and the quantizers' scales (a graph capture snapshots and restores them)."""
+        return [*self.masters, *(q.scale for q in self.quantizers)]
+
     def parameters(self) -> list[torch.Tensor]:
         """What the optimizer updates: the fp32 masters, then the model's other parameters."""
         return [*self.masters, *self.others]

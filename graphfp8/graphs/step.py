@@ -31,6 +31,7 @@ import torch
 
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.autocast import CaptureState, capture_state
+from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.graphs.backends import new_graph
@@ -60,6 +61,7 @@ def make_graphed_step(
     num_warmup_iters: int = 3,
     keep_grads_before_clipping: bool = False,
     pool=None,
+    master_weights: MasterWeights | None = None,
 ) -> GraphedStep:
     """Captures one optimizer step over `num_microbatches` microbatches into one graph (a CUDA
     graph on the GPU, a replay tape on the CPU).
@@ -104,6 +106,10 @@ def make_graphed_step(
         keep_grads_before_clipping: also keep a copy of the accumulated (all-reduced) gradients
             before clipping in `grads_before_clipping` (one extra copy per step).
         pool: a memory pool handle shared with other graphs (CUDA).
+        master_weights: the graphfp8.MasterWeights of a model with FP8 primary weights
+            (fp8_model_init); the optimizer then holds master_weights.parameters(), and the
+            graph runs master_weights.step(optimizer) in place of optimizer.step() (the
+            weights' transposes are rebuilt on the next replay's microbatch 0).
 
     Returns:
         A GraphedStep: `step(batch)` replays the graph and returns the loss (0-d float32 device
@@ -135,15 +141,10 @@ def make_graphed_step(
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     batch = StaticBatch(sample_batch, num_microbatches, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
-    if any(isinstance(p, Float8Tensor) for p in body.params):
-        raise NotImplementedError(
-            f"{_NAME}: the model holds FP8 primary weights (fp8_model_init), whose optimizer "
-            "step (MasterWeights) the step graph does not capture yet; graph the microbatches "
-            "(make_graphed_callables / make_graphed_microbatch) and call MasterWeights.step eagerly"
-        )
-    check_optimizer(_NAME, optimizer, body.params, body.device)
+    check_optimizer(_NAME, optimizer, _optimized_params(body.params, master_weights),
+                    body.device)  # fmt: skip
     run = _StepRun(body, optimizer, max_grad_norm, process_group, keep_grads_before_clipping,
-                   fp8_enabled and fp8_weight_caching)  # fmt: skip
+                   fp8_enabled and fp8_weight_caching, master_weights)  # fmt: skip
     state = dict(fp8_enabled=fp8_enabled, recipe=recipe, group=fp8_group, capture=run.capture)
     if fp8_enabled:
         init_fp8(model, recipe, fp8_group, body.device)
@@ -157,9 +158,25 @@ def make_graphed_step(
     return GraphedStep(run, graph, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
 
 
+def _optimized_params(params: list[torch.Tensor], masters: MasterWeights | None) -> list:
+    """What the optimizer must hold: the model's trainable parameters, with the FP8 primary
+    weights replaced by their fp32 masters (which `masters` must cover, and only them)."""
+    fp8 = [p for p in params if isinstance(p, Float8Tensor)]
+    if masters is None and not fp8:
+        return params
+    if masters is None or {id(p) for p in fp8} != {id(p) for p in masters.fp8_params}:
+        raise ValueError(
+            f"{_NAME}: a model with FP8 primary weights (fp8_model_init) needs "
+            "master_weights=graphfp8.MasterWeights(model) covering exactly its trainable FP8 "
+            "weights, and an optimizer over master_weights.parameters()"
+        )
+    return [*masters.masters, *(p for p in params if not isinstance(p, Float8Tensor))]
+
+
 def _warmup_and_capture(run: _StepRun, state: dict, iters: int, pool):
     body, recipe, device = run.body, state["recipe"], run.body.device
-    snapshot = TrainingSnapshot(body.model, run.optimizer)
+    extra = run.masters.tensors() if run.masters is not None else ()
+    snapshot = TrainingSnapshot(body.model, run.optimizer, extra)
     try:
         with warnings.catch_warnings():
             # Eager steps of a capturable optimizer make torch warn that capturable costs speed.
@@ -188,8 +205,8 @@ class _StepRun:
     """One training step as warmup runs it and capture records it."""
 
     def __init__(self, body: TrainBody, optimizer, max_grad_norm, process_group, keep: bool,
-                 caching: bool):  # fmt: skip
-        self.body, self.optimizer = body, optimizer
+                 caching: bool, masters: MasterWeights | None):  # fmt: skip
+        self.body, self.optimizer, self.masters = body, optimizer, masters
         self.max_grad_norm, self.process_group, self.keep = max_grad_norm, process_group, keep
         self.capture = CaptureState(weight_cache_flag=None)
         n, dev = body.num_microbatches, body.device
@@ -217,7 +234,10 @@ class _StepRun:
         grad_norm = None
         if self.max_grad_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-        self.optimizer.step()
+        if self.masters is not None:  # grads into the masters, step, one cast back per weight
+            self.masters.step(self.optimizer)
+        else:
+            self.optimizer.step()
         return total, grad_norm
 
     def _accumulate(self, i: int, grads: list[torch.Tensor]) -> None:

@@ -147,8 +147,9 @@ class TrainingSnapshot:
     between is zeroed: the supported optimizers create it as zeros (Adam's step count and moments;
     SGD's momentum buffers must exist before capture)."""
 
-    def __init__(self, model: nn.Module, optimizer=None) -> None:
-        self.tensors = [t for t in itertools.chain(model.parameters(), model.buffers())]
+    def __init__(self, model: nn.Module, optimizer=None, extra=()) -> None:
+        """extra: more tensors the step changes (FP8 primary weights' masters and scales)."""
+        self.tensors = [t for t in itertools.chain(model.parameters(), model.buffers(), extra)]
         with torch.no_grad():
             # An FP8 primary weight's clone() would dequantize: copy it as a Float8Tensor.
             self.saved = [copy.deepcopy(t.detach()) if isinstance(t, Float8Tensor)

@@ -56,11 +56,8 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
-        if self.fp8_weights and (self.precision != "fp8" or self.graphs == "step"):
-            raise ValueError(
-                "fp8_weights needs precision fp8 and graphs 'layers' or 'none' (the step graph "
-                "does not capture the MasterWeights step yet)"
-            )
+        if self.fp8_weights and self.precision != "fp8":
+            raise ValueError("fp8_weights needs precision fp8")
         if isinstance(self.graphs, bool):
             object.__setattr__(self, "graphs", "layers" if self.graphs else "none")
         if self.graphs not in GRAPH_MODES:
@@ -146,6 +143,7 @@ class Run:
             self.model, None, self.optimizer, ((tokens, tokens.clone()), ()), mbs,
             fp8_enabled=self.fp8, fp8_recipe=self.recipe, fp8_weight_caching=True,
             max_grad_norm=1.0, fp8_group=self.group, process_group=self.group,
+            master_weights=self.masters,
             num_warmup_iters=3 if torch.device(self.spec.device).type == "cuda" else 1,
         )  # fmt: skip
 
