@@ -134,6 +134,14 @@ def _tables(results, layers, tflops) -> str:
         ["h, T", "/ bf16 eager", "/ bf16 graphed", "/ torchao fp8 compile", "/ FP8 floor"],
         ratio_rows,
     )
+    variants = [n for n in ("graphfp8 fp8 current graphed", "graphfp8 fp8w graphed") if n in names]
+    text += print_table(
+        "graphfp8 variants relative to graphfp8 fp8 graphed (DelayedScaling), device time",
+        ["h, T", *variants],
+        [[f"{r['hidden']}, {r['tokens']}",
+          *[r["peers"][v]["device_ms"] / r["peers"][g8g]["device_ms"] for v in variants]]
+         for r in results],
+    )  # fmt: skip
     text += print_table(
         "graphed graphfp8 stack, h=1024 T=2048: host enqueue per microbatch vs layers",
         ["layers", "host ms", "device ms", "kernels"],
