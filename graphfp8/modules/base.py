@@ -257,6 +257,18 @@ class FP8Module(nn.Module):
 
     # Checkpoints ---------------------------------------------------------------------------------
 
+    def _apply(self, fn, recurse=True):
+        """.to(), .cuda(), .half() and friends: an FP8 primary weight they would change raises
+        (its replacement would be a high-precision copy that MasterWeights never sees)."""
+        for name, p in self._parameters.items():
+            if isinstance(p, Float8Tensor) and fn(p) is not p:
+                raise RuntimeError(
+                    f"{type(self).__name__}: FP8 primary weight {name} cannot be moved or cast "
+                    "(.to/.cuda/.half); create the model on its device and params_dtype inside "
+                    "fp8_model_init"
+                )
+        return super()._apply(fn, recurse)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """A high-precision checkpoint entry for an FP8 primary weight is quantized first (its
         scale from its own amax, as fp8_model_init does); FP8 entries copy bit for bit."""

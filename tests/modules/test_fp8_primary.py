@@ -201,6 +201,10 @@ def test_misuse_raises_clear_errors(device):
         f8(x).sum().backward()
     with pytest.raises(NotImplementedError, match="MasterWeights"):
         opt.step()
+    for move in (lambda m: m.to(torch.float32), lambda m: m.half()):
+        with pytest.raises(RuntimeError, match="cannot be moved or cast"):
+            move(f8)
+    assert isinstance(f8.to(device).weight, Float8Tensor)  # no change: allowed
     with g8.fp8_model_init(enabled=False):
         assert not isinstance(g8.Linear(H, H, device=device).weight, Float8Tensor)
     with pytest.raises(RuntimeError, match="convert keeps the model's own"):
