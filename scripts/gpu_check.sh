@@ -5,6 +5,8 @@
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block train profile")
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
 #   FIRST_TESTS tests that the tests-first step runs verbosely before the rest
+#   TRAIN_RUNS, TRAIN_PRESET, TRAIN_DATA, TRAIN_STEPS  the train step (default bf16:graphs,fp8:graphs,
+#               100m, stdlib, 300: validation loss of FP8 vs bf16 on held-out text, tokens/s)
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -57,10 +59,10 @@ for step in $STEPS; do
     tests-first)  # one file first, verbose, so a crash names its test
       $PY -m pytest -v -m cuda -p no:cacheprovider ${FIRST_TESTS:-tests/ops} > "$OUT/tests_first.log" 2>&1
       rc=$?; tail -5 "$OUT/tests_first.log" | tee -a "$OUT/summary.md"; [ $rc -eq 0 ] || status=1 ;;
-    train)  # the issue-6 comparison on the GPU default preset
-      $PY -m graphfp8.train --compare ${TRAIN_RUNS:-bf16:eager,bf16:graphs,fp8:eager,fp8:graphs} \
-        --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_STEPS:-300} --out "$OUT/train" \
-        > "$OUT/train.log" 2>&1 || status=1
+    train)  # issue 17: bf16 vs FP8 (graphs) on held-out real text; validation loss and tokens/s
+      $PY -m graphfp8.train --compare ${TRAIN_RUNS:-bf16:graphs,fp8:graphs} \
+        --preset ${TRAIN_PRESET:-100m} --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} \
+        --out "$OUT/train" > "$OUT/train.log" 2>&1 || status=1
       tail -8 "$OUT/train.log" | tee -a "$OUT/summary.md" ;;
     profile)
       $PY -m graphfp8.training.profile --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || status=1
