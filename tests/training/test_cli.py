@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from graphfp8 import train
+from graphfp8.training.checkpoint import CheckpointError, check_resumable
 
 SMALL = ["--batch", "2", "--seq-len", "32", "--microbatches", "2", "--device", "cpu"]
 
@@ -149,3 +150,16 @@ def test_resume_refuses_another_run(checkpoint, args, message, capsys):
     capsys.readouterr()
     assert train.main([*argv, "--resume", str(real), *args]) == 2
     assert message in _one_line_error(capsys)
+
+
+def test_older_checkpoints_resume_with_a_note():
+    """A checkpoint of the previous format (no --steps, no data) is accepted, saying what it
+    cannot check; settings are still compared."""
+    settings = {"preset": "tiny", "precision": "fp8", "seed": 0}
+    data = {"source": "stdlib", "tokens": 10, "val_fraction": 0.01}
+    old = {"spec": settings, "step": 3, "model": {}, "optimizer": {}}
+    notes = check_resumable(old, settings, 12, data)
+    assert len(notes) == 2 and "--steps 12" in notes[0] and "data" in notes[1]
+    assert check_resumable({**old, "steps": 12, "data": data}, settings, 12, data) == []
+    with pytest.raises(CheckpointError, match="seed: checkpoint 0, this run 1; --steps: "):
+        check_resumable({**old, "steps": 12}, {**settings, "seed": 1}, 24, data)
