@@ -66,10 +66,10 @@ def _fp8_state(model: torch.nn.Module) -> list[torch.Tensor]:
             for t in (b.history(), b.scales())]  # fmt: skip
 
 
-def test_validation_changes_no_state(synthetic):
+def test_validation_changes_no_state(device, synthetic):
     """After a training step: evaluating leaves weights, optimizer state and every FP8 amax
     history and scale bit for bit as they were, and gives the same loss twice."""
-    spec = RunSpec("tiny", TINY, "fp8", graphs=False, microbatches=2, device="cpu")
+    spec = RunSpec("tiny", TINY, "fp8", graphs=False, microbatches=2, device=device)
     run = Run(spec, synthetic)
     run.prepare()
     run.train_step(4)
