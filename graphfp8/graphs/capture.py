@@ -30,6 +30,7 @@ from graphfp8.fp8.arena_check import check_arenas
 from graphfp8.fp8.autocast import CaptureState, capture_state
 from graphfp8.fp8.recipe import DelayedScaling
 from graphfp8.graphs.backends import capture_stream, new_graph
+from graphfp8.graphs.compiled import check_not_compiled, compile_set_aside, opaque_to_dynamo
 from graphfp8.graphs.replay import (
     GradAccumulator,
     GraphedFunction,
@@ -98,6 +99,11 @@ def make_graphed_callables(
     .. warning::
         A module called in another training mode than it was captured in runs its eager
         forward (torch's rule), outside any graph.
+    .. warning::
+        Capture first, then torch.compile the code around the graphed callables (dynamo runs a
+        replay as one opaque call). A torch.compile'd callable, or a module with a compiled
+        part, raises TypeError; compiled code reached through a plain function runs eagerly
+        while capturing.
     """
     just_one = not isinstance(callables, tuple)
     if just_one:
@@ -107,6 +113,7 @@ def make_graphed_callables(
         sample_kwargs = (None,) * len(callables)
     if not (len(callables) == len(sample_args) == len(sample_kwargs)):
         raise ValueError("make_graphed_callables: need one sample_args entry per callable")
+    check_not_compiled(callables)
     if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
         raise TypeError(f"fp8_recipe must be a graphfp8.DelayedScaling, got {fp8_recipe!r}")
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
@@ -118,7 +125,7 @@ def make_graphed_callables(
         scaling.new_init_group()  # the captured modules never share arenas with other models
         arenas = _init_fp8_modules(callables, recipe, device)
         check_arenas(arenas, fp8_group)  # before warmup: fail fast, on every rank
-    with _fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
+    with _fp8_and_rng_preserved(recipe, device), compile_set_aside(), nvtx_range("warmup"):
         _warmup(callables, runners, num_warmup_iters, allow_unused_input, state, device)
     arenas = sorted(capture.arenas.values(), key=lambda a: a.serial)
     # Arenas that only plain functions reach are allocated by the warmup; a check inside the
@@ -131,7 +138,12 @@ def make_graphed_callables(
     # The CPU tape runs what it records, hence the snapshot. No garbage collection while
     # capturing: a collected graph of an earlier capture frees its memory pool, which a CUDA
     # capture in progress does not allow (seen on the H200 as cudaErrorStreamCaptureInvalidated).
-    with _fp8_and_rng_preserved(recipe, device), _gc_paused(), nvtx_range("capture"):
+    with (
+        _fp8_and_rng_preserved(recipe, device),
+        _gc_paused(),
+        compile_set_aside(),
+        nvtx_range("capture"),
+    ):
         _capture_forwards(callables, runners, arenas, state, pool, device)
         _capture_backwards(runners, arenas, state, pool, allow_unused_input, device)
     graphed = tuple(_wrap(c, r) for c, r in zip(callables, runners))
@@ -338,6 +350,7 @@ def _grad_buffer(param: torch.Tensor) -> torch.Tensor:
 
 
 def _wrap(func, runner: GraphedRunner):
+    @opaque_to_dynamo
     def graphed(*args, is_first_microbatch=None, **kwargs):
         flat = runner.check_call(args, kwargs, is_first_microbatch,
                                  full_hook_check=is_first_microbatch is not False)  # fmt: skip
