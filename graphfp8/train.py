@@ -5,6 +5,7 @@
     graphfp8-train --compare                      # bf16 and fp8 side by side, loss plot
     graphfp8-train --compare bf16:eager,bf16:graphs,fp8:graphs --preset 100m
     graphfp8-train --steps 100 --save ckpt.pt ; graphfp8-train --steps 200 --resume ckpt.pt
+    graphfp8-train --compile                      # torch.compile around the graphed blocks
     torchrun --nproc_per_node=2 -m graphfp8.train --ddp
 
 Writes <out>/<run>.csv (one row per step), <out>/summary.json and, with --compare, <out>/loss.png.
@@ -61,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="train several runs side by side: comma-separated precision[:graphs|"
         ":eager] (default bf16,fp8, with --graphs' setting) and plot the losses",
     )
+    p.add_argument("--compile", action="store_true", help="torch.compile what the graphs do "
+                   "not hold: embedding, head, loss (and the blocks when not graphed)")  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--amax-history-len", type=_positive, default=16)
@@ -120,7 +123,7 @@ def _spec(args, precision: str, graphs: bool) -> RunSpec:
         model = type(model)(**{**model.to_dict(), **overrides})
     return RunSpec(preset=args.preset, model=model, precision=precision, graphs=graphs,
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
-                   amax_history_len=args.amax_history_len)  # fmt: skip
+                   amax_history_len=args.amax_history_len, compile=args.compile)  # fmt: skip
 
 
 def _environment(device: str) -> dict:

@@ -9,6 +9,7 @@ the tests of dynamo's behaviour (guards, graph breaks, errors) with backends tha
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -306,3 +307,26 @@ def test_compiled_code_inside_a_captured_function_runs_eagerly(device):
         _microbatch(lambda x, _: twin(pre(x)), lambda x, _: graphed(x), twin, layer, device,
                     None, f"mb {mb}", compiled_fp8=False)  # fmt: skip
 
+
+# The train CLI ---------------------------------------------------------------------------------
+
+
+def test_train_compile_matches_the_run_without(device, tmp_path):
+    """graphfp8-train --compile (embedding and loss compiled around the graphed FP8 blocks)
+    trains like the run without it: the same losses within the tolerance of docs/architecture.md
+    (inductor sums the embedding and norm gradients in another order)."""
+    from graphfp8 import train
+
+    argv = ["--batch", "2", "--seq-len", "32", "--microbatches", "2", "--steps", "3",
+            "--log-every", "3", "--device", device, "--compare", "fp8:graphs"]  # fmt: skip
+    torch._dynamo.utils.counters.clear()
+    losses = {}
+    for flag in ([], ["--compile"]):
+        out = tmp_path / (flag[0][2:] if flag else "plain")
+        assert train.main([*argv, *flag, "--out", str(out)]) == 0
+        (run,) = json.loads((out / "summary.json").read_text())["runs"]
+        losses[run["name"]] = run["losses"]
+    plain, compiled = losses["fp8-graphs"], losses["fp8-graphs-compile"]
+    assert len(compiled) == 3 and compiled[-1] < compiled[0]
+    torch.testing.assert_close(compiled, plain, rtol=1e-3, atol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "--compile compiled nothing"

@@ -41,10 +41,12 @@ class RunSpec:
     device: str
     seed: int = 0
     amax_history_len: int = 16
+    compile: bool = False  # torch.compile what the graphs do not hold
 
     @property
     def name(self) -> str:
-        return f"{self.precision}-{'graphs' if self.graphs else 'eager'}"
+        suffix = "-compile" if self.compile else ""
+        return f"{self.precision}-{'graphs' if self.graphs else 'eager'}{suffix}"
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -80,7 +82,10 @@ class Run:
         return self.spec.precision == "fp8"
 
     def prepare(self) -> None:
-        """Captures the blocks when the run uses graphs (after any checkpoint was loaded)."""
+        """Compiles what the graphs do not hold when the run says so, and captures the blocks
+        when the run uses graphs (after any checkpoint was loaded)."""
+        if self.spec.compile:
+            self._compile()
         if not self.spec.graphs:
             self.blocks = self._eager_blocks
             return
@@ -91,6 +96,15 @@ class Run:
             self.model.blocks, (sample,), fp8_enabled=self.fp8, fp8_recipe=self.recipe,
             fp8_weight_caching=True, fp8_group=self.group,
         )  # fmt: skip
+
+    def _compile(self) -> None:
+        """torch.compile (in place: checkpoints keep their keys) the embedding and the loss (norm,
+        head, cross entropy), and the blocks when they are not graphed: dynamo then graph-breaks
+        around each FP8 layer (docs/architecture.md, "torch.compile")."""
+        self.model.embed.compile()
+        self.model.loss = torch.compile(self.model.loss)
+        if not self.spec.graphs:
+            self.model.blocks.compile()
 
     def _eager_blocks(self, x, is_first_microbatch=None):
         with fp8_autocast(enabled=self.fp8, recipe=self.recipe, fp8_group=self.group):
