@@ -2,7 +2,7 @@
 # One-call GPU check (what `make gpu-check` runs on the H200): build graphfp8._C for sm_90, run
 # the CUDA tests, the benchmarks, a training comparison and a profile; logs, JSON and a summary
 # land in $OUT (packed into $OUT/results.tgz next to summary.md).
-#   GPU_STEPS  which steps to run (default: "tests kernels eager block train profile")
+#   GPU_STEPS  which steps to run (default: "tests kernels eager block train profile compile")
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
 #   FIRST_TESTS tests that the tests-first step runs verbosely before the rest
 set -uo pipefail
@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
-STEPS=${GPU_STEPS:-"tests kernels eager block train profile"}
+STEPS=${GPU_STEPS:-"tests kernels eager block train profile compile"}
 status=0
 
 # Wheels carried in .whl/ (nvtx, torchao): the device machine has no package index.
@@ -62,6 +62,17 @@ for step in $STEPS; do
         --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_STEPS:-300} --out "$OUT/train" \
         > "$OUT/train.log" 2>&1 || status=1
       tail -8 "$OUT/train.log" | tee -a "$OUT/summary.md" ;;
+    compile)  # torch.compile: its CUDA tests, then training with and without --compile
+      $PY -m pytest -v -m cuda -p no:cacheprovider tests/test_compile.py > "$OUT/tests_compile.log" 2>&1
+      rc=$?; tail -1 "$OUT/tests_compile.log" | tee -a "$OUT/summary.md"; [ $rc -eq 0 ] || status=1
+      for mode in off on; do
+        flag=""; [ $mode = on ] && flag=--compile
+        $PY -m graphfp8.train --compare ${COMPILE_RUNS:-bf16:eager,fp8:eager,fp8:graphs} $flag \
+          --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_STEPS:-300} --out "$OUT/compile_$mode" \
+          > "$OUT/compile_$mode.log" 2>&1 || status=1
+        echo "-- --compile $mode" | tee -a "$OUT/summary.md"
+        sed -n '/final loss/,/^wrote/p' "$OUT/compile_$mode.log" | grep -v '^wrote' | tee -a "$OUT/summary.md"
+      done ;;
     profile)
       $PY -m graphfp8.training.profile --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || status=1
       grep -v USDT "$OUT/profile.log" | head -40 | tee -a "$OUT/summary.md" ;;
