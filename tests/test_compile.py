@@ -325,8 +325,8 @@ def test_train_compile_matches_the_run_without(device, tmp_path):
     (inductor sums the embedding and norm gradients in another order)."""
     from graphfp8 import train
 
-    argv = ["--batch", "2", "--seq-len", "32", "--microbatches", "2", "--steps", "3",
-            "--log-every", "3", "--device", device, "--compare", "fp8:graphs"]  # fmt: skip
+    argv = ["--batch", "2", "--seq-len", "32", "--microbatches", "2", "--steps", "2",
+            "--log-every", "2", "--device", device, "--compare", "fp8:graphs"]  # fmt: skip
     torch._dynamo.utils.counters.clear()
     losses = {}
     for flag in ([], ["--compile"]):
@@ -335,6 +335,6 @@ def test_train_compile_matches_the_run_without(device, tmp_path):
         (run,) = json.loads((out / "summary.json").read_text())["runs"]
         losses[run["name"]] = run["losses"]
     plain, compiled = losses["fp8-graphs"], losses["fp8-graphs-compile"]
-    assert len(compiled) == 3 and compiled[-1] < compiled[0]
+    assert len(compiled) == 2 and compiled[-1] < compiled[0]
     torch.testing.assert_close(compiled, plain, rtol=1e-3, atol=0)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "--compile compiled nothing"
