@@ -125,7 +125,7 @@ def make_graphed_callables(
         scaling.new_init_group()  # the captured modules never share arenas with other models
         arenas = _init_fp8_modules(callables, recipe, device)
         check_arenas(arenas, fp8_group)  # before warmup: fail fast, on every rank
-    with _fp8_and_rng_preserved(recipe, device), compile_set_aside(), nvtx_range("warmup"):
+    with _fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
         _warmup(callables, runners, num_warmup_iters, allow_unused_input, state, device)
     arenas = sorted(capture.arenas.values(), key=lambda a: a.serial)
     # Arenas that only plain functions reach are allocated by the warmup; a check inside the
@@ -138,12 +138,7 @@ def make_graphed_callables(
     # The CPU tape runs what it records, hence the snapshot. No garbage collection while
     # capturing: a collected graph of an earlier capture frees its memory pool, which a CUDA
     # capture in progress does not allow (seen on the H200 as cudaErrorStreamCaptureInvalidated).
-    with (
-        _fp8_and_rng_preserved(recipe, device),
-        _gc_paused(),
-        compile_set_aside(),
-        nvtx_range("capture"),
-    ):
+    with _fp8_and_rng_preserved(recipe, device), _gc_paused(), nvtx_range("capture"):
         _capture_forwards(callables, runners, arenas, state, pool, device)
         _capture_backwards(runners, arenas, state, pool, allow_unused_input, device)
     graphed = tuple(_wrap(c, r) for c, r in zip(callables, runners))
@@ -238,7 +233,8 @@ def _call(func, runner: GraphedRunner):
     n_args = len(runner.static_inputs) - len(runner.kwarg_names)
     args = runner.static_inputs[:n_args]
     kwargs = dict(zip(runner.kwarg_names, runner.static_inputs[n_args:]))
-    out = func(*args, **kwargs)
+    with compile_set_aside():
+        out = func(*args, **kwargs)
     flat, spec = tree_flatten(out)
     for t in flat:
         if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 
 __all__ = ["check_not_compiled", "compile_set_aside", "opaque_to_dynamo"]
 
@@ -30,6 +30,10 @@ _ORDER = (
 
 def _compiled_part(func) -> str | None:
     """What about `func` is torch.compile'd, or None."""
+    if not _dynamo_loaded():  # nothing can be compiled
+        return None
+    from torch._dynamo.eval_frame import OptimizedModule
+
     if isinstance(func, OptimizedModule):
         return "a torch.compile'd module (torch.compile(module))"
     if hasattr(func, "_torchdynamo_orig_callable"):
@@ -63,8 +67,17 @@ def check_not_compiled(callables) -> None:
 def compile_set_aside():
     """Warmup and capture run torch.compile'd code reached through plain functions eagerly, so
     the graphs record the kernels eager mode runs (the CPU tape cannot see inductor's)."""
+    if not _dynamo_loaded():  # nothing can be compiled
+        yield
+        return
     with torch.compiler.set_stance("force_eager"):
         yield
+
+
+def _dynamo_loaded() -> bool:
+    """Whether torch._dynamo was imported (torch.compile imports it; importing it here would
+    take as long as importing torch)."""
+    return "torch._dynamo" in sys.modules
 
 
 def opaque_to_dynamo(replay: Callable) -> Callable:

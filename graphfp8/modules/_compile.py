@@ -21,7 +21,7 @@ import torch
 
 from graphfp8.fp8.autocast import STATE
 
-__all__ = ["eager_under_fp8"]
+__all__ = ["eager_under_fp8", "prepare_for_compile"]
 
 
 def eager_under_fp8(forward: Callable, layer: str) -> Callable:
@@ -34,7 +34,7 @@ def eager_under_fp8(forward: Callable, layer: str) -> Callable:
     Returns:
         forward(self, ...) that calls `forward` directly when not tracing or when FP8 is off,
         and through torch.compiler.disable when tracing under FP8 (which costs ~1 us a call,
-        kept out of eager mode).
+        kept out of eager mode). The disabled twin is made by prepare_for_compile.
     """
     reason = (
         f"graphfp8.{layer} runs its FP8 forward eagerly under fp8_autocast (its per-microbatch "
@@ -42,13 +42,31 @@ def eager_under_fp8(forward: Callable, layer: str) -> Callable:
         "cannot hold it. Compile the code around graphfp8 layers, or capture the layers with "
         "graphfp8.make_graphed_callables"
     )
-    opaque = torch.compiler.disable(forward, recursive=True, reason=reason)
+    opaque: list[Callable] = []
 
     @functools.wraps(forward)
     def wrapped(self, *args, **kwargs):
         if STATE.enabled and torch.compiler.is_compiling():
-            return opaque(self, *args, **kwargs)
+            if not opaque:  # a layer made without __init__ (unpickled): a plain graph break
+                return torch.compiler.disable(forward, reason=reason)(self, *args, **kwargs)
+            return opaque[0](self, *args, **kwargs)
         return forward(self, *args, **kwargs)
 
-    wrapped._graphfp8_eager_under_fp8 = True
+    def prepare() -> None:
+        if not opaque:
+            opaque.append(torch.compiler.disable(forward, recursive=True, reason=reason))
+
+    wrapped._graphfp8_prepare = prepare
     return wrapped
+
+
+def prepare_for_compile(cls: type) -> None:
+    """Makes the torch.compiler.disable'd twins of cls's wrapped forwards (its bases' too).
+
+    Called when a layer is built, not at import: torch.compiler.disable imports torch._dynamo,
+    which takes about as long as importing torch.
+    """
+    for klass in cls.__mro__:
+        prepare = getattr(klass.__dict__.get("forward"), "_graphfp8_prepare", None)
+        if prepare is not None:
+            prepare()
