@@ -4,12 +4,15 @@
 # land in $OUT: summary.md and results.tgz (every log and JSON), both rewritten after every step so
 # that a call stopped at its time limit still brings back what finished.
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step train
-#              train-step profile profile-step"; also kernels-ab, tests-first, ddp, train-scaling)
+#              train-step compile profile profile-step"; also kernels-ab, tests-first, ddp,
+#              train-scaling)
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
 #   FIRST_TESTS tests that the tests-first step runs verbosely before the rest
 #   TESTS_TIMEOUT_S the tests step's limit (default 420 s), so a hang leaves time for the rest
+#   TRAIN_RUNS, TRAIN_PRESET, TRAIN_DATA, TRAIN_STEPS  the train step (default bf16:graphs,fp8:graphs,
+#               100m, stdlib, 300: validation loss of FP8 vs bf16 on held-out text, tokens/s)
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -18,7 +21,7 @@ RES=$(mktemp -d /tmp/gpu_results.XXXXXX)  # everything the steps write; packed a
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
-STEPS=${GPU_STEPS:-"tests kernels eager block attention step train train-step profile profile-step"}
+STEPS=${GPU_STEPS:-"tests kernels eager block attention step train train-step compile profile profile-step"}
 status=0
 
 # Wheels carried in .whl/ (nvtx, torchao, nvidia-cudnn-frontend for FP8 attention): the device
@@ -73,10 +76,10 @@ for step in $STEPS; do
     tests-first)  # one file first, verbose, so a crash names its test
       $PY -m pytest -v -m cuda -p no:cacheprovider ${FIRST_TESTS:-tests/ops} > "$RES/tests_first.log" 2>&1
       rc=$?; tail -5 "$RES/tests_first.log" | tee -a "$RES/summary.md"; [ $rc -eq 0 ] || status=1 ;;
-    train)  # the issue-6 comparison on the GPU default preset
-      $PY -m graphfp8.train --compare ${TRAIN_RUNS:-bf16:eager,bf16:graphs,fp8:eager,fp8:graphs} \
-        --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_STEPS:-300} --out "$RES/train" \
-        > "$RES/train.log" 2>&1 || status=1
+    train)  # issue 17: bf16 vs FP8 (graphs) on held-out real text; validation loss and tokens/s
+      $PY -m graphfp8.train --compare ${TRAIN_RUNS:-bf16:graphs,fp8:graphs} \
+        --preset ${TRAIN_PRESET:-100m} --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} \
+        --out "$RES/train" > "$RES/train.log" 2>&1 || status=1
       tail -8 "$RES/train.log" | tee -a "$RES/summary.md" ;;
     train-step)  # issue 15: per-layer graphs vs the whole step as one graph, small and 100m
       for preset in ${TRAIN_STEP_PRESETS:-small 100m}; do
@@ -86,6 +89,17 @@ for step in $STEPS; do
         echo "-- $preset" | tee -a "$RES/summary.md"
         grep -A2 "final loss" "$RES/train_step_$preset.log" | tee -a "$RES/summary.md"
       done ;;
+    compile)  # torch.compile: its CUDA tests, then training with and without --compile
+      $PY -m pytest -v -m cuda -p no:cacheprovider tests/test_compile.py > "$RES/tests_compile.log" 2>&1
+      rc=$?; tail -1 "$RES/tests_compile.log" | tee -a "$RES/summary.md"; [ $rc -eq 0 ] || status=1
+      for mode in off on; do
+        flag=""; [ $mode = on ] && flag=--compile
+        $PY -m graphfp8.train --compare ${COMPILE_RUNS:-bf16:eager,fp8:eager,fp8:graphs} $flag \
+          --preset ${TRAIN_PRESET:-100m} --steps ${COMPILE_STEPS:-100} --out "$RES/compile_$mode" \
+          > "$RES/compile_$mode.log" 2>&1 || status=1
+        echo "-- --compile $mode" | tee -a "$RES/summary.md"
+        sed -n '/final loss/,/^wrote/p' "$RES/compile_$mode.log" | grep -v '^wrote' | tee -a "$RES/summary.md"
+      done ;;
     train-scaling)  # issue 16: DelayedScaling vs Float8CurrentScaling vs FP8 primary weights
       for run in delayed current fp8w; do
         case $run in fp8w) extra="--fp8-weights" ;; *) extra="--scaling $run" ;; esac
@@ -93,7 +107,8 @@ for step in $STEPS; do
           --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_SCALING_STEPS:-200} \
           --out "$RES/train_scaling_$run" > "$RES/train_scaling_$run.log" 2>&1 || status=1
         echo "-- $run" | tee -a "$RES/summary.md"
-        grep -A2 "final loss" "$RES/train_scaling_$run.log" | tee -a "$RES/summary.md"
+        sed -n '/final loss/,/^wrote/p' "$RES/train_scaling_$run.log" | grep -v '^wrote' \
+          | tee -a "$RES/summary.md"
       done ;;
     profile)
       $PY -m graphfp8.training.profile --out "$RES/profile" > "$RES/profile.log" 2>&1 || status=1

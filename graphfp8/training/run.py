@@ -26,10 +26,10 @@ from graphfp8.fp8.primary import fp8_model_init
 from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.profiling import nvtx_range
-from graphfp8.training.data import batch
+from graphfp8.training.data import Dataset
 from graphfp8.training.model import GPT, ModelConfig
 
-__all__ = ["GRAPH_MODES", "RunSpec", "Run"]
+__all__ = ["GRAPH_MODES", "RunSpec", "Run", "run_settings"]
 
 PRECISIONS = ("bf16", "fp8")
 SCALINGS = ("delayed", "current")
@@ -50,6 +50,7 @@ class RunSpec:
     device: str
     seed: int = 0
     amax_history_len: int = 16
+    compile: bool = False  # torch.compile what the graphs do not hold
     scaling: str = "delayed"  # one of SCALINGS: the FP8 recipe
     fp8_weights: bool = False  # FP8 primary weights (fp8_model_init) with fp32 MasterWeights
 
@@ -62,16 +63,34 @@ class RunSpec:
             object.__setattr__(self, "graphs", "layers" if self.graphs else "none")
         if self.graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}, got {self.graphs!r}")
+        if self.compile and self.graphs == "step":
+            raise ValueError("compile with graphs='step' is not supported: the step graph holds "
+                             "the embedding and the loss that compile would take")  # fmt: skip
 
     @property
     def name(self) -> str:
-        suffix = "-current" if self.precision == "fp8" and self.scaling == "current" else ""
-        suffix += "-fp8w" if self.fp8_weights else ""
-        return f"{self.precision}{suffix}-{_MODE_NAMES[self.graphs]}"
+        suffix = "-compile" if self.compile else ""
+        kind = "-current" if self.precision == "fp8" and self.scaling == "current" else ""
+        kind += "-fp8w" if self.fp8_weights else ""
+        return f"{self.precision}{kind}-{_MODE_NAMES[self.graphs]}{suffix}"
 
     @property
     def tokens_per_microbatch(self) -> int:
         return self.model.batch * self.model.seq_len
+
+
+def run_settings(spec: RunSpec) -> dict:
+    """The settings a checkpoint records and a resumed run must share."""
+    return {
+        "preset": spec.preset,
+        "precision": spec.precision,
+        "model": spec.model.to_dict(),
+        "seed": spec.seed,
+        "microbatches": spec.microbatches,
+        "amax_history_len": spec.amax_history_len,
+        "scaling": spec.scaling,
+        "fp8_weights": spec.fp8_weights,
+    }
 
 
 class Run:
@@ -79,16 +98,20 @@ class Run:
 
     Args:
         spec: the run.
-        corpus: (N,) uint8 training text.
+        data: the training (and validation) tokens; each rank reads its own shard of a batch.
         group: torch.distributed group for data parallelism (gradients all-reduced, FP8 amaxes
             MAX-reduced), or None.
     """
 
-    def __init__(self, spec: RunSpec, corpus: torch.Tensor, group=None):
+    def __init__(self, spec: RunSpec, data: Dataset, group=None):
         if spec.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {spec.precision!r}")
-        self.spec, self.corpus, self.group = spec, corpus, group
+        if data.vocab_size != spec.model.vocab:
+            raise ValueError(f"the data's vocabulary ({data.vocab_size}) is not the model's "
+                             f"({spec.model.vocab})")  # fmt: skip
+        self.spec, self.data, self.group = spec, data, group
         self.rank = torch.distributed.get_rank(group) if group is not None else 0
+        self.world = torch.distributed.get_world_size(group) if group is not None else 1
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
         with fp8_model_init(enabled=spec.fp8_weights):
             self.model = GPT(spec.model, torch.bfloat16, spec.device)
@@ -114,8 +137,10 @@ class Run:
         return self.spec.precision == "fp8"
 
     def prepare(self) -> None:
-        """Captures the blocks, or the whole step, when the run uses graphs (after any
-        checkpoint was loaded)."""
+        """Compiles what the graphs do not hold when the run says so, and captures the blocks,
+        or the whole step, when the run uses graphs (after any checkpoint was loaded)."""
+        if self.spec.compile:
+            self._compile()
         if self.spec.graphs == "step":
             self._prepare_step()
             return
@@ -156,6 +181,15 @@ class Run:
         torch.stack([y for _, y in pairs], out=targets)
         return (inputs, targets), ()
 
+    def _compile(self) -> None:
+        """torch.compile (in place: checkpoints keep their keys) the embedding and the loss (norm,
+        head, cross entropy), and the blocks when they are not graphed: dynamo then graph-breaks
+        around each FP8 layer (docs/architecture.md, "torch.compile")."""
+        self.model.embed.compile()
+        self.model.loss = torch.compile(self.model.loss)
+        if self.spec.graphs == "none":
+            self.model.blocks.compile()
+
     def _eager_blocks(self, x, is_first_microbatch=None):
         with fp8_autocast(enabled=self.fp8, recipe=self.recipe, fp8_group=self.group):
             return self.model.blocks(x, is_first_microbatch=is_first_microbatch)
@@ -170,8 +204,8 @@ class Run:
 
     def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.spec.model
-        tokens = batch(self.corpus, self.step, mb, cfg.batch, cfg.seq_len, self.spec.seed,
-                       self.rank)  # fmt: skip
+        tokens = self.data.train_batch(self.step, mb, cfg.batch, cfg.seq_len, self.spec.seed,
+                                       self.rank, self.world)  # fmt: skip
         tokens = tokens.to(self.spec.device, non_blocking=True)
         return tokens[:, :-1], tokens[:, 1:]
 
@@ -216,16 +250,7 @@ class Run:
 
     def state_dict(self) -> dict:
         return {
-            "spec": {
-                "preset": self.spec.preset,
-                "precision": self.spec.precision,
-                "model": self.spec.model.to_dict(),
-                "seed": self.spec.seed,
-                "microbatches": self.spec.microbatches,
-                "amax_history_len": self.spec.amax_history_len,
-                "scaling": self.spec.scaling,
-                "fp8_weights": self.spec.fp8_weights,
-            },  # fmt: skip
+            "spec": run_settings(self.spec),
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -234,9 +259,9 @@ class Run:
 
     def load_state_dict(self, state: dict) -> None:
         """Resumes from `state_dict()`; the run must train the same model the same way."""
-        saved, mine = state["spec"], self.state_dict()["spec"]
+        saved, mine = state["spec"], run_settings(self.spec)
         saved = {"scaling": "delayed", "fp8_weights": False, **saved}  # older checkpoints
-        diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {mine[k]!r}"
+        diff = [f"{k}: checkpoint {saved[k]!r}, this run {mine[k]!r}"
                 for k in mine if saved.get(k) != mine[k]]  # fmt: skip
         if diff:
             raise ValueError("checkpoint does not match this run: " + "; ".join(diff))
