@@ -70,6 +70,16 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
         return super()._get_help_string(action)
 
 
+def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--amax-history-len", type=_positive, default=16, help="FP8 delayed scaling")
+    p.add_argument("--scaling", choices=SCALINGS, default="delayed",
+                   help="FP8 recipe: DelayedScaling (amax history) or Float8CurrentScaling "
+                   "(each tensor's own amax)")  # fmt: skip
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="FP8 primary weights (fp8_model_init) trained through fp32 MasterWeights "
+                   "in fp8 runs (default: off)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="graphfp8-train", description=__doc__.split("\n\nWrites")[0],
                                 formatter_class=_Formatter)  # fmt: skip
@@ -117,13 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile what the graphs do "
                    "not hold: embedding, head, loss (and the blocks when not graphed)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
-    p.add_argument("--amax-history-len", type=_positive, default=16, help="FP8 delayed scaling")
-    p.add_argument("--scaling", choices=SCALINGS, default="delayed",
-                   help="FP8 recipe: DelayedScaling (amax history) or Float8CurrentScaling "
-                   "(each tensor's own amax)")  # fmt: skip
-    p.add_argument("--fp8-weights", action="store_true",
-                   help="FP8 primary weights (fp8_model_init) trained through fp32 MasterWeights "
-                   "(fp8 runs; default: off)")  # fmt: skip
+    _add_fp8_arguments(p)
     p.add_argument("--log-every", type=_positive, default=10, metavar="STEPS",
                    help="progress line and CSV rows every STEPS steps")  # fmt: skip
     p.add_argument("--out", type=Path, help="log directory (default: runs/<time>)")
