@@ -2,7 +2,7 @@
 # One-call GPU check (what `make gpu-check` runs on the H200): build graphfp8._C for sm_90, run
 # the CUDA tests, the benchmarks, a training comparison and a profile; logs, JSON and a summary
 # land in $OUT (packed into $OUT/results.tgz next to summary.md).
-#   GPU_STEPS  which steps to run (default: "tests kernels eager block train profile")
+#   GPU_STEPS  which steps to run (default: "tests kernels eager block memory train profile")
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
 #   FIRST_TESTS tests that the tests-first step runs verbosely before the rest
 set -uo pipefail
@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
-STEPS=${GPU_STEPS:-"tests kernels eager block train profile"}
+STEPS=${GPU_STEPS:-"tests kernels eager block memory train profile"}
 status=0
 
 # Wheels carried in .whl/ (nvtx, torchao): the device machine has no package index.
@@ -65,6 +65,13 @@ for step in $STEPS; do
     profile)
       $PY -m graphfp8.training.profile --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || status=1
       grep -v USDT "$OUT/profile.log" | head -40 | tee -a "$OUT/summary.md" ;;
+    memory)  # issue 19: the report (bf16 beside FP8, one layer and a stack), then the table
+      for what in report table; do
+        flag=$([ $what = table ] && echo --table)
+        $PY -m graphfp8.bench memory $flag --json "$OUT/bench_memory_$what.json" \
+          > /tmp/bench_memory_$what.log 2>&1 || { status=1; tail -30 /tmp/bench_memory_$what.log; }
+        grep -v '^wrote' /tmp/bench_memory_$what.log >> "$OUT/summary.md"
+      done ;;
     kernels|eager|block)
       $PY -m graphfp8.bench "$step" --json "$OUT/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }

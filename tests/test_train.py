@@ -41,6 +41,8 @@ def test_compare_trains_graphed_equal_to_eager_and_writes_logs(device, tmp_path,
     assert (summary["model"]["batch"], summary["model"]["seq_len"]) == (2, 32)
     losses = {r["name"]: r["losses"] for r in summary["runs"]}
     assert len(losses["fp8-graphs"]) == 12
+    for r in summary["runs"]:  # torch.cuda.max_memory_reserved of each run; null on the CPU
+        assert (r["peak_reserved_bytes"] is None) == (device == "cpu"), r["peak_reserved_bytes"]
     assert losses["bf16-graphs"] == losses["bf16-eager"], "bf16 graphed != eager"
     assert losses["fp8-graphs"] == losses["fp8-eager"], "fp8 graphed != eager"
     for name, curve in losses.items():

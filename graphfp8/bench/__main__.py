@@ -1,4 +1,5 @@
-"""`python -m graphfp8.bench {kernels,eager,block} [--device D] [--json PATH] [--quick]`."""
+"""`python -m graphfp8.bench {kernels,eager,block,memory} [--device D] [--json PATH] [--quick]
+[--table]`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ SUITES = {
     "kernels": "graphfp8.bench.kernels",
     "eager": "graphfp8.bench.eager",
     "block": "graphfp8.bench.block",
+    "memory": "graphfp8.bench.memory",
 }
 
 
@@ -22,9 +24,17 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU smoke runs)")
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="memory: the hidden 2048/4096 table, one process per mode",
+    )
     args = parser.parse_args(argv)
     module = importlib.import_module(SUITES[args.suite])
-    result = module.run(args.device, quick=args.quick)
+    extra = {"table": True} if args.table else {}
+    if extra and args.suite != "memory":
+        parser.error("--table is an option of the memory suite")
+    result = module.run(args.device, quick=args.quick, **extra)
     write_json(args.json, result)
 
 

@@ -120,8 +120,12 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
 
     Returns:
         {"name", "losses" (per step), "final_loss", "tokens_per_s" (steady state: after the
-        first tenth of the steps, capture excluded), "capture_s", "parameters", ...}.
+        first tenth of the steps, capture excluded), "capture_s", "parameters",
+        "peak_reserved_bytes" (torch.cuda.max_memory_reserved over the run; None on the CPU),
+        ...}.
     """
+    if spec.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()  # peak_reserved_bytes is this run's
     run = Run(spec, opts.corpus, opts.group)
     if opts.resume is not None:
         run.load_state_dict(torch.load(opts.resume, map_location=spec.device, weights_only=False))
@@ -152,6 +156,9 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         "capture_s": round(capture_s, 3),
         "train_s": round(t["t_end"] - t["t_start"], 3),
         "tokens_per_s": steady_tokens / steady_s if steady_tokens and steady_s > 0 else None,
+        "peak_reserved_bytes": (
+            torch.cuda.max_memory_reserved() if spec.device.startswith("cuda") else None
+        ),  # fmt: skip
         "ranks_agree": _ranks_agree(run.model, opts.group) if opts.group is not None else None,
         "model_state": run.model.state_dict() if opts.keep_state else None,
     }
