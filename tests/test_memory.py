@@ -12,7 +12,7 @@ import torch
 import graphfp8 as g8
 from graphfp8.bench.__main__ import main as bench_main
 from graphfp8.bench.memory_run import Shape, Stack
-from graphfp8.memory import memory_report
+from graphfp8.memory import LiveBytes, memory_report
 from tests.helpers import CUDA_PARAM
 
 RECIPE = g8.DelayedScaling()
@@ -160,3 +160,15 @@ def test_report_adds_up_to_torch_cuda(device):
     assert sum(p["reserved"] for p in report.pools.values()) == torch.cuda.memory_reserved()
     assert sum(p["allocated"] for p in report.pools.values()) == torch.cuda.memory_allocated()
     assert sum(1 for p in report.pools.values() if p.get("captured")) == 1
+
+
+def test_live_bytes_follows_storages_until_freed():
+    with LiveBytes() as lb:
+        a = torch.empty(1000, dtype=torch.uint8)
+        b = a.view(10, 100)  # no new storage
+        c = torch.exp(torch.ones(250))  # ones (1000 B) dies after exp
+        del a, b
+        d = c * 2
+    assert (lb.peak, lb.live) == (3000, 2000)  # a + ones + c, then c + d
+    del c, d
+
