@@ -172,3 +172,19 @@ def test_live_bytes_follows_storages_until_freed():
     assert (lb.peak, lb.live) == (3000, 2000)  # a + ones + c, then c + d
     del c, d
 
+
+def test_fp8_mlp_backward_peak_is_da_and_dh(device):
+    """The FP8 MLP's backward holds at most dy's transpose, da (T, F) bf16 and dh's two FP8
+    layouts at once (T*H + 2*T*F + 2*T*F bytes), plus small vectors: each intermediate is
+    dropped before the next big one (dgrad2, dGELU, wgrad2, dgrad1, wgrad1). Before, all of
+    them lived until it returned: 4TH + 4TF + 4HF."""
+    tokens = 4 * H  # the ratio of the benchmarks (T = 2h..4h)
+    m = g8.LayerNormMLP(H, F, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(tokens, H, dtype=torch.bfloat16, device=device, requires_grad=True)
+    dy = torch.randn(tokens, H, dtype=torch.bfloat16, device=device)
+    _forward(m, x, True).backward(dy)  # the grads exist: accumulation allocates nothing
+    y = _forward(m, x, True)
+    with LiveBytes() as lb:
+        y.backward(dy)
+    bound = tokens * H + 4 * tokens * F
+    assert bound <= lb.peak <= bound + 16 * 1024, (lb.peak, bound, lb.at_peak)
