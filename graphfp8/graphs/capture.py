@@ -296,7 +296,8 @@ def _capture_backwards(runners, arenas, state, pool, allow_unused, device) -> No
         outs, inputs = _grad_targets(runner, runner.static_outputs)
         grad_outs = [g for g in runner.static_grad_outputs if g is not None]
         graph = new_graph(device)
-        with capture_state(**state), graph.capture(pool):
+        fold = _GradFold(runner.params, device)
+        with capture_state(**state), fold.hooked(), graph.capture(pool):
             grads = ()
             if outs and inputs:
                 grads = torch.autograd.grad(outs, inputs, grad_outs, allow_unused=allow_unused)
@@ -304,25 +305,59 @@ def _capture_backwards(runners, arenas, state, pool, allow_unused, device) -> No
                 scaling.update_(bwd_arenas, state["group"])
         runner.bwd_graph = graph
         it = iter(grads)
-        per_input = [next(it) if t.requires_grad else None for t in runner.static_inputs]
-        per_param = [next(it) if p.requires_grad else None for p in runner.params]
-        runner.static_grad_inputs = per_input
-        runner.accumulator = _grad_accumulator(runner.params, per_param, pool, device)
+        runner.static_grad_inputs = [next(it) if t.requires_grad else None
+                                     for t in runner.static_inputs]  # fmt: skip
+        del grads, it  # the parameters' stand-ins
+        runner.accumulator = fold.accumulator(pool)
 
 
-def _grad_accumulator(params, grads, pool, device) -> GradAccumulator | None:
-    """Captures the two one-launch folds of the parameter gradients into their .grad buffers."""
-    pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
-    if not pairs:
-        return None
-    params, grads = [p for p, _ in pairs], [g for _, g in pairs]
-    buffers = [_grad_buffer(p) for p in params]
-    add_graph, copy_graph = new_graph(device), new_graph(device)
-    with add_graph.capture(pool):
-        torch._foreach_add_(buffers, grads)
-    with copy_graph.capture(pool):
-        torch._foreach_copy_(buffers, grads)
-    return GradAccumulator(params, grads, buffers, add_graph, copy_graph)
+class _GradFold:
+    """Folds each parameter gradient into the parameter's persistent .grad buffer inside the
+    backward graph, as autograd produces it (GradAccumulator says how replays use this)."""
+
+    def __init__(self, params, device):
+        self.params = [p for p in params if p.requires_grad]
+        self.device = device
+        self.buffers = [_grad_buffer(p) for p in self.params]
+        self.folded: list[int] = []
+
+    def _hook(self, i: int, stand_ins: dict):
+        def fold(grad: torch.Tensor) -> torch.Tensor:
+            self.buffers[i].add_(grad)
+            self.folded.append(i)
+            return stand_ins[grad.dtype].expand(grad.shape)
+
+        return fold
+
+    @contextlib.contextmanager
+    def hooked(self):
+        """Hooks on the parameters for the capture. The CPU tape runs what it records: the
+        buffers (some may be a .grad already) are put back as they were afterwards."""
+        saved = [b.clone() for b in self.buffers] if self.device.type == "cpu" else None
+        stand_ins = {b.dtype: b.new_empty(()) for b in self.buffers}
+        handles = [p.register_hook(self._hook(i, stand_ins)) for i, p in enumerate(self.params)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            if saved is not None:
+                torch._foreach_copy_(self.buffers, saved)
+
+    def accumulator(self, pool) -> GradAccumulator | None:
+        """The parameters that got a gradient, with the captured -0.0 fill of their buffers."""
+        used = sorted(set(self.folded))
+        if not used:
+            return None
+        params, buffers = [self.params[i] for i in used], [self.buffers[i] for i in used]
+        saved = [b.clone() for b in buffers] if self.device.type == "cpu" else None
+        reset = new_graph(self.device)
+        with reset.capture(pool):
+            for b in buffers:
+                b.fill_(-0.0)
+        if saved is not None:
+            torch._foreach_copy_(buffers, saved)
+        return GradAccumulator(params, buffers, reset)
 
 
 def _grad_buffer(param: torch.Tensor) -> torch.Tensor:

@@ -58,39 +58,51 @@ class WeightCacheFlag:
 
 
 class GradAccumulator:
-    """Parameter gradients of one captured callable, accumulated into `.grad` without autograd.
+    """Parameter gradients of one captured callable, accumulated into `.grad` inside its backward
+    graph, without autograd's AccumulateGrad.
 
-    The backward graph writes each parameter's gradient into a static buffer; then one of two
-    small captured graphs folds all of them into persistent per-parameter `.grad` buffers in one
-    multi-tensor launch: `copy` right after zero_grad(set_to_none=True), `add` otherwise - the
-    same arithmetic as eager AccumulateGrad (which steals the first gradient and adds the next
-    ones), so graphed and eager `.grad` agree bit for bit, while the host cost stays one graph
-    launch however many layers the callable holds. A `.grad` the user replaced by another tensor
-    takes a slower per-parameter path.
+    While the backward is captured, a hook on each parameter adds the gradient autograd produces
+    into a persistent per-parameter buffer and hands autograd an empty stand-in, so that the
+    gradient's memory goes back to the graph's pool at once (no static per-parameter gradient
+    outlives the graph). The graph always adds, as eager AccumulateGrad does from the second
+    microbatch on. After zero_grad(set_to_none=True) AccumulateGrad steals the first gradient
+    instead: before that replay one small captured graph fills the buffers with -0.0, the
+    identity of IEEE addition (-0.0 + g is g bit for bit, +0.0 included), and `.grad` is set to
+    them after it. A `.grad` the user replaced by another tensor is copied into the buffer
+    before the replay and back after it (a slower per-parameter path).
 
     .. warning:: parameter hooks (post-accumulate-grad hooks, DDP's) do not run for these grads.
     """
 
-    def __init__(self, params, grads, buffers, add_graph, copy_graph):
-        self.params, self.grads, self.buffers = params, grads, buffers
-        self.add_graph, self.copy_graph = add_graph, copy_graph
+    def __init__(self, params, buffers, reset_graph):
+        self.params, self.buffers, self.reset_graph = params, buffers, reset_graph
         self._nones = [None] * len(params)
+        self._attach = None
 
-    def accumulate(self) -> None:
+    def before_replay(self) -> None:
         current = list(map(_GRAD, self.params))
         if all(map(operator.is_, current, self.buffers)):
-            self.add_graph.replay()
+            self._attach = None
         elif not any(map(operator.is_not, current, self._nones)):
-            self.copy_graph.replay()
-            for p, b in zip(self.params, self.buffers):
-                p.grad = b
+            self.reset_graph.replay()
+            self._attach = self._nones
         else:
-            for p, g, b, s in zip(self.params, current, self.buffers, self.grads):
+            for b, g in zip(self.buffers, current):
                 if g is None:
-                    b.copy_(s)
-                    p.grad = b
-                else:
-                    g.add_(s)
+                    b.fill_(-0.0)
+                elif g is not b:
+                    b.copy_(g)
+            self._attach = current
+
+    def after_replay(self) -> None:
+        if self._attach is None:
+            return
+        for p, b, g in zip(self.params, self.buffers, self._attach):
+            if g is None:
+                p.grad = b
+            elif g is not b:
+                g.copy_(b)
+        self._attach = None
 
 
 _GRAD = operator.attrgetter("grad")
@@ -187,9 +199,11 @@ class GraphedRunner:
             if static is not None and given is not None and static.data_ptr() != given.data_ptr():
                 static.copy_(given)
         with nvtx_range("replay-backward"):
+            if self.accumulator is not None:
+                self.accumulator.before_replay()
             self.bwd_graph.replay()
             if self.accumulator is not None:
-                self.accumulator.accumulate()
+                self.accumulator.after_replay()
         # Returned without detach(): the runner keeps a reference, so AccumulateGrad clones
         # them into a leaf input's .grad instead of stealing a static buffer that the next
         # replay overwrites.
