@@ -30,8 +30,8 @@ from graphfp8.fp8.arena_check import check_arenas
 from graphfp8.fp8.autocast import CaptureState, capture_state
 from graphfp8.fp8.recipe import DelayedScaling
 from graphfp8.graphs.backends import capture_stream, new_graph
+from graphfp8.graphs.grads import GradFold
 from graphfp8.graphs.replay import (
-    GradAccumulator,
     GraphedFunction,
     GraphedRunner,
     WeightCacheFlag,
@@ -296,11 +296,12 @@ def _capture_backwards(runners, arenas, state, pool, allow_unused, device) -> No
         outs, inputs = _grad_targets(runner, runner.static_outputs)
         grad_outs = [g for g in runner.static_grad_outputs if g is not None]
         graph = new_graph(device)
-        fold = _GradFold(runner.params, device)
+        fold = GradFold(runner.params, device)
         with capture_state(**state), fold.hooked(), graph.capture(pool):
             grads = ()
             if outs and inputs:
                 grads = torch.autograd.grad(outs, inputs, grad_outs, allow_unused=allow_unused)
+            fold.finish()
             if i == 0 and state["fp8_enabled"]:
                 scaling.update_(bwd_arenas, state["group"])
         runner.bwd_graph = graph
@@ -309,64 +310,6 @@ def _capture_backwards(runners, arenas, state, pool, allow_unused, device) -> No
                                      for t in runner.static_inputs]  # fmt: skip
         del grads, it  # the parameters' stand-ins
         runner.accumulator = fold.accumulator(pool)
-
-
-class _GradFold:
-    """Folds each parameter gradient into the parameter's persistent .grad buffer inside the
-    backward graph, as autograd produces it (GradAccumulator says how replays use this)."""
-
-    def __init__(self, params, device):
-        self.params = [p for p in params if p.requires_grad]
-        self.device = device
-        self.buffers = [_grad_buffer(p) for p in self.params]
-        self.folded: list[int] = []
-
-    def _hook(self, i: int, stand_ins: dict):
-        def fold(grad: torch.Tensor) -> torch.Tensor:
-            self.buffers[i].add_(grad)
-            self.folded.append(i)
-            return stand_ins[grad.dtype].expand(grad.shape)
-
-        return fold
-
-    @contextlib.contextmanager
-    def hooked(self):
-        """Hooks on the parameters for the capture. The CPU tape runs what it records: the
-        buffers (some may be a .grad already) are put back as they were afterwards."""
-        saved = [b.clone() for b in self.buffers] if self.device.type == "cpu" else None
-        stand_ins = {b.dtype: b.new_empty(()) for b in self.buffers}
-        handles = [p.register_hook(self._hook(i, stand_ins)) for i, p in enumerate(self.params)]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-            if saved is not None:
-                torch._foreach_copy_(self.buffers, saved)
-
-    def accumulator(self, pool) -> GradAccumulator | None:
-        """The parameters that got a gradient, with the captured -0.0 fill of their buffers."""
-        used = sorted(set(self.folded))
-        if not used:
-            return None
-        params, buffers = [self.params[i] for i in used], [self.buffers[i] for i in used]
-        saved = [b.clone() for b in buffers] if self.device.type == "cpu" else None
-        reset = new_graph(self.device)
-        with reset.capture(pool):
-            for b in buffers:
-                b.fill_(-0.0)
-        if saved is not None:
-            torch._foreach_copy_(buffers, saved)
-        return GradAccumulator(params, buffers, reset)
-
-
-def _grad_buffer(param: torch.Tensor) -> torch.Tensor:
-    """One persistent .grad buffer per parameter, shared by every callable that uses it."""
-    buf = getattr(param, "_graphfp8_grad", None)
-    if buf is None:
-        buf = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        param._graphfp8_grad = buf
-    return buf
 
 
 # Phase 4: wrap ------------------------------------------------------------------------------

@@ -1,16 +1,15 @@
 """Replaying a captured callable: its static inputs and outputs (GraphedRunner), the checks made
-before every replay, the is_first_microbatch device flag (WeightCacheFlag), the gradient fold
-into `.grad` (GradAccumulator) and the autograd.Function that replays the two graphs."""
+before every replay, the is_first_microbatch device flag (WeightCacheFlag) and the
+autograd.Function that replays the two graphs (the gradient fold into `.grad`: graphs/grads.py)."""
 
 from __future__ import annotations
-
-import operator
 
 import torch
 from torch.nn.modules import module as _nn_module
 from torch.utils._pytree import tree_unflatten
 
 from graphfp8.fp8.autocast import STATE, check_is_first_microbatch
+from graphfp8.graphs.grads import GradAccumulator
 from graphfp8.profiling import nvtx_range
 
 __all__ = ["WeightCacheFlag", "GradAccumulator", "GraphedRunner", "GraphedFunction"]
@@ -55,57 +54,6 @@ class WeightCacheFlag:
         if value != self.value:
             self.tensor.fill_(value)
             self.value = value
-
-
-class GradAccumulator:
-    """Parameter gradients of one captured callable, accumulated into `.grad` inside its backward
-    graph, without autograd's AccumulateGrad.
-
-    While the backward is captured, a hook on each parameter adds the gradient autograd produces
-    into a persistent per-parameter buffer and hands autograd an empty stand-in, so that the
-    gradient's memory goes back to the graph's pool at once (no static per-parameter gradient
-    outlives the graph). The graph always adds, as eager AccumulateGrad does from the second
-    microbatch on. After zero_grad(set_to_none=True) AccumulateGrad steals the first gradient
-    instead: before that replay one small captured graph fills the buffers with -0.0, the
-    identity of IEEE addition (-0.0 + g is g bit for bit, +0.0 included), and `.grad` is set to
-    them after it. A `.grad` the user replaced by another tensor is copied into the buffer
-    before the replay and back after it (a slower per-parameter path).
-
-    .. warning:: parameter hooks (post-accumulate-grad hooks, DDP's) do not run for these grads.
-    """
-
-    def __init__(self, params, buffers, reset_graph):
-        self.params, self.buffers, self.reset_graph = params, buffers, reset_graph
-        self._nones = [None] * len(params)
-        self._attach = None
-
-    def before_replay(self) -> None:
-        current = list(map(_GRAD, self.params))
-        if all(map(operator.is_, current, self.buffers)):
-            self._attach = None
-        elif not any(map(operator.is_not, current, self._nones)):
-            self.reset_graph.replay()
-            self._attach = self._nones
-        else:
-            for b, g in zip(self.buffers, current):
-                if g is None:
-                    b.fill_(-0.0)
-                elif g is not b:
-                    b.copy_(g)
-            self._attach = current
-
-    def after_replay(self) -> None:
-        if self._attach is None:
-            return
-        for p, b, g in zip(self.params, self.buffers, self._attach):
-            if g is None:
-                p.grad = b
-            elif g is not b:
-                g.copy_(b)
-        self._attach = None
-
-
-_GRAD = operator.attrgetter("grad")
 
 
 def hook_dicts(modules) -> list:

@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 import graphfp8 as g8
+from graphfp8.graphs import grads
 from graphfp8.memory import memory_report
 from graphfp8.testing import assert_bitwise_equal
+from tests.graphs.common import train_side_by_side
 
 SHAPE = (16, 32)
 
@@ -56,8 +58,14 @@ def _check(eager, graphed_model, what):
             assert_bitwise_equal(pg.grad, pe.grad, f"{what}: {name}.grad")
 
 
+@pytest.fixture(params=["at once", "at the end"])
+def fold_at_once(request, monkeypatch):
+    """Folds every gradient as autograd produces it, or every one in the graph's final add."""
+    monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1 if request.param == "at once" else 1 << 30)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grads_fold_bit_for_bit_in_every_grad_state(dtype):
+def test_grads_fold_bit_for_bit_in_every_grad_state(dtype, fold_at_once):
     eager = Scale(dtype)
     model = copy.deepcopy(eager)
     sample = torch.randn(SHAPE, dtype=dtype)
@@ -82,7 +90,7 @@ def test_grads_fold_bit_for_bit_in_every_grad_state(dtype):
     assert torch.isnan(model.p.grad[1, 0]) and torch.signbit(model.p.grad[0, 0]) is not None
 
 
-def test_a_parameter_shared_by_two_callables_accumulates_both():
+def test_a_parameter_shared_by_two_callables_accumulates_both(fold_at_once):
     """Each callable's backward graph adds its own contribution, the later callable's first: the
     eager reference runs the two backwards separately in that order (autograd on one graph would
     sum the two contributions first, rounding differently)."""
@@ -119,3 +127,10 @@ def test_no_static_parameter_gradients_outlive_the_graph():
     report = memory_report(m, graphed=[graphed], other={"x": x, "x.grad": x.grad})
     assert "graph param grads" not in report.bytes, report.format()
     assert all(p.grad is p._graphfp8_grad for p in m.parameters())
+
+
+def test_transformer_layer_graphed_equals_eager_with_every_grad_folded_at_once(monkeypatch):
+    """The layers' own tests fold small gradients at the end; here every one as produced."""
+    monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1)
+    recipe = g8.DelayedScaling(amax_history_len=4)
+    train_side_by_side("TransformerLayer", recipe, True, "cpu", steps=2, mbs=2)
