@@ -23,13 +23,13 @@ class GradAccumulator:
     While the backward is captured, a hook on each parameter adds the gradient autograd produces
     into a persistent per-parameter buffer (small gradients: one multi-tensor add at the end of
     the graph) and hands autograd an empty stand-in, so that the gradient's memory goes back to
-    the graph's pool at once: no static per-parameter gradient outlives the graph, and a big
-    one does not even outlive its layer's backward. The graph always adds, as eager AccumulateGrad does from the second
-    microbatch on. After zero_grad(set_to_none=True) AccumulateGrad steals the first gradient
-    instead: before that replay one small captured graph fills the buffers with -0.0, the
-    identity of IEEE addition (-0.0 + g is g bit for bit, +0.0 included), and `.grad` is set to
-    them after it. A `.grad` the user replaced by another tensor is copied into the buffer
-    before the replay and back after it (a slower per-parameter path).
+    the graph's pool at once: no static per-parameter gradient outlives the graph, and a big one
+    does not even outlive its layer's backward. The graph always adds, as eager AccumulateGrad
+    does from the second microbatch on. After zero_grad(set_to_none=True) AccumulateGrad steals
+    the first gradient instead: before that replay one small captured graph fills the buffers
+    with -0.0, the identity of IEEE addition (-0.0 + g is g bit for bit, +0.0 included), and
+    `.grad` is set to them after it. A `.grad` the user replaced by another tensor is copied into
+    the buffer before the replay and back after it (a slower per-parameter path).
 
     .. warning:: parameter hooks (post-accumulate-grad hooks, DDP's) do not run for these grads.
     """
