@@ -4,6 +4,7 @@ CUDA that the report adds up to what torch.cuda measures."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -13,6 +14,8 @@ import graphfp8 as g8
 from graphfp8.bench.__main__ import main as bench_main
 from graphfp8.bench.memory_run import Shape, Stack
 from graphfp8.memory import LiveBytes, memory_report
+from graphfp8.testing import assert_bitwise_equal
+from tests.graphs.common import train_side_by_side
 from tests.helpers import CUDA_PARAM
 
 RECIPE = g8.DelayedScaling()
@@ -24,6 +27,11 @@ MiB = 2**20
 def _forward(m, x, fp8: bool):
     with g8.fp8_autocast(enabled=fp8, recipe=RECIPE):
         return m(x, is_first_microbatch=True)
+
+
+def _forward_mb(m, x, first: bool):
+    with g8.fp8_autocast(recipe=RECIPE):
+        return m(x, is_first_microbatch=first)
 
 
 def _saved(report, node: str | None = None) -> list:
@@ -188,3 +196,34 @@ def test_fp8_mlp_backward_peak_is_da_and_dh(device):
         y.backward(dy)
     bound = tokens * H + 4 * tokens * F
     assert bound <= lb.peak <= bound + 16 * 1024, (lb.peak, bound, lb.at_peak)
+
+
+def test_uncached_weight_transposes_halve_the_weight_cache_and_change_no_bit(device):
+    torch.manual_seed(0)
+    cached = g8.TransformerLayer(H, 2, F, max_seq_len=S, params_dtype=torch.bfloat16, device=device)
+    lean = copy.deepcopy(cached)
+    g8.modules.cache_weight_transposes(lean, False)
+    for mb in range(3):
+        x = torch.randn(B, S, H, dtype=torch.bfloat16, device=device) * 10.0 ** (mb - 1)
+        dy = torch.randn_like(x)
+        outs = []
+        for m in (cached, lean):
+            xm = x.clone().requires_grad_()
+            y = _forward_mb(m, xm, mb == 0)
+            y.backward(dy)
+            outs.append((y, xm.grad))
+        assert_bitwise_equal(outs[1][0], outs[0][0], f"mb {mb}: output")
+        assert_bitwise_equal(outs[1][1], outs[0][1], f"mb {mb}: dgrad")
+        for (name, pc), (_, pl) in zip(cached.named_parameters(), lean.named_parameters(),
+                                       strict=True):  # fmt: skip
+            assert_bitwise_equal(pl.grad, pc.grad, f"mb {mb}: {name}.grad")
+    weights = [lean.qkv.weight, lean.proj.weight, lean.mlp.fc1_weight, lean.mlp.fc2_weight]
+    report = memory_report(lean)
+    assert report.bytes["FP8 weights"] == sum(w.numel() + 4 for w in weights)
+
+
+def test_uncached_weight_transposes_graphed_equals_eager(monkeypatch):
+    monkeypatch.setattr(g8.FP8Module, "cache_weight_transpose", False)
+    recipe = g8.DelayedScaling(amax_history_len=4)
+    eager, graphed = train_side_by_side("TransformerLayer", recipe, True, "cpu", steps=2, mbs=2)
+    assert all(ws._transpose is None for ws in graphed.mlp._weight_fp8.values())

@@ -20,6 +20,7 @@ from torch import nn
 
 import graphfp8 as g8
 from graphfp8.memory import cuda_counters, memory_report
+from graphfp8.modules import cache_weight_transposes
 
 __all__ = ["Shape", "Stack", "run_mode"]
 
@@ -69,15 +70,19 @@ class Stack(nn.Module):
         return x
 
 
-def run_mode(shape: Shape, precision: str, graphs: bool, device, steps: int = 2,
-             microbatches: int = 4, warmup: int = 3) -> dict:  # fmt: skip
+def run_mode(
+    shape: Shape, precision: str, graphs: bool, device, steps: int = 2, microbatches: int = 4,
+    warmup: int = 3, transpose_cache: bool = True,
+) -> dict:  # fmt: skip
     """Trains `steps` optimizer steps of `microbatches` microbatches (plain SGD, zero_grad with
-    set_to_none) and returns {"report": MemoryReport at the end of the last forward,
+    set_to_none; transpose_cache=False: graphfp8.modules.cache_weight_transposes(model, False))
+    and returns {"report": MemoryReport at the end of the last forward,
     "after_steps": torch.cuda counters after the last step (None on the CPU)}."""
     device = torch.device(device)
     g8.reset_state()
     torch.manual_seed(0)
     model = Stack(shape, device)
+    cache_weight_transposes(model, transpose_cache)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     fp8 = precision == "fp8"
     x = torch.randn(shape.batch, shape.seq, shape.hidden, dtype=torch.bfloat16, device=device,
@@ -126,8 +131,10 @@ def main(argv=None) -> None:
     shape = Shape(**{k: args[k] for k in ("hidden", "layers", "batch", "seq") if k in args})
     device = args.get("device", "cuda" if torch.cuda.is_available() else "cpu")
     steps, microbatches = args.get("steps", 2), args.get("microbatches", 4)
-    out = run_mode(shape, args["precision"], args["graphs"], device, steps, microbatches)
+    out = run_mode(shape, args["precision"], args["graphs"], device, steps, microbatches,
+                   transpose_cache=args.get("transpose_cache", True))  # fmt: skip
     result = {"shape": asdict(shape), "precision": args["precision"], "graphs": args["graphs"],
+              "transpose_cache": args.get("transpose_cache", True),
               "after_steps": out["after_steps"],
               "report": out["report"].to_dict(with_items=False)}  # fmt: skip
     print(json.dumps(result), flush=True)

@@ -28,6 +28,7 @@ __all__ = [
     "fp8_linear",
     "forward_gemm",
     "save_weight",
+    "weight_t",
     "wgrad_gemm",
 ]
 
@@ -100,12 +101,15 @@ def cast_weight_(weight: torch.Tensor, cfg: GemmConfig) -> Float8Tensor:
     microbatches.
     """
     w = cfg.weight_fp8
-    if cfg.cast_weight:
-        ops.cast_transpose(
-            weight, *cfg.quantizer(FwdRole.WEIGHT),
-            out=w._data, out_t=w._transpose, scale_inv=w._scale_inv, noop=cfg.weight_cache_flag,
-        )  # fmt: skip
-        w.mark_data_changed(transpose_written=True)
+    if not cfg.cast_weight:
+        return w
+    quantizer, flag = cfg.quantizer(FwdRole.WEIGHT), cfg.weight_cache_flag
+    if w._transpose is None:  # transposes are not cached (FP8Module.cache_weight_transpose)
+        ops.cast_to_fp8(weight, *quantizer, out=w._data, scale_inv=w._scale_inv, noop=flag)
+    else:
+        ops.cast_transpose(weight, *quantizer, out=w._data, out_t=w._transpose,
+                           scale_inv=w._scale_inv, noop=flag)  # fmt: skip
+    w.mark_data_changed(transpose_written=w._transpose is not None)
     return w
 
 
@@ -149,11 +153,18 @@ def wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, out_dtype) -> torch
 
 
 def save_weight(ctx, key: str, cfg: GemmConfig) -> None:
-    """Keeps the weight workspace's transpose and scale_inv on ctx. The workspace is rewritten in
-    place by later casts: keep it out of save_for_backward's version checks. Its data and
-    scale_inv always pair up."""
+    """Keeps the weight workspace's transpose (None when transposes are not cached), data and
+    scale_inv on ctx for weight_t(). The workspace is rewritten in place by later casts: keep it
+    out of save_for_backward's version checks. Its data and scale_inv always pair up."""
     w = cfg.weight_fp8
-    setattr(ctx, key, (w._transpose, w._scale_inv))
+    setattr(ctx, key, (w._transpose, w._data, w._scale_inv))
+
+
+def weight_t(saved: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_t_fp8 (K, N), scale_inv) from save_weight's tuple: the cached transpose, or else a
+    transpose of the FP8 weight made now (the caller drops it after its GEMM)."""
+    w_t, data, scale_inv = saved
+    return (w_t if w_t is not None else ops.fp8_transpose(data)), scale_inv
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -186,7 +197,7 @@ class _FP8Linear(torch.autograd.Function):
         )
         dx = dw = None
         if ctx.needs_dgrad:
-            dx = dgrad_gemm(dy_fp8, dy_scale_inv, *ctx.w, dy.dtype).view(ctx.inp_shape)
+            dx = dgrad_gemm(dy_fp8, dy_scale_inv, *weight_t(ctx.w), dy.dtype).view(ctx.inp_shape)
         dy_fp8 = None  # freed before the wgrad output is allocated
         if ctx.needs_wgrad:
             dw = wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, dy.dtype)

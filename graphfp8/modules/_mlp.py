@@ -25,6 +25,7 @@ from graphfp8.modules._functional import (
     dgrad_gemm,
     forward_gemm,
     save_weight,
+    weight_t,
     wgrad_gemm,
 )
 
@@ -63,7 +64,7 @@ class _FP8GeluMLP(torch.autograd.Function):
         dy_fp8, dy_t_fp8, dy_scale_inv, db2 = cast_grad_output(
             dy.reshape(-1, dy.shape[-1]).contiguous(), cfg2, needs_wgrad2, needs_db2
         )
-        da = dgrad_gemm(dy_fp8, dy_scale_inv, *ctx.w2, dy.dtype) if needs_fc1 else None
+        da = dgrad_gemm(dy_fp8, dy_scale_inv, *weight_t(ctx.w2), dy.dtype) if needs_fc1 else None
         dy_fp8 = dh_fp8 = dh_t_fp8 = dh_scale_inv = db1 = None
         if needs_fc1:
             dh_fp8, dh_t_fp8, dh_scale_inv, db1 = ops.dgelu_cast_transpose_dbias(
@@ -80,7 +81,7 @@ class _FP8GeluMLP(torch.autograd.Function):
             return None, None, None, dw2, db2, None, None, None
         dx = dw1 = None
         if needs_dgrad:
-            dx = dgrad_gemm(dh_fp8, dh_scale_inv, *ctx.w1, dy.dtype).view(ctx.inp_shape)
+            dx = dgrad_gemm(dh_fp8, dh_scale_inv, *weight_t(ctx.w1), dy.dtype).view(ctx.inp_shape)
         dh_fp8 = None
         if needs_wgrad1:
             dw1 = wgrad_gemm(dh_t_fp8, dh_scale_inv, x_t_fp8, x_scale_inv, dy.dtype)
