@@ -107,7 +107,7 @@ class GradFold:
             for h in handles:
                 h.remove()
             self.pending = []
-            if saved is not None:
+            if saved:
                 torch._foreach_copy_(self.buffers, saved)
 
     def finish(self) -> None:
