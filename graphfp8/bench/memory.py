@@ -37,32 +37,35 @@ def run(device, quick: bool = False, table: bool = False) -> dict:
     if table:
         return run_table(device, quick=quick)
     if quick:
-        shapes = [Shape(64, layers=1, batch=2, seq=32, heads=2), Shape(64, 2, 2, 32, heads=2)]
+        shapes = [Shape(64, layers=2, batch=2, seq=32, heads=2)]
     else:
         shapes = [Shape(2048, layers=1), Shape(2048, layers=4)]
     results, text = [], ""
     for shape in shapes:
         row = {"shape": vars(shape), "modes": {}}
-        reports = {}
+        reports, lives = {}, {}
         for name, mode in MODES.items():
             out = run_mode(shape, **mode, device=device, steps=1 if quick else 2,
                            microbatches=2 if quick else 4, warmup=1 if quick else 3)  # fmt: skip
             reports[name] = out["report"]
-            row["modes"][name] = {"after_steps": out["after_steps"],
+            row["modes"][name] = {"after_steps": out["after_steps"], "live_peak": out["live_peak"],
                                   "report": out["report"].to_dict()}  # fmt: skip
+            lives[name] = out["live_peak"]
             del out
             release(device)
-        text += _compare(shape, reports)
-        if shape.layers == 1:
+        text += _compare(shape, reports, lives)
+        if shape is shapes[0]:
             for name in ("bf16 eager", "fp8 eager"):
-                text += reports[name].format(f"{name}, one layer: what each node saves")
-                print(reports[name].format(f"{name}, one layer"), flush=True)
+                table = reports[name].format(f"{name}, {shape.layers} layer(s): what each saves")
+                print(table, flush=True)
+                text += table
         results.append(row)
     return {"env": environment(device), "results": results, "table": text}
 
 
-def _compare(shape: Shape, reports: dict) -> str:
-    """Categories in rows, modes in columns, MiB; CUDA counters below."""
+def _compare(shape: Shape, reports: dict, lives: dict) -> str:
+    """Categories in rows, modes in columns, MiB; CUDA counters (or the CPU's LiveBytes peak of
+    the last microbatch) below."""
     names = list(reports)
     rows = []
     for cat in CATEGORIES:
@@ -75,6 +78,9 @@ def _compare(shape: Shape, reports: dict) -> str:
         rows.append(["graph pools reserved",
                      *[sum(p["reserved"] for k, p in reports[n].pools.items() if k != "default")
                        / MiB for n in names]])  # fmt: skip
+    if any(v is not None for v in lives.values()):
+        peaks = [lives[n] / MiB if lives[n] is not None else "-" for n in names]
+        rows.append(["CPU: peak live bytes of the last microbatch", *peaks])
     title = (f"memory at the end of the last forward, MiB: {shape.layers} TransformerLayer(s), "
              f"hidden {shape.hidden}, batch {shape.batch} x seq {shape.seq}")  # fmt: skip
     return print_table(title, ["", *names], rows)

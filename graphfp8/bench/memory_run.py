@@ -10,6 +10,7 @@ runs one mode in this process and prints its result as one JSON line (what `benc
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 import graphfp8 as g8
-from graphfp8.memory import cuda_counters, memory_report
+from graphfp8.memory import LiveBytes, cuda_counters, memory_report
 from graphfp8.modules import cache_weight_transposes
 
 __all__ = ["Shape", "Stack", "run_mode"]
@@ -76,8 +77,10 @@ def run_mode(
 ) -> dict:  # fmt: skip
     """Trains `steps` optimizer steps of `microbatches` microbatches (plain SGD, zero_grad with
     set_to_none; transpose_cache=False: graphfp8.modules.cache_weight_transposes(model, False))
-    and returns {"report": MemoryReport at the end of the last forward,
-    "after_steps": torch.cuda counters after the last step (None on the CPU)}."""
+    and returns {"report": MemoryReport at the end of the last forward, "after_steps":
+    torch.cuda counters after the last step (None on the CPU), "live_peak": on the CPU in eager
+    mode the LiveBytes peak of the last microbatch (what it allocated, saved activations and
+    transients, at most at once), else None}."""
     device = torch.device(device)
     g8.reset_state()
     torch.manual_seed(0)
@@ -94,25 +97,28 @@ def run_mode(
             model, (x,), fp8_enabled=fp8, fp8_recipe=RECIPE, fp8_weight_caching=True,
             num_warmup_iters=warmup,
         )  # fmt: skip
-    report = None
     for step in range(steps):
         for mb in range(microbatches):
-            first = mb == 0
-            if graphed is not None:
-                y = graphed(x, is_first_microbatch=first)
-            else:
-                with g8.fp8_autocast(enabled=fp8, recipe=RECIPE):
-                    y = model(x, is_first_microbatch=first)
-            if step == steps - 1 and mb == microbatches - 1:
-                report = memory_report(model, outputs=y, graphed=[graphed] if graphed else (),
-                                       other={"x": x, "x.grad": x.grad, "dy": dy})  # fmt: skip
-            y.backward(dy)
-            del y
+            last = step == steps - 1 and mb == microbatches - 1
+            # The CPU's peak: LiveBytes over the last eager microbatch (a tape's replay
+            # allocates as it copies, so it says nothing about a graph).
+            live = LiveBytes() if last and graphed is None and device.type == "cpu" else None
+            with live or contextlib.nullcontext():
+                if graphed is not None:
+                    y = graphed(x, is_first_microbatch=mb == 0)
+                else:
+                    with g8.fp8_autocast(enabled=fp8, recipe=RECIPE):
+                        y = model(x, is_first_microbatch=mb == 0)
+                if last:
+                    report = memory_report(model, outputs=y, graphed=[graphed] if graphed else (),
+                                           other={"x": x, "x.grad": x.grad, "dy": dy})  # fmt: skip
+                y.backward(dy)
+                del y
         opt.step()
         opt.zero_grad(set_to_none=True)
         x.grad = None
     after = cuda_counters(device) if device.type == "cuda" else None
-    return {"report": report, "after_steps": after}
+    return {"report": report, "after_steps": after, "live_peak": live.peak if live else None}
 
 
 def release(device) -> None:
