@@ -10,6 +10,7 @@ import operator
 import torch
 
 from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.tape import CaptureError
 
 __all__ = ["FOLD_AT_ONCE", "GradAccumulator", "GradFold", "grad_buffer"]
 
@@ -84,6 +85,13 @@ class GradFold:
 
     def _hook(self, i: int, stand_ins: dict):
         def fold(grad: torch.Tensor) -> torch.Tensor:
+            if grad.is_cuda and not torch.cuda.is_current_stream_capturing():
+                # The add would run now, outside the graph: every replay would miss it.
+                raise CaptureError(
+                    f"graphfp8 capture: the gradient of a {tuple(grad.shape)} parameter reached "
+                    "its accumulation on a stream that is not capturing; its autograd node "
+                    "predates the capture (free the outputs of earlier forwards first)"
+                )
             self.folded.append(i)
             if grad.numel() >= FOLD_AT_ONCE:
                 self.buffers[i].add_(grad)
