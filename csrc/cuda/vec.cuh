@@ -52,9 +52,10 @@ __device__ __forceinline__ void load_vec(const T* p, float (&f)[Vec<T>::N]) {
 
 // float -> 16-bit exactly as torch's CUDA kernels convert (c10::BFloat16 and c10::Half call
 // __float2bfloat16 and __float2half on the device): round to nearest even, and every NaN the
-// hardware's canonical 0x7FFF. (torch's CPU conversions give other NaNs, 0x7FC0 for bf16 and a
-// signed 0x7E00 for fp16; the CPU kernels use those, so each kernel matches a twin run on its
-// own device, NaN bits included.)
+// hardware's canonical 0x7FFF, so a kernel matches its twin run on CUDA, NaN bits included.
+// (The CPU kernels convert with c10's scalar conversions: 0x7FC0 for bf16, a signed 0x7E00 for
+// fp16. torch's vectorised CPU `.to()` writes yet others on x86, 0xFFFF for bf16 and fp16 NaNs
+// that keep their payload, so CPU NaN bits match the twin's only where no NaN is rounded.)
 __device__ __forceinline__ uint16_t to_bits(float v, __nv_bfloat16) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
