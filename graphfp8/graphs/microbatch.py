@@ -20,12 +20,8 @@ import torch
 from graphfp8.fp8.autocast import CaptureState, capture_state
 from graphfp8.fp8.recipe import DelayedScaling
 from graphfp8.graphs.backends import new_graph
-from graphfp8.graphs.capture import (
-    _fp8_and_rng_preserved,
-    _gc_paused,
-    _grad_accumulator,
-    _side_stream,
-)
+from graphfp8.graphs.capture import _grad_accumulator
+from graphfp8.graphs.contexts import fp8_and_rng_preserved, gc_paused, side_stream
 from graphfp8.graphs.replay import WeightCacheFlag
 from graphfp8.graphs.step_body import StaticBatch, TrainBody, freeze_arenas, init_fp8
 from graphfp8.graphs.step_optim import TrainingSnapshot
@@ -100,8 +96,8 @@ def make_graphed_microbatch(
         init_fp8(model, recipe, fp8_group, device)
     snapshot = TrainingSnapshot(model)  # buffers that the forward updates (batch norm statistics)
     try:
-        with _fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
-            with _side_stream(device), capture_state(**state):
+        with fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
+            with side_stream(device), capture_state(**state):
                 for _ in range(num_warmup_iters):
                     body.microbatch(None, [], [], None)
     finally:
@@ -111,7 +107,7 @@ def make_graphed_microbatch(
         pool = torch.cuda.graph_pool_handle()
     graph = new_graph(device)
     try:
-        with _fp8_and_rng_preserved(recipe, device), _gc_paused(), nvtx_range("capture"):
+        with fp8_and_rng_preserved(recipe, device), gc_paused(device), nvtx_range("capture"):
             with capture_state(**state), graph.capture(pool):
                 loss, grads = body.microbatch(None, fwd, bwd, fp8_group)
             accumulator = _grad_accumulator(body.grad_params, grads, pool, device)

@@ -33,7 +33,7 @@ from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.autocast import CaptureState, capture_state
 from graphfp8.fp8.recipe import DelayedScaling
 from graphfp8.graphs.backends import new_graph
-from graphfp8.graphs.capture import _fp8_and_rng_preserved, _gc_paused, _side_stream
+from graphfp8.graphs.contexts import fp8_and_rng_preserved, gc_paused, side_stream
 from graphfp8.graphs.step_body import StaticBatch, TrainBody, freeze_arenas, init_fp8
 from graphfp8.graphs.step_optim import OptimizerGuard, TrainingSnapshot, check_optimizer
 from graphfp8.profiling import nvtx_range
@@ -158,8 +158,8 @@ def _warmup_and_capture(run: _StepRun, state: dict, iters: int, pool):
         with warnings.catch_warnings():
             # Eager steps of a capturable optimizer make torch warn that capturable costs speed.
             warnings.filterwarnings("ignore", message="This instance was constructed with capt")
-            with _fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
-                with _side_stream(device), capture_state(**state):
+            with fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
+                with side_stream(device), capture_state(**state):
                     for _ in range(iters):
                         run([], [], None)
     finally:
@@ -170,7 +170,7 @@ def _warmup_and_capture(run: _StepRun, state: dict, iters: int, pool):
     graph = new_graph(device)
     # No garbage collection while capturing: see make_graphed_callables.
     try:
-        with _fp8_and_rng_preserved(recipe, device), _gc_paused(), nvtx_range("capture"):
+        with fp8_and_rng_preserved(recipe, device), gc_paused(device), nvtx_range("capture"):
             with capture_state(**state), graph.capture(pool):
                 loss, grad_norm = run(fwd, bwd, state["group"])
     finally:

@@ -22,6 +22,7 @@ from graphfp8.fp8.arena_check import check_arenas
 from graphfp8.fp8.autocast import STATE
 from graphfp8.graphs.capture import _init_fp8_modules
 from graphfp8.graphs.replay import hook_dicts
+from graphfp8.modules.base import FP8Module
 
 __all__ = ["StaticBatch", "TrainBody", "freeze_arenas", "init_fp8", "split_batch"]
 
@@ -235,7 +236,8 @@ def init_fp8(model: nn.Module, recipe, fp8_group, device) -> None:
     """Allocates the slots of the model's FP8 modules in fresh arenas and checks, before warmup,
     that every rank of fp8_group holds the same ones (raising on every rank otherwise)."""
     scaling.new_init_group()
-    check_arenas(_init_fp8_modules([model], recipe, device), fp8_group)
+    fp8_modules = [m for m in model.modules() if isinstance(m, FP8Module)]
+    check_arenas(_init_fp8_modules(fp8_modules, recipe, device), fp8_group)
 
 
 def freeze_arenas(capture, fp8_group) -> tuple[list, list]:

@@ -92,5 +92,5 @@ def _both(rank, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_step_graph_data_parallel(tmp_path, backend):
-    launch(tmp_path, backend, _both)
+def test_step_graph_data_parallel(backend):
+    launch(backend, _both)
