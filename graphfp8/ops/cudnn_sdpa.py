@@ -317,10 +317,10 @@ _BWD_UIDS = [
 ]
 
 
-def _execute(graph, workspace_bytes: int, uids: list[int], tensors: list, device) -> None:
-    """Enqueues a built graph on the current stream. Per call only what must be: the variant
-    pack, the workspace (from the caching allocator; a graph capture keeps it), and set_stream
-    when the stream changed since the last call on this device."""
+def _execute(graph, workspace_bytes: int, pack: dict, device) -> None:
+    """Enqueues a built graph with its variant pack (uid -> tensor) on the current stream. Per
+    call only what must be: the workspace (from the caching allocator; a graph capture keeps
+    it), and set_stream when the stream changed since the last call on this device."""
     index = device.index
     handle = _HANDLES[index]
     stream = torch._C._cuda_getCurrentRawStream(index)  # no Stream object per call
@@ -328,7 +328,7 @@ def _execute(graph, workspace_bytes: int, uids: list[int], tensors: list, device
         cudnn_module().set_stream(handle, stream)
         _HANDLE_STREAM[index] = stream
     workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=device)
-    graph.execute(dict(zip(uids, tensors, strict=True)), workspace, handle=handle)
+    graph.execute(pack, workspace, handle=handle)
 
 
 def forward(q, k, v, scales, o, stats, amax, attn_scale, causal) -> None:
@@ -339,7 +339,7 @@ def forward(q, k, v, scales, o, stats, amax, attn_scale, causal) -> None:
         prepare(key, backward=False)
         built = _FORWARD[key]
     tensors = [q, k, v, o, stats, amax[0], amax[1], *scales]
-    _execute(built[0], built[1], _FWD_UIDS, tensors, q.device)
+    _execute(built[0], built[1], dict(zip(_FWD_UIDS, tensors, strict=True)), q.device)
 
 
 def backward(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causal) -> None:
@@ -350,4 +350,4 @@ def backward(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causa
         prepare(key, backward=True)
         built = _BACKWARD[key]
     tensors = [q, k, v, o, d_o, stats, dq, dk, dv, *amax, *scales]
-    _execute(built[0], built[1], _BWD_UIDS, tensors, q.device)
+    _execute(built[0], built[1], dict(zip(_BWD_UIDS, tensors, strict=True)), q.device)
