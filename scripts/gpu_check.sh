@@ -4,7 +4,7 @@
 # land in $OUT: summary.md and results.tgz (every log and JSON), both rewritten after every step so
 # that a call stopped at its time limit still brings back what finished.
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step train
-#              train-step profile profile-step"; also kernels-ab, tests-first, ddp)
+#              train-step compile profile profile-step"; also kernels-ab, tests-first, ddp)
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -20,7 +20,7 @@ RES=$(mktemp -d /tmp/gpu_results.XXXXXX)  # everything the steps write; packed a
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
-STEPS=${GPU_STEPS:-"tests kernels eager block attention step train train-step profile profile-step"}
+STEPS=${GPU_STEPS:-"tests kernels eager block attention step train train-step compile profile profile-step"}
 status=0
 
 # Wheels carried in .whl/ (nvtx, torchao, nvidia-cudnn-frontend for FP8 attention): the device
@@ -87,6 +87,17 @@ for step in $STEPS; do
           > "$RES/train_step_$preset.log" 2>&1 || status=1
         echo "-- $preset" | tee -a "$RES/summary.md"
         grep -A2 "final loss" "$RES/train_step_$preset.log" | tee -a "$RES/summary.md"
+      done ;;
+    compile)  # torch.compile: its CUDA tests, then training with and without --compile
+      $PY -m pytest -v -m cuda -p no:cacheprovider tests/test_compile.py > "$RES/tests_compile.log" 2>&1
+      rc=$?; tail -1 "$RES/tests_compile.log" | tee -a "$RES/summary.md"; [ $rc -eq 0 ] || status=1
+      for mode in off on; do
+        flag=""; [ $mode = on ] && flag=--compile
+        $PY -m graphfp8.train --compare ${COMPILE_RUNS:-bf16:eager,fp8:eager,fp8:graphs} $flag \
+          --preset ${TRAIN_PRESET:-100m} --steps ${COMPILE_STEPS:-100} --out "$RES/compile_$mode" \
+          > "$RES/compile_$mode.log" 2>&1 || status=1
+        echo "-- --compile $mode" | tee -a "$RES/summary.md"
+        sed -n '/final loss/,/^wrote/p' "$RES/compile_$mode.log" | grep -v '^wrote' | tee -a "$RES/summary.md"
       done ;;
     profile)
       $PY -m graphfp8.training.profile --out "$RES/profile" > "$RES/profile.log" 2>&1 || status=1

@@ -125,13 +125,20 @@ def _tables(results, layers, tflops) -> str:
     for r in results:
         p = r["peers"]
         row = [f"{r['hidden']}, {r['tokens']}"]
-        for peer in ("bf16 eager", "bf16 graphed", "torchao fp8 compile"):
+        for peer in ("bf16 eager", "bf16 graphed", "torchao fp8 compile", "graphfp8 fp8 compile"):
             row.append(p[g8g]["device_ms"] / p[peer]["device_ms"] if peer in p else "-")
         row.append(p[g8g]["device_ms"] / r["floor_ms"])
         ratio_rows.append(row)
     text += print_table(
         "graphfp8 fp8 graphed time relative to each peer (< 1 is faster)",
-        ["h, T", "/ bf16 eager", "/ bf16 graphed", "/ torchao fp8 compile", "/ FP8 floor"],
+        [
+            "h, T",
+            "/ bf16 eager",
+            "/ bf16 graphed",
+            "/ torchao fp8 compile",
+            "/ graphfp8 fp8 compile",
+            "/ FP8 floor",
+        ],
         ratio_rows,
     )
     text += print_table(

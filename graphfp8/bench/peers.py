@@ -1,5 +1,6 @@
 """The models that the benchmarks race: the MLP block of docs/benchmarking.md as bf16 torch, torchao
-float8 and graphfp8, each as a `step(i)` callable that runs forward + backward of microbatch i."""
+float8 and graphfp8 (eager, graphed, compiled), each as a `step(i)` callable that runs forward +
+backward of microbatch i."""
 
 from __future__ import annotations
 
@@ -124,4 +125,8 @@ def make_peers(hidden: int, tokens: int, compile_peers: bool, layers: int = 1) -
             peers["torchao fp8 compile"] = _eager_step(
                 torch.compile(_torchao(copy.deepcopy(ref))), x, dy
             )
+    if compile_peers:
+        # Dynamo graph-breaks around the FP8 layer, which runs eagerly (docs/architecture.md,
+        # "torch.compile"): this measures what compiling a graphfp8 block gives without graphs.
+        peers["graphfp8 fp8 compile"] = _g8_eager(torch.compile(_g8_from_torch(ref)), x, dy)
     return peers

@@ -13,6 +13,7 @@ from graphfp8.fp8.autocast import STATE, check_is_first_microbatch
 from graphfp8.fp8.recipe import DelayedScaling, Format
 from graphfp8.fp8.slots import BwdRole, FwdRole, slot_index, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
 
@@ -67,8 +68,16 @@ class FP8Module(nn.Module):
 
     num_gemms = 1
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        # torch.compile: the FP8 forward runs eagerly, never traced (modules/_compile.py).
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if forward is not None and not hasattr(forward, "_graphfp8_prepare"):
+            cls.forward = eager_under_fp8(forward, cls.__name__)
+
     def __init__(self) -> None:
         super().__init__()
+        prepare_for_compile(type(self))
         self.fp8_meta: FP8Meta | None = None
         self._weight_fp8: dict[str, Float8Tensor] = {}
         # Eager weight cache: the FP8 workspaces hold the current weights (cast with
