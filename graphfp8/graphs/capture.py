@@ -38,10 +38,10 @@ from graphfp8.graphs.contexts import fp8_and_rng_preserved as _fp8_and_rng_prese
 from graphfp8.graphs.contexts import gc_paused as _gc_paused
 from graphfp8.graphs.contexts import side_stream as _side_stream
 from graphfp8.graphs.discover import adopt_outside_leaves, next_sequence_nr
+from graphfp8.graphs.grads import GradFold
 from graphfp8.graphs.guard import build_guard
 from graphfp8.graphs.lifecycle import CapturedGraphs, refuse_deepcopy, undone_on_failure
 from graphfp8.graphs.replay import GraphedFunction, GraphedRunner, WeightCacheFlag
-from graphfp8.graphs.replay import capture_grad_accumulator as _grad_accumulator
 from graphfp8.graphs.schedule import Layout
 from graphfp8.modules.base import FP8Module
 from graphfp8.profiling import nvtx_range
@@ -321,8 +321,7 @@ def _capture_forwards(callables, runners, arenas, state, pool, device) -> None:
 
 
 def _capture_backwards(runners, arenas, state, pool, allow_unused, device) -> None:
-    """Captures one unit's backwards in reverse order; the last graph (runners[0]'s) closes
-    with the backward update of `arenas`."""
+    """Captures a unit's backwards in reverse; the last (runners[0]'s) updates the arenas."""
     bwd_arenas = [a for a in arenas if a.direction == scaling.BACKWARD]
     for i in reversed(range(len(runners))):
         runner = runners[i]
@@ -331,19 +330,20 @@ def _capture_backwards(runners, arenas, state, pool, allow_unused, device) -> No
         ]
         outs, inputs = _grad_targets(runner, runner.static_outputs)
         grad_outs = [g for g in runner.static_grad_outputs if g is not None]
-        graph = new_graph(device)
-        with capture_state(**state), graph.capture(pool):
+        graph, inputs_of = new_graph(device), runner.static_inputs
+        fold = GradFold(runner.params, device)
+        with capture_state(**state), fold.hooked(), graph.capture(pool):
             grads = ()
             if outs and inputs:
                 grads = torch.autograd.grad(outs, inputs, grad_outs, allow_unused=allow_unused)
+            fold.finish()
             if i == 0 and state["fp8_enabled"]:
                 scaling.update_(bwd_arenas, state["group"])
         runner.bwd_graph = graph
-        it = iter(grads)
-        per_input = [next(it) if t.requires_grad else None for t in runner.static_inputs]
-        per_param = [next(it) if p.requires_grad else None for p in runner.params]
-        runner.static_grad_inputs = per_input
-        runner.accumulator = _grad_accumulator(runner.params, per_param, pool, device)
+        it = iter(grads)  # the inputs' gradients, then the parameters' stand-ins
+        runner.static_grad_inputs = [next(it) if t.requires_grad else None for t in inputs_of]
+        del grads, it
+        runner.accumulator = fold.accumulator(pool)
 
 
 # Phase 4: wrap ------------------------------------------------------------------------------
