@@ -123,21 +123,14 @@ def make_peers(hidden: int, tokens: int, compile_peers: bool, layers: int = 1) -
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     dy = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
     peers = {
-<<<<<<< HEAD
-        "bf16 eager": _eager_step(copy.deepcopy(ref), x, dy),
-        "bf16 graphed": _torch_graphed(copy.deepcopy(ref), x, dy),
-        "graphfp8 fp8 eager": _g8_eager(_g8_from_torch(ref), x, dy),
-        "graphfp8 fp8 graphed": _g8_graphed(_g8_from_torch(ref), x, dy),
-        # Issue 16: current scaling (an amax pass per cast) and FP8 primary weights (no weight
-        # cast, the transpose on the first microbatch of each step), both graphed.
-        "graphfp8 fp8 current graphed": _g8_graphed(_g8_from_torch(ref), x, dy, CURRENT),
-        "graphfp8 fp8w graphed": _g8_graphed(_g8_fp8_weights(ref), x, dy),
-=======
         "bf16 eager": lambda: _eager_step(copy.deepcopy(ref), x, dy),
         "bf16 graphed": lambda: _torch_graphed(copy.deepcopy(ref), x, dy),
         "graphfp8 fp8 eager": lambda: _g8_eager(_g8_from_torch(ref), x, dy),
         "graphfp8 fp8 graphed": lambda: _g8_graphed(_g8_from_torch(ref), x, dy),
->>>>>>> main
+        # Issue 16: current scaling (an amax pass per cast) and FP8 primary weights (no weight
+        # cast, the transpose on the first microbatch of each step), both graphed.
+        "graphfp8 fp8 current graphed": lambda: _g8_graphed(_g8_from_torch(ref), x, dy, CURRENT),
+        "graphfp8 fp8w graphed": lambda: _g8_graphed(_g8_fp8_weights(ref), x, dy),
     }
     if compile_peers:
         peers["bf16 compile"] = lambda: _eager_step(torch.compile(copy.deepcopy(ref)), x, dy)

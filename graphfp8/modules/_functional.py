@@ -103,27 +103,20 @@ def cast_weight_(weight: torch.Tensor, cfg: GemmConfig) -> Float8Tensor:
     cast on later microbatches.
     """
     w = cfg.weight_fp8
-<<<<<<< HEAD
-    if cfg.cast_weight and w is weight:  # an FP8 primary weight: only its transpose is rebuilt
-        w.rebuild_transpose_(cfg.weight_cache_flag)
-    elif cfg.cast_weight:
-        flag = cfg.weight_cache_flag
-        ops.cast_transpose(
-            weight, *cfg.quantizer(FwdRole.WEIGHT, amax_of(weight, flag)),
-            out=w._data, out_t=w._transpose, scale_inv=w._scale_inv, noop=flag,
-        )  # fmt: skip
-        w.mark_data_changed(transpose_written=True)
-=======
     if not cfg.cast_weight:
         return w
-    quantizer, flag = cfg.quantizer(FwdRole.WEIGHT), cfg.weight_cache_flag
+    flag = cfg.weight_cache_flag
+    if w is weight:  # an FP8 primary weight: only its transpose cache is rebuilt (if it has one)
+        if w._transpose is not None:
+            w.rebuild_transpose_(flag)
+        return w
+    quantizer = cfg.quantizer(FwdRole.WEIGHT, amax_of(weight, flag))
     if w._transpose is None:  # transposes are not cached (FP8Module.cache_weight_transpose)
         ops.cast_to_fp8(weight, *quantizer, out=w._data, scale_inv=w._scale_inv, noop=flag)
     else:
         ops.cast_transpose(weight, *quantizer, out=w._data, out_t=w._transpose,
                            scale_inv=w._scale_inv, noop=flag)  # fmt: skip
     w.mark_data_changed(transpose_written=w._transpose is not None)
->>>>>>> main
     return w
 
 

@@ -68,10 +68,9 @@ class _FP8GeluMLP(torch.autograd.Function):
         da = dgrad_gemm(dy_fp8, dy_scale_inv, *weight_t(ctx.w2), dy.dtype) if needs_fc1 else None
         dy_fp8 = dh_fp8 = dh_t_fp8 = dh_scale_inv = db1 = None
         if needs_fc1:
-            dh_fp8, dh_t_fp8, dh_scale_inv, db1 = ops.dgelu_cast_transpose_dbias(
-                da, h, *cfg1.quantizer(BwdRole.GRAD_OUTPUT)
-            )
-            da = None
+            dgelu = lambda q: ops.dgelu_cast_transpose_dbias(da, h, *q)  # noqa: E731
+            dh_fp8, dh_t_fp8, dh_scale_inv, db1 = dgelu(cfg1.quantizer(BwdRole.GRAD_OUTPUT, dgelu))
+            da = dgelu = None
         dw2 = (
             wgrad_gemm(dy_t_fp8, dy_scale_inv, a_t_fp8, a_scale_inv, dy.dtype)
             if needs_wgrad2
@@ -80,16 +79,6 @@ class _FP8GeluMLP(torch.autograd.Function):
         dy_t_fp8 = None
         if not needs_fc1:
             return None, None, None, dw2, db2, None, None, None
-<<<<<<< HEAD
-        dgelu = lambda q: ops.dgelu_cast_transpose_dbias(da, h, *q)  # noqa: E731
-        dh_cast = dgelu(cfg1.quantizer(BwdRole.GRAD_OUTPUT, dgelu))
-        dx, dw1 = backward_gemms(dh_cast, x_t_fp8, x_scale_inv, *ctx.w1, dy.dtype,
-                                 needs_dgrad, needs_wgrad1)  # fmt: skip
-        if dx is not None:
-            dx = dx.view(ctx.inp_shape)
-        db1 = dh_cast[3] if needs_db1 else None
-        return dx, dw1, db1, dw2, db2, None, None, None
-=======
         dx = dw1 = None
         if needs_dgrad:
             dx = dgrad_gemm(dh_fp8, dh_scale_inv, *weight_t(ctx.w1), dy.dtype).view(ctx.inp_shape)
@@ -97,7 +86,6 @@ class _FP8GeluMLP(torch.autograd.Function):
         if needs_wgrad1:
             dw1 = wgrad_gemm(dh_t_fp8, dh_scale_inv, x_t_fp8, x_scale_inv, dy.dtype)
         return dx, dw1, db1 if needs_db1 else None, dw2, db2, None, None, None
->>>>>>> main
 
 
 def fp8_gelu_mlp(inp, w1, b1, w2, b2, cfg1: GemmConfig, cfg2: GemmConfig) -> torch.Tensor:

@@ -155,6 +155,11 @@ class FP8Module(nn.Module):
                     f"{type(self).__name__}: FP8 primary weight {key} is {weight.fp8_dtype}, the "
                     f"recipe's forward format is {fp8_dtype}"
                 )
+            if not self.cache_weight_transpose:  # the backward transposes the data instead
+                weight._transpose, weight._transpose_valid = None, False
+            elif weight._transpose is None:
+                rows, cols = weight._data.shape
+                weight._transpose = torch.empty(cols, rows, dtype=fp8_dtype, device=weight.device)
             return weight
         ws = self._weight_fp8.get(key)
         with_t = self.cache_weight_transpose

@@ -13,6 +13,7 @@ import torch
 import graphfp8 as g8
 from graphfp8 import reference
 from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.memory import memory_report
 from graphfp8.testing import assert_bitwise_equal
 from tests.modules.common import H, T
 
@@ -58,27 +59,22 @@ def test_weights_are_fp8_parameters_quantized_from_their_init(device, kind):
 
 
 def test_weight_memory_halves_against_bf16(device):
-    """bf16 weight + its FP8 workspace (data and transpose) = 4 bytes per element; an FP8
-    primary weight (data and transpose cache) = 2."""
-    hp, f8 = _pair("LayerNormMLP", torch.bfloat16, device)
-    x = torch.randn(T, H, dtype=torch.bfloat16, device=device)
-    for m in (hp, f8):
-        with g8.fp8_autocast(recipe=CURRENT), torch.no_grad():
-            m(x, is_first_microbatch=True)
-
-    def weight_bytes(m):
-        total = 0
-        for name in ("fc1_weight", "fc2_weight"):
-            p = getattr(m, name)
-            if isinstance(p, Float8Tensor):
-                total += p._data.nbytes + p._transpose.nbytes
-            else:
-                ws = m._weight_fp8[name[:3]]
-                total += p.nbytes + ws._data.nbytes + ws._transpose.nbytes
-        return total
-
-    assert weight_bytes(f8) * 2 == weight_bytes(hp)
-    assert not f8._weight_fp8  # no separate workspace
+    """graphfp8.memory's report: a bf16 weight plus its FP8 workspace (data and transpose) is 4
+    bytes per element, an FP8 primary weight (data and transpose cache) 2; nothing else moves."""
+    reports = {}
+    for name, m in zip(("hp", "fp8"), _pair("LayerNormMLP", torch.bfloat16, device), strict=True):
+        x = torch.randn(T, H, dtype=torch.bfloat16, device=device, requires_grad=True)
+        with g8.fp8_autocast(recipe=CURRENT):
+            y = m(x, is_first_microbatch=True)
+        reports[name] = memory_report(m, outputs=y).bytes
+    hp, f8 = reports["hp"], reports["fp8"]
+    gemm_weights = 2 * (H * 2 * H)  # fc1 and fc2 elements
+    assert (
+        hp["parameters"] + hp["FP8 weights"] - gemm_weights * 4
+        == f8["parameters"] - gemm_weights * 2
+    )
+    assert "FP8 weights" not in f8 or f8["FP8 weights"] == 0  # no separate workspace
+    assert hp["saved activations"] == f8["saved activations"]
 
 
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
