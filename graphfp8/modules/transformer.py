@@ -3,6 +3,11 @@
     x (B, S, H) -> LayerNormLinear (QKV, FP8) -> RoPE on q, k -> causal SDPA -> Linear (proj, FP8)
       -> + x -> LayerNormMLP (FP8) -> + residual
 
+Under fp8_autocast both norms write their GEMM's FP8 input directly, and the first residual add
+folds into the MLP's norm: one kernel reads x and the projection's output and writes h = x + proj
+and the FP8 norm of h (graphfp8.modules._norm); its backward adds the gradient that reaches h
+through the second residual into dx in the same pass.
+
 Attention itself runs in the parameter dtype (torch's flash / memory-efficient kernels). RoPE
 is one graphfp8 kernel each way (q and k rotated, v copied, straight from the fused QKV output;
 as separate torch ops on the strided q/k views it was ~10 kernels and ~22% of the GPU time of a
@@ -20,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphfp8 import ops
+from graphfp8.fp8.slots import FwdRole
+from graphfp8.modules._norm import norm_fp8
 from graphfp8.modules.layernorm_linear import LayerNormLinear
 from graphfp8.modules.layernorm_mlp import LayerNormMLP
 from graphfp8.modules.linear import Linear
@@ -62,14 +69,16 @@ class TransformerLayer(nn.Module):
         rope: apply rotary position embeddings to q and k.
         max_seq_len: longest sequence the rotary tables cover.
         rope_base: rotary frequency base.
-        eps, bias, activation, normalization: as for LayerNormMLP (shared by both norms).
+        eps, bias, activation, normalization, zero_centered_gamma: as for LayerNormMLP (shared
+            by both norms).
         params_dtype, device: as for Linear.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, rope: bool = True,
                  max_seq_len: int = 2048, rope_base: float = 10000.0, eps: float = 1e-5,
                  bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
-                 params_dtype: torch.dtype | None = None, device=None):  # fmt: skip
+                 zero_centered_gamma: bool = False, params_dtype: torch.dtype | None = None,
+                 device=None):  # fmt: skip
         super().__init__()
         if num_heads < 1 or hidden_size % num_heads:
             raise ValueError(
@@ -81,7 +90,7 @@ class TransformerLayer(nn.Module):
             raise ValueError(f"TransformerLayer: RoPE needs an even head_dim, got {head_dim}")
         dtype = params_dtype or torch.get_default_dtype()
         kw = dict(eps=eps, bias=bias, normalization=normalization, params_dtype=dtype,
-                  device=device)  # fmt: skip
+                  zero_centered_gamma=zero_centered_gamma, device=device)  # fmt: skip
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.ffn_hidden_size, self.rope, self.max_seq_len = ffn_hidden_size, rope, max_seq_len
         self.qkv = LayerNormLinear(hidden_size, 3 * hidden_size, **kw)
@@ -117,8 +126,15 @@ class TransformerLayer(nn.Module):
                 f"{self.max_seq_len} of the rotary tables"
             )
         qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
-        h = x + self.proj(self.attention(qkv), is_first_microbatch=is_first_microbatch)
-        return h + self.mlp(h, is_first_microbatch=is_first_microbatch)
+        attn = self.proj(self.attention(qkv), is_first_microbatch=is_first_microbatch)
+        cfgs = self.mlp.fp8_configs(x, is_first_microbatch)
+        if cfgs is None:
+            h = x + attn
+            return h + self.mlp(h, is_first_microbatch=is_first_microbatch)
+        needs_t = torch.is_grad_enabled() and self.mlp.fc1_weight.requires_grad
+        h_fp8, _, h = norm_fp8(self.mlp, x, self.mlp.norm_spec, cfgs[0].quantizer(FwdRole.INPUT),
+                               needs_t=needs_t, residual=attn)  # fmt: skip
+        return h + self.mlp.mlp_fp8(h_fp8, cfgs)
 
     def extra_repr(self) -> str:
         return (
