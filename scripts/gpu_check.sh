@@ -3,7 +3,7 @@
 # the CUDA tests, the benchmarks, a training comparison and a profile; logs, JSON and a summary
 # land in $OUT (packed into $OUT/results.tgz next to summary.md).
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block train profile"; also
-#              kernels-ab, tests-first, ddp)
+#              stack (the TransformerLayer stack, FP8 vs bf16), kernels-ab, tests-first, ddp)
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -72,7 +72,7 @@ for step in $STEPS; do
       bash scripts/bench_before_after.sh "${AB_BASE:-30328b1}" > "$OUT/kernels_ab.log" 2>&1 \
         || { status=1; tail -30 "$OUT/kernels_ab.log"; }
       grep -v "^wrote\|kernel output digests" "$OUT/kernels_ab.log" >> "$OUT/summary.md" ;;
-    kernels|eager|block)
+    kernels|eager|block|stack)
       $PY -m graphfp8.bench "$step" --json "$OUT/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$OUT/summary.md" ;;

@@ -1,4 +1,4 @@
-"""`python -m graphfp8.bench {kernels,eager,block} [--device D] [--json PATH] [--quick]`."""
+"""`python -m graphfp8.bench {kernels,eager,block,stack} [--device D] [--json PATH] [--quick]`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ SUITES = {
     "kernels": "graphfp8.bench.kernels",
     "eager": "graphfp8.bench.eager",
     "block": "graphfp8.bench.block",
+    "stack": "graphfp8.bench.stack",
 }
 
 
