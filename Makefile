@@ -68,12 +68,12 @@ profile: install
 	$(PYTHON) -m graphfp8.training.profile $(PROFILE_ARGS)
 
 lint:
-	$(PYTHON) -m ruff check graphfp8 tests setup.py
-	$(PYTHON) -m ruff format --check graphfp8 tests setup.py
+	$(PYTHON) -m ruff check graphfp8 tests scripts setup.py
+	$(PYTHON) -m ruff format --check graphfp8 tests scripts setup.py
 
 format:
-	$(PYTHON) -m ruff format graphfp8 tests setup.py
-	$(PYTHON) -m ruff check --fix graphfp8 tests setup.py
+	$(PYTHON) -m ruff format graphfp8 tests scripts setup.py
+	$(PYTHON) -m ruff check --fix graphfp8 tests scripts setup.py
 
 clean:
 	rm -rf build dist *.egg-info graphfp8/_C*.so .pytest_cache

@@ -2,8 +2,14 @@
 
 from graphfp8 import ops
 from graphfp8.fp8 import DelayedScaling, Float8Tensor, Format, fp8_autocast, reset_state
-from graphfp8.graphs import CaptureError, make_graphed_callables
+from graphfp8.graphs import (
+    CaptureError,
+    make_graphed_callables,
+    make_graphed_microbatch,
+    make_graphed_step,
+)
 from graphfp8.modules import (
+    DotProductAttention,
     FP8Module,
     LayerNormLinear,
     LayerNormMLP,
@@ -15,6 +21,7 @@ from graphfp8.modules import (
 __all__ = [
     "CaptureError",
     "DelayedScaling",
+    "DotProductAttention",
     "FP8Module",
     "Float8Tensor",
     "Format",
@@ -25,6 +32,8 @@ __all__ = [
     "convert",
     "fp8_autocast",
     "make_graphed_callables",
+    "make_graphed_microbatch",
+    "make_graphed_step",
     "ops",
     "reset_state",
 ]

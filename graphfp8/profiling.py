@@ -1,8 +1,9 @@
 """NVTX ranges around the runtime's phases (the profile runner is graphfp8.training.profile).
 
-Ranges (domain "graphfp8"): warmup, capture, replay-forward, replay-backward (graphs/), and
-forward, backward, optimizer (the training loop). They are emitted only while profiling (the
-runner turns them on; GRAPHFP8_NVTX=1 does too), so an ordinary run pays nothing for them.
+Ranges (domain "graphfp8"): warmup, capture, replay-forward, replay-backward, replay-step,
+replay-microbatch (graphs/), and forward, backward, optimizer, step (the training loop). They
+are emitted only while profiling (the runner turns them on; GRAPHFP8_NVTX=1 does too), so an
+ordinary run pays nothing for them.
 Each range is an NVTX range (for nsys) and a torch.profiler record_function (for the fallback).
 
     python -m graphfp8.training.profile [--preset 100m] [--precision fp8] [--steps 3]

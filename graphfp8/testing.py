@@ -8,7 +8,7 @@ import torch
 
 __all__ = ["assert_bitwise_equal", "sqnr", "fp8_test_data", "TOLERANCES"]
 
-# STYLE.md: FP8 GEMM vs an fp32 matmul of the dequantized operands.
+# docs/benchmarking.md: FP8 GEMM vs an fp32 matmul of the dequantized operands.
 TOLERANCES = {torch.float32: 3e-3, torch.bfloat16: 7e-2, torch.float16: 7e-2}
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

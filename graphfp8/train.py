@@ -2,8 +2,10 @@
 
     graphfp8-train                                # FP8 + graphs, tiny preset on CPU, 100m on GPU
     graphfp8-train --precision bf16 --no-graphs --steps 200
+    graphfp8-train --graphs step                  # the whole training step as one graph
     graphfp8-train --compare                      # bf16 and fp8 side by side, loss plot
     graphfp8-train --compare bf16:eager,bf16:graphs,fp8:graphs --preset 100m
+    graphfp8-train --compare fp8:layers,fp8:step --preset small
     graphfp8-train --steps 100 --save ckpt.pt ; graphfp8-train --steps 200 --resume ckpt.pt
     torchrun --nproc_per_node=2 -m graphfp8.train --ddp
 
@@ -26,7 +28,7 @@ from graphfp8.training.data import make_corpus
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.report import plot_losses, write_summary
-from graphfp8.training.run import PRECISIONS, RunSpec
+from graphfp8.training.run import GRAPH_MODES, PRECISIONS, RunSpec
 
 __all__ = ["main", "parse_args"]
 
@@ -45,10 +47,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--precision", choices=PRECISIONS, default="fp8")
     p.add_argument(
         "--graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="capture the transformer blocks (CUDA graphs; the replay tape on CPU)",
+        nargs="?",
+        const="layers",
+        default="layers",
+        choices=GRAPH_MODES,
+        help="CUDA graphs (the replay tape on CPU): layers = the transformer blocks (default), "
+        "step = the whole training step, none = eager",
     )
+    p.add_argument("--no-graphs", dest="graphs", action="store_const", const="none",
+                   help="= --graphs none")  # fmt: skip
     p.add_argument("--steps", type=_positive, help="optimizer steps (default: 60 tiny, 300 else)")
     p.add_argument("--microbatches", type=_positive, default=4, help="per optimizer step")
     p.add_argument("--batch", type=_positive, help="sequences per microbatch (preset's default)")
@@ -58,8 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="?",
         const="bf16,fp8",
         metavar="RUNS",
-        help="train several runs side by side: comma-separated precision[:graphs|"
-        ":eager] (default bf16,fp8, with --graphs' setting) and plot the losses",
+        help="train several runs side by side: comma-separated precision[:layers|:step|:none] "
+        "(graphs = layers, eager = none; default bf16,fp8, with --graphs' setting) and plot the "
+        "losses",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -98,22 +106,26 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.runs = _parse_runs(p, args)
 
 
-def _parse_runs(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, bool]]:
+_MODE_ALIASES = {"graphs": "layers", "eager": "none"}
+
+
+def _parse_runs(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, str]]:
     if args.compare is None:
         return [(args.precision, args.graphs)]
     runs = []
     for item in args.compare.split(","):
         precision, _, mode = item.strip().partition(":")
-        if precision not in PRECISIONS or mode not in ("", "graphs", "eager"):
-            p.error(f"--compare: bad run {item!r}; expected precision[:graphs|:eager] with "
-                    f"precision in {PRECISIONS}")  # fmt: skip
-        runs.append((precision, args.graphs if mode == "" else mode == "graphs"))
+        mode = _MODE_ALIASES.get(mode, mode) or args.graphs
+        if precision not in PRECISIONS or mode not in GRAPH_MODES:
+            p.error(f"--compare: bad run {item!r}; expected precision[:layers|:step|:none] "
+                    f"(or :graphs, :eager) with precision in {PRECISIONS}")  # fmt: skip
+        runs.append((precision, mode))
     if len(set(runs)) != len(runs):
         p.error(f"--compare: a run is listed twice in {args.compare!r}")
     return runs
 
 
-def _spec(args, precision: str, graphs: bool) -> RunSpec:
+def _spec(args, precision: str, graphs: str) -> RunSpec:
     model = PRESETS[args.preset]
     overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len)) if v}
     if overrides:

@@ -10,6 +10,17 @@ import graphfp8
 from tests.helpers import DEVICES
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_cpu_thread():
+    """The tests run tiny tensors: one intra-op thread on the CPU, where waking a second thread
+    costs more than the op (measured on the 2-core CI machine: the graph test matrix took ~9x the
+    CPU time with torch's default of 2 threads while other jobs ran)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_state():
     """Every test starts from a fresh process's graphfp8 state and the same seed."""
@@ -22,3 +33,12 @@ def _fresh_state():
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_pools():
+    """Stops the data-parallel test ranks (tests/rank_pool.py) when the session ends."""
+    yield
+    from tests import rank_pool
+
+    rank_pool.shutdown()

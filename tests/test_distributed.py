@@ -1,5 +1,5 @@
-"""Data parallel FP8 on 2 ranks spawned by each test: gloo on the CPU (the replay tape), and,
-marked `cuda`, NCCL with CUDA graphs on 2 GPUs."""
+"""Data parallel FP8 on 2 ranks (tests/rank_pool.py, kept alive between tests): gloo on the CPU
+(the replay tape), and, marked `cuda`, NCCL with CUDA graphs on 2 GPUs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import copy
 import os
 import socket
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -27,10 +26,9 @@ from graphfp8.graphs import RecordingMode, ReplayTape
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import compare_models
 from tests.modules.common import T, build, fp8_state, in_features
+from tests.rank_pool import COLLECTIVE_TIMEOUT_S, WORLD, run_on_ranks
 
-WORLD = 2
-COLLECTIVE_TIMEOUT_S = 30  # a mismatched collective fails instead of hanging
-JOIN_TIMEOUT_S = 120  # the whole 2-rank run, spawn and imports included
+JOIN_TIMEOUT_S = 120  # a torchrun-style run, spawn and imports included
 
 BACKENDS = [
     "gloo",
@@ -47,30 +45,9 @@ BACKENDS = [
 # Launching -------------------------------------------------------------------------------------
 
 
-def _entry(rank: int, store: str, backend: str, worker, args) -> None:
-    """One rank: joins the group through a FileStore, runs worker(rank, device, *args)."""
-    torch.set_num_threads(1)  # two ranks share the CI machine's cores
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        device_id=device if device.type == "cuda" else None,
-    )
-    try:
-        torch.manual_seed(1234)
-        worker(rank, device, *args)
-    finally:
-        cleanup()
-
-
-def launch(tmp_path, backend: str, worker, *args) -> None:
-    """Runs worker on WORLD spawned ranks; re-raises a rank's failure; kills them on a hang."""
-    _spawn(_entry, (str(tmp_path / "store"), backend, worker, args), worker.__name__)
+def launch(backend: str, worker, *args) -> None:
+    """Runs worker(rank, device, *args) on the WORLD ranks of `backend` (tests/rank_pool.py)."""
+    run_on_ranks(backend, worker, *args)
 
 
 def _spawn(entry, args, name: str) -> None:
@@ -180,8 +157,8 @@ def _train_eager_and_graphed(rank, device, kind, steps=3, mbs=3):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["LayerNormMLP", "Stack"])
-def test_data_parallel_eager_equals_graphed_and_ranks_agree(tmp_path, backend, kind):
-    launch(tmp_path, backend, _train_eager_and_graphed, kind)
+def test_data_parallel_eager_equals_graphed_and_ranks_agree(backend, kind):
+    launch(backend, _train_eager_and_graphed, kind)
 
 
 # The tape replays the collective, in place and in order ---------------------------------------
@@ -203,8 +180,8 @@ def _tape_replays_collective(rank, device):
         assert torch.equal(doubled, expected), f"rank {rank}: the mul read an unreduced tensor"
 
 
-def test_tape_replays_collective_and_waits_for_it(tmp_path):
-    launch(tmp_path, "gloo", _tape_replays_collective)
+def test_tape_replays_collective_and_waits_for_it():
+    launch("gloo", _tape_replays_collective)
 
 
 # (c) against single-process runs --------------------------------------------------------------
@@ -280,10 +257,9 @@ def _different_data_reduces_to_the_max(rank, device, kind):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
-def test_group_run_matches_single_process_runs(tmp_path, backend, kind):
-    launch(tmp_path, backend, _same_data_equals_single_process, kind)
-    (tmp_path / "different").mkdir()
-    launch(tmp_path / "different", backend, _different_data_reduces_to_the_max, kind)
+def test_group_run_matches_single_process_runs(backend, kind):
+    launch(backend, _same_data_equals_single_process, kind)
+    launch(backend, _different_data_reduces_to_the_max, kind)
 
 
 # (d) mismatched FP8 state raises on every rank ----------------------------------------------
@@ -321,8 +297,8 @@ def _mismatched_fp8_state_raises(rank, device, case):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["slots", "eager_slots", "recipe", "reduce_amax"])
-def test_mismatched_fp8_state_raises_on_every_rank(tmp_path, backend, case):
-    launch(tmp_path, backend, _mismatched_fp8_state_raises, case)
+def test_mismatched_fp8_state_raises_on_every_rank(backend, case):
+    launch(backend, _mismatched_fp8_state_raises, case)
 
 
 # (e) gradient all-reduce ---------------------------------------------------------------------
@@ -354,8 +330,8 @@ def _allreduce_gradients_averages(rank, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_allreduce_gradients_averages(tmp_path, backend):
-    launch(tmp_path, backend, _allreduce_gradients_averages)
+def test_allreduce_gradients_averages(backend):
+    launch(backend, _allreduce_gradients_averages)
 
 
 def test_gradient_buckets_split_by_kind_and_size():

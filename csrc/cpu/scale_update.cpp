@@ -1,5 +1,5 @@
-// CPU kernel: the fused delayed-scaling update of every slot of an arena (the exact math heads
-// cuda/scale_update.cu).
+// CPU kernel: the fused delayed-scaling update of every slot of an arena (docs/fp8.md's exact
+// math, as cuda/scale_update.cu).
 #include <cmath>
 #include <limits>
 

@@ -4,7 +4,8 @@
 // csrc/ops/ is the only torch-aware C++ of graphfp8: tensor checks -> Params -> launcher. It is
 // one folder of a few files rather than one ops.cpp because the checks of all ops together ran
 // past ~400 lines: cast_ops.cpp (casts, transposes, dequantize, the fused cast-transposes),
-// norm_ops.cpp (the norms), misc_ops.cpp (scale update, RoPE) and register.cpp (the schemas).
+// norm_ops.cpp (the norms), misc_ops.cpp (scale update, RoPE), rope_fp8_ops.cpp (RoPE fused with
+// the FP8 casts of q, k, v) and register.cpp (the schemas).
 //
 // Every op writes into tensors the caller passes in (graph-friendly: nothing is allocated here
 // but fp32 workspaces), and every value that changes between steps (scale, amax, noop flag) is
@@ -137,6 +138,12 @@ void scale_update(const at::Tensor& amax_history, const at::Tensor& scale,
                   const at::Tensor& scaled_max, bool most_recent);
 void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
               int64_t num_heads, bool inverse, const at::Tensor& out);
+void rope_fp8(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos,
+              const c10::optional<at::Tensor>& sin, int64_t num_heads, at::TensorList scale,
+              at::TensorList out, at::TensorList scale_inv, at::TensorList amax);
+void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
+                       const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                       int64_t num_heads, const at::Tensor& out);
 void layernorm_fp8(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
                    double eps, bool zero_centered_gamma, const at::Tensor& scale,
                    const at::Tensor& out, const c10::optional<at::Tensor>& out_t,

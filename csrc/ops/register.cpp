@@ -36,6 +36,10 @@ TORCH_LIBRARY(graphfp8, m) {
         "Tensor(a!) out) -> ()");
   m.def("dgelu_cast_transpose_dbias(Tensor dy, Tensor x, Tensor scale, Tensor(a!) out, "
         "Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax, Tensor(e!) dbias) -> ()");
+  m.def("rope_fp8(Tensor qkv, Tensor? cos, Tensor? sin, int num_heads, Tensor[] scale, "
+        "Tensor(a!)[] out, Tensor(b!)[] scale_inv, Tensor(c!)[] amax) -> ()");
+  m.def("rope_fp8_backward(Tensor[] grads, Tensor[] scale_inv, Tensor? cos, Tensor? sin, "
+        "int num_heads, Tensor(a!) out) -> ()");
   m.def("layernorm_fp8(Tensor x, Tensor gamma, Tensor beta, float eps, bool zero_centered_gamma, "
         "Tensor scale, Tensor(a!) out, Tensor(b!)? out_t, Tensor(c!) scale_inv, Tensor(d!) amax, "
         "Tensor(e!) mu, Tensor(f!) rsigma, Tensor(g!)? out_hp=None, Tensor? residual=None, "
@@ -62,6 +66,8 @@ TORCH_LIBRARY(graphfp8, m) {
   m.impl("gelu_cast_transpose", &graphfp8::gelu_cast_transpose);               \
   m.impl("dgelu_cast_transpose_dbias", &graphfp8::dgelu_cast_transpose_dbias); \
   m.impl("rope_qkv", &graphfp8::rope_qkv);                                     \
+  m.impl("rope_fp8", &graphfp8::rope_fp8);                                     \
+  m.impl("rope_fp8_backward", &graphfp8::rope_fp8_backward);                   \
   m.impl("layernorm_fp8", &graphfp8::layernorm_fp8);                           \
   m.impl("rmsnorm_fp8", &graphfp8::rmsnorm_fp8);                               \
   m.impl("layernorm_bwd", &graphfp8::layernorm_bwd);                           \

@@ -1,4 +1,5 @@
-"""`python -m graphfp8.bench {kernels,eager,block,stack} [--device D] [--json PATH] [--quick]`."""
+"""`python -m graphfp8.bench {kernels,eager,block,attention,step,stack} [--device D]
+[--json P] [--quick]`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ SUITES = {
     "eager": "graphfp8.bench.eager",
     "block": "graphfp8.bench.block",
     "stack": "graphfp8.bench.stack",
+    "attention": "graphfp8.bench.attention",
+    "step": "graphfp8.bench.step",
 }
 
 

@@ -1,6 +1,7 @@
-"""Block benchmark: the BENCH.md MLP block, forward + backward per microbatch, every peer in one
-process - device time (CUDA events over back-to-back microbatches), wall time when synchronising
-after each microbatch, host enqueue time, kernels per microbatch, and the FP8 GEMM floor."""
+"""Block benchmark: the MLP block of docs/benchmarking.md, forward + backward per microbatch, every
+peer in one process - device time (CUDA events over back-to-back microbatches), wall time when
+synchronising after each microbatch, host enqueue time, kernels per microbatch, and the FP8 GEMM
+floor."""
 
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def _tables(results, layers, tflops) -> str:
           r["floor_ms"]] for r in results],
     )  # fmt: skip
     per_peer = [
-        ("ms per microbatch, synchronising after each (BENCH.md's peer method)",
+        ("ms per microbatch, synchronising after each (docs/benchmarking.md's peer method)",
          lambda p: p["sync_ms"]),
         ("host enqueue ms per microbatch", lambda p: p["host_ms"]),
         ("kernels per microbatch / GPU busy fraction",

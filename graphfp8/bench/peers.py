@@ -1,5 +1,5 @@
-"""The models that the benchmarks race: the BENCH.md MLP block as bf16 torch, torchao float8 and
-graphfp8, each as a `step(i)` callable that runs forward + backward of microbatch i."""
+"""The models that the benchmarks race: the MLP block of docs/benchmarking.md as bf16 torch, torchao
+float8 and graphfp8, each as a `step(i)` callable that runs forward + backward of microbatch i."""
 
 from __future__ import annotations
 

@@ -5,10 +5,12 @@ Imports flow one way: recipe -> slots -> (ops) -> tensor -> arena_check -> scali
 
 from graphfp8.fp8.autocast import fp8_autocast, reset_state
 from graphfp8.fp8.recipe import DelayedScaling, Format, fp8_max
-from graphfp8.fp8.slots import BwdRole, FwdRole
+from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, BwdRole, FwdRole
 from graphfp8.fp8.tensor import Float8Tensor
 
 __all__ = [
+    "AttnBwdRole",
+    "AttnFwdRole",
     "BwdRole",
     "DelayedScaling",
     "Float8Tensor",

@@ -1,9 +1,9 @@
 """fp8_autocast and the small global FP8 state that modules and the graph capturer read.
 
-Where the scale updates run (DESIGN.md): once per fp8_autocast region, each forward arena is
+Where the scale updates run (docs/fp8.md): once per fp8_autocast region, each forward arena is
 updated before the first cast that uses it (the first FP8 forward of one of its modules in the
 region: nothing touches FP8 state between the region's entry and that point, so this is the
-region-entry update of DESIGN.md, restricted to the arenas the region uses); each backward arena
+region-entry update of docs/fp8.md, restricted to the arenas the region uses); each backward arena
 at the end of every backward pass that ran its modules (an autograd engine callback). Inside a
 graph capture neither happens implicitly: the capturer records the two updates at the matching
 points of its graphs.

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Format", "DelayedScaling", "fp8_max"]
+__all__ = ["Format", "DelayedScaling", "fp8_max", "max_margin", "MAX_AMAX_HISTORY_LEN"]
+
+# Each slot keeps this many float32 amaxes on the device, and the fused update reads all of them
+# on every step: a longer history costs memory and update time while changing no scale that a
+# training run can notice (typical lengths are 16 to 1024).
+MAX_AMAX_HISTORY_LEN = 1 << 16
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -17,6 +23,19 @@ def fp8_max(dtype: torch.dtype) -> float:
     if dtype == torch.float8_e5m2:
         return 57344.0
     raise ValueError(f"not an FP8 dtype: {dtype}")
+
+
+def max_margin(fmt: Format) -> int:
+    """The largest margin for which every finite amax gives a normal float32 scale.
+
+    The scale is S = fp8_max * 2**-margin / amax with amax <= FLT_MAX, so S >= FLT_MIN needs
+    fp8_max * 2**-margin >= FLT_MAX * FLT_MIN (= 4): 6 when E4M3 is used (448 / 4 = 2**6.8),
+    13 for E5M2. A smaller S is subnormal or 0, its reciprocal scale_inv overflows to inf, and
+    casts produce NaN; from margin 19 on, every E4M3 cast rounds to 0 anyway.
+    """
+    f32 = torch.finfo(torch.float32)
+    floor = f32.max * f32.tiny
+    return min(math.floor(math.log2(fp8_max(d) / floor)) for d in (fmt.fwd_dtype, fmt.bwd_dtype))
 
 
 class Format(enum.Enum):
@@ -43,12 +62,19 @@ class DelayedScaling:
     """Delayed scaling: each FP8 slot's scale comes from the amaxes of earlier steps.
 
     Args:
-        margin: the scale is `fp8_max * 2**-margin / amax`; a non-negative integer.
+        margin: the scale is `fp8_max * 2**-margin / amax`; an integer from 0 to
+            `max_margin(fp8_format)` (6 for both formats: E4M3 carries the forward tensors),
+            the largest margin for which every finite amax gives a usable scale.
         fp8_format: `Format.HYBRID` or `Format.E4M3`.
-        amax_history_len: how many amaxes each slot remembers (>= 1).
+        amax_history_len: how many amaxes each slot remembers, 1 to MAX_AMAX_HISTORY_LEN
+            (65536).
         amax_compute_algo: "max" (max over the history) or "most_recent".
         reduce_amax: MAX-all-reduce the amaxes over `fp8_group` before each update, when a
             group with more than one rank is given.
+        fp8_dpa: run dot-product attention (graphfp8.DotProductAttention, and the attention of
+            TransformerLayer) in FP8 (cuDNN on the GPU), with high-precision input and output.
+        fp8_mha: also keep the attention output in FP8 (a Float8Tensor) for the next layer, and
+            quantize the fused QKV output once, in the rotary-embedding kernel; needs fp8_dpa.
     """
 
     margin: int = 0
@@ -56,6 +82,8 @@ class DelayedScaling:
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
@@ -64,17 +92,37 @@ class DelayedScaling:
             raise ValueError(
                 f"DelayedScaling: fp8_format must be a graphfp8.Format, got {self.fp8_format!r}"
             )
+        limit = max_margin(self.fp8_format)
+        if self.margin > limit:
+            raise ValueError(
+                f"DelayedScaling: margin must be <= {limit} for {self.fp8_format}, got "
+                f"{self.margin}: fp8_max * 2**-margin / amax would underflow float32 for large "
+                "amaxes (scale 0, scale_inv inf, NaN outputs), and from margin 19 on every E4M3 "
+                "value rounds to 0"
+            )
         length = self.amax_history_len
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(
                 f"DelayedScaling: amax_history_len must be an int >= 1, got {length!r}"
+            )
+        if length > MAX_AMAX_HISTORY_LEN:
+            raise ValueError(
+                f"DelayedScaling: amax_history_len must be <= {MAX_AMAX_HISTORY_LEN}, got "
+                f"{length}: every FP8 slot keeps that many float32 amaxes on the device "
+                "(typical lengths are 16 to 1024)"
             )
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
                 "DelayedScaling: amax_compute_algo must be 'max' or 'most_recent', "
                 f"got {self.amax_compute_algo!r}"
             )
-        if not isinstance(self.reduce_amax, bool):
+        for name in ("reduce_amax", "fp8_dpa", "fp8_mha"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"DelayedScaling: {name} must be a bool, got {getattr(self, name)!r}"
+                )
+        if self.fp8_mha and not self.fp8_dpa:
             raise ValueError(
-                f"DelayedScaling: reduce_amax must be a bool, got {self.reduce_amax!r}"
+                "DelayedScaling: fp8_mha=True needs fp8_dpa=True (FP8 MHA runs the attention "
+                "itself in FP8)"
             )

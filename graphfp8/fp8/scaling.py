@@ -96,7 +96,7 @@ class Arena:
     def update_(self, group=None) -> None:
         """One delayed-scaling step for every slot: optional MAX all-reduce of row 0 over
         `group` (when the recipe says reduce_amax and the group has several ranks), then the
-        fused kernel. Reducing row 0 in place equals DESIGN.md's `a = R if R != 0 else H[0]`:
+        fused kernel. Reducing row 0 in place equals docs/fp8.md's `a = R if R != 0 else H[0]`:
         R is the max over ranks of non-negative amaxes, so R == 0 implies H[0] == 0. Before the
         first reduction of this arena over `group`, the ranks check that their arenas match
         (arena_check.check_arena_consistency), so a mismatch raises instead of hanging."""

@@ -52,6 +52,10 @@ class TapeGraph:
     def kernels(self) -> list[str]:
         return self.tape.op_names()
 
+    def release(self) -> None:
+        """Drops the recorded ops and the tensors they hold."""
+        self.tape = ReplayTape()
+
 
 class CudaGraph:
     """GPU backend: a torch.cuda.CUDAGraph kept (keep_graph=True) in debug mode, so that its kernel
@@ -77,6 +81,10 @@ class CudaGraph:
 
     def replay(self) -> None:
         self.graph.replay()
+
+    def release(self) -> None:
+        """Destroys the CUDA graph; its memory pool is freed once no graph or tensor uses it."""
+        self.graph.reset()
 
     def kernels(self) -> list[str]:
         """Kernel nodes of the graph, in dump order (demangled when c++filt is available)."""

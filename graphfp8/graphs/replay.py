@@ -1,19 +1,29 @@
 """Replaying a captured callable: its static inputs and outputs (GraphedRunner), the checks made
 before every replay, the is_first_microbatch device flag (WeightCacheFlag), the gradient fold
-into `.grad` (GradAccumulator) and the autograd.Function that replays the two graphs."""
+into `.grad` (GradAccumulator) and the autograd.Function that replays the two graphs, in the
+order its capture's Schedule allows."""
 
 from __future__ import annotations
 
 import operator
 
 import torch
-from torch.nn.modules import module as _nn_module
 from torch.utils._pytree import tree_unflatten
 
-from graphfp8.fp8.autocast import STATE, check_is_first_microbatch
+from graphfp8.fp8.autocast import check_is_first_microbatch
+from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.guard import CaptureGuard, hook_dicts
 from graphfp8.profiling import nvtx_range
 
-__all__ = ["WeightCacheFlag", "GradAccumulator", "GraphedRunner", "GraphedFunction"]
+__all__ = [
+    "GradAccumulator",
+    "GraphedFunction",
+    "GraphedRunner",
+    "WeightCacheFlag",
+    "capture_grad_accumulator",
+    "grad_buffer",
+    "hook_dicts",
+]
 
 
 class WeightCacheFlag:
@@ -96,16 +106,33 @@ class GradAccumulator:
 _GRAD = operator.attrgetter("grad")
 
 
-def hook_dicts(modules) -> list:
-    """Every hook dict that would make a captured module run Python the graph cannot hold."""
-    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    dicts = [getattr(m, n) for m in modules for n in names]
-    return dicts + [
-        _nn_module._global_forward_hooks,
-        _nn_module._global_forward_pre_hooks,
-        _nn_module._global_backward_hooks,
-        _nn_module._global_backward_pre_hooks,
-    ]
+def capture_grad_accumulator(params, grads, pool, device) -> GradAccumulator | None:
+    """Captures the two one-launch folds of the parameter gradients into their .grad buffers."""
+    pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
+    if not pairs:
+        return None
+    params, grads = [p for p, _ in pairs], [g for _, g in pairs]
+    buffers = [grad_buffer(p) for p in params]
+    # The CPU tape runs what it records: keep a buffer that already is someone's .grad (another
+    # capture's parameter, the same one) as it was.
+    saved = [b.clone() for b in buffers] if device.type == "cpu" else None
+    add_graph, copy_graph = new_graph(device), new_graph(device)
+    with add_graph.capture(pool):
+        torch._foreach_add_(buffers, grads)
+    with copy_graph.capture(pool):
+        torch._foreach_copy_(buffers, grads)
+    if saved is not None:
+        torch._foreach_copy_(buffers, saved)
+    return GradAccumulator(params, grads, buffers, add_graph, copy_graph)
+
+
+def grad_buffer(param: torch.Tensor) -> torch.Tensor:
+    """One persistent .grad buffer per parameter, shared by every callable that uses it."""
+    buf = getattr(param, "_graphfp8_grad", None)
+    if buf is None:
+        buf = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        param._graphfp8_grad = buf
+    return buf
 
 
 def _tensor_text(t: torch.Tensor) -> str:
@@ -116,36 +143,61 @@ class GraphedRunner:
     """One captured callable: its graphs and static buffers.
 
     Attributes:
+        index: its place in its capture's schedule (the runner index of schedule.Layout).
         static_inputs: the flat user tensors the forward graph reads (sample args, then kwargs).
-        params: module parameters; their gradients go through `accumulator`, not autograd.
+        params: the parameters whose gradients go through `accumulator`, not autograd: the
+            module's own and those its outputs were found to depend on (graphs/discover.py).
+        param_names: a name per parameter, for messages.
+        modules: every module it runs (its own tree, or those a plain function closes over).
+        closure: for a plain function, the modules it closes over (candidates for `modules`).
+        uses_fp8: it runs FP8 modules (inside fp8_autocast it must match the region).
+        arenas: {id: arena} of the FP8 arenas its modules used while warming up.
+        graphs: the CapturedGraphs of its capture (schedule, FP8 settings, reset).
+        guard: what it assumes about its modules, checked before every call.
         static_outputs: flat output tensors the forward graph writes; out_spec rebuilds them.
         static_grad_outputs: one buffer per output that requires grad (None otherwise).
         static_grad_inputs: one gradient per static input; None where there is none.
+        expects_grad: a forward with grad enabled leaves a backward to run.
     """
 
-    def __init__(self, name, static_inputs, kwarg_names, params, modules):
+    def __init__(self, name, static_inputs, kwarg_names, params, modules, param_names=None):
         self.name = name
+        self.index = 0
         self.static_inputs = static_inputs
         self.kwarg_names = kwarg_names
-        self.params = params
-        self.hook_dicts = hook_dicts(modules)
+        self.params = tuple(params)
+        self.param_names = list(param_names or [f"parameter {i}" for i in range(len(params))])
+        self.modules = list(modules)
+        self.closure: list = []  # modules a plain function closes over (graphs/discover.py)
+        self.arenas: dict = {}
+        self.uses_fp8 = False
         self.weight_cache_flag: WeightCacheFlag | None = None  # set by the capturer
+        self.graphs = None  # set by the capturer
+        self.guard: CaptureGuard | None = None
         self.fwd_graph = self.bwd_graph = None
         self.static_outputs: list[torch.Tensor] = []
         self.out_spec = None
         self.static_grad_outputs: list[torch.Tensor | None] = []
         self.static_grad_inputs: list[torch.Tensor | None] = []
         self.accumulator: GradAccumulator | None = None
+        self.expects_grad = False
+        self.undo = None  # puts a module's eager forward back (set by _wrap)
         # Makes the outputs require grad when only parameters do (see GraphedFunction).
         self.grad_anchor = torch.empty(0, requires_grad=any(p.requires_grad for p in params))
 
-    def check_call(self, args, kwargs, is_first_microbatch, full_hook_check: bool) -> list:
+    def adopt(self, params, names) -> None:
+        """Adds parameters found outside the callable's own (graphs/discover.py)."""
+        self.params = self.params + tuple(params)
+        self.param_names += list(names)
+        self.grad_anchor.requires_grad_(any(p.requires_grad for p in self.params))
+
+    def check_call(self, args, kwargs, is_first_microbatch) -> list:
         """Validates a call before anything runs; returns the flat user tensors."""
-        if STATE.enabled and STATE.capture is None:
+        if self.graphs.closed:
             raise RuntimeError(
-                f"{self.name}: a graphed callable carries its own FP8 state and scale updates; "
-                "call it outside fp8_autocast"
+                f"{self.name}: reset() released its graphs; call make_graphed_callables again"
             )
+        self.graphs.check_fp8_region(self)
         if (kwargs or self.kwarg_names) and sorted(kwargs) != sorted(self.kwarg_names):
             raise TypeError(
                 f"{self.name}: captured with keyword arguments {sorted(self.kwarg_names)}, "
@@ -166,12 +218,8 @@ class GraphedRunner:
                     f"{self.name}: argument {i} is {_tensor_text(a)}, but the graph was captured "
                     f"for {_tensor_text(s)}; capture another graph for other inputs"
                 )
-        dicts = self.hook_dicts if full_hook_check else self.hook_dicts[:4]
-        if any(dicts):
-            raise RuntimeError(
-                f"{self.name}: hooks were registered on a captured module (or globally) after "
-                "capture; a captured graph would not run them"
-            )
+        self.guard.check()
+        self.graphs.schedule.check_forward(self.index)
         self.weight_cache_flag.set(is_first_microbatch)
         return flat
 
@@ -198,18 +246,33 @@ class GraphedRunner:
     def outputs(self, flat):
         return tree_unflatten(list(flat), self.out_spec)
 
+    def release(self) -> None:
+        """Drops the graphs and static buffers (reset())."""
+        graphs = [self.fwd_graph, self.bwd_graph]
+        if self.accumulator is not None:
+            graphs += [self.accumulator.add_graph, self.accumulator.copy_graph]
+        for g in graphs:
+            if g is not None:
+                g.release()
+        self.fwd_graph = self.bwd_graph = self.accumulator = None
+        self.static_inputs, self.static_outputs = [], []
+        self.static_grad_outputs, self.static_grad_inputs = [], []
+
 
 class GraphedFunction(torch.autograd.Function):
     """Replays the forward graph in forward and the backward graph in backward.
 
-    Inputs: the runner, the grad anchor (an empty tensor that requires grad when the
-    parameters do, so the outputs require grad even if no user input does), the user tensors.
+    Inputs: the runner, whether this call leaves a backward to run, the grad anchor (an empty
+    tensor that requires grad when the parameters do, so the outputs require grad even if no
+    user input does), the user tensors. The autograd node (ctx) is what the schedule tracks:
+    while it lives, the runner's backward is pending.
     """
 
     @staticmethod
-    def forward(ctx, runner: GraphedRunner, anchor, *inputs):
+    def forward(ctx, runner: GraphedRunner, expects_backward: bool, anchor, *inputs):
         ctx.runner = runner
         runner.replay_forward(inputs)
+        runner.graphs.schedule.forward_done(runner.index, ctx if expects_backward else None)
         outs = tuple(o.detach() for o in runner.static_outputs)
         ctx.mark_non_differentiable(
             *[o for o, g in zip(outs, runner.static_grad_outputs) if g is None]
@@ -218,4 +281,12 @@ class GraphedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *ctx.runner.replay_backward(grads))
+        runner: GraphedRunner = ctx.runner
+        if runner.graphs.closed:
+            raise RuntimeError(
+                f"{runner.name}: backward through outputs made before reset() released the graphs"
+            )
+        runner.graphs.schedule.check_backward(runner.index, ctx)
+        grad_inputs = runner.replay_backward(grads)
+        runner.graphs.schedule.backward_done(runner.index)
+        return (None, None, None, *grad_inputs)

@@ -3,6 +3,8 @@ is_first_microbatch weight-cache policy, input checks and checkpointed FP8 state
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -23,22 +25,20 @@ EXTRA_STATE_VERSION = 1
 
 
 class FP8Meta:
-    """One module's FP8 slots (graphfp8.fp8.slots): FwdRole slots per GEMM in the forward arena
-    and BwdRole slots per GEMM in the backward arena."""
+    """One module's FP8 slots (graphfp8.fp8.slots): `counts` = (forward, backward) slots, e.g.
+    FwdRole and BwdRole slots per GEMM, in the forward and backward arenas."""
 
-    def __init__(self, recipe: DelayedScaling, device: torch.device, num_gemms: int):
+    def __init__(self, recipe: DelayedScaling, device: torch.device, counts: tuple[int, int]):
         self.recipe = recipe
         self.device = torch.device(device)
-        self.num_gemms = num_gemms
-        fwd_count = slots_per_gemm(FwdRole) * num_gemms
-        bwd_count = slots_per_gemm(BwdRole) * num_gemms
-        self.fwd = scaling.allocate(recipe, device, scaling.FORWARD, fwd_count)
-        self.bwd = scaling.allocate(recipe, device, scaling.BACKWARD, bwd_count)
+        self.counts = counts
+        self.fwd = scaling.allocate(recipe, device, scaling.FORWARD, counts[0])
+        self.bwd = scaling.allocate(recipe, device, scaling.BACKWARD, counts[1])
 
     def __deepcopy__(self, memo) -> FP8Meta:
         """A copied module gets fresh slots (in the open arena, so updates reach them) holding
         the same histories and scales."""
-        new = FP8Meta(self.recipe, self.device, self.num_gemms)
+        new = FP8Meta(self.recipe, self.device, self.counts)
         new.copy_from_(self)
         return new
 
@@ -55,6 +55,8 @@ def _recipe_to_dict(recipe: DelayedScaling) -> dict:
         "amax_history_len": recipe.amax_history_len,
         "amax_compute_algo": recipe.amax_compute_algo,
         "reduce_amax": recipe.reduce_amax,
+        "fp8_dpa": recipe.fp8_dpa,
+        "fp8_mha": recipe.fp8_mha,
     }
 
 
@@ -104,6 +106,14 @@ class FP8Module(nn.Module):
 
     # FP8 state -------------------------------------------------------------------------------
 
+    def uses_fp8(self, recipe: DelayedScaling) -> bool:
+        """Whether this module runs in FP8 (and owns slots) under `recipe`."""
+        return True
+
+    def _slot_counts(self) -> tuple[int, int]:
+        """(forward, backward) slots this module owns: the GEMM roles of each of its GEMMs."""
+        return slots_per_gemm(FwdRole) * self.num_gemms, slots_per_gemm(BwdRole) * self.num_gemms
+
     def fp8_init(self, recipe: DelayedScaling, device) -> FP8Meta:
         """Allocates this module's slots for `recipe` (or moves them to it from another recipe of
         the same history length), and returns them."""
@@ -123,7 +133,7 @@ class FP8Module(nn.Module):
                     f"{name}: its FP8 state is captured in a graph for {meta.recipe} and cannot "
                     f"move to {recipe}"
                 )
-        new = FP8Meta(recipe, device, self.num_gemms)
+        new = FP8Meta(recipe, device, self._slot_counts())
         if meta is not None:
             new.copy_from_(meta)
         self.fp8_meta = new
@@ -155,6 +165,20 @@ class FP8Module(nn.Module):
             )
         return False
 
+    def _fp8_forward_state(self, device) -> tuple[FP8Meta, tuple | None]:
+        """This module's slots for an FP8 forward under the current recipe, and the (backward
+        arena, group) whose update must run at the end of the backward pass (eager), or None
+        (in a capture, which places both updates itself and learns the arenas here). Eager mode
+        updates the forward arena once per fp8_autocast region, before its first use."""
+        meta = self.fp8_init(STATE.recipe, device)
+        capture = STATE.capture
+        if capture is not None:
+            capture.arenas[id(meta.fwd.arena)] = meta.fwd.arena
+            capture.arenas[id(meta.bwd.arena)] = meta.bwd.arena
+            return meta, None
+        meta.fwd.arena.update_once(STATE.region, STATE.group)
+        return meta, (meta.bwd.arena, STATE.group)
+
     def _gemm_configs(
         self,
         weights: list[tuple[str, torch.Tensor]],
@@ -162,19 +186,13 @@ class FP8Module(nn.Module):
         fp8_output: bool,
     ) -> list[GemmConfig]:
         """One GemmConfig per (workspace key, weight) for this FP8 forward."""
-        meta = self.fp8_init(STATE.recipe, weights[0][1].device)
+        meta, bwd_update = self._fp8_forward_state(weights[0][1].device)
         fp8_dtype = meta.fwd.arena.fp8_dtype
         workspaces = [self._weight_workspace(key, w, fp8_dtype) for key, w in weights]
-        capture = STATE.capture
-        if capture is not None:
-            # The graph decides through its device flag; scale updates are placed by the capturer.
-            capture.arenas[id(meta.fwd.arena)] = meta.fwd.arena
-            capture.arenas[id(meta.bwd.arena)] = meta.bwd.arena
-            cast, flag, bwd_update = True, capture.weight_cache_flag, None
+        if STATE.capture is not None:  # the graph decides through its device flag
+            cast, flag = True, STATE.capture.weight_cache_flag
         else:
-            meta.fwd.arena.update_once(STATE.region, STATE.group)
             cast, flag = self._eager_weight_cast(is_first_microbatch), None
-            bwd_update = (meta.bwd.arena, STATE.group)
         last = len(weights) - 1
         return [
             GemmConfig(
@@ -250,7 +268,8 @@ class FP8Module(nn.Module):
         if state is None:
             return
         state = _upgrade_extra_state(state, type(self).__name__, self.num_gemms)
-        meta = self.fp8_init(state["recipe"], next(self.parameters()).device)
+        device = next(itertools.chain(self.parameters(), self.buffers())).device
+        meta = self.fp8_init(state["recipe"], device)
         for key, block in (("fwd", meta.fwd), ("bwd", meta.bwd)):
             history, scale = state[f"{key}_amax_history"], state[f"{key}_scale"]
             if tuple(history.shape) != tuple(block.history().shape):

@@ -8,55 +8,31 @@ folds into the MLP's norm: one kernel reads x and the projection's output and wr
 and the FP8 norm of h (graphfp8.modules._norm); its backward adds the gradient that reaches h
 through the second residual into dx in the same pass.
 
-Attention itself runs in the parameter dtype (torch's flash / memory-efficient kernels). RoPE
-is one graphfp8 kernel each way (q and k rotated, v copied, straight from the fused QKV output;
-as separate torch ops on the strided q/k views it was ~10 kernels and ~22% of the GPU time of a
-100M-parameter model's microbatch on the H200). Every per-step quantity lives on the device and
-the rotary tables are precomputed float32 buffers, so the layer captures into a CUDA graph (or
-the CPU replay tape) without host syncs. No FP8 output is
-chained here: the QKV output feeds RoPE and attention, which need high precision, and the
-attention output is cast once by the projection anyway.
+Attention (graphfp8.DotProductAttention) runs in the parameter dtype (torch's flash / memory-
+efficient kernels) by default, RoPE as one graphfp8 kernel each way (q and k rotated, v copied,
+straight from the fused QKV output; as separate torch ops on the strided q/k views it was ~10
+kernels and ~22% of the GPU time of a 100M-parameter model's microbatch on the H200). With a
+recipe that sets fp8_dpa, attention runs in FP8 (cuDNN) and RoPE is fused into the FP8 casts of
+q, k and v; with fp8_mha too, the attention output stays FP8 into the projection (no second
+cast). Every per-step quantity lives on the device and the rotary tables are precomputed float32
+buffers, so the layer captures into a CUDA graph (or the CPU replay tape) without host syncs.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from graphfp8 import ops
 from graphfp8.fp8.slots import FwdRole
 from graphfp8.modules._norm import norm_fp8
+from graphfp8.modules._rope import RopeQKV as _RopeQKV  # noqa: F401 - kept importable here
+from graphfp8.modules._rope import rope_tables
+from graphfp8.modules.attention import DotProductAttention
 from graphfp8.modules.layernorm_linear import LayerNormLinear
 from graphfp8.modules.layernorm_mlp import LayerNormMLP
 from graphfp8.modules.linear import Linear
 
 __all__ = ["TransformerLayer", "rope_tables"]
-
-
-def rope_tables(max_seq_len: int, head_dim: int, base: float, dtype, device):
-    """cos, sin: (max_seq_len, head_dim) in `dtype`, computed in float64 then rounded once."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
-
-
-class _RopeQKV(torch.autograd.Function):
-    """qkv (B, S, 3H) -> the same layout with q and k rotated; backward rotates the gradient
-    back (the transposed rotation) and passes v's gradient through."""
-
-    @staticmethod
-    def forward(ctx, qkv, cos, sin, num_heads: int):
-        ctx.save_for_backward(cos, sin)
-        ctx.num_heads = num_heads
-        return ops.rope_qkv(qkv, cos, sin, num_heads)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        dqkv = ops.rope_qkv(grad.contiguous(), cos, sin, ctx.num_heads, inverse=True)
-        return dqkv, None, None, None
 
 
 class TransformerLayer(nn.Module):
@@ -94,6 +70,7 @@ class TransformerLayer(nn.Module):
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.ffn_hidden_size, self.rope, self.max_seq_len = ffn_hidden_size, rope, max_seq_len
         self.qkv = LayerNormLinear(hidden_size, 3 * hidden_size, **kw)
+        self.core_attention = DotProductAttention(num_heads, head_dim, device=device)
         self.proj = Linear(hidden_size, hidden_size, bias=bias, params_dtype=dtype, device=device)
         self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation, **kw)
         if rope:
@@ -102,15 +79,12 @@ class TransformerLayer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
 
     def attention(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Causal self-attention core: qkv (B, S, 3H) -> (B, S, H), in qkv's dtype."""
-        b, s, _ = qkv.shape
+        """Causal self-attention core with RoPE: qkv (B, S, 3H) -> (B, S, H), in qkv's dtype (a
+        Float8Tensor under fp8_mha)."""
+        tables = None
         if self.rope:  # the tables stay float32 even if the module was cast to another dtype
-            cos, sin = self.rope_cos.float(), self.rope_sin.float()
-            qkv = _RopeQKV.apply(qkv.contiguous(), cos, sin, self.num_heads)
-        q, k, v = qkv.view(b, s, 3, self.num_heads, self.head_dim).unbind(dim=2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, S, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return out.transpose(1, 2).reshape(b, s, self.hidden_size)
+            tables = (self.rope_cos.float(), self.rope_sin.float())
+        return self.core_attention.forward_qkv(qkv, tables)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """x: (B, S, H) in params_dtype, S <= max_seq_len. Returns (B, S, H).
@@ -125,6 +99,7 @@ class TransformerLayer(nn.Module):
                 f"TransformerLayer: sequence length {x.shape[1]} exceeds max_seq_len "
                 f"{self.max_seq_len} of the rotary tables"
             )
+        self.core_attention.check_fused(x.shape[0], x.shape[1], x.device)
         qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
         attn = self.proj(self.attention(qkv), is_first_microbatch=is_first_microbatch)
         cfgs = self.mlp.fp8_configs(x, is_first_microbatch)

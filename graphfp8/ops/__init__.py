@@ -11,7 +11,9 @@ from graphfp8.ops.dequantize import dequantize
 from graphfp8.ops.gemm import check_gemm_dims, fp8_gemm
 from graphfp8.ops.norm import NormFP8, layernorm_bwd, layernorm_fp8, rmsnorm_bwd, rmsnorm_fp8
 from graphfp8.ops.rope import rope_qkv
+from graphfp8.ops.rope_fp8 import rope_fp8, rope_fp8_backward
 from graphfp8.ops.scale_update import scale_update_
+from graphfp8.ops.sdpa_fp8 import check_sdpa_fp8, sdpa_fp8_backward, sdpa_fp8_forward
 from graphfp8.ops.transpose import fp8_transpose
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "cast_transpose_dbias",
     "dgelu_cast_transpose_dbias",
     "check_gemm_dims",
+    "check_sdpa_fp8",
     "dequantize",
     "fp8_gemm",
     "fp8_transpose",
@@ -30,6 +33,10 @@ __all__ = [
     "layernorm_fp8",
     "rmsnorm_bwd",
     "rmsnorm_fp8",
+    "rope_fp8",
+    "rope_fp8_backward",
     "rope_qkv",
     "scale_update_",
+    "sdpa_fp8_backward",
+    "sdpa_fp8_forward",
 ]

@@ -88,3 +88,13 @@ def _layernorm_bwd_fake(dy, x, mu, rsigma, gamma, zero_centered_gamma, dx, dgamm
 @torch.library.register_fake("graphfp8::rmsnorm_bwd")
 def _rmsnorm_bwd_fake(dy, x, rsigma, gamma, zero_centered_gamma, dx, dgamma, dresidual=None):
     return None
+
+
+@torch.library.register_fake("graphfp8::rope_fp8")
+def _rope_fp8_fake(qkv, cos, sin, num_heads, scale, out, scale_inv, amax):
+    return None
+
+
+@torch.library.register_fake("graphfp8::rope_fp8_backward")
+def _rope_fp8_backward_fake(grads, scale_inv, cos, sin, num_heads, out):
+    return None

@@ -17,6 +17,7 @@ import torch
 __all__ = ["fp8_gemm", "check_gemm_dims"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_gemm_dims(k: int, n: int, what: str = "graphfp8.fp8_gemm") -> None:
@@ -58,6 +59,8 @@ def fp8_gemm(
         raise TypeError(f"{name}: both operands must be FP8, got {a_fp8.dtype} and {b_fp8.dtype}")
     if a_fp8.dtype == torch.float8_e5m2 and b_fp8.dtype == torch.float8_e5m2:
         raise TypeError(f"{name}: E5M2 x E5M2 is not supported by cuBLASLt")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"{name}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
     if a_fp8.dim() != 2 or b_fp8.dim() != 2:
         raise ValueError(f"{name}: operands must be 2-D, got {a_fp8.dim()}-D and {b_fp8.dim()}-D")
     if a_fp8.device != b_fp8.device:

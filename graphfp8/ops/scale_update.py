@@ -14,7 +14,7 @@ def scale_update_(
 ) -> None:
     """Rolls every slot's amax history and recomputes its scale, in place, in one launch.
 
-    Per slot (DESIGN.md): a = H[0]; if a != 0, H = [0, H[2], ..., H[L-1], a] and m is the max of
+    Per slot (docs/fp8.md): a = H[0]; if a != 0, H = [0, H[2], ..., H[L-1], a] and m is the max of
     H[1..L-1] and a; amax = a if most_recent else m; scale = scaled_max / amax when amax is finite
     and > 0 (else unchanged); an infinite scale becomes FLT_MAX.
 

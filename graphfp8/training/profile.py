@@ -21,7 +21,7 @@ from graphfp8.training.data import make_corpus
 from graphfp8.training.loop import sync
 from graphfp8.training.model import PRESETS
 from graphfp8.training.profile_stats import busy_fraction, nsys_summary, top_kernels
-from graphfp8.training.run import PRECISIONS, Run, RunSpec
+from graphfp8.training.run import GRAPH_MODES, PRECISIONS, Run, RunSpec
 
 __all__ = ["main"]
 
@@ -31,7 +31,15 @@ def _parse(argv) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     p.add_argument("--preset", choices=sorted(PRESETS), default="100m" if cuda else "tiny")
     p.add_argument("--precision", choices=PRECISIONS, default="fp8")
-    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--graphs",
+        nargs="?",
+        const="layers",
+        default="layers",
+        choices=GRAPH_MODES,
+        help="layers (default), step (the whole step as one graph) or none",
+    )
+    p.add_argument("--no-graphs", dest="graphs", action="store_const", const="none")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="profiled optimizer steps")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps before profiling")

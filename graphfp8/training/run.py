@@ -1,10 +1,13 @@
 """One training run: a GPT in bf16 or FP8, eager or graphed, with gradient accumulation.
 
 Per optimizer step, for each of `microbatches` microbatches: embedding (eager) -> the blocks
-(one graph replay forward, one backward when graphed; an fp8_autocast region per microbatch when
-eager) -> norm, head, cross entropy (eager) -> backward. Then (data parallel) one all-reduce of
-the accumulated gradients, clipping, AdamW, zero_grad. `is_first_microbatch` is True on the
-first microbatch of every step: the FP8 weights are cast then and reused by the others.
+(one graph replay forward, one backward with graphs "layers"; an fp8_autocast region per
+microbatch when eager) -> norm, head, cross entropy (eager) -> backward. Then (data parallel) one
+all-reduce of the accumulated gradients, clipping, AdamW, zero_grad. `is_first_microbatch` is
+True on the first microbatch of every step: the FP8 weights are cast then and reused by the
+others. With graphs "step" all of that, embedding and head included, is one graph replay
+(graphs.make_graphed_step) and gives the same bits: every mode runs the same fused AdamW with a
+tensor learning rate.
 
 No host sync inside a step: losses stay on the device until a log point asks for them.
 """
@@ -19,14 +22,17 @@ import torch
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.autocast import fp8_autocast
 from graphfp8.fp8.recipe import DelayedScaling
-from graphfp8.graphs import make_graphed_callables
+from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.profiling import nvtx_range
 from graphfp8.training.data import batch
 from graphfp8.training.model import GPT, ModelConfig
 
-__all__ = ["RunSpec", "Run"]
+__all__ = ["GRAPH_MODES", "RunSpec", "Run"]
 
 PRECISIONS = ("bf16", "fp8")
+# none: eager; layers: the blocks captured (make_graphed_callables); step: the whole step.
+GRAPH_MODES = ("none", "layers", "step")
+_MODE_NAMES = {"none": "eager", "layers": "graphs", "step": "step"}
 
 
 @dataclass(frozen=True)
@@ -36,15 +42,21 @@ class RunSpec:
     preset: str
     model: ModelConfig
     precision: str  # "bf16" or "fp8"
-    graphs: bool
+    graphs: str  # one of GRAPH_MODES (True/False mean "layers"/"none")
     microbatches: int
     device: str
     seed: int = 0
     amax_history_len: int = 16
 
+    def __post_init__(self) -> None:
+        if isinstance(self.graphs, bool):
+            object.__setattr__(self, "graphs", "layers" if self.graphs else "none")
+        if self.graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs must be one of {GRAPH_MODES}, got {self.graphs!r}")
+
     @property
     def name(self) -> str:
-        return f"{self.precision}-{'graphs' if self.graphs else 'eager'}"
+        return f"{self.precision}-{_MODE_NAMES[self.graphs]}"
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -68,20 +80,29 @@ class Run:
         self.rank = torch.distributed.get_rank(group) if group is not None else 0
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
         self.model = GPT(spec.model, torch.bfloat16, spec.device)
+        # Fused, with the learning rate as a device tensor, in every mode: a step graph can
+        # capture it (capturable on the GPU), and all modes compute the same bits.
+        capturable = spec.graphs == "step" and torch.device(spec.device).type == "cuda"
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=spec.model.lr, betas=(0.9, 0.95), weight_decay=0.1
-        )
+            self.model.parameters(), lr=torch.tensor(spec.model.lr, device=spec.device),
+            betas=(0.9, 0.95), weight_decay=0.1, fused=True, capturable=capturable,
+        )  # fmt: skip
         self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len)
         self.step = 0
         self.blocks = None  # the callable that runs the blocks, set by prepare()
+        self.graphed_step = None  # graphs "step": the captured step, set by prepare()
 
     @property
     def fp8(self) -> bool:
         return self.spec.precision == "fp8"
 
     def prepare(self) -> None:
-        """Captures the blocks when the run uses graphs (after any checkpoint was loaded)."""
-        if not self.spec.graphs:
+        """Captures the blocks, or the whole step, when the run uses graphs (after any
+        checkpoint was loaded)."""
+        if self.spec.graphs == "step":
+            self._prepare_step()
+            return
+        if self.spec.graphs == "none":
             self.blocks = self._eager_blocks
             return
         cfg = self.spec.model
@@ -91,6 +112,31 @@ class Run:
             self.model.blocks, (sample,), fp8_enabled=self.fp8, fp8_recipe=self.recipe,
             fp8_weight_caching=True, fp8_group=self.group,
         )  # fmt: skip
+
+    def _prepare_step(self) -> None:
+        for group in self.optimizer.param_groups:  # a checkpoint of another mode may say False
+            group["capturable"] = torch.device(self.spec.device).type == "cuda"
+        cfg, mbs = self.spec.model, self.spec.microbatches
+        # A sample of the batch's shape (token 0 everywhere): taking one from the data would
+        # consume it.
+        tokens = torch.zeros(
+            mbs, cfg.batch, cfg.seq_len, dtype=torch.int64, device=self.spec.device
+        )
+        self.graphed_step = make_graphed_step(
+            self.model, None, self.optimizer, ((tokens, tokens.clone()), ()), mbs,
+            fp8_enabled=self.fp8, fp8_recipe=self.recipe, fp8_weight_caching=True,
+            max_grad_norm=1.0, fp8_group=self.group, process_group=self.group,
+            num_warmup_iters=3 if torch.device(self.spec.device).type == "cuda" else 1,
+        )  # fmt: skip
+
+    def _step_batch(self):
+        """This step's microbatches, stacked straight into the step graph's static batch
+        ((inputs, targets), (): the model's output is the loss)."""
+        inputs, targets = self.graphed_step.static_batch
+        pairs = [self._microbatch(mb) for mb in range(self.spec.microbatches)]
+        torch.stack([x for x, _ in pairs], out=inputs)
+        torch.stack([y for _, y in pairs], out=targets)
+        return (inputs, targets), ()
 
     def _eager_blocks(self, x, is_first_microbatch=None):
         with fp8_autocast(enabled=self.fp8, recipe=self.recipe, fp8_group=self.group):
@@ -114,6 +160,17 @@ class Run:
     def train_step(self, total_steps: int) -> torch.Tensor:
         """One optimizer step over `microbatches` microbatches. Returns the step's mean loss as
         a 0-d float32 device tensor (not synchronised)."""
+        lr = self.lr_at(self.step, total_steps)
+        for group in self.optimizer.param_groups:  # in place: a step graph reads the tensor
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:  # a checkpoint written before the learning rate became a tensor
+                group["lr"] = lr
+        if self.graphed_step is not None:
+            with nvtx_range("step"):
+                loss = self.graphed_step(self._step_batch()).clone()
+            self.step += 1
+            return loss
         model, mbs = self.model, self.spec.microbatches
         total = torch.zeros((), dtype=torch.float32, device=self.spec.device)
         for mb in range(mbs):
@@ -128,8 +185,6 @@ class Run:
             if self.group is not None:
                 allreduce_gradients(model.parameters(), self.group)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.lr_at(self.step, total_steps)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -159,7 +214,8 @@ class Run:
                 for k in mine if saved.get(k) != mine[k]]  # fmt: skip
         if diff:
             raise ValueError("checkpoint does not match this run: " + "; ".join(diff))
-        if self.blocks is not None and self.spec.graphs:
+        prepared = self.blocks is not None or self.graphed_step is not None
+        if prepared and self.spec.graphs != "none":
             raise RuntimeError("load the checkpoint before prepare(): the graphs are captured")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -43,8 +43,8 @@ def test_errors_before_anything_runs(device):
     x = torch.randn(T, H, dtype=torch.bfloat16, device=device, requires_grad=True)
     with pytest.raises(RuntimeError, match="is_first_microbatch=False before any call"):
         g(x, is_first_microbatch=False)
-    with pytest.raises(RuntimeError, match="call it outside fp8_autocast"):
-        with g8.fp8_autocast(recipe=RECIPE):
+    with pytest.raises(RuntimeError, match="captured with fp8_recipe=.*called inside fp8_autocast"):
+        with g8.fp8_autocast(recipe=g8.DelayedScaling(amax_history_len=8)):
             g(x, is_first_microbatch=True)
     with pytest.raises(TypeError, match="captured with 1 tensor arguments, called with 2"):
         g(x, x, is_first_microbatch=True)

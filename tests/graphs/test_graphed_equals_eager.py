@@ -88,8 +88,9 @@ def test_tuple_of_callables_updates_once_per_microbatch(device):
 
 
 def test_plain_function_callable(device):
-    """A plain function (no parameters of its own) that closes over a module: FP8 modules
-    reached only through it initialise during warmup, and the warmup leaves no trace."""
+    """A plain function (no parameters of its own) that closes over a module: the module's
+    parameters are found and get their gradients, as eagerly; FP8 modules reached only through
+    it initialise during warmup, and the warmup leaves no trace."""
     recipe = g8.DelayedScaling(amax_history_len=4)
     eager = g8.LayerNormMLP(H, 2 * H, params_dtype=torch.bfloat16, device=device)
     inner = copy.deepcopy(eager)
@@ -99,8 +100,11 @@ def test_plain_function_callable(device):
     assert inner.fp8_meta is not None
     for _ in range(3):
         x = torch.randn(T, H, dtype=torch.bfloat16, device=device)
-        with torch.no_grad(), g8.fp8_autocast(recipe=recipe):
+        with g8.fp8_autocast(recipe=recipe):
             ye = eager(x) * 2.0
         yg = graphed(x)
+        assert yg.requires_grad, "the closed-over parameters require grad"
         assert_bitwise_equal(yg, ye)
-        assert_bitwise_equal(inner.fp8_meta.fwd.history(), eager.fp8_meta.fwd.history())
+        ye.float().square().sum().backward()
+        yg.float().square().sum().backward()
+        compare_models(eager, inner, "plain function")

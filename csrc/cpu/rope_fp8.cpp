@@ -1,0 +1,103 @@
+// CPU kernels: rotary embedding fused with the FP8 casts of q, k and v, and its backward
+// (rope_fp8.h has the math). Reference-speed loops in fp32, each product and sum rounded on its
+// own (setup.py builds with -ffp-contract=off), bit-identical to graphfp8/reference.py's twins.
+#include <cmath>
+
+#include "../dtype_switch.h"
+#include "../rope_fp8.h"
+#include "fp8_convert.h"
+
+namespace graphfp8 {
+namespace {
+
+// Rotates the pair (lo, hi) at index i < half of position row (c, n) in place.
+void rotate(float& lo, float& hi, const float* c, const float* n, int64_t i, int64_t half,
+            bool inverse) {
+  const float l = lo, h = hi;
+  if (!inverse) {
+    lo = l * c[i] - h * n[i];
+    hi = h * c[i + half] + l * n[i + half];
+  } else {
+    lo = l * c[i] + h * n[i + half];
+    hi = h * c[i + half] - l * n[i];
+  }
+}
+
+template <typename T, bool kE4M3>
+void rope_fp8_loop(const RopeFp8Params& p) {
+  const auto* qkv = static_cast<const T*>(p.qkv);
+  const int64_t half = p.head_dim / 2;
+  float scale[3], amax[3] = {0.0f, 0.0f, 0.0f};
+  for (int part = 0; part < 3; ++part) scale[part] = *p.scale[part];
+  const int64_t rows = p.batch * p.seq * 3 * p.heads;  // one row per (b, s, part, head)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t head = r % p.heads;
+    const int part = static_cast<int>((r / p.heads) % 3);
+    const int64_t token = r / (3 * p.heads);  // b * seq + s
+    const int64_t s = token % p.seq;
+    const int64_t in_base = r * p.head_dim;
+    const int64_t out_base = (token * p.heads + head) * p.head_dim;
+    auto* out = static_cast<uint8_t*>(p.out[part]);
+    for (int64_t i = 0; i < half; ++i) {
+      float lo = static_cast<float>(qkv[in_base + i]);
+      float hi = static_cast<float>(qkv[in_base + i + half]);
+      if (part < 2 && p.cos != nullptr) {
+        rotate(lo, hi, p.cos + s * p.head_dim, p.sin + s * p.head_dim, i, half, false);
+        lo = cpu::round_to<T>(lo);
+        hi = cpu::round_to<T>(hi);
+      }
+      amax[part] = std::fmax(amax[part], std::fmax(std::fabs(lo), std::fabs(hi)));
+      out[out_base + i] = cpu::quantize<kE4M3>(lo * scale[part]);
+      out[out_base + i + half] = cpu::quantize<kE4M3>(hi * scale[part]);
+    }
+  }
+  for (int part = 0; part < 3; ++part) {
+    if (*p.amax[part] < amax[part]) *p.amax[part] = amax[part];
+    *p.scale_inv[part] = 1.0f / scale[part];
+  }
+}
+
+template <typename OutT, bool kE4M3>
+void rope_fp8_bwd_loop(const RopeFp8BwdParams& p) {
+  auto* out = static_cast<OutT*>(p.out);
+  const int64_t half = p.head_dim / 2;
+  float scale_inv[3];
+  for (int part = 0; part < 3; ++part) scale_inv[part] = *p.scale_inv[part];
+  const int64_t rows = p.batch * p.seq * 3 * p.heads;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t head = r % p.heads;
+    const int part = static_cast<int>((r / p.heads) % 3);
+    const int64_t token = r / (3 * p.heads);
+    const int64_t s = token % p.seq;
+    const int64_t in_base = (token * p.heads + head) * p.head_dim;
+    const int64_t out_base = r * p.head_dim;
+    const auto* grad = static_cast<const uint8_t*>(p.grad[part]);
+    for (int64_t i = 0; i < half; ++i) {
+      float lo = cpu::fp8_to_float<kE4M3>(grad[in_base + i]) * scale_inv[part];
+      float hi = cpu::fp8_to_float<kE4M3>(grad[in_base + i + half]) * scale_inv[part];
+      if (part < 2 && p.cos != nullptr) {
+        rotate(lo, hi, p.cos + s * p.head_dim, p.sin + s * p.head_dim, i, half, true);
+      }
+      out[out_base + i] = OutT(lo);
+      out[out_base + i + half] = OutT(hi);
+    }
+  }
+}
+
+}  // namespace
+
+Status rope_fp8_cpu(const RopeFp8Params& p) {
+  GRAPHFP8_SWITCH_HP(p.qkv_dtype, "rope_fp8_cpu", T,
+                     GRAPHFP8_SWITCH_FP8(p.out_dtype, "rope_fp8_cpu", kE4M3,
+                                         rope_fp8_loop<T, kE4M3>(p);))
+  return Status{};
+}
+
+Status rope_fp8_bwd_cpu(const RopeFp8BwdParams& p) {
+  GRAPHFP8_SWITCH_HP(p.out_dtype, "rope_fp8_bwd_cpu", OutT,
+                     GRAPHFP8_SWITCH_FP8(p.grad_dtype, "rope_fp8_bwd_cpu", kE4M3,
+                                         rope_fp8_bwd_loop<OutT, kE4M3>(p);))
+  return Status{};
+}
+
+}  // namespace graphfp8

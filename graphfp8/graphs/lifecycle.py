@@ -1,0 +1,160 @@
+"""A capture's life: the graphs of one make_graphed_callables call (CapturedGraphs: schedule, FP8
+settings, reset()), which modules have their forward replaced by graphs (so that capturing one
+again, or a model containing one, or deep-copying one, raises a clear error), and undoing a
+capture that failed halfway.
+
+A submodule of a graphed module keeps its eager forward and may be captured on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch import nn
+
+from graphfp8.fp8 import scaling
+from graphfp8.fp8.autocast import STATE
+from graphfp8.graphs.schedule import Layout, Schedule
+
+__all__ = ["CapturedGraphs", "check_not_captured", "undone_on_failure"]
+
+# Every module whose forward replays a live capture -> a weak reference to its CapturedGraphs.
+# Weak both ways: the graphs refer to the module (its forward is theirs), so a strong value would
+# keep a dropped model alive.
+_CAPTURED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+class CapturedGraphs:
+    """The graphs of one make_graphed_callables call.
+
+    Attributes:
+        runners: one GraphedRunner per graph pair, in schedule.Layout order.
+        schedule: the replay-order check.
+        fp8_enabled, recipe, group: the FP8 settings the graphs were captured with.
+        closed: reset() has run.
+    """
+
+    def __init__(self, runners, layout: Layout, fp8_enabled: bool, recipe, group, device):
+        self.runners = runners
+        self.schedule = Schedule(layout, [r.name for r in runners])
+        self.fp8_enabled, self.recipe, self.group = fp8_enabled, recipe, group
+        self.device = device
+        self.closed = False
+        self.modules: list[weakref.ref] = []
+        self._undo: list = []  # what reset() puts back on the user's modules
+
+    def check_fp8_region(self, runner) -> None:
+        """Inside fp8_autocast (not a capture), a runner with FP8 modules must have been captured
+        with the region's FP8 settings: the graph cannot follow another recipe, group or
+        enabled flag, and eager calls in that region would."""
+        if STATE.recipe is None or STATE.capture is not None or not runner.uses_fp8:
+            return
+        if not STATE.enabled and not self.fp8_enabled:
+            return
+        if STATE.enabled and self.fp8_enabled:
+            if STATE.recipe == self.recipe and STATE.group is self.group:
+                return
+            what = (
+                f"fp8_recipe={self.recipe}, called inside fp8_autocast(recipe={STATE.recipe})"
+                if STATE.recipe != self.recipe
+                else "another fp8_group than the fp8_autocast region it is called in"
+            )
+        else:
+            what = (
+                f"fp8_enabled={self.fp8_enabled}, called inside "
+                f"fp8_autocast(enabled={STATE.enabled})"
+            )
+        raise RuntimeError(
+            f"{runner.name}: captured with {what}; the graph carries its own FP8 settings. "
+            "Call it outside that region, or capture it with the region's settings"
+        )
+
+    def register(self, funcs) -> None:
+        """Marks the modules among `funcs` (one per runner) whose forward now replays these
+        graphs; reset() runs their runners' undo."""
+        pairs = [(f, r.undo) for f, r in zip(funcs, self.runners) if r.undo is not None]
+        self.modules = [weakref.ref(f) for f, _ in pairs]
+        for f, _ in pairs:
+            _CAPTURED[f] = weakref.ref(self)
+        self._undo = [undo for _, undo in pairs]
+
+    def reset(self) -> None:
+        """Frees every graph and static buffer of this capture, so its memory pool returns to
+        the allocator once the outputs still held are dropped, and gives the modules their
+        eager forward back. The callables of one capture go together: their scale updates and
+        memory are shared. Later calls of a graphed function raise."""
+        if self.closed:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for runner in self.runners:
+            runner.release()
+        for undo in self._undo:
+            undo()
+        for ref in self.modules:
+            m = ref()
+            if m is not None and _owner(m) is self:
+                del _CAPTURED[m]
+        self.closed = True
+
+
+def _owner(module: nn.Module) -> CapturedGraphs | None:
+    ref = _CAPTURED.get(module)
+    return None if ref is None else ref()
+
+
+def check_not_captured(name: str, modules) -> None:
+    """Raises if one of `modules` replays the graphs of a live capture: capturing it would
+    record a replay inside another capture."""
+    for m in modules:
+        owner = _owner(m)
+        if owner is not None and not owner.closed:
+            raise RuntimeError(
+                f"make_graphed_callables: {name} contains {type(m).__name__}, which an earlier "
+                "make_graphed_callables already captured (its forward replays that capture's "
+                "graphs). Call reset() on the earlier graphed callable to give it its eager "
+                "forward back, or capture a copy made before the first capture"
+            )
+
+
+def refuse_deepcopy(module: nn.Module):
+    """A graphed module's __deepcopy__: the copy would share the original's graphs."""
+
+    def __deepcopy__(memo):
+        raise RuntimeError(
+            f"cannot deepcopy a graphed {type(module).__name__}: its forward replays graphs that "
+            "hold the original's tensors, so a copy would silently train the original. Deep-copy "
+            "the module before make_graphed_callables, or call reset() on it first"
+        )
+
+    return __deepcopy__
+
+
+@contextlib.contextmanager
+def undone_on_failure(fp8_modules, runners, callables):
+    """Puts the modules back as they were when the capture raises: their FP8 slots and weight
+    workspaces, the arenas it froze, the `.grad` buffers it created, attributes it set on the
+    callables. (FP8 values and RNG are restored by the phases themselves.)
+
+    Yields a list to which the capturer appends the arenas it freezes.
+    """
+    fp8_saved = [(m, m.fp8_meta, dict(m._weight_fp8), m._weight_cache_valid) for m in fp8_modules]
+    attrs = [(c, set(vars(c))) for c in callables if isinstance(c, nn.Module)]
+    had_buffer = {id(p) for r in runners for p in r.params if hasattr(p, "_graphfp8_grad")}
+    frozen: list[scaling.Arena] = []
+    try:
+        yield frozen
+    except BaseException:
+        for m, meta, workspaces, valid in fp8_saved:
+            m.fp8_meta, m._weight_fp8, m._weight_cache_valid = meta, workspaces, valid
+        for arena in frozen:
+            arena.frozen = False
+        for p in {id(p): p for r in runners for p in r.params}.values():
+            if id(p) not in had_buffer and hasattr(p, "_graphfp8_grad"):
+                del p._graphfp8_grad
+        for c, keys in attrs:
+            for key in set(vars(c)) - keys:
+                delattr(c, key)
+        raise

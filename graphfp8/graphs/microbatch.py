@@ -1,0 +1,162 @@
+"""make_graphed_microbatch: one microbatch's forward, loss and backward captured as one graph that
+the caller's thread replays without the autograd engine - the middle ground between per-layer
+graphs and the step graph, for loops that run their own optimizer (and clipping, and gradient
+all-reduce) between optimizer steps.
+
+One call replays, in order: the update of every forward arena, the forward, the loss (divided by
+num_microbatches), the backward, the update of every backward arena (each update after its amax
+all-reduce over fp8_group), then the fold of the parameter gradients into `.grad` (one captured
+multi-tensor copy after zero_grad(set_to_none=True), an add otherwise: AccumulateGrad's
+arithmetic). Between calls the caller's thread enqueues only the batch copy (when it passes other
+tensors) and, when is_first_microbatch changes value, a fill_ of the weight-cache flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from graphfp8.fp8.autocast import CaptureState, capture_state
+from graphfp8.fp8.recipe import DelayedScaling
+from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.capture import _grad_accumulator
+from graphfp8.graphs.contexts import fp8_and_rng_preserved, gc_paused, side_stream
+from graphfp8.graphs.replay import WeightCacheFlag
+from graphfp8.graphs.step_body import StaticBatch, TrainBody, freeze_arenas, init_fp8
+from graphfp8.graphs.step_optim import TrainingSnapshot
+from graphfp8.profiling import nvtx_range
+
+__all__ = ["GraphedMicrobatch", "make_graphed_microbatch"]
+
+_NAME = "make_graphed_microbatch"
+
+
+def make_graphed_microbatch(
+    model,
+    loss_fn,
+    sample_microbatch,
+    num_microbatches: int = 1,
+    *,
+    fp8_enabled: bool = False,
+    fp8_recipe: DelayedScaling | None = None,
+    fp8_weight_caching: bool = False,
+    fp8_group=None,
+    num_warmup_iters: int = 3,
+    pool=None,
+) -> GraphedMicrobatch:
+    """Captures forward + loss + backward of one microbatch into one graph.
+
+    `graphed(batch, is_first_microbatch=...)` gives the same bits as this eager code:
+
+        with g8.fp8_autocast(enabled=fp8_enabled, recipe=fp8_recipe, fp8_group=fp8_group):
+            out = model(*inputs)  # its FP8 layers get is_first_microbatch
+        loss = loss_fn(out, *targets) / num_microbatches
+        loss.backward()
+
+    Args:
+        model: the nn.Module (every parameter that requires grad gets its gradient in .grad).
+        loss_fn: loss_fn(output, *targets) -> 0-d floating-point loss; None: the model's output
+            is the loss.
+        sample_microbatch: a tensor (the model's only input) or a pair (inputs, targets), each a
+            tensor or a tuple of tensors; they become the graph's static batch.
+        num_microbatches: the loss is divided by it before the backward.
+        fp8_enabled, fp8_recipe, fp8_group: as for make_graphed_callables.
+        fp8_weight_caching: guard the weight casts with a device flag driven by
+            is_first_microbatch (True/None cast, False reuses the cache).
+        num_warmup_iters: eager microbatches before capture (at least 1); their effects on
+            buffers, FP8 state and RNG are undone.
+        pool: a memory pool handle shared with other graphs (CUDA).
+
+    Returns:
+        A GraphedMicrobatch; calling it returns loss / num_microbatches (static 0-d device
+        tensor, overwritten by the next call).
+
+    .. warning::
+        Parameter gradients are folded into `.grad` inside captured graphs: parameter hooks
+        (DDP's included) do not run. Reduce gradients with distributed.allreduce_gradients.
+    .. warning::
+        With fp8_weight_caching, pass is_first_microbatch=True on the first microbatch after
+        every optimizer step: the graph recasts the weights only then.
+    """
+    if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
+        raise ValueError(f"{_NAME}: num_warmup_iters must be >= 1, got {num_warmup_iters!r}")
+    if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
+        raise TypeError(f"fp8_recipe must be a graphfp8.DelayedScaling, got {fp8_recipe!r}")
+    recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
+    batch = StaticBatch(sample_microbatch, None, _NAME)
+    body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
+    device = body.device
+    caching = fp8_enabled and fp8_weight_caching
+    flag = WeightCacheFlag(torch.zeros(1, device=device) if caching else None, fp8_enabled,
+                           fp8_weight_caching)  # fmt: skip
+    capture = CaptureState(weight_cache_flag=flag.tensor)
+    state = dict(fp8_enabled=fp8_enabled, recipe=recipe, group=fp8_group, capture=capture)
+    if fp8_enabled:
+        init_fp8(model, recipe, fp8_group, device)
+    snapshot = TrainingSnapshot(model)  # buffers that the forward updates (batch norm statistics)
+    try:
+        with fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
+            with side_stream(device), capture_state(**state):
+                for _ in range(num_warmup_iters):
+                    body.microbatch(None, [], [], None)
+    finally:
+        snapshot.restore()
+    fwd, bwd = freeze_arenas(capture, fp8_group) if fp8_enabled else ([], [])
+    if pool is None and device.type == "cuda":
+        pool = torch.cuda.graph_pool_handle()
+    graph = new_graph(device)
+    try:
+        with fp8_and_rng_preserved(recipe, device), gc_paused(device), nvtx_range("capture"):
+            with capture_state(**state), graph.capture(pool):
+                loss, grads = body.microbatch(None, fwd, bwd, fp8_group)
+            accumulator = _grad_accumulator(body.grad_params, grads, pool, device)
+    finally:
+        snapshot.restore()  # the CPU tape ran (part of) the microbatch it recorded
+    return GraphedMicrobatch(body, graph, accumulator, flag, loss)
+
+
+class GraphedMicrobatch:
+    """A captured microbatch; see make_graphed_microbatch.
+
+    Attributes:
+        loss: 0-d device tensor, the last call's loss / num_microbatches (static).
+        params: the parameters that get a gradient, in the model's order.
+    """
+
+    def __init__(self, body: TrainBody, graph, accumulator, flag: WeightCacheFlag, loss):
+        self._body, self._graph, self._accumulator, self._flag = body, graph, accumulator, flag
+        self._tape = body.device.type == "cpu"
+        self.loss = loss
+        self.params = body.grad_params
+
+    def __call__(self, batch, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """Runs forward, loss and backward of `batch` and accumulates the gradients into
+        `.grad`. Returns the loss / num_microbatches (static 0-d device tensor)."""
+        body = self._body
+        body.check_not_in_autocast()
+        body.check_hooks()
+        given = body.batch.check(batch)
+        self._flag.set(is_first_microbatch)
+        body.batch.copy(given)
+        # The CPU tape re-runs ops in place on leaf tensors and views of them: no grad mode.
+        with (
+            nvtx_range("replay-microbatch"),
+            torch.no_grad() if self._tape else contextlib.nullcontext(),
+        ):
+            self._graph.replay()
+            self._accumulator.accumulate()
+        return self.loss
+
+    @property
+    def static_batch(self) -> list[torch.Tensor]:
+        """The static batch tensors (inputs then targets)."""
+        return list(self._body.batch.tensors)
+
+    def captured_ops(self) -> list[str]:
+        """The dispatcher ops the capture recorded, in order."""
+        return self._graph.op_names
+
+    def captured_kernels(self) -> list[str]:
+        """What the graph replays: CUDA kernel nodes on the GPU, tape ops on the CPU."""
+        return self._graph.kernels()

@@ -1,0 +1,280 @@
+"""make_graphed_step: a whole training step captured as one graph that the caller's thread
+replays, without the autograd engine - every microbatch's forward, loss and backward, gradient
+accumulation, the data-parallel gradient all-reduce, clipping and the optimizer step.
+
+What one replay runs, in order:
+
+    for each microbatch i of the N:
+        weight-cache flag = 0 for i == 0 (the FP8 weights are cast), 1 after (the cache is reused)
+        update of every forward arena          (after the amax MAX all-reduce over fp8_group)
+        loss_i = loss_fn(model(*inputs[i]), *targets[i]) / N
+        grads = torch.autograd.grad(loss_i, parameters)     (captured once, replayed as kernels)
+        update of every backward arena         (after the amax MAX all-reduce over fp8_group)
+        .grad = grads (i == 0), .grad += grads (i > 0)       (zero_grad needs no kernel)
+        loss += loss_i
+    allreduce_gradients(parameters, process_group)          (when given)
+    grad_norm = clip_grad_norm_(parameters, max_grad_norm)  (when given)
+    optimizer.step()
+
+The weight-cache flags are two constant device tensors chosen per microbatch at capture, so the
+graph decides "microbatch 0 casts, the others reuse" by itself: nothing is written between
+replays but the batch (when the caller passes other tensors) and whatever the caller changes
+(an LR schedule's fill_ of the learning rate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+from graphfp8.distributed import allreduce_gradients
+from graphfp8.fp8.autocast import CaptureState, capture_state
+from graphfp8.fp8.recipe import DelayedScaling
+from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.contexts import fp8_and_rng_preserved, gc_paused, side_stream
+from graphfp8.graphs.step_body import StaticBatch, TrainBody, freeze_arenas, init_fp8
+from graphfp8.graphs.step_optim import OptimizerGuard, TrainingSnapshot, check_optimizer
+from graphfp8.profiling import nvtx_range
+
+__all__ = ["GraphedStep", "make_graphed_step"]
+
+_NAME = "make_graphed_step"
+
+
+def make_graphed_step(
+    model,
+    loss_fn,
+    optimizer,
+    sample_batch,
+    num_microbatches: int = 1,
+    *,
+    fp8_enabled: bool = False,
+    fp8_recipe: DelayedScaling | None = None,
+    fp8_weight_caching: bool = True,
+    max_grad_norm: float | None = None,
+    fp8_group=None,
+    process_group=None,
+    num_warmup_iters: int = 3,
+    keep_grads_before_clipping: bool = False,
+    pool=None,
+) -> GraphedStep:
+    """Captures one optimizer step over `num_microbatches` microbatches into one graph (a CUDA
+    graph on the GPU, a replay tape on the CPU).
+
+    It gives the same bits as this eager loop (one fp8_autocast region per microbatch):
+
+        loss = torch.zeros((), device=device)  # float32
+        for i in range(num_microbatches):
+            with g8.fp8_autocast(enabled=fp8_enabled, recipe=fp8_recipe, fp8_group=fp8_group):
+                out = model(*inputs[i])  # its FP8 layers get is_first_microbatch=(i == 0),
+                                         # or None without fp8_weight_caching
+            loss_i = loss_fn(out, *targets[i]) / num_microbatches
+            loss_i.backward()
+            loss += loss_i.detach()
+        allreduce_gradients(model.parameters(), process_group)       # if process_group
+        grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)  # if max_grad_norm
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    Args:
+        model: the nn.Module, embedding and head included; every parameter that requires grad
+            is trained and must be in the optimizer.
+        loss_fn: loss_fn(output, *targets) -> 0-d floating-point loss; None: the model's
+            output is the loss.
+        optimizer: torch.optim.Adam or AdamW with capturable=True (on the CPU: fused=True), or
+            torch.optim.SGD with fused=True (with momentum: its buffers must exist). Float
+            learning rates become float32 device tensors, in place: update them with
+            `group["lr"].fill_(lr)` (torch's LR schedulers do) between replays.
+        sample_batch: a tensor (the model's only input) or a pair (inputs, targets), each a
+            tensor or a tuple of tensors, every tensor of shape (num_microbatches, ...):
+            microbatch i is `t[i]`. These tensors become the graph's static batch.
+        num_microbatches: N, the gradient-accumulation steps per optimizer step.
+        fp8_enabled: run graphfp8 modules in FP8.
+        fp8_recipe: the DelayedScaling recipe (default recipe when None).
+        fp8_weight_caching: cast the FP8 weights on microbatch 0 only (False: every microbatch).
+        max_grad_norm: clip the gradients to this global L2 norm; None: no clipping.
+        fp8_group: torch.distributed group whose ranks MAX-reduce amaxes with every scale update.
+        process_group: torch.distributed group over which gradients are averaged once per step
+            (distributed.allreduce_gradients, captured); None: no gradient all-reduce.
+        num_warmup_iters: eager steps before capture (at least 1); their effects on parameters,
+            buffers, optimizer state, FP8 state and RNG are undone.
+        keep_grads_before_clipping: also keep a copy of the accumulated (all-reduced) gradients
+            before clipping in `grads_before_clipping` (one extra copy per step).
+        pool: a memory pool handle shared with other graphs (CUDA).
+
+    Returns:
+        A GraphedStep: `step(batch)` replays the graph and returns the loss (0-d float32 device
+        tensor, the sum of loss_i; reading it is the only host sync).
+
+    .. warning::
+        The loss, `grad_norm` and the `.grad` buffers are static: the next replay overwrites
+        them. Clone what you keep. After a step, `.grad` holds the gradients that the optimizer
+        applied (clipped); zero_grad between steps is not needed.
+    .. warning::
+        Every call must pass a batch of the captured structure, shapes, dtypes and device;
+        anything else raises before anything runs.
+    .. warning::
+        Frozen at capture: the model's parameters and buffers (change them in place only), the
+        optimizer's hyperparameters other than tensor learning rates (checked at every replay),
+        its state (load_state_dict afterwards raises), and the set of trained parameters.
+    .. warning::
+        Hooks are not captured: the model's modules and parameters and the optimizer must have
+        none, at capture or later. Module hooks are checked at every replay, parameter hooks
+        only at capture.
+    .. warning::
+        Capture holds a copy of the parameters, buffers and optimizer state (to undo warmup).
+    """
+    if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
+        raise ValueError(f"{_NAME}: num_warmup_iters must be >= 1, got {num_warmup_iters!r}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"{_NAME}: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+    if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
+        raise TypeError(f"fp8_recipe must be a graphfp8.DelayedScaling, got {fp8_recipe!r}")
+    recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
+    batch = StaticBatch(sample_batch, num_microbatches, _NAME)
+    body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
+    check_optimizer(_NAME, optimizer, body.params, body.device)
+    run = _StepRun(body, optimizer, max_grad_norm, process_group, keep_grads_before_clipping,
+                   fp8_enabled and fp8_weight_caching)  # fmt: skip
+    state = dict(fp8_enabled=fp8_enabled, recipe=recipe, group=fp8_group, capture=run.capture)
+    if fp8_enabled:
+        init_fp8(model, recipe, fp8_group, body.device)
+    old_grads = [p.grad for p in body.params]
+    try:
+        graph, loss, grad_norm = _warmup_and_capture(run, state, num_warmup_iters, pool)
+    except BaseException:
+        for p, g in zip(body.params, old_grads):
+            p.grad = g
+        raise
+    return GraphedStep(run, graph, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
+
+
+def _warmup_and_capture(run: _StepRun, state: dict, iters: int, pool):
+    body, recipe, device = run.body, state["recipe"], run.body.device
+    snapshot = TrainingSnapshot(body.model, run.optimizer)
+    try:
+        with warnings.catch_warnings():
+            # Eager steps of a capturable optimizer make torch warn that capturable costs speed.
+            warnings.filterwarnings("ignore", message="This instance was constructed with capt")
+            with fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
+                with side_stream(device), capture_state(**state):
+                    for _ in range(iters):
+                        run([], [], None)
+    finally:
+        snapshot.restore()
+    fwd, bwd = freeze_arenas(run.capture, state["group"]) if state["fp8_enabled"] else ([], [])
+    if pool is None and device.type == "cuda":
+        pool = torch.cuda.graph_pool_handle()
+    graph = new_graph(device)
+    # No garbage collection while capturing: see make_graphed_callables.
+    try:
+        with fp8_and_rng_preserved(recipe, device), gc_paused(device), nvtx_range("capture"):
+            with capture_state(**state), graph.capture(pool):
+                loss, grad_norm = run(fwd, bwd, state["group"])
+    finally:
+        snapshot.restore()  # the CPU tape ran (part of) the step it recorded
+    return graph, loss, grad_norm
+
+
+class _StepRun:
+    """One training step as warmup runs it and capture records it."""
+
+    def __init__(self, body: TrainBody, optimizer, max_grad_norm, process_group, keep: bool,
+                 caching: bool):  # fmt: skip
+        self.body, self.optimizer = body, optimizer
+        self.max_grad_norm, self.process_group, self.keep = max_grad_norm, process_group, keep
+        self.capture = CaptureState(weight_cache_flag=None)
+        n, dev = body.num_microbatches, body.device
+        # Constant flags, one per microbatch: 0 = cast the weights, 1 = reuse the cache.
+        cast, reuse = torch.zeros(1, device=dev), torch.ones(1, device=dev)
+        self.flags = [cast] + [reuse] * (n - 1) if caching else [None] * n
+        self.grads: list[torch.Tensor] | None = None
+        self.grads_before_clipping: list[torch.Tensor] | None = None
+
+    def __call__(self, fwd_arenas, bwd_arenas, fp8_group):
+        """Runs the step; returns (loss, grad_norm or None)."""
+        body = self.body
+        total = torch.zeros((), dtype=torch.float32, device=body.device)
+        for i in range(body.num_microbatches):
+            self.capture.weight_cache_flag = self.flags[i]
+            loss, grads = body.microbatch(i, fwd_arenas, bwd_arenas, fp8_group)
+            self._accumulate(i, grads)
+            total += loss
+            del loss, grads  # microbatch i's memory is free for microbatch i + 1
+        params = body.grad_params
+        if self.process_group is not None:
+            allreduce_gradients(params, self.process_group)
+        if self.keep:
+            torch._foreach_copy_(self.grads_before_clipping, self.grads)
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        self.optimizer.step()
+        return total, grad_norm
+
+    def _accumulate(self, i: int, grads: list[torch.Tensor]) -> None:
+        if self.grads is None:  # the first warmup microbatch: persistent .grad buffers
+            params = self.body.grad_params
+            self.grads = [torch.zeros_like(p) for p in params]
+            for p, has_grad in zip(self.body.params, self.body.has_grad):
+                if not has_grad:
+                    p.grad = None  # the optimizer skips it, as after zero_grad(set_to_none)
+            for p, g in zip(params, self.grads):
+                p.grad = g
+            if self.keep:
+                self.grads_before_clipping = [torch.zeros_like(g) for g in self.grads]
+        # AccumulateGrad's arithmetic: the first gradient as is, then in-place adds.
+        if i == 0:
+            torch._foreach_copy_(self.grads, grads)
+        else:
+            torch._foreach_add_(self.grads, grads)
+
+
+class GraphedStep:
+    """A captured training step. Call it with a batch; see make_graphed_step.
+
+    Attributes:
+        loss: 0-d float32 device tensor, the last step's loss (static).
+        grad_norm: 0-d device tensor, the last step's gradient norm before clipping (static), or
+            None without max_grad_norm.
+        params: the parameters that get a gradient, in the model's order.
+        grads: their `.grad` buffers (static): what the optimizer applied in the last step.
+        grads_before_clipping: copies of `grads` before clipping (keep_grads_before_clipping).
+    """
+
+    def __init__(self, run: _StepRun, graph, guard: OptimizerGuard, loss, grad_norm):
+        self._run, self._graph, self._guard = run, graph, guard
+        self._body = run.body
+        self._tape = run.body.device.type == "cpu"
+        self.loss, self.grad_norm = loss, grad_norm
+        self.params = run.body.grad_params
+        self.grads, self.grads_before_clipping = run.grads, run.grads_before_clipping
+
+    def __call__(self, batch) -> torch.Tensor:
+        """Runs one optimizer step on `batch` (same structure as the sample batch). Returns the
+        loss (static 0-d float32 device tensor)."""
+        self._body.check_not_in_autocast()
+        self._body.check_hooks()
+        self._guard.check()
+        given = self._body.batch.check(batch)
+        self._body.batch.copy(given)
+        # The CPU tape re-runs ops in place on leaf tensors and views of them: no grad mode.
+        with nvtx_range("replay-step"), torch.no_grad() if self._tape else contextlib.nullcontext():
+            self._graph.replay()
+        return self.loss
+
+    @property
+    def static_batch(self):
+        """The static batch tensors (inputs then targets): fill them in place and pass them to
+        skip the copy."""
+        return list(self._body.batch.tensors)
+
+    def captured_ops(self) -> list[str]:
+        """The dispatcher ops the capture recorded, in order."""
+        return self._graph.op_names
+
+    def captured_kernels(self) -> list[str]:
+        """What the graph replays: CUDA kernel nodes on the GPU, tape ops on the CPU."""
+        return self._graph.kernels()

@@ -1,0 +1,250 @@
+"""What the step graph and the microbatch graph share: the static batch, the checks on the model,
+and one microbatch's scale updates, forward, loss and backward as warmup and capture run it.
+
+One microbatch, in order (the eager loop with one fp8_autocast region per microbatch runs the
+same updates at the same logical points, so both give the same bits):
+
+    update of every forward arena      (eager: at the region's first FP8 use)
+    loss = loss_fn(model(*inputs), *targets) / num_microbatches
+    grads = torch.autograd.grad(loss, trainable parameters)
+    update of every backward arena     (eager: at the end of the backward pass)
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import nn
+
+from graphfp8.fp8 import scaling
+from graphfp8.fp8.arena_check import check_arenas
+from graphfp8.fp8.autocast import STATE
+from graphfp8.graphs.capture import _init_fp8_modules
+from graphfp8.graphs.replay import hook_dicts
+from graphfp8.modules.base import FP8Module
+
+__all__ = ["StaticBatch", "TrainBody", "freeze_arenas", "init_fp8", "split_batch"]
+
+
+def _as_tuple(part, name: str, what: str) -> tuple[torch.Tensor, ...]:
+    items = (part,) if isinstance(part, torch.Tensor) else part
+    if not isinstance(items, (tuple, list)):
+        raise TypeError(f"{name}: the batch's {what} must be a tensor or a tuple of tensors, "
+                        f"got {type(part).__name__}")  # fmt: skip
+    for t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: the batch's {what} must be tensors, got {type(t).__name__}")
+    return tuple(items)
+
+
+def split_batch(batch, name: str) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(inputs, targets) of a batch: a tensor (the model's only input, no targets) or a pair
+    (inputs, targets), each a tensor or a tuple of tensors."""
+    if isinstance(batch, torch.Tensor):
+        return (batch,), ()
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return _as_tuple(batch[0], name, "inputs"), _as_tuple(batch[1], name, "targets")
+    raise TypeError(
+        f"{name}: a batch is a tensor or a pair (inputs, targets), each a tensor or a tuple of "
+        f"tensors; got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
+
+
+def _tensor_text(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+
+class StaticBatch:
+    """The batch tensors a graph reads, and the copy of a caller's batch into them.
+
+    Args:
+        sample: the sample batch (see split_batch); its tensors become the static buffers.
+        leading: the size of dim 0 of every tensor (the microbatch index of a step), or None.
+        name: prefix of error messages.
+    """
+
+    def __init__(self, sample, leading: int | None, name: str):
+        self.name = name
+        inputs, targets = split_batch(sample, name)
+        self.num_inputs, self.num_targets = len(inputs), len(targets)
+        self.tensors = [*inputs, *targets]
+        if not self.tensors:
+            raise ValueError(f"{name}: the batch holds no tensor")
+        for t in self.tensors:
+            if t.requires_grad:
+                raise ValueError(
+                    f"{name}: batch tensors must not require grad (the graph computes the "
+                    "parameters' gradients only)"
+                )
+            if leading is not None and (t.dim() == 0 or t.shape[0] != leading):
+                raise ValueError(
+                    f"{name}: every batch tensor holds the {leading} microbatches along dim 0, "
+                    f"got {_tensor_text(t)}"
+                )
+        self.leading = leading
+        self.devices = {t.device for t in self.tensors}
+
+    def microbatch(self, i: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(inputs, targets) of microbatch i (views of the static tensors); i=None: all."""
+        views = self.tensors if i is None else [t[i] for t in self.tensors]
+        return views[: self.num_inputs], views[self.num_inputs :]
+
+    def check(self, batch) -> list[torch.Tensor]:
+        """Checks a caller's batch against the captured one; returns its flat tensors."""
+        inputs, targets = split_batch(batch, self.name)
+        if (len(inputs), len(targets)) != (self.num_inputs, self.num_targets):
+            raise ValueError(
+                f"{self.name}: captured with {self.num_inputs} input and {self.num_targets} "
+                f"target tensors, called with {len(inputs)} and {len(targets)}"
+            )
+        given = [*inputs, *targets]
+        for i, (g, s) in enumerate(zip(given, self.tensors)):
+            if g is s:  # the static buffer itself (filled in place): nothing to check or copy
+                continue
+            if g.shape != s.shape or g.dtype != s.dtype or g.device != s.device:
+                raise ValueError(
+                    f"{self.name}: batch tensor {i} is {_tensor_text(g)}, but the graph was "
+                    f"captured for {_tensor_text(s)}; capture another graph for other shapes"
+                )
+        return given
+
+    def copy(self, given: list[torch.Tensor]) -> None:
+        """Copies checked tensors into the static buffers, skipping those that are the buffers."""
+        for g, s in zip(given, self.tensors):
+            if g is not s and (g.data_ptr() != s.data_ptr() or g.stride() != s.stride()):
+                s.copy_(g)
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
+_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+class TrainBody:
+    """A model and its loss, run one microbatch at a time by warmup and capture.
+
+    Args:
+        model: the nn.Module; every parameter that requires grad is trained.
+        loss_fn: loss_fn(output, *targets) -> 0-d loss; None: the model's output is the loss.
+        batch: the static batch.
+        num_microbatches: the loss is divided by it before the backward (gradient accumulation).
+        name: prefix of error messages.
+    """
+
+    def __init__(self, model, loss_fn, batch: StaticBatch, num_microbatches: int, name: str):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{name}: model must be an nn.Module, got {type(model).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"{name}: loss_fn must be callable or None, got {loss_fn!r}")
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"{name}: num_microbatches must be >= 1, got {num_microbatches!r}")
+        self.model, self.loss_fn, self.batch = model, loss_fn, batch
+        self.num_microbatches, self.name = num_microbatches, name
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError(f"{name}: the model has no parameter that requires grad")
+        devices = batch.devices | {p.device for p in self.params}
+        if len(devices) != 1:
+            raise ValueError(f"{name}: the model and the batch must be on one device, got "
+                             f"{sorted(map(str, devices))}")  # fmt: skip
+        self.device = devices.pop()
+        if self.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"{name}: unsupported device {self.device}")
+        self.hook_dicts = hook_dicts(list(model.modules()))
+        self.check_hooks(at_capture=True)
+        self.has_grad: list[bool] | None = None  # which parameters get a gradient (first run)
+
+    # Checks, at capture and before every replay ------------------------------------------------
+
+    def check_hooks(self, at_capture: bool = False) -> None:
+        """Module hooks (global ones included) and frozen parameters before every replay: Python
+        that a graph would not run, or a change of what it trains. Parameter hooks only at
+        capture: reading them costs ~0.5 us per parameter, too much for every replay."""
+        when = "when captured" if at_capture else "after capture"
+        if any(self.hook_dicts):
+            raise RuntimeError(
+                f"{self.name}: hooks on the model's modules (or global module hooks) {when}; a "
+                "captured graph does not run hooks"
+            )
+        if at_capture and (any(map(_TENSOR_HOOKS, self.params))
+                           or any(map(_ACCUMULATE_HOOKS, self.params))):  # fmt: skip
+            raise RuntimeError(
+                f"{self.name}: parameters must have no hooks when captured (register_hook, "
+                "register_post_accumulate_grad_hook); a captured graph does not run them"
+            )
+        if not all(map(_REQUIRES_GRAD, self.params)):
+            raise RuntimeError(
+                f"{self.name}: a trained parameter was set to requires_grad=False after capture; "
+                "the graph would still train it: capture again"
+            )
+
+    def check_not_in_autocast(self) -> None:
+        if STATE.enabled and STATE.capture is None:
+            raise RuntimeError(
+                f"{self.name}: a graphed step carries its own FP8 state and scale updates; call "
+                "it outside fp8_autocast"
+            )
+
+    # One microbatch ----------------------------------------------------------------------------
+
+    def loss(self, i: int | None) -> torch.Tensor:
+        """loss_fn(model(*inputs), *targets) / num_microbatches for microbatch i."""
+        inputs, targets = self.batch.microbatch(i)
+        out = self.model(*inputs)
+        loss = out if self.loss_fn is None else self.loss_fn(out, *targets)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()
+                and loss.requires_grad):  # fmt: skip
+            what = _tensor_text(loss) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(
+                f"{self.name}: the loss must be a 0-d floating-point tensor that requires grad, "
+                f"got {what}" + (", requires_grad=False" if isinstance(loss, torch.Tensor) else "")
+            )
+        return loss / self.num_microbatches
+
+    def microbatch(self, i: int | None, fwd_arenas, bwd_arenas, fp8_group):
+        """Runs microbatch i with the arena updates around it (none when the lists are empty).
+
+        Returns:
+            (loss / num_microbatches, detached 0-d tensor; the gradients of the parameters
+            that get one, in parameter order).
+        """
+        scaling.update_(fwd_arenas, fp8_group)
+        loss = self.loss(i)
+        grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+        scaling.update_(bwd_arenas, fp8_group)
+        has_grad = [g is not None for g in grads]
+        if self.has_grad is None:
+            if not any(has_grad):
+                raise ValueError(f"{self.name}: no parameter gets a gradient from the loss")
+            self.has_grad = has_grad
+        elif has_grad != self.has_grad:
+            raise RuntimeError(
+                f"{self.name}: the set of parameters that get a gradient changed between "
+                "microbatches (data-dependent control flow), which a graph cannot hold"
+            )
+        return loss.detach(), [g for g in grads if g is not None]
+
+    @property
+    def grad_params(self) -> list[torch.Tensor]:
+        """The parameters that get a gradient, in parameter order (after a first run)."""
+        return [p for p, h in zip(self.params, self.has_grad) if h]
+
+
+def init_fp8(model: nn.Module, recipe, fp8_group, device) -> None:
+    """Allocates the slots of the model's FP8 modules in fresh arenas and checks, before warmup,
+    that every rank of fp8_group holds the same ones (raising on every rank otherwise)."""
+    scaling.new_init_group()
+    fp8_modules = [m for m in model.modules() if isinstance(m, FP8Module)]
+    check_arenas(_init_fp8_modules(fp8_modules, recipe, device), fp8_group)
+
+
+def freeze_arenas(capture, fp8_group) -> tuple[list, list]:
+    """The arenas the warmup reached (checked across ranks, then frozen): (forward, backward)."""
+    arenas = sorted(capture.arenas.values(), key=lambda a: a.serial)
+    check_arenas(arenas, fp8_group)  # arenas that warmup allocated; never inside a capture
+    for arena in arenas:
+        arena.frozen = True
+    fwd = [a for a in arenas if a.direction == scaling.FORWARD]
+    return fwd, [a for a in arenas if a.direction == scaling.BACKWARD]

@@ -1,0 +1,223 @@
+"""graphfp8.DotProductAttention: scaled dot-product attention, in FP8 through cuDNN under a recipe
+with fp8_dpa (graphfp8.modules._attention), else torch's SDPA in the inputs' dtype."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from graphfp8.fp8.autocast import STATE
+from graphfp8.fp8.recipe import DelayedScaling
+from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole
+from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.modules._attention import (
+    AttentionConfig,
+    fp8_attention,
+    fp8_attention_qkv,
+    prepare_attention,
+)
+from graphfp8.modules._rope import RopeQKV
+from graphfp8.modules.base import FP8Module
+
+__all__ = ["DotProductAttention"]
+
+MASK_TYPES = ("causal", "no_mask")
+_HP = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class DotProductAttention(FP8Module):
+    """softmax(Q K^T * softmax_scale (+ causal mask)) V per head, TransformerEngine's core
+    attention. Under fp8_autocast with a recipe that sets fp8_dpa it runs in FP8 (cuDNN on the
+    GPU, an emulation with the same quantization points on the CPU): its Q, K, V, S, O, dO, dP,
+    dQ, dK, dV scales are slots in the arenas (graphfp8.fp8.slots.AttnFwdRole / AttnBwdRole), so
+    the fused scale update, the amax reduction, graphs and checkpoints cover them. With fp8_mha
+    too the output is a Float8Tensor that a following graphfp8 layer consumes without a cast.
+
+    Args:
+        num_attention_heads: query heads H.
+        kv_channels: head_dim D (FP8: a multiple of 16, at most 128).
+        num_gqa_groups: key/value heads G (default H); H must be a multiple of G.
+        attn_mask_type: "causal" (default) or "no_mask" (not in FP8).
+        qkv_format: "bshd", the only layout: (batch, seq, heads, head_dim).
+        softmax_scale: default 1 / sqrt(D).
+        attention_dropout: 0 (dropout is not supported).
+        device: where the FP8 state lives (the layer has no parameters; .to() moves it).
+    """
+
+    num_gemms = 0
+
+    def __init__(
+        self,
+        num_attention_heads: int,
+        kv_channels: int,
+        num_gqa_groups: int | None = None,
+        attn_mask_type: str = "causal",
+        qkv_format: str = "bshd",
+        softmax_scale: float | None = None,
+        attention_dropout: float = 0.0,
+        device=None,
+    ):
+        super().__init__()
+        groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        _check_config(
+            num_attention_heads, kv_channels, groups, attn_mask_type, qkv_format, attention_dropout
+        )
+        self.num_attention_heads, self.kv_channels = num_attention_heads, kv_channels
+        self.num_gqa_groups, self.attn_mask_type = groups, attn_mask_type
+        self.qkv_format, self.softmax_scale = qkv_format, softmax_scale
+        # torch's SDPA computes its default scale as 1 / sqrt(D) in double; so does FP8.
+        self.attn_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
+        )
+        self.register_buffer("_device_anchor", torch.empty(0, device=device), persistent=False)
+
+    # FP8 state ---------------------------------------------------------------------------------
+
+    def uses_fp8(self, recipe: DelayedScaling) -> bool:
+        return recipe.fp8_dpa
+
+    def _slot_counts(self) -> tuple[int, int]:
+        return len(AttnFwdRole), len(AttnBwdRole)
+
+    def fp8_active(self) -> bool:
+        """Whether a call now runs in FP8 (fp8_autocast with a recipe that sets fp8_dpa)."""
+        return STATE.enabled and STATE.recipe is not None and STATE.recipe.fp8_dpa
+
+    def _fp8_config(self, q_shape, kv_shape, device, training: bool) -> AttentionConfig:
+        recipe, causal = STATE.recipe, self.attn_mask_type == "causal"
+        prepare_attention(q_shape, kv_shape, device, recipe, self.attn_scale, causal, training)
+        meta, bwd_update = self._fp8_forward_state(device)  # state changes only after the checks
+        return AttentionConfig(
+            meta.fwd, meta.bwd, self.attn_scale, causal, recipe.fp8_mha, bwd_update
+        )
+
+    def check_fused(self, batch: int, seq: int, device) -> None:
+        """For a layer that calls forward_qkv after other work (TransformerLayer): raises now if
+        the FP8 attention of a (batch, seq) input would not run (and builds its cuDNN graphs),
+        so the layer fails before any of its state changes. A no-op outside FP8 attention."""
+        if self.fp8_active():
+            h, d = self.num_attention_heads, self.kv_channels
+            causal = self.attn_mask_type == "causal"
+            shape = (batch, seq, h, d)
+            prepare_attention(
+                shape, shape, device, STATE.recipe, self.attn_scale, causal, torch.is_grad_enabled()
+            )
+
+    # Forward -----------------------------------------------------------------------------------
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """query: (batch, seq, H, D); key, value: (batch, seq, G, D); one float dtype and device.
+
+        Returns (batch, seq, H * D) in the inputs' dtype (a Float8Tensor of that nominal dtype
+        under fp8_mha).
+        """
+        self._check_qkv(query, key, value)
+        if self.fp8_active():
+            training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            cfg = self._fp8_config(query.shape, key.shape, query.device, training)
+            return fp8_attention(query, key, value, cfg)
+        return self._sdpa(query, key, value)
+
+    def forward_qkv(self, qkv: torch.Tensor, rope_tables=None):
+        """Attention straight from a fused QKV projection (TransformerLayer): in FP8 the rotary
+        embedding is fused into the casts of q, k and v (graphfp8.ops.rope_fp8).
+
+        Args:
+            qkv: (batch, seq, 3 * H * D) laid out as (batch, seq, 3, H, D); needs G == H.
+            rope_tables: (cos, sin), float32 (>= seq, D) rotary tables for q and k, or None.
+
+        Returns:
+            (batch, seq, H * D), as forward().
+        """
+        h, d = self.num_attention_heads, self.kv_channels
+        if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3 or qkv.shape[-1] != 3 * h * d:
+            shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
+            raise ValueError(
+                f"DotProductAttention: expected qkv (batch, seq, {3 * h * d}), got {shape}"
+            )
+        if self.num_gqa_groups != h:
+            raise ValueError(
+                "DotProductAttention.forward_qkv: the fused layout has as many key/"
+                "value heads as query heads; use forward(q, k, v) with GQA"
+            )
+        _check_tensor("qkv", qkv)
+        b, s, _ = qkv.shape
+        if self.fp8_active():
+            training = torch.is_grad_enabled() and qkv.requires_grad
+            cfg = self._fp8_config((b, s, h, d), (b, s, h, d), qkv.device, training)
+            return fp8_attention_qkv(qkv, rope_tables, h, cfg)
+        if rope_tables is not None:
+            qkv = RopeQKV.apply(qkv.contiguous(), *rope_tables, h)
+        q, k, v = qkv.view(b, s, 3, h, d).unbind(dim=2)
+        return self._sdpa(q, k, v)
+
+    def _sdpa(self, q, k, v) -> torch.Tensor:
+        b, s, h, d = q.shape
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=self.attn_mask_type == "causal",
+            scale=self.softmax_scale,
+            enable_gqa=self.num_gqa_groups != h,
+        )
+        return out.transpose(1, 2).reshape(b, s, h * d)
+
+    def _check_qkv(self, q, k, v) -> None:
+        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            _check_tensor(name, t)
+            if t.dtype != q.dtype or t.device != q.device:
+                raise TypeError(
+                    "DotProductAttention: query, key and value must share dtype and "
+                    f"device, got {q.dtype}/{q.device} and {t.dtype}/{t.device}"
+                )
+        want = {"query": (h, d), "key": (g, d), "value": (g, d)}
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            if t.dim() != 4 or tuple(t.shape[2:]) != want[name] or t.shape[:2] != q.shape[:2]:
+                raise ValueError(
+                    f"DotProductAttention: expected {name} (batch, seq, "
+                    f"{want[name][0]}, {d}) in the bshd layout matching query's "
+                    f"(batch, seq), got {tuple(t.shape)}"
+                )
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints of TransformerLayer from before it had this submodule hold no FP8 state
+        # for it: load them as a layer that never ran in FP8.
+        state_dict.setdefault(prefix + "_extra_state", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_attention_heads}, head_dim={self.kv_channels}, "
+            f"gqa_groups={self.num_gqa_groups}, mask={self.attn_mask_type}"
+        )
+
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"DotProductAttention: {name} must be a tensor, got {type(t).__name__}")
+    if isinstance(t, Float8Tensor) or t.dtype not in _HP:
+        raise TypeError(
+            f"DotProductAttention: {name} must be float32, bfloat16 or float16 (not "
+            f"FP8), got {t.dtype}"
+        )
+
+
+def _check_config(heads, head_dim, groups, mask, layout, dropout) -> None:
+    name = "DotProductAttention"
+    if heads < 1 or head_dim < 1 or groups < 1 or heads % groups:
+        raise ValueError(
+            f"{name}: num_attention_heads ({heads}) must be a positive multiple of "
+            f"num_gqa_groups ({groups}), kv_channels ({head_dim}) positive"
+        )
+    if mask not in MASK_TYPES:
+        raise ValueError(f"{name}: attn_mask_type must be one of {MASK_TYPES}, got {mask!r}")
+    if layout != "bshd":
+        raise ValueError(
+            f"{name}: qkv_format must be 'bshd' (batch, seq, heads, head_dim), got {layout!r}"
+        )
+    if dropout != 0.0:
+        raise ValueError(f"{name}: attention_dropout is not supported, got {dropout}")

@@ -1,0 +1,143 @@
+"""Typed wrappers of the RoPE kernels fused with the FP8 casts of q, k, v (and their backward).
+
+Forward: a fused QKV projection output (batch, seq, 3 * heads * head_dim) -> q, k and v in FP8,
+each (batch, seq, heads, head_dim) contiguous (the BSHD layout attention kernels take), with q
+and k rotated first. The result equals rope_qkv followed by one cast per part, bit for bit.
+Backward: the three FP8 gradients -> the fused QKV gradient, dq and dk rotated back, in one pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphfp8.ops._lib import ops
+
+__all__ = ["rope_fp8", "rope_fp8_backward"]
+
+_HP = (torch.float32, torch.bfloat16, torch.float16)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _check_tables(name: str, cos, sin, seq: int, head_dim: int, device) -> None:
+    if (cos is None) != (sin is None):
+        raise ValueError(f"{name}: arguments 'cos' and 'sin' must be given together")
+    for arg, t in (("cos", cos), ("sin", sin)):
+        if t is None:
+            continue
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name}: argument '{arg}' must be float32, got {t.dtype}")
+        if t.dim() != 2 or t.shape[0] < seq or t.shape[1] != head_dim:
+            raise ValueError(
+                f"{name}: argument '{arg}' must be (>= {seq}, {head_dim}), got {tuple(t.shape)}"
+            )
+        if t.device != device or not t.is_contiguous():
+            raise ValueError(f"{name}: argument '{arg}' must be contiguous on {device}")
+
+
+def _head_dim(name: str, width: int, num_heads: int) -> int:
+    if num_heads < 1 or width % (3 * num_heads):
+        raise ValueError(f"{name}: last dim {width} is not 3 * num_heads ({num_heads}) * head_dim")
+    head_dim = width // (3 * num_heads)
+    if head_dim % 2:
+        raise ValueError(f"{name}: head_dim must be even, got {head_dim}")
+    return head_dim
+
+
+def rope_fp8(
+    qkv: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    num_heads: int,
+    quantizers,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Rotates q and k of a fused QKV tensor and casts q, k, v to FP8 in one pass.
+
+    Each part p (q, k, v) is cast with its own quantizer: out = saturate(r * scale), amax folds
+    max |r| in place, scale_inv receives 1 / scale, where r is the rotated value rounded to qkv's
+    dtype (q, k) or the value itself (v, or every part without tables).
+
+    Args:
+        qkv: (batch, seq, 3 * heads * head_dim) float32/bfloat16/float16, contiguous, laid out as
+            (batch, seq, 3, heads, head_dim).
+        cos, sin: (>= seq, head_dim) float32 rotary tables (rope_qkv's layout), or both None
+            for a plain cast of the three parts.
+        num_heads: heads per part; head_dim must be even.
+        quantizers: three (scale (1,) float32, amax (1,) float32, fp8_dtype) triples (q, k, v;
+            graphfp8.fp8.slots.Quantizer), one FP8 dtype for all three.
+
+    Returns:
+        ([q, k, v], [q_scale_inv, k_scale_inv, v_scale_inv]): FP8 (batch, seq, heads, head_dim)
+        tensors and (1,) float32 tensors.
+    """
+    name = "graphfp8.rope_fp8"
+    if qkv.dtype not in _HP:
+        raise TypeError(
+            f"{name}: argument 'qkv' must be float32, bfloat16 or float16, got {qkv.dtype}"
+        )
+    if qkv.dim() != 3 or not qkv.is_contiguous():
+        raise ValueError(
+            f"{name}: argument 'qkv' must be a contiguous (batch, seq, 3 * hidden) "
+            f"tensor, got {tuple(qkv.shape)}"
+        )
+    head_dim = _head_dim(name, qkv.shape[-1], num_heads)
+    _check_tables(name, cos, sin, qkv.shape[1], head_dim, qkv.device)
+    dtypes = {dtype for _, _, dtype in quantizers}
+    if len(quantizers) != 3 or len(dtypes) != 1 or not dtypes <= set(_FP8):
+        raise ValueError(
+            f"{name}: need 3 quantizers of one FP8 dtype, got {sorted(map(str, dtypes))}"
+        )
+    shape, fp8_dtype = (qkv.shape[0], qkv.shape[1], num_heads, head_dim), dtypes.pop()
+    out = [torch.empty(shape, dtype=fp8_dtype, device=qkv.device) for _ in range(3)]
+    scale_inv = [torch.empty(1, dtype=torch.float32, device=qkv.device) for _ in range(3)]
+    ops.rope_fp8(
+        qkv,
+        cos,
+        sin,
+        num_heads,
+        [s for s, _, _ in quantizers],
+        out,
+        scale_inv,
+        [a for _, a, _ in quantizers],
+    )
+    return out, scale_inv
+
+
+def rope_fp8_backward(
+    grads: list[torch.Tensor],
+    scale_inv: list[torch.Tensor],
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The fused QKV gradient from the FP8 gradients of q, k and v: dequantized in fp32, dq and
+    dk rotated back (rope_qkv's inverse rotation), rounded once to `dtype`.
+
+    Args:
+        grads: [dq, dk, dv], FP8 (batch, seq, heads, head_dim) each, contiguous, one dtype.
+        scale_inv: their (1,) float32 scale_inv.
+        cos, sin: the forward's rotary tables, or both None.
+        dtype: float32, bfloat16 or float16.
+
+    Returns:
+        (batch, seq, 3 * heads * head_dim) tensor of `dtype`.
+    """
+    name = "graphfp8.rope_fp8_backward"
+    if len(grads) != 3 or len(scale_inv) != 3:
+        raise ValueError(f"{name}: need 3 gradients and 3 scale_inv tensors")
+    g = grads[0]
+    if g.dim() != 4 or any(t.shape != g.shape or t.dtype != g.dtype for t in grads):
+        raise ValueError(
+            f"{name}: the gradients must share one (batch, seq, heads, head_dim) "
+            f"shape and FP8 dtype, got {[tuple(t.shape) for t in grads]}"
+        )
+    if g.dtype not in _FP8:
+        raise TypeError(f"{name}: the gradients must be FP8, got {g.dtype}")
+    if dtype not in _HP:
+        raise TypeError(f"{name}: dtype must be float32, bfloat16 or float16, got {dtype}")
+    batch, seq, heads, head_dim = g.shape
+    if head_dim % 2:
+        raise ValueError(f"{name}: head_dim must be even, got {head_dim}")
+    _check_tables(name, cos, sin, seq, head_dim, g.device)
+    out = torch.empty(batch, seq, 3 * heads * head_dim, dtype=dtype, device=g.device)
+    ops.rope_fp8_backward(grads, scale_inv, cos, sin, heads, out)
+    return out

@@ -1,0 +1,71 @@
+"""Graphed == eager, bit for bit, for TransformerLayer with FP8 attention (fp8_dpa, and fp8_mha
+with O kept FP8 into the projection): outputs, losses, input and parameter gradients, and every
+FP8 history and scale (the attention's slots included) after each of 3 microbatches of 3 steps,
+with weight caching on and off - on the CPU replay tape and with CUDA graphs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import graphfp8 as g8
+from graphfp8.fp8.slots import AttnFwdRole
+from graphfp8.testing import assert_bitwise_equal
+from tests.graphs.common import compare_models
+from tests.modules.attention_common import layer_and_input
+
+
+def _train_side_by_side(recipe, caching: bool, device, steps: int = 3, mbs: int = 3):
+    eager, sample = layer_and_input(device)
+    graphed_model = copy.deepcopy(eager)
+    sample = sample.clone().requires_grad_()
+    graphed = g8.make_graphed_callables(
+        graphed_model, (sample,), fp8_enabled=True, fp8_recipe=recipe, fp8_weight_caching=caching
+    )
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt_g = torch.optim.AdamW(graphed_model.parameters(), lr=1e-2)
+    for step in range(steps):
+        for mb in range(mbs):
+            first = (mb == 0) if caching else None
+            x = torch.randn_like(sample) * 10.0 ** (mb - 1)
+            xe, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+            with g8.fp8_autocast(recipe=recipe):
+                ye = eager(xe, is_first_microbatch=first)
+            yg = graphed(xg, is_first_microbatch=first)
+            dy = torch.randn_like(ye) * 10.0 ** (1 - mb)
+            loss_e, loss_g = (ye.float() * dy).sum(), (yg.float() * dy).sum()
+            loss_e.backward()
+            loss_g.backward()
+            what = f"step {step} mb {mb}"
+            assert_bitwise_equal(yg, ye, f"{what}: output")
+            assert_bitwise_equal(loss_g, loss_e, f"{what}: loss")
+            assert_bitwise_equal(xg.grad, xe.grad, f"{what}: dgrad")
+            compare_models(eager, graphed_model, what)
+        for opt in (opt_e, opt_g):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        compare_models(eager, graphed_model, f"after step {step}")
+    return eager, graphed_model, graphed
+
+
+# Caching on and off, fp8_dpa and fp8_mha, both formats: each value in one of two cases (the CPU
+# suite's time).
+CASES = [(True, True, g8.Format.HYBRID), (False, False, g8.Format.E4M3)]
+
+
+@pytest.mark.parametrize("caching, mha, fmt", CASES)
+def test_graphed_equals_eager_with_fp8_attention(device, caching, mha, fmt):
+    recipe = g8.DelayedScaling(fp8_format=fmt, amax_history_len=4, fp8_dpa=True, fp8_mha=mha)
+    eager, graphed_model, graphed = _train_side_by_side(recipe, caching, device)
+    meta = graphed_model.core_attention.fp8_meta
+    assert meta is not None and meta.fwd.arena is graphed_model.qkv.fp8_meta.fwd.arena
+    assert meta.fwd.history()[:, AttnFwdRole.S].max().item() == 1.0  # the S slot took amaxes
+    ops_seen = graphed.captured_ops()
+    assert "graphfp8::sdpa_fp8_fwd" in ops_seen["forward"]
+    assert "graphfp8::rope_fp8" in ops_seen["forward"]
+    assert "graphfp8::sdpa_fp8_bwd" in ops_seen["backward"]
+    assert "graphfp8::rope_fp8_backward" in ops_seen["backward"]
+    if mha:  # O stays FP8 into the projection: no dequantize of it in the forward graph
+        assert "graphfp8::dequantize" not in ops_seen["forward"]

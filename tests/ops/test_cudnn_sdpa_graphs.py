@@ -1,0 +1,183 @@
+"""graphfp8.ops.cudnn_sdpa's graph declarations and bindings, checked on the CPU against a fake
+cuDNN frontend that records them: every declared operand is bound to a tensor whose memory the
+declaration describes (BSHD seen as BHSD through strides), every output names its data type (an
+output without one takes the graph's FP8 I/O type), the mask and scale reach the op, graphs are
+built once per shape, and unsupported shapes and builds inside a capture fail clearly. (The real
+cuDNN runs in the CUDA tests of test_sdpa_fp8.py.)"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import pytest
+import torch
+
+from graphfp8.ops import cudnn_sdpa
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+class _Tensor:
+    def __init__(self, **kw):
+        self.uid, self.dim, self.stride = kw.get("uid"), kw.get("dim"), kw.get("stride")
+        self.data_type, self.output = kw.get("data_type"), False
+
+    def set_uid(self, v):
+        self.uid = v
+        return self
+
+    def set_output(self, v):
+        self.output = v
+        return self
+
+    def set_dim(self, v):
+        self.dim = list(v)
+        return self
+
+    def set_stride(self, v):
+        self.stride = list(v)
+        return self
+
+    def set_data_type(self, v):
+        self.data_type = v
+        return self
+
+
+class _Graph:
+    built = []
+
+    def __init__(self, **kw):
+        self.kw, self.tensors, self.op = kw, [], None
+        _Graph.built.append(self)
+
+    def tensor(self, **kw):
+        t = _Tensor(**kw)
+        self.tensors.append(t)
+        return t
+
+    def _outputs(self, name, n, kw):
+        self.op = (name, kw)
+        outs = [_Tensor() for _ in range(n)]
+        self.tensors += outs
+        return outs
+
+    def sdpa_fp8(self, **kw):
+        return self._outputs("sdpa_fp8", 4, kw)
+
+    def sdpa_fp8_backward(self, **kw):
+        return self._outputs("sdpa_fp8_backward", 7, kw)
+
+    def validate(self):
+        pass
+
+    build_operation_graph = build_plans = validate
+
+    def create_execution_plans(self, modes):
+        pass
+
+    def check_support(self):
+        if _FAKE.unsupported:
+            raise _FAKE.cudnnGraphNotSupportedError("no engine for this graph")
+
+    def get_workspace_size(self):
+        return 1024
+
+
+_FAKE = types.SimpleNamespace(
+    pygraph=_Graph,
+    data_type=types.SimpleNamespace(FLOAT="FLOAT", FP8_E4M3="FP8_E4M3", FP8_E5M2="FP8_E5M2"),
+    heur_mode=types.SimpleNamespace(A="A", FALLBACK="FALLBACK"),
+    diagonal_alignment=types.SimpleNamespace(TOP_LEFT="TOP_LEFT"),
+    cudnnGraphNotSupportedError=type("cudnnGraphNotSupportedError", (Exception,), {}),
+    create_handle=lambda: "handle",
+    set_stream=lambda handle, stream: None,
+    backend_version_string=lambda: "fake",
+    unsupported=False,
+)
+_DTYPE = {E4M3: "FP8_E4M3", E5M2: "FP8_E5M2", torch.float32: "FLOAT"}
+
+
+@pytest.fixture
+def fake_cudnn(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cudnn", _FAKE)
+    monkeypatch.setattr(_FAKE, "unsupported", False)
+    monkeypatch.setattr(cudnn_sdpa, "_FORWARD", {})
+    monkeypatch.setattr(cudnn_sdpa, "_BACKWARD", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    executed = []
+    monkeypatch.setattr(
+        cudnn_sdpa, "_execute", lambda graph, ws, pack, device: executed.append((graph, ws, pack))
+    )
+    _Graph.built = []
+    return executed
+
+
+def _check_bindings(graph: _Graph, pack: dict) -> None:
+    declared = [t for t in graph.tensors if t.uid is not None]
+    assert sorted(t.uid for t in declared) == sorted(pack), "declared and bound uids differ"
+    for t in declared:
+        bound = pack[t.uid]
+        assert t.data_type == _DTYPE[bound.dtype], f"uid {t.uid}: {t.data_type} vs {bound.dtype}"
+        view = bound.permute(0, 2, 1, 3) if bound.dim() == 4 and t.dim[-1] != 1 else bound
+        if bound.numel() == 1:
+            assert t.dim == [1, 1, 1, 1] and t.stride == [1, 1, 1, 1]
+        else:
+            assert list(view.shape) == t.dim and list(view.stride()) == t.stride, f"uid {t.uid}"
+    outputs = [t for t in graph.tensors if t.output]
+    assert all(t.data_type is not None for t in outputs)
+
+
+def _forward_operands(b=2, s=32, h=4, g=2, d=64):
+    q = torch.zeros(b, s, h, d, dtype=E4M3)
+    k, v = (torch.zeros(b, s, g, d, dtype=E4M3) for _ in "kv")
+    scalars = [torch.ones(1) for _ in cudnn_sdpa.FWD_SCALES]
+    return q, k, v, scalars, torch.empty_like(q), torch.empty(b, h, s, 1), [torch.zeros(1)] * 2
+
+
+def test_forward_declarations_match_the_bound_tensors(fake_cudnn):
+    q, k, v, scales, o, stats, amax = _forward_operands()
+    cudnn_sdpa.forward(q, k, v, scales, o, stats, amax, 0.125, True)
+    cudnn_sdpa.forward(q, k, v, scales, o, stats, amax, 0.125, True)
+    assert len(_Graph.built) == 1, "one graph per shape, built once"
+    graph, workspace, pack = fake_cudnn[-1]
+    assert workspace == 1024 and len(fake_cudnn) == 2
+    _check_bindings(graph, pack)
+    name, kw = graph.op
+    assert name == "sdpa_fp8" and kw["attn_scale"] == 0.125 and kw["generate_stats"] is True
+    assert kw["diagonal_alignment"] == "TOP_LEFT" and kw["right_bound"] == 0
+    for n in cudnn_sdpa.FWD_SCALES:
+        assert kw[n].uid is not None and kw[n].data_type == "FLOAT"
+    assert graph.kw["io_data_type"] == "FP8_E4M3"
+
+
+@pytest.mark.parametrize("grad_dtype", [E5M2, E4M3])
+def test_backward_declarations_match_the_bound_tensors(fake_cudnn, grad_dtype):
+    q, k, v, _, o, stats, _ = _forward_operands()
+    d_o = torch.zeros(o.shape, dtype=grad_dtype)
+    grads = [torch.empty(t.shape, dtype=grad_dtype) for t in (q, k, v)]
+    scales = [torch.ones(1) for _ in cudnn_sdpa.BWD_SCALES]
+    cudnn_sdpa.backward(q, k, v, o, d_o, stats, scales, *grads, [torch.zeros(1)] * 4, 0.125, True)
+    graph, _, pack = fake_cudnn[-1]
+    _check_bindings(graph, pack)
+    name, kw = graph.op
+    assert name == "sdpa_fp8_backward" and kw["attn_scale"] == 0.125
+    assert {"descale_dO", "descale_dP", "scale_dQ", "scale_dK", "scale_dV", "scale_dP"} <= set(kw)
+
+
+def test_unsupported_shape_raises_value_error(fake_cudnn):
+    _FAKE.unsupported = True
+    q, k, v, scales, o, stats, amax = _forward_operands()
+    with pytest.raises(ValueError, match="cuDNN does not support FP8 attention for batch=2"):
+        cudnn_sdpa.forward(q, k, v, scales, o, stats, amax, 0.125, True)
+    assert not fake_cudnn
+
+
+def test_no_graph_is_built_inside_a_capture(fake_cudnn, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    q, k, v, scales, o, stats, amax = _forward_operands()
+    with pytest.raises(RuntimeError, match="cannot be built inside a CUDA-graph capture"):
+        cudnn_sdpa.forward(q, k, v, scales, o, stats, amax, 0.125, True)
+    assert not _Graph.built

@@ -1,0 +1,154 @@
+"""rope_fp8 and rope_fp8_backward against their PyTorch twins (bit for bit), against the unfused
+ops they replace, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphfp8 import ops, reference
+from graphfp8.modules.transformer import rope_tables
+from graphfp8.testing import assert_bitwise_equal, fp8_test_data
+from tests.helpers import FP8_DTYPES, HP_DTYPES, poison
+
+SHAPES = [(2, 24, 2, 16), (1, 7, 3, 6), (3, 1, 1, 2), (2, 9, 2, 128)]
+
+
+def _inputs(batch, seq, heads, head_dim, dtype, device, specials=False):
+    qkv = fp8_test_data((batch, seq, 3 * heads * head_dim), dtype, specials=specials, device=device)
+    cos, sin = rope_tables(seq + 3, head_dim, 500.0, torch.float32, device)
+    return qkv, cos, sin
+
+
+def _quantizers(fp8_dtype, device, scales=(0.5, 2.0, 1.0 / 3.0)):
+    return [
+        (torch.tensor([s], device=device), torch.tensor([0.25 * i], device=device), fp8_dtype)
+        for i, s in enumerate(scales)
+    ]
+
+
+def _twin(qkv, cos, sin, heads, quantizers):
+    b, s, width = qkv.shape
+    shape = (b, s, heads, width // (3 * heads))
+    out = [torch.empty(shape, dtype=q[2], device=qkv.device) for q in quantizers]
+    scale_inv = [torch.empty(1, device=qkv.device) for _ in range(3)]
+    amax = [q[1].clone() for q in quantizers]
+    reference.rope_fp8(qkv, cos, sin, heads, [q[0] for q in quantizers], out, scale_inv, amax)
+    return out, scale_inv, amax
+
+
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tables", [True, False])
+def test_forward_matches_twin_bitwise(device, dtype, fp8_dtype, shape, tables):
+    qkv, cos, sin = _inputs(*shape, dtype, device, specials=True)
+    if not tables:
+        cos = sin = None
+    quantizers = _quantizers(fp8_dtype, device)
+    want, want_inv, want_amax = _twin(qkv, cos, sin, shape[2], quantizers)
+    got, got_inv = ops.rope_fp8(qkv, cos, sin, shape[2], quantizers)
+    for part, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_bitwise_equal(g, w, f"part {part}")
+    for g, w in zip(got_inv, want_inv, strict=True):
+        assert_bitwise_equal(g, w, "scale_inv")
+    for (_, amax, _), w in zip(quantizers, want_amax, strict=True):
+        assert_bitwise_equal(amax, w, "amax")
+
+
+def test_forward_equals_rope_then_casts(device):
+    """The fused op is exactly rope_qkv followed by one cast per part."""
+    qkv, cos, sin = _inputs(2, 32, 2, 64, torch.bfloat16, device)
+    quantizers = _quantizers(torch.float8_e4m3fn, device)
+    got, _ = ops.rope_fp8(qkv, cos, sin, 2, quantizers)
+    rotated = ops.rope_qkv(qkv, cos, sin, 2).view(2, 32, 3, 2, 64)
+    for part, (scale, _, fp8_dtype) in enumerate(quantizers):
+        amax = torch.zeros(1, device=device)
+        want, _ = ops.cast_to_fp8(rotated[:, :, part].contiguous(), scale, amax, fp8_dtype)
+        assert_bitwise_equal(got[part], want, f"part {part}")
+
+
+def test_every_output_byte_is_written(device):
+    qkv, cos, sin = _inputs(2, 16, 2, 32, torch.bfloat16, device)
+    quantizers = _quantizers(torch.float8_e4m3fn, device)
+    first, _ = ops.rope_fp8(qkv, cos, sin, 2, quantizers)
+    for _ in range(2):  # fresh (garbage) buffers each call: equal results mean all were written
+        poison(torch.empty(1 << 16, dtype=torch.uint8, device=device))
+        again, _ = ops.rope_fp8(qkv, cos, sin, 2, quantizers)
+        for a, b in zip(again, first, strict=True):
+            assert_bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tables", [True, False])
+def test_backward_matches_twin_bitwise(device, dtype, fp8_dtype, shape, tables):
+    batch, seq, heads, head_dim = shape
+    grads = [
+        fp8_test_data((batch, seq, heads, head_dim), torch.float32, device=device).to(fp8_dtype)
+        for _ in range(3)
+    ]
+    scale_inv = [torch.tensor([s], device=device) for s in (0.5, 3.0, 1e-3)]
+    cos, sin = rope_tables(seq + 2, head_dim, 500.0, torch.float32, device)
+    if not tables:
+        cos = sin = None
+    want = torch.empty(batch, seq, 3 * heads * head_dim, dtype=dtype, device=device)
+    reference.rope_fp8_backward(grads, scale_inv, cos, sin, heads, want)
+    assert_bitwise_equal(ops.rope_fp8_backward(grads, scale_inv, cos, sin, dtype), want)
+
+
+def test_backward_is_the_transposed_rotation(device):
+    """<rope(x), g> == <x, rope_fp8_backward(g)> up to float32 rounding (scale_inv 1): the
+    identity the attention backward relies on."""
+    x = torch.randn(1, 16, 3 * 2 * 16, device=device)
+    cos, sin = rope_tables(16, 16, 500.0, torch.float32, device)
+    g = [torch.randn(1, 16, 2, 16, device=device).to(torch.float8_e5m2) for _ in range(3)]
+    ones = [torch.ones(1, device=device)] * 3
+    back = ops.rope_fp8_backward(g, ones, cos, sin, torch.float32)
+    rotated = ops.rope_qkv(x, cos, sin, 2).view(1, 16, 3, 2, 16)
+    lhs = sum((rotated[:, :, i].double() * g[i].double()).sum() for i in range(3))
+    rhs = (x.double() * back.double()).sum()
+    torch.testing.assert_close(rhs, lhs, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda q, c, s, h: (q.to(torch.int32), c, s, h), TypeError, "float32, bfloat16"),
+        (lambda q, c, s, h: (q[0], c, s, h), ValueError, r"\(batch, seq, 3 \* hidden\)"),
+        (lambda q, c, s, h: (q, c, s, 5), ValueError, r"is not 3 \* num_heads"),
+        (lambda q, c, s, h: (q, c[:4], s, h), ValueError, "argument 'cos' must be"),
+        (lambda q, c, s, h: (q, c, None, h), ValueError, "given together"),
+        (lambda q, c, s, h: (q, c, s.double(), h), TypeError, "argument 'sin' must be float32"),
+        (lambda q, c, s, h: (q.transpose(0, 1), c, s, h), ValueError, "contiguous"),
+    ],
+)
+def test_errors(device, change, error, match):
+    qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, device)
+    with pytest.raises(error, match=match):
+        ops.rope_fp8(*change(qkv, cos, sin, 2), _quantizers(torch.float8_e4m3fn, device))
+
+
+def test_mixed_fp8_dtypes_rejected(device):
+    qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, device)
+    quantizers = _quantizers(torch.float8_e4m3fn, device)
+    quantizers[2] = (*quantizers[2][:2], torch.float8_e5m2)
+    with pytest.raises(ValueError, match="one FP8 dtype"):
+        ops.rope_fp8(qkv, cos, sin, 2, quantizers)
+
+
+def test_op_checks_too(device):
+    """The dispatcher op repeats the checks for direct torch.ops calls."""
+    qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, device)
+    scales = [torch.ones(1, device=device)] * 3
+    out = [torch.empty(2, 16, 2, 8, dtype=torch.float8_e4m3fn, device=device) for _ in range(3)]
+    one = [torch.empty(1, device=device) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="must have shape"):
+        wrong = torch.empty(2, 8, 2, 8, dtype=torch.float8_e4m3fn, device=device)
+        torch.ops.graphfp8.rope_fp8(qkv, cos, sin, 2, scales, out[:2] + [wrong], one, one)
+    with pytest.raises(RuntimeError, match="must hold 3 tensors"):
+        torch.ops.graphfp8.rope_fp8(qkv, cos, sin, 2, scales[:2], out, one, one)
+    dqkv = torch.empty_like(qkv)
+    with pytest.raises(RuntimeError, match="given together"):
+        torch.ops.graphfp8.rope_fp8_backward(out, one, cos, None, 2, dqkv)

@@ -1,0 +1,137 @@
+"""Ranks for the data-parallel tests: WORLD processes spawned once per backend and kept alive,
+so each test pays one task round trip instead of starting two interpreters (~1.5 s each).
+
+Each rank joins its process group once, then runs tasks `worker(rank, device, *args)` sent by
+`run_on_ranks`, starting each from a fresh graphfp8 state and the same seed. A rank's failure is
+re-raised in the test with its traceback; a rank that hangs (a mismatched collective) or dies
+takes the pool down, and the next test starts a new one.
+"""
+
+from __future__ import annotations
+
+import gc
+import queue
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+COLLECTIVE_TIMEOUT_S = 30  # a mismatched collective fails instead of hanging
+TASK_TIMEOUT_S = 120  # one task on all ranks, the pool's start included
+GRACE_S = 5.0  # after one rank failed, how long the others get to report
+
+_POOLS: dict[str, _Pool] = {}
+
+
+def _serve(rank: int, backend: str, store: str, tasks, results) -> None:
+    """A rank's loop: join the group, then run tasks until told to stop (None)."""
+    import graphfp8 as g8
+    from graphfp8.distributed import cleanup
+
+    torch.set_num_threads(1)  # the ranks share the CI machine's cores
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=f"file://{store}", rank=rank, world_size=WORLD,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
+    try:
+        while (task := tasks.get()) is not None:
+            worker, args = task
+            g8.reset_state()
+            torch.manual_seed(1234)
+            try:
+                worker(rank, device, *args)
+                results.put((rank, None))
+            except BaseException:  # noqa: BLE001 - reported to the test, which re-raises
+                results.put((rank, traceback.format_exc()))
+            gc.collect()  # graphs (and the tapes' group references) of the finished task
+    finally:
+        cleanup()
+
+
+class _Pool:
+    def __init__(self, backend: str):
+        ctx = mp.get_context("spawn")
+        self.store = tempfile.mkdtemp(prefix="graphfp8_ranks_") + "/store"
+        self.tasks = [ctx.Queue() for _ in range(WORLD)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=_serve,
+                args=(r, backend, self.store, self.tasks[r], self.results),
+                daemon=True,
+            )  # fmt: skip
+            for r in range(WORLD)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, worker, args, name: str) -> None:
+        for q in self.tasks:
+            q.put((worker, args))
+        errors, done = {}, set()
+        deadline = time.monotonic() + TASK_TIMEOUT_S
+        while len(done) < WORLD:
+            if errors:
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+            try:
+                rank, error = self.results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close()
+                missing = sorted(set(range(WORLD)) - done)
+                if errors:
+                    break  # the others are stuck in a collective the failed rank never joined
+                raise TimeoutError(f"{name}: ranks {missing} did not finish in time") from None
+            done.add(rank)
+            if error is not None:
+                errors[rank] = error
+            if any(not p.is_alive() for p in self.procs) and len(done) < WORLD:
+                self.close()
+                raise RuntimeError(f"{name}: a rank process died") from None
+        if errors:
+            rank = min(errors)
+            raise AssertionError(f"{name} failed on rank {rank}:\n{errors[rank]}")
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        for backend, pool in list(_POOLS.items()):
+            if pool is self:
+                del _POOLS[backend]
+
+
+def run_on_ranks(backend: str, worker, *args) -> None:
+    """Runs worker(rank, device, *args) on WORLD ranks of `backend` ("gloo": CPU, "nccl": one
+    GPU per rank); re-raises the first failing rank's exception text. worker must be a
+    module-level function (it is pickled by name)."""
+    pool = _POOLS.get(backend)
+    if pool is None or any(not p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[backend] = _Pool(backend)
+    try:
+        pool.run(worker, args, worker.__name__)
+    except (AssertionError, TimeoutError, RuntimeError):
+        if any(not p.is_alive() for p in pool.procs):
+            pool.close()
+        raise
+
+
+def shutdown() -> None:
+    """Stops every pool (at the end of the test session)."""
+    for pool in list(_POOLS.values()):
+        for q in pool.tasks:
+            q.put(None)
+        for p in pool.procs:
+            p.join(timeout=10)
+        pool.close()

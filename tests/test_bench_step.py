@@ -1,0 +1,21 @@
+"""`python -m graphfp8.bench step --quick` on the CPU tape: every peer runs and is reported
+(speed is measured on the GPU; nothing here asserts on time)."""
+
+from __future__ import annotations
+
+import json
+
+from graphfp8.bench.__main__ import main
+
+
+def test_step_bench_quick_on_cpu(tmp_path, capsys):
+    path = tmp_path / "step.json"
+    main(["step", "--quick", "--device", "cpu", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert set(result["block"]) == {"fp8 step graph", "fp8 layer graphs", "bf16 step graph"}
+    assert [r["layers"] for r in result["layers"]] == [1, 2]
+    for row in [*result["block"].values(), *(r["fp8 step graph"] for r in result["layers"])]:
+        assert row["host_ms"] > 0 and row["device_ms"] > 0 and row["kernels"] is None
+    out = capsys.readouterr().out
+    assert "fp8 step graph relative to fp8 layer graphs" in out
+    assert "host ms per optimizer step vs layers" in out

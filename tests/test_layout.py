@@ -1,0 +1,49 @@
+"""The repository's structural rules (docs/architecture.md): imports go down the layers without
+cycles, functions and files stay small."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def layers():
+    return _load("check_layers")
+
+
+def test_imports_follow_the_layers_without_cycles(layers):
+    assert layers.violations(layers.graph()) == []
+
+
+def test_the_layer_check_catches_cycles_and_upward_imports(layers):
+    edges = {
+        "graphfp8.fp8.a": {"graphfp8.fp8.b"},
+        "graphfp8.fp8.b": {"graphfp8.fp8.a", "graphfp8.graphs.capture"},
+        "graphfp8.graphs.capture": {"graphfp8.modules.linear", "graphfp8.modules.base"},
+        "graphfp8.modules.base": {"graphfp8.reference"},
+    }
+    assert layers.violations(edges) == [
+        "import cycle: graphfp8.fp8.a -> graphfp8.fp8.b -> graphfp8.fp8.a",
+        "graphfp8.fp8.b (layer fp8) imports graphfp8.graphs.capture (layer graphs, higher)",
+        "graphfp8.graphs.capture imports the concrete layer module graphfp8.modules.linear",
+        "graphfp8.modules.base (layer modules) imports graphfp8.reference (layer top, higher)",
+        "graphfp8.modules.base (runtime) imports test-only graphfp8.reference",
+    ]
+
+
+def test_functions_and_files_stay_small():
+    assert _load("check_sizes").problems() == []
