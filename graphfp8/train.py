@@ -1,12 +1,14 @@
-"""The main job: train a small GPT of graphfp8.TransformerLayers on the embedded corpus.
+"""The main job: train a small GPT of graphfp8.TransformerLayers on real text, with validation.
 
-    graphfp8-train                                # FP8 + graphs, tiny preset on CPU, 100m on GPU
+    graphfp8-train                                # FP8 + graphs on the Python standard library
+    graphfp8-train --data notes.txt               # a text file or folder, read as bytes
+    graphfp8-train --data train.bin --vocab-size 50304   # nanoGPT's uint16 token file
     graphfp8-train --precision bf16 --no-graphs --steps 200
     graphfp8-train --graphs step                  # the whole training step as one graph
     graphfp8-train --compare                      # bf16 and fp8 side by side, loss plot
     graphfp8-train --compare bf16:eager,bf16:graphs,fp8:graphs --preset 100m
     graphfp8-train --compare fp8:layers,fp8:step --preset small
-    graphfp8-train --steps 100 --save ckpt.pt ; graphfp8-train --steps 200 --resume ckpt.pt
+    graphfp8-train --steps 300 --stop-at 100 --save ckpt.pt   # then: ... --resume ckpt.pt
     torchrun --nproc_per_node=2 -m graphfp8.train --ddp
 
 Writes <out>/<run>.csv (one row per step), <out>/summary.json and, with --compare, <out>/loss.png.
@@ -15,6 +17,7 @@ Writes <out>/<run>.csv (one row per step), <out>/summary.json and, with --compar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import platform
@@ -24,75 +27,138 @@ from pathlib import Path
 
 import torch
 
-from graphfp8.training.data import make_corpus
+from graphfp8.training.checkpoint import CheckpointError
+from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
-from graphfp8.training.report import plot_losses, write_summary
+from graphfp8.training.report import plot_losses, print_table, write_summary
 from graphfp8.training.run import GRAPH_MODES, PRECISIONS, RunSpec
+from graphfp8.training.sources import DataError, open_stream
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "build_parser"]
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="graphfp8-train", description=__doc__.split("\n\n")[0])
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default; options whose default depends on others say
+    so in their own words (no "(default: None)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default: " in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="graphfp8-train", description=__doc__.split("\n\nWrites")[0],
+                                formatter_class=_Formatter)  # fmt: skip
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: tiny on "
                    "CPU, 100m on CUDA)")  # fmt: skip
-    p.add_argument("--precision", choices=PRECISIONS, default="fp8")
-    p.add_argument(
-        "--graphs",
-        nargs="?",
-        const="layers",
-        default="layers",
-        choices=GRAPH_MODES,
-        help="CUDA graphs (the replay tape on CPU): layers = the transformer blocks (default), "
-        "step = the whole training step, none = eager",
-    )
+    p.add_argument("--precision", choices=PRECISIONS, default="fp8", help="training precision")
+    p.add_argument("--graphs", nargs="?", const="layers", default="layers", choices=GRAPH_MODES,
+                   help="CUDA graphs (the replay tape on CPU): layers = the transformer blocks, "
+                   "step = the whole training step, none = eager")  # fmt: skip
     p.add_argument("--no-graphs", dest="graphs", action="store_const", const="none",
-                   help="= --graphs none")  # fmt: skip
-    p.add_argument("--steps", type=_positive, help="optimizer steps (default: 60 tiny, 300 else)")
+                   help="= --graphs none (default: off)")  # fmt: skip
+    p.add_argument("--steps", type=_positive, help="optimizer steps; the LR schedule spans them "
+                   "(default: 60 with --preset tiny, else 300)")  # fmt: skip
     p.add_argument("--microbatches", type=_positive, default=4, help="per optimizer step")
-    p.add_argument("--batch", type=_positive, help="sequences per microbatch (preset's default)")
-    p.add_argument("--seq-len", type=_positive, help="tokens per sequence (preset's default)")
+    p.add_argument("--batch", type=_positive, help="sequences per microbatch (default: the "
+                   "preset's)")  # fmt: skip
+    p.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: the "
+                   "preset's)")  # fmt: skip
+    p.add_argument("--data", default="stdlib", metavar="PATH|stdlib|synthetic",
+                   help="training text: a UTF-8 text file or folder (read as bytes), a nanoGPT "
+                   ".bin file of uint16 tokens (with --vocab-size), the Python standard "
+                   "library's sources, or the generated language")  # fmt: skip
+    p.add_argument("--vocab-size", type=_positive, help="vocabulary of a .bin token file "
+                   "(default: 256 bytes for text)")  # fmt: skip
     p.add_argument(
-        "--compare",
-        nargs="?",
-        const="bf16,fp8",
-        metavar="RUNS",
-        help="train several runs side by side: comma-separated precision[:layers|:step|:none] "
-        "(graphs = layers, eager = none; default bf16,fp8, with --graphs' setting) and plot the "
-        "losses",
+        "--val-fraction",
+        type=_fraction,
+        default=0.01,
+        help="share of the data, at its end, held out for validation (0: none)",
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--amax-history-len", type=_positive, default=16)
-    p.add_argument("--log-every", type=_positive, default=10)
-    p.add_argument("--out", type=Path, help="log directory (default runs/<time>)")
-    p.add_argument("--save", type=Path, help="write a checkpoint at the end")
-    p.add_argument("--resume", type=Path, help="continue from a checkpoint (same run settings)")
+    p.add_argument("--eval-every", type=_positive, metavar="STEPS", help="validation loss every "
+                   "STEPS steps and at the end (default: --steps / 10)")  # fmt: skip
+    p.add_argument("--val-batches", type=_positive, help="validation set size in microbatches "
+                   "of --batch sequences (default: 2 with --preset tiny, else 32)")  # fmt: skip
+    p.add_argument("--compare", nargs="?", const="bf16,fp8", metavar="RUNS",
+                   help="train several runs side by side and plot their losses: comma-separated "
+                   "precision[:layers|:step|:none] (graphs = layers, eager = none), bf16,fp8 "
+                   "with --graphs' setting when RUNS is left out (default: one run, "
+                   "--precision)")  # fmt: skip
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda[:N] (default: cuda when torch sees a GPU, else cpu)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
+    p.add_argument("--amax-history-len", type=_positive, default=16, help="FP8 delayed scaling")
+    p.add_argument("--log-every", type=_positive, default=10, metavar="STEPS",
+                   help="progress line and CSV rows every STEPS steps")  # fmt: skip
+    p.add_argument("--out", type=Path, help="log directory (default: runs/<time>)")
+    p.add_argument("--save", type=Path, help="write a checkpoint at the end (default: none)")
+    p.add_argument("--resume", type=Path, help="continue from a checkpoint of the same run "
+                   "settings, --steps included (default: none)")  # fmt: skip
     p.add_argument("--stop-at", type=_positive, metavar="STEP",
-                   help="end after this step (the LR schedule still spans --steps); with --save "
-                        "to resume later")  # fmt: skip
+                   help="end after this step; the LR schedule still spans --steps; with --save "
+                        "to resume later (default: run all --steps)")  # fmt: skip
     p.add_argument("--ddp", action="store_true", help="data parallel over torchrun's processes")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     _check(p, args)
     return args
 
 
-def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+def _check_device(p: argparse.ArgumentParser, device: str) -> None:
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        p.error(f"--device {device}: graphfp8-train runs on cpu or cuda[:N]")
+    if kind == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU (this torch build: "
                 f"{torch.__version__}); use --device cpu")  # fmt: skip
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    _check_device(p, args.device)
     if args.preset is None:
         args.preset = "100m" if args.device.startswith("cuda") else "tiny"
     if args.steps is None:
         args.steps = 60 if args.preset == "tiny" else 300
+    if args.val_batches is None:
+        # On the CPU a validation batch costs about one training microbatch (the FP8 forward
+        # GEMMs dominate there): 10 validations of 2 batches add ~8% to the tiny default run.
+        args.val_batches = 2 if args.preset == "tiny" else 32
+    if args.stop_at is not None and args.stop_at > args.steps:
+        p.error(f"--stop-at {args.stop_at} is beyond --steps {args.steps}")
     if args.compare is not None and importlib.util.find_spec("matplotlib") is None:
         p.error("--compare plots the loss curves and needs matplotlib: pip install matplotlib")
     if args.compare is not None and (args.save or args.resume or args.stop_at):
@@ -125,11 +191,9 @@ def _parse_runs(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tu
     return runs
 
 
-def _spec(args, precision: str, graphs: str) -> RunSpec:
-    model = PRESETS[args.preset]
+def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
     overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len)) if v}
-    if overrides:
-        model = type(model)(**{**model.to_dict(), **overrides})
+    model = dataclasses.replace(PRESETS[args.preset], vocab=vocab, **overrides)
     return RunSpec(preset=args.preset, model=model, precision=precision, graphs=graphs,
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
                    amax_history_len=args.amax_history_len)  # fmt: skip
@@ -143,16 +207,6 @@ def _environment(device: str) -> dict:
     return env
 
 
-def _print_table(results: list[dict]) -> None:
-    base = results[0]
-    print(f"\n{'run':>14} {'final loss':>10} {'vs first':>9} {'tokens/s':>12} {'speed-up':>8}")
-    for r in results:
-        dl = (r["final_loss"] / base["final_loss"] - 1) * 100
-        tps = r["tokens_per_s"] or float("nan")
-        speed = tps / (base["tokens_per_s"] or float("nan"))
-        print(f"{r['name']:>14} {r['final_loss']:>10.4f} {dl:>+8.2f}% {tps:>12,.0f} {speed:>7.2f}x")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     group, rank, world = None, 0, 1
@@ -164,22 +218,34 @@ def main(argv=None) -> int:
         group = torch.distributed.group.WORLD
     try:
         return _train_all(args, group, rank, world, argv)
+    except (DataError, CheckpointError) as exc:  # bad input, found before training: one line
+        where = f" (rank {rank})" if world > 1 else ""
+        print(f"graphfp8-train: error{where}: {exc}", file=sys.stderr)
+        return 2
     finally:
         if args.ddp:
             distributed.cleanup()
+
+
+def _open_data(args) -> Dataset:
+    synthetic_bytes = 4 << 20 if args.preset != "tiny" else 1 << 20
+    stream = open_stream(args.data, args.vocab_size, synthetic_bytes, args.seed)
+    return Dataset(stream, args.val_fraction)
 
 
 def _train_all(args, group, rank: int, world: int, argv) -> int:
     is_main = rank == 0
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = args.out or Path("runs") / stamp
-    corpus = make_corpus(4 << 20 if args.preset != "tiny" else 1 << 20, seed=args.seed)
+    data = _open_data(args)
+    specs = [_spec(args, precision, graphs, data.vocab_size) for precision, graphs in args.runs]
+    data.check_seq_len(specs[0].model.seq_len)
     results = []
-    for precision, graphs in args.runs:
-        spec = _spec(args, precision, graphs)
-        opts = RunOptions(steps=args.steps, out=out, log_every=args.log_every, save=args.save,
-                          resume=args.resume, group=group, world_size=world, is_main=is_main,
-                          corpus=corpus, stop_at=args.stop_at)  # fmt: skip
+    for spec in specs:
+        opts = RunOptions(steps=args.steps, out=out, data=data, log_every=args.log_every,
+                          eval_every=args.eval_every, val_batches=args.val_batches,
+                          save=args.save, resume=args.resume, group=group, world_size=world,
+                          is_main=is_main, stop_at=args.stop_at)  # fmt: skip
         results.append(train_run(spec, opts))
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -187,21 +253,22 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
         return 0
     for r in results:
         r.pop("model_state")
-    _print_table(results)
+    print_table(results)
     for r in results:
         if r["ranks_agree"] is not None:
             agree = ", ".join(f"{k} {'identical' if v else 'DIFFERENT'}"
                               for k, v in r["ranks_agree"].items())  # fmt: skip
             print(f"{r['name']}: across {world} ranks: {agree}")
     summary = {"date": stamp, "argv": sys.argv[1:] if argv is None else list(argv),
-               "preset": args.preset, "model": _spec(args, *args.runs[0]).model.to_dict(),
-               "microbatches": args.microbatches, "world_size": world,
+               "preset": args.preset, "model": specs[0].model.to_dict(),
+               "microbatches": args.microbatches, "world_size": world, "data": data.describe(),
+               "eval_every": opts.every, "val_batches": args.val_batches,
                "environment": _environment(args.device), "runs": results}  # fmt: skip
     print(f"wrote {write_summary(out, summary)}")
     if args.compare is not None:
-        title = f"{args.preset}, {args.steps} steps, {_environment(args.device).get('gpu', 'cpu')}"
-        curves = {r["name"]: r["losses"] for r in results}
-        print(f"wrote {plot_losses(curves, out / 'loss.png', title)}")
+        device = _environment(args.device).get("gpu", "cpu")
+        title = f"{args.preset}, {args.steps} steps, --data {args.data}, {device}"
+        print(f"wrote {plot_losses(results, out / 'loss.png', title)}")
     return 0
 
 

@@ -1,1 +1,2 @@
-"""The pieces of the main job (`graphfp8-train`): corpus, GPT model, training loop, reports."""
+"""The pieces of the main job (`graphfp8-train`): data, GPT model, training loop, validation,
+checkpoints, reports."""

@@ -1,16 +1,25 @@
-"""Drives one Run through its steps: timing, logging, progress and checkpoints."""
+"""Drives one Run through its steps: timing, validation, logging, progress and checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from graphfp8.training.checkpoint import (
+    CheckpointError,
+    check_resumable,
+    load_checkpoint,
+    save_checkpoint,
+)
+from graphfp8.training.data import Dataset
+from graphfp8.training.evaluate import validation_loss
 from graphfp8.training.model import count_parameters
 from graphfp8.training.report import MetricsLog, Progress, final_loss
-from graphfp8.training.run import Run, RunSpec
+from graphfp8.training.run import Run, RunSpec, run_settings
 
 __all__ = ["RunOptions", "sync", "train_run"]
 
@@ -19,7 +28,10 @@ __all__ = ["RunOptions", "sync", "train_run"]
 class RunOptions:
     steps: int  # the run's length: the LR schedule spans it
     out: Path
+    data: Dataset = field(default=None, repr=False)
     log_every: int = 10
+    eval_every: int | None = None  # validation every N steps and at the end; None: steps // 10
+    val_batches: int = 4  # validation set size, in microbatch-sized batches (all ranks together)
     save: Path | None = None
     resume: Path | None = None
     group: object = None
@@ -27,7 +39,10 @@ class RunOptions:
     is_main: bool = True
     keep_state: bool = False  # return the final model state_dict (tests)
     stop_at: int | None = None  # end early after this step (e.g. save, resume later)
-    corpus: torch.Tensor = field(default=None, repr=False)
+
+    @property
+    def every(self) -> int:
+        return self.eval_every or max(1, self.steps // 10)
 
 
 def sync(device: str) -> None:
@@ -36,10 +51,30 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _ranks_agree(model: torch.nn.Module, group) -> dict[str, bool]:
+class _Clock:
+    """Wall time minus the time spent validating: tokens/s counts training only."""
+
+    def __init__(self, device: str):
+        self.device, self.excluded = device, 0.0
+        self.start = time.perf_counter()
+
+    def train_time(self) -> float:
+        return time.perf_counter() - self.excluded
+
+    @contextlib.contextmanager
+    def excluding(self):
+        sync(self.device)  # the queued training work is training time
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - t0
+
+
+def _ranks_agree(model: torch.nn.Module, group, val_loss: float | None) -> dict[str, bool]:
     """Whether every rank holds the same FP8 scales and amax histories (rows 1+: row 0 holds
-    this rank's amaxes of the microbatch in flight) and the same parameters (compared through
-    per-tensor float64 sums)."""
+    this rank's amaxes of the microbatch in flight), the same parameters (compared through
+    per-tensor float64 sums) and the same final validation loss."""
     import torch.distributed as dist
 
     fp8, fingerprint = [], []
@@ -50,8 +85,12 @@ def _ranks_agree(model: torch.nn.Module, group) -> dict[str, bool]:
                 fp8 += [block.scales().flatten(), block.history()[1:].flatten()]
     for p in model.parameters():
         fingerprint.append(p.detach().double().sum().reshape(1))
+    checks = [("fp8_state", fp8), ("parameters", fingerprint)]
+    if val_loss is not None:
+        checks.append(("val_loss", [torch.tensor([val_loss], dtype=torch.float64,
+                                                 device=fingerprint[0].device)]))  # fmt: skip
     out = {}
-    for name, parts in (("fp8_state", fp8), ("parameters", fingerprint)):
+    for name, parts in checks:
         mine = torch.cat(parts) if parts else torch.zeros(1, device=next(model.parameters()).device)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine, group=group)
@@ -59,87 +98,104 @@ def _ranks_agree(model: torch.nn.Module, group) -> dict[str, bool]:
     return out
 
 
-def _log_interval(
-    run: Run,
-    opts: RunOptions,
-    log,
-    pending,
-    last_step: int,
-    t_start: float,
-    t_last: float,
-    tokens_per_step: int,
-) -> tuple[list[float], float]:
+def _log_interval(run: Run, opts: RunOptions, log, pending, val_losses: dict, last_step: int,
+                  elapsed: float, rate: float, tokens_per_step: int) -> list[float]:  # fmt: skip
     """Materialises the losses of the steps since the last log point (the one host sync per
-    interval), writes their CSV rows. Returns (losses, tokens/s over the interval)."""
+    interval) and writes their CSV rows. Returns the losses."""
     values = torch.stack(pending).tolist()
     pending.clear()
-    now = time.perf_counter()
-    rate = tokens_per_step * (run.step - last_step) / (now - t_last)
     if log is not None:
         for i, value in enumerate(values):
             step = last_step + i + 1
-            log.write(dict(step=step, loss=value, lr=run.lr_at(step - 1, opts.steps),
-                           tokens=step * tokens_per_step, elapsed_s=round(now - t_start, 3),
-                           tokens_per_s=round(rate, 1)))  # fmt: skip
-    return values, rate
+            log.write(dict(step=step, loss=value, val_loss=val_losses.get(step, ""),
+                           lr=run.lr_at(step - 1, opts.steps), tokens=step * tokens_per_step,
+                           elapsed_s=round(elapsed, 3), tokens_per_s=round(rate, 1)))  # fmt: skip
+    return values
 
 
-def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int) -> dict:
-    """Steps `run` up to `steps`, logging every opts.log_every steps. Returns the losses and the
-    timestamps that the tokens/s figures come from."""
+def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, val) -> dict:
+    """Steps `run` up to `steps`, validating every opts.every steps and at the end, logging every
+    opts.log_every steps. Returns the losses and the training seconds behind tokens/s."""
     first = run.step
     steady_from = first + max(1, (steps - first) // 10)
     log = MetricsLog(opts.out / f"{run.spec.name}.csv") if opts.is_main else None
-    progress = Progress(steps - first, run.spec.name, opts.is_main)
-    losses: list[float] = []
-    pending: list[torch.Tensor] = []
-    t_start = t_last = time.perf_counter()
+    progress = Progress(opts.steps, run.spec.name, opts.is_main)
+    losses, pending, val_losses = [], [], {}
+    clock = _Clock(run.spec.device)
+    t_last = clock.train_time()
     t_steady, last_step = None, first
     while run.step < steps:
         pending.append(run.train_step(opts.steps))
         if run.step == steady_from:
             sync(run.spec.device)
-            t_steady = time.perf_counter()
+            t_steady = clock.train_time()
+        if val is not None and (run.step % opts.every == 0 or run.step == steps):
+            with clock.excluding():
+                val_losses[run.step] = validation_loss(run, val)
         if run.step % opts.log_every and run.step != steps:
             continue
-        values, rate = _log_interval(run, opts, log, pending, last_step, t_start, t_last,
-                                     tokens_per_step)  # fmt: skip
-        losses += values
-        progress.update(run.step - first, loss=f"{values[-1]:.4f}", tok_s=f"{rate:,.0f}")
-        t_last, last_step = time.perf_counter(), run.step
+        now = clock.train_time()
+        rate = tokens_per_step * (run.step - last_step) / (now - t_last)
+        elapsed = time.perf_counter() - clock.start
+        losses += _log_interval(run, opts, log, pending, val_losses, last_step, elapsed, rate,
+                                tokens_per_step)  # fmt: skip
+        shown = {"loss": f"{losses[-1]:.4f}"}
+        if val_losses:
+            shown["val"] = f"{val_losses[max(val_losses)]:.4f}"
+        progress.update(run.step, **shown, tok_s=f"{rate:,.0f}")
+        t_last, last_step = clock.train_time(), run.step
     sync(run.spec.device)
     if log is not None:
         log.close()
-    return dict(losses=losses, t_start=t_start, t_steady=t_steady, t_end=time.perf_counter(),
-                steady_steps=steps - steady_from)  # fmt: skip
+    t_end = clock.train_time()
+    steady_s = t_end - t_steady if t_steady is not None else 0.0
+    return dict(losses=losses, val_losses=[[s, v] for s, v in sorted(val_losses.items())],
+                train_s=time.perf_counter() - clock.start, eval_s=clock.excluded,
+                steady_s=steady_s, steady_steps=steps - steady_from)  # fmt: skip
+
+
+def _resume(run: Run, opts: RunOptions) -> None:
+    """Loads opts.resume into `run` after checking that it continues this run."""
+    state = load_checkpoint(opts.resume)
+    notes = check_resumable(state, run_settings(run.spec), opts.steps, opts.data.describe())
+    for note in notes if opts.is_main else ():
+        print(f"note: {note}")
+    run.load_state_dict(state)
 
 
 def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     """Trains `spec` for opts.steps optimizer steps (counting from a resumed step; ending early
-    at opts.stop_at).
+    at opts.stop_at), validating on opts.data's validation set.
 
     Returns:
-        {"name", "losses" (per step), "final_loss", "tokens_per_s" (steady state: after the
-        first tenth of the steps, capture excluded), "capture_s", "parameters", ...}.
+        {"name", "losses" (per step), "final_loss", "val_losses" ([step, loss] pairs),
+        "final_val_loss", "tokens_per_s" (steady state: after the first tenth of the steps,
+        capture and validation excluded), "capture_s", "parameters", ...}.
     """
-    run = Run(spec, opts.corpus, opts.group)
+    run = Run(spec, opts.data, opts.group)
     if opts.resume is not None:
-        run.load_state_dict(torch.load(opts.resume, map_location=spec.device, weights_only=False))
+        _resume(run, opts)
     first, steps = run.step, min(opts.steps, opts.stop_at or opts.steps)
     if first >= steps:
-        raise ValueError(f"the checkpoint is at step {first}: --steps {opts.steps} (stop at "
-                         f"{steps}) leaves nothing to train")  # fmt: skip
+        raise CheckpointError(f"the checkpoint is at step {first}: --steps {opts.steps} (stop "
+                              f"at {steps}) leaves nothing to train")  # fmt: skip
+    cfg = spec.model
+    val = None
+    if opts.data.has_validation:
+        val = opts.data.val_batches(cfg.seq_len, cfg.batch, opts.val_batches, run.rank, run.world)
     t0 = time.perf_counter()
     run.prepare()
     sync(spec.device)
     capture_s = time.perf_counter() - t0
     tokens_per_step = spec.tokens_per_microbatch * spec.microbatches * opts.world_size
-    t = _train_steps(run, opts, steps, tokens_per_step)
+    t = _train_steps(run, opts, steps, tokens_per_step, val)
     if opts.save is not None and opts.is_main:
-        opts.save.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(run.state_dict(), opts.save)
+        path = save_checkpoint(run, opts.save, opts.steps, opts.data.describe())
+        print(f"saved {path} (step {run.step} of {opts.steps})")
     steady_tokens = tokens_per_step * t["steady_steps"]
-    steady_s = t["t_end"] - t["t_steady"] if t["t_steady"] is not None else 0.0
+    tokens_per_s = steady_tokens / t["steady_s"] if steady_tokens and t["steady_s"] > 0 else None
+    final_val = t["val_losses"][-1][1] if t["val_losses"] else None
+    agree = _ranks_agree(run.model, opts.group, final_val) if opts.group is not None else None
     return {
         "name": spec.name,
         "precision": spec.precision,
@@ -149,9 +205,12 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         "steps": steps,
         "losses": t["losses"],
         "final_loss": final_loss(t["losses"]),
+        "val_losses": t["val_losses"],
+        "final_val_loss": final_val,
         "capture_s": round(capture_s, 3),
-        "train_s": round(t["t_end"] - t["t_start"], 3),
-        "tokens_per_s": steady_tokens / steady_s if steady_tokens and steady_s > 0 else None,
-        "ranks_agree": _ranks_agree(run.model, opts.group) if opts.group is not None else None,
+        "train_s": round(t["train_s"], 3),
+        "eval_s": round(t["eval_s"], 3),
+        "tokens_per_s": tokens_per_s,
+        "ranks_agree": agree,
         "model_state": run.model.state_dict() if opts.keep_state else None,
     }

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphfp8.modules.transformer import TransformerLayer
-from graphfp8.training.data import VOCAB_SIZE
+from graphfp8.training.sources import BYTE_VOCAB
 
 __all__ = ["GPT", "Blocks", "ModelConfig", "PRESETS", "count_parameters"]
 
@@ -31,7 +31,7 @@ class ModelConfig:
     seq_len: int
     batch: int  # sequences per microbatch
     lr: float
-    vocab: int = VOCAB_SIZE
+    vocab: int = BYTE_VOCAB  # a token file's --vocab-size replaces it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,7 +75,7 @@ class Blocks(nn.Module):
 
 
 class GPT(nn.Module):
-    """Byte-level decoder-only language model.
+    """Decoder-only language model over bytes (or a token file's vocabulary).
 
     Args:
         cfg: the preset.
@@ -98,6 +98,13 @@ class GPT(nn.Module):
         float32."""
         logits = self.head(self.norm(hidden)).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """hidden: (B, S, H); targets: (B, S) int64. Cross entropy per token, (B, S) float32."""
+        logits = self.head(self.norm(hidden)).float()
+        losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1),
+                                 reduction="none")  # fmt: skip
+        return losses.view(targets.shape)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
                 is_first_microbatch: bool | None = None) -> torch.Tensor:  # fmt: skip

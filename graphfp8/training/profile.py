@@ -4,6 +4,7 @@ a summary of where the time goes, written into profiles/<device>-<date>/."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -17,11 +18,12 @@ from pathlib import Path
 import torch
 
 from graphfp8.profiling import enable_ranges
-from graphfp8.training.data import make_corpus
+from graphfp8.training.data import Dataset
 from graphfp8.training.loop import sync
 from graphfp8.training.model import PRESETS
 from graphfp8.training.profile_stats import busy_fraction, nsys_summary, top_kernels
 from graphfp8.training.run import GRAPH_MODES, PRECISIONS, Run, RunSpec
+from graphfp8.training.sources import DataError, open_stream
 
 __all__ = ["main"]
 
@@ -41,14 +43,20 @@ def _parse(argv) -> argparse.Namespace:
     )
     p.add_argument("--no-graphs", dest="graphs", action="store_const", const="none")
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--batch", type=int, help="sequences per microbatch (default: the preset's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     p.add_argument("--steps", type=int, default=3, help="profiled optimizer steps")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps before profiling")
     p.add_argument("--tool", choices=("auto", "nsys", "torch"), default="auto")
     p.add_argument("--device", default="cuda" if cuda else "cpu")
+    # Synthetic by default: a profile is about the kernels, which the text does not change, and
+    # the generated corpus is in memory, so no file read lands in the host time measured.
+    p.add_argument("--data", default="synthetic", help="as graphfp8-train's --data")
+    p.add_argument("--vocab-size", type=int, help="as graphfp8-train's --vocab-size")
     p.add_argument("--out", type=Path, help="default profiles/<device>-<date>")
     args = p.parse_args(argv)
-    for name in ("microbatches", "steps", "warmup_steps"):
-        if getattr(args, name) < 1:
+    for name in ("microbatches", "steps", "warmup_steps", "batch", "seq_len"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.tool == "auto":
         args.tool = "nsys" if shutil.which("nsys") and args.device.startswith("cuda") else "torch"
@@ -159,17 +167,23 @@ def _markdown(summary: dict) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
+    try:
+        data = Dataset(open_stream(args.data, args.vocab_size), val_fraction=0.0)
+        data.check_seq_len(_model(args, data.vocab_size).seq_len)
+    except DataError as exc:
+        print(f"python -m graphfp8.training.profile: error: {exc}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     enable_ranges(True)
     spec = RunSpec(
         preset=args.preset,
-        model=PRESETS[args.preset],
+        model=_model(args, data.vocab_size),
         precision=args.precision,
         graphs=args.graphs,
         microbatches=args.microbatches,
         device=args.device,
     )
-    run = Run(spec, make_corpus(1 << 20))
+    run = Run(spec, data)
     run.prepare()
     total = args.warmup_steps + 2 * args.steps
     for _ in range(args.warmup_steps):
@@ -198,6 +212,11 @@ def main(argv=None) -> int:
     print(_markdown(summary))
     print(f"wrote {stem}.md and .json")
     return 0
+
+
+def _model(args, vocab: int):
+    overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len)) if v}
+    return dataclasses.replace(PRESETS[args.preset], vocab=vocab, **overrides)
 
 
 def _device_name(device: str) -> str:

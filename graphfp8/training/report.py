@@ -1,4 +1,5 @@
-"""What a training run shows and writes: a progress bar, the CSV/JSON logs, the loss plot."""
+"""What a training run shows and writes: a progress bar, the CSV/JSON logs, the results table
+and the loss plot."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["Progress", "MetricsLog", "write_summary", "plot_losses", "final_loss"]
+__all__ = ["Progress", "MetricsLog", "write_summary", "plot_losses", "final_loss", "print_table"]
 
 
 class Progress:
     """A one-line progress bar on stderr (a plain line per update when stderr is not a TTY).
 
     Args:
-        total: steps in the run.
+        total: steps in the run (a resumed run counts from its start: 9/12, not 3/6).
         desc: the run's name.
         enabled: False prints nothing (ranks other than 0).
     """
@@ -43,9 +44,9 @@ class Progress:
 
 
 class MetricsLog:
-    """Appends one CSV row per step to `<out>/<run>.csv`."""
+    """Appends one CSV row per step to `<out>/<run>.csv` (val_loss only on validation steps)."""
 
-    FIELDS = ("step", "loss", "lr", "tokens", "elapsed_s", "tokens_per_s")
+    FIELDS = ("step", "loss", "val_loss", "lr", "tokens", "elapsed_s", "tokens_per_s")
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,13 +78,32 @@ def write_summary(out: Path, summary: dict) -> Path:
     return path
 
 
-def plot_losses(curves: dict[str, list[float]], path: Path, title: str) -> Path:
-    """Loss curves of several runs in one PNG.
+def print_table(results: list[dict]) -> None:
+    """The runs side by side: final training and validation loss, the validation loss against
+    the first run's, and tokens/s against the first run's."""
+    base = results[0]
+    print(f"\n{'run':>14} {'train loss':>10} {'val loss':>9} {'vs first':>9} {'tokens/s':>12} "
+          f"{'speed-up':>8}")  # fmt: skip
+    for r in results:
+        val, base_val = r.get("final_val_loss"), base.get("final_val_loss")
+        val_text = f"{val:>9.4f}" if val is not None else f"{'-':>9}"
+        diff = f"{'-':>9}"
+        if val is not None and base_val:
+            diff = f"{(val / base_val - 1) * 100:>+8.2f}%"
+        tps = r["tokens_per_s"] or float("nan")
+        speed = tps / (base["tokens_per_s"] or float("nan"))
+        print(f"{r['name']:>14} {r['final_loss']:>10.4f} {val_text} {diff} {tps:>12,.0f} "
+              f"{speed:>7.2f}x")  # fmt: skip
+
+
+def plot_losses(results: list[dict], path: Path, title: str) -> Path:
+    """Training (lines) and validation (dashed, with markers) loss curves of several runs.
 
     Args:
-        curves: {run name: loss per step}.
+        results: train_run() results: "name", "first_step", "losses" (per step) and
+            "val_losses" ([step, loss] pairs).
         path: where the PNG goes.
-        title: the plot title (preset, steps, device).
+        title: the plot title (preset, steps, data, device).
     """
     import matplotlib
 
@@ -91,13 +111,19 @@ def plot_losses(curves: dict[str, list[float]], path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for name, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1.2)
+    for r in results:
+        first, losses = r.get("first_step", 0), r["losses"]
+        (line,) = ax.plot(range(first + 1, first + len(losses) + 1), losses,
+                          label=f"{r['name']} train", linewidth=1.0, alpha=0.8)  # fmt: skip
+        if r.get("val_losses"):
+            steps, vals = zip(*r["val_losses"], strict=True)
+            ax.plot(steps, vals, "--o", color=line.get_color(), markersize=3, linewidth=1.2,
+                    label=f"{r['name']} validation")  # fmt: skip
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (cross entropy, nats/byte)")
+    ax.set_ylabel("loss (cross entropy, nats/token)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

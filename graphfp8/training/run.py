@@ -24,10 +24,10 @@ from graphfp8.fp8.autocast import fp8_autocast
 from graphfp8.fp8.recipe import DelayedScaling
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.profiling import nvtx_range
-from graphfp8.training.data import batch
+from graphfp8.training.data import Dataset
 from graphfp8.training.model import GPT, ModelConfig
 
-__all__ = ["GRAPH_MODES", "RunSpec", "Run"]
+__all__ = ["GRAPH_MODES", "RunSpec", "Run", "run_settings"]
 
 PRECISIONS = ("bf16", "fp8")
 # none: eager; layers: the blocks captured (make_graphed_callables); step: the whole step.
@@ -63,21 +63,37 @@ class RunSpec:
         return self.model.batch * self.model.seq_len
 
 
+def run_settings(spec: RunSpec) -> dict:
+    """The settings a checkpoint records and a resumed run must share."""
+    return {
+        "preset": spec.preset,
+        "precision": spec.precision,
+        "model": spec.model.to_dict(),
+        "seed": spec.seed,
+        "microbatches": spec.microbatches,
+        "amax_history_len": spec.amax_history_len,
+    }
+
+
 class Run:
     """Model, optimizer and step counter of one run; `train_step` does one optimizer step.
 
     Args:
         spec: the run.
-        corpus: (N,) uint8 training text.
+        data: the training (and validation) tokens; each rank reads its own shard of a batch.
         group: torch.distributed group for data parallelism (gradients all-reduced, FP8 amaxes
             MAX-reduced), or None.
     """
 
-    def __init__(self, spec: RunSpec, corpus: torch.Tensor, group=None):
+    def __init__(self, spec: RunSpec, data: Dataset, group=None):
         if spec.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {spec.precision!r}")
-        self.spec, self.corpus, self.group = spec, corpus, group
+        if data.vocab_size != spec.model.vocab:
+            raise ValueError(f"the data's vocabulary ({data.vocab_size}) is not the model's "
+                             f"({spec.model.vocab})")  # fmt: skip
+        self.spec, self.data, self.group = spec, data, group
         self.rank = torch.distributed.get_rank(group) if group is not None else 0
+        self.world = torch.distributed.get_world_size(group) if group is not None else 1
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
         self.model = GPT(spec.model, torch.bfloat16, spec.device)
         # Fused, with the learning rate as a device tensor, in every mode: a step graph can
@@ -152,8 +168,8 @@ class Run:
 
     def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.spec.model
-        tokens = batch(self.corpus, self.step, mb, cfg.batch, cfg.seq_len, self.spec.seed,
-                       self.rank)  # fmt: skip
+        tokens = self.data.train_batch(self.step, mb, cfg.batch, cfg.seq_len, self.spec.seed,
+                                       self.rank, self.world)  # fmt: skip
         tokens = tokens.to(self.spec.device, non_blocking=True)
         return tokens[:, :-1], tokens[:, 1:]
 
@@ -194,14 +210,7 @@ class Run:
 
     def state_dict(self) -> dict:
         return {
-            "spec": {
-                "preset": self.spec.preset,
-                "precision": self.spec.precision,
-                "model": self.spec.model.to_dict(),
-                "seed": self.spec.seed,
-                "microbatches": self.spec.microbatches,
-                "amax_history_len": self.spec.amax_history_len,
-            },  # fmt: skip
+            "spec": run_settings(self.spec),
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -209,7 +218,7 @@ class Run:
 
     def load_state_dict(self, state: dict) -> None:
         """Resumes from `state_dict()`; the run must train the same model the same way."""
-        saved, mine = state["spec"], self.state_dict()["spec"]
+        saved, mine = state["spec"], run_settings(self.spec)
         diff = [f"{k}: checkpoint {saved[k]!r}, this run {mine[k]!r}"
                 for k in mine if saved.get(k) != mine[k]]  # fmt: skip
         if diff:

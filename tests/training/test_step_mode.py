@@ -11,16 +11,18 @@ import torch
 from graphfp8 import train
 from graphfp8.testing import assert_bitwise_equal
 from graphfp8.training import profile as profile_runner
-from graphfp8.training.data import make_corpus
+from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.run import RunSpec
+from graphfp8.training.sources import open_stream
 
-SMALL = ["--batch", "2", "--seq-len", "32", "--microbatches", "2"]
+SMALL = ["--batch", "2", "--seq-len", "32", "--microbatches", "2", "--data", "synthetic",
+         "--val-batches", "1"]  # fmt: skip
 
 
 def test_step_graph_trains_like_eager(device, tmp_path):
-    """Whole step graphed == eager, bit for bit (eager == per-layer graphs: test_train.py)."""
+    """Whole step graphed == eager, bit for bit (eager == per-layer graphs: test_runs.py)."""
     argv = [*SMALL, "--device", device, "--steps", "3", "--log-every", "3", "--out", str(tmp_path)]
     assert train.main([*argv, "--compare", "fp8:eager,fp8:step"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -33,7 +35,8 @@ def test_step_graph_trains_like_eager(device, tmp_path):
 def test_resume_with_step_graph_is_bit_exact(tmp_path):
     model = type(PRESETS["tiny"])(**{**PRESETS["tiny"].to_dict(), "batch": 2, "seq_len": 32})
     spec = RunSpec("tiny", model, "fp8", "step", microbatches=2, device="cpu")
-    kw = dict(out=tmp_path, corpus=make_corpus(1 << 16), keep_state=True, log_every=2)
+    data = Dataset(open_stream("synthetic", synthetic_bytes=1 << 16), val_fraction=0.05)
+    kw = dict(out=tmp_path, data=data, keep_state=True, log_every=2, val_batches=1)
     straight = train_run(spec, RunOptions(steps=2, **kw))
     train_run(spec, RunOptions(steps=2, stop_at=1, save=tmp_path / "ckpt.pt", **kw))
     resumed = train_run(spec, RunOptions(steps=2, resume=tmp_path / "ckpt.pt", **kw))
@@ -68,6 +71,6 @@ def test_bad_graph_mode(capsys):
 
 
 def test_profile_runner_takes_the_graph_mode():
-    """(The runner itself runs in test_train.py; the step graph's profile runs on the GPU.)"""
+    """(The runner itself runs in test_profile.py; the step graph's profile runs on the GPU.)"""
     assert profile_runner._parse(["--device", "cpu", "--graphs", "step"]).graphs == "step"
     assert profile_runner._parse(["--device", "cpu", "--no-graphs"]).graphs == "none"

@@ -1,0 +1,75 @@
+"""Validation loss of a run: eager, no grad, the run's precision, FP8 state left as it was.
+
+The whole evaluation is one fp8_autocast region, so every validation batch runs with the same
+scales: those the next training step will use (the region's one forward scale update rolls in
+the last training microbatch's amaxes, as the next step's first forward would). Afterwards every
+amax history and scale the model uses is restored bit for bit, so training continues exactly as
+if no evaluation had run. The FP8 weight workspaces are recast by the evaluation; training
+recasts them on the next step's first microbatch anyway (is_first_microbatch=True). Graphed
+blocks run their eager forward in eval mode (the graph's rule for another training mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graphfp8.fp8.autocast import fp8_autocast
+from graphfp8.training.run import Run
+
+__all__ = ["fp8_state_preserved", "validation_loss"]
+
+
+@contextlib.contextmanager
+def fp8_state_preserved(model: nn.Module):
+    """Restores the amax histories and scales of every FP8 arena that `model` uses on exit."""
+    arenas = {}
+    for module in model.modules():
+        meta = getattr(module, "fp8_meta", None)
+        if meta is not None:
+            arenas.update({id(b.arena): b.arena for b in (meta.fwd, meta.bwd)})
+    snapshots = [(arena, arena.snapshot()) for arena in arenas.values()]
+    try:
+        yield
+    finally:
+        for arena, snap in snapshots:
+            arena.restore_(snap)
+
+
+def validation_loss(run: Run, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean cross entropy per token over the validation windows of every rank.
+
+    Args:
+        run: the run whose model is evaluated (its optimizer and step are not touched).
+        batches: this rank's (tokens (b, S + 1) int64, weights (b,) float32) pairs; windows of
+            weight 0 are padding (training/data.py).
+
+    Returns:
+        The loss, identical on every rank (sums reduced over run.group).
+    """
+    model, device = run.model, run.spec.device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # (weighted loss sum, weight)
+    was_training = model.training
+    model.eval()
+    try:
+        with (
+            torch.no_grad(),
+            fp8_state_preserved(model),
+            fp8_autocast(enabled=run.fp8, recipe=run.recipe, fp8_group=run.group),
+        ):
+            for tokens, weights in batches:
+                tokens = tokens.to(device, non_blocking=True)
+                hidden = model.blocks(model.embed(tokens[:, :-1]))
+                per_window = model.token_losses(hidden, tokens[:, 1:]).mean(dim=1).double()
+                weights = weights.to(device, torch.float64, non_blocking=True)
+                totals[0] += (per_window * weights).sum()
+                totals[1] += weights.sum()
+    finally:
+        model.train(was_training)
+    if run.group is not None:
+        dist.all_reduce(totals, group=run.group)
+    loss_sum, count = totals.tolist()
+    return loss_sum / count
