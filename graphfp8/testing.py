@@ -26,12 +26,32 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
     assert actual.dtype == expected.dtype, f"{prefix}dtype {actual.dtype} != {expected.dtype}"
     a, e = _bits(actual), _bits(expected)
     if not torch.equal(a, e):
-        bad = (a != e).nonzero()
-        first = tuple(bad[0].tolist())
-        raise AssertionError(
-            f"{prefix}{bad.shape[0]} of {a.numel()} elements differ; first at {first}: "
-            f"{actual.detach().cpu()[first]!r} != {expected.detach().cpu()[first]!r}"
-        )
+        raise AssertionError(prefix + _describe_difference(actual, expected, a, e))
+
+
+def _describe_difference(actual, expected, a, e) -> str:
+    """How many elements differ, how many of them are NaN on both sides (NaN encodings differ),
+    and the first difference of each kind with its bits."""
+    act, exp = actual.detach().cpu(), expected.detach().cpu()
+    bad = a != e
+    nan_pair = torch.zeros_like(bad)
+    if act.is_floating_point():
+        nan_pair = bad & torch.isnan(act.float()) & torch.isnan(exp.float())
+    width = 2 * a.element_size()
+
+    def show(mask) -> str:
+        at = tuple(mask.nonzero()[0].tolist())
+        bits = f"0x{int(a[at]) & (1 << 4 * width) - 1:0{width}x}"
+        want = f"0x{int(e[at]) & (1 << 4 * width) - 1:0{width}x}"
+        return f"at {at}: {act[at]!r} ({bits}) != {exp[at]!r} ({want})"
+
+    n_bad, n_nan = int(bad.sum()), int(nan_pair.sum())
+    text = f"{n_bad} of {a.numel()} elements differ ({n_nan} are NaN on both sides)"
+    if n_nan:
+        text += f"; first NaN pair {show(nan_pair)}"
+    if n_bad > n_nan:
+        text += f"; first other {show(bad & ~nan_pair)}"
+    return text
 
 
 def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:

@@ -9,6 +9,7 @@
     graphfp8-train --compare bf16:eager,bf16:graphs,fp8:graphs --preset 100m
     graphfp8-train --compare fp8:layers,fp8:step --preset small
     graphfp8-train --steps 300 --stop-at 100 --save ckpt.pt   # then: ... --resume ckpt.pt
+    graphfp8-train --compile                      # torch.compile around the graphed blocks
     torchrun --nproc_per_node=2 -m graphfp8.train --ddp
 
 Writes <out>/<run>.csv (one row per step), <out>/summary.json and, with --compare, <out>/loss.png.
@@ -113,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="cpu or cuda[:N] (default: cuda when torch sees a GPU, else cpu)",
     )
+    p.add_argument("--compile", action="store_true", help="torch.compile what the graphs do "
+                   "not hold: embedding, head, loss (and the blocks when not graphed)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
     p.add_argument("--amax-history-len", type=_positive, default=16, help="FP8 delayed scaling")
     p.add_argument("--log-every", type=_positive, default=10, metavar="STEPS",
@@ -196,7 +199,7 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
     model = dataclasses.replace(PRESETS[args.preset], vocab=vocab, **overrides)
     return RunSpec(preset=args.preset, model=model, precision=precision, graphs=graphs,
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
-                   amax_history_len=args.amax_history_len)  # fmt: skip
+                   amax_history_len=args.amax_history_len, compile=args.compile)  # fmt: skip
 
 
 def _environment(device: str) -> dict:

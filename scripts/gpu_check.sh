@@ -3,9 +3,9 @@
 # the CUDA tests, the benchmarks, a training comparison and a profile; logs, JSON and a summary
 # land in $OUT: summary.md and results.tgz (every log and JSON), both rewritten after every step so
 # that a call stopped at its time limit still brings back what finished.
-#   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step train
-#              train-step profile profile-step"; also stack (the TransformerLayer
-#              stack, FP8 vs bf16), kernels-ab, tests-first, ddp)
+#   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step memory
+#              train train-step compile profile profile-step"; also stack (the
+#              TransformerLayer stack, FP8 vs bf16), kernels-ab, tests-first, ddp)
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -21,7 +21,7 @@ RES=$(mktemp -d /tmp/gpu_results.XXXXXX)  # everything the steps write; packed a
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
-STEPS=${GPU_STEPS:-"tests kernels eager block attention step train train-step profile profile-step"}
+STEPS=${GPU_STEPS:-"tests kernels eager block attention step memory train train-step compile profile profile-step"}
 status=0
 
 # Wheels carried in .whl/ (nvtx, torchao, nvidia-cudnn-frontend for FP8 attention): the device
@@ -89,6 +89,17 @@ for step in $STEPS; do
         echo "-- $preset" | tee -a "$RES/summary.md"
         grep -A2 "final loss" "$RES/train_step_$preset.log" | tee -a "$RES/summary.md"
       done ;;
+    compile)  # torch.compile: its CUDA tests, then training with and without --compile
+      $PY -m pytest -v -m cuda -p no:cacheprovider tests/test_compile.py > "$RES/tests_compile.log" 2>&1
+      rc=$?; tail -1 "$RES/tests_compile.log" | tee -a "$RES/summary.md"; [ $rc -eq 0 ] || status=1
+      for mode in off on; do
+        flag=""; [ $mode = on ] && flag=--compile
+        $PY -m graphfp8.train --compare ${COMPILE_RUNS:-bf16:eager,fp8:eager,fp8:graphs} $flag \
+          --preset ${TRAIN_PRESET:-100m} --steps ${COMPILE_STEPS:-100} --out "$RES/compile_$mode" \
+          > "$RES/compile_$mode.log" 2>&1 || status=1
+        echo "-- --compile $mode" | tee -a "$RES/summary.md"
+        sed -n '/final loss/,/^wrote/p' "$RES/compile_$mode.log" | grep -v '^wrote' | tee -a "$RES/summary.md"
+      done ;;
     profile)
       $PY -m graphfp8.training.profile --out "$RES/profile" > "$RES/profile.log" 2>&1 || status=1
       grep -v USDT "$RES/profile.log" | head -40 | tee -a "$RES/summary.md" ;;
@@ -100,6 +111,13 @@ for step in $STEPS; do
       OUT=$RES bash scripts/bench_before_after.sh "${AB_BASE:-30328b1}" > "$RES/kernels_ab.log" 2>&1 \
         || { status=1; tail -30 "$RES/kernels_ab.log"; }
       grep -v "^wrote\|kernel output digests" "$RES/kernels_ab.log" >> "$RES/summary.md" ;;
+    memory)  # issue 19: the report (bf16 beside FP8, one layer and a stack), then the table
+      for what in report table; do
+        flag=$([ $what = table ] && echo --table)
+        $PY -m graphfp8.bench memory $flag --json "$RES/bench_memory_$what.json" \
+          > /tmp/bench_memory_$what.log 2>&1 || { status=1; tail -30 /tmp/bench_memory_$what.log; }
+        grep -v '^wrote' /tmp/bench_memory_$what.log >> "$RES/summary.md"
+      done ;;
     kernels|eager|block|attention|step|stack)
       $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }

@@ -42,3 +42,17 @@ def test_stack_quick(tmp_path, capsys):
     for key in ("bf16_ms", "fp8_ms", "speedup", "fp8_tflops"):
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert "| 32 | 1 |" in capsys.readouterr().out
+
+
+def test_time_host_syncs_before_each_timed_call(monkeypatch):
+    """Host enqueue time is measured from an idle device, one call at a time: back-to-back
+    enqueues wait for a full launch queue and measure the GPU instead (the step benchmark's
+    8- and 24-layer host times did)."""
+    from graphfp8.bench import common
+
+    events = []
+    monkeypatch.setattr(common, "_sync", lambda device: events.append("sync"))
+    ms = common.time_host(lambda: events.append("call"), "cpu", warmup=2, iters=3, repeats=2)
+    assert ms >= 0.0
+    timed = events[2:]  # after the warm-up calls
+    assert timed == ["sync", "call"] * 6 + ["sync"]

@@ -31,6 +31,10 @@ __device__ __forceinline__ uint8_t quantize(float v) {
       __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2));
 }
 
+// Exact for every finite code and E5M2's infinities. A NaN code decodes to a NaN without its
+// sign (torch's decoding keeps it), which no caller can see: each multiplies by scale_inv first,
+// and the GPU's float multiply returns its one canonical NaN whatever NaN it is given (the
+// float32-output rope_fp8_backward test, with E4M3 NaN codes, matches the twin bit for bit).
 template <bool kE4M3>
 __device__ __forceinline__ float fp8_to_float(uint8_t bits) {
   __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits),

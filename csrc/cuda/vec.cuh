@@ -1,5 +1,5 @@
 // 16-byte vector packing helpers: unpack a uint4 of high-precision values to floats, pack floats
-// back (torch's rounding, canonical NaNs), and pack FP8 bytes into a uint4.
+// back (torch's CUDA rounding and NaNs), and pack FP8 bytes into a uint4.
 #pragma once
 
 #include <type_traits>
@@ -50,13 +50,16 @@ __device__ __forceinline__ void load_vec(const T* p, float (&f)[Vec<T>::N]) {
   }
 }
 
-// float -> 16-bit with torch's rounding and torch's NaN encodings.
+// float -> 16-bit exactly as torch's CUDA kernels convert (c10::BFloat16 and c10::Half call
+// __float2bfloat16 and __float2half on the device): round to nearest even, and every NaN the
+// hardware's canonical 0x7FFF, so a kernel matches its twin run on CUDA, NaN bits included.
+// (The CPU kernels convert with c10's scalar conversions: 0x7FC0 for bf16, a signed 0x7E00 for
+// fp16. torch's vectorised CPU `.to()` writes yet others on x86, 0xFFFF for bf16 and fp16 NaNs
+// that keep their payload, so CPU NaN bits match the twin's only where no NaN is rounded.)
 __device__ __forceinline__ uint16_t to_bits(float v, __nv_bfloat16) {
-  if (isnan(v)) return 0x7FC0u;
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
 __device__ __forceinline__ uint16_t to_bits(float v, __half) {
-  if (isnan(v)) return signbit(v) ? 0xFE00u : 0x7E00u;
   return __half_as_ushort(__float2half_rn(v));
 }
 

@@ -1,5 +1,5 @@
-"""`python -m graphfp8.bench {kernels,eager,block,attention,step,stack} [--device D]
-[--json P] [--quick]`."""
+"""`python -m graphfp8.bench {kernels,eager,block,attention,step,memory,stack} [--device D]
+[--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ SUITES = {
     "stack": "graphfp8.bench.stack",
     "attention": "graphfp8.bench.attention",
     "step": "graphfp8.bench.step",
+    "memory": "graphfp8.bench.memory",
 }
 
 
@@ -26,9 +27,17 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU smoke runs)")
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="memory: the hidden 2048/4096 table, one process per mode",
+    )
     args = parser.parse_args(argv)
     module = importlib.import_module(SUITES[args.suite])
-    result = module.run(args.device, quick=args.quick)
+    extra = {"table": True} if args.table else {}
+    if extra and args.suite != "memory":
+        parser.error("--table is an option of the memory suite")
+    result = module.run(args.device, quick=args.quick, **extra)
     write_json(args.json, result)
 
 

@@ -5,6 +5,7 @@ floor."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import statistics
 import time
@@ -60,10 +61,29 @@ def _measure(step, iters: int) -> dict:
     return row
 
 
+def _fresh_memory() -> None:
+    """Frees what the previous peer left (graph pools included) and resets the peaks, so that
+    each peer's peak reserved memory is its own (plus the shared inputs)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _measure_built(build, iters: int) -> dict:
+    _fresh_memory()
+    step = build()
+    row = _measure(step, iters)
+    row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    del step
+    _fresh_memory()
+    return row
+
+
 def bench_shape(hidden: int, tokens: int, tflops: float, compile_peers: bool) -> dict:
     iters = 20 if hidden <= 2048 else 8
     peers = make_peers(hidden, tokens, compile_peers)
-    rows = {name: _measure(step, iters) for name, step in peers.items()}
+    rows = {name: _measure_built(build, iters) for name, build in peers.items()}
     floor_ms = 48 * tokens * hidden**2 / (tflops * 1e9)
     return {"hidden": hidden, "tokens": tokens, "floor_ms": floor_ms, "peers": rows}
 
@@ -73,19 +93,19 @@ def bench_layers(hidden=1024, tokens=2048, counts=(1, 8)) -> list[dict]:
     import graphfp8 as g8
     from graphfp8.bench.peers import MICROBATCHES_PER_STEP, RECIPE
 
-    out = []
-    for n in counts:
+    def build(n):
         model = G8Stack(hidden, n)
         x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         dy = torch.randn_like(x)
         graphed = g8.make_graphed_callables(model, (x,), fp8_enabled=True, fp8_recipe=RECIPE,
                                             fp8_weight_caching=True)  # fmt: skip
 
-        def step(i, graphed=graphed, x=x, dy=dy):
+        def step(i):
             graphed(x, is_first_microbatch=i % MICROBATCHES_PER_STEP == 0).backward(dy)
 
-        out.append({"layers": n, **_measure(step, 20)})
-    return out
+        return step
+
+    return [{"layers": n, **_measure_built(lambda n=n: build(n), 20)} for n in counts]
 
 
 def run(device, quick: bool = False, compile_peers: bool = True) -> dict:
@@ -115,6 +135,8 @@ def _tables(results, layers, tflops) -> str:
         ("host enqueue ms per microbatch", lambda p: p["host_ms"]),
         ("kernels per microbatch / GPU busy fraction",
          lambda p: f"{p['kernels']:.0f} / {p['busy']:.2f}"),
+        ("peak reserved MiB per peer (torch.cuda.max_memory_reserved, one peer at a time)",
+         lambda p: p["peak_reserved_bytes"] / 2**20),
     ]  # fmt: skip
     for title, cell in per_peer:
         rows = [[f"{r['hidden']}, {r['tokens']}", *[cell(r["peers"][n]) for n in names]]
@@ -125,18 +147,34 @@ def _tables(results, layers, tflops) -> str:
     for r in results:
         p = r["peers"]
         row = [f"{r['hidden']}, {r['tokens']}"]
-        for peer in ("bf16 eager", "bf16 graphed", "torchao fp8 compile"):
+        for peer in ("bf16 eager", "bf16 graphed", "torchao fp8 compile", "graphfp8 fp8 compile"):
             row.append(p[g8g]["device_ms"] / p[peer]["device_ms"] if peer in p else "-")
         row.append(p[g8g]["device_ms"] / r["floor_ms"])
         ratio_rows.append(row)
     text += print_table(
         "graphfp8 fp8 graphed time relative to each peer (< 1 is faster)",
-        ["h, T", "/ bf16 eager", "/ bf16 graphed", "/ torchao fp8 compile", "/ FP8 floor"],
+        [
+            "h, T",
+            "/ bf16 eager",
+            "/ bf16 graphed",
+            "/ torchao fp8 compile",
+            "/ graphfp8 fp8 compile",
+            "/ FP8 floor",
+        ],
         ratio_rows,
     )
     text += print_table(
         "graphed graphfp8 stack, h=1024 T=2048: host enqueue per microbatch vs layers",
-        ["layers", "host ms", "device ms", "kernels"],
-        [[r["layers"], r["host_ms"], r["device_ms"], r["kernels"]] for r in layers],
+        ["layers", "host ms", "device ms", "kernels", "peak reserved MiB"],
+        [
+            [
+                r["layers"],
+                r["host_ms"],
+                r["device_ms"],
+                r["kernels"],
+                r["peak_reserved_bytes"] / 2**20,
+            ]
+            for r in layers
+        ],  # fmt: skip
     )
     return text

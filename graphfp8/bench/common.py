@@ -46,18 +46,24 @@ def time_device(fn: Callable[[], object], device, *, warmup=3, iters=20, repeats
 
 
 def time_host(fn: Callable[[], object], device, *, warmup=3, iters=20, repeats=5) -> float:
-    """Median host (CPU) time to enqueue one call, in ms: the clock stops before the sync."""
+    """Median over `repeats` of the mean host (CPU) time to enqueue one call, in ms: the device
+    is synchronised before each call and the clock runs only while fn enqueues. Timing calls
+    back to back would measure back-pressure instead: once the launch queue is full, an enqueue
+    waits for the GPU, so a step that enqueues more than the GPU runs in its time looks as
+    slow as the GPU (docs/benchmarking.md)."""
     device = torch.device(device)
     for _ in range(warmup):
         fn()
-    _sync(device)
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        total = 0.0
         for _ in range(iters):
+            _sync(device)
+            t0 = time.perf_counter()
             fn()
-        samples.append((time.perf_counter() - t0) * 1e3 / iters)
-        _sync(device)
+            total += time.perf_counter() - t0
+        samples.append(total * 1e3 / iters)
+    _sync(device)
     return statistics.median(samples)
 
 

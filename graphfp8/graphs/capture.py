@@ -33,14 +33,15 @@ from graphfp8.fp8.autocast import CaptureState, capture_state
 from graphfp8.fp8.recipe import DelayedScaling
 from graphfp8.graphs.backends import new_graph
 from graphfp8.graphs.checks import check_distinct, check_options, fp8_modules_of, new_runner
+from graphfp8.graphs.compiled import check_not_compiled, compile_set_aside, opaque_to_dynamo
 from graphfp8.graphs.contexts import fp8_and_rng_preserved as _fp8_and_rng_preserved
 from graphfp8.graphs.contexts import gc_paused as _gc_paused
 from graphfp8.graphs.contexts import side_stream as _side_stream
 from graphfp8.graphs.discover import adopt_outside_leaves, next_sequence_nr
+from graphfp8.graphs.grads import GradFold
 from graphfp8.graphs.guard import build_guard
 from graphfp8.graphs.lifecycle import CapturedGraphs, refuse_deepcopy, undone_on_failure
 from graphfp8.graphs.replay import GraphedFunction, GraphedRunner, WeightCacheFlag
-from graphfp8.graphs.replay import capture_grad_accumulator as _grad_accumulator
 from graphfp8.graphs.schedule import Layout
 from graphfp8.modules.base import FP8Module
 from graphfp8.profiling import nvtx_range
@@ -96,8 +97,7 @@ def make_graphed_callables(
         whole capture and gives the modules their eager forward back.
 
     .. warning::
-        Outputs are the graph's static buffers: the next replay overwrites them. Clone them to
-        keep them.
+        Outputs are static buffers that the next replay overwrites: clone them to keep them.
     .. warning::
         Calls follow the captured order: forwards in turn, then backwards in reverse (or
         `order`). A second forward of a callable while the outputs of the first still wait for
@@ -117,8 +117,10 @@ def make_graphed_callables(
         each call checks this and raises, saying to recapture. Parameter gradients are folded
         into `.grad` inside captured graphs, so parameter hooks (DDP's included) do not run.
     .. warning::
-        A module called in another training mode than it was captured in runs its eager
-        forward (torch's rule), outside any graph.
+        A module called in another training mode than captured runs eagerly (torch's rule).
+    .. warning::
+        Capture first, then torch.compile around the graphed callables (a replay is one opaque
+        call to dynamo); a compiled callable raises TypeError (docs/architecture.md).
     """
     just_one = not isinstance(callables, tuple)
     if just_one:
@@ -133,6 +135,7 @@ def make_graphed_callables(
     ):
         raise ValueError("make_graphed_callables: need one sample_args entry per callable")
     layout = Layout(len(callables), len(sample_args), order)
+    check_not_compiled(callables)
     check_options(num_warmup_iters, fp8_enabled, fp8_recipe)
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     funcs = [callables[i] for i in layout.callable_of]
@@ -250,7 +253,8 @@ def _call(func, runner: GraphedRunner):
     n_args = len(runner.static_inputs) - len(runner.kwarg_names)
     args = runner.static_inputs[:n_args]
     kwargs = dict(zip(runner.kwarg_names, runner.static_inputs[n_args:]))
-    out = func(*args, **kwargs)
+    with compile_set_aside():
+        out = func(*args, **kwargs)
     flat, spec = tree_flatten(out)
     for t in flat:
         if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor:
@@ -317,8 +321,7 @@ def _capture_forwards(callables, runners, arenas, state, pool, device) -> None:
 
 
 def _capture_backwards(runners, arenas, state, pool, allow_unused, device) -> None:
-    """Captures one unit's backwards in reverse order; the last graph (runners[0]'s) closes
-    with the backward update of `arenas`."""
+    """Captures a unit's backwards in reverse; the last (runners[0]'s) updates the arenas."""
     bwd_arenas = [a for a in arenas if a.direction == scaling.BACKWARD]
     for i in reversed(range(len(runners))):
         runner = runners[i]
@@ -327,19 +330,20 @@ def _capture_backwards(runners, arenas, state, pool, allow_unused, device) -> No
         ]
         outs, inputs = _grad_targets(runner, runner.static_outputs)
         grad_outs = [g for g in runner.static_grad_outputs if g is not None]
-        graph = new_graph(device)
-        with capture_state(**state), graph.capture(pool):
+        graph, inputs_of = new_graph(device), runner.static_inputs
+        fold = GradFold(runner.params, device)
+        with capture_state(**state), fold.hooked(), graph.capture(pool):
             grads = ()
             if outs and inputs:
                 grads = torch.autograd.grad(outs, inputs, grad_outs, allow_unused=allow_unused)
+            fold.finish()
             if i == 0 and state["fp8_enabled"]:
                 scaling.update_(bwd_arenas, state["group"])
         runner.bwd_graph = graph
-        it = iter(grads)
-        per_input = [next(it) if t.requires_grad else None for t in runner.static_inputs]
-        per_param = [next(it) if p.requires_grad else None for p in runner.params]
-        runner.static_grad_inputs = per_input
-        runner.accumulator = _grad_accumulator(runner.params, per_param, pool, device)
+        it = iter(grads)  # the inputs' gradients, then the parameters' stand-ins
+        runner.static_grad_inputs = [next(it) if t.requires_grad else None for t in inputs_of]
+        del grads, it
+        runner.accumulator = fold.accumulator(pool)
 
 
 # Phase 4: wrap ------------------------------------------------------------------------------
@@ -353,6 +357,7 @@ def _wrap(func, runner: GraphedRunner, replace_forward: bool = True):
         runner.grad_anchor.requires_grad or any(t.requires_grad for t in runner.static_inputs)
     )
 
+    @opaque_to_dynamo
     def graphed(*args, is_first_microbatch=None, **kwargs):
         flat = runner.check_call(args, kwargs, is_first_microbatch)
         expects_backward = runner.expects_grad and torch.is_grad_enabled()

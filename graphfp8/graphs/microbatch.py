@@ -20,8 +20,8 @@ import torch
 from graphfp8.fp8.autocast import CaptureState, capture_state
 from graphfp8.fp8.recipe import DelayedScaling
 from graphfp8.graphs.backends import new_graph
-from graphfp8.graphs.capture import _grad_accumulator
 from graphfp8.graphs.contexts import fp8_and_rng_preserved, gc_paused, side_stream
+from graphfp8.graphs.grads import GradFold
 from graphfp8.graphs.replay import WeightCacheFlag
 from graphfp8.graphs.step_body import StaticBatch, TrainBody, freeze_arenas, init_fp8
 from graphfp8.graphs.step_optim import TrainingSnapshot
@@ -106,11 +106,14 @@ def make_graphed_microbatch(
     if pool is None and device.type == "cuda":
         pool = torch.cuda.graph_pool_handle()
     graph = new_graph(device)
+    fold = GradFold(body.grad_params, device)  # .grad inside the graph (graphs/grads.py)
     try:
         with fp8_and_rng_preserved(recipe, device), gc_paused(device), nvtx_range("capture"):
-            with capture_state(**state), graph.capture(pool):
+            with capture_state(**state), fold.hooked(), graph.capture(pool):
                 loss, grads = body.microbatch(None, fwd, bwd, fp8_group)
-            accumulator = _grad_accumulator(body.grad_params, grads, pool, device)
+                fold.finish()
+            del grads  # the parameters' stand-ins
+            accumulator = fold.accumulator(pool)
     finally:
         snapshot.restore()  # the CPU tape ran (part of) the microbatch it recorded
     return GraphedMicrobatch(body, graph, accumulator, flag, loss)
@@ -144,8 +147,9 @@ class GraphedMicrobatch:
             nvtx_range("replay-microbatch"),
             torch.no_grad() if self._tape else contextlib.nullcontext(),
         ):
+            self._accumulator.before_replay()
             self._graph.replay()
-            self._accumulator.accumulate()
+            self._accumulator.after_replay()
         return self.loss
 
     @property

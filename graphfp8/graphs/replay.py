@@ -1,29 +1,19 @@
 """Replaying a captured callable: its static inputs and outputs (GraphedRunner), the checks made
-before every replay, the is_first_microbatch device flag (WeightCacheFlag), the gradient fold
-into `.grad` (GradAccumulator) and the autograd.Function that replays the two graphs, in the
-order its capture's Schedule allows."""
+before every replay, the is_first_microbatch device flag (WeightCacheFlag) and the
+autograd.Function that replays the two graphs, in the order its capture's Schedule allows (the
+gradient fold into `.grad`: graphs/grads.py)."""
 
 from __future__ import annotations
-
-import operator
 
 import torch
 from torch.utils._pytree import tree_unflatten
 
 from graphfp8.fp8.autocast import check_is_first_microbatch
-from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.grads import GradAccumulator
 from graphfp8.graphs.guard import CaptureGuard, hook_dicts
 from graphfp8.profiling import nvtx_range
 
-__all__ = [
-    "GradAccumulator",
-    "GraphedFunction",
-    "GraphedRunner",
-    "WeightCacheFlag",
-    "capture_grad_accumulator",
-    "grad_buffer",
-    "hook_dicts",
-]
+__all__ = ["GradAccumulator", "GraphedFunction", "GraphedRunner", "WeightCacheFlag", "hook_dicts"]
 
 
 class WeightCacheFlag:
@@ -65,74 +55,6 @@ class WeightCacheFlag:
         if value != self.value:
             self.tensor.fill_(value)
             self.value = value
-
-
-class GradAccumulator:
-    """Parameter gradients of one captured callable, accumulated into `.grad` without autograd.
-
-    The backward graph writes each parameter's gradient into a static buffer; then one of two
-    small captured graphs folds all of them into persistent per-parameter `.grad` buffers in one
-    multi-tensor launch: `copy` right after zero_grad(set_to_none=True), `add` otherwise - the
-    same arithmetic as eager AccumulateGrad (which steals the first gradient and adds the next
-    ones), so graphed and eager `.grad` agree bit for bit, while the host cost stays one graph
-    launch however many layers the callable holds. A `.grad` the user replaced by another tensor
-    takes a slower per-parameter path.
-
-    .. warning:: parameter hooks (post-accumulate-grad hooks, DDP's) do not run for these grads.
-    """
-
-    def __init__(self, params, grads, buffers, add_graph, copy_graph):
-        self.params, self.grads, self.buffers = params, grads, buffers
-        self.add_graph, self.copy_graph = add_graph, copy_graph
-        self._nones = [None] * len(params)
-
-    def accumulate(self) -> None:
-        current = list(map(_GRAD, self.params))
-        if all(map(operator.is_, current, self.buffers)):
-            self.add_graph.replay()
-        elif not any(map(operator.is_not, current, self._nones)):
-            self.copy_graph.replay()
-            for p, b in zip(self.params, self.buffers):
-                p.grad = b
-        else:
-            for p, g, b, s in zip(self.params, current, self.buffers, self.grads):
-                if g is None:
-                    b.copy_(s)
-                    p.grad = b
-                else:
-                    g.add_(s)
-
-
-_GRAD = operator.attrgetter("grad")
-
-
-def capture_grad_accumulator(params, grads, pool, device) -> GradAccumulator | None:
-    """Captures the two one-launch folds of the parameter gradients into their .grad buffers."""
-    pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
-    if not pairs:
-        return None
-    params, grads = [p for p, _ in pairs], [g for _, g in pairs]
-    buffers = [grad_buffer(p) for p in params]
-    # The CPU tape runs what it records: keep a buffer that already is someone's .grad (another
-    # capture's parameter, the same one) as it was.
-    saved = [b.clone() for b in buffers] if device.type == "cpu" else None
-    add_graph, copy_graph = new_graph(device), new_graph(device)
-    with add_graph.capture(pool):
-        torch._foreach_add_(buffers, grads)
-    with copy_graph.capture(pool):
-        torch._foreach_copy_(buffers, grads)
-    if saved is not None:
-        torch._foreach_copy_(buffers, saved)
-    return GradAccumulator(params, grads, buffers, add_graph, copy_graph)
-
-
-def grad_buffer(param: torch.Tensor) -> torch.Tensor:
-    """One persistent .grad buffer per parameter, shared by every callable that uses it."""
-    buf = getattr(param, "_graphfp8_grad", None)
-    if buf is None:
-        buf = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        param._graphfp8_grad = buf
-    return buf
 
 
 def _tensor_text(t: torch.Tensor) -> str:
@@ -235,9 +157,11 @@ class GraphedRunner:
             if static is not None and given is not None and static.data_ptr() != given.data_ptr():
                 static.copy_(given)
         with nvtx_range("replay-backward"):
+            if self.accumulator is not None:
+                self.accumulator.before_replay()
             self.bwd_graph.replay()
             if self.accumulator is not None:
-                self.accumulator.accumulate()
+                self.accumulator.after_replay()
         # Returned without detach(): the runner keeps a reference, so AccumulateGrad clones
         # them into a leaf input's .grad instead of stealing a static buffer that the next
         # replay overwrites.
@@ -250,7 +174,7 @@ class GraphedRunner:
         """Drops the graphs and static buffers (reset())."""
         graphs = [self.fwd_graph, self.bwd_graph]
         if self.accumulator is not None:
-            graphs += [self.accumulator.add_graph, self.accumulator.copy_graph]
+            graphs.append(self.accumulator.reset_graph)
         for g in graphs:
             if g is not None:
                 g.release()

@@ -11,8 +11,9 @@ amax is a device view into the arenas (the attention's AttnFwdRole / AttnBwdRole
       dequantizes out.
 
 Every descale that pairs with a scale is its reciprocal computed next to it: O's scale_inv and
-S's descale from one reciprocal of the adjacent S, O scales; the backward's four from one
-reciprocal of the adjacent dP, dQ, dK, dV scales. S's (scale, descale) pair is kept for the
+S's descale from one reciprocal of the adjacent S, O scales (written 16 bytes apart: O's
+scale_inv may become a GEMM's scale, which cuBLASLt wants 16-byte aligned); the backward's four
+from one reciprocal of the adjacent dP, dQ, dK, dV scales. S's (scale, descale) pair is kept for the
 backward, so it quantizes P with the forward's pair even if the forward arena moved on since.
 """
 
@@ -106,12 +107,20 @@ def prepare_attention(
     cudnn_sdpa.prepare(key, backward=training)
 
 
+def _spaced_reciprocal(scales: torch.Tensor) -> torch.Tensor:
+    """1 / scales ((n,) float32) as an (n,) view whose elements lie 16 bytes apart, so that each
+    is 16-byte aligned: O's scale_inv goes with O into the projection's FP8 GEMM under fp8_mha,
+    and cuBLASLt rejects a scale pointer that is not (graphfp8.ops.gemm.check_aligned)."""
+    out = torch.empty(scales.shape[0], 4, dtype=torch.float32, device=scales.device)[:, 0]
+    return torch.reciprocal(scales, out=out)
+
+
 def _forward_core(ctx, qkv_fp8, qkv_scale_inv, cfg: AttentionConfig, needs_grad: bool):
     """Runs the FP8 attention on Q, K, V (FP8) and saves what the backward needs on ctx;
     returns (O (FP8, BSHD), O's scale_inv)."""
     q, k, v = qkv_fp8
     s_o = cfg.scales(AttnFwdRole.S, AttnFwdRole.O)  # (scale_S, scale_O)
-    inv = torch.reciprocal(s_o)  # (descale_S, O's scale_inv)
+    inv = _spaced_reciprocal(s_o)  # (descale_S, O's scale_inv)
     scales = dict(zip(("descale_q", "descale_k", "descale_v"), qkv_scale_inv, strict=True))
     scales.update(descale_s=inv[0:1], scale_s=s_o[0:1], scale_o=s_o[1:2])
     o, stats = ops.sdpa_fp8_forward(

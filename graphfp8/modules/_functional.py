@@ -21,13 +21,15 @@ from graphfp8.fp8.tensor import Float8Tensor
 
 __all__ = [
     "GemmConfig",
-    "backward_gemms",
     "cast_grad_output",
     "cast_input",
     "cast_weight_",
+    "dgrad_gemm",
     "fp8_linear",
     "forward_gemm",
     "save_weight",
+    "weight_t",
+    "wgrad_gemm",
 ]
 
 
@@ -99,12 +101,15 @@ def cast_weight_(weight: torch.Tensor, cfg: GemmConfig) -> Float8Tensor:
     microbatches.
     """
     w = cfg.weight_fp8
-    if cfg.cast_weight:
-        ops.cast_transpose(
-            weight, *cfg.quantizer(FwdRole.WEIGHT),
-            out=w._data, out_t=w._transpose, scale_inv=w._scale_inv, noop=cfg.weight_cache_flag,
-        )  # fmt: skip
-        w.mark_data_changed(transpose_written=True)
+    if not cfg.cast_weight:
+        return w
+    quantizer, flag = cfg.quantizer(FwdRole.WEIGHT), cfg.weight_cache_flag
+    if w._transpose is None:  # transposes are not cached (FP8Module.cache_weight_transpose)
+        ops.cast_to_fp8(weight, *quantizer, out=w._data, scale_inv=w._scale_inv, noop=flag)
+    else:
+        ops.cast_transpose(weight, *quantizer, out=w._data, out_t=w._transpose,
+                           scale_inv=w._scale_inv, noop=flag)  # fmt: skip
+    w.mark_data_changed(transpose_written=w._transpose is not None)
     return w
 
 
@@ -137,25 +142,29 @@ def cast_grad_output(dy: torch.Tensor, cfg: GemmConfig, needs_wgrad: bool, needs
     return dy_fp8, None, scale_inv, dbias
 
 
-def backward_gemms(dy_cast, x_t_fp8, x_scale_inv, w_t_fp8, w_scale_inv, out_dtype,
-                   needs_dgrad: bool, needs_wgrad: bool):  # fmt: skip
-    """(dx (M, K) or None, dw (N, K) or None) from cast_grad_output's result, the saved
-    x_t_fp8 (K, M) and the weight's w_t_fp8 (K, N)."""
-    dy_fp8, dy_t_fp8, dy_scale_inv, _ = dy_cast
-    dx = dw = None
-    if needs_dgrad:
-        dx = ops.fp8_gemm(dy_fp8, dy_scale_inv, w_t_fp8.t(), w_scale_inv, out_dtype)
-    if needs_wgrad:
-        dw = ops.fp8_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8.t(), x_scale_inv, out_dtype)
-    return dx, dw
+def dgrad_gemm(dy_fp8, dy_scale_inv, w_t_fp8, w_scale_inv, out_dtype) -> torch.Tensor:
+    """dx (M, K) = dy (M, N) @ w, from dy_fp8 (M, N) and the weight's transpose w_t_fp8 (K, N)."""
+    return ops.fp8_gemm(dy_fp8, dy_scale_inv, w_t_fp8.t(), w_scale_inv, out_dtype)
+
+
+def wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, out_dtype) -> torch.Tensor:
+    """dw (N, K) = dy.T @ x, from the transposes dy_t_fp8 (N, M) and x_t_fp8 (K, M)."""
+    return ops.fp8_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8.t(), x_scale_inv, out_dtype)
 
 
 def save_weight(ctx, key: str, cfg: GemmConfig) -> None:
-    """Keeps the weight workspace's transpose and scale_inv on ctx. The workspace is rewritten in
-    place by later casts: keep it out of save_for_backward's version checks. Its data and
-    scale_inv always pair up."""
+    """Keeps the weight workspace's transpose (None when transposes are not cached), data and
+    scale_inv on ctx for weight_t(). The workspace is rewritten in place by later casts: keep it
+    out of save_for_backward's version checks. Its data and scale_inv always pair up."""
     w = cfg.weight_fp8
-    setattr(ctx, key, (w._transpose, w._scale_inv))
+    setattr(ctx, key, (w._transpose, w._data, w._scale_inv))
+
+
+def weight_t(saved: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_t_fp8 (K, N), scale_inv) from save_weight's tuple: the cached transpose, or else a
+    transpose of the FP8 weight made now (the caller drops it after its GEMM)."""
+    w_t, data, scale_inv = saved
+    return (w_t if w_t is not None else ops.fp8_transpose(data)), scale_inv
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -182,16 +191,19 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         cfg: GemmConfig = ctx.cfg
         x_t_fp8, x_scale_inv = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
         needs_dbias = ctx.has_bias and ctx.needs_input_grad[2]
-        dy_cast = cast_grad_output(dy2, cfg, ctx.needs_wgrad, needs_dbias)
-        dx, dw = backward_gemms(dy_cast, x_t_fp8, x_scale_inv, *ctx.w, dy.dtype,
-                                ctx.needs_dgrad, ctx.needs_wgrad)  # fmt: skip
-        if dx is not None:
-            dx = dx.view(ctx.inp_shape)
+        dy_fp8, dy_t_fp8, dy_scale_inv, dbias = cast_grad_output(
+            dy.reshape(-1, dy.shape[-1]).contiguous(), cfg, ctx.needs_wgrad, needs_dbias
+        )
+        dx = dw = None
+        if ctx.needs_dgrad:
+            dx = dgrad_gemm(dy_fp8, dy_scale_inv, *weight_t(ctx.w), dy.dtype).view(ctx.inp_shape)
+        dy_fp8 = None  # freed before the wgrad output is allocated
+        if ctx.needs_wgrad:
+            dw = wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, dy.dtype)
         if cfg.backward_update is not None:
             queue_backward_update(*cfg.backward_update)
-        return dx, dw, dy_cast[3], None, None, None
+        return dx, dw, dbias, None, None, None
 
 
 def fp8_linear(inp, weight, bias, cfg: GemmConfig):

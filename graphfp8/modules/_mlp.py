@@ -20,11 +20,13 @@ from graphfp8.fp8.autocast import queue_backward_update
 from graphfp8.fp8.slots import BwdRole, FwdRole
 from graphfp8.modules._functional import (
     GemmConfig,
-    backward_gemms,
     cast_grad_output,
     cast_input,
+    dgrad_gemm,
     forward_gemm,
     save_weight,
+    weight_t,
+    wgrad_gemm,
 )
 
 __all__ = ["fp8_gelu_mlp"]
@@ -56,20 +58,34 @@ class _FP8GeluMLP(torch.autograd.Function):
         needs_db1 = ctx.has_bias[0] and ctx.needs_input_grad[2]
         needs_db2 = ctx.has_bias[1] and ctx.needs_input_grad[4]
         needs_fc1 = needs_dgrad or needs_wgrad1 or needs_db1
-        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
-        dy_cast = cast_grad_output(dy2, cfg2, needs_wgrad2, needs_db2)
-        da, dw2 = backward_gemms(dy_cast, a_t_fp8, a_scale_inv, *ctx.w2, dy.dtype,
-                                 needs_fc1, needs_wgrad2)  # fmt: skip
-        db2 = dy_cast[3]
+        # Ordered so that each intermediate dies before the next big one is allocated (da
+        # before the wgrad outputs, dy's FP8 forms before dh's): the backward's peak is da (T, F)
+        # and dh's two FP8 layouts, not every intermediate at once.
+        dy_fp8, dy_t_fp8, dy_scale_inv, db2 = cast_grad_output(
+            dy.reshape(-1, dy.shape[-1]).contiguous(), cfg2, needs_wgrad2, needs_db2
+        )
+        da = dgrad_gemm(dy_fp8, dy_scale_inv, *weight_t(ctx.w2), dy.dtype) if needs_fc1 else None
+        dy_fp8 = dh_fp8 = dh_t_fp8 = dh_scale_inv = db1 = None
+        if needs_fc1:
+            dh_fp8, dh_t_fp8, dh_scale_inv, db1 = ops.dgelu_cast_transpose_dbias(
+                da, h, *cfg1.quantizer(BwdRole.GRAD_OUTPUT)
+            )
+            da = None
+        dw2 = (
+            wgrad_gemm(dy_t_fp8, dy_scale_inv, a_t_fp8, a_scale_inv, dy.dtype)
+            if needs_wgrad2
+            else None
+        )
+        dy_t_fp8 = None
         if not needs_fc1:
             return None, None, None, dw2, db2, None, None, None
-        dh_cast = ops.dgelu_cast_transpose_dbias(da, h, *cfg1.quantizer(BwdRole.GRAD_OUTPUT))
-        dx, dw1 = backward_gemms(dh_cast, x_t_fp8, x_scale_inv, *ctx.w1, dy.dtype,
-                                 needs_dgrad, needs_wgrad1)  # fmt: skip
-        if dx is not None:
-            dx = dx.view(ctx.inp_shape)
-        db1 = dh_cast[3] if needs_db1 else None
-        return dx, dw1, db1, dw2, db2, None, None, None
+        dx = dw1 = None
+        if needs_dgrad:
+            dx = dgrad_gemm(dh_fp8, dh_scale_inv, *weight_t(ctx.w1), dy.dtype).view(ctx.inp_shape)
+        dh_fp8 = None
+        if needs_wgrad1:
+            dw1 = wgrad_gemm(dh_t_fp8, dh_scale_inv, x_t_fp8, x_scale_inv, dy.dtype)
+        return dx, dw1, db1 if needs_db1 else None, dw2, db2, None, None, None
 
 
 def fp8_gelu_mlp(inp, w1, b1, w2, b2, cfg1: GemmConfig, cfg2: GemmConfig) -> torch.Tensor:

@@ -13,10 +13,11 @@ from graphfp8.fp8.autocast import STATE, check_is_first_microbatch
 from graphfp8.fp8.recipe import DelayedScaling, Format
 from graphfp8.fp8.slots import BwdRole, FwdRole, slot_index, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
 
-__all__ = ["FP8Meta", "FP8Module"]
+__all__ = ["FP8Meta", "FP8Module", "cache_weight_transposes"]
 
 
 # _extra_state layout: 0 (no "version" key) held 2 backward slots per GEMM (grad_output and an
@@ -66,9 +67,20 @@ class FP8Module(nn.Module):
     fp8_autocast, or None: then the layer runs as an ordinary layer in its parameter dtype."""
 
     num_gemms = 1
+    # Keep each cached FP8 weight's transpose (the dgrad GEMM's operand) beside it. False: the
+    # backward transposes the cached FP8 weight instead (see cache_weight_transposes).
+    cache_weight_transpose = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        # torch.compile: the FP8 forward runs eagerly, never traced (modules/_compile.py).
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if forward is not None and not hasattr(forward, "_graphfp8_prepare"):
+            cls.forward = eager_under_fp8(forward, cls.__name__)
 
     def __init__(self) -> None:
         super().__init__()
+        prepare_for_compile(type(self))
         self.fp8_meta: FP8Meta | None = None
         self._weight_fp8: dict[str, Float8Tensor] = {}
         # Eager weight cache: the FP8 workspaces hold the current weights (cast with
@@ -141,14 +153,21 @@ class FP8Module(nn.Module):
 
     def _weight_workspace(self, key: str, weight: torch.Tensor, fp8_dtype) -> Float8Tensor:
         ws = self._weight_fp8.get(key)
+        with_t = self.cache_weight_transpose
         if (
             ws is None
             or ws._data.shape != weight.shape
             or ws.device != weight.device
             or ws.dtype != weight.dtype
             or ws.fp8_dtype != fp8_dtype
+            or (ws._transpose is not None) != with_t
         ):
-            ws = Float8Tensor.empty(tuple(weight.shape), fp8_dtype, weight.dtype, weight.device)
+            shape, device = tuple(weight.shape), weight.device
+            if with_t:
+                ws = Float8Tensor.empty(shape, fp8_dtype, weight.dtype, device)
+            else:
+                data = torch.empty(shape, dtype=fp8_dtype, device=device)
+                ws = Float8Tensor(data, torch.ones(1, device=device), weight.dtype)
             self._weight_fp8[key] = ws
             self._weight_cache_valid = False
         return ws
@@ -280,6 +299,19 @@ class FP8Module(nn.Module):
             block.history().copy_(history)
             block.scales().copy_(scale)
         self._weight_cache_valid = False
+
+
+def cache_weight_transposes(module: nn.Module, enabled: bool) -> None:
+    """Whether the FP8 layers in `module` keep each cached FP8 weight's transpose beside it.
+
+    With False the weight cache holds 1 byte per weight element instead of 2, and every
+    backward transposes the cached FP8 weight for its dgrad GEMM (one FP8 transpose per GEMM,
+    its output freed after the GEMM): the same bits, more memory traffic. Set it before the
+    layers' first FP8 call or capture: a captured graph keeps the workspaces it was captured with.
+    """
+    for m in module.modules():
+        if isinstance(m, FP8Module):
+            m.cache_weight_transpose = enabled
 
 
 FP8_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

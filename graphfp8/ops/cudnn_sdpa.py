@@ -17,9 +17,8 @@ without a data type takes the graph's FP8 I/O type, so each one names its type.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -77,9 +76,9 @@ class _Uid(enum.IntEnum):
     SCALES = 32  # the first of the scalar inputs, in FWD_SCALES / BWD_SCALES order
 
 
-@dataclass(frozen=True)
-class SdpaKey:
-    """What a cached cuDNN graph is built for (bwd_dtype None for a forward graph)."""
+class SdpaKey(NamedTuple):
+    """What a cached cuDNN graph is built for (bwd_dtype None for a forward graph). A tuple:
+    building and hashing one is part of every call."""
 
     device: int
     batch: int
@@ -97,6 +96,8 @@ class SdpaKey:
 _FORWARD: dict[SdpaKey, tuple[object, int]] = {}
 _BACKWARD: dict[SdpaKey, tuple[object, int]] = {}
 _HANDLES: dict[int, object] = {}
+# The stream each handle was last set to, per device: set_stream only when it changes.
+_HANDLE_STREAM: dict[int, int] = {}
 
 
 def _handle(device: int):
@@ -257,7 +258,7 @@ def prepare(key: SdpaKey, backward: bool) -> None:
     """Builds (once) the forward graph of `key`, and its backward graph (for key.bwd_dtype)
     when `backward`; raises ValueError with cuDNN's reason when cuDNN does not support the
     shape, and RuntimeError when a graph would have to be built inside a CUDA-graph capture."""
-    fwd_key = dataclasses.replace(key, bwd_dtype=None)
+    fwd_key = key._replace(bwd_dtype=None)
     need_fwd, need_bwd = fwd_key not in _FORWARD, backward and key not in _BACKWARD
     if not (need_fwd or need_bwd):
         return
@@ -268,18 +269,29 @@ def prepare(key: SdpaKey, backward: bool) -> None:
             "layers and make_graphed_callables' warmup do)"
         )
     cudnn = cudnn_module()
+    with torch.cuda.device(key.device):
+        if need_fwd:
+            _FORWARD[fwd_key] = _build_or_explain(cudnn, key, "forward", _build_forward)
+        if need_bwd:
+            _BACKWARD[key] = _build_or_explain(cudnn, key, "backward", _build_backward)
+
+
+def _build_or_explain(cudnn, key: SdpaKey, which: str, build):
+    """build(cudnn, key), or ValueError naming the pass and cuDNN's reason when it declines."""
     try:
-        with torch.cuda.device(key.device):
-            if need_fwd:
-                _FORWARD[fwd_key] = _build_forward(cudnn, key)
-            if need_bwd:
-                _BACKWARD[key] = _build_backward(cudnn, key)
+        return build(cudnn, key)
     except cudnn.cudnnGraphNotSupportedError as exc:
+        hint = (
+            " (the forward is supported: run without gradients, or with a head_dim cuDNN's "
+            "backward takes: 128 on Hopper)"
+            if which == "backward"
+            else ""
+        )
         raise ValueError(
-            f"graphfp8: cuDNN does not support FP8 attention for batch={key.batch}, "
+            f"graphfp8: cuDNN does not support FP8 attention ({which}) for batch={key.batch}, "
             f"seq={key.seq}, heads={key.heads}, kv_heads={key.kv_heads}, "
             f"head_dim={key.head_dim}, causal={key.causal} on this GPU and cuDNN "
-            f"{cudnn.backend_version_string()}: {exc}"
+            f"{cudnn.backend_version_string()}{hint}: {exc}"
         ) from exc
 
 
@@ -291,10 +303,30 @@ def key_for(q: torch.Tensor, k: torch.Tensor, bwd_dtype, attn_scale, causal) -> 
     )
 
 
-def _execute(graph, workspace_bytes: int, pack: dict, device: torch.device) -> None:
-    cudnn = cudnn_module()
-    handle = _handle(device.index)
-    cudnn.set_stream(handle, torch.cuda.current_stream(device).cuda_stream)
+# The variant packs' uids as plain ints, in the order the ops pass their tensors (no enum
+# lookups per call): forward q, k, v, o, stats, amax_S, amax_O, then FWD_SCALES; backward q, k,
+# v, o, dO, stats, dQ, dK, dV, amax_dP, dQ, dK, dV, then BWD_SCALES.
+_FWD_UIDS = [
+    *(int(u) for u in (_Uid.Q, _Uid.K, _Uid.V, _Uid.O, _Uid.STATS, _Uid.AMAX_S, _Uid.AMAX_O)),
+    *range(int(_Uid.SCALES), int(_Uid.SCALES) + len(FWD_SCALES)),
+]
+_BWD_UIDS = [
+    *(int(u) for u in (_Uid.Q, _Uid.K, _Uid.V, _Uid.O, _Uid.DO, _Uid.STATS, _Uid.DQ, _Uid.DK)),
+    *(int(u) for u in (_Uid.DV, _Uid.AMAX_DP, _Uid.AMAX_DQ, _Uid.AMAX_DK, _Uid.AMAX_DV)),
+    *range(int(_Uid.SCALES), int(_Uid.SCALES) + len(BWD_SCALES)),
+]
+
+
+def _execute(graph, workspace_bytes: int, pack: dict, device) -> None:
+    """Enqueues a built graph with its variant pack (uid -> tensor) on the current stream. Per
+    call only what must be: the workspace (from the caching allocator; a graph capture keeps
+    it), and set_stream when the stream changed since the last call on this device."""
+    index = device.index
+    handle = _HANDLES[index]
+    stream = torch._C._cuda_getCurrentRawStream(index)  # no Stream object per call
+    if _HANDLE_STREAM.get(index) != stream:
+        cudnn_module().set_stream(handle, stream)
+        _HANDLE_STREAM[index] = stream
     workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=device)
     graph.execute(pack, workspace, handle=handle)
 
@@ -302,28 +334,20 @@ def _execute(graph, workspace_bytes: int, pack: dict, device: torch.device) -> N
 def forward(q, k, v, scales, o, stats, amax, attn_scale, causal) -> None:
     """torch.ops.graphfp8.sdpa_fp8_fwd on CUDA (graphfp8.ops.sdpa_fp8 has the contract)."""
     key = key_for(q, k, None, attn_scale, causal)
-    if key not in _FORWARD:  # a direct op call: build now (graphfp8's layers prepare first)
+    built = _FORWARD.get(key)
+    if built is None:  # a direct op call: build now (graphfp8's layers prepare first)
         prepare(key, backward=False)
-    graph, workspace = _FORWARD[key]
-    pack = {
-        int(_Uid.Q): q, int(_Uid.K): k, int(_Uid.V): v, int(_Uid.O): o, int(_Uid.STATS): stats,
-        int(_Uid.AMAX_S): amax[0], int(_Uid.AMAX_O): amax[1],
-    }  # fmt: skip
-    pack.update({int(_Uid.SCALES) + i: t for i, t in enumerate(scales)})
-    _execute(graph, workspace, pack, q.device)
+        built = _FORWARD[key]
+    tensors = [q, k, v, o, stats, amax[0], amax[1], *scales]
+    _execute(built[0], built[1], dict(zip(_FWD_UIDS, tensors, strict=True)), q.device)
 
 
 def backward(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causal) -> None:
     """torch.ops.graphfp8.sdpa_fp8_bwd on CUDA (graphfp8.ops.sdpa_fp8 has the contract)."""
     key = key_for(q, k, d_o.dtype, attn_scale, causal)
-    if key not in _BACKWARD:
+    built = _BACKWARD.get(key)
+    if built is None:
         prepare(key, backward=True)
-    graph, workspace = _BACKWARD[key]
-    pack = {
-        int(_Uid.Q): q, int(_Uid.K): k, int(_Uid.V): v, int(_Uid.O): o, int(_Uid.DO): d_o,
-        int(_Uid.STATS): stats, int(_Uid.DQ): dq, int(_Uid.DK): dk, int(_Uid.DV): dv,
-        int(_Uid.AMAX_DP): amax[0], int(_Uid.AMAX_DQ): amax[1], int(_Uid.AMAX_DK): amax[2],
-        int(_Uid.AMAX_DV): amax[3],
-    }  # fmt: skip
-    pack.update({int(_Uid.SCALES) + i: t for i, t in enumerate(scales)})
-    _execute(graph, workspace, pack, q.device)
+        built = _BACKWARD[key]
+    tensors = [q, k, v, o, d_o, stats, dq, dk, dv, *amax, *scales]
+    _execute(built[0], built[1], dict(zip(_BWD_UIDS, tensors, strict=True)), q.device)

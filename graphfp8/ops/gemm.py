@@ -6,15 +6,16 @@ The three GEMMs of a linear layer y = x @ w.T, with A row-major and B column-maj
     dgrad    dx (M, K) = dy (M, N) @ w    : a = dy_fp8,    b = w_t_fp8.t()
     wgrad    dw (N, K) = dy.T (N, M) @ x  : a = dy_t_fp8,  b = x_t_fp8.t()
 
-The CPU `_scaled_mm` accepts E5M2 x E5M2 and dims that are not multiples of 16, which CUDA
-rejects; checking here makes a CPU test fail wherever the GPU would.
+The CPU `_scaled_mm` accepts E5M2 x E5M2, dims that are not multiples of 16 and operands or
+scales at any address, which CUDA rejects (cuBLASLt's FP8 GEMMs need every matrix and scale
+pointer 16-byte aligned); checking here makes a CPU test fail wherever the GPU would.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["fp8_gemm", "check_gemm_dims"]
+__all__ = ["fp8_gemm", "check_aligned", "check_gemm_dims"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -27,6 +28,17 @@ def check_gemm_dims(k: int, n: int, what: str = "graphfp8.fp8_gemm") -> None:
         raise ValueError(
             f"{what}: FP8 GEMMs need the inner dim k and the output dim n to be multiples of 16, "
             f"got k={k}, n={n}"
+        )
+
+
+def check_aligned(t: torch.Tensor, arg: str, what: str = "graphfp8.fp8_gemm") -> None:
+    """Raises ValueError unless t's first element is 16-byte aligned, as cuBLASLt needs of an FP8
+    GEMM's matrices and scales (the GPU answers CUBLAS_STATUS_NOT_SUPPORTED at the call)."""
+    offset = t.data_ptr() % 16
+    if offset:
+        raise ValueError(
+            f"{what}: '{arg}' must start at a 16-byte aligned address (cuBLASLt FP8 GEMMs need "
+            f"it), got one {offset} bytes past: a view into a larger buffer? pass its own tensor"
         )
 
 
@@ -44,9 +56,9 @@ def fp8_gemm(
 
     Args:
         a_fp8: (m, k) FP8, row-major contiguous.
-        a_scale_inv: (1,) float32.
+        a_scale_inv: (1,) float32, 16-byte aligned (its own tensor, not a view at an offset).
         b_fp8: (k, n) FP8, column-major (b_fp8.t() is contiguous).
-        b_scale_inv: (1,) float32.
+        b_scale_inv: (1,) float32, 16-byte aligned.
         out_dtype: bfloat16, float16 or float32.
         bias: optional (n,) of out_dtype; only with bf16/fp16 output (a cuBLASLt rule).
         use_fast_accum: cuBLASLt fast accumulation (forward GEMMs only, as TE does).
@@ -73,6 +85,9 @@ def fp8_gemm(
     if not b_fp8.t().is_contiguous():
         raise ValueError(f"{name}: 'b_fp8' must be column-major (b_fp8.t() contiguous)")
     check_gemm_dims(k, n, name)
+    for arg, t in (("a_fp8", a_fp8), ("b_fp8", b_fp8), ("a_scale_inv", a_scale_inv),
+                   ("b_scale_inv", b_scale_inv)):  # fmt: skip
+        check_aligned(t, arg, name)
     if bias is not None:
         if out_dtype == torch.float32:
             raise ValueError(f"{name}: a fused bias needs a bf16/fp16 output, not float32")

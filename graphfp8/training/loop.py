@@ -170,8 +170,11 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     Returns:
         {"name", "losses" (per step), "final_loss", "val_losses" ([step, loss] pairs),
         "final_val_loss", "tokens_per_s" (steady state: after the first tenth of the steps,
-        capture and validation excluded), "capture_s", "parameters", ...}.
+        capture and validation excluded), "capture_s", "parameters", "peak_reserved_bytes"
+        (torch.cuda.max_memory_reserved over the run; None on the CPU), ...}.
     """
+    if spec.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()  # peak_reserved_bytes is this run's
     run = Run(spec, opts.data, opts.group)
     if opts.resume is not None:
         _resume(run, opts)
@@ -211,6 +214,9 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         "train_s": round(t["train_s"], 3),
         "eval_s": round(t["eval_s"], 3),
         "tokens_per_s": tokens_per_s,
+        "peak_reserved_bytes": (
+            torch.cuda.max_memory_reserved() if spec.device.startswith("cuda") else None
+        ),  # fmt: skip
         "ranks_agree": agree,
         "model_state": run.model.state_dict() if opts.keep_state else None,
     }

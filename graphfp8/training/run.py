@@ -47,16 +47,21 @@ class RunSpec:
     device: str
     seed: int = 0
     amax_history_len: int = 16
+    compile: bool = False  # torch.compile what the graphs do not hold
 
     def __post_init__(self) -> None:
         if isinstance(self.graphs, bool):
             object.__setattr__(self, "graphs", "layers" if self.graphs else "none")
         if self.graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}, got {self.graphs!r}")
+        if self.compile and self.graphs == "step":
+            raise ValueError("compile with graphs='step' is not supported: the step graph holds "
+                             "the embedding and the loss that compile would take")  # fmt: skip
 
     @property
     def name(self) -> str:
-        return f"{self.precision}-{_MODE_NAMES[self.graphs]}"
+        suffix = "-compile" if self.compile else ""
+        return f"{self.precision}-{_MODE_NAMES[self.graphs]}{suffix}"
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -113,8 +118,10 @@ class Run:
         return self.spec.precision == "fp8"
 
     def prepare(self) -> None:
-        """Captures the blocks, or the whole step, when the run uses graphs (after any
-        checkpoint was loaded)."""
+        """Compiles what the graphs do not hold when the run says so, and captures the blocks,
+        or the whole step, when the run uses graphs (after any checkpoint was loaded)."""
+        if self.spec.compile:
+            self._compile()
         if self.spec.graphs == "step":
             self._prepare_step()
             return
@@ -153,6 +160,15 @@ class Run:
         torch.stack([x for x, _ in pairs], out=inputs)
         torch.stack([y for _, y in pairs], out=targets)
         return (inputs, targets), ()
+
+    def _compile(self) -> None:
+        """torch.compile (in place: checkpoints keep their keys) the embedding and the loss (norm,
+        head, cross entropy), and the blocks when they are not graphed: dynamo then graph-breaks
+        around each FP8 layer (docs/architecture.md, "torch.compile")."""
+        self.model.embed.compile()
+        self.model.loss = torch.compile(self.model.loss)
+        if self.spec.graphs == "none":
+            self.model.blocks.compile()
 
     def _eager_blocks(self, x, is_first_microbatch=None):
         with fp8_autocast(enabled=self.fp8, recipe=self.recipe, fp8_group=self.group):

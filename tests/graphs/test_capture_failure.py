@@ -107,9 +107,10 @@ def test_failed_capture_leaves_the_process_as_it_was(device, where, monkeypatch)
         stack(x, is_first_microbatch=True).float().square().sum().backward()
     reference = _copy(stack)
     model = _Faulty(stack, **CASES[where])
-    if where in ("grad accumulator", "guard"):  # the last steps of the capture
-        name = "_grad_accumulator" if where == "grad accumulator" else "build_guard"
-        monkeypatch.setattr(capture_module, name, _fail)
+    if where == "grad accumulator":  # the last steps of the capture
+        monkeypatch.setattr(capture_module.GradFold, "accumulator", _fail)
+    elif where == "guard":
+        monkeypatch.setattr(capture_module, "build_guard", _fail)
     before = _state_of(stack)
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state() if device == "cuda" else None

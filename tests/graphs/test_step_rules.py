@@ -164,7 +164,8 @@ def test_float_learning_rate_becomes_a_device_tensor(device):
                          num_warmup_iters=1)  # fmt: skip
     lr = opt.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float32
-    assert lr.device == torch.device(device) and float(lr) == pytest.approx(1e-3)
+    # On the parameters' device: "cuda" names no index, the tensor's device does (cuda:0).
+    assert lr.device == model.weight.device and float(lr) == pytest.approx(1e-3)
 
 
 def test_other_misuse_raises(device):

@@ -69,3 +69,44 @@ def test_gemm_rules():
         ops.fp8_gemm(a, sa, _quantized(48, 32, E4M3, "cpu")[0].t(), sb, torch.float32)
     with pytest.raises(TypeError, match="both operands must be FP8"):
         ops.fp8_gemm(a.float(), sa, b.t(), sb, torch.float32)
+
+
+def test_gemm_needs_16_byte_aligned_operands_and_scales():
+    """cuBLASLt's FP8 GEMMs answer CUBLAS_STATUS_NOT_SUPPORTED for a matrix or scale pointer
+    that is not 16-byte aligned (FP8 attention's O scale_inv, a view 4 bytes into a pair, did
+    under fp8_mha): every device raises before running."""
+    a, sa = _quantized(32, 64, E4M3, "cpu")
+    b, sb = _quantized(48, 64, E4M3, "cpu")
+    pair = torch.ones(2)
+    with pytest.raises(ValueError, match="'a_scale_inv' must start at a 16-byte aligned"):
+        ops.fp8_gemm(a, pair[1:2], b.t(), sb, torch.float32)
+    with pytest.raises(ValueError, match="'b_scale_inv' must start at a 16-byte aligned"):
+        ops.fp8_gemm(a, sa, b.t(), pair[1:2], torch.float32)
+    shifted = torch.empty(8 + a.numel(), dtype=E4M3)[8:].view(a.shape)
+    shifted.copy_(a)
+    with pytest.raises(ValueError, match="'a_fp8' must start at a 16-byte aligned"):
+        ops.fp8_gemm(shifted, sa, b.t(), sb, torch.float32)
+    spaced = torch.ones(2, 4)[:, 0]  # elements 16 bytes apart: each one aligned
+    ops.fp8_gemm(a, spaced[1:2], b.t(), spaced[0:1], torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cublaslt_rejects_a_misaligned_scale():
+    """The GPU rule the check above stands for: torch._scaled_mm itself, on the shape and
+    options of the attention projection that failed (256^3, E4M3, bf16 out with a bias, fast
+    accumulation), runs with an aligned scale and not with one 4 bytes in."""
+    a, _ = _quantized(256, 256, E4M3, "cuda")
+    b, _ = _quantized(256, 256, E4M3, "cuda")
+    bias = torch.zeros(256, dtype=torch.bfloat16, device="cuda")
+    scales = torch.ones(2, 4, device="cuda")
+
+    def run(scale_a):
+        return torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scales[0, :1], bias=bias,
+                                out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
+
+    run(scales[1, :1])
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="CUBLAS_STATUS_NOT_SUPPORTED"):
+        run(scales[1, 1:2])
+        torch.cuda.synchronize()

@@ -85,17 +85,30 @@ def test_every_output_byte_is_written(device):
 @pytest.mark.parametrize("tables", [True, False])
 def test_backward_matches_twin_bitwise(device, dtype, fp8_dtype, shape, tables):
     batch, seq, heads, head_dim = shape
-    grads = [
-        fp8_test_data((batch, seq, heads, head_dim), torch.float32, device=device).to(fp8_dtype)
-        for _ in range(3)
-    ]
+    grads = [_grad_with_nans((batch, seq, heads, head_dim), fp8_dtype, device) for _ in range(3)]
     scale_inv = [torch.tensor([s], device=device) for s in (0.5, 3.0, 1e-3)]
     cos, sin = rope_tables(seq + 2, head_dim, 500.0, torch.float32, device)
     if not tables:
         cos = sin = None
     want = torch.empty(batch, seq, 3 * heads * head_dim, dtype=dtype, device=device)
     reference.rope_fp8_backward(grads, scale_inv, cos, sin, heads, want)
+    if device != "cpu":
+        assert torch.isnan(want).any()  # the NaN encodings are under test too
     assert_bitwise_equal(ops.rope_fp8_backward(grads, scale_inv, cos, sin, dtype), want)
+
+
+def _grad_with_nans(shape, fp8_dtype, device) -> torch.Tensor:
+    """Random FP8 data; on CUDA also a NaN code of each sign at fixed places, so every case meets
+    NaN inputs: the kernel must write the NaN bits torch's CUDA conversion writes (the CUDA
+    kernels once wrote the CPU's 0x7FC0 for bf16 where CUDA writes 0x7FFF). Not on the CPU:
+    torch's vectorised CPU conversions write ISA-dependent NaNs (on x86 0xFFFF for bf16,
+    payload-keeping for fp16) that the CPU kernels, converting one element at a time, do not
+    reproduce; CPU data has no NaN codes (the CPU's E4M3 cast of an overflow saturates)."""
+    g = fp8_test_data(shape, torch.float32, device=device).to(fp8_dtype)
+    if device != "cpu":
+        bits = g.view(torch.uint8).view(-1)
+        bits[0], bits[-1] = 0x7F, 0xFF
+    return g
 
 
 def test_backward_is_the_transposed_rotation(device):

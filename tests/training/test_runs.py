@@ -40,6 +40,8 @@ def test_compare_trains_graphed_equal_to_eager_and_writes_logs(device, tmp_path,
     assert (summary["model"]["batch"], summary["model"]["seq_len"]) == (2, 32)
     assert summary["data"]["source"] == "synthetic" and summary["eval_every"] == 6
     runs = {r["name"]: r for r in summary["runs"]}
+    for r in runs.values():  # torch.cuda.max_memory_reserved of each run; null on the CPU
+        assert (r["peak_reserved_bytes"] is None) == (device == "cpu"), r["peak_reserved_bytes"]
     losses = {name: r["losses"] for name, r in runs.items()}
     vals = {name: r["val_losses"] for name, r in runs.items()}
     assert len(losses["fp8-graphs"]) == 12 and [s for s, _ in vals["fp8-graphs"]] == [6, 12]

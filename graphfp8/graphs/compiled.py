@@ -1,0 +1,99 @@
+"""torch.compile and the capturer (docs/architecture.md, "torch.compile").
+
+Supported order: capture first, compile around. A graphed callable replays its graphs as one
+opaque call that dynamo never traces, so `torch.compile` of a model that calls graphed blocks
+compiles the code around them. The other order is refused: a graph holds the kernels that ran
+while it was captured, so capturing a compiled callable would either record inductor's kernels
+behind the capturer's back (the CPU replay tape sees only dispatcher ops) or silently set the
+compile aside. Compiled code that hides inside a plain function is run eagerly while capturing,
+so whatever a graph records is what eager mode computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["check_not_compiled", "compile_set_aside", "opaque_to_dynamo"]
+
+_ORDER = (
+    "capture the plain module and compile around the graphed callable instead: "
+    "graphed = make_graphed_callables(module, ...), then torch.compile the model or function "
+    "that calls it (dynamo runs the graph replay as one opaque call)"
+)
+
+
+def _compiled_part(func) -> str | None:
+    """What about `func` is torch.compile'd, or None."""
+    if not _dynamo_loaded():  # nothing can be compiled
+        return None
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(func, OptimizedModule):
+        return "a torch.compile'd module (torch.compile(module))"
+    if hasattr(func, "_torchdynamo_orig_callable"):
+        return "a torch.compile'd function"
+    if isinstance(func, nn.Module):
+        for name, module in func.named_modules():
+            where = f"its submodule {name!r}" if name else "the module itself"
+            if isinstance(module, OptimizedModule):
+                return f"a module with a torch.compile'd part ({where})"
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                return f"a module with a part compiled by Module.compile() ({where})"
+    return None
+
+
+def check_not_compiled(callables) -> None:
+    """Raises TypeError, before anything runs, if a callable is (or holds) torch.compile'd code.
+
+    Args:
+        callables: the callables given to make_graphed_callables.
+    """
+    for i, func in enumerate(callables):
+        what = _compiled_part(func)
+        if what is not None:
+            raise TypeError(
+                f"make_graphed_callables: graphed callable {i} is {what}; graphing compiled code "
+                f"is not supported: {_ORDER}"
+            )
+
+
+@contextlib.contextmanager
+def compile_set_aside():
+    """Warmup and capture run torch.compile'd code reached through plain functions eagerly, so
+    the graphs record the kernels eager mode runs (the CPU tape cannot see inductor's)."""
+    if not _dynamo_loaded():  # nothing can be compiled
+        yield
+        return
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+def _dynamo_loaded() -> bool:
+    """Whether torch._dynamo was imported (torch.compile imports it; importing it here would
+    take as long as importing torch)."""
+    return "torch._dynamo" in sys.modules
+
+
+def opaque_to_dynamo(replay: Callable) -> Callable:
+    """`replay` (a graphed callable's call) as one call that torch.compile never traces; called
+    directly when not tracing (torch.compiler.disable costs ~1 us a call)."""
+    opaque = torch.compiler.disable(
+        replay,
+        recursive=True,
+        reason="graphfp8: a graphed callable replays captured graphs; torch.compile runs the "
+        "replay as one opaque call and compiles the code around it",
+    )
+
+    @functools.wraps(replay)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return opaque(*args, **kwargs)
+        return replay(*args, **kwargs)
+
+    return call

@@ -1,0 +1,151 @@
+"""Parameter gradients of graphed callables: folded into each parameter's persistent `.grad` buffer
+inside the backward graph, as autograd produces them (GradFold, at capture), with the replay-time
+bookkeeping that keeps `.grad` bit for bit what eager AccumulateGrad gives (GradAccumulator)."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+
+import torch
+
+from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.tape import CaptureError
+
+__all__ = ["FOLD_AT_ONCE", "GradAccumulator", "GradFold", "grad_buffer"]
+
+_GRAD = operator.attrgetter("grad")
+
+
+class GradAccumulator:
+    """Parameter gradients of one captured callable, accumulated into `.grad` inside its backward
+    graph, without autograd's AccumulateGrad.
+
+    While the backward is captured, a hook on each parameter adds the gradient autograd produces
+    into a persistent per-parameter buffer (small gradients: one multi-tensor add at the end of
+    the graph) and hands autograd an empty stand-in, so that the gradient's memory goes back to
+    the graph's pool at once: no static per-parameter gradient outlives the graph, and a big one
+    does not even outlive its layer's backward. The graph always adds, as eager AccumulateGrad
+    does from the second microbatch on. After zero_grad(set_to_none=True) AccumulateGrad steals
+    the first gradient instead: before that replay one small captured graph fills the buffers
+    with -0.0, the identity of IEEE addition (-0.0 + g is g bit for bit, +0.0 included), and
+    `.grad` is set to them after it. A `.grad` the user replaced by another tensor is copied into
+    the buffer before the replay and back after it (a slower per-parameter path).
+
+    .. warning:: parameter hooks (post-accumulate-grad hooks, DDP's) do not run for these grads.
+    """
+
+    def __init__(self, params, buffers, reset_graph):
+        self.params, self.buffers, self.reset_graph = params, buffers, reset_graph
+        self._nones = [None] * len(params)
+        self._attach = None
+
+    def before_replay(self) -> None:
+        current = list(map(_GRAD, self.params))
+        if all(map(operator.is_, current, self.buffers)):
+            self._attach = None
+        elif not any(map(operator.is_not, current, self._nones)):
+            self.reset_graph.replay()
+            self._attach = self._nones
+        else:
+            for b, g in zip(self.buffers, current):
+                if g is None:
+                    b.fill_(-0.0)
+                elif g is not b:
+                    b.copy_(g)
+            self._attach = current
+
+    def after_replay(self) -> None:
+        if self._attach is None:
+            return
+        for p, b, g in zip(self.params, self.buffers, self._attach):
+            if g is None:
+                p.grad = b
+            elif g is not b:
+                g.copy_(b)
+        self._attach = None
+
+
+# Gradients of at least this many elements fold into .grad as soon as autograd produces them, so
+# that their memory goes back to the pool at once; smaller ones (biases, norm weights) wait for
+# one multi-tensor add at the end of the graph: one kernel for all of them, not one each.
+FOLD_AT_ONCE = 1 << 16
+
+
+class GradFold:
+    """Folds each parameter gradient into the parameter's persistent .grad buffer inside the
+    backward graph (GradAccumulator says how replays use this)."""
+
+    def __init__(self, params, device):
+        self.params = [p for p in params if p.requires_grad]
+        self.device = device
+        self.buffers = [grad_buffer(p) for p in self.params]
+        self.folded: list[int] = []
+        self.pending: list[tuple[int, torch.Tensor]] = []
+
+    def _hook(self, i: int, stand_ins: dict):
+        def fold(grad: torch.Tensor) -> torch.Tensor:
+            if grad.is_cuda and not torch.cuda.is_current_stream_capturing():
+                # The add would run now, outside the graph: every replay would miss it.
+                raise CaptureError(
+                    f"graphfp8 capture: the gradient of a {tuple(grad.shape)} parameter reached "
+                    "its accumulation on a stream that is not capturing; its autograd node "
+                    "predates the capture (free the outputs of earlier forwards first)"
+                )
+            self.folded.append(i)
+            if grad.numel() >= FOLD_AT_ONCE:
+                self.buffers[i].add_(grad)
+            else:
+                self.pending.append((i, grad))
+            # autograd.grad returns this zero-byte stand-in instead of the gradient.
+            return stand_ins[grad.dtype].expand(grad.shape)
+
+        return fold
+
+    @contextlib.contextmanager
+    def hooked(self):
+        """Hooks on the parameters for the capture. The CPU tape runs what it records: the
+        buffers (some may be a .grad already) are put back as they were afterwards."""
+        saved = [b.clone() for b in self.buffers] if self.device.type == "cpu" else None
+        stand_ins = {b.dtype: b.new_empty(()) for b in self.buffers}
+        handles = [p.register_hook(self._hook(i, stand_ins)) for i, p in enumerate(self.params)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            self.pending = []
+            if saved:
+                torch._foreach_copy_(self.buffers, saved)
+
+    def finish(self) -> None:
+        """Captures the add of the small gradients, after autograd is done."""
+        if self.pending:
+            idx, grads = zip(*self.pending)
+            torch._foreach_add_([self.buffers[i] for i in idx], list(grads))
+        self.pending = []
+
+    def accumulator(self, pool) -> GradAccumulator | None:
+        """The parameters that got a gradient, with a captured fill of their buffers with -0.0
+        (zero, then negate: two multi-tensor kernels)."""
+        used = sorted(set(self.folded))
+        if not used:
+            return None
+        params, buffers = [self.params[i] for i in used], [self.buffers[i] for i in used]
+        saved = [b.clone() for b in buffers] if self.device.type == "cpu" else None
+        reset = new_graph(self.device)
+        with reset.capture(pool):
+            torch._foreach_zero_(buffers)
+            torch._foreach_neg_(buffers)
+        if saved is not None:
+            torch._foreach_copy_(buffers, saved)
+        return GradAccumulator(params, buffers, reset)
+
+
+def grad_buffer(param: torch.Tensor) -> torch.Tensor:
+    """One persistent .grad buffer per parameter, shared by every callable that uses it."""
+    buf = getattr(param, "_graphfp8_grad", None)
+    if buf is None:
+        buf = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        param._graphfp8_grad = buf
+    return buf

@@ -1,0 +1,136 @@
+"""Parameter gradients of graphed callables fold into `.grad` inside the backward graph: no static
+per-parameter gradient buffers, and `.grad` bit for bit what eager AccumulateGrad gives - after
+zero_grad(set_to_none=True) (signed zeros and NaN included), with `.grad` kept, with a `.grad`
+the user replaced, and for a parameter shared by two callables."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import graphfp8 as g8
+from graphfp8.graphs import grads
+from graphfp8.memory import memory_report
+from graphfp8.testing import assert_bitwise_equal
+from tests.graphs.common import train_side_by_side
+
+SHAPE = (16, 32)
+
+
+class Scale(nn.Module):
+    """y = x * p + b: the gradient of p is dy * x element by element (no reduction), so it can be
+    -0.0 or NaN exactly where the test puts them."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(SHAPE, dtype=dtype))
+        self.b = nn.Parameter(torch.randn(SHAPE[1], dtype=dtype))
+
+    def forward(self, x):
+        return x * self.p + self.b
+
+
+def _special_input(dtype) -> torch.Tensor:
+    """Random values with -1 where dy is 0 (dp = 0 * -1 = -0.0) and a NaN."""
+    x = torch.randn(SHAPE, dtype=dtype)
+    x[0, :4] = -1.0
+    x[1, 0] = math.nan
+    return x
+
+
+def _special_grad(dtype) -> torch.Tensor:
+    dy = torch.randn(SHAPE, dtype=dtype)
+    dy[0, :4] = 0.0
+    return dy
+
+
+def _check(eager, graphed_model, what):
+    for (name, pe), (_, pg) in zip(
+        eager.named_parameters(), graphed_model.named_parameters(), strict=True
+    ):
+        if pe.grad is None:
+            assert pg.grad is None, f"{what}: {name}.grad should be None"
+        else:
+            assert_bitwise_equal(pg.grad, pe.grad, f"{what}: {name}.grad")
+
+
+@pytest.fixture(params=["at once", "at the end"])
+def fold_at_once(request, monkeypatch):
+    """Folds every gradient as autograd produces it, or every one in the graph's final add."""
+    monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1 if request.param == "at once" else 1 << 30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grads_fold_bit_for_bit_in_every_grad_state(dtype, fold_at_once):
+    eager = Scale(dtype)
+    model = copy.deepcopy(eager)
+    sample = torch.randn(SHAPE, dtype=dtype)
+    graphed = g8.make_graphed_callables(model, (sample,), num_warmup_iters=1)
+    states = ["none", "kept", "kept", "replaced", "none", "mixed", "kept"]
+    for i, state in enumerate(states):
+        if state == "none":
+            for m in (eager, model):
+                m.zero_grad(set_to_none=True)
+        elif state == "replaced":  # the user hands both a .grad of their own
+            own = torch.randn(SHAPE, dtype=dtype)
+            eager.p.grad, model.p.grad = own.clone(), own.clone()
+        elif state == "mixed":  # p's grad dropped, b's kept
+            eager.p.grad = model.p.grad = None
+        replaced = model.p.grad
+        x, dy = _special_input(dtype), _special_grad(dtype)
+        eager(x).backward(dy)
+        graphed(x).backward(dy)
+        _check(eager, model, f"microbatch {i} ({state})")
+        if state == "replaced":
+            assert model.p.grad is replaced, "a .grad the user set must stay that tensor"
+    assert torch.isnan(model.p.grad[1, 0]) and torch.signbit(model.p.grad[0, 0]) is not None
+
+
+def test_a_parameter_shared_by_two_callables_accumulates_both(fold_at_once):
+    """Each callable's backward graph adds its own contribution, the later callable's first: the
+    eager reference runs the two backwards separately in that order (autograd on one graph would
+    sum the two contributions first, rounding differently)."""
+    torch.manual_seed(0)
+    first, second = Scale(torch.float32), Scale(torch.float32)
+    second.p = first.p  # tied
+    eager = nn.ModuleList([first, second])
+    model = copy.deepcopy(eager)
+    sample = torch.randn(SHAPE, requires_grad=True)
+    g1, g2 = g8.make_graphed_callables(
+        (model[0], model[1]), ((sample,), (sample.detach().clone().requires_grad_(),)),
+        num_warmup_iters=1,
+    )  # fmt: skip
+    for step in range(2):
+        for _ in range(2):
+            x = _special_input(torch.float32).requires_grad_()
+            dy = _special_grad(torch.float32)
+            y1 = eager[0](x)
+            y1_in = y1.detach().requires_grad_()
+            eager[1](y1_in).backward(dy)
+            y1.backward(y1_in.grad)
+            g2(g1(x.detach().clone().requires_grad_())).backward(dy)
+            _check(eager, model, f"step {step}")
+        eager.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+
+
+def test_no_static_parameter_gradients_outlive_the_graph():
+    m = g8.LayerNormMLP(64, 256, params_dtype=torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    graphed = g8.make_graphed_callables(m, (x,), fp8_enabled=True, fp8_weight_caching=True,
+                                        num_warmup_iters=1)  # fmt: skip
+    graphed(x, is_first_microbatch=True).sum().backward()
+    report = memory_report(m, graphed=[graphed], other={"x": x, "x.grad": x.grad})
+    assert "graph param grads" not in report.bytes, report.format()
+    assert all(p.grad is p._graphfp8_grad for p in m.parameters())
+
+
+def test_transformer_layer_graphed_equals_eager_with_every_grad_folded_at_once(monkeypatch):
+    """The layers' own tests fold small gradients at the end; here every one as produced."""
+    monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1)
+    recipe = g8.DelayedScaling(amax_history_len=4)
+    train_side_by_side("TransformerLayer", recipe, True, "cpu", steps=2, mbs=2)
