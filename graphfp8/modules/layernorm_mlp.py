@@ -60,29 +60,34 @@ class LayerNormMLP(FP8Module):
     def norm_spec(self) -> NormSpec:
         return NormSpec(self.normalization, self.eps, self.zero_centered_gamma)
 
-    def fp8_configs(self, inp: torch.Tensor, is_first_microbatch: bool | None):
-        """The forward preamble for an input like `inp`: (fc1, fc2) GemmConfigs under
-        fp8_autocast, else None (TransformerLayer calls it to fold its residual add into this
-        module's norm)."""
-        weights = [("fc1", self.fc1_weight), ("fc2", self.fc2_weight)]
-        return self._fp8_forward_configs(inp, self.hidden_size, weights, is_first_microbatch,
-                                         high_precision_input=True)  # fmt: skip
-
-    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None,
+                residual: torch.Tensor | None = None):  # fmt: skip
         """inp: (..., hidden_size) in params_dtype. Returns (..., hidden_size).
-        is_first_microbatch: as for Linear (both weights)."""
-        cfgs = self.fp8_configs(inp, is_first_microbatch)
-        if cfgs is None:
-            act = ACTIVATIONS[self.activation]
-            ln_out = apply_norm(self, inp, self.norm_spec)
-            return F.linear(act(F.linear(ln_out, self.fc1_weight, self.fc1_bias)),
-                            self.fc2_weight, self.fc2_bias)  # fmt: skip
-        needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
-        x_fp8, _, _ = norm_fp8(self, inp, self.norm_spec, cfgs[0].quantizer(FwdRole.INPUT),
-                               needs_t=needs_t)  # fmt: skip
-        return self.mlp_fp8(x_fp8, cfgs)
+        is_first_microbatch: as for Linear (both weights).
 
-    def mlp_fp8(self, x_fp8, cfgs: list[GemmConfig]) -> torch.Tensor:
+        residual: optional, like inp: the layer normalizes h = inp + residual instead and returns
+        (h, output). Under fp8_autocast the add runs inside the norm kernel (and its backward's
+        gradient sum inside the norm's backward): TransformerLayer's first residual add. It is
+        an argument of forward, not a separate method, so that torch.compile keeps the whole FP8
+        call opaque (graphfp8.modules._compile).
+        """
+        weights = [("fc1", self.fc1_weight), ("fc2", self.fc2_weight)]
+        cfgs = self._fp8_forward_configs(inp, self.hidden_size, weights, is_first_microbatch,
+                                         high_precision_input=True)  # fmt: skip
+        if cfgs is None:
+            h = inp if residual is None else inp + residual
+            act = ACTIVATIONS[self.activation]
+            ln_out = apply_norm(self, h, self.norm_spec)
+            out = F.linear(act(F.linear(ln_out, self.fc1_weight, self.fc1_bias)), self.fc2_weight,
+                           self.fc2_bias)  # fmt: skip
+        else:
+            needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
+            x_fp8, _, h = norm_fp8(self, inp, self.norm_spec, cfgs[0].quantizer(FwdRole.INPUT),
+                                   needs_t=needs_t, residual=residual)  # fmt: skip
+            out = self._mlp_fp8(x_fp8, cfgs)
+        return out if residual is None else (h, out)
+
+    def _mlp_fp8(self, x_fp8, cfgs: list[GemmConfig]) -> torch.Tensor:
         """fc2(act(fc1(x))) in FP8 for the normalized input x_fp8 (a Float8Tensor (...,
         hidden_size) from this module's norm, in cfgs[0]'s INPUT slot)."""
         cfg1, cfg2 = cfgs

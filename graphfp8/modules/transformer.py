@@ -23,8 +23,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphfp8.fp8.slots import FwdRole
-from graphfp8.modules._norm import norm_fp8
 from graphfp8.modules._rope import RopeQKV as _RopeQKV  # noqa: F401 - kept importable here
 from graphfp8.modules._rope import rope_tables
 from graphfp8.modules.attention import DotProductAttention
@@ -102,14 +100,8 @@ class TransformerLayer(nn.Module):
         self.core_attention.check_fused(x.shape[0], x.shape[1], x.device)
         qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
         attn = self.proj(self.attention(qkv), is_first_microbatch=is_first_microbatch)
-        cfgs = self.mlp.fp8_configs(x, is_first_microbatch)
-        if cfgs is None:
-            h = x + attn
-            return h + self.mlp(h, is_first_microbatch=is_first_microbatch)
-        needs_t = torch.is_grad_enabled() and self.mlp.fc1_weight.requires_grad
-        h_fp8, _, h = norm_fp8(self.mlp, x, self.mlp.norm_spec, cfgs[0].quantizer(FwdRole.INPUT),
-                               needs_t=needs_t, residual=attn)  # fmt: skip
-        return h + self.mlp.mlp_fp8(h_fp8, cfgs)
+        h, y = self.mlp(x, is_first_microbatch=is_first_microbatch, residual=attn)
+        return h + y
 
     def extra_repr(self) -> str:
         return (
