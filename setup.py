@@ -16,7 +16,7 @@ def want_cuda() -> bool:
 
 
 def extension():
-    cpp_sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+    cpp_sources = sorted(glob.glob("csrc/ops/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     # No contraction into fused multiply-adds: the CPU kernels must round like their twins.
     cxx_flags = ["-O3", "-std=c++17", "-ffp-contract=off"]
     if not want_cuda():

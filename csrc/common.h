@@ -1,6 +1,6 @@
 // Plain parameter structs and launcher declarations shared by the CPU and CUDA kernels.
 //
-// No torch headers here: ops.cpp checks the tensors, fills these structs with raw pointers and
+// No torch headers here: csrc/ops/ checks the tensors, fills these structs with raw pointers and
 // sizes, and calls a launcher. Scale convention everywhere: x_fp8 = saturate(x * scale),
 // x ~= x_fp8 * scale_inv, scale_inv = 1 / scale.
 #pragma once
@@ -12,7 +12,7 @@ namespace graphfp8 {
 enum class DType : int { kFloat32, kBFloat16, kFloat16, kE4M3, kE5M2 };
 
 // What a launcher returns: success, or which kernel (or dispatch) failed and why. The kernels'
-// files never throw: ops.cpp validates every argument before it calls a launcher, and turns a
+// files never throw: csrc/ops/ validates every argument before it calls a launcher, and turns a
 // failed Status (an internal invariant or a CUDA launch error) into a Python exception.
 struct Status {
   const char* where = nullptr;   // the failing kernel or dispatch; nullptr on success
@@ -112,13 +112,80 @@ struct RopeParams {
   bool inverse;
 };
 
-// Launchers assume validated parameters (ops.cpp's checks) and a non-empty input.
+// LayerNorm / RMSNorm of the rows of z with an FP8 output. z = x, or z = round(x + residual) to
+// the dtype (written to residual_out) when a residual is given. With g = gamma (+ 1 when
+// zero_centered_gamma), per row:
+//   LayerNorm  mu = mean(z), rsigma = 1 / sqrt(mean((z - mu)^2) + eps), y = ((z - mu) rsigma) g + b
+//   RMSNorm    rsigma = 1 / sqrt(mean(z^2) + eps),                       y = (z rsigma) g
+// out = saturate(y * scale) (and out_t = out^T when given), amax = max(amax, max |y|) (NaN
+// ignored), scale_inv = 1 / scale, out_hp = y rounded to the dtype when given. y is quantized in
+// fp32, never rounded to the dtype first. The CPU kernel takes every mean as a sequential float64
+// sum rounded to fp32 (graphfp8/reference.py's order); the CUDA kernel sums in fp32 trees, so
+// its mu and rsigma may differ from the CPU's in the last bits.
+struct NormParams {
+  const void* x;             // (rows, hidden), dtype
+  const void* residual;      // (rows, hidden), dtype, or nullptr
+  void* residual_out;        // (rows, hidden), dtype: z, when residual is given
+  const void* gamma;         // (hidden,), dtype
+  const void* beta;          // (hidden,), dtype (LayerNorm), nullptr for RMSNorm
+  DType dtype;               // float32, bfloat16 or float16
+  void* out;                 // (rows, hidden), out_dtype (FP8)
+  void* out_t;               // (hidden, rows), out_dtype, or nullptr
+  DType out_dtype;
+  void* out_hp;              // (rows, hidden), dtype, or nullptr
+  const float* scale;        // (1,)
+  float* scale_inv;          // (1,)
+  float* amax;               // (1,)
+  float* mu;                 // (rows,) fp32 (LayerNorm), nullptr for RMSNorm
+  float* rsigma;             // (rows,) fp32
+  float eps;
+  bool rms;
+  bool zero_centered_gamma;
+  int64_t rows;
+  int64_t hidden;
+};
+
+// The norm backward, given dy = dL/dy: with xhat = (x - mu) rsigma (RMSNorm: x rsigma) and
+// dyg = dy g, per row
+//   LayerNorm  dx = ((dyg - mean(dyg)) - xhat mean(dyg xhat)) rsigma
+//   RMSNorm    dx = (dyg - xhat mean(dyg xhat)) rsigma
+// plus dresidual when given (the gradient that reaches z by its other path, for a residual add
+// folded into the norm), rounded to the dtype; dgamma = sum_rows dy xhat, dbeta = sum_rows dy,
+// rounded to the dtype. No atomics: CUDA sums each block's rows into one workspace row per block
+// (a grid independent of the GPU: kNormBwdMaxBlocks at most), then each column over those rows
+// in order, so results are the same run to run.
+struct NormBwdParams {
+  const void* dy;            // (rows, hidden), dtype
+  const void* x;             // (rows, hidden), dtype: the norm's input z
+  const float* mu;           // (rows,) (LayerNorm), nullptr for RMSNorm
+  const float* rsigma;       // (rows,)
+  const void* gamma;         // (hidden,), dtype
+  const void* dresidual;     // (rows, hidden), dtype, or nullptr
+  void* dx;                  // (rows, hidden), dtype
+  void* dgamma;              // (hidden,), dtype
+  void* dbeta;               // (hidden,), dtype (LayerNorm), nullptr for RMSNorm
+  float* workspace;          // CUDA: (2, kNormBwdMaxBlocks, hidden) fp32 scratch
+  DType dtype;
+  bool rms;
+  bool zero_centered_gamma;
+  int64_t rows;
+  int64_t hidden;
+};
+
+constexpr int64_t kNormBwdMaxBlocks = 256;
+// Largest hidden size of the CUDA norm kernels: a row is spread over at most 1024 threads that
+// keep their part of it in registers (cuda/norm.cuh).
+constexpr int64_t kNormMaxHiddenCuda = 8192;
+
+// Launchers assume validated parameters (csrc/ops/ checks) and a non-empty input.
 Status cast_cpu(const CastParams& p);
 Status cast_transpose_fused_cpu(const FusedCastTransposeParams& p);
 Status transpose_cpu(const TransposeParams& p);
 Status scale_update_cpu(const ScaleUpdateParams& p);
 Status dequantize_cpu(const DequantizeParams& p);
 Status rope_cpu(const RopeParams& p);
+Status norm_fwd_cpu(const NormParams& p);
+Status norm_bwd_cpu(const NormBwdParams& p);
 
 // CUDA launchers take the stream as an opaque cudaStream_t.
 Status cast_cuda(const CastParams& p, void* stream);
@@ -128,5 +195,7 @@ Status scale_update_cuda(const ScaleUpdateParams& p, void* stream);
 Status dequantize_cuda(const DequantizeParams& p, void* stream);
 Status rope_cuda(const RopeParams& p, void* stream);
 Status cast_transpose_fused_cuda(const FusedCastTransposeParams& p, void* stream);
+Status norm_fwd_cuda(const NormParams& p, void* stream);
+Status norm_bwd_cuda(const NormBwdParams& p, void* stream);
 
 }  // namespace graphfp8

@@ -8,9 +8,9 @@
 //
 // The HP switch binds T to float, or to this backend's 16-bit types: CUDA's __nv_bfloat16 and
 // __half in .cu files, c10's BFloat16 and Half in the CPU .cpp files. A DType that the switch does
-// not cover makes the enclosing function return a failed Status; ops.cpp has already rejected such
-// inputs with a clear error, so reaching the default is an internal invariant failure, reported
-// (by ops.cpp) rather than ignored. The enclosing function must therefore return Status.
+// not cover makes the enclosing function return a failed Status; csrc/ops/ has already rejected
+// such inputs with a clear error, so reaching the default is an internal invariant failure,
+// reported (by csrc/ops/) rather than ignored. The enclosing function must therefore return Status.
 #pragma once
 
 #include "common.h"

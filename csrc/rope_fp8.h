@@ -47,7 +47,7 @@ struct RopeFp8BwdParams {
   int64_t head_dim;          // even
 };
 
-// Launchers assume ops.cpp's checks passed; a failed Status reports a launch error.
+// Launchers assume csrc/ops/'s checks passed; a failed Status reports a launch error.
 Status rope_fp8_cpu(const RopeFp8Params& p);
 Status rope_fp8_bwd_cpu(const RopeFp8BwdParams& p);
 Status rope_fp8_cuda(const RopeFp8Params& p, void* stream);

@@ -28,6 +28,10 @@ __all__ = [
     "gelu_cast_transpose",
     "dgelu_cast_transpose_dbias",
     "rope_qkv",
+    "layernorm_fp8",
+    "rmsnorm_fp8",
+    "layernorm_bwd",
+    "rmsnorm_bwd",
     "rope_fp8",
     "rope_fp8_backward",
     "sdpa_fp8_forward",
@@ -155,6 +159,132 @@ def rope_qkv(qkv, cos, sin, num_heads, inverse, out) -> None:
         rot = torch.cat([lo * c_lo - hi * n_lo, hi * c_hi + lo * n_hi], dim=-1)
     y = torch.cat([rot, x[:, :, 2:]], dim=2)
     out.copy_(y.to(out.dtype).view(b, s, width))
+
+
+# Normalization (LayerNorm / RMSNorm) with an FP8 output, and its backward. Every mean is a
+# sequential sum in float64 (a cumsum's last element), divided in float64 and rounded to float32;
+# everything else is float32 elementwise math, one rounding per operation: the CPU kernels' order,
+# so these twins equal them bit for bit.
+
+
+def _seq_mean(v: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Mean of float32 `v` along `dim`: float64 sequential sum / n, rounded to float32."""
+    n = v.shape[dim]
+    return (v.double().cumsum(dim).select(dim, n - 1) / n).float()
+
+
+def _seq_mean_of_products(a: torch.Tensor, b: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Mean of a * b (float32 operands, each product exact in float64), as _seq_mean."""
+    n = a.shape[dim]
+    return ((a.double() * b.double()).cumsum(dim).select(dim, n - 1) / n).float()
+
+
+def _to_hp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 v rounded to dtype as the kernels round (torch's scalar conversions): a bf16 NaN is
+    0x7FC0, where torch's vectorised CPU conversion writes 0xFFFF."""
+    out = v.to(dtype)
+    if dtype != torch.bfloat16:
+        return out
+    bits = torch.where(torch.isnan(v), torch.full_like(out.view(torch.int16), 0x7FC0),
+                       out.view(torch.int16))  # fmt: skip
+    return bits.view(torch.bfloat16)
+
+
+def _rsqrt(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(v + eps) in float32, each step correctly rounded, as C's sqrtf and the GPU's
+    __fsqrt_rn: torch's float32 sqrt on the CPU is not (it was 1 ulp off on ~0.6% of random
+    inputs, torch 2.13), its float64 sqrt rounded to float32 is."""
+    return 1.0 / torch.sqrt((v + torch.tensor(eps, dtype=torch.float32)).double()).float()
+
+
+def _norm_weight(gamma: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
+    g = gamma.float()
+    return g + 1.0 if zero_centered_gamma else g
+
+
+def _norm_input(x, residual, residual_out) -> torch.Tensor:
+    """z = x, or round(x + residual) (written to residual_out), as float32."""
+    if residual is None:
+        return x.float()
+    z = _to_hp(x.float() + residual.float(), x.dtype)
+    residual_out.copy_(z)
+    return z.float()
+
+
+def _norm_outputs(y, scale, out, out_t, scale_inv, amax, out_hp) -> None:
+    _cast_common(y, scale, out, scale_inv, amax)
+    if out_t is not None:
+        out_t.copy_(out.t())
+    if out_hp is not None:
+        out_hp.copy_(_to_hp(y, out_hp.dtype))
+
+
+def layernorm_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, out, out_t, scale_inv, amax,
+                  mu, rsigma, out_hp=None, residual=None, residual_out=None) -> None:  # fmt: skip
+    """Twin of torch.ops.graphfp8.layernorm_fp8: per row of z (x, or x + residual rounded),
+    y = ((z - mu) * rsigma) * g + beta with g = gamma (+ 1), quantized like cast_transpose."""
+    z = _norm_input(x, residual, residual_out)
+    m = _seq_mean(z)
+    d = z - m[:, None]
+    var = _seq_mean_of_products(d, d)
+    rs = _rsqrt(var, eps)
+    y = (d * rs[:, None]) * _norm_weight(gamma, zero_centered_gamma) + beta.float()
+    mu.copy_(m)
+    rsigma.copy_(rs)
+    _norm_outputs(y, scale, out, out_t, scale_inv, amax, out_hp)
+
+
+def rmsnorm_fp8(x, gamma, eps, zero_centered_gamma, scale, out, out_t, scale_inv, amax, rsigma,
+                out_hp=None, residual=None, residual_out=None) -> None:  # fmt: skip
+    """Twin of torch.ops.graphfp8.rmsnorm_fp8: y = (z * rsigma) * g, rsigma = 1 / sqrt(mean(z^2)
+    + eps)."""
+    z = _norm_input(x, residual, residual_out)
+    rs = _rsqrt(_seq_mean_of_products(z, z), eps)
+    y = (z * rs[:, None]) * _norm_weight(gamma, zero_centered_gamma)
+    rsigma.copy_(rs)
+    _norm_outputs(y, scale, out, out_t, scale_inv, amax, out_hp)
+
+
+def _column_sum(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over rows of float32 `a` (rows, n), or of a * b (each product exact in float64):
+    sequential in float64, rounded to float32."""
+    if a.shape[0] == 0:
+        return a.new_zeros(a.shape[1])
+    v = a.double() if b is None else a.double() * b.double()
+    return v.cumsum(0)[-1].float()
+
+
+def _norm_bwd(dy, xhat, rsigma, gamma, zero_centered_gamma, dresidual, dx, dgamma, dbeta, rms):
+    dyf = dy.float()
+    dyg = dyf * _norm_weight(gamma, zero_centered_gamma)
+    c1 = _seq_mean_of_products(dyg, xhat)
+    if rms:
+        g = dyg - xhat * c1[:, None]
+    else:
+        g = (dyg - _seq_mean(dyg)[:, None]) - xhat * c1[:, None]
+    grad = g * rsigma[:, None]
+    if dresidual is not None:
+        grad = grad + dresidual.float()
+    dx.copy_(_to_hp(grad, dx.dtype))
+    dgamma.copy_(_to_hp(_column_sum(dyf, xhat), dgamma.dtype))
+    if dbeta is not None:
+        dbeta.copy_(_to_hp(_column_sum(dyf), dbeta.dtype))
+
+
+def layernorm_bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma, dx, dgamma, dbeta,
+                  dresidual=None) -> None:  # fmt: skip
+    """Twin of torch.ops.graphfp8.layernorm_bwd: xhat = (x - mu) * rsigma, dyg = dy * g,
+    dx = ((dyg - mean(dyg)) - xhat * mean(dyg * xhat)) * rsigma (+ dresidual),
+    dgamma = sum_rows dy * xhat, dbeta = sum_rows dy."""
+    xhat = (x.float() - mu[:, None]) * rsigma[:, None]
+    _norm_bwd(dy, xhat, rsigma, gamma, zero_centered_gamma, dresidual, dx, dgamma, dbeta, False)
+
+
+def rmsnorm_bwd(dy, x, rsigma, gamma, zero_centered_gamma, dx, dgamma, dresidual=None) -> None:
+    """Twin of torch.ops.graphfp8.rmsnorm_bwd: xhat = x * rsigma, dx = (dyg - xhat *
+    mean(dyg * xhat)) * rsigma (+ dresidual), dgamma = sum_rows dy * xhat."""
+    xhat = x.float() * rsigma[:, None]
+    _norm_bwd(dy, xhat, rsigma, gamma, zero_centered_gamma, dresidual, dx, dgamma, None, True)
 
 
 def rope_fp8(qkv, cos, sin, num_heads, scale, out, scale_inv, amax) -> None:

@@ -4,8 +4,8 @@
 # land in $OUT: summary.md and results.tgz (every log and JSON), both rewritten after every step so
 # that a call stopped at its time limit still brings back what finished.
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step memory
-#              train train-step compile profile profile-step"; also kernels-ab, tests-first, ddp,
-#              train-scaling)
+#              train train-step compile profile profile-step"; also stack (the
+#              TransformerLayer stack, FP8 vs bf16), kernels-ab, tests-first, ddp, train-scaling)
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -128,7 +128,7 @@ for step in $STEPS; do
           > /tmp/bench_memory_$what.log 2>&1 || { status=1; tail -30 /tmp/bench_memory_$what.log; }
         grep -v '^wrote' /tmp/bench_memory_$what.log >> "$RES/summary.md"
       done ;;
-    kernels|eager|block|attention|step)
+    kernels|eager|block|attention|step|stack)
       $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;

@@ -23,11 +23,25 @@ def test_kernels_quick(tmp_path, capsys):
         "cast_transpose_dbias", "gelu_cast_transpose", "dgelu_cast_transpose_dbias", "rope_qkv",
     ]  # fmt: skip
     assert [r["slots"] for r in result["scale_update"]] == [10, 100]
-    numbers = _numbers(result["cast_transpose"] + result["fused"] + result["scale_update"])
+    assert [r["op"] for r in result["norm"]] == [
+        "layernorm_fp8 (+ transpose)", "rmsnorm_fp8 (+ transpose)", "layernorm_bwd",
+    ]  # fmt: skip
+    numbers = _numbers(result["cast_transpose"] + result["fused"] + result["norm"] +
+                       result["scale_update"])  # fmt: skip
     assert numbers and all(math.isfinite(v) and v > 0 for v in numbers)
     printed = capsys.readouterr().out
     assert all(line in printed for line in result["table"].splitlines())
     assert "| cast_transpose_dbias | 128x256 |" in printed
+
+
+def test_stack_quick(tmp_path, capsys):
+    path = tmp_path / "stack.json"
+    main(["stack", "--quick", "--device", "cpu", "--json", str(path)])
+    (row,) = json.loads(path.read_text())["stack"]
+    assert (row["hidden"], row["layers"], row["batch"], row["seq"]) == (32, 2, 1, 16)
+    for key in ("bf16_ms", "fp8_ms", "speedup", "fp8_tflops"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert "| 32 | 1 |" in capsys.readouterr().out
 
 
 def test_time_host_syncs_before_each_timed_call(monkeypatch):

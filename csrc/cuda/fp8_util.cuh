@@ -64,7 +64,7 @@ __device__ __forceinline__ void block_amax_atomic(float v, float* amax) {
   }
 }
 
-// The launch status of the kernel just enqueued (ops.cpp raises on a failure).
+// The launch status of the kernel just enqueued (csrc/ops/ raises on a failure).
 inline Status check_launch(const char* kernel) {
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return Status{kernel, cudaGetErrorString(err)};

@@ -1,4 +1,4 @@
-"""`python -m graphfp8.bench {kernels,eager,block,attention,step,memory} [--device D]
+"""`python -m graphfp8.bench {kernels,eager,block,attention,step,memory,stack} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ SUITES = {
     "kernels": "graphfp8.bench.kernels",
     "eager": "graphfp8.bench.eager",
     "block": "graphfp8.bench.block",
+    "stack": "graphfp8.bench.stack",
     "attention": "graphfp8.bench.attention",
     "step": "graphfp8.bench.step",
     "memory": "graphfp8.bench.memory",

@@ -1,7 +1,8 @@
 """Kernel benchmark: cast-transpose bandwidth against a device-to-device copy measured in the same
 run, the fused cast-transposes (dbias, GELU, dGELU + dbias) and the fused-QKV RoPE against the
-copy and against the unfused sequences they replace, and the fused scale update against plain
-PyTorch ops."""
+copy and against the unfused sequences they replace, the norms with an FP8 output and their
+backward against the copy and torch's norm kernels (+ cast-transpose), and the fused scale
+update against plain PyTorch ops."""
 
 from __future__ import annotations
 
@@ -151,6 +152,67 @@ def _rope_row(device, batch: int, seq: int, heads: int, head_dim: int, copy_gbs:
                 GBps=gbs, ratio_to_copy=gbs / copy_gbs, speedup=ms_torch / ms)  # fmt: skip
 
 
+def _norm_cases(m: int, n: int, device):
+    """{name: (bytes per element, graphfp8 call, torch's unfused call)} for one buffer set
+    (x, dy, gamma, beta, native_layer_norm's mean and rstd, the norm's mu and rsigma)."""
+    e4m3, eps = torch.float8_e4m3fn, 1e-5
+    scale, amax = torch.ones(1, device=device), torch.zeros(1, device=device)
+
+    def ln_fwd(x, dy, g, b, *stats):
+        return ops.layernorm_fp8(x, g, b, eps, scale, amax, e4m3, transpose=True)
+
+    def ln_fwd_torch(x, dy, g, b, *stats):
+        return ops.cast_transpose(F.layer_norm(x, (n,), g, b, eps), scale, amax, e4m3)
+
+    def rms_fwd(x, dy, g, b, *stats):
+        return ops.rmsnorm_fp8(x, g, eps, scale, amax, e4m3, transpose=True)
+
+    def rms_fwd_torch(x, dy, g, b, *stats):
+        return ops.cast_transpose(F.rms_norm(x, (n,), g, eps), scale, amax, e4m3)
+
+    def ln_bwd(x, dy, g, b, mean, rstd, mu, rsigma):
+        return ops.layernorm_bwd(dy, x, mu, rsigma, g)
+
+    def ln_bwd_torch(x, dy, g, b, mean, rstd, mu, rsigma):
+        return torch.ops.aten.native_layer_norm_backward(dy, x, [n], mean, rstd, g, b,
+                                                         [True, True, True])  # fmt: skip
+
+    # read x (2 B), write FP8 and its transpose (1 + 1 B); backward: read dy and x, write dx.
+    return {
+        "layernorm_fp8 (+ transpose)": (4, ln_fwd, ln_fwd_torch),
+        "rmsnorm_fp8 (+ transpose)": (4, rms_fwd, rms_fwd_torch),
+        "layernorm_bwd": (6, ln_bwd, ln_bwd_torch),
+    }
+
+
+def _norm_rows(device, m: int, n: int) -> list[dict]:
+    """The norm kernels at (m rows, n hidden), bf16, against a copy of x timed in the same run
+    and against torch's kernels (+ cast-transpose to FP8 for the forward)."""
+
+    def make():
+        x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+        g = torch.randn(n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, device=device, dtype=torch.bfloat16)
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, [n], g, b, 1e-5)
+        o = ops.layernorm_fp8(x, g, b, 1e-5, torch.ones(1, device=device),
+                              torch.zeros(1, device=device), torch.float8_e4m3fn)  # fmt: skip
+        return x, torch.randn_like(x), g, b, mean, rstd, o.mu, o.rsigma
+
+    sets = _rotating(make, 6 * m * n, device)
+    copies = [torch.empty_like(s[0]) for s in sets]
+    ms_copy = _timed(lambda i: copies[i].copy_(sets[i][0]), len(sets), device)
+    copy_gbs = 4 * m * n / ms_copy / 1e6
+    rows = []
+    for name, (bytes_per_elem, ours, theirs) in _norm_cases(m, n, device).items():
+        ms = _timed(lambda i, f=ours: f(*sets[i]), len(sets), device)
+        ms_torch = _timed(lambda i, f=theirs: f(*sets[i]), len(sets), device)
+        gbs = bytes_per_elem * m * n / ms / 1e6
+        rows.append(dict(op=name, shape=f"{m}x{n}", norm_ms=ms, GBps=gbs, copy_ms=ms_copy,
+                         copy_GBps=copy_gbs, ratio_to_copy=gbs / copy_gbs, torch_ms=ms_torch,
+                         speedup=ms_torch / ms))  # fmt: skip
+    return rows
+
+
 def _scale_update_row(device, slots: int, length: int) -> dict:
     history = torch.rand(length, slots, device=device) + 0.5
     scale = torch.ones(slots, device=device)
@@ -198,6 +260,8 @@ def run(device, quick: bool = False) -> dict:
     fused = [row for m, n in fused_shapes for row in _fused_rows(device, m, n, copy_gbs)]
     rope_shape = (2, 64, 2, 32) if quick else (8, 1024, 16, 64)  # the 100m preset's QKV
     fused.append(_rope_row(device, *rope_shape, copy_gbs))
+    norm_shapes = [(64, 256)] if quick else [(8192, 4096), (16384, 8192)]
+    norms = [row for m, n in norm_shapes for row in _norm_rows(device, m, n)]
     up = [_scale_update_row(device, slots, history) for slots in slot_counts]
     text = print_table(
         f"cast-transpose (bf16 -> E4M3, both layouts) vs copy, {device}",
@@ -220,6 +284,12 @@ def run(device, quick: bool = False) -> dict:
         [[r["op"], r["shape"], r["fused_ms"], r["GBps"], r["ratio_to_copy"], r["unfused_ms"],
           r["speedup"]] for r in fused],
     )  # fmt: skip
+    text += print_table(
+        f"norms, bf16 -> E4M3 (forward: both FP8 layouts) vs copy and torch's kernels, {device}",
+        ["op", "shape", "ms", "GB/s", "copy GB/s", "ratio to copy", "torch ms", "speedup"],
+        [[r["op"], r["shape"], r["norm_ms"], r["GBps"], r["copy_GBps"], r["ratio_to_copy"],
+          r["torch_ms"], r["speedup"]] for r in norms],
+    )  # fmt: skip
     header = ["slots", "history", "fused eager ms", "plain eager ms", "speedup"]
     keys = ["slots", "history", "fused_eager_ms", "plain_eager_ms", "speedup_eager"]
     if torch.device(device).type == "cuda":
@@ -230,5 +300,5 @@ def run(device, quick: bool = False) -> dict:
         header,
         [[r[k] for k in keys] for r in up],
     )
-    return {"env": environment(device), "cast_transpose": ct, "fused": fused,
+    return {"env": environment(device), "cast_transpose": ct, "fused": fused, "norm": norms,
             "scale_update": up, "table": text}  # fmt: skip

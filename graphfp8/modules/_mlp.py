@@ -92,7 +92,8 @@ def fp8_gelu_mlp(inp, w1, b1, w2, b2, cfg1: GemmConfig, cfg2: GemmConfig) -> tor
     """FP8 MLP with the tanh GELU: y = gelu(inp @ w1.T + b1) @ w2.T + b2.
 
     Args:
-        inp: (..., H) in w1.dtype (high precision).
+        inp: (..., H) in w1.dtype (high precision), or a Float8Tensor of that nominal dtype in
+            cfg1's INPUT slot (a norm's FP8 output, used as is).
         w1: (F, H); b1: (F,) or None; w2: (H, F); b2: (H,) or None. H, F multiples of 16.
         cfg1, cfg2: slots, weight workspaces and cast decisions of fc1 (gemm 0) and fc2 (gemm 1).
 

@@ -1,12 +1,16 @@
-"""graphfp8.LayerNormLinear: a LayerNorm (or RMSNorm) followed by an FP8 linear layer."""
+"""graphfp8.LayerNormLinear: a LayerNorm (or RMSNorm) followed by an FP8 linear layer; under
+fp8_autocast the norm writes the GEMM's FP8 input directly (graphfp8.modules._norm)."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from graphfp8.fp8.slots import FwdRole
 from graphfp8.modules._functional import fp8_linear
-from graphfp8.modules._norm import apply_norm, make_norm_params
+from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
 from graphfp8.modules.base import FP8Module
 from graphfp8.modules.linear import linear_params
 
@@ -23,30 +27,48 @@ class LayerNormLinear(FP8Module):
         bias: learn the linear layer's bias.
         normalization: "LayerNorm" or "RMSNorm".
         fp8_output: return the output as a Float8Tensor (uses the output FP8 slot).
+        zero_centered_gamma: the norm's weight is 1 + layer_norm_weight, which starts at 0.
+        return_layernorm_output: also return the norm's output (high precision).
         params_dtype, device: as for Linear.
     """
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True,
                  normalization: str = "LayerNorm", fp8_output: bool = False,
+                 zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
                  params_dtype: torch.dtype | None = None, device=None):  # fmt: skip
         super().__init__()
         dtype = params_dtype or torch.get_default_dtype()
         self.in_features, self.out_features = in_features, out_features
         self.eps, self.normalization, self.fp8_output = eps, normalization, fp8_output
-        make_norm_params(self, in_features, normalization, dtype, device)
+        self.zero_centered_gamma = zero_centered_gamma
+        self.return_layernorm_output = return_layernorm_output
+        make_norm_params(self, in_features, normalization, dtype, device, zero_centered_gamma)
         self.weight, self.bias = linear_params(in_features, out_features, bias, dtype, device)
+
+    @property
+    def norm_spec(self) -> NormSpec:
+        return NormSpec(self.normalization, self.eps, self.zero_centered_gamma)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         """inp: (..., in_features) in params_dtype. Returns (..., out_features), a Float8Tensor
-        when fp8_output and FP8 are on. is_first_microbatch: as for Linear."""
+        when fp8_output and FP8 are on, and with return_layernorm_output the pair (output, norm
+        output (..., in_features)). is_first_microbatch: as for Linear."""
         cfgs = self._fp8_forward_configs(
             inp, self.in_features, [("weight", self.weight)], is_first_microbatch,
             high_precision_input=True, fp8_output=self.fp8_output,
         )  # fmt: skip
-        ln_out = apply_norm(self, inp, self.normalization, self.eps)
         if cfgs is None:
-            return F.linear(ln_out, self.weight, self.bias)
-        return fp8_linear(ln_out, self.weight, self.bias, cfgs[0])
+            ln_out = apply_norm(self, inp, self.norm_spec)
+            out = F.linear(ln_out, self.weight, self.bias)
+        else:
+            needs_t = torch.is_grad_enabled() and self.weight.requires_grad
+            quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)
+            x_fp8, ln_out, _ = norm_fp8(
+                self, inp, self.norm_spec, quantizer, needs_t=needs_t,
+                hp_out=self.return_layernorm_output,
+            )  # fmt: skip
+            out = fp8_linear(x_fp8, self.weight, self.bias, cfgs[0])
+        return (out, ln_out) if self.return_layernorm_output else out
 
     def extra_repr(self) -> str:
         return (

@@ -1,13 +1,17 @@
-"""graphfp8.LayerNormMLP: Norm -> FP8 fc1 -> activation -> FP8 fc2."""
+"""graphfp8.LayerNormMLP: Norm -> FP8 fc1 -> activation -> FP8 fc2; under fp8_autocast the norm
+writes fc1's FP8 input directly (graphfp8.modules._norm)."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from graphfp8.modules._functional import fp8_linear
+from graphfp8.fp8.slots import FwdRole
+from graphfp8.modules._functional import GemmConfig, fp8_linear
 from graphfp8.modules._mlp import fp8_gelu_mlp
-from graphfp8.modules._norm import apply_norm, make_norm_params
+from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
 from graphfp8.modules.base import FP8Module
 from graphfp8.modules.linear import linear_params
 
@@ -29,6 +33,7 @@ class LayerNormMLP(FP8Module):
         bias: learn fc1/fc2 biases.
         activation: "gelu" (tanh approximation, as TransformerEngine) or "relu".
         normalization: "LayerNorm" or "RMSNorm".
+        zero_centered_gamma: the norm's weight is 1 + layer_norm_weight, which starts at 0.
         params_dtype, device: as for Linear.
     """
 
@@ -36,7 +41,8 @@ class LayerNormMLP(FP8Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
                  bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
-                 params_dtype: torch.dtype | None = None, device=None):  # fmt: skip
+                 zero_centered_gamma: bool = False, params_dtype: torch.dtype | None = None,
+                 device=None):  # fmt: skip
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(
@@ -45,29 +51,55 @@ class LayerNormMLP(FP8Module):
         dtype = params_dtype or torch.get_default_dtype()
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.eps, self.normalization, self.activation = eps, normalization, activation
-        make_norm_params(self, hidden_size, normalization, dtype, device)
+        self.zero_centered_gamma = zero_centered_gamma
+        make_norm_params(self, hidden_size, normalization, dtype, device, zero_centered_gamma)
         self.fc1_weight, self.fc1_bias = linear_params(hidden_size, ffn_hidden_size, bias, dtype,
                                                        device)  # fmt: skip
         self.fc2_weight, self.fc2_bias = linear_params(ffn_hidden_size, hidden_size, bias, dtype,
                                                        device)  # fmt: skip
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+    @property
+    def norm_spec(self) -> NormSpec:
+        return NormSpec(self.normalization, self.eps, self.zero_centered_gamma)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None,
+                residual: torch.Tensor | None = None):  # fmt: skip
         """inp: (..., hidden_size) in params_dtype. Returns (..., hidden_size).
-        is_first_microbatch: as for Linear (both weights)."""
+        is_first_microbatch: as for Linear (both weights).
+
+        residual: optional, like inp: the layer normalizes h = inp + residual instead and returns
+        (h, output). Under fp8_autocast the add runs inside the norm kernel (and its backward's
+        gradient sum inside the norm's backward): TransformerLayer's first residual add. It is
+        an argument of forward, not a separate method, so that torch.compile keeps the whole FP8
+        call opaque (graphfp8.modules._compile).
+        """
         weights = [("fc1", self.fc1_weight), ("fc2", self.fc2_weight)]
         cfgs = self._fp8_forward_configs(inp, self.hidden_size, weights, is_first_microbatch,
                                          high_precision_input=True)  # fmt: skip
-        act = ACTIVATIONS[self.activation]
-        ln_out = apply_norm(self, inp, self.normalization, self.eps)
         if cfgs is None:
-            return F.linear(act(F.linear(ln_out, self.fc1_weight, self.fc1_bias)),
-                            self.fc2_weight, self.fc2_bias)  # fmt: skip
+            h = inp if residual is None else inp + residual
+            act = ACTIVATIONS[self.activation]
+            ln_out = apply_norm(self, h, self.norm_spec)
+            out = F.linear(act(F.linear(ln_out, self.fc1_weight, self.fc1_bias)), self.fc2_weight,
+                           self.fc2_bias)  # fmt: skip
+        else:
+            needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
+            quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)
+            x_fp8, _, h = norm_fp8(self, inp, self.norm_spec, quantizer, needs_t=needs_t,
+                                   residual=residual)  # fmt: skip
+            out = self._mlp_fp8(x_fp8, cfgs)
+        return out if residual is None else (h, out)
+
+    def _mlp_fp8(self, x_fp8, cfgs: list[GemmConfig]) -> torch.Tensor:
+        """fc2(act(fc1(x))) in FP8 for the normalized input x_fp8 (a Float8Tensor (...,
+        hidden_size) from this module's norm, in cfgs[0]'s INPUT slot)."""
         cfg1, cfg2 = cfgs
         if self.activation == "gelu":
             # GELU and dGELU fused into the FP8 casts around it (graphfp8.modules._mlp).
-            return fp8_gelu_mlp(ln_out, self.fc1_weight, self.fc1_bias, self.fc2_weight,
+            return fp8_gelu_mlp(x_fp8, self.fc1_weight, self.fc1_bias, self.fc2_weight,
                                 self.fc2_bias, cfg1, cfg2)  # fmt: skip
-        hidden = act(fp8_linear(ln_out, self.fc1_weight, self.fc1_bias, cfg1))
+        hidden = ACTIVATIONS[self.activation](fp8_linear(x_fp8, self.fc1_weight, self.fc1_bias,
+                                                         cfg1))  # fmt: skip
         return fp8_linear(hidden, self.fc2_weight, self.fc2_bias, cfg2)
 
     def extra_repr(self) -> str:

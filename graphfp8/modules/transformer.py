@@ -3,6 +3,11 @@
     x (B, S, H) -> LayerNormLinear (QKV, FP8) -> RoPE on q, k -> causal SDPA -> Linear (proj, FP8)
       -> + x -> LayerNormMLP (FP8) -> + residual
 
+Under fp8_autocast both norms write their GEMM's FP8 input directly, and the first residual add
+folds into the MLP's norm: one kernel reads x and the projection's output and writes h = x + proj
+and the FP8 norm of h (graphfp8.modules._norm); its backward adds the gradient that reaches h
+through the second residual into dx in the same pass.
+
 Attention (graphfp8.DotProductAttention) runs in the parameter dtype (torch's flash / memory-
 efficient kernels) by default, RoPE as one graphfp8 kernel each way (q and k rotated, v copied,
 straight from the fused QKV output; as separate torch ops on the strided q/k views it was ~10
@@ -38,14 +43,16 @@ class TransformerLayer(nn.Module):
         rope: apply rotary position embeddings to q and k.
         max_seq_len: longest sequence the rotary tables cover.
         rope_base: rotary frequency base.
-        eps, bias, activation, normalization: as for LayerNormMLP (shared by both norms).
+        eps, bias, activation, normalization, zero_centered_gamma: as for LayerNormMLP (shared
+            by both norms).
         params_dtype, device: as for Linear.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, rope: bool = True,
                  max_seq_len: int = 2048, rope_base: float = 10000.0, eps: float = 1e-5,
                  bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
-                 params_dtype: torch.dtype | None = None, device=None):  # fmt: skip
+                 zero_centered_gamma: bool = False, params_dtype: torch.dtype | None = None,
+                 device=None):  # fmt: skip
         super().__init__()
         if num_heads < 1 or hidden_size % num_heads:
             raise ValueError(
@@ -57,7 +64,7 @@ class TransformerLayer(nn.Module):
             raise ValueError(f"TransformerLayer: RoPE needs an even head_dim, got {head_dim}")
         dtype = params_dtype or torch.get_default_dtype()
         kw = dict(eps=eps, bias=bias, normalization=normalization, params_dtype=dtype,
-                  device=device)  # fmt: skip
+                  zero_centered_gamma=zero_centered_gamma, device=device)  # fmt: skip
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.ffn_hidden_size, self.rope, self.max_seq_len = ffn_hidden_size, rope, max_seq_len
         self.qkv = LayerNormLinear(hidden_size, 3 * hidden_size, **kw)
@@ -92,8 +99,9 @@ class TransformerLayer(nn.Module):
             )
         self.core_attention.check_fused(x.shape[0], x.shape[1], x.device)
         qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
-        h = x + self.proj(self.attention(qkv), is_first_microbatch=is_first_microbatch)
-        return h + self.mlp(h, is_first_microbatch=is_first_microbatch)
+        attn = self.proj(self.attention(qkv), is_first_microbatch=is_first_microbatch)
+        h, y = self.mlp(x, is_first_microbatch=is_first_microbatch, residual=attn)
+        return h + y
 
     def extra_repr(self) -> str:
         return (

@@ -9,6 +9,7 @@ from graphfp8.ops.cast_fused import (
 )
 from graphfp8.ops.dequantize import dequantize
 from graphfp8.ops.gemm import check_gemm_dims, fp8_gemm
+from graphfp8.ops.norm import NormFP8, layernorm_bwd, layernorm_fp8, rmsnorm_bwd, rmsnorm_fp8
 from graphfp8.ops.rope import rope_qkv
 from graphfp8.ops.rope_fp8 import rope_fp8, rope_fp8_backward
 from graphfp8.ops.scale_update import scale_update_
@@ -16,6 +17,7 @@ from graphfp8.ops.sdpa_fp8 import check_sdpa_fp8, sdpa_fp8_backward, sdpa_fp8_fo
 from graphfp8.ops.transpose import fp8_transpose
 
 __all__ = [
+    "NormFP8",
     "built_with_cuda",
     "cast_to_fp8",
     "cast_transpose",
@@ -27,6 +29,10 @@ __all__ = [
     "fp8_gemm",
     "fp8_transpose",
     "gelu_cast_transpose",
+    "layernorm_bwd",
+    "layernorm_fp8",
+    "rmsnorm_bwd",
+    "rmsnorm_fp8",
     "rope_fp8",
     "rope_fp8_backward",
     "rope_qkv",

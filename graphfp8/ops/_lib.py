@@ -66,6 +66,30 @@ def _rope_qkv_fake(qkv, cos, sin, num_heads, inverse, out):
     return None
 
 
+@torch.library.register_fake("graphfp8::layernorm_fp8")
+def _layernorm_fp8_fake(x, gamma, beta, eps, zero_centered_gamma, scale, out, out_t,
+                        scale_inv, amax, mu, rsigma, out_hp=None, residual=None,
+                        residual_out=None):  # fmt: skip
+    return None
+
+
+@torch.library.register_fake("graphfp8::rmsnorm_fp8")
+def _rmsnorm_fp8_fake(x, gamma, eps, zero_centered_gamma, scale, out, out_t, scale_inv, amax,
+                      rsigma, out_hp=None, residual=None, residual_out=None):  # fmt: skip
+    return None
+
+
+@torch.library.register_fake("graphfp8::layernorm_bwd")
+def _layernorm_bwd_fake(dy, x, mu, rsigma, gamma, zero_centered_gamma, dx, dgamma, dbeta,
+                        dresidual=None):  # fmt: skip
+    return None
+
+
+@torch.library.register_fake("graphfp8::rmsnorm_bwd")
+def _rmsnorm_bwd_fake(dy, x, rsigma, gamma, zero_centered_gamma, dx, dgamma, dresidual=None):
+    return None
+
+
 @torch.library.register_fake("graphfp8::rope_fp8")
 def _rope_fp8_fake(qkv, cos, sin, num_heads, scale, out, scale_inv, amax):
     return None

@@ -36,7 +36,7 @@ def rope_qkv(
         out: (batch, seq, 3 * hidden), qkv's dtype.
 
     Raises:
-        TypeError: a dtype is wrong (the op's own checks, in csrc/ops.cpp).
+        TypeError: a dtype is wrong (the op's own checks, in csrc/ops/).
         ValueError: a shape, layout or device is wrong.
     """
     if out is None:

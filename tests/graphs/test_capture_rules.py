@@ -80,8 +80,10 @@ def test_captured_graphs_hold_the_fp8_kernels(device):
     _, g = _graphed("LayerNormMLP", device=device)
     ops = g.captured_ops()
     assert ops["forward"][0] == "graphfp8::scale_update", "the update opens the forward graph"
-    assert ops["forward"].count("graphfp8::cast_transpose") == 3  # fc1's input, 2 weights
+    assert ops["forward"].count("graphfp8::layernorm_fp8") == 1  # fc1's input, by the norm
+    assert ops["forward"].count("graphfp8::cast_transpose") == 2  # the 2 weights
     assert ops["forward"].count("graphfp8::gelu_cast_transpose") == 1  # fc2's input
+    assert ops["backward"].count("graphfp8::layernorm_bwd") == 1
     assert ops["backward"][-1] == "graphfp8::scale_update", "and closes the backward graph"
     assert ops["backward"].count("graphfp8::cast_transpose_dbias") == 1  # fc2's grad output
     assert ops["backward"].count("graphfp8::dgelu_cast_transpose_dbias") == 1  # fc1's
@@ -92,6 +94,9 @@ def test_captured_graphs_hold_the_fp8_kernels(device):
     bwd = " ".join(kernels["backward"])
     assert "scale_update" in fwd and "scale_update" in bwd
     assert "cast_transpose" in fwd and "cast_transpose" in bwd
+    gpu = device == "cuda"
+    assert ("norm_fwd_kernel" if gpu else "layernorm_fp8") in fwd
+    assert ("norm_bwd_kernel" if gpu else "layernorm_bwd") in bwd
 
 
 def test_many_replays_back_to_back_follow_is_first_microbatch(device):

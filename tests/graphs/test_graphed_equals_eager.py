@@ -26,7 +26,9 @@ def test_graphed_equals_eager(device, kind, caching, fmt, length, margin):
     train_side_by_side(kind, recipe, caching, device)
 
 
-@pytest.mark.parametrize("kind", ["RMSNormLinear", "Chain"])
+@pytest.mark.parametrize(
+    "kind", ["RMSNormLinear", "Chain", "RMSNormMLP", "RMSNormTransformerLayer"]
+)
 def test_graphed_equals_eager_rmsnorm_and_fp8_chain(device, kind):
     train_side_by_side(kind, g8.DelayedScaling(amax_history_len=4), True, device)
 

@@ -44,12 +44,20 @@ def build(kind: str, dtype=torch.bfloat16, device="cpu") -> nn.Module:
         return g8.LayerNormLinear(H, 2 * H, normalization="RMSNorm", **kw)
     if kind == "LayerNormMLP":
         return g8.LayerNormMLP(H, 4 * H, **kw)
+    if kind == "RMSNormMLP":  # zero-centered gamma, randomised so that it matters
+        m = g8.LayerNormMLP(H, 4 * H, normalization="RMSNorm", zero_centered_gamma=True, **kw)
+        with torch.no_grad():
+            m.layer_norm_weight.normal_(0.0, 0.2)
+        return m
     if kind == "Stack":
         return Stack(dtype=dtype, device=device)
     if kind == "Chain":
         return Stack(dtype=dtype, device=device, fp8_output=True)
     if kind == "TransformerLayer":
         return g8.TransformerLayer(H, 2, 2 * H, max_seq_len=T, **kw)
+    if kind == "RMSNormTransformerLayer":
+        return g8.TransformerLayer(H, 2, 2 * H, max_seq_len=T, normalization="RMSNorm",
+                                   zero_centered_gamma=True, **kw)  # fmt: skip
     raise ValueError(kind)
 
 
@@ -58,20 +66,11 @@ def torch_twin(m: nn.Module):
     if isinstance(m, g8.Linear):
         return lambda x: F.linear(x, m.weight, m.bias)
     if isinstance(m, g8.LayerNormLinear):
-
-        def f(x):
-            if m.normalization == "LayerNorm":
-                y = F.layer_norm(x, (x.shape[-1],), m.layer_norm_weight, m.layer_norm_bias, m.eps)
-            else:
-                y = F.rms_norm(x, (x.shape[-1],), m.layer_norm_weight, m.eps)
-            return F.linear(y, m.weight, m.bias)
-
-        return f
+        return lambda x: F.linear(_torch_norm(m, x), m.weight, m.bias)
     if isinstance(m, g8.LayerNormMLP):
 
         def f(x):
-            y = F.layer_norm(x, (x.shape[-1],), m.layer_norm_weight, m.layer_norm_bias, m.eps)
-            y = F.gelu(F.linear(y, m.fc1_weight, m.fc1_bias), approximate="tanh")
+            y = F.gelu(F.linear(_torch_norm(m, x), m.fc1_weight, m.fc1_bias), approximate="tanh")
             return F.linear(y, m.fc2_weight, m.fc2_bias)
 
         return f
@@ -83,6 +82,14 @@ def torch_twin(m: nn.Module):
 
         return f
     raise ValueError(type(m))
+
+
+def _torch_norm(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """m's LayerNorm / RMSNorm as torch.nn.functional ops (weight 1 + gamma when zero-centered)."""
+    weight = m.layer_norm_weight + 1 if m.zero_centered_gamma else m.layer_norm_weight
+    if m.normalization == "LayerNorm":
+        return F.layer_norm(x, (x.shape[-1],), weight, m.layer_norm_bias, m.eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, m.eps)
 
 
 def input_shape(m: nn.Module, tokens: int = T) -> tuple[int, ...]:

@@ -29,6 +29,22 @@ def _microbatch(model, x, first: bool) -> torch.Tensor:
     return y.detach()
 
 
+# Since the fused norms (issue 13) the norms run graphfp8's kernels instead of torch's: their
+# float32 sums run in another order (float64 row sums), so what they compute, and what flows from
+# their backward, can move by a few float32 ulps (measured: at most 1.4 ulps of the largest
+# element). Everything else is still bit for bit what the code of that time computed.
+NORM_COMPUTED = {"x_grad", "0.layer_norm_weight", "0.layer_norm_bias", "0.bias",
+                 "1.layer_norm_weight", "1.layer_norm_bias", "0.fwd_amax_history"}  # fmt: skip
+
+
+def _assert_as_before(got, want, name: str) -> None:
+    if name not in NORM_COMPUTED:
+        assert_bitwise_equal(got, want, name)
+        return
+    ulp = torch.finfo(torch.float32).eps * float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=0.0, atol=4 * ulp, msg=name)
+
+
 @pytest.fixture
 def _two_cpu_threads():
     """The expected file was written with torch's default of 2 intra-op threads (the CI machine's
@@ -52,18 +68,20 @@ def test_version_0_checkpoint_loads_and_computes_as_before():
     outputs = [_microbatch(model, x, first=mb == 0) for mb in range(2)]
     for got, want in zip(outputs, expected["outputs"], strict=True):
         assert_bitwise_equal(got, want)
-    assert_bitwise_equal(x.grad, expected["x_grad"])
+    _assert_as_before(x.grad, expected["x_grad"], "x_grad")
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert sorted(grads) == sorted(expected["grads"])
     for name, grad in grads.items():
-        assert_bitwise_equal(grad, expected["grads"][name], name)
+        _assert_as_before(grad, expected["grads"][name], name)
     # Afterwards: the same FP8 state, less the dropped grad_input slots (odd backward columns).
     for key, state in model.state_dict().items():
         if not key.endswith("_extra_state"):
             continue
         before = expected["state_after"][key]
         assert state["version"] == 1
-        assert_bitwise_equal(state["fwd_amax_history"], before["fwd_amax_history"], key)
+        module = key.split(".")[0]
+        _assert_as_before(state["fwd_amax_history"], before["fwd_amax_history"],
+                          f"{module}.fwd_amax_history")  # fmt: skip
         assert_bitwise_equal(state["fwd_scale"], before["fwd_scale"], key)
         assert_bitwise_equal(state["bwd_amax_history"], before["bwd_amax_history"][:, 0::2], key)
         assert_bitwise_equal(state["bwd_scale"], before["bwd_scale"][0::2], key)

@@ -159,3 +159,18 @@ def test_checkpoint_round_trip_keeps_the_recipe(device):
     assert_bitwise_equal(other.fp8_meta.fwd.scales(), m.fp8_meta.fwd.scales(), "scales")
     with g8.fp8_autocast(recipe=recipe), torch.no_grad():
         assert_bitwise_equal(other(x), m(x), "output after load")
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_fused_norm_cast_takes_its_scale_from_the_norm_output(device, normalization):
+    """LayerNormLinear's norm writes the GEMM's FP8 input itself: under current scaling the norm
+    kernel runs once more as the amax pass, and the INPUT scale follows the norm's output (within
+    the rounding of the high-precision copy we compare against)."""
+    m = g8.LayerNormLinear(H, H, normalization=normalization, return_layernorm_output=True,
+                           params_dtype=torch.float32, device=device)  # fmt: skip
+    x = torch.randn(T, H, device=device) * 100
+    with g8.fp8_autocast(recipe=CURRENT), torch.no_grad():
+        _, ln_out = m(x)
+    want = 448.0 / ln_out.abs().max()
+    got = m.fp8_meta.fwd.scales()[slot_index(FwdRole.INPUT, 0)]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)

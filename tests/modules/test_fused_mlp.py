@@ -69,9 +69,13 @@ def test_gelu_mlp_runs_the_fused_kernels():
     names = _op_names(build("LayerNormMLP"), "cpu")
     for op in ("gelu_cast_transpose", "cast_transpose_dbias", "dgelu_cast_transpose_dbias"):
         assert names.count(f"graphfp8::{op}") == 1, op
-    # fc1's input, fc1's weight and fc2's weight; no activation or grad cast-transposes remain.
-    assert names.count("graphfp8::cast_transpose") == 3
-    for op in ("aten::gelu", "aten::gelu_backward", "aten::sum"):
+    # The norm writes fc1's FP8 input; the weights are cast-transposed; no activation or grad
+    # cast-transposes remain, and none of torch's LayerNorm kernels.
+    assert names.count("graphfp8::layernorm_fp8") == 1
+    assert names.count("graphfp8::layernorm_bwd") == 1
+    assert names.count("graphfp8::cast_transpose") == 2
+    for op in ("aten::gelu", "aten::gelu_backward", "aten::sum", "aten::native_layer_norm",
+               "aten::native_layer_norm_backward"):  # fmt: skip
         assert op not in names, op
     assert names.count("aten::_scaled_mm") == 6
 

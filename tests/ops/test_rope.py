@@ -92,8 +92,8 @@ def test_odd_head_dim_rejected():
 @pytest.mark.parametrize("change, error, match", ERROR_CASES)
 def test_op_raises_what_the_wrapper_raises(device, change, error, match):
     """The wrapper has no checks of its own: a direct torch.ops call raises the same errors, from
-    ops.cpp. (On the GPU machine, messages that streamed numbers once crashed the process instead
-    of raising: ops.cpp formats them with std::to_string.)"""
+    csrc/ops/. (On the GPU machine, messages that streamed numbers once crashed the process instead
+    of raising: csrc/ops/ formats them with std::to_string.)"""
     qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, device)
     args = change(qkv, cos, sin)
     with pytest.raises(error, match=match):

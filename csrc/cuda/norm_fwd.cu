@@ -1,0 +1,183 @@
+// CUDA: LayerNorm / RMSNorm forward with an FP8 output (common.h's NormParams has the math).
+//
+// Grid and registers: norm.cuh. Per row: the mean, then the sum of squared deviations (or of
+// squares, RMSNorm), then y, the FP8 bytes (row-major), amax and the optional high-precision y;
+// each block folds its amax into the slot with one atomic. The transpose, when asked for, is one
+// pass of the tile machinery's fp8_transpose over the FP8 output (1 byte read and written per
+// element): fusing it needs a band of >= 16 rows x hidden staged on chip (notes/PERF.md).
+#include "../common.h"
+#include "../dtype_switch.h"
+#include "fp8_util.cuh"
+#include "norm.cuh"
+#include "tile.cuh"
+#include "vec.cuh"
+
+namespace graphfp8 {
+namespace {
+
+using cuda::norm::Elems;
+using cuda::norm::fwd_loads;
+using cuda::norm::kMaxThreads;
+using cuda::norm::row_layout;
+using cuda::norm::row_sums;
+using cuda::norm::RowLayout;
+
+template <typename T>
+struct FwdArgs {
+  NormParams p;
+  RowLayout layout;
+};
+
+// g = gamma (+ 1) of the N columns at element c.
+template <typename T, bool kVec>
+__device__ __forceinline__ void weights(const NormParams& p, int64_t c,
+                                        float (&g)[Elems<T, kVec>::N]) {
+  using E = Elems<T, kVec>;
+  E::to_floats(E::load(static_cast<const T*>(p.gamma) + c), g);
+  if (p.zero_centered_gamma) {
+#pragma unroll
+    for (int j = 0; j < E::N; ++j) g[j] = __fadd_rn(g[j], 1.0f);
+  }
+}
+
+// Loads the thread's part of row r (z = x, or x + residual rounded to T, also written out).
+template <typename T, bool kVec, int kLoads>
+__device__ __forceinline__ void load_row(const NormParams& p, int64_t r, int lane_r, int tpr,
+                                         bool valid, typename Elems<T, kVec>::Frag (&raw)[kLoads]) {
+  using E = Elems<T, kVec>;
+  const int64_t loads = p.hidden / E::N;
+#pragma unroll
+  for (int k = 0; k < kLoads; ++k) {
+    const int64_t v = lane_r + static_cast<int64_t>(k) * tpr;
+    if (valid && v < loads) raw[k] = E::load(static_cast<const T*>(p.x) + r * p.hidden + v * E::N);
+  }
+  if (p.residual == nullptr) return;
+#pragma unroll
+  for (int k = 0; k < kLoads; ++k) {
+    const int64_t v = lane_r + static_cast<int64_t>(k) * tpr;
+    if (!valid || v >= loads) continue;
+    const int64_t at = r * p.hidden + v * E::N;
+    float x[E::N], res[E::N];
+    E::to_floats(raw[k], x);
+    E::to_floats(E::load(static_cast<const T*>(p.residual) + at), res);
+#pragma unroll
+    for (int j = 0; j < E::N; ++j) x[j] = __fadd_rn(x[j], res[j]);
+    raw[k] = E::from_floats(x);
+    E::store(static_cast<T*>(p.residual_out) + at, raw[k]);
+  }
+}
+
+// Sums over the thread's part of the row of z - shift (squared when kSquare), zero elsewhere.
+template <typename T, bool kVec, int kLoads, bool kSquare>
+__device__ __forceinline__ float part_sum(const typename Elems<T, kVec>::Frag (&raw)[kLoads],
+                                          int64_t loads, int lane_r, int tpr, bool valid,
+                                          float shift) {
+  using E = Elems<T, kVec>;
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kLoads; ++k) {
+    if (!valid || lane_r + static_cast<int64_t>(k) * tpr >= loads) continue;
+    float z[E::N];
+    E::to_floats(raw[k], z);
+#pragma unroll
+    for (int j = 0; j < E::N; ++j) {
+      const float d = __fsub_rn(z[j], shift);
+      s = __fadd_rn(s, kSquare ? __fmul_rn(d, d) : d);
+    }
+  }
+  return s;
+}
+
+template <typename T, bool kE4M3, bool kVec>
+__global__ void __launch_bounds__(kMaxThreads) norm_fwd_kernel(FwdArgs<T> a) {
+  using E = Elems<T, kVec>;
+  constexpr int kLoads = fwd_loads<T, kVec>();
+  __shared__ float scratch[1][32];
+  const NormParams& p = a.p;
+  const int tpr = a.layout.tpr;
+  const int slot = threadIdx.x / tpr;
+  const int lane_r = threadIdx.x % tpr;
+  const int64_t loads = p.hidden / E::N;
+  const float h = static_cast<float>(p.hidden);
+  const float scale = *p.scale;
+  float amax = 0.0f;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * a.layout.rows_per_block;
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * a.layout.rows_per_block; row0 < p.rows;
+       row0 += step) {
+    const int64_t r = row0 + slot;
+    const bool valid = r < p.rows;
+    typename E::Frag raw[kLoads];
+    load_row<T, kVec, kLoads>(p, r, lane_r, tpr, valid, raw);
+    float s[1] = {0.0f};
+    float mu = 0.0f;
+    if (!p.rms) {
+      s[0] = part_sum<T, kVec, kLoads, false>(raw, loads, lane_r, tpr, valid, 0.0f);
+      row_sums(s, tpr, scratch);
+      mu = __fdiv_rn(s[0], h);
+    }
+    s[0] = part_sum<T, kVec, kLoads, true>(raw, loads, lane_r, tpr, valid, mu);
+    row_sums(s, tpr, scratch);
+    const float rsigma = __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(s[0], h), p.eps)));
+    if (!valid) continue;
+    if (lane_r == 0) {
+      if (p.mu != nullptr) p.mu[r] = mu;
+      p.rsigma[r] = rsigma;
+    }
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int64_t v = lane_r + static_cast<int64_t>(k) * tpr;
+      if (v >= loads) continue;
+      float z[E::N], g[E::N], b[E::N];
+      E::to_floats(raw[k], z);
+      weights<T, kVec>(p, v * E::N, g);
+      if (!p.rms) E::to_floats(E::load(static_cast<const T*>(p.beta) + v * E::N), b);
+      uint8_t q[E::N];
+#pragma unroll
+      for (int j = 0; j < E::N; ++j) {
+        float y = __fmul_rn(__fmul_rn(__fsub_rn(z[j], mu), rsigma), g[j]);
+        if (!p.rms) y = __fadd_rn(y, b[j]);
+        z[j] = y;
+        amax = fmaxf(amax, fabsf(y));
+        q[j] = cuda::quantize<kE4M3>(__fmul_rn(y, scale));
+      }
+      const int64_t at = r * p.hidden + v * E::N;
+      cuda::store_bytes<E::N>(static_cast<uint8_t*>(p.out) + at, q);
+      if (p.out_hp != nullptr) E::store(static_cast<T*>(p.out_hp) + at, E::from_floats(z));
+    }
+  }
+  cuda::amax_epilogue(amax, p.amax, p.scale_inv, scale);
+}
+
+template <typename T, bool kE4M3, bool kVec>
+Status launch_fwd(const NormParams& p, cudaStream_t stream) {
+  using E = Elems<T, kVec>;
+  const RowLayout layout = row_layout(p.hidden / E::N, fwd_loads<T, kVec>());
+  const int grid = cuda::grid_size(cuda::ceil_div(p.rows, layout.rows_per_block),
+                                   2048 / layout.block);
+  norm_fwd_kernel<T, kE4M3, kVec><<<grid, layout.block, 0, stream>>>(FwdArgs<T>{p, layout});
+  const Status st = cuda::check_launch("norm_fwd_kernel");
+  if (!st.ok() || p.out_t == nullptr) return st;
+  const TransposeParams t{static_cast<const uint8_t*>(p.out), static_cast<uint8_t*>(p.out_t),
+                          nullptr, p.rows, p.hidden};
+  return transpose_cuda(t, stream);
+}
+
+}  // namespace
+
+Status norm_fwd_cuda(const NormParams& p, void* stream_ptr) {
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  GRAPHFP8_SWITCH_HP(p.dtype, "norm_fwd", T,
+    GRAPHFP8_SWITCH_FP8(p.out_dtype, "norm_fwd", kE4M3,
+      constexpr int N = cuda::Vec<T>::N;
+      const bool vec = p.hidden % N == 0 && cuda::aligned16(p.x) && cuda::aligned16(p.gamma) &&
+                       (p.beta == nullptr || cuda::aligned16(p.beta)) &&
+                       (p.residual == nullptr || cuda::aligned16(p.residual)) &&
+                       (p.residual_out == nullptr || cuda::aligned16(p.residual_out)) &&
+                       (p.out_hp == nullptr || cuda::aligned16(p.out_hp)) &&
+                       cuda::aligned16(p.out);
+      if (vec) return launch_fwd<T, kE4M3, true>(p, stream);
+      return launch_fwd<T, kE4M3, false>(p, stream);))
+  return Status{};
+}
+
+}  // namespace graphfp8

@@ -1,0 +1,121 @@
+// Checks and launches of the RoPE fused with the FP8 casts of q, k and v (rope_fp8.h), and of
+// its backward.
+#include <utility>
+#include <vector>
+
+#include "../rope_fp8.h"
+#include "ops.h"
+
+namespace graphfp8 {
+namespace {
+
+// The checks both directions share.
+void check_rope_tables(const char* op, const c10::optional<at::Tensor>& cos,
+                       const c10::optional<at::Tensor>& sin, const at::Tensor& ref, int64_t seq,
+                       int64_t head_dim) {
+  TORCH_CHECK(cos.has_value() == sin.has_value(), op,
+              ": arguments 'cos' and 'sin' must be given together");
+  if (!cos.has_value()) return;
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"cos", &*cos}, {"sin", &*sin}}) {
+    check_common(op, name, *t, ref);
+    TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": argument '", name,
+                "' must be float32, got ", t->scalar_type());
+    TORCH_CHECK(t->dim() == 2 && t->size(0) >= seq && t->size(1) == head_dim, op, ": argument '",
+                name, "' must be (>= ", fmt(seq), ", ", fmt(head_dim), "), got ", fmt(t->sizes()));
+  }
+}
+
+void check_three(const char* op, const char* name, at::TensorList ts) {
+  TORCH_CHECK(ts.size() == 3, op, ": argument '", name, "' must hold 3 tensors (q, k, v), got ",
+              fmt(static_cast<int64_t>(ts.size())));
+}
+
+}  // namespace
+
+void rope_fp8(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos,
+              const c10::optional<at::Tensor>& sin, int64_t num_heads, at::TensorList scale,
+              at::TensorList out, at::TensorList scale_inv, at::TensorList amax) {
+  const char* op = "graphfp8.rope_fp8";
+  TORCH_CHECK(is_hp(qkv.scalar_type()), op,
+              ": argument 'qkv' must be float32, bfloat16 or float16, got ", qkv.scalar_type());
+  TORCH_CHECK(qkv.dim() == 3, op, ": argument 'qkv' must be (batch, seq, 3 * hidden), got ",
+              fmt(qkv.dim()), "-D");
+  TORCH_CHECK(qkv.is_contiguous(), op, ": argument 'qkv' must be contiguous");
+  const int64_t width = qkv.size(2);
+  TORCH_CHECK(num_heads > 0 && width % (3 * num_heads) == 0, op, ": last dim ", fmt(width),
+              " is not 3 * num_heads (", fmt(num_heads), ") * head_dim");
+  const int64_t head_dim = width / (3 * num_heads);
+  TORCH_CHECK(head_dim % 2 == 0, op, ": head_dim must be even, got ", fmt(head_dim));
+  check_rope_tables(op, cos, sin, qkv, qkv.size(1), head_dim);
+  for (auto [name, list] : {std::pair<const char*, at::TensorList>{"scale", scale},
+                            {"out", out}, {"scale_inv", scale_inv}, {"amax", amax}}) {
+    check_three(op, name, list);
+  }
+  RopeFp8Params p{};
+  const std::vector<int64_t> part_shape{qkv.size(0), qkv.size(1), num_heads, head_dim};
+  for (int i = 0; i < 3; ++i) {
+    check_scalar_f32(op, "scale", scale[i], qkv);
+    check_fp8_out(op, "out", out[i], qkv, part_shape);
+    TORCH_CHECK(out[i].scalar_type() == out[0].scalar_type(), op,
+                ": the three 'out' tensors must have one FP8 dtype");
+    check_scalar_f32(op, "scale_inv", scale_inv[i], qkv);
+    check_scalar_f32(op, "amax", amax[i], qkv);
+    p.out[i] = out[i].data_ptr();
+    p.scale[i] = scale[i].data_ptr<float>();
+    p.scale_inv[i] = scale_inv[i].data_ptr<float>();
+    p.amax[i] = amax[i].data_ptr<float>();
+  }
+  p.qkv = qkv.data_ptr();
+  p.qkv_dtype = to_dtype(qkv.scalar_type());
+  p.cos = cos.has_value() ? cos->data_ptr<float>() : nullptr;
+  p.sin = sin.has_value() ? sin->data_ptr<float>() : nullptr;
+  p.out_dtype = to_dtype(out[0].scalar_type());
+  p.batch = qkv.size(0);
+  p.seq = qkv.size(1);
+  p.heads = num_heads;
+  p.head_dim = head_dim;
+  if (qkv.numel() == 0) return;
+  launch(op, qkv, p, rope_fp8_cpu,
+         [](const RopeFp8Params& q, void* s) { return rope_fp8_cuda(q, s); });
+}
+
+void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
+                       const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                       int64_t num_heads, const at::Tensor& out) {
+  const char* op = "graphfp8.rope_fp8_backward";
+  check_three(op, "grads", grads);
+  check_three(op, "scale_inv", scale_inv);
+  TORCH_CHECK(is_hp(out.scalar_type()), op,
+              ": argument 'out' must be float32, bfloat16 or float16, got ", out.scalar_type());
+  TORCH_CHECK(out.dim() == 3 && out.is_contiguous(), op,
+              ": argument 'out' must be a contiguous (batch, seq, 3 * hidden) tensor");
+  TORCH_CHECK(num_heads > 0 && out.size(2) % (3 * num_heads) == 0, op, ": last dim ",
+              fmt(out.size(2)), " is not 3 * num_heads (", fmt(num_heads), ") * head_dim");
+  const int64_t head_dim = out.size(2) / (3 * num_heads);
+  TORCH_CHECK(head_dim % 2 == 0, op, ": head_dim must be even, got ", fmt(head_dim));
+  check_rope_tables(op, cos, sin, out, out.size(1), head_dim);
+  RopeFp8BwdParams p{};
+  const std::vector<int64_t> part_shape{out.size(0), out.size(1), num_heads, head_dim};
+  for (int i = 0; i < 3; ++i) {
+    check_fp8_out(op, "grads", grads[i], out, part_shape);
+    TORCH_CHECK(grads[i].scalar_type() == grads[0].scalar_type(), op,
+                ": the three 'grads' tensors must have one FP8 dtype");
+    check_scalar_f32(op, "scale_inv", scale_inv[i], out);
+    p.grad[i] = grads[i].data_ptr();
+    p.scale_inv[i] = scale_inv[i].data_ptr<float>();
+  }
+  p.grad_dtype = to_dtype(grads[0].scalar_type());
+  p.cos = cos.has_value() ? cos->data_ptr<float>() : nullptr;
+  p.sin = sin.has_value() ? sin->data_ptr<float>() : nullptr;
+  p.out = out.data_ptr();
+  p.out_dtype = to_dtype(out.scalar_type());
+  p.batch = out.size(0);
+  p.seq = out.size(1);
+  p.heads = num_heads;
+  p.head_dim = head_dim;
+  if (out.numel() == 0) return;
+  launch(op, out, p, rope_fp8_bwd_cpu,
+         [](const RopeFp8BwdParams& q, void* s) { return rope_fp8_bwd_cuda(q, s); });
+}
+
+}  // namespace graphfp8
