@@ -2,7 +2,7 @@
 
 Per cast, under graphfp8.Float8CurrentScaling (docs/fp8.md, "Current scaling"):
 
-    amax pass   the cast itself (or its fused variant: GELU, dGELU) run once with its outputs
+    amax pass   the cast itself (or its fused variant: norm, GELU, dGELU) once with its outputs
                 dropped, folding max|x| into the slot's H[0] (NaNs ignored, as every cast does)
     update      the delayed-scaling kernel on that one slot, whose history is one long:
                 scale = fp8_max / H[0] when finite and > 0, else unchanged; H[0] back to 0
