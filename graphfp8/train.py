@@ -88,6 +88,38 @@ def build_parser() -> argparse.ArgumentParser:
                    "preset's)")  # fmt: skip
     p.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: the "
                    "preset's)")  # fmt: skip
+    _add_data_options(p)
+    p.add_argument("--compare", nargs="?", const="bf16,fp8", metavar="RUNS",
+                   help="train several runs side by side and plot their losses: comma-separated "
+                   "precision[:layers|:step|:none] (graphs = layers, eager = none), bf16,fp8 "
+                   "with --graphs' setting when RUNS is left out (default: one run, "
+                   "--precision)")  # fmt: skip
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda[:N] (default: cuda when torch sees a GPU, else cpu)",
+    )
+    p.add_argument("--compile", action="store_true", help="torch.compile what the graphs do "
+                   "not hold: embedding, head, loss (and the blocks when not graphed)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
+    p.add_argument("--amax-history-len", type=_positive, default=16, help="FP8 delayed scaling")
+    p.add_argument("--fp8-format", choices=("HYBRID", "E4M3"), default="HYBRID",
+                   help="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = both")  # fmt: skip
+    p.add_argument("--log-every", type=_positive, default=10, metavar="STEPS",
+                   help="progress line and CSV rows every STEPS steps")  # fmt: skip
+    p.add_argument("--out", type=Path, help="log directory (default: runs/<time>)")
+    p.add_argument("--save", type=Path, help="write a checkpoint at the end (default: none)")
+    p.add_argument("--resume", type=Path, help="continue from a checkpoint of the same run "
+                   "settings, --steps included (default: none)")  # fmt: skip
+    p.add_argument("--stop-at", type=_positive, metavar="STEP",
+                   help="end after this step; the LR schedule still spans --steps; with --save "
+                        "to resume later (default: run all --steps)")  # fmt: skip
+    p.add_argument("--ddp", action="store_true", help="data parallel over torchrun's processes")
+    return p
+
+
+def _add_data_options(p: argparse.ArgumentParser) -> None:
+    """--data, --vocab-size and the validation options."""
     p.add_argument("--data", default="stdlib", metavar="PATH|stdlib|synthetic",
                    help="training text: a UTF-8 text file or folder (read as bytes), a nanoGPT "
                    ".bin file of uint16 tokens (with --vocab-size), the Python standard "
@@ -104,31 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "STEPS steps and at the end (default: --steps / 10)")  # fmt: skip
     p.add_argument("--val-batches", type=_positive, help="validation set size in microbatches "
                    "of --batch sequences (default: 2 with --preset tiny, else 32)")  # fmt: skip
-    p.add_argument("--compare", nargs="?", const="bf16,fp8", metavar="RUNS",
-                   help="train several runs side by side and plot their losses: comma-separated "
-                   "precision[:layers|:step|:none] (graphs = layers, eager = none), bf16,fp8 "
-                   "with --graphs' setting when RUNS is left out (default: one run, "
-                   "--precision)")  # fmt: skip
-    p.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu or cuda[:N] (default: cuda when torch sees a GPU, else cpu)",
-    )
-    p.add_argument("--compile", action="store_true", help="torch.compile what the graphs do "
-                   "not hold: embedding, head, loss (and the blocks when not graphed)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
-    p.add_argument("--amax-history-len", type=_positive, default=16, help="FP8 delayed scaling")
-    p.add_argument("--log-every", type=_positive, default=10, metavar="STEPS",
-                   help="progress line and CSV rows every STEPS steps")  # fmt: skip
-    p.add_argument("--out", type=Path, help="log directory (default: runs/<time>)")
-    p.add_argument("--save", type=Path, help="write a checkpoint at the end (default: none)")
-    p.add_argument("--resume", type=Path, help="continue from a checkpoint of the same run "
-                   "settings, --steps included (default: none)")  # fmt: skip
-    p.add_argument("--stop-at", type=_positive, metavar="STEP",
-                   help="end after this step; the LR schedule still spans --steps; with --save "
-                        "to resume later (default: run all --steps)")  # fmt: skip
-    p.add_argument("--ddp", action="store_true", help="data parallel over torchrun's processes")
-    return p
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -199,7 +206,8 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
     model = dataclasses.replace(PRESETS[args.preset], vocab=vocab, **overrides)
     return RunSpec(preset=args.preset, model=model, precision=precision, graphs=graphs,
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
-                   amax_history_len=args.amax_history_len, compile=args.compile)  # fmt: skip
+                   amax_history_len=args.amax_history_len, compile=args.compile,
+                   fp8_format=args.fp8_format)  # fmt: skip
 
 
 def _environment(device: str) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from graphfp8.training.run import Run
+from graphfp8.training.run import OLDER_DEFAULTS, Run
 
 __all__ = ["CheckpointError", "check_resumable", "load_checkpoint", "save_checkpoint"]
 
@@ -97,7 +97,7 @@ def check_resumable(state: dict, spec: dict, steps: int, data: dict) -> list[str
     Raises:
         CheckpointError: naming every setting that differs.
     """
-    saved = state["spec"]
+    saved = {**OLDER_DEFAULTS, **state["spec"]}
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {spec[k]!r}"
             for k in spec if saved.get(k) != spec[k]]  # fmt: skip
     notes = []
