@@ -72,6 +72,8 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amax-history-len", type=_positive, default=16, help="FP8 delayed scaling")
+    p.add_argument("--fp8-format", choices=("HYBRID", "E4M3"), default="HYBRID",
+                   help="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = both")  # fmt: skip
     p.add_argument("--scaling", choices=SCALINGS, default="delayed",
                    help="FP8 recipe: DelayedScaling (amax history) or Float8CurrentScaling "
                    "(each tensor's own amax)")  # fmt: skip
@@ -98,22 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "preset's)")  # fmt: skip
     p.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: the "
                    "preset's)")  # fmt: skip
-    p.add_argument("--data", default="stdlib", metavar="PATH|stdlib|synthetic",
-                   help="training text: a UTF-8 text file or folder (read as bytes), a nanoGPT "
-                   ".bin file of uint16 tokens (with --vocab-size), the Python standard "
-                   "library's sources, or the generated language")  # fmt: skip
-    p.add_argument("--vocab-size", type=_positive, help="vocabulary of a .bin token file "
-                   "(default: 256 bytes for text)")  # fmt: skip
-    p.add_argument(
-        "--val-fraction",
-        type=_fraction,
-        default=0.01,
-        help="share of the data, at its end, held out for validation (0: none)",
-    )
-    p.add_argument("--eval-every", type=_positive, metavar="STEPS", help="validation loss every "
-                   "STEPS steps and at the end (default: --steps / 10)")  # fmt: skip
-    p.add_argument("--val-batches", type=_positive, help="validation set size in microbatches "
-                   "of --batch sequences (default: 2 with --preset tiny, else 32)")  # fmt: skip
+    _add_data_options(p)
     p.add_argument("--compare", nargs="?", const="bf16,fp8", metavar="RUNS",
                    help="train several runs side by side and plot their losses: comma-separated "
                    "precision[:layers|:step|:none] (graphs = layers, eager = none), bf16,fp8 "
@@ -139,6 +126,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "to resume later (default: run all --steps)")  # fmt: skip
     p.add_argument("--ddp", action="store_true", help="data parallel over torchrun's processes")
     return p
+
+
+def _add_data_options(p: argparse.ArgumentParser) -> None:
+    """--data, --vocab-size and the validation options."""
+    p.add_argument("--data", default="stdlib", metavar="PATH|stdlib|synthetic",
+                   help="training text: a UTF-8 text file or folder (read as bytes), a nanoGPT "
+                   ".bin file of uint16 tokens (with --vocab-size), the Python standard "
+                   "library's sources, or the generated language")  # fmt: skip
+    p.add_argument("--vocab-size", type=_positive, help="vocabulary of a .bin token file "
+                   "(default: 256 bytes for text)")  # fmt: skip
+    p.add_argument(
+        "--val-fraction",
+        type=_fraction,
+        default=0.01,
+        help="share of the data, at its end, held out for validation (0: none)",
+    )
+    p.add_argument("--eval-every", type=_positive, metavar="STEPS", help="validation loss every "
+                   "STEPS steps and at the end (default: --steps / 10)")  # fmt: skip
+    p.add_argument("--val-batches", type=_positive, help="validation set size in microbatches "
+                   "of --batch sequences (default: 2 with --preset tiny, else 32)")  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -210,7 +217,7 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
     return RunSpec(preset=args.preset, model=model, precision=precision, graphs=graphs,
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
                    amax_history_len=args.amax_history_len, compile=args.compile,
-                   scaling=args.scaling,
+                   fp8_format=args.fp8_format, scaling=args.scaling,
                    fp8_weights=args.fp8_weights and precision == "fp8")  # fmt: skip
 
 

@@ -5,7 +5,8 @@
 # that a call stopped at its time limit still brings back what finished.
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step memory
 #              train train-step compile profile profile-step"; also stack (the
-#              TransformerLayer stack, FP8 vs bf16), kernels-ab, tests-first, ddp, train-scaling)
+#              TransformerLayer stack, FP8 vs bf16), train-e4m3, kernels-ab, tests-first, ddp,
+#              train-scaling)
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -81,6 +82,11 @@ for step in $STEPS; do
         --preset ${TRAIN_PRESET:-100m} --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} \
         --out "$RES/train" > "$RES/train.log" 2>&1 || status=1
       tail -8 "$RES/train.log" | tee -a "$RES/summary.md" ;;
+    train-e4m3)  # the train step's FP8 run with E4M3 gradients too (against HYBRID's E5M2)
+      $PY -m graphfp8.train --compare fp8:graphs --fp8-format E4M3 --preset ${TRAIN_PRESET:-100m} \
+        --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} --out "$RES/train_e4m3" \
+        > "$RES/train_e4m3.log" 2>&1 || status=1
+      tail -4 "$RES/train_e4m3.log" | tee -a "$RES/summary.md" ;;
     train-step)  # issue 15: per-layer graphs vs the whole step as one graph, small and 100m
       for preset in ${TRAIN_STEP_PRESETS:-small 100m}; do
         $PY -m graphfp8.train --compare fp8:layers,fp8:step --preset "$preset" \

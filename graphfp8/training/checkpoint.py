@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from graphfp8.training.run import Run
+from graphfp8.training.run import OLDER_DEFAULTS, Run
 
 __all__ = ["CheckpointError", "check_resumable", "load_checkpoint", "save_checkpoint"]
 
@@ -97,8 +97,7 @@ def check_resumable(state: dict, spec: dict, steps: int, data: dict) -> list[str
     Raises:
         CheckpointError: naming every setting that differs.
     """
-    # Settings added later, at the values that checkpoints written before them trained with.
-    saved = {"scaling": "delayed", "fp8_weights": False, **state["spec"]}
+    saved = {**OLDER_DEFAULTS, **state["spec"]}
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {spec[k]!r}"
             for k in spec if saved.get(k) != spec[k]]  # fmt: skip
     notes = []

@@ -23,7 +23,7 @@ from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.autocast import fp8_autocast
 from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.primary import fp8_model_init
-from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling
+from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.profiling import nvtx_range
 from graphfp8.training.data import Dataset
@@ -51,6 +51,7 @@ class RunSpec:
     seed: int = 0
     amax_history_len: int = 16
     compile: bool = False  # torch.compile what the graphs do not hold
+    fp8_format: str = "HYBRID"  # graphfp8.Format: HYBRID (E5M2 gradients) or E4M3
     scaling: str = "delayed"  # one of SCALINGS: the FP8 recipe
     fp8_weights: bool = False  # FP8 primary weights (fp8_model_init) with fp32 MasterWeights
 
@@ -63,20 +64,29 @@ class RunSpec:
             object.__setattr__(self, "graphs", "layers" if self.graphs else "none")
         if self.graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}, got {self.graphs!r}")
+        if self.fp8_format not in Format.__members__:
+            raise ValueError(f"fp8_format must be one of {list(Format.__members__)}, got "
+                             f"{self.fp8_format!r}")  # fmt: skip
         if self.compile and self.graphs == "step":
             raise ValueError("compile with graphs='step' is not supported: the step graph holds "
                              "the embedding and the loss that compile would take")  # fmt: skip
 
     @property
     def name(self) -> str:
+        fp8_named = self.precision == "fp8" and self.fp8_format != "HYBRID"
+        fmt = f"-{self.fp8_format.lower()}" if fp8_named else ""
         suffix = "-compile" if self.compile else ""
-        kind = "-current" if self.precision == "fp8" and self.scaling == "current" else ""
-        kind += "-fp8w" if self.fp8_weights else ""
-        return f"{self.precision}{kind}-{_MODE_NAMES[self.graphs]}{suffix}"
+        fmt += "-current" if self.precision == "fp8" and self.scaling == "current" else ""
+        fmt += "-fp8w" if self.fp8_weights else ""
+        return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
 
     @property
     def tokens_per_microbatch(self) -> int:
         return self.model.batch * self.model.seq_len
+
+
+# Settings that checkpoints written before they existed trained with.
+OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False}
 
 
 def run_settings(spec: RunSpec) -> dict:
@@ -88,6 +98,7 @@ def run_settings(spec: RunSpec) -> dict:
         "seed": spec.seed,
         "microbatches": spec.microbatches,
         "amax_history_len": spec.amax_history_len,
+        "fp8_format": spec.fp8_format,
         "scaling": spec.scaling,
         "fp8_weights": spec.fp8_weights,
     }
@@ -125,9 +136,10 @@ class Run:
             betas=(0.9, 0.95), weight_decay=0.1, fused=True, capturable=capturable,
         )  # fmt: skip
         if spec.scaling == "current":
-            self.recipe = Float8CurrentScaling()
+            self.recipe = Float8CurrentScaling(fp8_format=Format[spec.fp8_format])
         else:
-            self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len)
+            self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len,
+                                         fp8_format=Format[spec.fp8_format])  # fmt: skip
         self.step = 0
         self.blocks = None  # the callable that runs the blocks, set by prepare()
         self.graphed_step = None  # graphs "step": the captured step, set by prepare()
@@ -259,8 +271,7 @@ class Run:
 
     def load_state_dict(self, state: dict) -> None:
         """Resumes from `state_dict()`; the run must train the same model the same way."""
-        saved, mine = state["spec"], run_settings(self.spec)
-        saved = {"scaling": "delayed", "fp8_weights": False, **saved}  # older checkpoints
+        saved, mine = {**OLDER_DEFAULTS, **state["spec"]}, run_settings(self.spec)
         diff = [f"{k}: checkpoint {saved[k]!r}, this run {mine[k]!r}"
                 for k in mine if saved.get(k) != mine[k]]  # fmt: skip
         if diff:

@@ -3,6 +3,7 @@ data, files that are not checkpoints and checkpoints of another run; weights-onl
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -10,8 +11,12 @@ import re
 import pytest
 import torch
 
+import graphfp8 as g8
 from graphfp8 import train
 from graphfp8.training.checkpoint import CheckpointError, check_resumable
+from graphfp8.training.data import Dataset
+from graphfp8.training.run import Run, run_settings
+from graphfp8.training.sources import open_stream
 
 SMALL = ["--batch", "2", "--seq-len", "32", "--microbatches", "2", "--device", "cpu"]
 
@@ -163,3 +168,27 @@ def test_older_checkpoints_resume_with_a_note():
     assert check_resumable({**old, "steps": 12, "data": data}, settings, 12, data) == []
     with pytest.raises(CheckpointError, match="seed: checkpoint 0, this run 1; --steps: "):
         check_resumable({**old, "steps": 12}, {**settings, "seed": 1}, 24, data)
+
+
+def test_older_checkpoints_trained_hybrid():
+    """Checkpoints from before --fp8-format record no format: they trained HYBRID, so they
+    resume a HYBRID run and refuse an E4M3 one."""
+    settings = {"preset": "tiny", "precision": "fp8", "seed": 0}
+    data = {"source": "stdlib", "tokens": 10, "val_fraction": 0.01}
+    old = {"spec": settings, "step": 3, "steps": 12, "data": data, "model": {}, "optimizer": {}}
+    assert check_resumable(old, {**settings, "fp8_format": "HYBRID"}, 12, data) == []
+    with pytest.raises(CheckpointError, match="fp8_format: checkpoint 'HYBRID', this run 'E4M3'"):
+        check_resumable(old, {**settings, "fp8_format": "E4M3"}, 12, data)
+
+
+def test_fp8_format_reaches_the_recipe():
+    args = train.parse_args(["--device", "cpu", "--fp8-format", "E4M3", "--data", "synthetic"])
+    spec = train._spec(args, "fp8", "none", 256)
+    assert spec.name == "fp8-e4m3-eager" and run_settings(spec)["fp8_format"] == "E4M3"
+    assert train._spec(args, "bf16", "none", 256).name == "bf16-eager"
+    data = Dataset(open_stream("synthetic", synthetic_bytes=1 << 16))
+    assert Run(spec, data).recipe.fp8_format is g8.Format.E4M3
+    with pytest.raises(SystemExit):
+        train.parse_args(["--device", "cpu", "--fp8-format", "E5M2"])
+    with pytest.raises(ValueError, match="fp8_format must be one of"):
+        dataclasses.replace(spec, fp8_format="E5M2")
