@@ -1,7 +1,16 @@
 """graphfp8: CUDA-graph-centric FP8 training for PyTorch."""
 
 from graphfp8 import ops
-from graphfp8.fp8 import DelayedScaling, Float8Tensor, Format, fp8_autocast, reset_state
+from graphfp8.fp8 import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Float8Tensor,
+    Format,
+    MasterWeights,
+    fp8_autocast,
+    fp8_model_init,
+    reset_state,
+)
 from graphfp8.graphs import (
     CaptureError,
     make_graphed_callables,
@@ -22,15 +31,18 @@ __all__ = [
     "CaptureError",
     "DelayedScaling",
     "DotProductAttention",
+    "Float8CurrentScaling",
     "FP8Module",
     "Float8Tensor",
     "Format",
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "MasterWeights",
     "TransformerLayer",
     "convert",
     "fp8_autocast",
+    "fp8_model_init",
     "make_graphed_callables",
     "make_graphed_microbatch",
     "make_graphed_step",

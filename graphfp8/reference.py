@@ -22,6 +22,7 @@ __all__ = [
     "cast_transpose",
     "fp8_transpose",
     "scale_update",
+    "current_scale",
     "dequantize",
     "cast_transpose_dbias",
     "gelu_cast_transpose",
@@ -106,6 +107,16 @@ def scale_update(amax_history, scale, scaled_max, most_recent) -> None:
     ok = torch.isfinite(amax) & (amax > 0)
     new_scale = torch.where(ok, scaled_max / amax, scale)
     scale.copy_(torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLT_MAX), new_scale))
+
+
+def current_scale(x: torch.Tensor, scale: torch.Tensor, scaled_max: torch.Tensor) -> torch.Tensor:
+    """Twin of Float8CurrentScaling's per-cast scale (graphfp8/fp8/current.py): the update of a
+    one-long history whose H[0] is max|x|. x: (...); scale: (1,) float32, the slot's previous
+    scale; scaled_max: (1,) float32. Returns the new (1,) float32 scale."""
+    history = abs_max(x).reshape(1, 1).clone()
+    new_scale = scale.detach().clone().reshape(1)
+    scale_update(history, new_scale, scaled_max.reshape(1), True)
+    return new_scale
 
 
 def dequantize(x, scale_inv, out) -> None:

@@ -33,7 +33,7 @@ from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.report import plot_losses, print_table, write_summary
-from graphfp8.training.run import GRAPH_MODES, PRECISIONS, RunSpec
+from graphfp8.training.run import GRAPH_MODES, PRECISIONS, SCALINGS, RunSpec
 from graphfp8.training.sources import DataError, open_stream
 
 __all__ = ["main", "parse_args", "build_parser"]
@@ -70,6 +70,18 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
         return super()._get_help_string(action)
 
 
+def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--amax-history-len", type=_positive, default=16, help="FP8 delayed scaling")
+    p.add_argument("--fp8-format", choices=("HYBRID", "E4M3"), default="HYBRID",
+                   help="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = both")  # fmt: skip
+    p.add_argument("--scaling", choices=SCALINGS, default="delayed",
+                   help="FP8 recipe: DelayedScaling (amax history) or Float8CurrentScaling "
+                   "(each tensor's own amax)")  # fmt: skip
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="FP8 primary weights (fp8_model_init) trained through fp32 MasterWeights "
+                   "in fp8 runs (default: off)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="graphfp8-train", description=__doc__.split("\n\nWrites")[0],
                                 formatter_class=_Formatter)  # fmt: skip
@@ -102,9 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile what the graphs do "
                    "not hold: embedding, head, loss (and the blocks when not graphed)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
-    p.add_argument("--amax-history-len", type=_positive, default=16, help="FP8 delayed scaling")
-    p.add_argument("--fp8-format", choices=("HYBRID", "E4M3"), default="HYBRID",
-                   help="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = both")  # fmt: skip
+    _add_fp8_arguments(p)
     p.add_argument("--log-every", type=_positive, default=10, metavar="STEPS",
                    help="progress line and CSV rows every STEPS steps")  # fmt: skip
     p.add_argument("--out", type=Path, help="log directory (default: runs/<time>)")
@@ -207,7 +217,8 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
     return RunSpec(preset=args.preset, model=model, precision=precision, graphs=graphs,
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
                    amax_history_len=args.amax_history_len, compile=args.compile,
-                   fp8_format=args.fp8_format)  # fmt: skip
+                   fp8_format=args.fp8_format, scaling=args.scaling,
+                   fp8_weights=args.fp8_weights and precision == "fp8")  # fmt: skip
 
 
 def _environment(device: str) -> dict:

@@ -5,7 +5,8 @@
 # that a call stopped at its time limit still brings back what finished.
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step memory
 #              train train-step compile profile profile-step"; also stack (the
-#              TransformerLayer stack, FP8 vs bf16), train-e4m3, kernels-ab, tests-first, ddp)
+#              TransformerLayer stack, FP8 vs bf16), train-e4m3, kernels-ab, tests-first, ddp,
+#              train-scaling)
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -104,6 +105,16 @@ for step in $STEPS; do
           > "$RES/compile_$mode.log" 2>&1 || status=1
         echo "-- --compile $mode" | tee -a "$RES/summary.md"
         sed -n '/final loss/,/^wrote/p' "$RES/compile_$mode.log" | grep -v '^wrote' | tee -a "$RES/summary.md"
+      done ;;
+    train-scaling)  # issue 16: DelayedScaling vs Float8CurrentScaling vs FP8 primary weights
+      for run in delayed current fp8w; do
+        case $run in fp8w) extra="--fp8-weights" ;; *) extra="--scaling $run" ;; esac
+        $PY -m graphfp8.train --compare fp8:layers $extra \
+          --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_SCALING_STEPS:-200} \
+          --out "$RES/train_scaling_$run" > "$RES/train_scaling_$run.log" 2>&1 || status=1
+        echo "-- $run" | tee -a "$RES/summary.md"
+        sed -n '/final loss/,/^wrote/p' "$RES/train_scaling_$run.log" | grep -v '^wrote' \
+          | tee -a "$RES/summary.md"
       done ;;
     profile)
       $PY -m graphfp8.training.profile --out "$RES/profile" > "$RES/profile.log" 2>&1 || status=1

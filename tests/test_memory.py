@@ -134,6 +134,10 @@ def test_bench_memory_quick_runs_and_fp8_saves_less(tmp_path):
     assert fp8["bytes"]["saved activations"] < bf16["bytes"]["saved activations"]
     assert "FP8 weights" in fp8["bytes"] and "FP8 weights" not in bf16["bytes"]
     assert all(m["after_steps"] is None for m in stack.values())  # CPU: no torch.cuda counters
+    # FP8 primary weights: no bf16 weight and no separate FP8 copy, fp32 masters beside.
+    fp8w, ref = stack["fp8 graphed, FP8 weights"]["report"], stack["fp8 graphed"]["report"]
+    weights = lambda r: r["bytes"]["parameters"] + r["bytes"].get("FP8 weights", 0)  # noqa: E731
+    assert weights(fp8w) < weights(ref) and "FP8 weights" not in fp8w["bytes"]
 
 
 @pytest.mark.parametrize("device", [CUDA_PARAM])

@@ -120,6 +120,18 @@ def run(device, quick: bool = False, compile_peers: bool = True) -> dict:
             "layers": layers, "table": text}  # fmt: skip
 
 
+def _variants_table(results, names, base: str) -> str:
+    """Issue 16's variants (current scaling, FP8 primary weights) relative to `base`."""
+    variants = [n for n in ("graphfp8 fp8 current graphed", "graphfp8 fp8w graphed") if n in names]
+    return print_table(
+        f"graphfp8 variants relative to {base} (DelayedScaling), device time",
+        ["h, T", *variants],
+        [[f"{r['hidden']}, {r['tokens']}",
+          *[r["peers"][v]["device_ms"] / r["peers"][base]["device_ms"] for v in variants]]
+         for r in results],
+    )  # fmt: skip
+
+
 def _tables(results, layers, tflops) -> str:
     names = list(results[0]["peers"])
     text = print_table(
@@ -163,6 +175,7 @@ def _tables(results, layers, tflops) -> str:
         ],
         ratio_rows,
     )
+    text += _variants_table(results, names, g8g)
     text += print_table(
         "graphed graphfp8 stack, h=1024 T=2048: host enqueue per microbatch vs layers",
         ["layers", "host ms", "device ms", "kernels", "peak reserved MiB"],

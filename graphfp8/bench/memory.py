@@ -25,6 +25,8 @@ MODES = {
     # graphfp8.modules.cache_weight_transposes(model, False): the backward transposes the
     # cached FP8 weights instead of keeping their transposes.
     "fp8 graphed, w.T in bwd": dict(precision="fp8", graphs=True, transpose_cache=False),
+    # Issue 16: FP8 primary weights (fp8_model_init) with fp32 masters (MasterWeights).
+    "fp8 graphed, FP8 weights": dict(precision="fp8", graphs=True, fp8_weights=True),
 }
 GiB, MiB = 2**30, 2**20
 # Targets of issue 19: FP8 graphed reserved / bf16 graphed reserved, per hidden size.
@@ -127,7 +129,8 @@ def _table_text(results) -> str:
             target = TARGETS.get(hidden)
             verdict = "-" if target is None else "met" if ratio <= target else "missed"
             eager = reserved["fp8 eager"] / reserved["bf16 eager"]
-            ratios.append([hidden, ratio, lean, target or "-", verdict, eager])
+            fp8w = reserved["fp8 graphed, FP8 weights"] / reserved["bf16 graphed"]
+            ratios.append([hidden, ratio, lean, target or "-", verdict, eager, fp8w])
     s = results[0]["shape"]
     text = print_table(
         f"memory_reserved after 2 steps of 4 microbatches, GiB (peak allocated); one process "
@@ -137,7 +140,7 @@ def _table_text(results) -> str:
     )
     if ratios:
         header = ["hidden", "fp8 graphed / bf16 graphed", "w.T in bwd / bf16 graphed",
-                  "target", "", "fp8 eager / bf16 eager"]  # fmt: skip
+                  "target", "", "fp8 eager / bf16 eager", "FP8 weights / bf16 graphed"]  # fmt: skip
         text += print_table("FP8 / bf16 reserved", header, ratios)
     return text
 

@@ -73,10 +73,12 @@ class Stack(nn.Module):
 
 def run_mode(
     shape: Shape, precision: str, graphs: bool, device, steps: int = 2, microbatches: int = 4,
-    warmup: int = 3, transpose_cache: bool = True,
+    warmup: int = 3, transpose_cache: bool = True, fp8_weights: bool = False,
 ) -> dict:  # fmt: skip
     """Trains `steps` optimizer steps of `microbatches` microbatches (plain SGD, zero_grad with
-    set_to_none; transpose_cache=False: graphfp8.modules.cache_weight_transposes(model, False))
+    set_to_none; transpose_cache=False: graphfp8.modules.cache_weight_transposes(model, False);
+    fp8_weights=True: the model built inside fp8_model_init, SGD on MasterWeights' fp32 masters,
+    which the report counts under "other")
     and returns {"report": MemoryReport at the end of the last forward, "after_steps":
     torch.cuda counters after the last step (None on the CPU), "live_peak": on the CPU in eager
     mode the LiveBytes peak of the last microbatch (what it allocated, saved activations and
@@ -84,9 +86,12 @@ def run_mode(
     device = torch.device(device)
     g8.reset_state()
     torch.manual_seed(0)
-    model = Stack(shape, device)
+    with g8.fp8_model_init(enabled=fp8_weights):
+        model = Stack(shape, device)
     cache_weight_transposes(model, transpose_cache)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    masters = g8.MasterWeights(model) if fp8_weights else None
+    opt = torch.optim.SGD(masters.parameters() if masters else model.parameters(), lr=1e-6)
+    held = {f"master {i}": m for i, m in enumerate(masters.masters)} if masters else {}
     fp8 = precision == "fp8"
     x = torch.randn(shape.batch, shape.seq, shape.hidden, dtype=torch.bfloat16, device=device,
                     requires_grad=True)  # fmt: skip
@@ -110,12 +115,17 @@ def run_mode(
                     with g8.fp8_autocast(enabled=fp8, recipe=RECIPE):
                         y = model(x, is_first_microbatch=mb == 0)
                 if last:
+                    other = {"x": x, "x.grad": x.grad, "dy": dy, **held}
                     report = memory_report(model, outputs=y, graphed=[graphed] if graphed else (),
-                                           other={"x": x, "x.grad": x.grad, "dy": dy})  # fmt: skip
+                                           other=other)  # fmt: skip
                 y.backward(dy)
                 del y
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if masters is not None:
+            masters.step(opt)
+            masters.zero_grad(set_to_none=True)
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         x.grad = None
     after = cuda_counters(device) if device.type == "cuda" else None
     return {"report": report, "after_steps": after, "live_peak": live.peak if live else None}
@@ -138,7 +148,8 @@ def main(argv=None) -> None:
     device = args.get("device", "cuda" if torch.cuda.is_available() else "cpu")
     steps, microbatches = args.get("steps", 2), args.get("microbatches", 4)
     out = run_mode(shape, args["precision"], args["graphs"], device, steps, microbatches,
-                   transpose_cache=args.get("transpose_cache", True))  # fmt: skip
+                   transpose_cache=args.get("transpose_cache", True),
+                   fp8_weights=args.get("fp8_weights", False))  # fmt: skip
     result = {"shape": asdict(shape), "precision": args["precision"], "graphs": args["graphs"],
               "transpose_cache": args.get("transpose_cache", True),
               "after_steps": out["after_steps"],

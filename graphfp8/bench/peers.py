@@ -16,6 +16,7 @@ __all__ = ["TorchMLP", "G8Stack", "torchao_available", "make_peers"]
 
 MICROBATCHES_PER_STEP = 4
 RECIPE = g8.DelayedScaling()
+CURRENT = g8.Float8CurrentScaling()
 
 
 class TorchMLP(nn.Module):
@@ -89,8 +90,17 @@ def _g8_eager(model, x, dy):
     return step
 
 
-def _g8_graphed(model, x, dy):
-    graphed = g8.make_graphed_callables(model, (x,), fp8_enabled=True, fp8_recipe=RECIPE,
+def _g8_fp8_weights(ref: TorchMLP) -> g8.LayerNormMLP:
+    """The same block with FP8 primary weights (the torch weights quantized)."""
+    h = ref.norm.normalized_shape[0]
+    with g8.fp8_model_init():
+        m = g8.LayerNormMLP(h, 4 * h, params_dtype=ref.fc1.weight.dtype, device="cuda")
+    m.load_state_dict(_g8_from_torch(ref).state_dict())
+    return m
+
+
+def _g8_graphed(model, x, dy, recipe=RECIPE):
+    graphed = g8.make_graphed_callables(model, (x,), fp8_enabled=True, fp8_recipe=recipe,
                                         fp8_weight_caching=True)  # fmt: skip
 
     def step(i):
@@ -117,6 +127,10 @@ def make_peers(hidden: int, tokens: int, compile_peers: bool, layers: int = 1) -
         "bf16 graphed": lambda: _torch_graphed(copy.deepcopy(ref), x, dy),
         "graphfp8 fp8 eager": lambda: _g8_eager(_g8_from_torch(ref), x, dy),
         "graphfp8 fp8 graphed": lambda: _g8_graphed(_g8_from_torch(ref), x, dy),
+        # Issue 16: current scaling (an amax pass per cast) and FP8 primary weights (no weight
+        # cast, the transpose on the first microbatch of each step), both graphed.
+        "graphfp8 fp8 current graphed": lambda: _g8_graphed(_g8_from_torch(ref), x, dy, CURRENT),
+        "graphfp8 fp8w graphed": lambda: _g8_graphed(_g8_fp8_weights(ref), x, dy),
     }
     if compile_peers:
         peers["bf16 compile"] = lambda: _eager_step(torch.compile(copy.deepcopy(ref)), x, dy)

@@ -1,10 +1,13 @@
 """The FP8 state layer: recipes, slot roles, arenas, Float8Tensor and fp8_autocast.
 
-Imports flow one way: recipe -> slots -> (ops) -> tensor -> arena_check -> scaling -> autocast.
+Imports flow one way: recipe -> slots -> (ops) -> tensor -> primary -> master, and tensor ->
+arena_check -> scaling -> current -> autocast.
 """
 
 from graphfp8.fp8.autocast import fp8_autocast, reset_state
-from graphfp8.fp8.recipe import DelayedScaling, Format, fp8_max
+from graphfp8.fp8.master import MasterWeights
+from graphfp8.fp8.primary import fp8_model_init
+from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format, fp8_max
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, BwdRole, FwdRole
 from graphfp8.fp8.tensor import Float8Tensor
 
@@ -13,10 +16,13 @@ __all__ = [
     "AttnFwdRole",
     "BwdRole",
     "DelayedScaling",
+    "Float8CurrentScaling",
     "Float8Tensor",
     "Format",
+    "MasterWeights",
     "FwdRole",
     "fp8_autocast",
     "fp8_max",
+    "fp8_model_init",
     "reset_state",
 ]

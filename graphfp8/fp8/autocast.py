@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphfp8.fp8 import scaling
-from graphfp8.fp8.recipe import DelayedScaling
+from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
 
 __all__ = [
     "fp8_autocast",
@@ -55,7 +55,7 @@ class _State:
 
     def reset(self) -> None:
         self.enabled = False
-        self.recipe: DelayedScaling | None = None
+        self.recipe: Recipe | None = None
         self.group = None
         self.capture: CaptureState | None = None
         self.queued_backward: dict[int, tuple] = {}
@@ -81,8 +81,8 @@ def check_is_first_microbatch(is_first_microbatch) -> None:
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, recipe: DelayedScaling | None = None, fp8_group=None):
-    """Runs graphfp8 modules inside the region in FP8 with delayed scaling.
+def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, fp8_group=None):
+    """Runs graphfp8 modules inside the region in FP8 (delayed or current scaling).
 
     Each outermost enabled region is one scale-update step for the forward arenas it uses, as
     one forward replay of a graph is: enter one region per microbatch. Nested regions belong to
@@ -90,15 +90,14 @@ def fp8_autocast(enabled: bool = True, recipe: DelayedScaling | None = None, fp8
 
     Args:
         enabled: False runs the modules in their parameter dtype.
-        recipe: a DelayedScaling; the default recipe when None.
+        recipe: a DelayedScaling or Float8CurrentScaling; DelayedScaling() when None.
         fp8_group: torch.distributed group whose ranks MAX-reduce their amaxes before every
             scale update (the forward arena's in this region, the backward arena's at the end of
             its backward pass); see graphfp8.distributed.
     """
     if recipe is None:
         recipe = DelayedScaling()
-    if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"fp8_autocast: recipe must be a graphfp8.DelayedScaling, got {recipe!r}")
+    check_recipe(recipe, "fp8_autocast")
     prev = (STATE.enabled, STATE.recipe, STATE.group)
     capture = STATE.capture
     if capture is not None and enabled and STATE.recipe is not None and recipe != STATE.recipe:
@@ -117,7 +116,7 @@ def fp8_autocast(enabled: bool = True, recipe: DelayedScaling | None = None, fp8
 
 
 @contextlib.contextmanager
-def capture_state(fp8_enabled: bool, recipe: DelayedScaling | None, group, capture: CaptureState):
+def capture_state(fp8_enabled: bool, recipe: Recipe | None, group, capture: CaptureState):
     """Internal: the FP8 state that warmup and capture run under (no implicit updates)."""
     prev = (STATE.enabled, STATE.recipe, STATE.group, STATE.capture)
     STATE.enabled, STATE.recipe, STATE.group = fp8_enabled, recipe, group

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Format", "DelayedScaling", "fp8_max", "max_margin", "MAX_AMAX_HISTORY_LEN"]
+__all__ = [
+    "Format",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Recipe",
+    "check_recipe",
+    "fp8_max",
+    "is_current_scaling",
+    "max_margin",
+    "recipe_from_dict",
+    "recipe_to_dict",
+    "MAX_AMAX_HISTORY_LEN",
+]
 
 # Each slot keeps this many float32 amaxes on the device, and the fused update reads all of them
 # on every step: a longer history costs memory and update time while changing no scale that a
@@ -126,3 +138,84 @@ class DelayedScaling:
                 "DelayedScaling: fp8_mha=True needs fp8_dpa=True (FP8 MHA runs the attention "
                 "itself in FP8)"
             )
+
+
+@dataclass(frozen=True)
+class Float8CurrentScaling:
+    """Current (per-tensor, just-in-time) scaling: each cast takes its scale from the tensor it
+    casts, with no history (TransformerEngine's Float8CurrentScaling, torchao's tensorwise).
+
+    Every cast of activations, weights and gradients first folds max|x| into its slot's amax
+    (one extra pass over x, on the device), then sets the slot's scale exactly as a delayed-scaling
+    update of a one-long history does: `scale = fp8_max / amax` when amax is finite and > 0 (an
+    infinite result becomes FLT_MAX), else the slot keeps its previous scale (1 initially), so
+    zero, inf and NaN tensors are handled as DelayedScaling handles them. No fused arena update
+    and no amax all-reduce run (each rank scales its own tensors; weights match across data
+    parallel ranks anyway). FP8 attention (fp8_dpa, fp8_mha) is DelayedScaling only.
+
+    Args:
+        fp8_format: `Format.HYBRID` or `Format.E4M3`.
+
+    The other fields are fixed, so that the arenas (one-long histories, margin 0) and
+    checkpoints treat both recipes alike.
+    """
+
+    fp8_format: Format = Format.HYBRID
+    margin: int = field(default=0, init=False, repr=False)
+    amax_history_len: int = field(default=1, init=False, repr=False)
+    amax_compute_algo: str = field(default="most_recent", init=False, repr=False)
+    reduce_amax: bool = field(default=False, init=False, repr=False)
+    fp8_dpa: bool = field(default=False, init=False, repr=False)
+    fp8_mha: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fp8_format, Format):
+            raise ValueError(
+                "Float8CurrentScaling: fp8_format must be a graphfp8.Format, got "
+                f"{self.fp8_format!r}"
+            )
+
+
+Recipe = DelayedScaling | Float8CurrentScaling
+
+
+def is_current_scaling(recipe) -> bool:
+    """Whether casts under `recipe` take their scale from the tensor they cast."""
+    return isinstance(recipe, Float8CurrentScaling)
+
+
+def check_recipe(recipe, where: str) -> None:
+    """Raises a TypeError naming `where` unless `recipe` is None or a graphfp8 recipe."""
+    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError(
+            f"{where}: recipe must be a graphfp8.DelayedScaling or graphfp8.Float8CurrentScaling, "
+            f"got {recipe!r}"
+        )
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """A checkpointable dict of plain values; a DelayedScaling's has no "type" key (the layout
+    that checkpoints written before Float8CurrentScaling existed hold)."""
+    if isinstance(recipe, Float8CurrentScaling):
+        return {"type": "Float8CurrentScaling", "fp8_format": recipe.fp8_format.value}
+    return {
+        "margin": recipe.margin,
+        "fp8_format": recipe.fp8_format.value,
+        "amax_history_len": recipe.amax_history_len,
+        "amax_compute_algo": recipe.amax_compute_algo,
+        "reduce_amax": recipe.reduce_amax,
+        "fp8_dpa": recipe.fp8_dpa,
+        "fp8_mha": recipe.fp8_mha,
+    }
+
+
+def recipe_from_dict(state: dict) -> Recipe:
+    """Inverse of recipe_to_dict; raises TypeError/KeyError/ValueError for an invalid dict."""
+    state = dict(state)
+    kind = state.pop("type", "DelayedScaling")
+    state["fp8_format"] = Format(state["fp8_format"])
+    if kind == "Float8CurrentScaling":
+        return Float8CurrentScaling(**state)
+    if kind != "DelayedScaling":
+        raise ValueError(f"unknown recipe type {kind!r}")
+    return DelayedScaling(**state)

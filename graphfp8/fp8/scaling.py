@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from graphfp8 import ops
 from graphfp8.fp8.arena_check import check_arena_consistency, needs_reduction
-from graphfp8.fp8.recipe import DelayedScaling, fp8_max
+from graphfp8.fp8.recipe import Recipe, fp8_max, is_current_scaling
 
 __all__ = [
     "Arena",
@@ -52,7 +52,7 @@ class Arena:
 
     _serials = itertools.count(1)  # creation order, never reused
 
-    def __init__(self, recipe: DelayedScaling, device: torch.device, direction: str):
+    def __init__(self, recipe: Recipe, device: torch.device, direction: str):
         self.serial = next(Arena._serials)
         self.recipe = recipe
         self.device = torch.device(device)
@@ -63,6 +63,9 @@ class Arena:
         self.amax_history = torch.zeros(length, 0, dtype=torch.float32, device=self.device)
         self.scale = torch.ones(0, dtype=torch.float32, device=self.device)
         self.scaled_max = torch.ones(0, dtype=torch.float32, device=self.device)
+        # Current scaling: the casts' own amaxes go here (nobody reads it); the slot's H[0] holds
+        # only the amax pass's result, consumed by the per-cast update (graphfp8/fp8/current.py).
+        self.amax_sink = torch.zeros(1, dtype=torch.float32, device=self.device)
         self.version = 0
         self.frozen = False
         self.updated_in = -1  # the fp8_autocast region that last updated it (eager mode)
@@ -99,9 +102,10 @@ class Arena:
         fused kernel. Reducing row 0 in place equals docs/fp8.md's `a = R if R != 0 else H[0]`:
         R is the max over ranks of non-negative amaxes, so R == 0 implies H[0] == 0. Before the
         first reduction of this arena over `group`, the ranks check that their arenas match
-        (arena_check.check_arena_consistency), so a mismatch raises instead of hanging."""
-        if self.num_slots == 0:
-            return
+        (arena_check.check_arena_consistency), so a mismatch raises instead of hanging. Under
+        Float8CurrentScaling it does nothing."""
+        if self.num_slots == 0 or is_current_scaling(self.recipe):
+            return  # current scaling updates each slot at its cast
         if needs_reduction(group):
             check_arena_consistency(self, group)
             if self.recipe.reduce_amax:
@@ -197,7 +201,7 @@ def new_init_group() -> None:
     REGISTRY.open = {}
 
 
-def allocate(recipe: DelayedScaling, device, direction: str, count: int) -> SlotBlock:
+def allocate(recipe: Recipe, device, direction: str, count: int) -> SlotBlock:
     """Reserves `count` slots in the current init group's arena for (recipe, device, direction)."""
     key = (recipe, torch.device(device), direction)
     arena = REGISTRY.open.get(key)
@@ -208,7 +212,7 @@ def allocate(recipe: DelayedScaling, device, direction: str, count: int) -> Slot
     return SlotBlock(arena, arena.grow(count), count)
 
 
-def live_arenas(recipe: DelayedScaling) -> list[Arena]:
+def live_arenas(recipe: Recipe) -> list[Arena]:
     """Live arenas of one recipe, both directions, in creation order."""
     arenas = (a for a in list(REGISTRY.arenas) if a.recipe == recipe)
     return sorted(arenas, key=lambda a: a.serial)

@@ -87,6 +87,14 @@ class Float8Tensor(torch.Tensor):
             self._transpose_valid = True
         return self._transpose
 
+    def rebuild_transpose_(self, noop: torch.Tensor | None = None) -> torch.Tensor:
+        """Writes the (cols, rows) transpose cache of the 2-D data now, valid or not: a graph
+        capture must record the kernel even when warmup left the cache valid; `noop` ((1,)
+        float32 device flag, 1 = skip) then decides on every replay."""
+        ops.fp8_transpose(self._data, out_t=self._transpose, noop=noop)
+        self._transpose_valid = True
+        return self._transpose
+
     def mark_data_changed(self, transpose_written: bool) -> None:
         """Called by whoever rewrote `_data`: the cached transpose is valid only if it was
         rewritten by the same kernel."""
@@ -105,11 +113,15 @@ class Float8Tensor(torch.Tensor):
 
     def __deepcopy__(self, memo) -> Float8Tensor:
         transpose = None if self._transpose is None else self._transpose.clone()
-        return Float8Tensor(
+        new = Float8Tensor(
             self._data.clone(), self._scale_inv.clone(), self.dtype,
             transpose=transpose, transpose_valid=self._transpose_valid,
             requires_grad=self.requires_grad,
         )  # fmt: skip
+        if getattr(self, "_is_param", False):  # an FP8 primary weight (graphfp8.fp8.primary)
+            new._is_param = True
+        memo[id(self)] = new
+        return new
 
     def __tensor_flatten__(self):
         return ["_data", "_scale_inv"], {"nominal_dtype": self.dtype}
@@ -130,10 +142,42 @@ class Float8Tensor(torch.Tensor):
                 transpose=src._transpose,
                 transpose_valid=src._transpose_valid,
             )
+        if func is torch.ops.aten.copy_.default:
+            return _copy_(args[0], args[1])
         if func._schema.is_mutable:
             raise NotImplementedError(
-                f"Float8Tensor does not support the in-place op {func}; dequantize() first"
+                f"Float8Tensor does not support the in-place op {func}; dequantize() first (FP8 "
+                "primary weights are trained through graphfp8.MasterWeights)"
             )
         # Anything else runs on the dequantized values, in the nominal dtype.
         unwrap = lambda t: t.dequantize() if isinstance(t, Float8Tensor) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def _copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """copy_ with a Float8Tensor on either side (load_state_dict): FP8 into FP8 copies data and
+    scale_inv bit for bit (the transpose cache becomes stale); FP8 into a plain tensor copies the
+    dequantized values. A plain tensor into FP8 would need a scale, which a Float8Tensor never
+    computes: graphfp8 modules quantize such checkpoint entries before copying."""
+    if not isinstance(dst, Float8Tensor):
+        hp = dst.dtype if dst.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+        return dst.copy_(src.dequantize(hp))
+    if not isinstance(src, Float8Tensor):
+        raise TypeError(
+            "Float8Tensor.copy_: the source is a plain tensor; quantize it first "
+            "(graphfp8.fp8.primary.quantize_weight), or load it through a graphfp8 module's "
+            "load_state_dict, which does"
+        )
+    if src.shape != dst.shape or src.fp8_dtype != dst.fp8_dtype:
+        raise ValueError(
+            f"Float8Tensor.copy_: source {tuple(src.shape)} {src.fp8_dtype} does not match "
+            f"destination {tuple(dst.shape)} {dst.fp8_dtype}"
+        )
+    dst._data.copy_(src._data)
+    dst._scale_inv.copy_(src._scale_inv)
+    dst.mark_data_changed(transpose_written=False)
+    return dst
+
+
+# Checkpoints holding FP8 primary weights load with torch.load's default weights_only=True.
+torch.serialization.add_safe_globals([Float8Tensor])

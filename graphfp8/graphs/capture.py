@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.arena_check import check_arenas
 from graphfp8.fp8.autocast import CaptureState, capture_state
-from graphfp8.fp8.recipe import DelayedScaling
+from graphfp8.fp8.recipe import DelayedScaling, Recipe
 from graphfp8.graphs.backends import new_graph
 from graphfp8.graphs.checks import check_distinct, check_options, fp8_modules_of, new_runner
 from graphfp8.graphs.compiled import check_not_compiled, compile_set_aside, opaque_to_dynamo
@@ -56,7 +56,7 @@ def make_graphed_callables(
     allow_unused_input: bool = False,
     sample_kwargs=None,
     fp8_enabled: bool = False,
-    fp8_recipe: DelayedScaling | None = None,
+    fp8_recipe: Recipe | None = None,
     fp8_weight_caching: bool = False,
     fp8_group=None,
     pool=None,
@@ -75,7 +75,7 @@ def make_graphed_callables(
         allow_unused_input: let inputs get no gradient.
         sample_kwargs: a dict of tensors per callable (a tuple of dicts for several).
         fp8_enabled: run graphfp8 modules in FP8 inside the graphs.
-        fp8_recipe: the DelayedScaling recipe (default recipe when None).
+        fp8_recipe: a DelayedScaling or Float8CurrentScaling (DelayedScaling() when None).
         fp8_weight_caching: guard the weight casts with a device flag driven by the
             is_first_microbatch argument of each call (True/None cast, False reuses the cache).
         fp8_group: torch.distributed group whose ranks MAX-reduce amaxes inside the graphs,

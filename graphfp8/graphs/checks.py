@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphfp8.fp8.recipe import DelayedScaling
+from graphfp8.fp8.recipe import check_recipe
 from graphfp8.graphs.discover import closure_modules
 from graphfp8.graphs.guard import hook_dicts, tensor_hooks
 from graphfp8.graphs.lifecycle import check_not_captured
@@ -29,8 +29,7 @@ def check_options(num_warmup_iters, fp8_enabled: bool, fp8_recipe) -> None:
             "the FP8 arenas whose scale updates the graphs hold (without it they held none, and "
             "every scale stayed 1.0)"
         )
-    if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
-        raise TypeError(f"fp8_recipe must be a graphfp8.DelayedScaling, got {fp8_recipe!r}")
+    check_recipe(fp8_recipe, "make_graphed_callables: fp8_recipe")
 
 
 def check_distinct(callables) -> None:

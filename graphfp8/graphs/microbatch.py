@@ -18,7 +18,7 @@ import contextlib
 import torch
 
 from graphfp8.fp8.autocast import CaptureState, capture_state
-from graphfp8.fp8.recipe import DelayedScaling
+from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
 from graphfp8.graphs.backends import new_graph
 from graphfp8.graphs.contexts import fp8_and_rng_preserved, gc_paused, side_stream
 from graphfp8.graphs.grads import GradFold
@@ -39,7 +39,7 @@ def make_graphed_microbatch(
     num_microbatches: int = 1,
     *,
     fp8_enabled: bool = False,
-    fp8_recipe: DelayedScaling | None = None,
+    fp8_recipe: Recipe | None = None,
     fp8_weight_caching: bool = False,
     fp8_group=None,
     num_warmup_iters: int = 3,
@@ -81,8 +81,7 @@ def make_graphed_microbatch(
     """
     if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
         raise ValueError(f"{_NAME}: num_warmup_iters must be >= 1, got {num_warmup_iters!r}")
-    if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
-        raise TypeError(f"fp8_recipe must be a graphfp8.DelayedScaling, got {fp8_recipe!r}")
+    check_recipe(fp8_recipe, "make_graphed_microbatch: fp8_recipe")
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     batch = StaticBatch(sample_microbatch, None, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)

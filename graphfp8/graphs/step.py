@@ -31,7 +31,9 @@ import torch
 
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.autocast import CaptureState, capture_state
-from graphfp8.fp8.recipe import DelayedScaling
+from graphfp8.fp8.master import MasterWeights
+from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
+from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.graphs.backends import new_graph
 from graphfp8.graphs.contexts import fp8_and_rng_preserved, gc_paused, side_stream
 from graphfp8.graphs.step_body import StaticBatch, TrainBody, freeze_arenas, init_fp8
@@ -51,7 +53,7 @@ def make_graphed_step(
     num_microbatches: int = 1,
     *,
     fp8_enabled: bool = False,
-    fp8_recipe: DelayedScaling | None = None,
+    fp8_recipe: Recipe | None = None,
     fp8_weight_caching: bool = True,
     max_grad_norm: float | None = None,
     fp8_group=None,
@@ -59,6 +61,7 @@ def make_graphed_step(
     num_warmup_iters: int = 3,
     keep_grads_before_clipping: bool = False,
     pool=None,
+    master_weights: MasterWeights | None = None,
 ) -> GraphedStep:
     """Captures one optimizer step over `num_microbatches` microbatches into one graph (a CUDA
     graph on the GPU, a replay tape on the CPU).
@@ -92,7 +95,7 @@ def make_graphed_step(
             microbatch i is `t[i]`. These tensors become the graph's static batch.
         num_microbatches: N, the gradient-accumulation steps per optimizer step.
         fp8_enabled: run graphfp8 modules in FP8.
-        fp8_recipe: the DelayedScaling recipe (default recipe when None).
+        fp8_recipe: a DelayedScaling or Float8CurrentScaling (DelayedScaling() when None).
         fp8_weight_caching: cast the FP8 weights on microbatch 0 only (False: every microbatch).
         max_grad_norm: clip the gradients to this global L2 norm; None: no clipping.
         fp8_group: torch.distributed group whose ranks MAX-reduce amaxes with every scale update.
@@ -103,6 +106,10 @@ def make_graphed_step(
         keep_grads_before_clipping: also keep a copy of the accumulated (all-reduced) gradients
             before clipping in `grads_before_clipping` (one extra copy per step).
         pool: a memory pool handle shared with other graphs (CUDA).
+        master_weights: the graphfp8.MasterWeights of a model with FP8 primary weights
+            (fp8_model_init); the optimizer then holds master_weights.parameters(), and the
+            graph runs master_weights.step(optimizer) in place of optimizer.step() (the
+            weights' transposes are rebuilt on the next replay's microbatch 0).
 
     Returns:
         A GraphedStep: `step(batch)` replays the graph and returns the loss (0-d float32 device
@@ -130,14 +137,14 @@ def make_graphed_step(
         raise ValueError(f"{_NAME}: num_warmup_iters must be >= 1, got {num_warmup_iters!r}")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"{_NAME}: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-    if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
-        raise TypeError(f"fp8_recipe must be a graphfp8.DelayedScaling, got {fp8_recipe!r}")
+    check_recipe(fp8_recipe, "make_graphed_step: fp8_recipe")
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     batch = StaticBatch(sample_batch, num_microbatches, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
-    check_optimizer(_NAME, optimizer, body.params, body.device)
+    check_optimizer(_NAME, optimizer, _optimized_params(body.params, master_weights),
+                    body.device)  # fmt: skip
     run = _StepRun(body, optimizer, max_grad_norm, process_group, keep_grads_before_clipping,
-                   fp8_enabled and fp8_weight_caching)  # fmt: skip
+                   fp8_enabled and fp8_weight_caching, master_weights)  # fmt: skip
     state = dict(fp8_enabled=fp8_enabled, recipe=recipe, group=fp8_group, capture=run.capture)
     if fp8_enabled:
         init_fp8(model, recipe, fp8_group, body.device)
@@ -151,9 +158,25 @@ def make_graphed_step(
     return GraphedStep(run, graph, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
 
 
+def _optimized_params(params: list[torch.Tensor], masters: MasterWeights | None) -> list:
+    """What the optimizer must hold: the model's trainable parameters, with the FP8 primary
+    weights replaced by their fp32 masters (which `masters` must cover, and only them)."""
+    fp8 = [p for p in params if isinstance(p, Float8Tensor)]
+    if masters is None and not fp8:
+        return params
+    if masters is None or {id(p) for p in fp8} != {id(p) for p in masters.fp8_params}:
+        raise ValueError(
+            f"{_NAME}: a model with FP8 primary weights (fp8_model_init) needs "
+            "master_weights=graphfp8.MasterWeights(model) covering exactly its trainable FP8 "
+            "weights, and an optimizer over master_weights.parameters()"
+        )
+    return [*masters.masters, *(p for p in params if not isinstance(p, Float8Tensor))]
+
+
 def _warmup_and_capture(run: _StepRun, state: dict, iters: int, pool):
     body, recipe, device = run.body, state["recipe"], run.body.device
-    snapshot = TrainingSnapshot(body.model, run.optimizer)
+    extra = run.masters.tensors() if run.masters is not None else ()
+    snapshot = TrainingSnapshot(body.model, run.optimizer, extra)
     try:
         with warnings.catch_warnings():
             # Eager steps of a capturable optimizer make torch warn that capturable costs speed.
@@ -182,8 +205,8 @@ class _StepRun:
     """One training step as warmup runs it and capture records it."""
 
     def __init__(self, body: TrainBody, optimizer, max_grad_norm, process_group, keep: bool,
-                 caching: bool):  # fmt: skip
-        self.body, self.optimizer = body, optimizer
+                 caching: bool, masters: MasterWeights | None):  # fmt: skip
+        self.body, self.optimizer, self.masters = body, optimizer, masters
         self.max_grad_norm, self.process_group, self.keep = max_grad_norm, process_group, keep
         self.capture = CaptureState(weight_cache_flag=None)
         n, dev = body.num_microbatches, body.device
@@ -211,7 +234,10 @@ class _StepRun:
         grad_norm = None
         if self.max_grad_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-        self.optimizer.step()
+        if self.masters is not None:  # grads into the masters, step, one cast back per weight
+            self.masters.step(self.optimizer)
+        else:
+            self.optimizer.step()
         return total, grad_norm
 
     def _accumulate(self, i: int, grads: list[torch.Tensor]) -> None:

@@ -9,12 +9,15 @@ learning rate. Python numbers (betas, eps, weight decay, momentum) are frozen at
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import torch
 from torch import nn
 from torch.optim import SGD, Adam, AdamW
 from torch.optim import optimizer as _torch_optimizer
+
+from graphfp8.fp8.tensor import Float8Tensor
 
 __all__ = ["OptimizerGuard", "TrainingSnapshot", "check_optimizer"]
 
@@ -144,10 +147,13 @@ class TrainingSnapshot:
     between is zeroed: the supported optimizers create it as zeros (Adam's step count and moments;
     SGD's momentum buffers must exist before capture)."""
 
-    def __init__(self, model: nn.Module, optimizer=None) -> None:
-        self.tensors = [t for t in itertools.chain(model.parameters(), model.buffers())]
+    def __init__(self, model: nn.Module, optimizer=None, extra=()) -> None:
+        """extra: more tensors the step changes (FP8 primary weights' masters and scales)."""
+        self.tensors = [t for t in itertools.chain(model.parameters(), model.buffers(), extra)]
         with torch.no_grad():
-            self.saved = [t.detach().clone() for t in self.tensors]
+            # An FP8 primary weight's clone() would dequantize: copy it as a Float8Tensor.
+            self.saved = [copy.deepcopy(t.detach()) if isinstance(t, Float8Tensor)
+                          else t.detach().clone() for t in self.tensors]  # fmt: skip
         self.optimizer = optimizer
         self.state = {}
         if optimizer is not None:

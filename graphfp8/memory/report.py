@@ -180,7 +180,7 @@ def _claim_model(model: torch.nn.Module, ledger: Ledger) -> None:
                 for t in block._scales + block._amaxes:
                     stale.append((t, f"{mname} slot view"))
     for arena in arenas.values():
-        for attr in ("amax_history", "scale", "scaled_max"):
+        for attr in ("amax_history", "scale", "scaled_max", "amax_sink"):
             ledger.claim(getattr(arena, attr), ARENAS, f"{arena.direction} arena {attr}")
     for t, label in stale:
         ledger.claim(t, ARENAS, label)

@@ -15,6 +15,7 @@ import torch
 
 from graphfp8 import ops
 from graphfp8.fp8.autocast import queue_backward_update
+from graphfp8.fp8.current import AmaxPass, amax_of, slot_quantizer
 from graphfp8.fp8.scaling import SlotBlock
 from graphfp8.fp8.slots import BwdRole, FwdRole, Quantizer, slot_index
 from graphfp8.fp8.tensor import Float8Tensor
@@ -72,11 +73,11 @@ class GemmConfig:
         self.fp8_output = fp8_output
         self.backward_update = backward_update
 
-    def quantizer(self, role: FwdRole | BwdRole) -> Quantizer:
-        """Scale, amax and FP8 dtype of this GEMM's slot for `role`."""
+    def quantizer(self, role: FwdRole | BwdRole, amax_pass: AmaxPass | None = None) -> Quantizer:
+        """Scale, amax and FP8 dtype of this GEMM's slot for `role`; under current scaling the
+        scale is first computed from `amax_pass` (graphfp8.fp8.current.slot_quantizer)."""
         block = self.fwd if isinstance(role, FwdRole) else self.bwd
-        i = slot_index(role, self.gemm)
-        return Quantizer(block.scale(i), block.amax(i), block.arena.fp8_dtype)
+        return slot_quantizer(block, slot_index(role, self.gemm), amax_pass)
 
 
 def cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
@@ -87,7 +88,7 @@ def cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
     x = inp.reshape(-1, in_features)
     if not x.is_contiguous():
         x = x.contiguous()
-    quantizer = cfg.quantizer(FwdRole.INPUT)
+    quantizer = cfg.quantizer(FwdRole.INPUT, amax_of(x))
     if needs_t:
         return ops.cast_transpose(x, *quantizer)
     x_fp8, scale_inv = ops.cast_to_fp8(x, *quantizer)
@@ -97,13 +98,19 @@ def cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
 def cast_weight_(weight: torch.Tensor, cfg: GemmConfig) -> Float8Tensor:
     """The GEMM's FP8 weight workspace, cast (both layouts) first when cfg says so.
 
-    weight: (N, K) high precision. The weight-cache flag lets a graph skip the cast on later
-    microbatches.
+    weight: (N, K) high precision, or an FP8 primary weight (a Float8Tensor parameter, its own
+    workspace: only its transpose cache is rebuilt). The weight-cache flag lets a graph skip the
+    cast on later microbatches.
     """
     w = cfg.weight_fp8
     if not cfg.cast_weight:
         return w
-    quantizer, flag = cfg.quantizer(FwdRole.WEIGHT), cfg.weight_cache_flag
+    flag = cfg.weight_cache_flag
+    if w is weight:  # an FP8 primary weight: only its transpose cache is rebuilt (if it has one)
+        if w._transpose is not None:
+            w.rebuild_transpose_(flag)
+        return w
+    quantizer = cfg.quantizer(FwdRole.WEIGHT, amax_of(weight, flag))
     if w._transpose is None:  # transposes are not cached (FP8Module.cache_weight_transpose)
         ops.cast_to_fp8(weight, *quantizer, out=w._data, scale_inv=w._scale_inv, noop=flag)
     else:
@@ -132,7 +139,7 @@ def cast_grad_output(dy: torch.Tensor, cfg: GemmConfig, needs_wgrad: bool, needs
     dy: (M, N) contiguous. Returns (dy_fp8 (M, N), dy_t_fp8 (N, M) or None, scale_inv,
     dbias (N,) or None): one fused pass when both the transpose and the bias grad are needed.
     """
-    quantizer = cfg.quantizer(BwdRole.GRAD_OUTPUT)
+    quantizer = cfg.quantizer(BwdRole.GRAD_OUTPUT, amax_of(dy))
     if needs_wgrad and needs_dbias:
         return ops.cast_transpose_dbias(dy, *quantizer)
     dbias = dy.sum(dim=0) if needs_dbias else None
@@ -181,7 +188,8 @@ class _FP8Linear(torch.autograd.Function):
         ctx.has_bias = bias is not None
         if not cfg.fp8_output:
             return y.view(*lead, out_features)
-        y_fp8, y_t_fp8, y_scale_inv = ops.cast_transpose(y, *cfg.quantizer(FwdRole.OUTPUT))
+        quantizer = cfg.quantizer(FwdRole.OUTPUT, amax_of(y))
+        y_fp8, y_t_fp8, y_scale_inv = ops.cast_transpose(y, *quantizer)
         return Float8Tensor(
             y_fp8.view(*lead, out_features), y_scale_inv, y.dtype,
             transpose=y_t_fp8, transpose_valid=True,

@@ -9,6 +9,7 @@ dx, dgamma and dbeta. A residual add in front of the norm folds into the same ke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -16,12 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphfp8 import ops
+from graphfp8.fp8.current import AmaxPass
 from graphfp8.fp8.slots import Quantizer
 from graphfp8.fp8.tensor import Float8Tensor
 
 __all__ = ["NORMALIZATIONS", "NormSpec", "apply_norm", "make_norm_params", "norm_fp8"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+# amax_pass -> the output slot's quantizer (GemmConfig.quantizer with its role bound).
+QuantizerOf = Callable[[AmaxPass], Quantizer]
 
 
 class NormSpec(NamedTuple):
@@ -65,17 +69,21 @@ class _NormFP8(torch.autograd.Function):
     None), y = norm(z); backward: dz = norm'(dy_fp8 + dy_hp) + dz_residual, to x and residual."""
 
     @staticmethod
-    def forward(ctx, x, residual, gamma, beta, spec: NormSpec, quantizer: Quantizer,
+    def forward(ctx, x, residual, gamma, beta, spec: NormSpec, quantizer: QuantizerOf,
                 needs_t: bool, hp_out: bool):  # fmt: skip
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
         res2 = None if residual is None else residual.reshape(-1, shape[-1]).contiguous()
-        kw = dict(zero_centered_gamma=spec.zero_centered_gamma, transpose=needs_t, hp_out=hp_out,
-                  residual=res2)  # fmt: skip
-        if spec.normalization == "LayerNorm":
-            o = ops.layernorm_fp8(x2, gamma, beta, spec.eps, *quantizer, **kw)
-        else:
-            o = ops.rmsnorm_fp8(x2, gamma, spec.eps, *quantizer, **kw)
+
+        def norm(q: Quantizer, transpose: bool = needs_t, hp: bool = hp_out):
+            kw = dict(zero_centered_gamma=spec.zero_centered_gamma, transpose=transpose,
+                      hp_out=hp, residual=res2)  # fmt: skip
+            if spec.normalization == "LayerNorm":
+                return ops.layernorm_fp8(x2, gamma, beta, spec.eps, *q, **kw)
+            return ops.rmsnorm_fp8(x2, gamma, spec.eps, *q, **kw)
+
+        # Current scaling: the norm itself is the amax pass (one layout, outputs dropped).
+        o = norm(quantizer(lambda q: norm(q, transpose=False, hp=False)))
         z = x2 if residual is None else o.residual_out
         ctx.save_for_backward(z, gamma, o.mu, o.rsigma)
         ctx.spec, ctx.shape, ctx.has_residual = spec, shape, residual is not None
@@ -105,7 +113,7 @@ def norm_fp8(
     module: nn.Module,
     x: torch.Tensor,
     spec: NormSpec,
-    quantizer: Quantizer,
+    quantizer: QuantizerOf,
     *,
     needs_t: bool,
     hp_out: bool = False,
@@ -117,8 +125,9 @@ def norm_fp8(
         module: owns layer_norm_weight (and layer_norm_bias for LayerNorm), in x's dtype.
         x: (..., hidden) high precision.
         spec: the norm.
-        quantizer: scale, amax and FP8 dtype of the slot that the output goes to (the next
-            GEMM's FwdRole.INPUT).
+        quantizer: amax_pass -> (scale, amax, FP8 dtype) of the slot that the output goes to
+            (the next GEMM's FwdRole.INPUT), e.g. partial(cfg.quantizer, FwdRole.INPUT); under
+            current scaling it runs amax_pass (the norm, outputs dropped) first.
         needs_t: also write the transposed FP8 layout (the next GEMM's weight gradient).
         hp_out: also return y in high precision.
         residual: optional (..., hidden) in x's dtype, added to x before the norm.

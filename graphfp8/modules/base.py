@@ -10,7 +10,8 @@ from torch import nn
 
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.autocast import STATE, check_is_first_microbatch
-from graphfp8.fp8.recipe import DelayedScaling, Format
+from graphfp8.fp8.primary import quantize_weight
+from graphfp8.fp8.recipe import Recipe, recipe_from_dict, recipe_to_dict
 from graphfp8.fp8.slots import BwdRole, FwdRole, slot_index, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
@@ -29,7 +30,7 @@ class FP8Meta:
     """One module's FP8 slots (graphfp8.fp8.slots): `counts` = (forward, backward) slots, e.g.
     FwdRole and BwdRole slots per GEMM, in the forward and backward arenas."""
 
-    def __init__(self, recipe: DelayedScaling, device: torch.device, counts: tuple[int, int]):
+    def __init__(self, recipe: Recipe, device: torch.device, counts: tuple[int, int]):
         self.recipe = recipe
         self.device = torch.device(device)
         self.counts = counts
@@ -47,18 +48,6 @@ class FP8Meta:
         for mine, theirs in ((self.fwd, other.fwd), (self.bwd, other.bwd)):
             mine.history().copy_(theirs.history())
             mine.scales().copy_(theirs.scales())
-
-
-def _recipe_to_dict(recipe: DelayedScaling) -> dict:
-    return {
-        "margin": recipe.margin,
-        "fp8_format": recipe.fp8_format.value,
-        "amax_history_len": recipe.amax_history_len,
-        "amax_compute_algo": recipe.amax_compute_algo,
-        "reduce_amax": recipe.reduce_amax,
-        "fp8_dpa": recipe.fp8_dpa,
-        "fp8_mha": recipe.fp8_mha,
-    }
 
 
 class FP8Module(nn.Module):
@@ -112,13 +101,19 @@ class FP8Module(nn.Module):
         self._check_input(inp, features, weights[0][1], high_precision_input)
         check_is_first_microbatch(is_first_microbatch)
         if not STATE.enabled:
+            if any(isinstance(w, Float8Tensor) for _, w in weights):
+                raise RuntimeError(
+                    f"{type(self).__name__} holds FP8 primary weights (created inside "
+                    "fp8_model_init): run it under fp8_autocast(enabled=True), or create it "
+                    "outside fp8_model_init for a high-precision forward"
+                )
             return None
         self._check_fp8_dims(inp, [w for _, w in weights])
         return self._gemm_configs(weights, is_first_microbatch, fp8_output)
 
     # FP8 state -------------------------------------------------------------------------------
 
-    def uses_fp8(self, recipe: DelayedScaling) -> bool:
+    def uses_fp8(self, recipe: Recipe) -> bool:
         """Whether this module runs in FP8 (and owns slots) under `recipe`."""
         return True
 
@@ -126,7 +121,7 @@ class FP8Module(nn.Module):
         """(forward, backward) slots this module owns: the GEMM roles of each of its GEMMs."""
         return slots_per_gemm(FwdRole) * self.num_gemms, slots_per_gemm(BwdRole) * self.num_gemms
 
-    def fp8_init(self, recipe: DelayedScaling, device) -> FP8Meta:
+    def fp8_init(self, recipe: Recipe, device) -> FP8Meta:
         """Allocates this module's slots for `recipe` (or moves them to it from another recipe of
         the same history length), and returns them."""
         meta, device = self.fp8_meta, torch.device(device)
@@ -138,7 +133,9 @@ class FP8Module(nn.Module):
                 raise ValueError(
                     f"{name}: its FP8 state has amax_history_len="
                     f"{meta.recipe.amax_history_len}, the recipe asks for "
-                    f"{recipe.amax_history_len}; history lengths cannot change"
+                    f"{recipe.amax_history_len}; history lengths cannot change "
+                    f"({type(meta.recipe).__name__} -> {type(recipe).__name__}; "
+                    "Float8CurrentScaling keeps one-long histories)"
                 )
             if meta.fwd.arena.frozen:
                 raise RuntimeError(
@@ -152,6 +149,18 @@ class FP8Module(nn.Module):
         return new
 
     def _weight_workspace(self, key: str, weight: torch.Tensor, fp8_dtype) -> Float8Tensor:
+        if isinstance(weight, Float8Tensor):  # an FP8 primary weight is its own workspace
+            if weight.fp8_dtype != fp8_dtype:
+                raise TypeError(
+                    f"{type(self).__name__}: FP8 primary weight {key} is {weight.fp8_dtype}, the "
+                    f"recipe's forward format is {fp8_dtype}"
+                )
+            if not self.cache_weight_transpose:  # the backward transposes the data instead
+                weight._transpose, weight._transpose_valid = None, False
+            elif weight._transpose is None:
+                rows, cols = weight._data.shape
+                weight._transpose = torch.empty(cols, rows, dtype=fp8_dtype, device=weight.device)
+            return weight
         ws = self._weight_fp8.get(key)
         with_t = self.cache_weight_transpose
         if (
@@ -209,9 +218,11 @@ class FP8Module(nn.Module):
         fp8_dtype = meta.fwd.arena.fp8_dtype
         workspaces = [self._weight_workspace(key, w, fp8_dtype) for key, w in weights]
         if STATE.capture is not None:  # the graph decides through its device flag
-            cast, flag = True, STATE.capture.weight_cache_flag
-        else:
+            casts, flag = [True] * len(weights), STATE.capture.weight_cache_flag
+        else:  # an FP8 primary weight rewritten since its last transpose needs a new one
             cast, flag = self._eager_weight_cast(is_first_microbatch), None
+            casts = [cast or (ws is w and not ws._transpose_valid)
+                     for ws, (_, w) in zip(workspaces, weights, strict=True)]  # fmt: skip
         last = len(weights) - 1
         return [
             GemmConfig(
@@ -219,7 +230,7 @@ class FP8Module(nn.Module):
                 meta.bwd,
                 g,
                 ws,
-                cast,
+                casts[g],
                 flag,
                 fp8_output=fp8_output and g == last,
                 backward_update=bwd_update,
@@ -270,13 +281,40 @@ class FP8Module(nn.Module):
 
     # Checkpoints ---------------------------------------------------------------------------------
 
+    def _apply(self, fn, recurse=True):
+        """.to(), .cuda(), .half() and friends: an FP8 primary weight they would change raises
+        (its replacement would be a high-precision copy that MasterWeights never sees)."""
+        for name, p in self._parameters.items():
+            if isinstance(p, Float8Tensor) and fn(p) is not p:
+                raise RuntimeError(
+                    f"{type(self).__name__}: FP8 primary weight {name} cannot be moved or cast "
+                    "(.to/.cuda/.half); create the model on its device and params_dtype inside "
+                    "fp8_model_init"
+                )
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A high-precision checkpoint entry for an FP8 primary weight is quantized first (its
+        scale from its own amax, as fp8_model_init does); FP8 entries copy bit for bit."""
+        for name, p in self._parameters.items():
+            entry = state_dict.get(prefix + name)
+            if (
+                isinstance(p, Float8Tensor)
+                and isinstance(entry, torch.Tensor)
+                and not isinstance(entry, Float8Tensor)
+                and entry.shape == p.shape
+            ):
+                hp = entry.to(device=p.device, dtype=p.dtype)
+                state_dict[prefix + name] = quantize_weight(hp, p.fp8_dtype)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def get_extra_state(self):
         meta = self.fp8_meta
         if meta is None:
             return None
         return {
             "version": EXTRA_STATE_VERSION,
-            "recipe": _recipe_to_dict(meta.recipe),
+            "recipe": recipe_to_dict(meta.recipe),
             "fwd_amax_history": meta.fwd.history().detach().clone(),
             "fwd_scale": meta.fwd.scales().detach().clone(),
             "bwd_amax_history": meta.bwd.history().detach().clone(),
@@ -320,7 +358,7 @@ _EXTRA_KEYS = ("recipe", "fwd_amax_history", "fwd_scale", "bwd_amax_history", "b
 
 def _upgrade_extra_state(state, name: str, num_gemms: int) -> dict:
     """Validates a checkpoint's FP8 state and brings it to EXTRA_STATE_VERSION: a dict whose
-    "recipe" is a DelayedScaling. Version 0 had a second backward slot per GEMM, dropped here."""
+    "recipe" is a recipe object. Version 0 had a second backward slot per GEMM, dropped here."""
     where = f"{name}: the checkpoint's FP8 state (_extra_state)"
     if not isinstance(state, dict) or any(k not in state for k in _EXTRA_KEYS):
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
@@ -335,9 +373,7 @@ def _upgrade_extra_state(state, name: str, num_gemms: int) -> dict:
             f"{EXTRA_STATE_VERSION}"
         )
     try:
-        recipe = DelayedScaling(
-            **{**state["recipe"], "fp8_format": Format(state["recipe"]["fp8_format"])}
-        )
+        recipe = recipe_from_dict(state["recipe"])
     except (TypeError, KeyError, ValueError) as exc:
         raise ValueError(f"{where} holds an invalid recipe {state['recipe']!r}: {exc}") from exc
     state = {**state, "recipe": recipe}

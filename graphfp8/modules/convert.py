@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from graphfp8.fp8.primary import INIT
 from graphfp8.modules.layernorm_linear import LayerNormLinear
 from graphfp8.modules.linear import Linear
 
@@ -79,6 +80,12 @@ def convert(model: nn.Module, fuse_layernorm: bool = True) -> nn.Module:
     """Replaces nn.Linear (and LayerNorm + Linear pairs of an nn.Sequential) by graphfp8 layers
     in place; the new layers hold the same Parameter objects, so tied weights stay tied. Returns
     the model (a new module if `model` itself is an nn.Linear)."""
+    if INIT.enabled:
+        raise RuntimeError(
+            "graphfp8.convert keeps the model's own (high-precision) Parameters, so it cannot "
+            "make FP8 primary weights: build the model from graphfp8 layers inside "
+            "fp8_model_init and load_state_dict the high-precision weights (they are quantized)"
+        )
     if isinstance(model, nn.Linear):
         return _linear(model)
     _convert_children(model, fuse_layernorm, {id(model): model})

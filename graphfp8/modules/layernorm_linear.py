@@ -3,6 +3,8 @@ fp8_autocast the norm writes the GEMM's FP8 input directly (graphfp8.modules._no
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -60,8 +62,9 @@ class LayerNormLinear(FP8Module):
             out = F.linear(ln_out, self.weight, self.bias)
         else:
             needs_t = torch.is_grad_enabled() and self.weight.requires_grad
+            quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)
             x_fp8, ln_out, _ = norm_fp8(
-                self, inp, self.norm_spec, cfgs[0].quantizer(FwdRole.INPUT), needs_t=needs_t,
+                self, inp, self.norm_spec, quantizer, needs_t=needs_t,
                 hp_out=self.return_layernorm_output,
             )  # fmt: skip
             out = fp8_linear(x_fp8, self.weight, self.bias, cfgs[0])

@@ -3,6 +3,8 @@ writes fc1's FP8 input directly (graphfp8.modules._norm)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -82,8 +84,9 @@ class LayerNormMLP(FP8Module):
                            self.fc2_bias)  # fmt: skip
         else:
             needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
-            x_fp8, _, h = norm_fp8(self, inp, self.norm_spec, cfgs[0].quantizer(FwdRole.INPUT),
-                                   needs_t=needs_t, residual=residual)  # fmt: skip
+            quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)
+            x_fp8, _, h = norm_fp8(self, inp, self.norm_spec, quantizer, needs_t=needs_t,
+                                   residual=residual)  # fmt: skip
             out = self._mlp_fp8(x_fp8, cfgs)
         return out if residual is None else (h, out)
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphfp8.fp8.primary import make_fp8_parameter
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules.base import FP8Module
 
@@ -17,9 +18,11 @@ __all__ = ["Linear"]
 def linear_params(
     in_features: int, out_features: int, bias: bool, dtype, device
 ) -> tuple[nn.Parameter, nn.Parameter | None]:
-    """(weight (out, in), bias (out,) or None) with torch.nn.Linear's default initialisation."""
+    """(weight (out, in), bias (out,) or None) with torch.nn.Linear's default initialisation;
+    the weight is an FP8 parameter inside fp8_model_init (graphfp8.fp8.primary)."""
     weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    weight = make_fp8_parameter(weight)
     if not bias:
         return weight, None
     b = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))

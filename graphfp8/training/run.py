@@ -21,7 +21,9 @@ import torch
 
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.autocast import fp8_autocast
-from graphfp8.fp8.recipe import DelayedScaling, Format
+from graphfp8.fp8.master import MasterWeights
+from graphfp8.fp8.primary import fp8_model_init
+from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.profiling import nvtx_range
 from graphfp8.training.data import Dataset
@@ -30,6 +32,7 @@ from graphfp8.training.model import GPT, ModelConfig
 __all__ = ["GRAPH_MODES", "RunSpec", "Run", "run_settings"]
 
 PRECISIONS = ("bf16", "fp8")
+SCALINGS = ("delayed", "current")
 # none: eager; layers: the blocks captured (make_graphed_callables); step: the whole step.
 GRAPH_MODES = ("none", "layers", "step")
 _MODE_NAMES = {"none": "eager", "layers": "graphs", "step": "step"}
@@ -49,8 +52,14 @@ class RunSpec:
     amax_history_len: int = 16
     compile: bool = False  # torch.compile what the graphs do not hold
     fp8_format: str = "HYBRID"  # graphfp8.Format: HYBRID (E5M2 gradients) or E4M3
+    scaling: str = "delayed"  # one of SCALINGS: the FP8 recipe
+    fp8_weights: bool = False  # FP8 primary weights (fp8_model_init) with fp32 MasterWeights
 
     def __post_init__(self) -> None:
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        if self.fp8_weights and self.precision != "fp8":
+            raise ValueError("fp8_weights needs precision fp8")
         if isinstance(self.graphs, bool):
             object.__setattr__(self, "graphs", "layers" if self.graphs else "none")
         if self.graphs not in GRAPH_MODES:
@@ -67,6 +76,8 @@ class RunSpec:
         fp8_named = self.precision == "fp8" and self.fp8_format != "HYBRID"
         fmt = f"-{self.fp8_format.lower()}" if fp8_named else ""
         suffix = "-compile" if self.compile else ""
+        fmt += "-current" if self.precision == "fp8" and self.scaling == "current" else ""
+        fmt += "-fp8w" if self.fp8_weights else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
 
     @property
@@ -75,7 +86,7 @@ class RunSpec:
 
 
 # Settings that checkpoints written before they existed trained with.
-OLDER_DEFAULTS = {"fp8_format": "HYBRID"}
+OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False}
 
 
 def run_settings(spec: RunSpec) -> dict:
@@ -88,6 +99,8 @@ def run_settings(spec: RunSpec) -> dict:
         "microbatches": spec.microbatches,
         "amax_history_len": spec.amax_history_len,
         "fp8_format": spec.fp8_format,
+        "scaling": spec.scaling,
+        "fp8_weights": spec.fp8_weights,
     }
 
 
@@ -111,16 +124,22 @@ class Run:
         self.rank = torch.distributed.get_rank(group) if group is not None else 0
         self.world = torch.distributed.get_world_size(group) if group is not None else 1
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
-        self.model = GPT(spec.model, torch.bfloat16, spec.device)
+        with fp8_model_init(enabled=spec.fp8_weights):
+            self.model = GPT(spec.model, torch.bfloat16, spec.device)
+        self.masters = MasterWeights(self.model) if spec.fp8_weights else None
+        params = self.masters.parameters() if self.masters else self.model.parameters()
         # Fused, with the learning rate as a device tensor, in every mode: a step graph can
         # capture it (capturable on the GPU), and all modes compute the same bits.
         capturable = spec.graphs == "step" and torch.device(spec.device).type == "cuda"
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=torch.tensor(spec.model.lr, device=spec.device),
+            params, lr=torch.tensor(spec.model.lr, device=spec.device),
             betas=(0.9, 0.95), weight_decay=0.1, fused=True, capturable=capturable,
         )  # fmt: skip
-        self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len,
-                                     fp8_format=Format[spec.fp8_format])  # fmt: skip
+        if spec.scaling == "current":
+            self.recipe = Float8CurrentScaling(fp8_format=Format[spec.fp8_format])
+        else:
+            self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len,
+                                         fp8_format=Format[spec.fp8_format])  # fmt: skip
         self.step = 0
         self.blocks = None  # the callable that runs the blocks, set by prepare()
         self.graphed_step = None  # graphs "step": the captured step, set by prepare()
@@ -161,6 +180,7 @@ class Run:
             self.model, None, self.optimizer, ((tokens, tokens.clone()), ()), mbs,
             fp8_enabled=self.fp8, fp8_recipe=self.recipe, fp8_weight_caching=True,
             max_grad_norm=1.0, fp8_group=self.group, process_group=self.group,
+            master_weights=self.masters,
             num_warmup_iters=3 if torch.device(self.spec.device).type == "cuda" else 1,
         )  # fmt: skip
 
@@ -229,8 +249,12 @@ class Run:
             if self.group is not None:
                 allreduce_gradients(model.parameters(), self.group)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.masters is not None:  # fp32 masters, then one cast back into FP8 per weight
+                self.masters.step(self.optimizer)
+                self.masters.zero_grad(set_to_none=True)
+            else:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return total
 
@@ -242,6 +266,7 @@ class Run:
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            **({"masters": self.masters.state_dict()} if self.masters else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -256,4 +281,6 @@ class Run:
             raise RuntimeError("load the checkpoint before prepare(): the graphs are captured")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.masters is not None:
+            self.masters.load_state_dict(state["masters"])
         self.step = state["step"]

@@ -1,0 +1,67 @@
+"""Float8CurrentScaling inside the graphs: graphed == eager bit for bit (per-callable graphs and
+the whole-step graph), and the per-cast amax pass and scale update are captured nodes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import graphfp8 as g8
+from tests.graphs.common import train_side_by_side
+from tests.graphs.step_common import (
+    TinyLM,
+    adamw,
+    compare_step,
+    compare_training_state,
+    eager_step,
+    lm_batch,
+    lm_loss,
+)
+from tests.modules.common import H, T
+
+CURRENT = g8.Float8CurrentScaling()
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP", "Chain", "TransformerLayer"])
+@pytest.mark.parametrize("caching", [True, False])
+def test_graphed_equals_eager(device, kind, caching):
+    train_side_by_side(kind, CURRENT, caching, device)
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_graphed_equals_eager_e4m3(device, kind):
+    train_side_by_side(kind, g8.Float8CurrentScaling(fp8_format=g8.Format.E4M3), True, device)
+
+
+def test_each_cast_updates_its_own_scale_inside_the_graphs(device):
+    """Linear: forward = input and weight casts, each an amax pass, a one-slot scale update and
+    the cast; backward = the grad-output cast. No arena-wide update is captured."""
+    layer = g8.Linear(H, H, params_dtype=torch.bfloat16, device=device)
+    sample = torch.randn(T, H, dtype=torch.bfloat16, device=device, requires_grad=True)
+    graphed = g8.make_graphed_callables(layer, (sample,), fp8_enabled=True, fp8_recipe=CURRENT,
+                                        fp8_weight_caching=True)  # fmt: skip
+    ops = graphed.captured_ops()
+    assert ops["forward"].count("graphfp8::scale_update") == 2
+    assert ops["forward"].count("graphfp8::cast_to_fp8") == 2  # the two amax passes
+    assert ops["forward"].count("graphfp8::cast_transpose") == 2
+    assert ops["backward"].count("graphfp8::scale_update") == 1
+
+
+def test_step_graph_equals_eager(device):
+    """The whole training step (TinyLM, 3 microbatches, weight caching) as one graph."""
+    n = 3
+    eager = TinyLM(device)
+    model = copy.deepcopy(eager)
+    opt_e, opt_g = adamw(eager.parameters(), device), adamw(model.parameters(), device)
+    step = g8.make_graphed_step(model, lm_loss, opt_g, lm_batch(n, device, 99), n,
+                                fp8_enabled=True, fp8_recipe=CURRENT, num_warmup_iters=1,
+                                keep_grads_before_clipping=True)  # fmt: skip
+    compare_training_state(eager, model, opt_e, opt_g, "after capture")
+    for s in range(3):
+        batch = lm_batch(n, device, s)
+        result = eager_step(eager, lm_loss, opt_e, batch, n, recipe=CURRENT)
+        step(batch)
+        compare_step(step, result, f"step {s}")
+        compare_training_state(eager, model, opt_e, opt_g, f"step {s}")
