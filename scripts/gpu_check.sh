@@ -128,7 +128,7 @@ for step in $STEPS; do
         || { status=1; tail -30 "$RES/kernels_ab.log"; }
       grep -v "^wrote\|kernel output digests" "$RES/kernels_ab.log" >> "$RES/summary.md" ;;
     memory)  # issue 19: the report (bf16 beside FP8, one layer and a stack), then the table
-      for what in report table; do
+      for what in ${MEMORY_WHAT:-report table}; do
         flag=$([ $what = table ] && echo --table)
         $PY -m graphfp8.bench memory $flag --json "$RES/bench_memory_$what.json" \
           > /tmp/bench_memory_$what.log 2>&1 || { status=1; tail -30 /tmp/bench_memory_$what.log; }
