@@ -71,7 +71,7 @@ for step in $STEPS; do
           --ddp --preset ${TRAIN_PRESET:-100m} --steps ${DDP_STEPS:-100} --out "$RES/ddp$procs" \
           > "$RES/ddp$procs.log" 2>&1 || status=1
         echo "-- $procs GPU(s)" | tee -a "$RES/summary.md"
-        grep -A3 "final loss" "$RES/ddp$procs.log" | tee -a "$RES/summary.md"
+        grep -A3 "^ *run " "$RES/ddp$procs.log" | tee -a "$RES/summary.md"
         grep "across" "$RES/ddp$procs.log" | tee -a "$RES/summary.md"
       done ;;
     tests-first)  # one file first, verbose, so a crash names its test
@@ -93,7 +93,7 @@ for step in $STEPS; do
           --steps ${TRAIN_STEP_STEPS:-200} --out "$RES/train_step_$preset" \
           > "$RES/train_step_$preset.log" 2>&1 || status=1
         echo "-- $preset" | tee -a "$RES/summary.md"
-        grep -A2 "final loss" "$RES/train_step_$preset.log" | tee -a "$RES/summary.md"
+        grep -A2 "^ *run " "$RES/train_step_$preset.log" | tee -a "$RES/summary.md"
       done ;;
     compile)  # torch.compile: its CUDA tests, then training with and without --compile
       $PY -m pytest -v -m cuda -p no:cacheprovider tests/test_compile.py > "$RES/tests_compile.log" 2>&1
@@ -104,7 +104,7 @@ for step in $STEPS; do
           --preset ${TRAIN_PRESET:-100m} --steps ${COMPILE_STEPS:-100} --out "$RES/compile_$mode" \
           > "$RES/compile_$mode.log" 2>&1 || status=1
         echo "-- --compile $mode" | tee -a "$RES/summary.md"
-        sed -n '/final loss/,/^wrote/p' "$RES/compile_$mode.log" | grep -v '^wrote' | tee -a "$RES/summary.md"
+        sed -n '/^ *run /,/^wrote/p' "$RES/compile_$mode.log" | grep -v '^wrote' | tee -a "$RES/summary.md"
       done ;;
     train-scaling)  # issue 16: DelayedScaling vs Float8CurrentScaling vs FP8 primary weights
       for run in delayed current fp8w; do
@@ -113,7 +113,7 @@ for step in $STEPS; do
           --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_SCALING_STEPS:-200} \
           --out "$RES/train_scaling_$run" > "$RES/train_scaling_$run.log" 2>&1 || status=1
         echo "-- $run" | tee -a "$RES/summary.md"
-        sed -n '/final loss/,/^wrote/p' "$RES/train_scaling_$run.log" | grep -v '^wrote' \
+        sed -n '/^ *run /,/^wrote/p' "$RES/train_scaling_$run.log" | grep -v '^wrote' \
           | tee -a "$RES/summary.md"
       done ;;
     profile)
