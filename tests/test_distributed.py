@@ -317,7 +317,7 @@ def _allreduce_gradients_averages(rank, device):
     for average in (True, False):
         params = [torch.nn.Parameter(torch.zeros(s, dtype=dt, device=device)) for s, dt in specs]
         no_grad = torch.nn.Parameter(torch.zeros(3, device=device))
-        for p, g in zip(params, _rank_grads(rank, specs, device)):
+        for p, g in zip(params, _rank_grads(rank, specs, device), strict=True):
             p.grad = g
         allreduce_gradients([*params, no_grad, params[0]], bucket_mb=100 / 2**20, average=average)
         per_rank = [_rank_grads(r, specs, device) for r in range(WORLD)]

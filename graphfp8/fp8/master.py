@@ -91,7 +91,11 @@ class MasterWeights:
 
     def state_dict(self) -> dict:
         """{"masters": {name: fp32 master}}; the optimizer's state_dict is saved separately."""
-        return {"masters": {n: m.detach().clone() for n, m in zip(self.names, self.masters)}}
+        return {
+            "masters": {
+                n: m.detach().clone() for n, m in zip(self.names, self.masters, strict=True)
+            }
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

@@ -158,8 +158,8 @@ def make_graphed_callables(
             r.graphs = graphs
             r.uses_fp8 = bool(r.arenas) or any(isinstance(m, FP8Module) for m in r.modules)
             r.guard = build_guard(r)
-    replace = not layout.explicit
-    graphed = tuple(_wrap(f, r, replace_forward=replace) for f, r in zip(funcs, runners))
+    pairs = zip(funcs, runners, strict=True)
+    graphed = tuple(_wrap(f, r, replace_forward=not layout.explicit) for f, r in pairs)
     graphs.register(funcs)
     return graphed[0] if just_one else graphed
 
@@ -212,7 +212,7 @@ def _prepare(callables, sample_args, sample_kwargs, fp8_enabled, caching, funcs=
     funcs = callables if funcs is None else funcs
     check_distinct(callables)
     runners, devices = [], set()
-    for j, (func, args, kwargs) in enumerate(zip(funcs, sample_args, sample_kwargs)):
+    for j, (func, args, kwargs) in enumerate(zip(funcs, sample_args, sample_kwargs, strict=True)):
         args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
         kwargs = dict(kwargs or {})
         runner = new_runner(j, func, list(args) + list(kwargs.values()), list(kwargs))
@@ -252,7 +252,7 @@ def _init_fp8_modules(fp8_modules, recipe, device) -> list[scaling.Arena]:
 def _call(func, runner: GraphedRunner):
     n_args = len(runner.static_inputs) - len(runner.kwarg_names)
     args = runner.static_inputs[:n_args]
-    kwargs = dict(zip(runner.kwarg_names, runner.static_inputs[n_args:]))
+    kwargs = dict(zip(runner.kwarg_names, runner.static_inputs[n_args:], strict=True))
     with compile_set_aside():
         out = func(*args, **kwargs)
     flat, spec = tree_flatten(out)
@@ -278,7 +278,7 @@ def _warmup(callables, runners, iters, allow_unused, state, device) -> None:
     capture = state["capture"]
     with _side_stream(device), capture_state(**state):
         for it in range(iters):
-            for func, runner in zip(callables, runners):
+            for func, runner in zip(callables, runners, strict=True):
                 capture.arenas = runner.arenas
                 since = next_sequence_nr() if it == 0 else 0
                 flat, _ = _call(func, runner)
@@ -300,7 +300,7 @@ def _capture_forwards(callables, runners, arenas, state, pool, device) -> None:
     `arenas` (the unit's)."""
     fwd_arenas = [a for a in arenas if a.direction == scaling.FORWARD]
     capture = state["capture"]
-    for i, (func, runner) in enumerate(zip(callables, runners)):
+    for i, (func, runner) in enumerate(zip(callables, runners, strict=True)):
         graph = new_graph(device)
         capture.arenas = used = {}
         since = next_sequence_nr()

@@ -48,7 +48,7 @@ class GradAccumulator:
             self.reset_graph.replay()
             self._attach = self._nones
         else:
-            for b, g in zip(self.buffers, current):
+            for b, g in zip(self.buffers, current, strict=True):
                 if g is None:
                     b.fill_(-0.0)
                 elif g is not b:
@@ -58,7 +58,7 @@ class GradAccumulator:
     def after_replay(self) -> None:
         if self._attach is None:
             return
-        for p, b, g in zip(self.params, self.buffers, self._attach):
+        for p, b, g in zip(self.params, self.buffers, self._attach, strict=True):
             if g is None:
                 p.grad = b
             elif g is not b:
@@ -121,7 +121,7 @@ class GradFold:
     def finish(self) -> None:
         """Captures the add of the small gradients, after autograd is done."""
         if self.pending:
-            idx, grads = zip(*self.pending)
+            idx, grads = zip(*self.pending, strict=True)
             torch._foreach_add_([self.buffers[i] for i in idx], list(grads))
         self.pending = []
 

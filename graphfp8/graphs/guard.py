@@ -99,7 +99,9 @@ class CaptureGuard:
     def _raise_replaced(self):
         names = [
             n
-            for d, k, t, n in zip(self.owners, self.keys, self.objects, self.object_names)
+            for d, k, t, n in zip(
+                self.owners, self.keys, self.objects, self.object_names, strict=True
+            )
             if d.get(k) is not t
         ]
         raise RuntimeError(
@@ -111,7 +113,7 @@ class CaptureGuard:
     def _raise_moved(self):
         names = [
             n
-            for t, p, n in zip(self.tensors, self.data_ptrs, self.tensor_names)
+            for t, p, n in zip(self.tensors, self.data_ptrs, self.tensor_names, strict=True)
             if t.data_ptr() != p
         ]
         raise RuntimeError(
@@ -123,7 +125,7 @@ class CaptureGuard:
     def _raise_requires_grad(self):
         names = [
             f"{n} ({was} -> {p.requires_grad})"
-            for p, n, was in zip(self.params, self.param_names, self.requires_grad)
+            for p, n, was in zip(self.params, self.param_names, self.requires_grad, strict=True)
             if p.requires_grad != was
         ]
         raise RuntimeError(
@@ -150,8 +152,8 @@ def build_guard(runner) -> CaptureGuard:
                     tensors.append((table, key, t, f"{type(m).__name__}.{key}"))
                     owned.add(id(t))
         children += [(m._modules, k, c, f"{type(m).__name__}.{k}") for k, c in m._modules.items()]
-    for p, name in zip(runner.params, runner.param_names):
+    for p, name in zip(runner.params, runner.param_names, strict=True):
         if id(p) not in owned:
             tensors.append(({"t": p}, "t", p, name))
-    params = list(zip(runner.param_names, runner.params))
+    params = list(zip(runner.param_names, runner.params, strict=True))
     return CaptureGuard(runner.name, runner.modules, params, tensors, children)

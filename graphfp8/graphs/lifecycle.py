@@ -74,7 +74,9 @@ class CapturedGraphs:
     def register(self, funcs) -> None:
         """Marks the modules among `funcs` (one per runner) whose forward now replays these
         graphs; reset() runs their runners' undo."""
-        pairs = [(f, r.undo) for f, r in zip(funcs, self.runners) if r.undo is not None]
+        pairs = [
+            (f, r.undo) for f, r in zip(funcs, self.runners, strict=True) if r.undo is not None
+        ]
         self.modules = [weakref.ref(f) for f, _ in pairs]
         for f, _ in pairs:
             _CAPTURED[f] = weakref.ref(self)

@@ -131,7 +131,7 @@ class GraphedRunner:
                 f"{self.name}: captured with {len(self.static_inputs)} tensor arguments, "
                 f"called with {len(flat)}"
             )
-        for i, (a, s) in enumerate(zip(flat, self.static_inputs)):
+        for i, (a, s) in enumerate(zip(flat, self.static_inputs, strict=True)):
             if not isinstance(a, torch.Tensor):
                 raise TypeError(f"{self.name}: argument {i} must be a tensor, got {type(a)}")
             if (a.shape != s.shape or a.dtype != s.dtype or a.device != s.device
@@ -146,14 +146,14 @@ class GraphedRunner:
         return flat
 
     def replay_forward(self, flat_inputs) -> None:
-        for static, given in zip(self.static_inputs, flat_inputs):
+        for static, given in zip(self.static_inputs, flat_inputs, strict=True):
             if static.data_ptr() != given.data_ptr():
                 static.copy_(given)
         with nvtx_range("replay-forward"):
             self.fwd_graph.replay()
 
     def replay_backward(self, grads) -> tuple:
-        for static, given in zip(self.static_grad_outputs, grads):
+        for static, given in zip(self.static_grad_outputs, grads, strict=True):
             if static is not None and given is not None and static.data_ptr() != given.data_ptr():
                 static.copy_(given)
         with nvtx_range("replay-backward"):
@@ -199,7 +199,7 @@ class GraphedFunction(torch.autograd.Function):
         runner.graphs.schedule.forward_done(runner.index, ctx if expects_backward else None)
         outs = tuple(o.detach() for o in runner.static_outputs)
         ctx.mark_non_differentiable(
-            *[o for o, g in zip(outs, runner.static_grad_outputs) if g is None]
+            *[o for o, g in zip(outs, runner.static_grad_outputs, strict=True) if g is None]
         )
         return outs
 

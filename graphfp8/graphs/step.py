@@ -152,7 +152,7 @@ def make_graphed_step(
     try:
         graph, loss, grad_norm = _warmup_and_capture(run, state, num_warmup_iters, pool)
     except BaseException:
-        for p, g in zip(body.params, old_grads):
+        for p, g in zip(body.params, old_grads, strict=True):
             p.grad = g
         raise
     return GraphedStep(run, graph, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
@@ -244,10 +244,10 @@ class _StepRun:
         if self.grads is None:  # the first warmup microbatch: persistent .grad buffers
             params = self.body.grad_params
             self.grads = [torch.zeros_like(p) for p in params]
-            for p, has_grad in zip(self.body.params, self.body.has_grad):
+            for p, has_grad in zip(self.body.params, self.body.has_grad, strict=True):
                 if not has_grad:
                     p.grad = None  # the optimizer skips it, as after zero_grad(set_to_none)
-            for p, g in zip(params, self.grads):
+            for p, g in zip(params, self.grads, strict=True):
                 p.grad = g
             if self.keep:
                 self.grads_before_clipping = [torch.zeros_like(g) for g in self.grads]

@@ -100,7 +100,7 @@ class StaticBatch:
                 f"target tensors, called with {len(inputs)} and {len(targets)}"
             )
         given = [*inputs, *targets]
-        for i, (g, s) in enumerate(zip(given, self.tensors)):
+        for i, (g, s) in enumerate(zip(given, self.tensors, strict=True)):
             if g is s:  # the static buffer itself (filled in place): nothing to check or copy
                 continue
             if g.shape != s.shape or g.dtype != s.dtype or g.device != s.device:
@@ -112,7 +112,7 @@ class StaticBatch:
 
     def copy(self, given: list[torch.Tensor]) -> None:
         """Copies checked tensors into the static buffers, skipping those that are the buffers."""
-        for g, s in zip(given, self.tensors):
+        for g, s in zip(given, self.tensors, strict=True):
             if g is not s and (g.data_ptr() != s.data_ptr() or g.stride() != s.stride()):
                 s.copy_(g)
 
@@ -229,7 +229,7 @@ class TrainBody:
     @property
     def grad_params(self) -> list[torch.Tensor]:
         """The parameters that get a gradient, in parameter order (after a first run)."""
-        return [p for p, h in zip(self.params, self.has_grad) if h]
+        return [p for p, h in zip(self.params, self.has_grad, strict=True) if h]
 
 
 def init_fp8(model: nn.Module, recipe, fp8_group, device) -> None:

@@ -128,7 +128,7 @@ class OptimizerGuard:
                 f"{self.name}: the optimizer's state or param groups were replaced or extended "
                 "after capture (load_state_dict, add_param_group); capture the step again"
             )
-        for group, frozen in zip(self.groups, self.frozen):
+        for group, frozen in zip(self.groups, self.frozen, strict=True):
             for key, value in frozen:
                 now = group.get(key)
                 if now is value:
@@ -163,7 +163,7 @@ class TrainingSnapshot:
 
     def restore(self) -> None:
         with torch.no_grad():
-            for t, saved in zip(self.tensors, self.saved):
+            for t, saved in zip(self.tensors, self.saved, strict=True):
                 t.copy_(saved)
             if self.optimizer is None:
                 return

@@ -131,7 +131,7 @@ class _Record:
             _wait_for_work(result)
         elif self.mode == "copy":
             fresh = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
-            for dst, src in zip(self.outs, fresh):
+            for dst, src in zip(self.outs, fresh, strict=True):
                 dst.copy_(src)
 
 

@@ -12,13 +12,15 @@ from tests.modules.common import build, fp8_state, input_shape
 
 
 def compare_models(eager, graphed, what: str) -> None:
-    for (name, pe), (_, pg) in zip(eager.named_parameters(), graphed.named_parameters()):
+    for (name, pe), (_, pg) in zip(
+        eager.named_parameters(), graphed.named_parameters(), strict=True
+    ):
         assert_bitwise_equal(pg, pe, f"{what}: weight {name}")
         if pe.grad is None:
             assert pg.grad is None, f"{what}: grad {name} should be None"
         else:
             assert_bitwise_equal(pg.grad, pe.grad, f"{what}: grad {name}")
-    for (name, se), (_, sg) in zip(fp8_state(eager), fp8_state(graphed)):
+    for (name, se), (_, sg) in zip(fp8_state(eager), fp8_state(graphed), strict=True):
         assert_bitwise_equal(sg, se, f"{what}: {name}")
 
 

@@ -123,7 +123,7 @@ def test_many_replays_back_to_back_follow_is_first_microbatch(device):
         expected.append(weight)
     if device == "cuda":
         torch.cuda.synchronize()
-    for i, (out, w) in enumerate(zip(outs, expected)):
+    for i, (out, w) in enumerate(zip(outs, expected, strict=True)):
         assert torch.all(out == w), f"replay {i}: got {out[0, 0].item()}, expected {w}"
 
 

@@ -145,13 +145,13 @@ def test_checkpoint_round_trip_and_resume_is_bit_exact(device):
     b.load_state_dict(ckpt["model"])
     opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2)
     opt_b.load_state_dict(ckpt["opt"])
-    for (name, sa), (_, sb) in zip(fp8_state(a), fp8_state(b)):
+    for (name, sa), (_, sb) in zip(fp8_state(a), fp8_state(b), strict=True):
         assert_bitwise_equal(sb, sa, f"loaded {name}")
     _train(a, xs[4:], opt_a)  # uninterrupted
     _train(b, xs[4:], opt_b)  # resumed
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert_bitwise_equal(pb, pa, name)
-    for (name, sa), (_, sb) in zip(fp8_state(a), fp8_state(b)):
+    for (name, sa), (_, sb) in zip(fp8_state(a), fp8_state(b), strict=True):
         assert_bitwise_equal(sb, sa, name)
 
 

@@ -66,7 +66,7 @@ def test_fp8_state_round_trips_through_state_dict(device):
     assert not any("rope" in k for k in state), "rotary tables are buffers, not state"
     other = build("TransformerLayer", device=device)
     other.load_state_dict(state)
-    for (name, a), (_, b) in zip(fp8_state(m), fp8_state(other)):
+    for (name, a), (_, b) in zip(fp8_state(m), fp8_state(other), strict=True):
         assert_bitwise_equal(b, a, name)
 
 

@@ -52,7 +52,7 @@ def _run_cast(x, scale, amax0, fp8_dtype, device, transpose, noop=None):
 def test_cast_transpose_matches_reference(device, hp_dtype, fp8_dtype, shape):
     x, scale, amax0 = _inputs(shape, hp_dtype, specials=True)
     got, want = _run_cast(x, scale, amax0, fp8_dtype, device, transpose=True)
-    for name, g, w in zip(("out", "out_t", "scale_inv", "amax"), got, want):
+    for name, g, w in zip(("out", "out_t", "scale_inv", "amax"), got, want, strict=True):
         assert_bitwise_equal(g, w, name)
     assert_bitwise_equal(got[1], got[0].t().contiguous(), "out_t is out.T")
 
@@ -63,7 +63,7 @@ def test_cast_transpose_matches_reference(device, hp_dtype, fp8_dtype, shape):
 def test_cast_matches_reference(device, hp_dtype, fp8_dtype, shape):
     x, scale, amax0 = _inputs(shape, hp_dtype, specials=True)
     got, want = _run_cast(x, scale, amax0, fp8_dtype, device, transpose=False)
-    for name, g, w in zip(("out", "scale_inv", "amax"), got, want):
+    for name, g, w in zip(("out", "scale_inv", "amax"), got, want, strict=True):
         assert_bitwise_equal(g, w, name)
 
 
@@ -102,7 +102,7 @@ def test_noop_flag_one_writes_nothing(device, transpose, shape):
     else:
         torch.ops.graphfp8.cast_to_fp8(x, scale, out, scale_inv, amax, noop)
     for name, t, b in zip(
-        ("out", "out_t", "scale_inv", "amax"), (out, out_t, scale_inv, amax), before
+        ("out", "out_t", "scale_inv", "amax"), (out, out_t, scale_inv, amax), before, strict=True
     ):
         assert_bitwise_equal(t, b, f"{name} untouched")
 
@@ -111,7 +111,7 @@ def test_noop_flag_one_writes_nothing(device, transpose, shape):
 def test_noop_flag_zero_casts(device, transpose):
     x, scale, amax0 = _inputs((48, 80), torch.float16, specials=False)
     got, want = _run_cast(x, scale, amax0, torch.float8_e5m2, device, transpose, torch.zeros(1))
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert_bitwise_equal(g, w)
 
 

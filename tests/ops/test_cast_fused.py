@@ -118,7 +118,9 @@ def test_fused_matches_reference(device, op, hp_dtype, fp8_dtype, shape):
     f_values = _f_values(op, first)
     f_slack = _f_slack(op, first, f_values)
     if exact:
-        for name, g, w in zip(("out", "out_t", "amax"), got[:2] + got[3:4], want[:2] + want[3:4]):
+        for name, g, w in zip(
+            ("out", "out_t", "amax"), got[:2] + got[3:4], want[:2] + want[3:4], strict=True
+        ):
             assert_bitwise_equal(g, w, name)
     else:
         _assert_fp8_close(got[0], want[0], scale, f_slack)
