@@ -174,7 +174,10 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         (torch.cuda.max_memory_reserved over the run; None on the CPU), ...}.
     """
     if spec.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()  # peak_reserved_bytes is this run's
+        # peak_reserved_bytes is this run's: an earlier run's cached blocks (--compare runs
+        # share the process) would count as reserved otherwise.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     run = Run(spec, opts.data, opts.group)
     if opts.resume is not None:
         _resume(run, opts)
