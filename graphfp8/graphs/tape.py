@@ -18,6 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from graphfp8.ops.gemm import onednn_off
+
 __all__ = ["CaptureError", "RecordingMode", "ReplayTape"]
 
 aten = torch.ops.aten
@@ -46,6 +48,7 @@ _ALLOC_ONLY = {
     aten.new_empty.default,
     aten.new_empty_strided.default,
 }
+_SCALED_MM = torch.ops.aten._scaled_mm.default
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -96,10 +99,12 @@ def _wait_for_work(result) -> None:
 class _Record:
     """One recorded op and how to replay it."""
 
-    __slots__ = ("func", "args", "kwargs", "outs", "mode")
+    __slots__ = ("func", "args", "kwargs", "outs", "mode", "onednn")
 
     def __init__(self, func, args, kwargs, out):
         self.func, self.args, self.kwargs = func, args, kwargs
+        # A CPU FP8 GEMM replays on the path it was captured on (graphfp8.ops.gemm.onednn_off).
+        self.onednn = torch._C._get_mkldnn_enabled() if func is _SCALED_MM else None
         schema = func._schema
         self.outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if func.namespace == "c10d":
@@ -126,7 +131,11 @@ class _Record:
     def replay(self) -> None:
         if self.mode == "skip":
             return
-        result = self.func(*self.args, **self.kwargs)
+        if self.onednn is False:
+            with onednn_off():
+                result = self.func(*self.args, **self.kwargs)
+        else:
+            result = self.func(*self.args, **self.kwargs)
         if self.mode == "collective":
             _wait_for_work(result)
         elif self.mode == "copy":

@@ -13,9 +13,11 @@ pointer 16-byte aligned); checking here makes a CPU test fail wherever the GPU w
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-__all__ = ["fp8_gemm", "check_aligned", "check_gemm_dims"]
+__all__ = ["fp8_gemm", "check_aligned", "check_gemm_dims", "onednn_off"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -95,12 +97,23 @@ def fp8_gemm(
             raise ValueError(
                 f"{name}: 'bias' must be ({n},) {out_dtype}, got {tuple(bias.shape)} {bias.dtype}"
             )
-    return torch._scaled_mm(
-        a_fp8,
-        b_fp8,
-        scale_a=a_scale_inv,
-        scale_b=b_scale_inv,
-        bias=bias,
-        out_dtype=out_dtype,
-        use_fast_accum=use_fast_accum,
-    )
+    kw = dict(scale_a=a_scale_inv, scale_b=b_scale_inv, bias=bias, out_dtype=out_dtype,
+              use_fast_accum=use_fast_accum)  # fmt: skip
+    if a_fp8.device.type != "cpu":
+        return torch._scaled_mm(a_fp8, b_fp8, **kw)
+    with onednn_off():
+        return torch._scaled_mm(a_fp8, b_fp8, **kw)
+
+
+@contextlib.contextmanager
+def onednn_off():
+    """torch routes a CPU `_scaled_mm` to oneDNN on CPUs with AMX-INT8, where FP8 runs a path
+    ~200x slower than torch's own fp32 emulation (~40 ms for a 64x64x256 GEMM) that also rounds
+    differently. graphfp8's CPU FP8 GEMMs always run the emulation; the replay tape replays each
+    `_scaled_mm` under the switch it was captured with (graphs/tape.py)."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)

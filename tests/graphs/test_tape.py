@@ -85,3 +85,34 @@ def test_tape_freezes_python_state_like_a_cuda_graph():
     scale["value"] = 5.0
     tape.replay()
     assert out.tolist() == [2.0, 2.0, 2.0]
+
+
+def _paths_differ_case():
+    """FP8 operands whose CPU GEMM rounds differently on oneDNN's path and torch's emulation
+    (on a CPU that routes FP8 to oneDNN; elsewhere both are the emulation)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(128, 32, generator=gen).to(torch.float8_e4m3fn)
+    b = torch.randn(32, 32, generator=gen).to(torch.float8_e4m3fn).t().contiguous().t()
+    return a, torch.tensor([0.37]), b, torch.tensor([2.5e-3])
+
+
+def test_cpu_fp8_gemm_runs_the_emulation_and_replays_it():
+    """fp8_gemm on the CPU runs torch's fp32 emulation whatever torch's oneDNN switch says, and
+    the tape replays it on that path: replayed == eager bit for bit, also where oneDNN's path
+    would round differently."""
+    a, sa, b, sb = _paths_differ_case()
+    with g8.ops.gemm.onednn_off():
+        emulated = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    eager = g8.ops.fp8_gemm(a, sa, b, sb, torch.float32)
+    assert torch.equal(eager, emulated)
+    assert torch._C._get_mkldnn_enabled(), "the switch is put back"
+    out = torch.empty(128, 32)
+    tape = ReplayTape()
+    with RecordingMode(tape):
+        out.copy_(g8.ops.fp8_gemm(a, sa, b, sb, torch.float32))
+    out.zero_()
+    tape.replay()
+    assert torch.equal(out, eager)
+    onednn = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    if not torch.equal(onednn, emulated):  # this CPU takes oneDNN's path: the case bites here
+        assert not torch.equal(out, onednn)
