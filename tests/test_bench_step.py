@@ -16,6 +16,9 @@ def test_step_bench_quick_on_cpu(tmp_path, capsys):
     assert [r["layers"] for r in result["layers"]] == [1, 2]
     for row in [*result["block"].values(), *(r["fp8 step graph"] for r in result["layers"])]:
         assert row["host_ms"] > 0 and row["device_ms"] > 0 and row["kernels"] is None
+    for name, row in result["block"].items():  # the launch without the checks: step graphs
+        assert (row["launch_host_ms"] is not None) == name.endswith("step graph"), name
+        assert row["launch_host_ms"] is None or row["launch_host_ms"] > 0
     out = capsys.readouterr().out
     assert "fp8 step graph relative to fp8 layer graphs" in out
-    assert "host ms per optimizer step vs layers" in out
+    assert "host ms per optimizer step vs layers" in out and "of which launch" in out

@@ -286,10 +286,17 @@ class GraphedStep:
         self._guard.check()
         given = self._body.batch.check(batch)
         self._body.batch.copy(given)
-        # The CPU tape re-runs ops in place on leaf tensors and views of them: no grad mode.
-        with nvtx_range("replay-step"), torch.no_grad() if self._tape else contextlib.nullcontext():
-            self._graph.replay()
+        with nvtx_range("replay-step"):
+            self.launch_only()
         return self.loss
+
+    def launch_only(self) -> None:
+        """Replays the step on the static batch without the per-call checks or the batch copy:
+        what the launch alone costs the host (`python -m graphfp8.bench step`). Training calls
+        the step itself."""
+        # The CPU tape re-runs ops in place on leaf tensors and views of them: no grad mode.
+        with torch.no_grad() if self._tape else contextlib.nullcontext():
+            self._graph.replay()
 
     @property
     def static_batch(self):

@@ -79,3 +79,30 @@ def test_step_equals_eager_without_weight_caching_or_clipping(device):
     mse = lambda y, target: F.mse_loss(y.float(), target.float())  # noqa: E731
     step = _train(device, build("LayerNormMLP", device=device), mse, batch, caching=False)
     assert step.grad_norm is None
+
+
+def test_launch_only_replays_the_same_step(device):
+    """launch_only() (the bench's host-cost probe) replays exactly what a call does, on the
+    static batch the caller filled: same loss, parameters and optimizer state, bit for bit."""
+    called = build("LayerNormMLP", device=device)
+    launched = copy.deepcopy(called)
+    opt_c, opt_l = adamw(called.parameters(), device), adamw(launched.parameters(), device)
+    mse = lambda y, t: F.mse_loss(y.float(), t.float())  # noqa: E731
+
+    def batch(seed):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(N, T, H, generator=gen).to(torch.bfloat16)
+        return x.to(device), torch.randn(N, T, H, generator=gen).to(device)
+
+    kw = dict(fp8_enabled=True, fp8_recipe=RECIPE, max_grad_norm=1.0, num_warmup_iters=1)
+    step_c = g8.make_graphed_step(called, mse, opt_c, batch(99), N, **kw)
+    step_l = g8.make_graphed_step(launched, mse, opt_l, batch(99), N, **kw)
+    for s in range(2):
+        x, y = batch(s)
+        step_c((x, y))
+        inputs, targets = step_l.static_batch
+        inputs.copy_(x)
+        targets.copy_(y)
+        step_l.launch_only()
+        assert torch.equal(step_l.loss, step_c.loss), f"step {s}: loss"
+        compare_training_state(called, launched, opt_c, opt_l, f"step {s}")
