@@ -44,6 +44,22 @@ def test_stack_quick(tmp_path, capsys):
     assert "| 32 | 1 |" in capsys.readouterr().out
 
 
+def test_attention_quick(tmp_path, capsys):
+    """Every peer, the graphed ones included, runs and is in every table."""
+    path = tmp_path / "attention.json"
+    main(["attention", "--quick", "--device", "cpu", "--json", str(path)])
+    (shape,) = json.loads(path.read_text())["shapes"]
+    assert shape["shape"] == [1, 64, 2, 16]
+    assert list(shape["peers"]) == [
+        "bf16 SDPA", "fp8 ops", "fp8 DotProductAttention", "bf16 RoPE + SDPA (fused QKV)",
+        "fp8 MHA chain (fused QKV)", "bf16 SDPA graphed", "fp8 DotProductAttention graphed",
+    ]  # fmt: skip
+    for name, row in shape["peers"].items():
+        for key in ("device_ms", "host_ms", "tflops"):
+            assert math.isfinite(row[key]) and row[key] > 0, (name, key)
+    assert "graphed fp8 layer / graphed bf16 SDPA" in capsys.readouterr().out
+
+
 def test_time_host_syncs_before_each_timed_call(monkeypatch):
     """Host enqueue time is measured from an idle device, one call at a time: back-to-back
     enqueues wait for a full launch queue and measure the GPU instead (the step benchmark's

@@ -1,7 +1,8 @@
 """Attention benchmark: causal attention forward + backward, FP8 (cuDNN, through graphfp8) against
 bf16 SDPA (torch's flash kernel), in one process: the attention alone (FP8 ops on FP8 operands),
 the layer with its casts (DotProductAttention, bf16 in and out), and the fused-QKV chain of
-TransformerLayer (RoPE + attention; FP8 MHA keeps O in FP8). Device time (CUDA events over
+TransformerLayer (RoPE + attention; FP8 MHA keeps O in FP8), and the bf16 SDPA and FP8 layer as
+graphed callables. Device time (CUDA events over
 back-to-back calls), host enqueue time, GPU kernel time and kernels per call, and TFLOP/s
 (causal: 3.5 x 2 b h s^2 d flops for forward + backward)."""
 
@@ -86,10 +87,7 @@ def _peers(b, s, h, d, device) -> dict:
     layer = g8.DotProductAttention(h, d, device=device)
 
     def bf16_sdpa():
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        out.transpose(1, 2).reshape(b, s, h * d).backward(dy)
+        _sdpa_bshd(q, k, v).backward(dy)
 
     def fp8_layer():
         with g8.fp8_autocast(recipe=RECIPES["dpa"]):
@@ -110,7 +108,30 @@ def _peers(b, s, h, d, device) -> dict:
         "fp8 DotProductAttention": fp8_layer,
         "bf16 RoPE + SDPA (fused QKV)": bf16_chain,
         "fp8 MHA chain (fused QKV)": fp8_chain,
+        **_graphed_peers((q, k, v), dy, h, d, device),
     }
+
+
+def _sdpa_bshd(q, k, v):
+    """Causal bf16 SDPA on (b, s, h, d) tensors -> (b, s, h * d)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    )
+    return out.transpose(1, 2).flatten(2)
+
+
+def _graphed_peers(qkv, dy, h, d, device) -> dict:
+    """The bf16 SDPA and the FP8 layer as graphed callables (one forward and one backward replay
+    per call): the attention without the eager layer's host time."""
+    sdpa = g8.make_graphed_callables(_sdpa_bshd, qkv, num_warmup_iters=2)
+    layer = g8.make_graphed_callables(g8.DotProductAttention(h, d, device=device), qkv,
+                                      fp8_enabled=True, fp8_recipe=RECIPES["dpa"],
+                                      num_warmup_iters=2)  # fmt: skip
+
+    def step(graphed):
+        return lambda: graphed(*qkv).backward(dy)
+
+    return {"bf16 SDPA graphed": step(sdpa), "fp8 DotProductAttention graphed": step(layer)}
 
 
 def _measure(fn, device, iters: int) -> dict:
@@ -166,12 +187,15 @@ def run(device, quick: bool = False) -> dict:
             / r["peers"]["fp8 DotProductAttention"]["device_ms"],
             r["peers"]["bf16 RoPE + SDPA (fused QKV)"]["device_ms"]
             / r["peers"]["fp8 MHA chain (fused QKV)"]["device_ms"],
+            r["peers"]["bf16 SDPA graphed"]["device_ms"]
+            / r["peers"]["fp8 DotProductAttention graphed"]["device_ms"],
         ]
         for r in results
     ]
     text += print_table(
         "speedup over bf16 (> 1 is faster; target for the attention: >= 1.25x)",
-        ["shape", "fp8 ops / bf16 SDPA", "fp8 layer / bf16 SDPA", "fp8 MHA chain / bf16 chain"],
+        ["shape", "fp8 ops / bf16 SDPA", "fp8 layer / bf16 SDPA", "fp8 MHA chain / bf16 chain",
+         "graphed fp8 layer / graphed bf16 SDPA"],
         ratios,
-    )
+    )  # fmt: skip
     return {"env": environment(device), "shapes": results, "table": text}
