@@ -28,9 +28,16 @@ def train_side_by_side(kind, recipe, caching, device, steps=3, mbs=3, set_to_non
     """Trains `kind` eagerly and through make_graphed_callables on the same data, asserting
     equality after every microbatch and every optimizer step. Returns the two models."""
     eager = build(kind, device=device)
+    sample = torch.randn(input_shape(eager), dtype=torch.bfloat16, device=device)
+    eager, graphed_model, _ = train_pair(eager, sample, recipe, caching, steps, mbs, set_to_none)
+    return eager, graphed_model
+
+
+def train_pair(eager, sample, recipe, caching, steps=3, mbs=3, set_to_none=True):
+    """train_side_by_side for a given model and sample input (the data: randn like `sample`).
+    Returns (eager model, graphed model, graphed callable)."""
     graphed_model = copy.deepcopy(eager)
-    shape = input_shape(eager)
-    sample = torch.randn(shape, dtype=torch.bfloat16, device=device, requires_grad=True)
+    sample = sample.detach().clone().requires_grad_()
     graphed = g8.make_graphed_callables(graphed_model, (sample,), fp8_enabled=True,
                                         fp8_recipe=recipe, fp8_weight_caching=caching)  # fmt: skip
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
@@ -38,7 +45,7 @@ def train_side_by_side(kind, recipe, caching, device, steps=3, mbs=3, set_to_non
     for step in range(steps):
         for mb in range(mbs):
             first = (mb == 0) if caching else None
-            x = torch.randn(shape, dtype=torch.bfloat16, device=device) * 10.0 ** (mb - 1)
+            x = torch.randn_like(sample.detach()) * 10.0 ** (mb - 1)
             xe, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
             with g8.fp8_autocast(recipe=recipe):
                 ye = eager(xe, is_first_microbatch=first)
@@ -52,9 +59,8 @@ def train_side_by_side(kind, recipe, caching, device, steps=3, mbs=3, set_to_non
             assert_bitwise_equal(loss_g, loss_e, f"{what}: loss")
             assert_bitwise_equal(xg.grad, xe.grad, f"{what}: dgrad")
             compare_models(eager, graphed_model, what)
-        opt_e.step()
-        opt_g.step()
-        opt_e.zero_grad(set_to_none=set_to_none)
-        opt_g.zero_grad(set_to_none=set_to_none)
+        for opt in (opt_e, opt_g):
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
         compare_models(eager, graphed_model, f"after step {step}")
-    return eager, graphed_model
+    return eager, graphed_model, graphed

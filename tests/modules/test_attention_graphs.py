@@ -5,49 +5,17 @@ with weight caching on and off - on the CPU replay tape and with CUDA graphs."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
 
 import graphfp8 as g8
 from graphfp8.fp8.slots import AttnFwdRole
-from graphfp8.testing import assert_bitwise_equal
-from tests.graphs.common import compare_models
+from tests.graphs.common import train_pair
 from tests.modules.attention_common import layer_and_input
 
 
 def _train_side_by_side(recipe, caching: bool, device, steps: int = 3, mbs: int = 3):
     eager, sample = layer_and_input(device)
-    graphed_model = copy.deepcopy(eager)
-    sample = sample.clone().requires_grad_()
-    graphed = g8.make_graphed_callables(
-        graphed_model, (sample,), fp8_enabled=True, fp8_recipe=recipe, fp8_weight_caching=caching
-    )
-    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    opt_g = torch.optim.AdamW(graphed_model.parameters(), lr=1e-2)
-    for step in range(steps):
-        for mb in range(mbs):
-            first = (mb == 0) if caching else None
-            x = torch.randn_like(sample) * 10.0 ** (mb - 1)
-            xe, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
-            with g8.fp8_autocast(recipe=recipe):
-                ye = eager(xe, is_first_microbatch=first)
-            yg = graphed(xg, is_first_microbatch=first)
-            dy = torch.randn_like(ye) * 10.0 ** (1 - mb)
-            loss_e, loss_g = (ye.float() * dy).sum(), (yg.float() * dy).sum()
-            loss_e.backward()
-            loss_g.backward()
-            what = f"step {step} mb {mb}"
-            assert_bitwise_equal(yg, ye, f"{what}: output")
-            assert_bitwise_equal(loss_g, loss_e, f"{what}: loss")
-            assert_bitwise_equal(xg.grad, xe.grad, f"{what}: dgrad")
-            compare_models(eager, graphed_model, what)
-        for opt in (opt_e, opt_g):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        compare_models(eager, graphed_model, f"after step {step}")
-    return eager, graphed_model, graphed
+    return train_pair(eager, sample, recipe, caching, steps, mbs)
 
 
 # Caching on and off, fp8_dpa and fp8_mha, both formats: each value in one of two cases (the CPU
