@@ -69,15 +69,21 @@ def test_step_equals_eager_without_fp8(device):
     assert "graphfp8::scale_update" not in step.captured_ops()
 
 
-def test_step_equals_eager_without_weight_caching_or_clipping(device):
-    def batch(seed):
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(N, T, H, generator=gen).to(torch.bfloat16)
-        x[1:] *= 10.0  # other amaxes per microbatch: the scales move within a step
-        return x.to(device), torch.randn(N, T, H, generator=gen).to(device)
+def _mse(y, target):
+    return F.mse_loss(y.float(), target.float())
 
-    mse = lambda y, target: F.mse_loss(y.float(), target.float())  # noqa: E731
-    step = _train(device, build("LayerNormMLP", device=device), mse, batch, caching=False)
+
+def _mlp_batch(device, seed: int):
+    """N microbatches of (input, target) for LayerNormMLP (T, H)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, T, H, generator=gen).to(torch.bfloat16)
+    x[1:] *= 10.0  # other amaxes per microbatch: the scales move within a step
+    return x.to(device), torch.randn(N, T, H, generator=gen).to(device)
+
+
+def test_step_equals_eager_without_weight_caching_or_clipping(device):
+    batch = lambda seed: _mlp_batch(device, seed)  # noqa: E731
+    step = _train(device, build("LayerNormMLP", device=device), _mse, batch, caching=False)
     assert step.grad_norm is None
 
 
@@ -87,18 +93,11 @@ def test_launch_only_replays_the_same_step(device):
     called = build("LayerNormMLP", device=device)
     launched = copy.deepcopy(called)
     opt_c, opt_l = adamw(called.parameters(), device), adamw(launched.parameters(), device)
-    mse = lambda y, t: F.mse_loss(y.float(), t.float())  # noqa: E731
-
-    def batch(seed):
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(N, T, H, generator=gen).to(torch.bfloat16)
-        return x.to(device), torch.randn(N, T, H, generator=gen).to(device)
-
     kw = dict(fp8_enabled=True, fp8_recipe=RECIPE, max_grad_norm=1.0, num_warmup_iters=1)
-    step_c = g8.make_graphed_step(called, mse, opt_c, batch(99), N, **kw)
-    step_l = g8.make_graphed_step(launched, mse, opt_l, batch(99), N, **kw)
+    step_c = g8.make_graphed_step(called, _mse, opt_c, _mlp_batch(device, 99), N, **kw)
+    step_l = g8.make_graphed_step(launched, _mse, opt_l, _mlp_batch(device, 99), N, **kw)
     for s in range(2):
-        x, y = batch(s)
+        x, y = _mlp_batch(device, s)
         step_c((x, y))
         inputs, targets = step_l.static_batch
         inputs.copy_(x)
