@@ -16,7 +16,7 @@ import torch
 from graphfp8 import ops
 from graphfp8.fp8.autocast import queue_backward_update
 from graphfp8.fp8.current import AmaxPass, amax_of, slot_quantizer
-from graphfp8.fp8.observe import observe_cast
+from graphfp8.fp8.observe import StatsSource, observe_cast
 from graphfp8.fp8.scaling import SlotBlock
 from graphfp8.fp8.slots import BwdRole, FwdRole, Quantizer, slot_index
 from graphfp8.fp8.tensor import Float8Tensor
@@ -80,11 +80,14 @@ class GemmConfig:
         block = self.fwd if isinstance(role, FwdRole) else self.bwd
         return slot_quantizer(block, slot_index(role, self.gemm), amax_pass)
 
-    def observe(self, role: FwdRole | BwdRole, hp) -> None:
-        """Reports the cast of `hp` (a tensor, or a function recomputing it) into this GEMM's
-        slot for `role` to the numerics observer (graphfp8.fp8.observe)."""
+    def observe(self, role: FwdRole | BwdRole, source) -> None:
+        """Reports a cast into this GEMM's slot for `role` to the numerics observer: `source` is
+        a StatsSource, a function returning one, or the tensor that was cast
+        (graphfp8.fp8.observe)."""
+        if isinstance(source, torch.Tensor):
+            source = StatsSource("identity", source)
         block = self.fwd if isinstance(role, FwdRole) else self.bwd
-        observe_cast(block, slot_index(role, self.gemm), role.name.lower(), hp)
+        observe_cast(block, slot_index(role, self.gemm), role.name.lower(), source)
 
 
 def cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
@@ -127,7 +130,7 @@ def cast_weight_(weight: torch.Tensor, cfg: GemmConfig) -> Float8Tensor:
         ops.cast_transpose(weight, *quantizer, out=w._data, out_t=w._transpose,
                            scale_inv=w._scale_inv, noop=flag)  # fmt: skip
     w.mark_data_changed(transpose_written=w._transpose is not None)
-    cfg.observe(FwdRole.WEIGHT, weight)
+    cfg.observe(FwdRole.WEIGHT, StatsSource("identity", weight, skip=flag))
     return w
 
 

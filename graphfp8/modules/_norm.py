@@ -18,6 +18,7 @@ from torch import nn
 
 from graphfp8 import ops
 from graphfp8.fp8.current import AmaxPass
+from graphfp8.fp8.observe import StatsSource
 from graphfp8.fp8.slots import Quantizer
 from graphfp8.fp8.tensor import Float8Tensor
 
@@ -86,7 +87,9 @@ class _NormFP8(torch.autograd.Function):
         o = norm(quantizer(lambda q: norm(q, transpose=False, hp=False)))
         z = x2 if residual is None else o.residual_out
         if observe is not None:
-            observe(lambda: _norm_output(z, gamma, beta, o.mu, o.rsigma, spec))
+            mode = "layernorm" if spec.normalization == "LayerNorm" else "rmsnorm"
+            observe(lambda: StatsSource(mode, z, mu=o.mu, rsigma=o.rsigma, gamma=gamma, beta=beta,
+                                        zero_centered_gamma=spec.zero_centered_gamma))  # fmt: skip
         ctx.save_for_backward(z, gamma, o.mu, o.rsigma)
         ctx.spec, ctx.shape, ctx.has_residual = spec, shape, residual is not None
         y_fp8 = Float8Tensor(o.out.view(shape), o.scale_inv, x.dtype, transpose=o.out_t,
@@ -109,18 +112,6 @@ class _NormFP8(torch.autograd.Function):
             (dx, dgamma), dbeta = ops.rmsnorm_bwd(dy, z, rsigma, gamma, **kw), None
         dx = dx.view(ctx.shape)
         return dx, (dx if ctx.has_residual else None), dgamma, dbeta, None, None, None, None, None
-
-
-def _norm_output(z, gamma, beta, mu, rsigma, spec: NormSpec) -> torch.Tensor:
-    """The norm's float32 output y (rows, hidden) recomputed from its input z and the kernel's
-    mu / rsigma, in the kernels' order of operations ((z - mu) * rsigma) * g + beta; for the
-    numerics report, which needs the tensor that the kernel quantized without writing it."""
-    g = gamma.float() + 1.0 if spec.zero_centered_gamma else gamma.float()
-    zf = z.float()
-    if mu is not None:
-        zf = zf - mu[:, None]
-    y = (zf * rsigma[:, None]) * g
-    return y + beta.float() if beta is not None else y
 
 
 def norm_fp8(
@@ -146,8 +137,8 @@ def norm_fp8(
         needs_t: also write the transposed FP8 layout (the next GEMM's weight gradient).
         hp_out: also return y in high precision.
         residual: optional (..., hidden) in x's dtype, added to x before the norm.
-        observe: optional function taking a function that recomputes y in float32: the FP8
-            slot's report to the numerics observer (GemmConfig.observe with its role bound).
+        observe: optional function taking a function that returns the StatsSource of y: the
+            FP8 slot's report to the numerics observer (GemmConfig.observe with its role bound).
 
     Returns:
         (y_fp8: Float8Tensor (..., hidden), y_hp (..., hidden) or None, z (..., hidden) or None),
