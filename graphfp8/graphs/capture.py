@@ -382,6 +382,8 @@ def _wrap(func, runner: GraphedRunner, replace_forward: bool = True):
 
     def forward(*args, is_first_microbatch=None, **kwargs):
         if func.training != training:  # torch's rule: other modes run the eager forward
+            if is_first_microbatch is not None:  # its weight-cache rule holds there too
+                kwargs["is_first_microbatch"] = is_first_microbatch
             return eager_forward(*args, **kwargs)
         return graphed(*args, is_first_microbatch=is_first_microbatch, **kwargs)
 

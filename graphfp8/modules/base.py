@@ -11,7 +11,7 @@ from torch import nn
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.autocast import STATE, check_is_first_microbatch
 from graphfp8.fp8.primary import quantize_weight
-from graphfp8.fp8.recipe import Recipe, recipe_from_dict, recipe_to_dict
+from graphfp8.fp8.recipe import Recipe, is_current_scaling, recipe_from_dict, recipe_to_dict
 from graphfp8.fp8.slots import BwdRole, FwdRole, slot_index, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
@@ -48,6 +48,20 @@ class FP8Meta:
         for mine, theirs in ((self.fwd, other.fwd), (self.bwd, other.bwd)):
             mine.history().copy_(theirs.history())
             mine.scales().copy_(theirs.scales())
+
+
+class FrozenSlots:
+    """A SlotBlock whose casts read its scales but fold their amaxes into the arena's sink: an
+    FP8 call that leaves the delayed-scaling state as it was (FP8Module._frozen_call)."""
+
+    def __init__(self, block: scaling.SlotBlock):
+        self.block, self.arena = block, block.arena
+
+    def scale(self, i: int) -> torch.Tensor:
+        return self.block.scale(i)
+
+    def amax(self, i: int) -> torch.Tensor:
+        return self.arena.amax_sink
 
 
 class FP8Module(nn.Module):
@@ -181,6 +195,18 @@ class FP8Module(nn.Module):
             self._weight_cache_valid = False
         return ws
 
+    def _frozen_call(self, is_first_microbatch: bool | None) -> bool:
+        """An eval-mode call with is_first_microbatch=False (an eval pass between a step's
+        training microbatches, eager or a graphed module's eager fallback): it reuses the
+        cached FP8 weights and leaves the delayed-scaling state alone (current scales, no amax
+        recorded, no update), so the next training microbatch is the one it would have been."""
+        return (
+            is_first_microbatch is False
+            and not self.training
+            and STATE.capture is None
+            and not is_current_scaling(STATE.recipe)  # no state carries from cast to cast
+        )
+
     def _eager_weight_cast(self, is_first_microbatch: bool | None) -> bool:
         """None: cast every call. True: cast and cache. False: reuse the cache."""
         if is_first_microbatch is None or is_first_microbatch:
@@ -193,16 +219,22 @@ class FP8Module(nn.Module):
             )
         return False
 
-    def _fp8_forward_state(self, device) -> tuple[FP8Meta, tuple | None]:
+    def _fp8_forward_state(self, device, frozen: bool = False) -> tuple[FP8Meta, tuple | None]:
         """This module's slots for an FP8 forward under the current recipe, and the (backward
         arena, group) whose update must run at the end of the backward pass (eager), or None
-        (in a capture, which places both updates itself and learns the arenas here). Eager mode
-        updates the forward arena once per fp8_autocast region, before its first use."""
+        (in a capture, which places both updates itself and learns the arenas here; or a
+        `frozen` call, which updates nothing). Eager mode updates the forward arena once per
+        fp8_autocast region, before its first use."""
         meta = self.fp8_init(STATE.recipe, device)
         capture = STATE.capture
         if capture is not None:
             capture.arenas[id(meta.fwd.arena)] = meta.fwd.arena
             capture.arenas[id(meta.bwd.arena)] = meta.bwd.arena
+            # The workspaces now hold what the graph casts (its device flag decides): an eager
+            # call with is_first_microbatch=False after a replay reuses them.
+            self._weight_cache_valid = True
+            return meta, None
+        if frozen:
             return meta, None
         meta.fwd.arena.update_once(STATE.region, STATE.group)
         return meta, (meta.bwd.arena, STATE.group)
@@ -214,7 +246,9 @@ class FP8Module(nn.Module):
         fp8_output: bool,
     ) -> list[GemmConfig]:
         """One GemmConfig per (workspace key, weight) for this FP8 forward."""
-        meta, bwd_update = self._fp8_forward_state(weights[0][1].device)
+        frozen = self._frozen_call(is_first_microbatch)
+        meta, bwd_update = self._fp8_forward_state(weights[0][1].device, frozen)
+        fwd, bwd = (FrozenSlots(meta.fwd), FrozenSlots(meta.bwd)) if frozen else (meta.fwd, meta.bwd)
         fp8_dtype = meta.fwd.arena.fp8_dtype
         workspaces = [self._weight_workspace(key, w, fp8_dtype) for key, w in weights]
         if STATE.capture is not None:  # the graph decides through its device flag
@@ -226,8 +260,8 @@ class FP8Module(nn.Module):
         last = len(weights) - 1
         return [
             GemmConfig(
-                meta.fwd,
-                meta.bwd,
+                fwd,
+                bwd,
                 g,
                 ws,
                 casts[g],
