@@ -32,8 +32,10 @@ import torch.distributed as dist
 
 __all__ = [
     "DistInfo",
+    "SettingsMismatchError",
     "allreduce_gradients",
     "check_gradient_layout",
+    "check_same_settings",
     "cleanup",
     "init_distributed",
     "is_distributed",
@@ -189,6 +191,37 @@ def _layout_differences(layouts: list[tuple]) -> list[str]:
 def _text(shape_dtype) -> str:
     shape, dtype = shape_dtype
     return f"{tuple(shape)} {dtype}"
+
+
+# Settings ---------------------------------------------------------------------------------------
+
+
+class SettingsMismatchError(RuntimeError):
+    """The ranks of a data-parallel run were started with different settings."""
+
+
+def check_same_settings(settings: dict, group=None) -> None:
+    """Checks that every rank of `group` holds the same `settings` (a dict of picklable values
+    compared with ==), e.g. a training run's command-line options before it starts. A
+    collective (all_gather_object): every rank must call it; a no-op outside a process group.
+
+    Raises:
+        SettingsMismatchError: on every rank, naming each setting that differs from rank 0's.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    rows: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(rows, settings, group=group)
+    diff = []
+    for rank, row in enumerate(rows[1:], start=1):
+        for k in sorted(set(row) | set(rows[0])):
+            if row.get(k) != rows[0].get(k):
+                diff.append(f"{k}: rank 0 {rows[0].get(k)!r}, rank {rank} {row.get(k)!r}")
+    if diff:
+        raise SettingsMismatchError(
+            "the ranks were started with different settings (every rank must run the same "
+            "command): " + "; ".join(diff)
+        )
 
 
 # Process group setup ----------------------------------------------------------------------------

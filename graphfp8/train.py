@@ -23,11 +23,13 @@ import importlib.util
 import os
 import platform
 import sys
+import zlib
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from graphfp8.distributed import SettingsMismatchError, check_same_settings
 from graphfp8.training.checkpoint import CheckpointError
 from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
@@ -240,7 +242,7 @@ def main(argv=None) -> int:
         group = torch.distributed.group.WORLD
     try:
         return _train_all(args, group, rank, world, argv)
-    except (DataError, CheckpointError) as exc:  # bad input, found before training: one line
+    except (DataError, CheckpointError, SettingsMismatchError) as exc:  # found before training
         where = f" (rank {rank})" if world > 1 else ""
         print(f"graphfp8-train: error{where}: {exc}", file=sys.stderr)
         return 2
@@ -249,17 +251,43 @@ def main(argv=None) -> int:
             distributed.cleanup()
 
 
-def _open_data(args) -> Dataset:
+def _open_data(args, group) -> Dataset:
+    """The run's data; with --ddp, after checking that every rank has the same settings and data
+    (a rank that cannot read its data tells the others, so no rank waits for it)."""
     synthetic_bytes = 4 << 20 if args.preset != "tiny" else 1 << 20
-    stream = open_stream(args.data, args.vocab_size, synthetic_bytes, args.seed)
-    return Dataset(stream, args.val_fraction)
+    try:
+        data = Dataset(open_stream(args.data, args.vocab_size, synthetic_bytes, args.seed),
+                       args.val_fraction)  # fmt: skip
+        error, seen = None, {k: v for k, v in data.describe().items() if k in _SAME_DATA}
+    except DataError as exc:
+        error, seen = exc, "unreadable"
+    if group is not None:
+        if error is None:
+            seen["sample_crc32"] = _sample_crc(data)
+        options = {k: v for k, v in vars(args).items() if k != "device"}  # device: per rank
+        check_same_settings({**options, "data contents": seen}, group)
+    if error is not None:
+        raise error
+    return data
+
+
+# What the ranks' data must agree on (its location may differ).
+_SAME_DATA = ("source", "tokens", "vocab_size", "fingerprint")
+
+
+def _sample_crc(data: Dataset) -> int:
+    """crc32 of the data's first, middle and last 4096 tokens: two files of one size differ."""
+    n = len(data.stream)
+    starts = sorted({0, max(0, n // 2 - 2048), max(0, n - 4096)})
+    return zlib.crc32(b"".join(data.stream.read(s, min(4096, n - s)).numpy().tobytes()
+                               for s in starts))  # fmt: skip
 
 
 def _train_all(args, group, rank: int, world: int, argv) -> int:
     is_main = rank == 0
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = args.out or Path("runs") / stamp
-    data = _open_data(args)
+    data = _open_data(args, group)
     specs = [_spec(args, precision, graphs, data.vocab_size) for precision, graphs in args.runs]
     data.check_seq_len(specs[0].model.seq_len)
     results = []
