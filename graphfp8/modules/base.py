@@ -14,6 +14,7 @@ from graphfp8.fp8.primary import quantize_weight
 from graphfp8.fp8.recipe import Recipe, is_current_scaling, recipe_to_dict
 from graphfp8.fp8.slots import BwdRole, FwdRole, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.modules._autocast import honour_autocast
 from graphfp8.modules._checkpoint import EXTRA_STATE_VERSION, check_extra_state, shape_errors
 from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
 from graphfp8.modules._functional import GemmConfig
@@ -71,11 +72,12 @@ class FP8Module(nn.Module):
     cache_weight_transpose = True
 
     def __init_subclass__(cls, **kwargs) -> None:
-        # torch.compile: the FP8 forward runs eagerly, never traced (modules/_compile.py).
+        # torch.compile: the FP8 forward runs eagerly, never traced (modules/_compile.py);
+        # torch.autocast's dtype is the activation dtype (modules/_autocast.py).
         super().__init_subclass__(**kwargs)
         forward = cls.__dict__.get("forward")
         if forward is not None and not hasattr(forward, "_graphfp8_prepare"):
-            cls.forward = eager_under_fp8(forward, cls.__name__)
+            cls.forward = eager_under_fp8(honour_autocast(forward), cls.__name__)
 
     def __init__(self) -> None:
         super().__init__()
