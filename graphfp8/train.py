@@ -12,7 +12,10 @@
     graphfp8-train --compile                      # torch.compile around the graphed blocks
     torchrun --nproc_per_node=2 -m graphfp8.train --ddp
 
-Writes <out>/<run>.csv (one row per step), <out>/summary.json and, with --compare, <out>/loss.png.
+Writes <out>/<run>.csv (one row per step), <out>/summary.json and, with --compare, <out>/loss.png
+(into a fresh subfolder <out>/<time> when <out> holds an earlier run's files). --out and --save are
+checked writable before training. Ctrl-C stops after the step in flight and writes the checkpoint
+(--save) and summary.json of what finished; a second Ctrl-C aborts without writing.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from graphfp8.training.checkpoint import CheckpointError
 from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
+from graphfp8.training.outputs import OutputError, check_outputs, fresh_out
 from graphfp8.training.report import plot_losses, print_table, write_summary
 from graphfp8.training.run import GRAPH_MODES, PRECISIONS, SCALINGS, RunSpec
 from graphfp8.training.sources import DataError, open_stream
@@ -240,12 +244,16 @@ def main(argv=None) -> int:
         info = distributed.init_distributed("cuda" if args.device.startswith("cuda") else "cpu")
         rank, world, args.device = info.rank, info.world_size, str(info.device)
         group = torch.distributed.group.WORLD
+    where = f" (rank {rank})" if world > 1 else ""
     try:
         return _train_all(args, group, rank, world, argv)
-    except (DataError, CheckpointError, SettingsMismatchError) as exc:  # found before training
-        where = f" (rank {rank})" if world > 1 else ""
+    except (DataError, CheckpointError, SettingsMismatchError, OutputError) as exc:  # at start
         print(f"graphfp8-train: error{where}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before training, or a second Ctrl-C (training/interrupt.py)
+        print(f"graphfp8-train: interrupted{where}: stopped without writing a checkpoint or "
+              "summary.json", file=sys.stderr)  # fmt: skip
+        return 130
     finally:
         if args.ddp:
             distributed.cleanup()
@@ -286,7 +294,7 @@ def _sample_crc(data: Dataset) -> int:
 def _train_all(args, group, rank: int, world: int, argv) -> int:
     is_main = rank == 0
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out = args.out or Path("runs") / stamp
+    out = _outputs(args, stamp, group, is_main)
     data = _open_data(args, group)
     specs = [_spec(args, precision, graphs, data.vocab_size) for precision, graphs in args.runs]
     data.check_seq_len(specs[0].model.seq_len)
@@ -299,8 +307,11 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
         results.append(train_run(spec, opts))
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+        if results[-1]["interrupted"]:  # Ctrl-C: what finished is written, nothing more runs
+            break
+    interrupted = results[-1]["interrupted"]
     if not is_main:
-        return 0
+        return 130 if interrupted else 0
     for r in results:
         r.pop("model_state")
     print_table(results)
@@ -313,13 +324,43 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
                "preset": args.preset, "model": specs[0].model.to_dict(),
                "microbatches": args.microbatches, "world_size": world, "data": data.describe(),
                "eval_every": opts.every, "val_batches": args.val_batches,
-               "environment": _environment(args.device), "runs": results}  # fmt: skip
+               "environment": _environment(args.device), "runs": results,
+               "interrupted": interrupted}  # fmt: skip
     print(f"wrote {write_summary(out, summary)}")
+    if interrupted:
+        r = results[-1]
+        print(f"interrupted: {r['name']} stopped after step {r['steps']} of {args.steps}"
+              f"{'' if args.save is None else f'; resume with --resume {args.save}'}; "
+              f"{len(results) - 1} of {len(specs)} runs had finished")  # fmt: skip
     if args.compare is not None:
         device = _environment(args.device).get("gpu", "cpu")
         title = f"{args.preset}, {args.steps} steps, --data {args.data}, {device}"
         print(f"wrote {plot_losses(results, out / 'loss.png', title)}")
-    return 0
+    return 130 if interrupted else 0
+
+
+def _outputs(args, stamp: str, group, is_main: bool) -> Path:
+    """The log folder (--out, or a fresh subfolder of it when it holds an earlier run's files),
+    with it and --save checked writable on rank 0 before anything else; every rank learns rank
+    0's answer, so none waits for a rank that stopped."""
+    out, note, problem = args.out or Path("runs") / stamp, None, None
+    if is_main:
+        files = ["summary.json", "loss.png", *(f"{_spec(args, p, g, 256).name}.csv"
+                                               for p, g in args.runs)]  # fmt: skip
+        out, note = fresh_out(out, files, stamp)
+        try:
+            check_outputs(out, args.save)
+        except OutputError as exc:
+            problem = str(exc)
+    if group is not None:
+        shared = [out, note, problem]
+        torch.distributed.broadcast_object_list(shared, src=0, group=group)
+        out, note, problem = shared
+    if problem is not None:
+        raise OutputError(problem)
+    if note is not None and is_main:
+        print(f"note: {note}")
+    return out
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from graphfp8.training.checkpoint import (
 )
 from graphfp8.training.data import Dataset
 from graphfp8.training.evaluate import validation_loss
+from graphfp8.training.interrupt import StopAtStepBoundary
 from graphfp8.training.model import count_parameters
 from graphfp8.training.report import MetricsLog, Progress, final_loss
 from graphfp8.training.run import Run, RunSpec, run_settings
@@ -113,8 +114,10 @@ def _log_interval(run: Run, opts: RunOptions, log, pending, val_losses: dict, la
     return values
 
 
-def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, val) -> dict:
-    """Steps `run` up to `steps`, validating every opts.every steps and at the end, logging every
+def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, val,
+                 stop: StopAtStepBoundary) -> dict:  # fmt: skip
+    """Steps `run` up to `steps` (after Ctrl-C: to the end of the step in flight, with a group
+    to the next log point), validating every opts.every steps and at the end, logging every
     opts.log_every steps. Returns the losses and the training seconds behind tokens/s."""
     first = run.step
     steady_from = first + max(1, (steps - first) // 10)
@@ -124,15 +127,20 @@ def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, v
     clock = _Clock(run.spec.device)
     t_last = clock.train_time()
     t_steady, last_step = None, first
-    while run.step < steps:
+    stopped = False
+    while run.step < steps and not stopped:
         pending.append(run.train_step(opts.steps))
         if run.step == steady_from:
             sync(run.spec.device)
             t_steady = clock.train_time()
-        if val is not None and (run.step % opts.every == 0 or run.step == steps):
+        at_log = run.step % opts.log_every == 0 or run.step == steps
+        # Ranks agree at log points (a host sync already); one process stops at once.
+        stopped = stop.agreed(opts.group, run.spec.device) if at_log else (
+            opts.group is None and stop.requested)  # fmt: skip
+        if val is not None and not stopped and (run.step % opts.every == 0 or run.step == steps):
             with clock.excluding():
                 val_losses[run.step] = validation_loss(run, val)
-        if run.step % opts.log_every and run.step != steps:
+        if not at_log and not stopped:
             continue
         now = clock.train_time()
         rate = tokens_per_step * (run.step - last_step) / (now - t_last)
@@ -151,7 +159,8 @@ def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, v
     steady_s = t_end - t_steady if t_steady is not None else 0.0
     return dict(losses=losses, val_losses=[[s, v] for s, v in sorted(val_losses.items())],
                 train_s=time.perf_counter() - clock.start, eval_s=clock.excluded,
-                steady_s=steady_s, steady_steps=steps - steady_from)  # fmt: skip
+                steady_s=steady_s, steady_steps=max(0, run.step - steady_from),
+                interrupted=stopped)  # fmt: skip
 
 
 def _resume(run: Run, opts: RunOptions) -> None:
@@ -194,10 +203,11 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     sync(spec.device)
     capture_s = time.perf_counter() - t0
     tokens_per_step = spec.tokens_per_microbatch * spec.microbatches * opts.world_size
-    t = _train_steps(run, opts, steps, tokens_per_step, val)
-    if opts.save is not None and opts.is_main:
-        path = save_checkpoint(run, opts.save, opts.steps, opts.data.describe())
-        print(f"saved {path} (step {run.step} of {opts.steps})")
+    with StopAtStepBoundary() as stop:
+        t = _train_steps(run, opts, steps, tokens_per_step, val, stop)
+        if opts.save is not None and opts.is_main:
+            path = save_checkpoint(run, opts.save, opts.steps, opts.data.describe())
+            print(f"saved {path} (step {run.step} of {opts.steps})")
     steady_tokens = tokens_per_step * t["steady_steps"]
     tokens_per_s = steady_tokens / t["steady_s"] if steady_tokens and t["steady_s"] > 0 else None
     final_val = t["val_losses"][-1][1] if t["val_losses"] else None
@@ -208,7 +218,8 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         "graphs": spec.graphs,
         "parameters": count_parameters(run.model),
         "first_step": first,
-        "steps": steps,
+        "steps": run.step,
+        "interrupted": t["interrupted"],
         "losses": t["losses"],
         "final_loss": final_loss(t["losses"]),
         "val_losses": t["val_losses"],
