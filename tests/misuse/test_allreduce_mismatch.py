@@ -25,8 +25,10 @@ def _unused_parameter_on_one_rank(rank, device):
     y = model(x) if rank == 0 else model[0](x)
     y.square().sum().backward()
     before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    match = (r"ranks hold different gradients.*parameter 2 \(\(8, 16\) torch.float32\) has a "
-             r"gradient on rank 0, none on rank 1; parameter 3 \(\(8,\) torch.float32\)")  # fmt: skip
+    match = (
+        r"ranks hold different gradients.*parameter 2 \(\(8, 16\) torch.float32\) has a "
+        r"gradient on rank 0, none on rank 1; parameter 3 \(\(8,\) torch.float32\)"
+    )
     with pytest.raises(RuntimeError, match=match):
         allreduce_gradients(model.parameters())
     after = [p.grad for p in model.parameters() if p.grad is not None]
