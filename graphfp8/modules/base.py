@@ -52,7 +52,7 @@ class FrozenSlots:
     FP8 call that leaves the delayed-scaling state as it was (FP8Module._frozen_call)."""
 
     def __init__(self, block: scaling.SlotBlock):
-        self.block, self.arena = block, block.arena
+        self.block, self.arena, self.start = block, block.arena, block.start
 
     def scale(self, i: int) -> torch.Tensor:
         return self.block.scale(i)
