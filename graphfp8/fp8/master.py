@@ -23,9 +23,11 @@ None) rebuilds it, in a graph as the captured transpose node. Every step is devi
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from graphfp8.fp8.autocast import STATE
 from graphfp8.fp8.primary import WeightQuantizer
@@ -87,6 +89,26 @@ class _Master(torch.Tensor):
         return new
 
 
+# {FP8 weight: weakref to the _Mode of the MasterWeights that trains it} (kept off the tensor,
+# which torch.save(model) would pickle with its attributes).
+_CLAIMS = WeakIdKeyDictionary()
+
+
+def _claim(names: list[str], weights: list[Float8Tensor], mode: _Mode) -> None:
+    """Marks each FP8 weight as trained through `mode`'s masters; a weight whose earlier
+    MasterWeights is still alive (its masters in an optimizer) raises: reading one set's grads
+    would take the gradient from the other."""
+    taken = [n for n, w in zip(names, weights, strict=True)
+             if _CLAIMS.get(w, lambda: None)() is not None]  # fmt: skip
+    if taken:
+        raise ValueError(
+            f"MasterWeights: {taken} already have fp32 masters (another MasterWeights whose "
+            "masters are alive, e.g. in an optimizer): use that one, or drop it first"
+        )
+    for w in weights:
+        _CLAIMS[w] = weakref.ref(mode)
+
+
 def _master(value: torch.Tensor, weight: Float8Tensor, mode: _Mode) -> _Master:
     """value (fp32) as the master of `weight`."""
     m = torch.Tensor._make_subclass(_Master, value, weight.requires_grad)
@@ -112,6 +134,8 @@ class MasterWeights:
             )
         self.others = [p for _, p in named if not isinstance(p, Float8Tensor)]
         self._mode = _Mode()
+        _claim(self.names, self.fp8_params, self._mode)
+        self._checked_optimizer = None  # weakref to the optimizer step() last checked
         self.masters = [
             _master(p.dequantize(torch.float32), p, self._mode) for p in self.fp8_params
         ]
@@ -154,11 +178,27 @@ class MasterWeights:
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """copy_grads_, optimizer.step(), write_back_."""
+        self._check_optimizer(optimizer)
         if STATE.capture is not None:  # a step graph's warmup or capture: it copies from now on
             self._mode.in_graph = True
         self.copy_grads_()
         optimizer.step()
         self.write_back_()
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Once per optimizer: it must hold every trainable master (or those weights would
+        silently never train)."""
+        if self._checked_optimizer is not None and self._checked_optimizer() is optimizer:
+            return
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [n for n, m in zip(self.names, self.masters, strict=True)
+                   if m.requires_grad and id(m) not in held]  # fmt: skip
+        if missing:
+            raise ValueError(
+                f"MasterWeights.step: the optimizer does not hold the fp32 masters of {missing}, "
+                "which would never train: build it over masters.parameters()"
+            )
+        self._checked_optimizer = weakref.ref(optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the grads of the FP8 weights, the masters and the other parameters."""
@@ -187,6 +227,14 @@ class MasterWeights:
                 f"MasterWeights.load_state_dict: masters for {sorted(saved)}, the model's FP8 "
                 f"weights are {sorted(self.names)}"
             )
+        for n, m in zip(self.names, self.masters, strict=True):  # all checked before any copy
+            t = saved[n]
+            if not torch.is_tensor(t) or not t.is_floating_point() or t.shape != m.shape:
+                what = f"{tuple(t.shape)} {t.dtype}" if torch.is_tensor(t) else type(t).__name__
+                raise ValueError(
+                    f"MasterWeights.load_state_dict: the master of {n} is {what}, the model's "
+                    f"is {tuple(m.shape)} float32"
+                )
         for n, m in zip(self.names, self.masters, strict=True):
             m.copy_(saved[n])
         self.write_back_()
