@@ -158,7 +158,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     _check(p, args)
+    _check_fp8_options(p, args, sys.argv[1:] if argv is None else list(argv))
     return args
+
+
+def _check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None:
+    """FP8 options given for runs that do not use them, and settings no run can combine."""
+    given = [o for o in ("--fp8-weights", "--scaling", "--fp8-format", "--amax-history-len")
+             if any(a == o or a.startswith(o + "=") for a in argv)]  # fmt: skip
+    if given and all(precision != "fp8" for precision, _ in args.runs):
+        p.error(f"{', '.join(given)}: no run trains in FP8 (--precision fp8, or fp8 in --compare)")
+    if args.scaling == "current" and "--amax-history-len" in given:
+        p.error("--amax-history-len is for delayed scaling: --scaling current keeps no history")
+    if args.compile and any(mode == "step" for _, mode in args.runs):
+        p.error("--compile with --graphs step: the step graph holds the embedding and the loss "
+                "that --compile would take; use --graphs layers or none")  # fmt: skip
 
 
 def _check_device(p: argparse.ArgumentParser, device: str) -> None:
