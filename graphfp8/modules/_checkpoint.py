@@ -8,7 +8,7 @@ import itertools
 import torch
 from torch import nn
 
-from graphfp8.fp8.recipe import Recipe, recipe_from_dict
+from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Recipe, recipe_from_dict
 from graphfp8.fp8.slots import BwdRole, slot_index
 
 __all__ = ["EXTRA_STATE_VERSION", "check_extra_state", "shape_errors"]
@@ -39,8 +39,10 @@ def _upgrade(state, where: str, num_gemms: int) -> dict:
     kinds = {k: type(state[k]).__name__ for k in _TENSOR_KEYS if not torch.is_tensor(state[k])}
     if kinds:
         raise ValueError(f"{where} holds non-tensors {kinds}")
-    try:
-        recipe = recipe_from_dict(state["recipe"])
+    try:  # a recipe object (set by hand) is taken as it is
+        recipe = state["recipe"]
+        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+            recipe = recipe_from_dict(recipe)
     except (TypeError, KeyError, ValueError) as exc:
         raise ValueError(f"{where} holds an invalid recipe {state['recipe']!r}: {exc}") from exc
     state = {**state, "recipe": recipe}

@@ -1,5 +1,6 @@
-"""Small misuse cases of issue 25: Float8Tensor.tolist()/numpy() (torch refused them for a tensor
-subclass, naming no alternative) and a build that says what it builds before a silent minute."""
+"""Small misuse cases of issue 25 and of the round in notes/MISUSE.md: Float8Tensor.tolist()/numpy()
+(torch refused them for a tensor subclass, naming no alternative), a build that says what it
+builds before a silent minute, memory_report's arguments, a recipe object in a checkpoint."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import graphfp8 as g8
 from graphfp8.fp8.primary import quantize_weight
+from graphfp8.memory import memory_report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,3 +34,23 @@ def test_the_build_says_what_it_builds():
     assert done.returncode == 0, done.stderr
     assert "graphfp8: building the extension graphfp8._C from" in done.stderr
     assert "a minute or more" in (ROOT / "Makefile").read_text()
+
+
+def test_memory_report_refuses_what_it_cannot_count():
+    m = g8.Linear(32, 32)
+    with pytest.raises(TypeError, match="model must be an nn.Module, got Tensor"):
+        memory_report(torch.randn(3))
+    with pytest.raises(TypeError, match=r"graphed= takes what make_graphed_callables returned"):
+        memory_report(m, graphed=[m])  # not graphed: it was silently left out
+
+
+def test_a_checkpoint_may_hold_a_recipe_object():
+    recipe = g8.DelayedScaling(amax_history_len=4)
+    m = g8.Linear(32, 32)
+    with g8.fp8_autocast(recipe=recipe):
+        m(torch.randn(16, 32))
+    state = m.state_dict()
+    state["_extra_state"]["recipe"] = recipe
+    other = g8.Linear(32, 32)
+    other.load_state_dict(state)
+    assert other.fp8_meta.recipe == recipe
