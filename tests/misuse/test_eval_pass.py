@@ -53,13 +53,20 @@ def _train(model, graphed: bool, eval_pass: bool, device, steps=2, mbs=3):
     return outs, evals
 
 
+def _twins(kind: str, device, first: tuple, second: tuple):
+    """Two copies of one model, trained by _train with (graphed, eval_pass) `first` and
+    `second`. Returns (model, outputs, eval outputs) of each."""
+    base = build(kind, device=device)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    return (a, *_train(a, *first, device)), (b, *_train(b, *second, device))
+
+
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP", "Stack"])
 def test_eval_pass_changes_no_training_state(device, kind, graphed):
-    base = build(kind, device=device)
-    plain, with_eval = copy.deepcopy(base), copy.deepcopy(base)
-    outs_plain, _ = _train(plain, graphed, False, device)
-    outs_eval, _ = _train(with_eval, graphed, True, device)
+    (plain, outs_plain, _), (with_eval, outs_eval, _) = _twins(
+        kind, device, (graphed, False), (graphed, True)
+    )
     for i, (a, b) in enumerate(zip(outs_plain, outs_eval, strict=True)):
         assert_bitwise_equal(b, a, f"training microbatch {i}")
     compare_models(plain, with_eval, "after training")
@@ -69,10 +76,7 @@ def test_eval_pass_changes_no_training_state(device, kind, graphed):
 def test_graphed_eval_fallback_equals_eager_eval(device, kind):
     """The eval outputs themselves: the graphed module's eager fallback computes what the eager
     module does (the cached FP8 weights and the current scales)."""
-    base = build(kind, device=device)
-    eager, graphed = copy.deepcopy(base), copy.deepcopy(base)
-    _, evals_e = _train(eager, False, True, device)
-    _, evals_g = _train(graphed, True, True, device)
+    (_, _, evals_e), (_, _, evals_g) = _twins(kind, device, (False, True), (True, True))
     for i, (e, g) in enumerate(zip(evals_e, evals_g, strict=True)):
         assert_bitwise_equal(g, e, f"eval pass {i}")
 
