@@ -380,10 +380,10 @@ def _wrap(func, runner: GraphedRunner, replace_forward: bool = True):
     training = func.training
     eager_forward = func.forward
 
-    def forward(*args, is_first_microbatch=None, **kwargs):
+    def forward(*args, **kwargs):  # is_first_microbatch among kwargs, when given
         if func.training != training:  # torch's rule: other modes run the eager forward
             return eager_forward(*args, **kwargs)
-        return graphed(*args, is_first_microbatch=is_first_microbatch, **kwargs)
+        return graphed(*args, **kwargs)
 
     if not replace_forward:
         vars(forward).update(extras, runner=runner)
