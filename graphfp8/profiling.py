@@ -29,12 +29,19 @@ def enable_ranges(enabled: bool = True) -> None:
     _ENABLED = enabled
 
 
-@contextlib.contextmanager
+# What nvtx_range returns while ranges are off: one shared do-nothing context (a generator-based
+# context manager costs ~1.5 us per use, on every replay).
+_OFF = contextlib.nullcontext()
+
+
 def nvtx_range(name: str):
-    """A named phase: an NVTX range and a torch.profiler range, while ranges are enabled."""
-    if not _ENABLED:
-        yield
-        return
+    """A named phase: an NVTX range and a torch.profiler range, while ranges are enabled; a
+    shared null context otherwise."""
+    return _ranges(name) if _ENABLED else _OFF
+
+
+@contextlib.contextmanager
+def _ranges(name: str):
     import torch
 
     try:

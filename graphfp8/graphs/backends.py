@@ -14,7 +14,7 @@ import torch
 
 from graphfp8.graphs.tape import RecordingMode, ReplayTape
 
-__all__ = ["CudaGraph", "TapeGraph", "capture_stream", "new_graph"]
+__all__ = ["CudaGraph", "TapeGraph", "capture_stream", "new_graph", "tape_replays_off"]
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -32,6 +32,25 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 _KERNEL_NODE = re.compile(r"\{KERNEL\s*\|\s*\{ID \|[^|]*\|\s*([^\\}|]+)")
 
 
+class _TapeReplays:
+    """Whether CPU tapes replay their ops (tape_replays_off)."""
+
+    on = True
+
+
+@contextlib.contextmanager
+def tape_replays_off():
+    """Inside the block CPU tapes skip their recorded ops: a call of a graphed callable, microbatch
+    or step runs all its host-side work (checks, copies, bookkeeping, autograd) and no kernel. What
+    the host benchmark and the host-cost test time (`python -m graphfp8.bench host`); the values
+    the graphs hold are meaningless afterwards."""
+    _TapeReplays.on = False
+    try:
+        yield
+    finally:
+        _TapeReplays.on = True
+
+
 class TapeGraph:
     """CPU backend: a ReplayTape."""
 
@@ -47,7 +66,8 @@ class TapeGraph:
         self.op_names = mode.names
 
     def replay(self) -> None:
-        self.tape.replay()
+        if _TapeReplays.on:
+            self.tape.replay()
 
     def kernels(self) -> list[str]:
         return self.tape.op_names()

@@ -39,9 +39,9 @@ from graphfp8.graphs.contexts import gc_paused as _gc_paused
 from graphfp8.graphs.contexts import side_stream as _side_stream
 from graphfp8.graphs.discover import adopt_outside_leaves, next_sequence_nr
 from graphfp8.graphs.grads import GradFold
-from graphfp8.graphs.guard import build_guard
 from graphfp8.graphs.lifecycle import CapturedGraphs, refuse_deepcopy, undone_on_failure
 from graphfp8.graphs.replay import GraphedFunction, GraphedRunner, WeightCacheFlag
+from graphfp8.graphs.replay_guard import ReplayGuard, hook_dicts, module_names, owner_modules
 from graphfp8.graphs.schedule import Layout
 from graphfp8.modules.base import FP8Module
 from graphfp8.profiling import nvtx_range
@@ -157,7 +157,7 @@ def make_graphed_callables(
         for r in runners:
             r.graphs = graphs
             r.uses_fp8 = bool(r.arenas) or any(isinstance(m, FP8Module) for m in r.modules)
-            r.guard = build_guard(r)
+            r.guard = _guard(r, funcs[r.index])
     pairs = zip(funcs, runners, strict=True)
     graphed = tuple(_wrap(f, r, replace_forward=not layout.explicit) for f, r in pairs)
     graphs.register(funcs)
@@ -344,6 +344,25 @@ def _capture_backwards(runners, arenas, state, pool, allow_unused, device) -> No
         runner.static_grad_inputs = [next(it) if t.requires_grad else None for t in inputs_of]
         del grads, it
         runner.accumulator = fold.accumulator(pool)
+
+
+_RECAPTURE = "call reset() on the graphed callable and capture again"
+
+
+def _guard(runner: GraphedRunner, func) -> ReplayGuard:
+    """What the runner's graphs assume about its modules. A plain function's modules are those it
+    closes over whose parameters it was found to use; they must have no hooks either."""
+    if runner.closure:
+        runner.modules = owner_modules(runner.closure, runner.params)
+        if any(hook_dicts(runner.modules)):
+            raise RuntimeError(f"{runner.name}: modules must have no hooks when captured")
+        roots = [(type(c).__name__, c) for c in runner.closure]
+    else:
+        roots = [("", func)] if isinstance(func, nn.Module) else []
+    owned = {id(p) for m in runner.modules for p in m._parameters.values()}
+    outside = [(n, p) for n, p in zip(runner.param_names, runner.params, strict=True)
+               if id(p) not in owned]  # fmt: skip
+    return ReplayGuard(runner.name, runner.modules, module_names(roots), outside, _RECAPTURE)
 
 
 # Phase 4: wrap ------------------------------------------------------------------------------

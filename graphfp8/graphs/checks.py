@@ -8,9 +8,9 @@ from torch import nn
 
 from graphfp8.fp8.recipe import check_recipe
 from graphfp8.graphs.discover import closure_modules
-from graphfp8.graphs.guard import hook_dicts, tensor_hooks
 from graphfp8.graphs.lifecycle import check_not_captured
 from graphfp8.graphs.replay import GraphedRunner
+from graphfp8.graphs.replay_guard import hook_dicts, tensor_hooks
 from graphfp8.modules.base import FP8Module
 
 __all__ = ["check_distinct", "check_options", "fp8_modules_of", "new_runner"]

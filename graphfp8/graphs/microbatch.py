@@ -115,7 +115,8 @@ def make_graphed_microbatch(
             accumulator = fold.accumulator(pool)
     finally:
         snapshot.restore()  # the CPU tape ran (part of) the microbatch it recorded
-    return GraphedMicrobatch(body, graph, accumulator, flag, loss)
+    guard = body.replay_guard("capture the microbatch again (make_graphed_microbatch)")
+    return GraphedMicrobatch(body, graph, accumulator, flag, loss, guard)
 
 
 class GraphedMicrobatch:
@@ -126,8 +127,9 @@ class GraphedMicrobatch:
         params: the parameters that get a gradient, in the model's order.
     """
 
-    def __init__(self, body: TrainBody, graph, accumulator, flag: WeightCacheFlag, loss):
+    def __init__(self, body: TrainBody, graph, accumulator, flag: WeightCacheFlag, loss, guard):
         self._body, self._graph, self._accumulator, self._flag = body, graph, accumulator, flag
+        self._guard = guard
         self._tape = body.device.type == "cpu"
         self.loss = loss
         self.params = body.grad_params
@@ -137,7 +139,7 @@ class GraphedMicrobatch:
         `.grad`. Returns the loss / num_microbatches (static 0-d device tensor)."""
         body = self._body
         body.check_not_in_autocast()
-        body.check_hooks()
+        self._guard.check()
         given = body.batch.check(batch)
         self._flag.set(is_first_microbatch)
         body.batch.copy(given)

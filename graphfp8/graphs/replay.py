@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_unflatten
 
 from graphfp8.fp8.autocast import check_is_first_microbatch
 from graphfp8.graphs.grads import GradAccumulator
-from graphfp8.graphs.guard import CaptureGuard, hook_dicts
+from graphfp8.graphs.replay_guard import ReplayGuard, hook_dicts
 from graphfp8.profiling import nvtx_range
 
 __all__ = ["GradAccumulator", "GraphedFunction", "GraphedRunner", "WeightCacheFlag", "hook_dicts"]
@@ -95,7 +95,7 @@ class GraphedRunner:
         self.uses_fp8 = False
         self.weight_cache_flag: WeightCacheFlag | None = None  # set by the capturer
         self.graphs = None  # set by the capturer
-        self.guard: CaptureGuard | None = None
+        self.guard: ReplayGuard | None = None
         self.fwd_graph = self.bwd_graph = None
         self.static_outputs: list[torch.Tensor] = []
         self.out_spec = None

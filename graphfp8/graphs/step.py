@@ -155,7 +155,8 @@ def make_graphed_step(
         for p, g in zip(body.params, old_grads, strict=True):
             p.grad = g
         raise
-    return GraphedStep(run, graph, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
+    guard = body.replay_guard("capture the step again (make_graphed_step)")
+    return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
 
 
 def _optimized_params(params: list[torch.Tensor], masters: MasterWeights | None) -> list:
@@ -270,8 +271,10 @@ class GraphedStep:
         grads_before_clipping: copies of `grads` before clipping (keep_grads_before_clipping).
     """
 
-    def __init__(self, run: _StepRun, graph, guard: OptimizerGuard, loss, grad_norm):
-        self._run, self._graph, self._guard = run, graph, guard
+    def __init__(self, run: _StepRun, graph, guard, optimizer_guard: OptimizerGuard, loss,
+                 grad_norm):  # fmt: skip
+        self._run, self._graph = run, graph
+        self._guard, self._optimizer_guard = guard, optimizer_guard
         self._body = run.body
         self._tape = run.body.device.type == "cpu"
         self.loss, self.grad_norm = loss, grad_norm
@@ -282,8 +285,8 @@ class GraphedStep:
         """Runs one optimizer step on `batch` (same structure as the sample batch). Returns the
         loss (static 0-d float32 device tensor)."""
         self._body.check_not_in_autocast()
-        self._body.check_hooks()
         self._guard.check()
+        self._optimizer_guard.check()
         given = self._body.batch.check(batch)
         self._body.batch.copy(given)
         with nvtx_range("replay-step"):

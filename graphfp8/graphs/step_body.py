@@ -21,7 +21,7 @@ from graphfp8.fp8 import scaling
 from graphfp8.fp8.arena_check import check_arenas
 from graphfp8.fp8.autocast import STATE
 from graphfp8.graphs.capture import _init_fp8_modules
-from graphfp8.graphs.replay import hook_dicts
+from graphfp8.graphs.replay_guard import ReplayGuard, hook_dicts, module_names
 from graphfp8.modules.base import FP8Module
 
 __all__ = ["StaticBatch", "TrainBody", "freeze_arenas", "init_fp8", "split_batch"]
@@ -117,7 +117,6 @@ class StaticBatch:
                 s.copy_(g)
 
 
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
 _ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 
@@ -152,33 +151,29 @@ class TrainBody:
         self.device = devices.pop()
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"{name}: unsupported device {self.device}")
-        self.hook_dicts = hook_dicts(list(model.modules()))
-        self.check_hooks(at_capture=True)
+        self.check_hooks()
         self.has_grad: list[bool] | None = None  # which parameters get a gradient (first run)
 
     # Checks, at capture and before every replay ------------------------------------------------
 
-    def check_hooks(self, at_capture: bool = False) -> None:
-        """Module hooks (global ones included) and frozen parameters before every replay: Python
-        that a graph would not run, or a change of what it trains. Parameter hooks only at
-        capture: reading them costs ~0.5 us per parameter, too much for every replay."""
-        when = "when captured" if at_capture else "after capture"
-        if any(self.hook_dicts):
+    def check_hooks(self) -> None:
+        """At capture: no module hooks (global ones included) and no parameter hooks, Python that
+        a graph would not run."""
+        if any(hook_dicts(list(self.model.modules()))):
             raise RuntimeError(
-                f"{self.name}: hooks on the model's modules (or global module hooks) {when}; a "
-                "captured graph does not run hooks"
+                f"{self.name}: hooks on the model's modules (or global module hooks) when "
+                "captured; a captured graph does not run hooks"
             )
-        if at_capture and (any(map(_TENSOR_HOOKS, self.params))
-                           or any(map(_ACCUMULATE_HOOKS, self.params))):  # fmt: skip
+        if any(map(_TENSOR_HOOKS, self.params)) or any(map(_ACCUMULATE_HOOKS, self.params)):
             raise RuntimeError(
                 f"{self.name}: parameters must have no hooks when captured (register_hook, "
                 "register_post_accumulate_grad_hook); a captured graph does not run them"
             )
-        if not all(map(_REQUIRES_GRAD, self.params)):
-            raise RuntimeError(
-                f"{self.name}: a trained parameter was set to requires_grad=False after capture; "
-                "the graph would still train it: capture again"
-            )
+
+    def replay_guard(self, recapture: str) -> ReplayGuard:
+        """The guard of the captured model, checked before every replay (graphs/replay_guard.py)."""
+        names = module_names([("", self.model)])
+        return ReplayGuard(self.name, list(self.model.modules()), names, [], recapture)
 
     def check_not_in_autocast(self) -> None:
         if STATE.enabled and STATE.capture is None:

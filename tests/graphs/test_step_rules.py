@@ -103,18 +103,20 @@ def test_hooks_raise_at_capture_and_at_replay(device):
         handle.remove()
     model, opt, step, x = _setup(device)
     handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
-    with pytest.raises(RuntimeError, match="global module hooks.* after capture"):
-        step((x, x))
-    handle.remove()
+    try:
+        with pytest.raises(RuntimeError, match=r"\(or globally\) after capture"):
+            step((x, x))
+    finally:
+        handle.remove()
     handle = model.register_forward_pre_hook(lambda *a: None)
     with pytest.raises(RuntimeError, match="after capture"):
         step((x, x))
     handle.remove()
     model.fc1_bias.requires_grad_(False)
-    with pytest.raises(RuntimeError, match="requires_grad=False after capture"):
+    with pytest.raises(RuntimeError, match=r"requires_grad of \['fc1_bias \(True -> False"):
         step((x, x))
     model.fc1_bias.requires_grad_(True)
-    step((x, x))
+    step((x, x))  # as captured again: it runs
 
 
 def test_loss_that_syncs_with_the_host_is_named_and_changes_nothing(device):
