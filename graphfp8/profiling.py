@@ -20,13 +20,26 @@ import os
 
 __all__ = ["nvtx_range", "enable_ranges"]
 
-_ENABLED = os.environ.get("GRAPHFP8_NVTX", "") == "1"
+from graphfp8 import global_state
+
+
+def _from_environment() -> bool:
+    return os.environ.get("GRAPHFP8_NVTX", "") == "1"
+
+
+_ENABLED = _from_environment()
 
 
 def enable_ranges(enabled: bool = True) -> None:
     """Turns the phase ranges on or off (they are off unless profiling)."""
     global _ENABLED
     _ENABLED = enabled
+
+
+global_state.register(
+    "NVTX ranges switch (profiling.py)", lambda: enable_ranges(_from_environment()),
+    lambda: _ENABLED == _from_environment(), layer=global_state.BASE,
+)  # fmt: skip
 
 
 # What nvtx_range returns while ranges are off: one shared do-nothing context (a generator-based

@@ -12,11 +12,14 @@ import tempfile
 
 import torch
 
+from graphfp8 import global_state
 from graphfp8.graphs.tape import RecordingMode, ReplayTape
 
 __all__ = ["CudaGraph", "TapeGraph", "capture_stream", "new_graph", "tape_replays_off"]
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+global_state.register("capture streams (graphs/backends.py)", _CAPTURE_STREAMS.clear,
+                      lambda: not _CAPTURE_STREAMS, layer=global_state.GRAPHS)  # fmt: skip
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
@@ -57,6 +60,7 @@ class TapeGraph:
     def __init__(self) -> None:
         self.tape = ReplayTape()
         self.op_names: list[str] = []
+        self.released = False
 
     @contextlib.contextmanager
     def capture(self, pool=None):
@@ -75,6 +79,7 @@ class TapeGraph:
     def release(self) -> None:
         """Drops the recorded ops and the tensors they hold."""
         self.tape = ReplayTape()
+        self.released = True
 
 
 class CudaGraph:
@@ -86,6 +91,7 @@ class CudaGraph:
         self.graph = torch.cuda.CUDAGraph(keep_graph=True)
         self.graph.enable_debug_mode()
         self.op_names: list[str] = []
+        self.released = False
 
     @contextlib.contextmanager
     def capture(self, pool=None):
@@ -105,6 +111,7 @@ class CudaGraph:
     def release(self) -> None:
         """Destroys the CUDA graph; its memory pool is freed once no graph or tensor uses it."""
         self.graph.reset()
+        self.released = True
 
     def kernels(self) -> list[str]:
         """Kernel nodes of the graph, in dump order (demangled when c++filt is available)."""

@@ -70,6 +70,15 @@ class GradAccumulator:
                 g.copy_(b)
         self._attach = None
 
+    def replay_leaving_grads(self, graph) -> None:
+        """Replays `graph` for a backward that asks for a subset of the gradients
+        (torch.autograd.grad(loss, x), backward(inputs=[x])): eagerly such a backward leaves the
+        parameters' .grad alone, so the buffers the graph adds into are put back afterwards (a
+        copy of every buffer: the slow path of an unusual call)."""
+        saved = [b.clone() for b in self.buffers]
+        graph.replay()
+        torch._foreach_copy_(self.buffers, saved)
+
 
 # Gradients of at least this many elements fold into .grad as soon as autograd produces them, so
 # that their memory goes back to the pool at once; smaller ones (biases, norm weights) wait for

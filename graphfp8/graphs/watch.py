@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from graphfp8 import global_state
+
 __all__ = ["CHANGES", "WatchedDict", "WatchedOrderedDict", "watch_modules"]
 
 
@@ -30,6 +32,10 @@ class _Counter:
 
 
 CHANGES = _Counter()
+global_state.register_kept(
+    "module dict write counter (graphs/watch.py CHANGES)",
+    "a guard that saw value v must never see v again after a change",
+)
 
 _MUTATORS = ("__setitem__", "__delitem__", "__ior__", "pop", "popitem", "clear", "update",
              "setdefault")  # fmt: skip

@@ -13,7 +13,8 @@ import torch
 import graphfp8 as g8
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.autocast import STATE
-from graphfp8.graphs import capture as capture_module
+from graphfp8.graphs import callables as capture_module
+from graphfp8.graphs.grads import GradFold
 from graphfp8.graphs.replay_guard import hook_dicts
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import compare_models
@@ -108,7 +109,7 @@ def test_failed_capture_leaves_the_process_as_it_was(device, where, monkeypatch)
     reference = _copy(stack)
     model = _Faulty(stack, **CASES[where])
     if where == "grad accumulator":  # the last steps of the capture
-        monkeypatch.setattr(capture_module.GradFold, "accumulator", _fail)
+        monkeypatch.setattr(GradFold, "accumulator", _fail)
     elif where == "guard":
         monkeypatch.setattr(capture_module, "ReplayGuard", _fail)
     before = _state_of(stack)

@@ -92,13 +92,13 @@ def test_hooks_raise_at_capture_and_at_replay(device):
     model = build("LayerNormMLP", device=device)
     x = torch.randn(N, T, H, dtype=torch.bfloat16, device=device)
     handle = model.register_forward_hook(lambda *a: None)
-    with pytest.raises(RuntimeError, match="hooks on the model's modules .* when captured"):
+    with pytest.raises(RuntimeError, match="modules must have no hooks when captured"):
         g8.make_graphed_step(model, mse, adamw(model.parameters(), device), (x, x), N)
     handle.remove()
     for register in (lambda p: p.register_hook(lambda g: g),
                      lambda p: p.register_post_accumulate_grad_hook(lambda p: None)):  # fmt: skip
         handle = register(model.fc1_weight)
-        with pytest.raises(RuntimeError, match="parameters must have no hooks when captured"):
+        with pytest.raises(RuntimeError, match=r"parameters \['fc1_weight'\] have tensor hooks"):
             g8.make_graphed_step(model, mse, adamw(model.parameters(), device), (x, x), N)
         handle.remove()
     model, opt, step, x = _setup(device)
