@@ -131,7 +131,7 @@ def make_graphed_callables(
         _wrap(f, r, replace_forward=not layout.explicit)
         for f, r in zip(funcs, runners, strict=True)
     ]
-    graphs.register(runners, funcs, [undo for _, undo in wrapped])
+    graphs.register(runners, funcs, [undo for _, undo in wrapped], _skippable(samples, layout))
     graphed = tuple(g for g, _ in wrapped)
     return graphed[0] if just_one else graphed
 
@@ -160,6 +160,15 @@ def _trees(s: Sample) -> list[nn.Module]:
 def _followers(layout: Layout) -> set[int]:
     """Runners that are not the first of their unit (chain=True reads their predecessor)."""
     return {j for unit in layout.units.values() for j in unit.runners[1:]}
+
+
+def _skippable(samples: list[Sample], layout: Layout) -> set[int]:
+    """Callables a microbatch may leave out (graphs/schedule.py): without `order`, those after the
+    first whose FP8 arenas are all the first one's (whose graphs hold the scale updates)."""
+    if layout.explicit:
+        return set()
+    first = samples[0].arenas.keys()
+    return {s.index for s in samples[1:] if s.arenas.keys() <= first}
 
 
 def _capture_units(samples, layout: Layout, session: CaptureSession, allow_unused: bool,

@@ -88,11 +88,12 @@ class CapturedGraphs:
             "Call it outside that region, or capture it with the region's settings"
         )
 
-    def register(self, runners, funcs, undos) -> None:
+    def register(self, runners, funcs, undos, skippable=()) -> None:
         """Takes the capture's runners, and marks the modules among `funcs` (one per runner)
         whose forward now replays these graphs; reset() runs their `undos` (None where nothing
-        was replaced)."""
+        was replaced). skippable: the runners a microbatch may leave out (graphs/schedule.py)."""
         self.runners = list(runners)
+        self.schedule.skippable = frozenset(skippable)
         pairs = [(f, undo) for f, undo in zip(funcs, undos, strict=True) if undo is not None]
         self.modules = [weakref.ref(f) for f, _ in pairs]
         for f, _ in pairs:
