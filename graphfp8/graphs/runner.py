@@ -139,6 +139,8 @@ class GraphedRunner:
                 )
         if len(flat) > 1:
             self._check_aliasing(flat)
+        if self.chained and flat[0].data_ptr() != self.static_inputs[0].data_ptr():
+            self._check_chain_input()
         self.guard.check()
         self.graphs.schedule.check_forward(self.index)
         self.weight_cache_flag.set(is_first_microbatch)
@@ -164,6 +166,17 @@ class GraphedRunner:
                     "captured with distinct tensors there; capture with the same tensor at both "
                     "positions (sample_args=(s, s, ...)) to get eager's gradient"
                 )
+
+    def _check_chain_input(self) -> None:
+        """chain=True: static input 0 is the previous callable's output buffer. Another tensor is
+        copied into it, which is safe only while no backward still needs that output."""
+        if self.graphs.schedule.is_pending(self.index - 1):
+            raise ValueError(
+                f"{self.name}: captured with chain=True, it reads the previous callable's output "
+                "buffer; pass it that output (or capture without chain=True for inputs from "
+                "elsewhere): copying another tensor there would overwrite what the previous "
+                "callable's pending backward may read"
+            )
 
     def replay_forward(self, flat_inputs) -> None:
         for i in self.copies:

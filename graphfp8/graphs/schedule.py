@@ -171,6 +171,10 @@ class Schedule:
         ref = self.pending[j]
         return ref is not None and ref() is not None
 
+    def is_pending(self, j: int) -> bool:
+        """Whether runner j's last forward still waits for its backward."""
+        return self._alive(j)
+
     def _skip_to(self, kind: str, j: int) -> bool:
         """Passes over the forwards of skippable runners and dead backwards when that reaches
         (kind, j); returns whether it did (nothing moves otherwise)."""
