@@ -84,12 +84,16 @@ class TapeGraph:
 
 class CudaGraph:
     """GPU backend: a torch.cuda.CUDAGraph kept (keep_graph=True) in debug mode, so that its kernel
-    nodes can be listed; the recording mode checks every op during capture."""
+    nodes can be listed; the recording mode checks every op during capture. With the environment
+    variable GRAPHFP8_GRAPH_DEBUG=0 at capture, neither (captured_kernels() then raises): what
+    `bench step` compares, to see whether debug mode costs launch time."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.graph = torch.cuda.CUDAGraph(keep_graph=True)
-        self.graph.enable_debug_mode()
+        self.debug = os.environ.get("GRAPHFP8_GRAPH_DEBUG", "1") != "0"
+        self.graph = torch.cuda.CUDAGraph(keep_graph=self.debug)
+        if self.debug:
+            self.graph.enable_debug_mode()
         self.op_names: list[str] = []
         self.released = False
 
@@ -103,7 +107,8 @@ class CudaGraph:
             with mode:
                 yield
         self.op_names = mode.names
-        self.graph.instantiate()
+        if self.debug:  # keep_graph=True: instantiated here; otherwise at the end of capture
+            self.graph.instantiate()
 
     def replay(self) -> None:
         self.graph.replay()
@@ -115,6 +120,11 @@ class CudaGraph:
 
     def kernels(self) -> list[str]:
         """Kernel nodes of the graph, in dump order (demangled when c++filt is available)."""
+        if not self.debug:
+            raise RuntimeError(
+                "graphfp8: this graph was captured with GRAPHFP8_GRAPH_DEBUG=0 (no debug mode), so "
+                "its kernel nodes cannot be listed; capture it without that variable"
+            )
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "graph.dot")
             self.graph.debug_dump(path)
