@@ -1,14 +1,14 @@
 """The capture session: the one skeleton that make_graphed_callables, make_graphed_microbatch and
 make_graphed_step run their own bodies in (docs/architecture.md, "Capture").
 
-    session = CaptureSession(name, device, ...)      argument checks done (graphs/capture_checks.py)
-    session.init_fp8(chunks)                         slots in fresh arenas, checked across ranks
-    with session.warmup():  ...                      side stream, FP8 capture state; FP8 state,
+    with CaptureSession(device, ...) as session:     argument checks done (capture_checks.py)
+        session.init_fp8(chunks)                     slots in fresh arenas, checked across ranks
+        with session.warmup(): ...                   side stream, FP8 capture state; FP8 state,
                                                      RNG (and the snapshot, when given) put back
-    session.freeze_arenas()                          the arenas warmup reached: checked, frozen
-    with session.capture():                          FP8 state, RNG, snapshot put back after; no
-        with session.recording(), graph.capture(session.pool):   garbage collection inside
-            ...
+        session.freeze_arenas()                      the arenas warmup reached: checked, frozen
+        with session.capture_phase():                FP8 state, RNG, snapshot put back after; no
+            with session.recording(), graph.capture(session.pool):  garbage collection inside
+                ...
 
 On failure (any exception inside `with session:`) the arenas it froze are unfrozen; what else a
 capture changes is the entry point's to undo (graphs/lifecycle.py for the callables).
