@@ -8,6 +8,7 @@ import torch
 
 import graphfp8 as g8
 from graphfp8 import global_state
+from graphfp8.fp8 import observe
 from graphfp8.graphs import backends
 from graphfp8.ops import cudnn_sdpa
 from graphfp8.profiling import enable_ranges
@@ -36,6 +37,7 @@ def _live_capture():
 DIRTY = {
     "fp8_autocast state (fp8/autocast.py STATE)": _autocast_left_open,
     "FP8 arena registry (fp8/scaling.py REGISTRY)": _eager_fp8_layer,
+    "numerics observer (fp8/observe.py)": lambda: observe.install(object()),
     "live captures (graphs/lifecycle.py)": _live_capture,
     "capture streams (graphs/backends.py)": lambda: backends._CAPTURE_STREAMS.update(x=object()),
     "cuDNN SDPA graphs and handles (ops/cudnn_sdpa.py)": lambda: cudnn_sdpa._HANDLES.update(
