@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from graphfp8 import global_state
+
 __all__ = ["BWD_SCALES", "FWD_SCALES", "SdpaKey", "backward", "cudnn_module", "forward", "prepare"]
 
 # The order of the sdpa_fp8 ops' `scales` lists.
@@ -98,6 +100,16 @@ _BACKWARD: dict[SdpaKey, tuple[object, int]] = {}
 _HANDLES: dict[int, object] = {}
 # The stream each handle was last set to, per device: set_stream only when it changes.
 _HANDLE_STREAM: dict[int, int] = {}
+_CACHES = (_FORWARD, _BACKWARD, _HANDLES, _HANDLE_STREAM)
+
+
+def _clear_caches() -> None:
+    for cache in _CACHES:
+        cache.clear()
+
+
+global_state.register("cuDNN SDPA graphs and handles (ops/cudnn_sdpa.py)", _clear_caches,
+                      lambda: not any(_CACHES), layer=global_state.BASE)  # fmt: skip
 
 
 def _handle(device: int):
