@@ -201,4 +201,15 @@ __device__ __forceinline__ void amax_epilogue(float amax, float* amax_out, float
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
 }
 
+// The epilogue of a current-scaling cast (current_scale.cuh): its own amax goes nowhere.
+template <bool kCurrent>
+__device__ __forceinline__ void cast_epilogue(float amax, float* amax_out, float* scale_inv,
+                                              float scale) {
+  if constexpr (kCurrent) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+  } else {
+    amax_epilogue(amax, amax_out, scale_inv, scale);
+  }
+}
+
 }  // namespace graphfp8::cuda
