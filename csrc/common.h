@@ -198,6 +198,7 @@ struct NormBwdParams {
   bool zero_centered_gamma;
   int64_t rows;
   int64_t hidden;
+  bool batched;              // CUDA: cuda/norm_bwd_batched.cu (kernel switch NORM_BWD_BATCHED)
 };
 
 constexpr int64_t kNormBwdMaxBlocks = 256;
@@ -227,5 +228,6 @@ Status rope_cuda(const RopeParams& p, void* stream);
 Status cast_transpose_fused_cuda(const FusedCastTransposeParams& p, void* stream);
 Status norm_fwd_cuda(const NormParams& p, void* stream);
 Status norm_bwd_cuda(const NormBwdParams& p, void* stream);
+Status norm_bwd_batched_cuda(const NormBwdParams& p, void* stream);  // the same sums, bit for bit
 
 }  // namespace graphfp8

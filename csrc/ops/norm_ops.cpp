@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "ops.h"
+#include "switches.h"
 
 namespace graphfp8 {
 namespace {
@@ -171,6 +172,7 @@ void norm_bwd(const char* op, const at::Tensor& dy, const at::Tensor& x, const a
   p.zero_centered_gamma = zero_centered_gamma;
   p.rows = x.size(0);
   p.hidden = x.size(1);
+  p.batched = switch_on("NORM_BWD_BATCHED");
   if (p.rows == 0) {  // sums over no rows are zero, as torch's
     dgamma.zero_();
     if (dbeta != nullptr) dbeta->zero_();

@@ -4,9 +4,23 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "switches.h"
 
 namespace graphfp8 {
 namespace {
+
+// Sets a kernel switch (switches.h); returns its previous state. Raises on an unknown name.
+bool set_kernel_switch(const std::string& name, bool on) {
+  KernelSwitch* s = kernel_switch(name.c_str());
+  TORCH_CHECK(s != nullptr, "graphfp8: no kernel switch named ", name);
+  return s->on.exchange(on);
+}
+
+bool get_kernel_switch(const std::string& name) {
+  const KernelSwitch* s = kernel_switch(name.c_str());
+  TORCH_CHECK(s != nullptr, "graphfp8: no kernel switch named ", name);
+  return s->on.load();
+}
 
 bool built_with_cuda() {
 #ifdef GRAPHFP8_WITH_CUDA
@@ -99,4 +113,7 @@ TORCH_LIBRARY_IMPL(graphfp8, CUDA, m) { GRAPHFP8_IMPL_ALL(m); }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "graphfp8 kernels; the ops live in torch.ops.graphfp8";
   m.def("built_with_cuda", &graphfp8::built_with_cuda, "Whether the CUDA kernels were compiled");
+  m.def("set_kernel_switch", &graphfp8::set_kernel_switch,
+        "Sets a CUDA kernel switch (csrc/ops/switches.h); returns its previous state");
+  m.def("get_kernel_switch", &graphfp8::get_kernel_switch, "The state of a CUDA kernel switch");
 }
