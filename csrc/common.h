@@ -49,6 +49,7 @@ struct CastParams {
   int64_t rows;
   int64_t cols;
   CurrentScale current;  // on: scale == current.scale, amax == nullptr (nothing folded)
+  bool paired_quantize;  // CUDA tile kernels: the kernel switch PAIRED_QUANTIZE (same bytes)
 };
 
 // Transpose of an FP8 (rows, cols) row-major tensor into (cols, rows).

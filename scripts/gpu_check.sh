@@ -6,7 +6,11 @@
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step memory
 #              train train-step compile profile profile-step"; also stack (the
 #              TransformerLayer stack, FP8 vs bf16), train-e4m3, kernels-ab, tests-first, ddp,
-#              train-scaling)
+#              train-scaling; issue 22's: variants (each kernel switch off and on in one run),
+#              tests-switched (the CUDA suite with every switch on), block-switched,
+#              stack-switched, step-switched (those benchmarks with every switch on),
+#              train-scaling-fused (delayed vs current scaling on the fused path))
+#   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -24,6 +28,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 PY=${PYTHON:-python3}
 STEPS=${GPU_STEPS:-"tests kernels eager block attention step memory train train-step compile profile profile-step"}
 status=0
+SWITCHES=${SWITCHES:-"GRAPHFP8_CURRENT_FUSED=1 GRAPHFP8_NORM_BWD_BATCHED=1 GRAPHFP8_PAIRED_QUANTIZE=1"}
 
 # Wheels carried in .whl/ (nvtx, torchao, nvidia-cudnn-frontend for FP8 attention): the device
 # machine has no package index.
@@ -63,6 +68,26 @@ for step in $STEPS; do
         ${PYTEST_ARGS:-} tests > "$RES/tests_gpu.log" 2>&1
       rc=$?; tail -25 "$RES/tests_gpu.log"; tail -1 "$RES/tests_gpu.log" >> "$RES/summary.md"
       [ $rc -eq 0 ] || status=1 ;;
+    tests-switched)  # issue 22: the CUDA suite again with every new kernel switched on
+      env $SWITCHES timeout "${TESTS_TIMEOUT_S:-420}" $PY -m pytest -q -m cuda -p no:cacheprovider \
+        ${PYTEST_ARGS:-} tests > "$RES/tests_gpu_switched.log" 2>&1
+      rc=$?; tail -25 "$RES/tests_gpu_switched.log"
+      tail -1 "$RES/tests_gpu_switched.log" >> "$RES/summary.md"; [ $rc -eq 0 ] || status=1 ;;
+    block-switched|stack-switched|step-switched)  # the benchmark with every switch on
+      b=${step%-switched}
+      env $SWITCHES $PY -m graphfp8.bench "$b" --json "$RES/bench_${b}_switched.json" \
+        > /tmp/bench_${b}_switched.log 2>&1 || { status=1; tail -30 /tmp/bench_${b}_switched.log; }
+      grep -v '^wrote' /tmp/bench_${b}_switched.log >> "$RES/summary.md" ;;
+    train-scaling-fused)  # issue 22: current scaling's fused path against delayed scaling
+      for run in delayed current; do
+        GRAPHFP8_CURRENT_FUSED=1 $PY -m graphfp8.train --compare fp8:layers --scaling $run \
+          --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_SCALING_STEPS:-200} \
+          --out "$RES/train_scaling_fused_$run" > "$RES/train_scaling_fused_$run.log" 2>&1 \
+          || status=1
+        echo "-- $run (GRAPHFP8_CURRENT_FUSED=1)" | tee -a "$RES/summary.md"
+        sed -n '/^ *run /,/^wrote/p' "$RES/train_scaling_fused_$run.log" | grep -v '^wrote' \
+          | tee -a "$RES/summary.md"
+      done ;;
     ddp)  # data parallel: 1 vs all GPUs of the machine, FP8 + graphs, the GPU default preset
       n=$($PY -c "import torch; print(torch.cuda.device_count())")
       procs_list=1; [ "$n" -gt 1 ] && procs_list="1 $n"
@@ -134,7 +159,7 @@ for step in $STEPS; do
           > /tmp/bench_memory_$what.log 2>&1 || { status=1; tail -30 /tmp/bench_memory_$what.log; }
         grep -v '^wrote' /tmp/bench_memory_$what.log >> "$RES/summary.md"
       done ;;
-    kernels|eager|block|attention|step|stack)
+    kernels|variants|eager|block|attention|step|stack)
       $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;

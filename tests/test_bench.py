@@ -34,6 +34,22 @@ def test_kernels_quick(tmp_path, capsys):
     assert "| cast_transpose_dbias | 128x256 |" in printed
 
 
+def test_variants_quick(tmp_path, capsys):
+    path = tmp_path / "variants.json"
+    main(["variants", "--quick", "--device", "cpu", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert [(r["switch"], r["op"]) for r in result["switches"]] == [
+        ("PAIRED_QUANTIZE", "cast_transpose"), ("PAIRED_QUANTIZE", "cast_transpose_dbias"),
+        ("PAIRED_QUANTIZE", "gelu_cast_transpose"),
+        ("PAIRED_QUANTIZE", "dgelu_cast_transpose_dbias"), ("NORM_BWD_BATCHED", "layernorm_bwd"),
+    ]  # fmt: skip
+    assert [r["op"] for r in result["current"]] == ["cast_transpose", "gelu_cast_transpose"]
+    numbers = _numbers(result["switches"] + result["current"])
+    assert numbers and all(math.isfinite(v) and v > 0 for v in numbers)
+    printed = capsys.readouterr().out
+    assert all(line in printed for line in result["table"].splitlines())
+
+
 def test_stack_quick(tmp_path, capsys):
     path = tmp_path / "stack.json"
     main(["stack", "--quick", "--device", "cpu", "--json", str(path)])

@@ -52,9 +52,21 @@ struct TileArgs {
   CurrentScale current;            // read only by the kCurrent variants
 };
 
+// Stores 1 or 2 words of FP8 bytes with one aligned store (the paired path).
+template <int kWords>
+__device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[kWords]) {
+  if constexpr (kWords == 2) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  } else {
+    static_assert(kWords == 1, "8 or 4 bytes per load");
+    *reinterpret_cast<uint32_t*>(dst) = w[0];
+  }
+}
+
 // Converts the thread's loads of one tile: row-major FP8 to `out` and to the shared tile, amax,
 // and (kDbias) the per-column sums of its rows, in row order.
-template <typename S, typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kVec>
+template <typename S, typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kVec,
+          bool kPaired>
 __device__ __forceinline__ void convert_tile(const TileArgs<InT>& a,
                                              const cuda::TileGrid<S>& g, const cuda::TilePos& t,
                                              cuda::SharedTile<kVec>& tile, float scale,
@@ -74,21 +86,40 @@ __device__ __forceinline__ void convert_tile(const TileArgs<InT>& a,
     float h[S::N];
     cuda::frag_to_floats<S, InT>(raw[l], f);
     if constexpr (kHasActIn) cuda::frag_to_floats<S, InT>(raw_in[l], h);
-    uint8_t q[S::N];
+    if constexpr (kPaired) {
+      static_assert(kVec && S::N % 4 == 0, "paired quantization packs words of 4 bytes");
+      float v[S::N];
 #pragma unroll
-    for (int k = 0; k < S::N; ++k) {
-      const float v = cuda::apply_act<InT, kAct>(f[k], kHasActIn ? h[k] : 0.0f);
-      amax = fmaxf(amax, fabsf(v));
-      q[k] = cuda::quantize<kE4M3>(v * scale);
-      if constexpr (kDbias) col_sum[k] += v;
+      for (int k = 0; k < S::N; ++k) {
+        v[k] = cuda::apply_act<InT, kAct>(f[k], kHasActIn ? h[k] : 0.0f);
+        amax = fmaxf(amax, fabsf(v[k]));
+        if constexpr (kDbias) col_sum[k] += v[k];
+      }
+      uint32_t w[S::N / 4];
+#pragma unroll
+      for (int m = 0; m < S::N / 4; ++m) {
+        w[m] = cuda::quantize4<kE4M3>(v[4 * m] * scale, v[4 * m + 1] * scale,
+                                      v[4 * m + 2] * scale, v[4 * m + 3] * scale);
+      }
+      store_words(a.out + gr * a.cols + gc, w);
+      store_words(tile.at(r, S::col()), w);
+    } else {
+      uint8_t q[S::N];
+#pragma unroll
+      for (int k = 0; k < S::N; ++k) {
+        const float v = cuda::apply_act<InT, kAct>(f[k], kHasActIn ? h[k] : 0.0f);
+        amax = fmaxf(amax, fabsf(v));
+        q[k] = cuda::quantize<kE4M3>(v * scale);
+        if constexpr (kDbias) col_sum[k] += v;
+      }
+      cuda::store_bytes<S::N>(a.out + gr * a.cols + gc, q);
+      cuda::stage<S>(tile, r, q);
     }
-    cuda::store_bytes<S::N>(a.out + gr * a.cols + gc, q);
-    cuda::stage<S>(tile, r, q);
   }
 }
 
 template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop, bool kVec,
-          bool kCurrent>
+          bool kCurrent, bool kPaired>
 __global__ void __launch_bounds__(kTileThreads)
     cast_transpose_kernel(TileArgs<InT> a, int64_t first_tile) {
   using S = cuda::TileShape<InT, kVec>;
@@ -106,13 +137,17 @@ __global__ void __launch_bounds__(kTileThreads)
   float col_sum[S::N];
 #pragma unroll
   for (int k = 0; k < S::N; ++k) col_sum[k] = 0.0f;
-  convert_tile<S, InT, kE4M3, kAct, kDbias>(a, g, t, tile, scale, amax, col_sum);
+  convert_tile<S, InT, kE4M3, kAct, kDbias, kVec, kPaired>(a, g, t, tile, scale, amax, col_sum);
   if constexpr (kDbias) {
 #pragma unroll
     for (int k = 0; k < S::N; ++k) partial[S::group()][S::col() + k] = col_sum[k];
   }
   __syncthreads();
-  cuda::store_transposed(tile, a.out_t, g, t);
+  if constexpr (kPaired) {
+    cuda::store_transposed_words(tile, a.out_t, g, t);
+  } else {
+    cuda::store_transposed(tile, a.out_t, g, t);
+  }
   if constexpr (kDbias) {
     const int c = threadIdx.x;
     if (c < S::kCols && t.c0 + c < a.cols) {
@@ -139,13 +174,13 @@ __global__ void __launch_bounds__(kTileThreads)
 }
 
 template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop, bool kVec,
-          bool kCurrent>
+          bool kCurrent, bool kPaired>
 Status launch_shape(const TileArgs<InT>& a, void* dbias, cudaStream_t stream) {
   using S = cuda::TileShape<InT, kVec>;
   const Status st = cuda::launch_tiles(
       cuda::TileGrid<S>(a.rows, a.cols).num_tiles, "cast_transpose_kernel",
       [&](int blocks, int64_t first) {
-        cast_transpose_kernel<InT, kE4M3, kAct, kDbias, kNoop, kVec, kCurrent>
+        cast_transpose_kernel<InT, kE4M3, kAct, kDbias, kNoop, kVec, kCurrent, kPaired>
             <<<blocks, kTileThreads, 0, stream>>>(a, first);
       });
   if (!kDbias || !st.ok()) return st;
@@ -155,12 +190,22 @@ Status launch_shape(const TileArgs<InT>& a, void* dbias, cudaStream_t stream) {
   return cuda::check_launch("dbias_reduce_kernel");
 }
 
+// The tile shape and the kernel variant: kCurrent (CurrentScale), kPaired (the kernel switch
+// PAIRED_QUANTIZE, vector tiles only).
 template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop>
-Status launch(const TileArgs<InT>& a, void* dbias, cudaStream_t stream) {
+Status launch(const TileArgs<InT>& a, bool paired, void* dbias, cudaStream_t stream) {
   const bool vec = cuda::vec_tiles_ok(a.rows, a.cols, a.x, a.act_in, a.out, a.out_t);
-  GRAPHFP8_SWITCH_BOOL(vec, kVec,
-    GRAPHFP8_SWITCH_BOOL(a.current.on(), kCurrent,
-      return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, kVec, kCurrent>(a, dbias, stream);))
+  GRAPHFP8_SWITCH_BOOL(a.current.on(), kCurrent,
+    if (!vec) {
+      return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, false, kCurrent, false>(a, dbias,
+                                                                                   stream);
+    }
+    if (paired) {
+      return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, true, kCurrent, true>(a, dbias,
+                                                                                 stream);
+    }
+    return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, true, kCurrent, false>(a, dbias,
+                                                                                stream);)
 }
 
 // The variants that the ops use: (activation, dbias, noop).
@@ -174,18 +219,18 @@ Status dispatch_variant(const FusedCastTransposeParams& p, cudaStream_t stream) 
   const bool dbias = p.dbias != nullptr;
   const bool noop = cp.noop != nullptr;
   if (p.act == FusedAct::kNone && !dbias) {
-    if (noop) return launch<InT, kE4M3, FusedAct::kNone, false, true>(a, nullptr, stream);
-    return launch<InT, kE4M3, FusedAct::kNone, false, false>(a, nullptr, stream);
+    if (noop) return launch<InT, kE4M3, FusedAct::kNone, false, true>(a, cp.paired_quantize, nullptr, stream);
+    return launch<InT, kE4M3, FusedAct::kNone, false, false>(a, cp.paired_quantize, nullptr, stream);
   }
   if (noop) return Status{"cast_transpose", "a noop flag only goes with the plain cast"};
   if (p.act == FusedAct::kNone && dbias) {
-    return launch<InT, kE4M3, FusedAct::kNone, true, false>(a, p.dbias, stream);
+    return launch<InT, kE4M3, FusedAct::kNone, true, false>(a, cp.paired_quantize, p.dbias, stream);
   }
   if (p.act == FusedAct::kGelu && !dbias) {
-    return launch<InT, kE4M3, FusedAct::kGelu, false, false>(a, nullptr, stream);
+    return launch<InT, kE4M3, FusedAct::kGelu, false, false>(a, cp.paired_quantize, nullptr, stream);
   }
   if (p.act == FusedAct::kDgelu && dbias) {
-    return launch<InT, kE4M3, FusedAct::kDgelu, true, false>(a, p.dbias, stream);
+    return launch<InT, kE4M3, FusedAct::kDgelu, true, false>(a, cp.paired_quantize, p.dbias, stream);
   }
   return Status{"cast_transpose", "unsupported (activation, dbias) variant"};
 }

@@ -1,6 +1,7 @@
 // Checks and launches of the casts, their amax passes, the FP8 transpose, dequantize and the
 // fused cast-transposes.
 #include "ops.h"
+#include "switches.h"
 
 namespace graphfp8 {
 namespace {
@@ -11,6 +12,7 @@ void set_scale(const char* op, const at::Tensor& x, const at::Tensor& scale, con
                const c10::optional<at::Tensor>& scaled_max, CastParams& p) {
   p.scale = scale.data_ptr<float>();
   p.amax = amax.data_ptr<float>();
+  p.paired_quantize = switch_on("PAIRED_QUANTIZE");
   if (!scaled_max.has_value()) return;
   check_scalar_f32(op, "scaled_max", *scaled_max, x);
   p.current = CurrentScale{scale.data_ptr<float>(), amax.data_ptr<float>(),
@@ -211,7 +213,7 @@ void fused_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Ten
     if (p.cast.current.on()) {  // an empty tensor still updates its slot
       const CastParams none{x.data_ptr(), p.cast.x_dtype, out.data_ptr(), nullptr,
                             p.cast.out_dtype, p.cast.scale, p.cast.scale_inv, nullptr, nullptr,
-                            0, 0, p.cast.current};
+                            0, 0, p.cast.current, false};
       launch(op, x, none, cast_cpu, [](const CastParams& q, void* s) { return cast_cuda(q, s); });
     }
     return;

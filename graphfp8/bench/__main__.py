@@ -1,4 +1,4 @@
-"""`python -m graphfp8.bench {kernels,eager,block,attention,step,memory,stack} [--device D]
+"""`python -m graphfp8.bench {kernels,variants,eager,block,attention,step,memory,stack} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from graphfp8.bench.common import write_json
 
 SUITES = {
     "kernels": "graphfp8.bench.kernels",
+    "variants": "graphfp8.bench.variants",
     "eager": "graphfp8.bench.eager",
     "block": "graphfp8.bench.block",
     "stack": "graphfp8.bench.stack",
