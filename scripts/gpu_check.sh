@@ -11,6 +11,9 @@
 #              stack-switched, step-switched (those benchmarks with every switch on),
 #              train-scaling-fused (delayed vs current scaling on the fused path))
 #   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
+#   WITH_TE    1 (default): install TransformerEngine from a carried .te/ (a copy of
+#              ../shared/te: docs/benchmarking.md, "TransformerEngine") for the benchmarks' TE
+#              columns; the tests never see it
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -58,6 +61,17 @@ fi
 echo "built in $(( $(date +%s) - t0 )) s" | tee -a "$RES/summary.md"
 $PY -c "import graphfp8.ops as o; assert o.built_with_cuda(), 'CUDA kernels missing'" \
   || { echo "CUDA KERNELS MISSING" >> "$RES/summary.md"; pack; exit 1; }
+TE_ENV=""
+if [ "${WITH_TE:-1}" = 1 ] && [ -f .te/install_te.sh ]; then
+  if TE_SKIP_SMOKE=1 bash .te/install_te.sh > "$RES/install_te.log" 2>&1; then
+    TE_ENV=/tmp/te_site/te_env.sh; echo "TransformerEngine installed (benchmark peer)" >> "$RES/summary.md"
+  else
+    echo "TransformerEngine install failed: no TE columns (install_te.log)" >> "$RES/summary.md"
+  fi
+fi
+with_te() {  # a benchmark with TE importable; the tests run without it
+  if [ -n "$TE_ENV" ]; then ( . "$TE_ENV"; "$@" ); else "$@"; fi
+}
 pack
 
 for step in $STEPS; do
@@ -75,7 +89,7 @@ for step in $STEPS; do
       tail -1 "$RES/tests_gpu_switched.log" >> "$RES/summary.md"; [ $rc -eq 0 ] || status=1 ;;
     block-switched|stack-switched|step-switched)  # the benchmark with every switch on
       b=${step%-switched}
-      env $SWITCHES $PY -m graphfp8.bench "$b" --json "$RES/bench_${b}_switched.json" \
+      with_te env $SWITCHES $PY -m graphfp8.bench "$b" --json "$RES/bench_${b}_switched.json" \
         > /tmp/bench_${b}_switched.log 2>&1 || { status=1; tail -30 /tmp/bench_${b}_switched.log; }
       grep -v '^wrote' /tmp/bench_${b}_switched.log >> "$RES/summary.md" ;;
     train-scaling-fused)  # issue 22: current scaling's fused path against delayed scaling
@@ -160,7 +174,7 @@ for step in $STEPS; do
         grep -v '^wrote' /tmp/bench_memory_$what.log >> "$RES/summary.md"
       done ;;
     kernels|variants|eager|block|attention|step|stack)
-      $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
+      with_te $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;
     *)
