@@ -121,8 +121,15 @@ __device__ __forceinline__ void store_column_sums(const NormBwdParams& p, RowLay
   }
 }
 
+// Two blocks per SM (<= 128 registers) where that costs no more than a small spill (16-bit
+// vector loads); the wide unvectorised and fp32 variants take all the registers they need.
 template <typename T, bool kVec, int V>
-__global__ void __launch_bounds__(kThreads, 2)
+constexpr int min_blocks() {
+  return (kVec && sizeof(T) == 2) || V == 1 ? 2 : 1;
+}
+
+template <typename T, bool kVec, int V>
+__global__ void __launch_bounds__(kThreads, (min_blocks<T, kVec, V>()))
     norm_bwd_batched_kernel(NormBwdParams p, RowLayout layout) {
   using E = Elems<T, kVec>;
   constexpr int kLoads = bwd_loads<T, kVec>();
