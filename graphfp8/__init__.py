@@ -1,6 +1,6 @@
 """graphfp8: CUDA-graph-centric FP8 training for PyTorch."""
 
-from graphfp8 import ops
+from graphfp8 import numerics, ops
 from graphfp8.fp8 import (
     DelayedScaling,
     Float8CurrentScaling,
@@ -46,6 +46,7 @@ __all__ = [
     "make_graphed_callables",
     "make_graphed_microbatch",
     "make_graphed_step",
+    "numerics",
     "ops",
     "reset_state",
 ]

@@ -79,6 +79,9 @@ TORCH_LIBRARY(graphfp8, m) {
         "Tensor? dresidual=None) -> ()");
   m.def("rmsnorm_bwd(Tensor dy, Tensor x, Tensor rsigma, Tensor gamma, bool zero_centered_gamma, "
         "Tensor(a!) dx, Tensor(b!) dgamma, Tensor? dresidual=None) -> ()");
+  m.def("cast_stats(Tensor x, Tensor? act_in, Tensor? mu, Tensor? rsigma, Tensor? gamma, "
+        "Tensor? beta, int mode, bool zero_centered_gamma, Tensor scale, Tensor recorded_amax, "
+        "bool e4m3, Tensor? enabled, Tensor? skip, Tensor(a!) out) -> ()");
 }
 
 // The same checked entry points serve both backends: each picks its launcher by device.
@@ -102,7 +105,8 @@ TORCH_LIBRARY(graphfp8, m) {
   m.impl("layernorm_amax", &graphfp8::layernorm_amax);                         \
   m.impl("rmsnorm_amax", &graphfp8::rmsnorm_amax);                             \
   m.impl("layernorm_bwd", &graphfp8::layernorm_bwd);                           \
-  m.impl("rmsnorm_bwd", &graphfp8::rmsnorm_bwd)
+  m.impl("rmsnorm_bwd", &graphfp8::rmsnorm_bwd);                               \
+  m.impl("cast_stats", &graphfp8::cast_stats)
 
 TORCH_LIBRARY_IMPL(graphfp8, CPU, m) { GRAPHFP8_IMPL_ALL(m); }
 

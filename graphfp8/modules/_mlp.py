@@ -18,6 +18,7 @@ import torch
 from graphfp8 import ops
 from graphfp8.fp8.autocast import queue_backward_update
 from graphfp8.fp8.current import dgelu_amax_of, gelu_amax_of
+from graphfp8.fp8.observe import StatsSource
 from graphfp8.fp8.slots import BwdRole, FwdRole
 from graphfp8.modules._functional import (
     GemmConfig,
@@ -42,6 +43,7 @@ class _FP8GeluMLP(torch.autograd.Function):
         h = forward_gemm(x_fp8, x_scale_inv, w1, b1, cfg1)
         a_quantizer = cfg2.quantizer(FwdRole.INPUT, gelu_amax_of(h))
         a_fp8, a_t_fp8, a_scale_inv = ops.gelu_cast_transpose(h, *a_quantizer)
+        cfg2.observe(FwdRole.INPUT, StatsSource("gelu", h))
         y = forward_gemm(a_fp8, a_scale_inv, w2, b2, cfg2)
         save_weight(ctx, "w1", cfg1)
         save_weight(ctx, "w2", cfg2)
@@ -71,6 +73,7 @@ class _FP8GeluMLP(torch.autograd.Function):
         if needs_fc1:
             dh_q = cfg1.quantizer(BwdRole.GRAD_OUTPUT, dgelu_amax_of(da, h))
             dh_fp8, dh_t_fp8, dh_scale_inv, db1 = ops.dgelu_cast_transpose_dbias(da, h, *dh_q)
+            cfg1.observe(BwdRole.GRAD_OUTPUT, StatsSource("dgelu", da, act_in=h))
             da = None
         dw2 = (
             wgrad_gemm(dy_t_fp8, dy_scale_inv, a_t_fp8, a_scale_inv, dy.dtype)

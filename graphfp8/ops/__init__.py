@@ -15,6 +15,7 @@ from graphfp8.ops.rope import rope_qkv
 from graphfp8.ops.rope_fp8 import rope_fp8, rope_fp8_backward
 from graphfp8.ops.scale_update import scale_update_
 from graphfp8.ops.sdpa_fp8 import check_sdpa_fp8, sdpa_fp8_backward, sdpa_fp8_forward
+from graphfp8.ops.stats import cast_stats, reduce_cast_stats, stats_partials
 from graphfp8.ops.transpose import fp8_transpose
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "built_with_cuda",
     "cast_to_fp8",
     "cast_transpose",
+    "cast_stats",
     "cast_transpose_dbias",
     "dgelu_amax_",
     "dgelu_cast_transpose_dbias",
@@ -36,6 +38,7 @@ __all__ = [
     "layernorm_amax_",
     "layernorm_bwd",
     "layernorm_fp8",
+    "reduce_cast_stats",
     "rmsnorm_amax_",
     "rmsnorm_bwd",
     "rmsnorm_fp8",
@@ -45,4 +48,5 @@ __all__ = [
     "scale_update_",
     "sdpa_fp8_backward",
     "sdpa_fp8_forward",
+    "stats_partials",
 ]
