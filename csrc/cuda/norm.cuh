@@ -134,4 +134,12 @@ __device__ __forceinline__ void bwd_terms(const NormBwdParams& p, int64_t v,
   }
 }
 
+// Whether the backward takes 16-byte loads: the hidden size a multiple of the vector width and
+// every row pointer aligned (norm_bwd.cu and norm_bwd_batched.cu decide alike).
+template <typename T>
+inline bool bwd_vectorized(const NormBwdParams& p) {
+  return p.hidden % Vec<T>::N == 0 && aligned16(p.dy) && aligned16(p.x) && aligned16(p.gamma) &&
+         aligned16(p.dx) && (p.dresidual == nullptr || aligned16(p.dresidual));
+}
+
 }  // namespace graphfp8::cuda::norm

@@ -293,11 +293,7 @@ Status launch(const NormBwdParams& p, cudaStream_t stream) {
 Status norm_bwd_batched_cuda(const NormBwdParams& p, void* stream_ptr) {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   GRAPHFP8_SWITCH_HP(p.dtype, "norm_bwd_batched", T,
-    constexpr int N = cuda::Vec<T>::N;
-    const bool vec = p.hidden % N == 0 && cuda::aligned16(p.dy) && cuda::aligned16(p.x) &&
-                     cuda::aligned16(p.gamma) && cuda::aligned16(p.dx) &&
-                     (p.dresidual == nullptr || cuda::aligned16(p.dresidual));
-    if (vec) return launch<T, true>(p, stream);
+    if (cuda::norm::bwd_vectorized<T>(p)) return launch<T, true>(p, stream);
     return launch<T, false>(p, stream);)
   return Status{};
 }

@@ -6,6 +6,19 @@
 namespace graphfp8 {
 namespace {
 
+// The input x (float, contiguous) and, for dGELU, the GELU input act_in of x's shape and dtype.
+void check_act_input(const char* op, const at::Tensor& x, const at::Tensor* act_in,
+                     const char* act_in_name) {
+  TORCH_CHECK(is_hp(x.scalar_type()), op, ": argument 'x' must be float32, bfloat16 or float16, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
+  if (act_in == nullptr) return;
+  check_common(op, act_in_name, *act_in, x);
+  TORCH_CHECK(act_in->scalar_type() == x.scalar_type() && act_in->sizes() == x.sizes(), op,
+              ": argument '", act_in_name, "' must have the shape and dtype of the gradient, got ",
+              fmt(act_in->sizes()), " ", act_in->scalar_type());
+}
+
 // A cast's scale: as given, or (scaled_max given: current scaling) computed by the cast from the
 // slot's amax, which is then read and reset instead of receiving the cast's own amax.
 void set_scale(const char* op, const at::Tensor& x, const at::Tensor& scale, const at::Tensor& amax,
@@ -73,15 +86,7 @@ namespace {
 
 void amax_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Tensor* act_in,
                const at::Tensor& amax, const c10::optional<at::Tensor>& noop) {
-  TORCH_CHECK(is_hp(x.scalar_type()), op, ": argument 'x' must be float32, bfloat16 or float16, got ",
-              x.scalar_type());
-  TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
-  if (act_in != nullptr) {
-    check_common(op, "x", *act_in, x);
-    TORCH_CHECK(act_in->scalar_type() == x.scalar_type() && act_in->sizes() == x.sizes(), op,
-                ": argument 'x' must have the shape and dtype of 'dy', got ",
-                fmt(act_in->sizes()), " ", act_in->scalar_type());
-  }
+  check_act_input(op, x, act_in, "x");
   check_scalar_f32(op, "amax", amax, x);
   AmaxParams p{};
   p.x = x.data_ptr();
@@ -160,16 +165,8 @@ void fused_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Ten
                 const at::Tensor& scale, const at::Tensor& out, const at::Tensor& out_t,
                 const at::Tensor& scale_inv, const at::Tensor& amax, const at::Tensor* dbias,
                 const c10::optional<at::Tensor>& scaled_max) {
-  TORCH_CHECK(is_hp(x.scalar_type()), op, ": argument 'x' must be float32, bfloat16 or float16, got ",
-              x.scalar_type());
+  check_act_input(op, x, act_in, "act_in");
   TORCH_CHECK(x.dim() == 2, op, ": argument 'x' must be 2-D, got ", fmt(x.dim()), "-D");
-  TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
-  if (act_in != nullptr) {
-    check_common(op, "act_in", *act_in, x);
-    TORCH_CHECK(act_in->scalar_type() == x.scalar_type() && act_in->sizes() == x.sizes(), op,
-                ": argument 'act_in' must have the shape and dtype of the gradient, got ",
-                fmt(act_in->sizes()), " ", act_in->scalar_type());
-  }
   check_scalar_f32(op, "scale", scale, x);
   check_fp8_out(op, "out", out, x, x.sizes());
   check_fp8_out(op, "out_t", out_t, x, {x.size(1), x.size(0)});

@@ -122,6 +122,18 @@ def _cast_args(op, x, dev, fp8_dtype):
     return first, [out, out_t, scale_inv], [dbias]
 
 
+def _cast_both_ways(op, x, first, outs, tail, scale, h0, scaled_max, fused: bool) -> list:
+    """op in its scaled_max form (fused), or scale_update of the one-slot history then op with a
+    throwaway amax; returns the slot and every output, to compare the two."""
+    fn = getattr(G, op)
+    if fused:
+        fn(x, *first, scale, *outs, h0, *tail, scaled_max=scaled_max)
+    else:
+        G.scale_update(h0.view(1, 1), scale, scaled_max, True)
+        fn(x, *first, scale, *outs, torch.zeros(1, device=x.device), *tail)
+    return [scale, h0, *outs, *tail]
+
+
 CAST_OPS = ["cast_to_fp8", "cast_transpose", "cast_transpose_dbias", "gelu_cast_transpose",
             "dgelu_cast_transpose_dbias"]  # fmt: skip
 
@@ -141,13 +153,7 @@ def test_scaled_max_form_equals_update_then_cast(device, op, state, fp8_dtype):
         h0 = torch.tensor([state[0]], device=device)
         scaled_max = torch.tensor([448.0 if fp8_dtype == torch.float8_e4m3fn else 57344.0],
                                   device=device)  # fmt: skip
-        fn = getattr(G, op)
-        if fused:
-            fn(x, *first, scale, *outs, h0, *tail, scaled_max=scaled_max)
-        else:
-            G.scale_update(h0.view(1, 1), scale, scaled_max, True)
-            fn(x, *first, scale, *outs, torch.zeros(1, device=device), *tail)
-        results.append([scale, h0, *outs, *tail])
+        results.append(_cast_both_ways(op, x, first, outs, tail, scale, h0, scaled_max, fused))
     for i, (a, b) in enumerate(zip(*results, strict=True)):
         assert_bitwise_equal(a, b, f"{op} tensor {i}")
 
@@ -223,13 +229,7 @@ def test_cuda_many_blocks_publish_one_scale(device, op, shape):
         scale, h0 = torch.ones(1, device=device), torch.zeros(1, device=device)
         scaled_max = torch.tensor([448.0], device=device)
         G.amax(x, h0)
-        fn = getattr(G, op)
-        if fused:
-            fn(x, *first, scale, *outs, h0, *tail, scaled_max=scaled_max)
-        else:
-            G.scale_update(h0.view(1, 1), scale, scaled_max, True)
-            fn(x, *first, scale, *outs, torch.zeros(1, device=device), *tail)
-        results.append([scale, h0, *outs, *tail])
+        results.append(_cast_both_ways(op, x, first, outs, tail, scale, h0, scaled_max, fused))
     for other in results[1:]:
         for i, (a, b) in enumerate(zip(results[0], other, strict=True)):
             assert_bitwise_equal(a, b, f"{op} tensor {i}")
