@@ -7,7 +7,8 @@
 #              train train-step compile profile profile-step"; also stack (the
 #              TransformerLayer stack, FP8 vs bf16), train-e4m3, kernels-ab, tests-first, ddp,
 #              train-scaling, train-gap: issue 27's paired FP8-vs-bf16 table over GAP_SEEDS for
-#              GAP_VARIANTS, GAP_STEPS steps; issue 22's: variants (each kernel switch off and on
+#              GAP_VARIANTS, GAP_STEPS steps; issue 22's: opcount (kernels per TransformerLayer
+#              microbatch from the captured ops), variants (each kernel switch off and on
 #              in one run), tests-switched (the CUDA suite with every switch on), block-switched,
 #              stack-switched, step-switched (those benchmarks with every switch on),
 #              train-scaling-fused (delayed vs current scaling on the fused path))
@@ -181,7 +182,7 @@ for step in $STEPS; do
           > /tmp/bench_memory_$what.log 2>&1 || { status=1; tail -30 /tmp/bench_memory_$what.log; }
         grep -v '^wrote' /tmp/bench_memory_$what.log >> "$RES/summary.md"
       done ;;
-    kernels|variants|eager|block|attention|step|stack)
+    kernels|variants|opcount|eager|block|attention|step|stack)
       with_te $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;
