@@ -101,8 +101,8 @@ def _te_layer_graphs(ref, x, dy):
                           strict=False)  # fmt: skip
     opt = _adamw(model, x.device, captured=False)
     recipe = te_recipe()
-    graphed = same_stream_graphed(model, (x[0].detach().requires_grad_(),), fp8_enabled=True,
-                                  fp8_recipe=recipe, fp8_weight_caching=True)  # fmt: skip
+    graphed = same_stream_graphed(model, (x[0],), fp8_enabled=True, fp8_recipe=recipe,
+                                  fp8_weight_caching=True)  # fmt: skip
 
     def step():
         for i in range(len(x)):
