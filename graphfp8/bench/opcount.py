@@ -3,8 +3,10 @@ most half of today's ~54): one graphed TransformerLayer (weight caching on), its
 backward graphs' dispatcher ops, as the CPU replay tape records them (graphs/tape.py), so it runs
 anywhere; views and allocations launch nothing and are left out, and the graphfp8 ops that launch
 two CUDA kernels (a tile kernel and its dbias reduction, the norm and its transpose, the norm
-backward and its parameter-gradient reduction) count twice. Recipes: delayed scaling, current
-scaling on the three-launch path and on the fused path (graphfp8/fp8/current.py), and bf16."""
+backward and its parameter-gradient reduction) count twice. On a GPU the graphs' own kernel nodes
+are counted too (the real number: cuBLAS and attention may launch more than one). Recipes:
+delayed scaling, current scaling on the three-launch path and on the fused path
+(graphfp8/fp8/current.py), and bf16."""
 
 from __future__ import annotations
 
@@ -64,8 +66,12 @@ def count_layer(recipe, fused: bool, device, hidden: int, heads: int, seq: int) 
                                             fp8_weight_caching=recipe is not None)  # fmt: skip
     ops = graphed.captured_ops()
     fwd, bwd = kernels(ops["forward"]), kernels(ops["backward"])
-    return {"forward": sum(fwd.values()), "backward": sum(bwd.values()),
-            "total": sum(fwd.values()) + sum(bwd.values()), "by_op": dict(fwd + bwd)}  # fmt: skip
+    row = {"forward": sum(fwd.values()), "backward": sum(bwd.values()),
+           "total": sum(fwd.values()) + sum(bwd.values()), "by_op": dict(fwd + bwd)}  # fmt: skip
+    if torch.device(device).type == "cuda":  # the graphs' own kernel nodes: the real count
+        nodes = graphed.captured_kernels()
+        row["cuda_graph_kernels"] = len(nodes["forward"]) + len(nodes["backward"])
+    return row
 
 
 def run(device, quick: bool = False) -> dict:
@@ -82,12 +88,14 @@ def run(device, quick: bool = False) -> dict:
     }
     rows = {name: count_layer(r, f, device, hidden, heads, seq) for name, (r, f) in recipes.items()}
     names = sorted({op for row in rows.values() for op in row["by_op"]})
+    on_gpu = all("cuda_graph_kernels" in r for r in rows.values())
     text = print_table(
         f"CUDA kernels per TransformerLayer per microbatch, from the captured ops (graphed, "
         f"weight caching), h={hidden}",
-        ["recipe", "forward", "backward", "total"],
-        [[name, r["forward"], r["backward"], r["total"]] for name, r in rows.items()],
-    )
+        ["recipe", "forward", "backward", "total", *(["CUDA graph kernel nodes"] * on_gpu)],
+        [[name, r["forward"], r["backward"], r["total"], *([r.get("cuda_graph_kernels")] * on_gpu)]
+         for name, r in rows.items()],
+    )  # fmt: skip
     text += print_table(
         "kernels by op (forward + backward)",
         ["op", *rows],
