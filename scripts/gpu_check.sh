@@ -6,7 +6,7 @@
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step memory
 #              train train-step compile profile profile-step"; also stack (the
 #              TransformerLayer stack, FP8 vs bf16), train-e4m3, kernels-ab, tests-first, ddp,
-#              train-scaling)
+#              train-scaling, glu (SwiGLU LayerNormMLP vs bf16 and TE; TE needs .te carried))
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -134,6 +134,12 @@ for step in $STEPS; do
           > /tmp/bench_memory_$what.log 2>&1 || { status=1; tail -30 /tmp/bench_memory_$what.log; }
         grep -v '^wrote' /tmp/bench_memory_$what.log >> "$RES/summary.md"
       done ;;
+    glu)  # issue 23: SwiGLU LayerNormMLP FP8 graphed vs bf16 graphed and TE, the GLU kernels
+      [ -f .te/install_te.sh ] && TE_SKIP_SMOKE=1 bash .te/install_te.sh > "$RES/install_te.log" 2>&1 \
+        && . /tmp/te_site/te_env.sh
+      $PY -m graphfp8.bench glu --json "$RES/bench_glu.json" > /tmp/bench_glu.log 2>&1 \
+        || { status=1; tail -30 /tmp/bench_glu.log; }
+      grep -v '^wrote' /tmp/bench_glu.log >> "$RES/summary.md" ;;
     kernels|eager|block|attention|step|stack)
       $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }

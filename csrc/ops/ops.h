@@ -5,7 +5,8 @@
 // one folder of a few files rather than one ops.cpp because the checks of all ops together ran
 // past ~400 lines: cast_ops.cpp (casts, transposes, dequantize, the fused cast-transposes),
 // norm_ops.cpp (the norms), misc_ops.cpp (scale update, RoPE), rope_fp8_ops.cpp (RoPE fused with
-// the FP8 casts of q, k, v) and register.cpp (the schemas).
+// the FP8 casts of q, k, v), glu_ops.cpp (SwiGLU / GeGLU fused with the FP8 cast-transposes) and
+// register.cpp (the schemas).
 //
 // Every op writes into tensors the caller passes in (graph-friendly: nothing is allocated here
 // but fp32 workspaces), and every value that changes between steps (scale, amax, noop flag) is
@@ -165,5 +166,13 @@ void layernorm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
 void rmsnorm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& rsigma,
                  const at::Tensor& gamma, bool zero_centered_gamma, const at::Tensor& dx,
                  const at::Tensor& dgamma, const c10::optional<at::Tensor>& dresidual);
+void glu_cast_transpose(const at::Tensor& x, c10::string_view activation, const at::Tensor& scale,
+                        const at::Tensor& out, const at::Tensor& out_t,
+                        const at::Tensor& scale_inv, const at::Tensor& amax);
+void dglu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x,
+                               c10::string_view activation, const at::Tensor& scale,
+                               const at::Tensor& out, const at::Tensor& out_t,
+                               const at::Tensor& scale_inv, const at::Tensor& amax,
+                               const c10::optional<at::Tensor>& dbias);
 
 }  // namespace graphfp8

@@ -53,6 +53,11 @@ TORCH_LIBRARY(graphfp8, m) {
         "Tensor? dresidual=None) -> ()");
   m.def("rmsnorm_bwd(Tensor dy, Tensor x, Tensor rsigma, Tensor gamma, bool zero_centered_gamma, "
         "Tensor(a!) dx, Tensor(b!) dgamma, Tensor? dresidual=None) -> ()");
+  m.def("glu_cast_transpose(Tensor x, str activation, Tensor scale, Tensor(a!) out, "
+        "Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax) -> ()");
+  m.def("dglu_cast_transpose_dbias(Tensor dy, Tensor x, str activation, Tensor scale, "
+        "Tensor(a!) out, Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax, "
+        "Tensor(e!)? dbias=None) -> ()");
 }
 
 // The same checked entry points serve both backends: each picks its launcher by device.
@@ -71,7 +76,9 @@ TORCH_LIBRARY(graphfp8, m) {
   m.impl("layernorm_fp8", &graphfp8::layernorm_fp8);                           \
   m.impl("rmsnorm_fp8", &graphfp8::rmsnorm_fp8);                               \
   m.impl("layernorm_bwd", &graphfp8::layernorm_bwd);                           \
-  m.impl("rmsnorm_bwd", &graphfp8::rmsnorm_bwd)
+  m.impl("rmsnorm_bwd", &graphfp8::rmsnorm_bwd);                               \
+  m.impl("glu_cast_transpose", &graphfp8::glu_cast_transpose);                 \
+  m.impl("dglu_cast_transpose_dbias", &graphfp8::dglu_cast_transpose_dbias)
 
 TORCH_LIBRARY_IMPL(graphfp8, CPU, m) { GRAPHFP8_IMPL_ALL(m); }
 

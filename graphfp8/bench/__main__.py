@@ -1,4 +1,4 @@
-"""`python -m graphfp8.bench {kernels,eager,block,attention,step,memory,stack} [--device D]
+"""`python -m graphfp8.bench {kernels,eager,block,attention,step,memory,stack,glu} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ SUITES = {
     "attention": "graphfp8.bench.attention",
     "step": "graphfp8.bench.step",
     "memory": "graphfp8.bench.memory",
+    "glu": "graphfp8.bench.glu",
 }
 
 

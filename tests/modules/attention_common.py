@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import graphfp8 as g8
-from graphfp8 import ops, reference
+from graphfp8 import ops, reference, reference_attention
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole
 from graphfp8.testing import assert_bitwise_equal
 from tests.ops.attention_data import check_amax
@@ -92,7 +92,7 @@ class OpRecorder:
             assert_bitwise_equal(t, parts[i])
         assert_bitwise_equal(scales["descale_s"], torch.reciprocal(scale[AttnFwdRole.S :][:1]))
         assert_bitwise_equal(scales["scale_o"], scale[AttnFwdRole.O :][:1])
-        want = reference.sdpa_fp8_forward(q, k, v, scales, attn_scale)
+        want = reference_attention.sdpa_fp8_forward(q, k, v, scales, attn_scale)
         for role, key in ((AttnFwdRole.S, "amax_s"), (AttnFwdRole.O, "amax_o")):
             print(f"{key}: slot {h0[role].item():.6g}, twin {float(want[key]):.6g}")
             check_amax(key, want[key], h0[role], device)
@@ -110,7 +110,7 @@ class OpRecorder:
         (dy, *_), _ = casts[-1][0]
         assert_bitwise_equal(newest[AttnBwdRole.DO : AttnBwdRole.DO + 1], reference.abs_max(dy))
         assert_bitwise_equal(scales["descale_dp"], torch.reciprocal(scales["scale_dp"]))
-        want = reference.sdpa_fp8_backward(q, k, v, o, d_o, stats, scales, attn_scale)
+        want = reference_attention.sdpa_fp8_backward(q, k, v, o, d_o, stats, scales, attn_scale)
         roles = (AttnBwdRole.DP, AttnBwdRole.DQ, AttnBwdRole.DK, AttnBwdRole.DV)
         for role, key in zip(roles, ("amax_dp", "amax_dq", "amax_dk", "amax_dv"), strict=True):
             print(f"{key}: slot {newest[role].item():.6g}, twin {float(want[key]):.6g}")

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphfp8 as g8
+from graphfp8.modules.layernorm_mlp import ACTIVATIONS
 
 H = 32  # hidden size: a multiple of 16
 T = 48  # tokens per microbatch: a multiple of 16
@@ -49,6 +50,11 @@ def build(kind: str, dtype=torch.bfloat16, device="cpu") -> nn.Module:
         with torch.no_grad():
             m.layer_norm_weight.normal_(0.0, 0.2)
         return m
+    if kind == "SwiGLUMLP":  # Llama's MLP: RMSNorm, SwiGLU, no biases
+        return g8.LayerNormMLP(H, 2 * H, normalization="RMSNorm", bias=False,
+                               activation="swiglu", **kw)  # fmt: skip
+    if kind == "GeGLUMLP":  # with biases: the fused dbias of both halves
+        return g8.LayerNormMLP(H, 2 * H, activation="geglu", **kw)
     if kind == "Stack":
         return Stack(dtype=dtype, device=device)
     if kind == "Chain":
@@ -70,7 +76,7 @@ def torch_twin(m: nn.Module):
     if isinstance(m, g8.LayerNormMLP):
 
         def f(x):
-            y = F.gelu(F.linear(_torch_norm(m, x), m.fc1_weight, m.fc1_bias), approximate="tanh")
+            y = ACTIVATIONS[m.activation](F.linear(_torch_norm(m, x), m.fc1_weight, m.fc1_bias))
             return F.linear(y, m.fc2_weight, m.fc2_bias)
 
         return f

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from graphfp8 import reference
+from graphfp8 import reference_attention
 from graphfp8.fp8.recipe import fp8_max
 from graphfp8.testing import sqnr
 
@@ -56,7 +56,7 @@ def forward_case(shape, fwd_dtype, device, seed: int = 0):
         scale_o=one,
     )
     attn_scale = d**-0.5
-    first = reference.sdpa_fp8_forward(q, k, v, scales, attn_scale)
+    first = reference_attention.sdpa_fp8_forward(q, k, v, scales, attn_scale)
     scales["scale_o"] = scale_for(first["amax_o"].to(device), fwd_dtype)
     return q, k, v, scales, attn_scale
 
@@ -80,7 +80,7 @@ def backward_scales(q, k, v, o, d_o, stats, fwd_scales, attn_scale, bwd_dtype, d
         scale_dk=one,
         scale_dv=one,
     )
-    first = reference.sdpa_fp8_backward(q, k, v, o, d_o, stats, scales, attn_scale)
+    first = reference_attention.sdpa_fp8_backward(q, k, v, o, d_o, stats, scales, attn_scale)
     for name in ("dp", "dq", "dk", "dv"):
         scales[f"scale_{name}"] = scale_for(first[f"amax_{name}"].to(device), bwd_dtype)
     scales["descale_dp"] = 1.0 / scales["scale_dp"]
