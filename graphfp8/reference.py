@@ -158,22 +158,25 @@ def dglu_cast_transpose_dbias(dy, x, activation, scale, out, out_t, scale_inv, a
         dbias.copy_(_to_hp(_column_sum(dh.float()), dbias.dtype))
 
 
-def rope_qkv(qkv, cos, sin, num_heads, inverse, out) -> None:
+def rope_qkv(qkv, cos, sin, num_heads, inverse, out, num_kv_heads=0) -> None:
     """Twin of torch.ops.graphfp8.rope_qkv: the rotation in float32, each product and sum
-    rounded on its own, then rounded to qkv's dtype."""
+    rounded on its own, then rounded to qkv's dtype. A token holds num_heads q heads, then
+    num_kv_heads (0: num_heads) k and v heads; the first num_heads + num_kv_heads rotate."""
     b, s, width = qkv.shape
-    head_dim = width // (3 * num_heads)
+    kv = num_kv_heads or num_heads
+    rows = num_heads + 2 * kv
+    head_dim = width // rows
     half = head_dim // 2
-    x = qkv.view(b, s, 3, num_heads, head_dim).float()
-    c = cos[:s, None, None, :].float()  # (s, 1, 1, head_dim): broadcast over parts, heads
-    n = sin[:s, None, None, :].float()
-    lo, hi = x[:, :, :2, :, :half], x[:, :, :2, :, half:]
+    x = qkv.view(b, s, rows, head_dim).float()
+    c = cos[:s, None, :].float()  # (s, 1, head_dim): broadcast over head rows
+    n = sin[:s, None, :].float()
+    lo, hi = x[:, :, : num_heads + kv, :half], x[:, :, : num_heads + kv, half:]
     c_lo, c_hi, n_lo, n_hi = c[..., :half], c[..., half:], n[..., :half], n[..., half:]
     if inverse:
         rot = torch.cat([lo * c_lo + hi * n_hi, hi * c_hi - lo * n_lo], dim=-1)
     else:
         rot = torch.cat([lo * c_lo - hi * n_lo, hi * c_hi + lo * n_hi], dim=-1)
-    y = torch.cat([rot, x[:, :, 2:]], dim=2)
+    y = torch.cat([rot, x[:, :, num_heads + kv :]], dim=2)
     out.copy_(y.to(out.dtype).view(b, s, width))
 
 
@@ -303,25 +306,26 @@ def rmsnorm_bwd(dy, x, rsigma, gamma, zero_centered_gamma, dx, dgamma, dresidual
     _norm_bwd(dy, xhat, rsigma, gamma, zero_centered_gamma, dresidual, dx, dgamma, None, True)
 
 
-def rope_fp8(qkv, cos, sin, num_heads, scale, out, scale_inv, amax) -> None:
+def rope_fp8(qkv, cos, sin, num_heads, scale, out, scale_inv, amax, num_kv_heads=0) -> None:
     """Twin of torch.ops.graphfp8.rope_fp8: rope_qkv (the identity without tables), then one
-    cast_to_fp8 per part into (batch, seq, heads, head_dim)."""
+    cast_to_fp8 per part into q (batch, seq, heads, head_dim), k, v (.., kv_heads, ..)."""
     b, s, width = qkv.shape
+    kv = num_kv_heads or num_heads
     rotated = qkv.clone()
     if cos is not None:
-        rope_qkv(qkv, cos, sin, num_heads, False, rotated)
-    parts = rotated.view(b, s, 3, num_heads, width // (3 * num_heads))
+        rope_qkv(qkv, cos, sin, num_heads, False, rotated, kv)
+    parts = rotated.view(b, s, num_heads + 2 * kv, -1).split([num_heads, kv, kv], dim=2)
     for p in range(3):
-        cast_to_fp8(parts[:, :, p].contiguous(), scale[p], out[p], scale_inv[p], amax[p])
+        cast_to_fp8(parts[p].contiguous(), scale[p], out[p], scale_inv[p], amax[p])
 
 
-def rope_fp8_backward(grads, scale_inv, cos, sin, num_heads, out) -> None:
+def rope_fp8_backward(grads, scale_inv, cos, sin, num_heads, out, num_kv_heads=0) -> None:
     """Twin of torch.ops.graphfp8.rope_fp8_backward: each part dequantized in float32, rope_qkv's
     inverse rotation in float32 on the packed gradient, one rounding to out's dtype."""
     b, s, width = out.shape
     parts = [g.float() * si.reshape(()) for g, si in zip(grads, scale_inv, strict=True)]
-    packed = torch.stack(parts, dim=2).reshape(b, s, width)
+    packed = torch.cat(parts, dim=2).reshape(b, s, width)
     rotated = packed.clone()
     if cos is not None:
-        rope_qkv(packed, cos, sin, num_heads, True, rotated)
+        rope_qkv(packed, cos, sin, num_heads, True, rotated, num_kv_heads)
     out.copy_(rotated.to(out.dtype))

@@ -138,13 +138,14 @@ void dgelu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x, const
 void scale_update(const at::Tensor& amax_history, const at::Tensor& scale,
                   const at::Tensor& scaled_max, bool most_recent);
 void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-              int64_t num_heads, bool inverse, const at::Tensor& out);
+              int64_t num_heads, bool inverse, const at::Tensor& out, int64_t num_kv_heads);
 void rope_fp8(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos,
               const c10::optional<at::Tensor>& sin, int64_t num_heads, at::TensorList scale,
-              at::TensorList out, at::TensorList scale_inv, at::TensorList amax);
+              at::TensorList out, at::TensorList scale_inv, at::TensorList amax,
+              int64_t num_kv_heads);
 void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
                        const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
-                       int64_t num_heads, const at::Tensor& out);
+                       int64_t num_heads, const at::Tensor& out, int64_t num_kv_heads);
 void layernorm_fp8(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
                    double eps, bool zero_centered_gamma, const at::Tensor& scale,
                    const at::Tensor& out, const c10::optional<at::Tensor>& out_t,

@@ -33,13 +33,13 @@ TORCH_LIBRARY(graphfp8, m) {
   m.def("gelu_cast_transpose(Tensor x, Tensor scale, Tensor(a!) out, Tensor(b!) out_t, "
         "Tensor(c!) scale_inv, Tensor(d!) amax) -> ()");
   m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int num_heads, bool inverse, "
-        "Tensor(a!) out) -> ()");
+        "Tensor(a!) out, int num_kv_heads=0) -> ()");
   m.def("dgelu_cast_transpose_dbias(Tensor dy, Tensor x, Tensor scale, Tensor(a!) out, "
         "Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax, Tensor(e!) dbias) -> ()");
   m.def("rope_fp8(Tensor qkv, Tensor? cos, Tensor? sin, int num_heads, Tensor[] scale, "
-        "Tensor(a!)[] out, Tensor(b!)[] scale_inv, Tensor(c!)[] amax) -> ()");
+        "Tensor(a!)[] out, Tensor(b!)[] scale_inv, Tensor(c!)[] amax, int num_kv_heads=0) -> ()");
   m.def("rope_fp8_backward(Tensor[] grads, Tensor[] scale_inv, Tensor? cos, Tensor? sin, "
-        "int num_heads, Tensor(a!) out) -> ()");
+        "int num_heads, Tensor(a!) out, int num_kv_heads=0) -> ()");
   m.def("layernorm_fp8(Tensor x, Tensor gamma, Tensor beta, float eps, bool zero_centered_gamma, "
         "Tensor scale, Tensor(a!) out, Tensor(b!)? out_t, Tensor(c!) scale_inv, Tensor(d!) amax, "
         "Tensor(e!) mu, Tensor(f!) rsigma, Tensor(g!)? out_hp=None, Tensor? residual=None, "
