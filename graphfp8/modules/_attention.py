@@ -3,7 +3,7 @@
 amax is a device view into the arenas (the attention's AttnFwdRole / AttnBwdRole slots).
 
     fused QKV (FP8 MHA chain, TransformerLayer):
-      forward   qkv (B, S, 3 H D) --rope_fp8--> Q, K, V (FP8, BSHD) --sdpa_fp8_fwd--> O (FP8)
+      forward   qkv (B, S, (H + 2G) D) --rope_fp8--> Q, K, V (FP8, BSHD) --sdpa_fp8_fwd--> O (FP8)
                 O -> Float8Tensor (fp8_output: the next Linear consumes it as is) or dequantized
       backward  dO --cast--> dO (FP8) --sdpa_fp8_bwd--> dQ, dK, dV (FP8)
                 --rope_fp8_backward--> dqkv (dequantize + inverse rotation, one pass)
@@ -183,9 +183,9 @@ def _output(o: torch.Tensor, o_scale_inv: torch.Tensor, cfg: AttentionConfig, dt
 
 class _FP8AttentionQKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, cos, sin, heads: int, cfg: AttentionConfig, needs_grad: bool):
+    def forward(ctx, qkv, cos, sin, heads: tuple, cfg: AttentionConfig, needs_grad: bool):
         quantizers = [cfg.quantizer(r) for r in (AttnFwdRole.Q, AttnFwdRole.K, AttnFwdRole.V)]
-        parts, scale_inv = ops.rope_fp8(qkv, cos, sin, heads, quantizers)
+        parts, scale_inv = ops.rope_fp8(qkv, cos, sin, heads[0], quantizers, heads[1])
         o, o_scale_inv = _forward_core(ctx, parts, scale_inv, cfg, needs_grad)
         ctx.tables, ctx.dtype = (cos, sin), qkv.dtype
         return _output(o, o_scale_inv, cfg, qkv.dtype)
@@ -218,15 +218,17 @@ class _FP8Attention(torch.autograd.Function):
         return *out, None, None
 
 
-def fp8_attention_qkv(qkv, rope_tables, heads: int, cfg: AttentionConfig):
+def fp8_attention_qkv(qkv, rope_tables, heads: int, cfg: AttentionConfig,
+                      kv_heads: int | None = None):  # fmt: skip
     """FP8 attention from a fused QKV projection, with RoPE fused into the casts.
 
     Args:
-        qkv: (batch, seq, 3 * heads * head_dim) float32/bfloat16/float16, laid out as
-            (batch, seq, 3, heads, head_dim).
+        qkv: (batch, seq, (heads + 2 * kv_heads) * head_dim) float32/bfloat16/float16: per
+            token the q heads, then the k and the v heads (graphfp8.ops.rope_qkv's layout).
         rope_tables: (cos, sin) float32 (>= seq, head_dim), or None for no rotation.
-        heads: attention heads (no grouped-query attention here).
+        heads: query heads.
         cfg: slots, scale, mask and output form.
+        kv_heads: key/value heads (grouped-query attention); None: heads.
 
     Returns:
         (batch, seq, heads * head_dim): a Float8Tensor of nominal dtype qkv.dtype when
@@ -236,7 +238,7 @@ def fp8_attention_qkv(qkv, rope_tables, heads: int, cfg: AttentionConfig):
     if not qkv.is_contiguous():
         qkv = qkv.contiguous()
     needs_grad = torch.is_grad_enabled() and qkv.requires_grad
-    return _FP8AttentionQKV.apply(qkv, cos, sin, heads, cfg, needs_grad)
+    return _FP8AttentionQKV.apply(qkv, cos, sin, (heads, kv_heads or heads), cfg, needs_grad)
 
 
 def fp8_attention(q, k, v, cfg: AttentionConfig):

@@ -98,12 +98,10 @@ class DotProductAttention(FP8Module):
         the FP8 attention of a (batch, seq) input would not run (and builds its cuDNN graphs),
         so the layer fails before any of its state changes. A no-op outside FP8 attention."""
         if self.fp8_active():
-            h, d = self.num_attention_heads, self.kv_channels
+            h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
             causal = self.attn_mask_type == "causal"
-            shape = (batch, seq, h, d)
-            prepare_attention(
-                shape, shape, device, STATE.recipe, self.attn_scale, causal, torch.is_grad_enabled()
-            )
+            prepare_attention((batch, seq, h, d), (batch, seq, g, d), device, STATE.recipe,
+                              self.attn_scale, causal, torch.is_grad_enabled())  # fmt: skip
 
     # Forward -----------------------------------------------------------------------------------
 
@@ -125,32 +123,29 @@ class DotProductAttention(FP8Module):
         embedding is fused into the casts of q, k and v (graphfp8.ops.rope_fp8).
 
         Args:
-            qkv: (batch, seq, 3 * H * D) laid out as (batch, seq, 3, H, D); needs G == H.
+            qkv: (batch, seq, (H + 2 G) * D): per token the H query heads, then the G key heads
+                and the G value heads (G == H: the (batch, seq, 3, H, D) layout).
             rope_tables: (cos, sin), float32 (>= seq, D) rotary tables for q and k, or None.
 
         Returns:
             (batch, seq, H * D), as forward().
         """
-        h, d = self.num_attention_heads, self.kv_channels
-        if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3 or qkv.shape[-1] != 3 * h * d:
+        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
+        width = (h + 2 * g) * d
+        if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3 or qkv.shape[-1] != width:
             shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
             raise ValueError(
-                f"DotProductAttention: expected qkv (batch, seq, {3 * h * d}), got {shape}"
-            )
-        if self.num_gqa_groups != h:
-            raise ValueError(
-                "DotProductAttention.forward_qkv: the fused layout has as many key/"
-                "value heads as query heads; use forward(q, k, v) with GQA"
+                f"DotProductAttention: expected qkv (batch, seq, {width}), got {shape}"
             )
         _check_tensor("qkv", qkv)
         b, s, _ = qkv.shape
         if self.fp8_active():
             training = torch.is_grad_enabled() and qkv.requires_grad
-            cfg = self._fp8_config((b, s, h, d), (b, s, h, d), qkv.device, training)
-            return fp8_attention_qkv(qkv, rope_tables, h, cfg)
+            cfg = self._fp8_config((b, s, h, d), (b, s, g, d), qkv.device, training)
+            return fp8_attention_qkv(qkv, rope_tables, h, cfg, g)
         if rope_tables is not None:
-            qkv = RopeQKV.apply(qkv.contiguous(), *rope_tables, h)
-        q, k, v = qkv.view(b, s, 3, h, d).unbind(dim=2)
+            qkv = RopeQKV.apply(qkv.contiguous(), *rope_tables, h, g)
+        q, k, v = qkv.view(b, s, h + 2 * g, d).split([h, g, g], dim=2)
         return self._sdpa(q, k, v)
 
     def _sdpa(self, q, k, v) -> torch.Tensor:

@@ -3,6 +3,12 @@
     x (B, S, H) -> LayerNormLinear (QKV, FP8) -> RoPE on q, k -> causal SDPA -> Linear (proj, FP8)
       -> + x -> LayerNormMLP (FP8) -> + residual
 
+Grouped-query attention (num_gqa_groups G < heads, TransformerEngine's name): the fused QKV
+projection has (heads + 2 G) * head_dim outputs, per token the q heads, then the G k heads and
+the G v heads (with G == heads the (3, heads, head_dim) layout); each k/v head serves
+heads / G query heads. Llama-style blocks: normalization="RMSNorm", bias=False,
+activation="swiglu".
+
 Under fp8_autocast both norms write their GEMM's FP8 input directly, and the first residual add
 folds into the MLP's norm: one kernel reads x and the projection's output and writes h = x + proj
 and the FP8 norm of h (graphfp8.modules._norm); its backward adds the gradient that reaches h
@@ -40,6 +46,8 @@ class TransformerLayer(nn.Module):
         hidden_size: H, a multiple of 16 for FP8 and of num_heads.
         num_heads: attention heads; head_dim = H / num_heads must be even for RoPE.
         ffn_hidden_size: F of the MLP, a multiple of 16 for FP8.
+        num_gqa_groups: key/value heads G (grouped-query attention); None: num_heads. num_heads
+            must be a multiple of it.
         rope: apply rotary position embeddings to q and k.
         max_seq_len: longest sequence the rotary tables cover.
         rope_base: rotary frequency base.
@@ -52,12 +60,18 @@ class TransformerLayer(nn.Module):
                  max_seq_len: int = 2048, rope_base: float = 10000.0, eps: float = 1e-5,
                  bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
                  zero_centered_gamma: bool = False, params_dtype: torch.dtype | None = None,
-                 device=None):  # fmt: skip
+                 device=None, num_gqa_groups: int | None = None):  # fmt: skip
         super().__init__()
         if num_heads < 1 or hidden_size % num_heads:
             raise ValueError(
                 f"TransformerLayer: hidden_size {hidden_size} must be a multiple of num_heads "
                 f"{num_heads}"
+            )
+        groups = num_heads if num_gqa_groups is None else num_gqa_groups
+        if groups < 1 or num_heads % groups:
+            raise ValueError(
+                f"TransformerLayer: num_heads {num_heads} must be a multiple of num_gqa_groups "
+                f"{groups}"
             )
         head_dim = hidden_size // num_heads
         if rope and head_dim % 2:
@@ -66,9 +80,11 @@ class TransformerLayer(nn.Module):
         kw = dict(eps=eps, bias=bias, normalization=normalization, params_dtype=dtype,
                   zero_centered_gamma=zero_centered_gamma, device=device)  # fmt: skip
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.num_gqa_groups = groups
         self.ffn_hidden_size, self.rope, self.max_seq_len = ffn_hidden_size, rope, max_seq_len
-        self.qkv = LayerNormLinear(hidden_size, 3 * hidden_size, **kw)
-        self.core_attention = DotProductAttention(num_heads, head_dim, device=device)
+        self.qkv = LayerNormLinear(hidden_size, (num_heads + 2 * groups) * head_dim, **kw)
+        self.core_attention = DotProductAttention(num_heads, head_dim, num_gqa_groups=groups,
+                                                  device=device)  # fmt: skip
         self.proj = Linear(hidden_size, hidden_size, bias=bias, params_dtype=dtype, device=device)
         self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation, **kw)
         if rope:
@@ -77,8 +93,8 @@ class TransformerLayer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
 
     def attention(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Causal self-attention core with RoPE: qkv (B, S, 3H) -> (B, S, H), in qkv's dtype (a
-        Float8Tensor under fp8_mha)."""
+        """Causal self-attention core with RoPE: qkv (B, S, (heads + 2 G) * head_dim) -> (B, S,
+        H), in qkv's dtype (a Float8Tensor under fp8_mha)."""
         tables = None
         if self.rope:  # the tables stay float32 even if the module was cast to another dtype
             tables = (self.rope_cos.float(), self.rope_sin.float())
@@ -106,5 +122,6 @@ class TransformerLayer(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
-            f"ffn_hidden_size={self.ffn_hidden_size}, rope={self.rope}"
+            f"num_gqa_groups={self.num_gqa_groups}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"rope={self.rope}"
         )

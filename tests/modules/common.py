@@ -61,6 +61,10 @@ def build(kind: str, dtype=torch.bfloat16, device="cpu") -> nn.Module:
         return Stack(dtype=dtype, device=device, fp8_output=True)
     if kind == "TransformerLayer":
         return g8.TransformerLayer(H, 2, 2 * H, max_seq_len=T, **kw)
+    if kind == "LlamaLayer":  # RMSNorm, grouped-query attention (1 kv head for 2), SwiGLU, no bias
+        return g8.TransformerLayer(H, 2, 2 * H, max_seq_len=T, num_gqa_groups=1,
+                                   normalization="RMSNorm", bias=False, activation="swiglu",
+                                   **kw)  # fmt: skip
     if kind == "RMSNormTransformerLayer":
         return g8.TransformerLayer(H, 2, 2 * H, max_seq_len=T, normalization="RMSNorm",
                                    zero_centered_gamma=True, **kw)  # fmt: skip
