@@ -24,8 +24,11 @@ def _attn_operands(q, k, v, scales):
     return bhsd(q, scales["descale_q"]), bhsd(k, scales["descale_k"]), bhsd(v, scales["descale_v"])
 
 
-def _attn_probabilities(qd, kd, attn_scale, causal, stats=None):
+def _attn_probabilities(qd, kd, attn_scale, causal, stats=None, segment_ids=None):
     s = torch.einsum("bhid,bhjd->bhij", qd, kd) * attn_scale
+    if segment_ids is not None:  # within each token's segment only
+        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        s = s.masked_fill(~same, -math.inf)
     if causal:
         n = s.shape[-1]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -math.inf)
@@ -33,7 +36,8 @@ def _attn_probabilities(qd, kd, attn_scale, causal, stats=None):
     return s, torch.exp(s - m), m
 
 
-def sdpa_fp8_forward(q, k, v, scales: dict, attn_scale: float, causal: bool = True) -> dict:
+def sdpa_fp8_forward(q, k, v, scales: dict, attn_scale: float, causal: bool = True,
+                     segment_ids=None) -> dict:  # fmt: skip
     """Twin of graphfp8.ops.sdpa_fp8_forward in float64, quantizing P and O at cuDNN's points
     (that module's docstring has the math). scales: graphfp8.ops.sdpa_fp8's FWD_SCALES names.
 
@@ -43,7 +47,7 @@ def sdpa_fp8_forward(q, k, v, scales: dict, attn_scale: float, causal: bool = Tr
     """
 
     qd, kd, vd = _attn_operands(q, k, v, scales)
-    _, p, m = _attn_probabilities(qd, kd, attn_scale, causal)
+    _, p, m = _attn_probabilities(qd, kd, attn_scale, causal, segment_ids=segment_ids)
     row_sum = p.sum(dim=-1, keepdim=True)
     p_fp8 = quantize(p, scales["scale_s"], q.dtype).double()
     out = torch.einsum("bhij,bhjd->bhid", p_fp8, vd) * scales["descale_s"].double().reshape(())
@@ -58,7 +62,7 @@ def sdpa_fp8_forward(q, k, v, scales: dict, attn_scale: float, causal: bool = Tr
 
 
 def sdpa_fp8_backward(q, k, v, o, d_o, stats, scales: dict, attn_scale: float,
-                      causal: bool = True) -> dict:  # fmt: skip
+                      causal: bool = True, segment_ids=None) -> dict:  # fmt: skip
     """Twin of graphfp8.ops.sdpa_fp8_backward in float64 (scales: BWD_SCALES names).
 
     Returns:
@@ -69,7 +73,7 @@ def sdpa_fp8_backward(q, k, v, o, d_o, stats, scales: dict, attn_scale: float,
 
     kv_heads = k.shape[2]
     qd, kd, vd = _attn_operands(q, k, v, scales)
-    _, p, _ = _attn_probabilities(qd, kd, attn_scale, causal, stats)
+    _, p, _ = _attn_probabilities(qd, kd, attn_scale, causal, stats, segment_ids)
     dod = d_o.double().transpose(1, 2) * scales["descale_do"].double().reshape(())
     od = o.double().transpose(1, 2) * scales["descale_o"].double().reshape(())
     p_fp8 = quantize(p, scales["scale_s"], q.dtype).double() * scales["descale_s"].double()

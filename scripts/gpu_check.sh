@@ -6,7 +6,8 @@
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step memory
 #              train train-step compile profile profile-step"; also stack (the
 #              TransformerLayer stack, FP8 vs bf16), train-e4m3, kernels-ab, tests-first, ddp,
-#              train-scaling, glu (SwiGLU LayerNormMLP vs bf16 and TE; TE needs .te carried))
+#              train-scaling, glu (SwiGLU LayerNormMLP vs bf16 and TE; TE needs .te carried),
+#              train-llama (the llama-100m preset, bf16 vs FP8 graphed; LLAMA_ARGS adds e.g. --pack))
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -82,6 +83,11 @@ for step in $STEPS; do
         --preset ${TRAIN_PRESET:-100m} --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} \
         --out "$RES/train" > "$RES/train.log" 2>&1 || status=1
       tail -8 "$RES/train.log" | tee -a "$RES/summary.md" ;;
+    train-llama)  # issue 23: Llama blocks (RMSNorm, GQA, SwiGLU, no bias), bf16 vs FP8 graphed
+      $PY -m graphfp8.train --compare ${TRAIN_RUNS:-bf16:graphs,fp8:graphs} --preset llama-100m \
+        --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} ${LLAMA_ARGS:-} \
+        --out "$RES/train_llama" > "$RES/train_llama.log" 2>&1 || status=1
+      tail -8 "$RES/train_llama.log" | tee -a "$RES/summary.md" ;;
     train-e4m3)  # the train step's FP8 run with E4M3 gradients too (against HYBRID's E5M2)
       $PY -m graphfp8.train --compare fp8:graphs --fp8-format E4M3 --preset ${TRAIN_PRESET:-100m} \
         --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} --out "$RES/train_e4m3" \

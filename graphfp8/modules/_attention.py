@@ -41,9 +41,12 @@ class AttentionConfig:
         fp8_output: return O as a Float8Tensor (FP8 MHA) instead of dequantizing it.
         backward_update: (backward arena, group) updated at the end of the backward pass
             (eager), or None (graphs place it themselves).
+        segment_ids: (batch, seq) integer segments of this call (graphfp8.ops.segments), or None.
     """
 
-    __slots__ = ("fwd", "bwd", "attn_scale", "causal", "fp8_output", "backward_update")
+    __slots__ = (
+        "fwd", "bwd", "attn_scale", "causal", "fp8_output", "backward_update", "segment_ids",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -53,10 +56,12 @@ class AttentionConfig:
         causal: bool,
         fp8_output: bool,
         backward_update: tuple | None,
+        segment_ids: torch.Tensor | None = None,
     ):
         self.fwd, self.bwd = fwd, bwd
         self.attn_scale, self.causal = attn_scale, causal
         self.fp8_output, self.backward_update = fp8_output, backward_update
+        self.segment_ids = segment_ids
 
     def quantizer(self, role: AttnFwdRole | AttnBwdRole) -> Quantizer:
         block = self.fwd if isinstance(role, AttnFwdRole) else self.bwd
@@ -73,8 +78,9 @@ class AttentionConfig:
 
 
 def prepare_attention(
-    q_shape, kv_shape, device, recipe, attn_scale: float, causal: bool, training: bool
-) -> None:
+    q_shape, kv_shape, device, recipe, attn_scale: float, causal: bool, training: bool,
+    segments: bool = False,
+) -> None:  # fmt: skip
     """Checks an FP8 attention call and, on the GPU, builds its cuDNN graphs (cached): raises
     before any kernel or state change of the call, and keeps graph building out of CUDA-graph
     captures (a capture's warmup runs the same call first).
@@ -85,11 +91,14 @@ def prepare_attention(
         recipe: the DelayedScaling in force (its formats are the attention's FP8 dtypes).
         attn_scale, causal: the softmax scale and mask.
         training: the backward will run too (its graph is built now as well).
+        segments: the call has segment_ids.
     """
     ops.check_sdpa_fp8(q_shape, kv_shape, kv_shape, causal, "graphfp8 FP8 attention")
     device = torch.device(device)
     if device.type != "cuda":
         return
+    if segments:
+        raise ValueError(cudnn_sdpa.SEGMENTS_UNSUPPORTED)
     b, s, h, d = q_shape
     fmt = recipe.fp8_format
     key = cudnn_sdpa.SdpaKey(
@@ -132,6 +141,7 @@ def _forward_core(ctx, qkv_fp8, qkv_scale_inv, cfg: AttentionConfig, needs_grad:
         cfg.amax(AttnFwdRole.O),
         cfg.attn_scale,
         cfg.causal,
+        cfg.segment_ids,
     )
     if needs_grad:
         scale_s = s_o[0:1].clone()  # the pair P was quantized with, for the backward
@@ -166,7 +176,7 @@ def _backward_core(ctx, grad: torch.Tensor):
     )
     amaxes = [cfg.amax(r) for r in (AttnBwdRole.DP, AttnBwdRole.DQ, AttnBwdRole.DK, AttnBwdRole.DV)]
     grads = ops.sdpa_fp8_backward(
-        q, k, v, o, do_fp8, stats, scales, amaxes, cfg.attn_scale, cfg.causal
+        q, k, v, o, do_fp8, stats, scales, amaxes, cfg.attn_scale, cfg.causal, cfg.segment_ids
     )
     if cfg.backward_update is not None:
         queue_backward_update(*cfg.backward_update)

@@ -92,17 +92,21 @@ class TransformerLayer(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
-    def attention(self, qkv: torch.Tensor) -> torch.Tensor:
+    def attention(self, qkv: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Causal self-attention core with RoPE: qkv (B, S, (heads + 2 G) * head_dim) -> (B, S,
-        H), in qkv's dtype (a Float8Tensor under fp8_mha)."""
+        H), in qkv's dtype (a Float8Tensor under fp8_mha); segment_ids as for forward()."""
         tables = None
         if self.rope:  # the tables stay float32 even if the module was cast to another dtype
             tables = (self.rope_cos.float(), self.rope_sin.float())
-        return self.core_attention.forward_qkv(qkv, tables)
+        return self.core_attention.forward_qkv(qkv, tables, segment_ids)
 
-    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """x: (B, S, H) in params_dtype, S <= max_seq_len. Returns (B, S, H).
-        is_first_microbatch: as for Linear (all four weights)."""
+        is_first_microbatch: as for Linear (all four weights).
+        segment_ids: optional (B, S) integer tensor on x's device: packed documents (or padding
+        in a segment of its own), attention staying within each token's segment
+        (graphfp8.ops.segments; a device tensor, so graphs replay it with each call's ids)."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(
@@ -113,9 +117,9 @@ class TransformerLayer(nn.Module):
                 f"TransformerLayer: sequence length {x.shape[1]} exceeds max_seq_len "
                 f"{self.max_seq_len} of the rotary tables"
             )
-        self.core_attention.check_fused(x.shape[0], x.shape[1], x.device)
+        self.core_attention.check_fused(x.shape[0], x.shape[1], x.device, segment_ids)
         qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
-        attn = self.proj(self.attention(qkv), is_first_microbatch=is_first_microbatch)
+        attn = self.proj(self.attention(qkv, segment_ids), is_first_microbatch=is_first_microbatch)
         h, y = self.mlp(x, is_first_microbatch=is_first_microbatch, residual=attn)
         return h + y
 

@@ -295,6 +295,17 @@ def _build_or_explain(cudnn, key: SdpaKey, which: str, build):
         ) from exc
 
 
+def _no_segments_yet(segment_ids) -> None:
+    if segment_ids is not None:
+        raise ValueError(SEGMENTS_UNSUPPORTED)
+
+
+SEGMENTS_UNSUPPORTED = (
+    "graphfp8: FP8 attention on the GPU does not take segment_ids (packed documents, padding) "
+    "yet; run attention in bf16 (a recipe without fp8_dpa)"
+)
+
+
 def key_for(q: torch.Tensor, k: torch.Tensor, bwd_dtype, attn_scale, causal) -> SdpaKey:
     """The key of a call on q (batch, seq, heads, d) and k (batch, seq, kv_heads, d)."""
     b, s, h, d = q.shape
@@ -331,8 +342,9 @@ def _execute(graph, workspace_bytes: int, pack: dict, device) -> None:
     graph.execute(pack, workspace, handle=handle)
 
 
-def forward(q, k, v, scales, o, stats, amax, attn_scale, causal) -> None:
+def forward(q, k, v, scales, o, stats, amax, attn_scale, causal, segment_ids=None) -> None:
     """torch.ops.graphfp8.sdpa_fp8_fwd on CUDA (graphfp8.ops.sdpa_fp8 has the contract)."""
+    _no_segments_yet(segment_ids)
     key = key_for(q, k, None, attn_scale, causal)
     built = _FORWARD.get(key)
     if built is None:  # a direct op call: build now (graphfp8's layers prepare first)
@@ -342,8 +354,10 @@ def forward(q, k, v, scales, o, stats, amax, attn_scale, causal) -> None:
     _execute(built[0], built[1], dict(zip(_FWD_UIDS, tensors, strict=True)), q.device)
 
 
-def backward(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causal) -> None:
+def backward(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causal,
+             segment_ids=None) -> None:  # fmt: skip
     """torch.ops.graphfp8.sdpa_fp8_bwd on CUDA (graphfp8.ops.sdpa_fp8 has the contract)."""
+    _no_segments_yet(segment_ids)
     key = key_for(q, k, d_o.dtype, attn_scale, causal)
     built = _BACKWARD.get(key)
     if built is None:
