@@ -7,7 +7,8 @@
 #              train train-step compile profile profile-step"; also stack (the
 #              TransformerLayer stack, FP8 vs bf16), train-e4m3, kernels-ab, tests-first, ddp,
 #              train-scaling, glu (SwiGLU LayerNormMLP vs bf16 and TE; TE needs .te carried),
-#              train-llama (the llama-100m preset, bf16 vs FP8 graphed; LLAMA_ARGS adds e.g. --pack))
+#              train-llama (the llama-100m preset, bf16 vs FP8 graphed; LLAMA_ARGS adds e.g. --pack),
+#              hf (a 100M HF Llama: FP8 + graphs via g8.from_hf vs HF bf16 eager / compile))
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -146,7 +147,7 @@ for step in $STEPS; do
       $PY -m graphfp8.bench glu --json "$RES/bench_glu.json" > /tmp/bench_glu.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_glu.log; }
       grep -v '^wrote' /tmp/bench_glu.log >> "$RES/summary.md" ;;
-    kernels|eager|block|attention|step|stack)
+    kernels|eager|block|attention|step|stack|hf)  # hf: issue 23's converted Llama vs HF bf16
       $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;

@@ -1,4 +1,4 @@
-"""`python -m graphfp8.bench {kernels,eager,block,attention,step,memory,stack,glu} [--device D]
+"""`python -m graphfp8.bench {kernels,eager,block,attention,step,memory,stack,glu,hf} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ SUITES = {
     "step": "graphfp8.bench.step",
     "memory": "graphfp8.bench.memory",
     "glu": "graphfp8.bench.glu",
+    "hf": "graphfp8.bench.hf",
 }
 
 

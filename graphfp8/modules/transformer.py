@@ -46,21 +46,24 @@ class TransformerLayer(nn.Module):
         hidden_size: H, a multiple of 16 for FP8 and of num_heads.
         num_heads: attention heads; head_dim = H / num_heads must be even for RoPE.
         ffn_hidden_size: F of the MLP, a multiple of 16 for FP8.
-        num_gqa_groups: key/value heads G (grouped-query attention); None: num_heads. num_heads
-            must be a multiple of it.
         rope: apply rotary position embeddings to q and k.
         max_seq_len: longest sequence the rotary tables cover.
         rope_base: rotary frequency base.
         eps, bias, activation, normalization, zero_centered_gamma: as for LayerNormMLP (shared
             by both norms).
         params_dtype, device: as for Linear.
+        num_gqa_groups: key/value heads G (grouped-query attention); None: num_heads. num_heads
+            must be a multiple of it.
+        qkv_bias, mlp_bias: biases of the QKV projection and of the MLP when they differ from
+            `bias` (which then covers the output projection): Qwen2 biases q, k, v only.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, rope: bool = True,
                  max_seq_len: int = 2048, rope_base: float = 10000.0, eps: float = 1e-5,
                  bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
                  zero_centered_gamma: bool = False, params_dtype: torch.dtype | None = None,
-                 device=None, num_gqa_groups: int | None = None):  # fmt: skip
+                 device=None, num_gqa_groups: int | None = None, qkv_bias: bool | None = None,
+                 mlp_bias: bool | None = None):  # fmt: skip
         super().__init__()
         if num_heads < 1 or hidden_size % num_heads:
             raise ValueError(
@@ -77,16 +80,20 @@ class TransformerLayer(nn.Module):
         if rope and head_dim % 2:
             raise ValueError(f"TransformerLayer: RoPE needs an even head_dim, got {head_dim}")
         dtype = params_dtype or torch.get_default_dtype()
-        kw = dict(eps=eps, bias=bias, normalization=normalization, params_dtype=dtype,
+        kw = dict(eps=eps, normalization=normalization, params_dtype=dtype,
                   zero_centered_gamma=zero_centered_gamma, device=device)  # fmt: skip
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        mlp_bias = bias if mlp_bias is None else mlp_bias
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.num_gqa_groups = groups
         self.ffn_hidden_size, self.rope, self.max_seq_len = ffn_hidden_size, rope, max_seq_len
-        self.qkv = LayerNormLinear(hidden_size, (num_heads + 2 * groups) * head_dim, **kw)
+        self.qkv = LayerNormLinear(hidden_size, (num_heads + 2 * groups) * head_dim, bias=qkv_bias,
+                                   **kw)  # fmt: skip
         self.core_attention = DotProductAttention(num_heads, head_dim, num_gqa_groups=groups,
                                                   device=device)  # fmt: skip
         self.proj = Linear(hidden_size, hidden_size, bias=bias, params_dtype=dtype, device=device)
-        self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation, **kw)
+        self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation, bias=mlp_bias,
+                                **kw)  # fmt: skip
         if rope:
             cos, sin = rope_tables(max_seq_len, head_dim, rope_base, torch.float32, device)
             self.register_buffer("rope_cos", cos, persistent=False)

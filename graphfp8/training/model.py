@@ -114,8 +114,9 @@ class Blocks(nn.Module):
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """x: (B, S, H); segment_ids: optional (B, S) documents of packed rows (--pack)."""
+        kw = {} if segment_ids is None else {"segment_ids": segment_ids}  # graphed layers too
         for layer in self.layers:
-            x = layer(x, is_first_microbatch=is_first_microbatch, segment_ids=segment_ids)
+            x = layer(x, is_first_microbatch=is_first_microbatch, **kw)
         return x
 
 
