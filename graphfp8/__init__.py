@@ -1,6 +1,6 @@
 """graphfp8: CUDA-graph-centric FP8 training for PyTorch."""
 
-from graphfp8 import hf, ops
+from graphfp8 import hf, numerics, ops
 from graphfp8.fp8 import (
     DelayedScaling,
     Float8CurrentScaling,
@@ -49,6 +49,7 @@ __all__ = [
     "make_graphed_callables",
     "make_graphed_microbatch",
     "make_graphed_step",
+    "numerics",
     "ops",
     "reset_state",
     "to_hf",

@@ -1,5 +1,7 @@
 """Pure-PyTorch twins of every graphfp8 op, with the dispatcher ops' signatures.
 
+Longer than ~400 lines: it is the one module of every kernel's twin (tests import one name).
+
 Each twin writes into the tensors it is given exactly as the kernel does, so tests compare bit
 for bit. The FP8 attention twins, float64 references compared within tolerances, are in
 graphfp8/reference_attention.py. Runtime code never imports this module; tests and CPU debugging
@@ -35,6 +37,8 @@ __all__ = [
     "rmsnorm_bwd",
     "rope_fp8",
     "rope_fp8_backward",
+    "cast_stats",
+    "cast_stats_hp",
 ]
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -329,3 +333,51 @@ def rope_fp8_backward(grads, scale_inv, cos, sin, num_heads, out, num_kv_heads=0
     if cos is not None:
         rope_qkv(packed, cos, sin, num_heads, True, rotated, num_kv_heads)
     out.copy_(rotated.to(out.dtype))
+
+
+# FP8 cast statistics (graphfp8.numerics) ---------------------------------------------------------
+
+
+def cast_stats_hp(x, act_in, mu, rsigma, gamma, beta, mode: int, zero_centered_gamma: bool):
+    """The float32 tensor that a cast of `mode` quantized (csrc/cast_stats.h's modes)."""
+    if mode == 1:  # gelu, rounded to x's dtype as gelu_cast_transpose rounds it
+        return F.gelu(x, approximate="tanh").float()
+    if mode == 2:  # dgelu: x is dy
+        return torch.ops.aten.gelu_backward(x, act_in, approximate="tanh").float()
+    if mode in (3, 4):
+        g = _norm_weight(gamma, zero_centered_gamma)
+        z = x.float()
+        if mode == 3:
+            z = z - mu[:, None]
+        y = (z * rsigma[:, None]) * g
+        return y + beta.float() if mode == 3 else y
+    return x.float()
+
+
+def cast_stats(x, act_in, mu, rsigma, gamma, beta, mode, zero_centered_gamma, scale,
+               recorded_amax, e4m3, enabled, skip, out) -> None:  # fmt: skip
+    """Twin of torch.ops.graphfp8.cast_stats: the whole reduction in row 0 of out (the kernel
+    splits it over the rows; reduce_cast_stats of either gives the same counts and maxima, and
+    the sums within float64 rounding), scale and recorded amax in every row."""
+    if (enabled is not None and float(enabled.reshape(())) == 0.0) or _skip(skip):
+        return
+    hp = cast_stats_hp(x, act_in, mu, rsigma, gamma, beta, mode, zero_centered_gamma)
+    hp = hp[~torch.isnan(hp)]
+    fp8 = torch.float8_e4m3fn if e4m3 else torch.float8_e5m2
+    s = scale.reshape(()).float()
+    y = hp * s
+    q = quantize(hp, scale, fp8).float()
+    deq = q * (torch.tensor(1.0, dtype=torch.float32) / s)
+    row = [
+        hp.abs().amax().double() if hp.numel() else torch.zeros((), dtype=torch.float64),
+        (y.abs() > fp8_max(fp8)).sum().double(),
+        ((q == 0) & (hp != 0)).sum().double(),
+        (hp != 0).sum().double(),
+        hp.double().square().sum(),
+        (hp.double() - deq.double()).square().sum(),
+        s.double(),
+        recorded_amax.reshape(()).double(),
+    ]
+    out.zero_()
+    out[0].copy_(torch.stack([r.to(out.device) for r in row]))
+    out[:, 6:8] = out[0, 6:8].clone()

@@ -78,6 +78,10 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scaling", choices=SCALINGS, default="delayed",
                    help="FP8 recipe: DelayedScaling (amax history) or Float8CurrentScaling "
                    "(each tensor's own amax)")  # fmt: skip
+    p.add_argument("--fp8-stats", type=_positive, metavar="N",
+                   help="record every FP8 cast's statistics (amax, scale, saturation, underflow, "
+                   "SQNR) every N steps, inside the graphs: <run>_fp8_stats.csv and .png "
+                   "(graphfp8.numerics) (default: off)")  # fmt: skip
     p.add_argument("--fp8-weights", action="store_true",
                    help="FP8 primary weights (fp8_model_init) trained through fp32 MasterWeights "
                    "in fp8 runs (default: off)")  # fmt: skip
@@ -271,7 +275,8 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
         opts = RunOptions(steps=args.steps, out=out, data=data, log_every=args.log_every,
                           eval_every=args.eval_every, val_batches=args.val_batches,
                           save=args.save, resume=args.resume, group=group, world_size=world,
-                          is_main=is_main, stop_at=args.stop_at)  # fmt: skip
+                          is_main=is_main, stop_at=args.stop_at,
+                          fp8_stats=args.fp8_stats or 0)  # fmt: skip
         results.append(train_run(spec, opts))
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()

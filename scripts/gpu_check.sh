@@ -6,9 +6,11 @@
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step memory
 #              train train-step compile profile profile-step"; also stack (the
 #              TransformerLayer stack, FP8 vs bf16), train-e4m3, kernels-ab, tests-first, ddp,
-#              train-scaling, glu (SwiGLU LayerNormMLP vs bf16 and TE; TE needs .te carried),
-#              train-llama (the llama-100m preset, bf16 vs FP8 graphed; LLAMA_ARGS adds e.g. --pack),
-#              hf (a 100M HF Llama: FP8 + graphs via g8.from_hf vs HF bf16 eager / compile))
+#              train-scaling, train-gap: issue 27's paired FP8-vs-bf16 table over GAP_SEEDS for
+#              GAP_VARIANTS, GAP_STEPS steps, glu (SwiGLU LayerNormMLP vs bf16 and TE; TE needs .te
+#              carried), train-llama (the llama-100m preset, bf16 vs FP8 graphed; LLAMA_ARGS adds
+#              e.g. --pack), hf (a 100M HF Llama: FP8 + graphs via g8.from_hf vs HF bf16 eager /
+#              compile))
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -89,6 +91,13 @@ for step in $STEPS; do
         --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} ${LLAMA_ARGS:-} \
         --out "$RES/train_llama" > "$RES/train_llama.log" 2>&1 || status=1
       tail -8 "$RES/train_llama.log" | tee -a "$RES/summary.md" ;;
+    train-gap)  # issue 27: FP8 vs bf16 validation loss over seeds (paired), the report's cost,
+      # and the numerics report of the first GAP_STATS_STEPS steps (recorded == true amax)
+      $PY scripts/train_gap.py --out "$RES/train_gap" --variants ${GAP_VARIANTS:-bf16,delayed,current,stats} \
+        --seeds ${GAP_SEEDS:-0,1,2} --steps ${GAP_STEPS:-300} --preset ${TRAIN_PRESET:-100m} \
+        --stats-steps ${GAP_STATS_STEPS:-20} > "$RES/train_gap.log" 2>&1 || status=1
+      rm -rf "$RES"/train_gap/*/
+      sed -n '/validation loss against/,/^worst/p' "$RES/train_gap.log" | tee -a "$RES/summary.md" ;;
     train-e4m3)  # the train step's FP8 run with E4M3 gradients too (against HYBRID's E5M2)
       $PY -m graphfp8.train --compare fp8:graphs --fp8-format E4M3 --preset ${TRAIN_PRESET:-100m} \
         --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} --out "$RES/train_e4m3" \

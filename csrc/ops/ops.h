@@ -116,6 +116,13 @@ void launch(const char* op, const at::Tensor& ref, const Params& p, CpuFn cpu_fn
 }
 
 // Entry points, one per op (schemas in register.cpp).
+void cast_stats(const at::Tensor& x, const c10::optional<at::Tensor>& act_in,
+                const c10::optional<at::Tensor>& mu, const c10::optional<at::Tensor>& rsigma,
+                const c10::optional<at::Tensor>& gamma, const c10::optional<at::Tensor>& beta,
+                int64_t mode, bool zero_centered_gamma, const at::Tensor& scale,
+                const at::Tensor& recorded_amax, bool e4m3,
+                const c10::optional<at::Tensor>& enabled, const c10::optional<at::Tensor>& skip,
+                const at::Tensor& out);
 void cast_to_fp8(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
                  const at::Tensor& scale_inv, const at::Tensor& amax,
                  const c10::optional<at::Tensor>& noop);

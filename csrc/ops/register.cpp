@@ -53,6 +53,9 @@ TORCH_LIBRARY(graphfp8, m) {
         "Tensor? dresidual=None) -> ()");
   m.def("rmsnorm_bwd(Tensor dy, Tensor x, Tensor rsigma, Tensor gamma, bool zero_centered_gamma, "
         "Tensor(a!) dx, Tensor(b!) dgamma, Tensor? dresidual=None) -> ()");
+  m.def("cast_stats(Tensor x, Tensor? act_in, Tensor? mu, Tensor? rsigma, Tensor? gamma, "
+        "Tensor? beta, int mode, bool zero_centered_gamma, Tensor scale, Tensor recorded_amax, "
+        "bool e4m3, Tensor? enabled, Tensor? skip, Tensor(a!) out) -> ()");
   m.def("glu_cast_transpose(Tensor x, str activation, Tensor scale, Tensor(a!) out, "
         "Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax) -> ()");
   m.def("dglu_cast_transpose_dbias(Tensor dy, Tensor x, str activation, Tensor scale, "
@@ -77,6 +80,7 @@ TORCH_LIBRARY(graphfp8, m) {
   m.impl("rmsnorm_fp8", &graphfp8::rmsnorm_fp8);                               \
   m.impl("layernorm_bwd", &graphfp8::layernorm_bwd);                           \
   m.impl("rmsnorm_bwd", &graphfp8::rmsnorm_bwd);                               \
+  m.impl("cast_stats", &graphfp8::cast_stats);                                 \
   m.impl("glu_cast_transpose", &graphfp8::glu_cast_transpose);                 \
   m.impl("dglu_cast_transpose_dbias", &graphfp8::dglu_cast_transpose_dbias)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphfp8.fp8 import scaling
+from graphfp8.fp8 import observe, scaling
 from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
 
 __all__ = [
@@ -66,10 +66,11 @@ STATE = _State()
 
 def reset_state() -> None:
     """Returns graphfp8's global state to that of a fresh process: no fp8_autocast region or
-    capture in progress, no queued backward update, no registered arena (modules keep theirs).
-    Tests call it between cases."""
+    capture in progress, no queued backward update, no registered arena (modules keep theirs), no
+    numerics observer (graphfp8.fp8.observe). Tests call it between cases."""
     STATE.reset()
     scaling.REGISTRY.reset()
+    observe.install(None)
 
 
 def check_is_first_microbatch(is_first_microbatch) -> None:

@@ -16,6 +16,7 @@ import torch
 from graphfp8 import ops
 from graphfp8.fp8.autocast import queue_backward_update
 from graphfp8.fp8.current import AmaxPass, amax_of, slot_quantizer
+from graphfp8.fp8.observe import StatsSource, observe_cast
 from graphfp8.fp8.scaling import SlotBlock
 from graphfp8.fp8.slots import BwdRole, FwdRole, Quantizer, slot_index
 from graphfp8.fp8.tensor import Float8Tensor
@@ -79,6 +80,15 @@ class GemmConfig:
         block = self.fwd if isinstance(role, FwdRole) else self.bwd
         return slot_quantizer(block, slot_index(role, self.gemm), amax_pass)
 
+    def observe(self, role: FwdRole | BwdRole, source) -> None:
+        """Reports a cast into this GEMM's slot for `role` to the numerics observer: `source` is
+        a StatsSource, a function returning one, or the tensor that was cast
+        (graphfp8.fp8.observe)."""
+        if isinstance(source, torch.Tensor):
+            source = StatsSource("identity", source)
+        block = self.fwd if isinstance(role, FwdRole) else self.bwd
+        observe_cast(block, slot_index(role, self.gemm), role.name.lower(), source)
+
 
 def cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
     """(x_fp8 (M, K), x_t_fp8 (K, M) or None, scale_inv) for a high-precision or FP8 input."""
@@ -90,9 +100,12 @@ def cast_input(inp, in_features: int, cfg: GemmConfig, needs_t: bool):
         x = x.contiguous()
     quantizer = cfg.quantizer(FwdRole.INPUT, amax_of(x))
     if needs_t:
-        return ops.cast_transpose(x, *quantizer)
-    x_fp8, scale_inv = ops.cast_to_fp8(x, *quantizer)
-    return x_fp8, None, scale_inv
+        out = ops.cast_transpose(x, *quantizer)
+    else:
+        x_fp8, scale_inv = ops.cast_to_fp8(x, *quantizer)
+        out = x_fp8, None, scale_inv
+    cfg.observe(FwdRole.INPUT, x)
+    return out
 
 
 def cast_weight_(weight: torch.Tensor, cfg: GemmConfig) -> Float8Tensor:
@@ -117,6 +130,7 @@ def cast_weight_(weight: torch.Tensor, cfg: GemmConfig) -> Float8Tensor:
         ops.cast_transpose(weight, *quantizer, out=w._data, out_t=w._transpose,
                            scale_inv=w._scale_inv, noop=flag)  # fmt: skip
     w.mark_data_changed(transpose_written=w._transpose is not None)
+    cfg.observe(FwdRole.WEIGHT, StatsSource("identity", weight, skip=flag))
     return w
 
 
@@ -141,12 +155,16 @@ def cast_grad_output(dy: torch.Tensor, cfg: GemmConfig, needs_wgrad: bool, needs
     """
     quantizer = cfg.quantizer(BwdRole.GRAD_OUTPUT, amax_of(dy))
     if needs_wgrad and needs_dbias:
-        return ops.cast_transpose_dbias(dy, *quantizer)
-    dbias = dy.sum(dim=0) if needs_dbias else None
-    if needs_wgrad:
-        return (*ops.cast_transpose(dy, *quantizer), dbias)
-    dy_fp8, scale_inv = ops.cast_to_fp8(dy, *quantizer)
-    return dy_fp8, None, scale_inv, dbias
+        out = ops.cast_transpose_dbias(dy, *quantizer)
+    else:
+        dbias = dy.sum(dim=0) if needs_dbias else None
+        if needs_wgrad:
+            out = (*ops.cast_transpose(dy, *quantizer), dbias)
+        else:
+            dy_fp8, scale_inv = ops.cast_to_fp8(dy, *quantizer)
+            out = dy_fp8, None, scale_inv, dbias
+    cfg.observe(BwdRole.GRAD_OUTPUT, dy)
+    return out
 
 
 def dgrad_gemm(dy_fp8, dy_scale_inv, w_t_fp8, w_scale_inv, out_dtype) -> torch.Tensor:
@@ -190,6 +208,7 @@ class _FP8Linear(torch.autograd.Function):
             return y.view(*lead, out_features)
         quantizer = cfg.quantizer(FwdRole.OUTPUT, amax_of(y))
         y_fp8, y_t_fp8, y_scale_inv = ops.cast_transpose(y, *quantizer)
+        cfg.observe(FwdRole.OUTPUT, y)
         return Float8Tensor(
             y_fp8.view(*lead, out_features), y_scale_inv, y.dtype,
             transpose=y_t_fp8, transpose_valid=True,

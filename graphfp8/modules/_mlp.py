@@ -24,6 +24,7 @@ import torch
 from graphfp8 import ops
 from graphfp8.fp8.autocast import queue_backward_update
 from graphfp8.fp8.current import amax_of
+from graphfp8.fp8.observe import StatsSource
 from graphfp8.fp8.slots import BwdRole, FwdRole
 from graphfp8.modules._functional import (
     GemmConfig,
@@ -57,22 +58,33 @@ class FusedActivation:
     def forward(self, h: torch.Tensor, cfg: GemmConfig):
         if self.name == "gelu":
             run = lambda q: ops.gelu_cast_transpose(h, *q)  # noqa: E731
+            source = StatsSource("gelu", h)
         elif self.fused:
             run = lambda q: ops.glu_cast_transpose(h, self.name, *q)  # noqa: E731
+            # The report recomputes act(h) as the kernel does (float64 exp/tanh on the CPU).
+            source = lambda: StatsSource("identity", glu(h, self.name, h.is_cpu))  # noqa: E731
         else:
             a = glu(h, self.name)
-            return ops.cast_transpose(a, *cfg.quantizer(FwdRole.INPUT, amax_of(a)))
-        return run(cfg.quantizer(FwdRole.INPUT, run))
+            out = ops.cast_transpose(a, *cfg.quantizer(FwdRole.INPUT, amax_of(a)))
+            cfg.observe(FwdRole.INPUT, a)
+            return out
+        out = run(cfg.quantizer(FwdRole.INPUT, run))
+        cfg.observe(FwdRole.INPUT, source)
+        return out
 
     def backward(self, da, h, cfg: GemmConfig, needs_t: bool, needs_db: bool):
-        if self.name == "gelu":  # dbias comes free with the fused pass
+        name = self.name
+        if name == "gelu":  # dbias comes free with the fused pass
             run = lambda q: ops.dgelu_cast_transpose_dbias(da, h, *q)  # noqa: E731
+            source = StatsSource("dgelu", da, act_in=h)
         elif self.fused:  # the fused kernels always write the transpose
-            name = self.name
             run = lambda q: ops.dglu_cast_transpose_dbias(da, h, name, *q, dbias=needs_db)  # noqa: E731
-        else:
-            return cast_grad_output(dglu(da, h, self.name), cfg, needs_t, needs_db)
-        return run(cfg.quantizer(BwdRole.GRAD_OUTPUT, run))
+            source = lambda: StatsSource("identity", dglu(da, h, name, h.is_cpu))  # noqa: E731
+        else:  # cast_grad_output reports its cast itself
+            return cast_grad_output(dglu(da, h, name), cfg, needs_t, needs_db)
+        out = run(cfg.quantizer(BwdRole.GRAD_OUTPUT, run))
+        cfg.observe(BwdRole.GRAD_OUTPUT, source)
+        return out
 
 
 FUSED_ACTIVATIONS = ("gelu", *GLU_ACTIVATIONS)

@@ -18,6 +18,7 @@ from torch import nn
 
 from graphfp8 import ops
 from graphfp8.fp8.current import AmaxPass
+from graphfp8.fp8.observe import StatsSource
 from graphfp8.fp8.slots import Quantizer
 from graphfp8.fp8.tensor import Float8Tensor
 
@@ -70,7 +71,7 @@ class _NormFP8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, gamma, beta, spec: NormSpec, quantizer: QuantizerOf,
-                needs_t: bool, hp_out: bool):  # fmt: skip
+                needs_t: bool, hp_out: bool, observe):  # fmt: skip
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
         res2 = None if residual is None else residual.reshape(-1, shape[-1]).contiguous()
@@ -85,6 +86,10 @@ class _NormFP8(torch.autograd.Function):
         # Current scaling: the norm itself is the amax pass (one layout, outputs dropped).
         o = norm(quantizer(lambda q: norm(q, transpose=False, hp=False)))
         z = x2 if residual is None else o.residual_out
+        if observe is not None:
+            mode = "layernorm" if spec.normalization == "LayerNorm" else "rmsnorm"
+            observe(lambda: StatsSource(mode, z, mu=o.mu, rsigma=o.rsigma, gamma=gamma, beta=beta,
+                                        zero_centered_gamma=spec.zero_centered_gamma))  # fmt: skip
         ctx.save_for_backward(z, gamma, o.mu, o.rsigma)
         ctx.spec, ctx.shape, ctx.has_residual = spec, shape, residual is not None
         y_fp8 = Float8Tensor(o.out.view(shape), o.scale_inv, x.dtype, transpose=o.out_t,
@@ -106,7 +111,7 @@ class _NormFP8(torch.autograd.Function):
         else:
             (dx, dgamma), dbeta = ops.rmsnorm_bwd(dy, z, rsigma, gamma, **kw), None
         dx = dx.view(ctx.shape)
-        return dx, (dx if ctx.has_residual else None), dgamma, dbeta, None, None, None, None
+        return dx, (dx if ctx.has_residual else None), dgamma, dbeta, None, None, None, None, None
 
 
 def norm_fp8(
@@ -118,6 +123,7 @@ def norm_fp8(
     needs_t: bool,
     hp_out: bool = False,
     residual: torch.Tensor | None = None,
+    observe=None,
 ):
     """The module's norm of x (or of z = x + residual) straight to FP8, in `quantizer`'s slot.
 
@@ -131,10 +137,12 @@ def norm_fp8(
         needs_t: also write the transposed FP8 layout (the next GEMM's weight gradient).
         hp_out: also return y in high precision.
         residual: optional (..., hidden) in x's dtype, added to x before the norm.
+        observe: optional function taking a function that returns the StatsSource of y: the
+            FP8 slot's report to the numerics observer (GemmConfig.observe with its role bound).
 
     Returns:
         (y_fp8: Float8Tensor (..., hidden), y_hp (..., hidden) or None, z (..., hidden) or None),
         all differentiable.
     """
     return _NormFP8.apply(x, residual, module.layer_norm_weight, module.layer_norm_bias, spec,
-                          quantizer, needs_t, hp_out)  # fmt: skip
+                          quantizer, needs_t, hp_out, observe)  # fmt: skip

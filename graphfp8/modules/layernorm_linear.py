@@ -12,7 +12,7 @@ from graphfp8.fp8.slots import FwdRole
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
 from graphfp8.modules.base import FP8Module
-from graphfp8.modules.linear import linear_params
+from graphfp8.modules.linear import InitMethod, linear_params
 
 __all__ = ["LayerNormLinear"]
 
@@ -29,13 +29,14 @@ class LayerNormLinear(FP8Module):
         fp8_output: return the output as a Float8Tensor (uses the output FP8 slot).
         zero_centered_gamma: the norm's weight is 1 + layer_norm_weight, which starts at 0.
         return_layernorm_output: also return the norm's output (high precision).
-        params_dtype, device: as for Linear.
+        params_dtype, device, init_method: as for Linear.
     """
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True,
                  normalization: str = "LayerNorm", fp8_output: bool = False,
                  zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
-                 params_dtype: torch.dtype | None = None, device=None):  # fmt: skip
+                 params_dtype: torch.dtype | None = None, device=None,
+                 init_method: InitMethod | None = None):  # fmt: skip
         super().__init__()
         dtype = params_dtype or torch.get_default_dtype()
         self.in_features, self.out_features = in_features, out_features
@@ -43,7 +44,8 @@ class LayerNormLinear(FP8Module):
         self.zero_centered_gamma = zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
         make_norm_params(self, in_features, normalization, dtype, device, zero_centered_gamma)
-        self.weight, self.bias = linear_params(in_features, out_features, bias, dtype, device)
+        self.weight, self.bias = linear_params(in_features, out_features, bias, dtype, device,
+                                               init_method)  # fmt: skip
 
     @property
     def norm_spec(self) -> NormSpec:
@@ -66,6 +68,7 @@ class LayerNormLinear(FP8Module):
             x_fp8, ln_out, _ = norm_fp8(
                 self, inp, self.norm_spec, quantizer, needs_t=needs_t,
                 hp_out=self.return_layernorm_output,
+                observe=partial(cfgs[0].observe, FwdRole.INPUT),
             )  # fmt: skip
             out = fp8_linear(x_fp8, self.weight, self.bias, cfgs[0])
         return (out, ln_out) if self.return_layernorm_output else out

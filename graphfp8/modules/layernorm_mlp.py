@@ -13,7 +13,7 @@ from graphfp8.modules._functional import GemmConfig, fp8_linear
 from graphfp8.modules._mlp import FUSED_ACTIVATIONS, fp8_mlp
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
 from graphfp8.modules.base import FP8Module
-from graphfp8.modules.linear import linear_params
+from graphfp8.modules.linear import InitMethod, linear_params
 
 __all__ = ["LayerNormMLP"]
 
@@ -52,14 +52,18 @@ class LayerNormMLP(FP8Module):
         normalization: "LayerNorm" or "RMSNorm".
         zero_centered_gamma: the norm's weight is 1 + layer_norm_weight, which starts at 0.
         params_dtype, device: as for Linear.
+        init_method: initialises fc1's weight (biases then start at 0), as for Linear.
+        output_layer_init_method: fc2's (default: init_method), TransformerEngine's name.
     """
 
     num_gemms = 2
+    gemm_names = ("fc1", "fc2")  # the numerics report's GEMM names
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
                  bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
                  zero_centered_gamma: bool = False, params_dtype: torch.dtype | None = None,
-                 device=None):  # fmt: skip
+                 device=None, init_method: InitMethod | None = None,
+                 output_layer_init_method: InitMethod | None = None):  # fmt: skip
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(
@@ -71,9 +75,12 @@ class LayerNormMLP(FP8Module):
         self.zero_centered_gamma = zero_centered_gamma
         make_norm_params(self, hidden_size, normalization, dtype, device, zero_centered_gamma)
         fc1_out = 2 * ffn_hidden_size if activation in GATED else ffn_hidden_size
-        self.fc1_weight, self.fc1_bias = linear_params(hidden_size, fc1_out, bias, dtype, device)
-        self.fc2_weight, self.fc2_bias = linear_params(ffn_hidden_size, hidden_size, bias, dtype,
-                                                       device)  # fmt: skip
+        self.fc1_weight, self.fc1_bias = linear_params(hidden_size, fc1_out, bias, dtype, device,
+                                                       init_method)  # fmt: skip
+        self.fc2_weight, self.fc2_bias = linear_params(
+            ffn_hidden_size, hidden_size, bias, dtype, device,
+            output_layer_init_method or init_method,
+        )  # fmt: skip
 
     @property
     def norm_spec(self) -> NormSpec:
@@ -103,7 +110,8 @@ class LayerNormMLP(FP8Module):
             needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
             quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)
             x_fp8, _, h = norm_fp8(self, inp, self.norm_spec, quantizer, needs_t=needs_t,
-                                   residual=residual)  # fmt: skip
+                                   residual=residual,
+                                   observe=partial(cfgs[0].observe, FwdRole.INPUT))  # fmt: skip
             out = self._mlp_fp8(x_fp8, cfgs)
         return out if residual is None else (h, out)
 

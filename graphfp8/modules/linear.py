@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,19 +16,31 @@ from graphfp8.modules.base import FP8Module
 __all__ = ["Linear"]
 
 
+# An initialiser of a GEMM weight in place, e.g. partial(torch.nn.init.normal_, std=0.02).
+InitMethod = Callable[[torch.Tensor], object]
+
+
 def linear_params(
-    in_features: int, out_features: int, bias: bool, dtype, device
-) -> tuple[nn.Parameter, nn.Parameter | None]:
-    """(weight (out, in), bias (out,) or None) with torch.nn.Linear's default initialisation;
-    the weight is an FP8 parameter inside fp8_model_init (graphfp8.fp8.primary)."""
+    in_features: int, out_features: int, bias: bool, dtype, device,
+    init_method: InitMethod | None = None,
+) -> tuple[nn.Parameter, nn.Parameter | None]:  # fmt: skip
+    """(weight (out, in), bias (out,) or None). Without `init_method`, torch.nn.Linear's default
+    initialisation (weight and bias uniform); with it, init_method(weight) and a zero bias, as
+    TransformerEngine's layers do. The weight becomes an FP8 parameter inside fp8_model_init
+    (graphfp8.fp8.primary), after its initialisation."""
     weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    with torch.no_grad():
+        if init_method is None:
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        else:
+            init_method(weight)
     weight = make_fp8_parameter(weight)
     if not bias:
         return weight, None
-    b = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
-    bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-    nn.init.uniform_(b, -bound, bound)
+    b = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+    if init_method is None:
+        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+        nn.init.uniform_(b, -bound, bound)
     return weight, b
 
 
@@ -40,14 +53,18 @@ class Linear(FP8Module):
         bias: learn an additive bias.
         params_dtype: parameter dtype (default: torch.get_default_dtype()).
         device: parameter device.
+        init_method: initialises the weight in place (then the bias starts at 0), as
+            TransformerEngine's argument; None: torch.nn.Linear's initialisation.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 params_dtype: torch.dtype | None = None, device=None):  # fmt: skip
+                 params_dtype: torch.dtype | None = None, device=None,
+                 init_method: InitMethod | None = None):  # fmt: skip
         super().__init__()
         dtype = params_dtype or torch.get_default_dtype()
         self.in_features, self.out_features = in_features, out_features
-        self.weight, self.bias = linear_params(in_features, out_features, bias, dtype, device)
+        self.weight, self.bias = linear_params(in_features, out_features, bias, dtype, device,
+                                               init_method)  # fmt: skip
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """inp: (..., in_features) in params_dtype, or a Float8Tensor from a graphfp8 layer.

@@ -34,7 +34,7 @@ from graphfp8.modules._rope import rope_tables
 from graphfp8.modules.attention import DotProductAttention
 from graphfp8.modules.layernorm_linear import LayerNormLinear
 from graphfp8.modules.layernorm_mlp import LayerNormMLP
-from graphfp8.modules.linear import Linear
+from graphfp8.modules.linear import InitMethod, Linear
 
 __all__ = ["TransformerLayer", "rope_tables"]
 
@@ -52,6 +52,10 @@ class TransformerLayer(nn.Module):
         eps, bias, activation, normalization, zero_centered_gamma: as for LayerNormMLP (shared
             by both norms).
         params_dtype, device: as for Linear.
+        init_method: initialises the QKV and fc1 weights (biases then start at 0), as for Linear;
+            None: torch.nn.Linear's initialisation.
+        output_layer_init_method: the same for the projection and fc2 (default: init_method),
+            TransformerEngine's names.
         num_gqa_groups: key/value heads G (grouped-query attention); None: num_heads. num_heads
             must be a multiple of it.
         qkv_bias, mlp_bias: biases of the QKV projection and of the MLP when they differ from
@@ -62,7 +66,9 @@ class TransformerLayer(nn.Module):
                  max_seq_len: int = 2048, rope_base: float = 10000.0, eps: float = 1e-5,
                  bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
                  zero_centered_gamma: bool = False, params_dtype: torch.dtype | None = None,
-                 device=None, num_gqa_groups: int | None = None, qkv_bias: bool | None = None,
+                 device=None, init_method: InitMethod | None = None,
+                 output_layer_init_method: InitMethod | None = None,
+                 num_gqa_groups: int | None = None, qkv_bias: bool | None = None,
                  mlp_bias: bool | None = None):  # fmt: skip
         super().__init__()
         if num_heads < 1 or hidden_size % num_heads:
@@ -87,12 +93,15 @@ class TransformerLayer(nn.Module):
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.num_gqa_groups = groups
         self.ffn_hidden_size, self.rope, self.max_seq_len = ffn_hidden_size, rope, max_seq_len
+        out_init = output_layer_init_method or init_method
         self.qkv = LayerNormLinear(hidden_size, (num_heads + 2 * groups) * head_dim, bias=qkv_bias,
-                                   **kw)  # fmt: skip
+                                   init_method=init_method, **kw)  # fmt: skip
         self.core_attention = DotProductAttention(num_heads, head_dim, num_gqa_groups=groups,
                                                   device=device)  # fmt: skip
-        self.proj = Linear(hidden_size, hidden_size, bias=bias, params_dtype=dtype, device=device)
+        self.proj = Linear(hidden_size, hidden_size, bias=bias, params_dtype=dtype, device=device,
+                           init_method=out_init)  # fmt: skip
         self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation, bias=mlp_bias,
+                                init_method=init_method, output_layer_init_method=out_init,
                                 **kw)  # fmt: skip
         if rope:
             cos, sin = rope_tables(max_seq_len, head_dim, rope_base, torch.float32, device)

@@ -15,6 +15,7 @@ from graphfp8.ops.rope import rope_qkv
 from graphfp8.ops.rope_fp8 import rope_fp8, rope_fp8_backward
 from graphfp8.ops.scale_update import scale_update_
 from graphfp8.ops.sdpa_fp8 import check_sdpa_fp8, sdpa_fp8_backward, sdpa_fp8_forward
+from graphfp8.ops.stats import cast_stats, reduce_cast_stats, stats_partials
 from graphfp8.ops.transpose import fp8_transpose
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "built_with_cuda",
     "cast_to_fp8",
     "cast_transpose",
+    "cast_stats",
     "cast_transpose_dbias",
     "dgelu_cast_transpose_dbias",
     "dglu_cast_transpose_dbias",
@@ -34,6 +36,7 @@ __all__ = [
     "glu_cast_transpose",
     "layernorm_bwd",
     "layernorm_fp8",
+    "reduce_cast_stats",
     "rmsnorm_bwd",
     "rmsnorm_fp8",
     "rope_fp8",
@@ -42,4 +45,5 @@ __all__ = [
     "scale_update_",
     "sdpa_fp8_backward",
     "sdpa_fp8_forward",
+    "stats_partials",
 ]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from graphfp8.numerics import FP8Stats, plot_stats
 from graphfp8.training.checkpoint import (
     CheckpointError,
     check_resumable,
@@ -39,6 +41,7 @@ class RunOptions:
     is_main: bool = True
     keep_state: bool = False  # return the final model state_dict (tests)
     stop_at: int | None = None  # end early after this step (e.g. save, resume later)
+    fp8_stats: int = 0  # record every FP8 cast's statistics every N steps (0: never)
 
     @property
     def every(self) -> int:
@@ -125,11 +128,15 @@ def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, v
     t_last = clock.train_time()
     t_steady, last_step = None, first
     while run.step < steps:
+        if run.fp8_stats is not None:
+            run.fp8_stats.enable(run.step % opts.fp8_stats == 0)
         pending.append(run.train_step(opts.steps))
         if run.step == steady_from:
             sync(run.spec.device)
             t_steady = clock.train_time()
         if val is not None and (run.step % opts.every == 0 or run.step == steps):
+            if run.fp8_stats is not None:  # validation casts are not training's
+                run.fp8_stats.enable(False)
             with clock.excluding():
                 val_losses[run.step] = validation_loss(run, val)
         if run.step % opts.log_every and run.step != steps:
@@ -163,6 +170,35 @@ def _resume(run: Run, opts: RunOptions) -> None:
     run.load_state_dict(state)
 
 
+def _write_fp8_stats(run: Run, opts: RunOptions) -> dict | None:
+    """<out>/<run>_fp8_stats.csv and .png when the run recorded them; their paths and a digest
+    per role (mean and max saturation and underflow, mean and min SQNR)."""
+    if run.fp8_stats is None or not opts.is_main:
+        return None
+    name = run.spec.name
+    rows = run.fp8_stats.rows()
+    csv_path = run.fp8_stats.write_csv(opts.out / f"{name}_fp8_stats.csv")
+    png = plot_stats(rows, opts.out / f"{name}_fp8_stats.png")
+    digest: dict[str, dict] = {}
+    for r in rows:
+        key = f"{r['gemm']}.{r['role']}" if r["gemm"] else r["role"]
+        d = digest.setdefault(key, {"casts": 0, "sat": [], "unf": [], "sqnr": []})
+        d["casts"] += 1
+        d["sat"].append(r["saturated_frac"])
+        d["unf"].append(r["underflow_frac"])
+        if math.isfinite(r["sqnr_db"]):
+            d["sqnr"].append(r["sqnr_db"])
+    roles = {
+        k: {"casts": d["casts"], "saturated_mean": sum(d["sat"]) / len(d["sat"]),
+            "saturated_max": max(d["sat"]), "underflow_mean": sum(d["unf"]) / len(d["unf"]),
+            "sqnr_mean_db": sum(d["sqnr"]) / len(d["sqnr"]) if d["sqnr"] else None,
+            "sqnr_min_db": min(d["sqnr"]) if d["sqnr"] else None}
+        for k, d in sorted(digest.items())
+    }  # fmt: skip
+    return {"csv": str(csv_path), "png": str(png) if png else None, "every": opts.fp8_stats,
+            "roles": roles}  # fmt: skip
+
+
 def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     """Trains `spec` for opts.steps optimizer steps (counting from a resumed step; ending early
     at opts.stop_at), validating on opts.data's validation set.
@@ -189,12 +225,19 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     val = None
     if opts.data.has_validation:
         val = opts.data.val_batches(cfg.seq_len, cfg.batch, opts.val_batches, run.rank, run.world)
+    if opts.fp8_stats and spec.precision == "fp8":  # before the capture: its kernels join it
+        run.fp8_stats = FP8Stats(run.model)
     t0 = time.perf_counter()
     run.prepare()
     sync(spec.device)
     capture_s = time.perf_counter() - t0
     tokens_per_step = spec.tokens_per_microbatch * spec.microbatches * opts.world_size
-    t = _train_steps(run, opts, steps, tokens_per_step, val)
+    try:
+        t = _train_steps(run, opts, steps, tokens_per_step, val)
+    finally:
+        if run.fp8_stats is not None:
+            run.fp8_stats.close()
+    stats_files = _write_fp8_stats(run, opts)
     if opts.save is not None and opts.is_main:
         path = save_checkpoint(run, opts.save, opts.steps, opts.data.describe())
         print(f"saved {path} (step {run.step} of {opts.steps})")
@@ -221,5 +264,6 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
             torch.cuda.max_memory_reserved() if spec.device.startswith("cuda") else None
         ),  # fmt: skip
         "ranks_agree": agree,
+        "fp8_stats": stats_files,
         "model_state": run.model.state_dict() if opts.keep_state else None,
     }

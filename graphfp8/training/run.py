@@ -147,6 +147,7 @@ class Run:
             self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len,
                                          fp8_format=Format[spec.fp8_format])  # fmt: skip
         self.step = 0
+        self.fp8_stats = None  # graphfp8.numerics.FP8Stats while the run records FP8 statistics
         self.blocks = None  # the callable that runs the blocks, set by prepare()
         self.graphed_step = None  # graphs "step": the captured step, set by prepare()
 
@@ -258,6 +259,8 @@ class Run:
         if self.graphed_step is not None:
             with nvtx_range("step"):
                 loss = self.graphed_step(self._step_batch()).clone()
+            if self.fp8_stats is not None:  # one graph: each slot's latest cast of the step
+                self.fp8_stats.collect(self.step, self.spec.microbatches - 1)
             self.step += 1
             return loss
         model, mbs = self.model, self.spec.microbatches
@@ -270,6 +273,8 @@ class Run:
                 loss = model.loss(hidden, targets) / mbs
             with nvtx_range("backward"):
                 loss.backward()
+            if self.fp8_stats is not None:
+                self.fp8_stats.collect(self.step, mb)
             total += loss.detach()
         with nvtx_range("optimizer"):
             if self.group is not None:

@@ -39,8 +39,22 @@ NORM_COMPUTED = {"x_grad", "0.layer_norm_weight", "0.layer_norm_bias", "0.bias",
                  "1.layer_norm_weight", "1.layer_norm_bias", "0.fwd_amax_history"}  # fmt: skip
 
 
+def _cpu_has_amx_int8() -> bool:
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+# The expected file was written on a CPU with AMX-INT8, whose oneDNN FP8 GEMM path the test
+# replays (_gemm_path_of_that_time); on other CPUs (e.g. AMD EPYC) oneDNN's FP8 GEMMs round some
+# outputs 1 ulp apart, and everything downstream of them (later GEMM inputs, their amaxes and
+# scales) moves by as much: there only a few-ulp agreement is checkable.
+GEMMS_AS_WRITTEN = _cpu_has_amx_int8()
+
+
 def _assert_as_before(got, want, name: str) -> None:
-    if name not in NORM_COMPUTED:
+    if name not in NORM_COMPUTED and GEMMS_AS_WRITTEN:
         assert_bitwise_equal(got, want, name)
         return
     ulp = torch.finfo(torch.float32).eps * float(want.abs().max())
@@ -77,8 +91,8 @@ def test_version_0_checkpoint_loads_and_computes_as_before():
     model.load_state_dict(old)
     x = expected["x"].clone().requires_grad_()
     outputs = [_microbatch(model, x, first=mb == 0) for mb in range(2)]
-    for got, want in zip(outputs, expected["outputs"], strict=True):
-        assert_bitwise_equal(got, want)
+    for i, (got, want) in enumerate(zip(outputs, expected["outputs"], strict=True)):
+        _assert_as_before(got, want, f"output {i}")
     _assert_as_before(x.grad, expected["x_grad"], "x_grad")
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert sorted(grads) == sorted(expected["grads"])
@@ -93,9 +107,10 @@ def test_version_0_checkpoint_loads_and_computes_as_before():
         module = key.split(".")[0]
         _assert_as_before(state["fwd_amax_history"], before["fwd_amax_history"],
                           f"{module}.fwd_amax_history")  # fmt: skip
-        assert_bitwise_equal(state["fwd_scale"], before["fwd_scale"], key)
-        assert_bitwise_equal(state["bwd_amax_history"], before["bwd_amax_history"][:, 0::2], key)
-        assert_bitwise_equal(state["bwd_scale"], before["bwd_scale"][0::2], key)
+        _assert_as_before(state["fwd_scale"], before["fwd_scale"], f"{key}.fwd_scale")
+        _assert_as_before(state["bwd_amax_history"], before["bwd_amax_history"][:, 0::2],
+                          f"{key}.bwd_amax_history")  # fmt: skip
+        _assert_as_before(state["bwd_scale"], before["bwd_scale"][0::2], f"{key}.bwd_scale")
 
 
 def test_current_checkpoint_round_trips():

@@ -1,0 +1,82 @@
+// Checks and launch of the FP8 cast statistics (csrc/cast_stats.h; graphfp8.numerics).
+#include "../cast_stats.h"
+#include "ops.h"
+
+namespace graphfp8 {
+namespace {
+
+const void* hp_aux(const char* op, const char* name, const c10::optional<at::Tensor>& t,
+                   const at::Tensor& x, int64_t numel, bool needed) {
+  TORCH_CHECK(t.has_value() == needed, op, ": argument '", name,
+              needed ? "' is required by this mode" : "' is not used by this mode");
+  if (!needed) return nullptr;
+  check_common(op, name, *t, x);
+  TORCH_CHECK(t->scalar_type() == x.scalar_type(), op, ": argument '", name,
+              "' must have the dtype of 'x'");
+  TORCH_CHECK(t->numel() == numel, op, ": argument '", name, "' must hold ", fmt(numel),
+              " elements, got ", fmt(t->numel()));
+  return t->data_ptr();
+}
+
+const float* f32_aux(const char* op, const char* name, const c10::optional<at::Tensor>& t,
+                     const at::Tensor& x, int64_t numel, bool needed) {
+  TORCH_CHECK(t.has_value() == needed, op, ": argument '", name,
+              needed ? "' is required by this mode" : "' is not used by this mode");
+  if (!needed) return nullptr;
+  check_common(op, name, *t, x);
+  TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": argument '", name, "' must be float32");
+  TORCH_CHECK(t->numel() == numel, op, ": argument '", name, "' must hold ", fmt(numel),
+              " elements, got ", fmt(t->numel()));
+  return t->data_ptr<float>();
+}
+
+}  // namespace
+
+void cast_stats(const at::Tensor& x, const c10::optional<at::Tensor>& act_in,
+                const c10::optional<at::Tensor>& mu, const c10::optional<at::Tensor>& rsigma,
+                const c10::optional<at::Tensor>& gamma, const c10::optional<at::Tensor>& beta,
+                int64_t mode, bool zero_centered_gamma, const at::Tensor& scale,
+                const at::Tensor& recorded_amax, bool e4m3,
+                const c10::optional<at::Tensor>& enabled, const c10::optional<at::Tensor>& skip,
+                const at::Tensor& out) {
+  const char* op = "graphfp8.cast_stats";
+  TORCH_CHECK(is_hp(x.scalar_type()), op, ": argument 'x' must be float32, bfloat16 or float16, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
+  TORCH_CHECK(mode >= kStatsIdentity && mode <= kStatsRmsNorm, op, ": unknown mode ", fmt(mode));
+  const bool norm = mode == kStatsLayerNorm || mode == kStatsRmsNorm;
+  TORCH_CHECK(!norm || x.dim() == 2, op, ": the norm modes need a 2-D 'x' (rows, hidden)");
+  const int64_t cols = x.dim() == 0 ? 1 : x.size(-1);
+  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+  CastStatsParams p{};
+  p.x = x.data_ptr();
+  p.x_dtype = to_dtype(x.scalar_type());
+  p.act_in = hp_aux(op, "act_in", act_in, x, x.numel(), mode == kStatsDgelu);
+  p.mu = f32_aux(op, "mu", mu, x, rows, mode == kStatsLayerNorm);
+  p.rsigma = f32_aux(op, "rsigma", rsigma, x, rows, norm);
+  p.gamma = hp_aux(op, "gamma", gamma, x, cols, norm);
+  p.beta = hp_aux(op, "beta", beta, x, cols, mode == kStatsLayerNorm);
+  p.zero_centered_gamma = zero_centered_gamma;
+  p.mode = static_cast<int>(mode);
+  p.rows = rows;
+  p.cols = cols;
+  check_scalar_f32(op, "scale", scale, x);
+  check_scalar_f32(op, "recorded_amax", recorded_amax, x);
+  p.scale = scale.data_ptr<float>();
+  p.recorded_amax = recorded_amax.data_ptr<float>();
+  if (enabled.has_value()) check_scalar_f32(op, "enabled", *enabled, x);
+  p.enabled = enabled.has_value() ? enabled->data_ptr<float>() : nullptr;
+  p.skip = noop_ptr(op, skip, x);
+  p.e4m3 = e4m3;
+  check_common(op, "out", out, x);
+  TORCH_CHECK(out.scalar_type() == at::kDouble && out.dim() == 2 && out.size(1) == kStatsColumns &&
+                  out.size(0) >= 1,
+              op, ": argument 'out' must be (partials, ", fmt(kStatsColumns), ") float64, got ",
+              fmt(out.sizes()), " ", out.scalar_type());
+  p.out = out.data_ptr<double>();
+  p.partials = out.size(0);
+  launch(op, x, p, cast_stats_cpu,
+         [](const CastStatsParams& q, void* s) { return cast_stats_cuda(q, s); });
+}
+
+}  // namespace graphfp8

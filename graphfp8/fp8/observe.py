@@ -1,0 +1,72 @@
+"""The one observation point of every FP8 cast, for the numerics report (graphfp8.numerics).
+
+Each cast site of the layers calls `observe_cast` right after its cast with the slot it cast
+into and a `StatsSource`: the tensor it quantized, or - for fused kernels that never write it
+(norm, GELU, dGELU) - the inputs from which the statistics kernel recomputes it in the fused
+kernel's arithmetic. With no observer installed (the default) that is one test per cast; an
+observer installed before a capture records its statistics kernels into the graphs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+from graphfp8.fp8.scaling import SlotBlock
+
+__all__ = ["Observer", "StatsSource", "install", "observe_cast", "observer"]
+
+
+class StatsSource(NamedTuple):
+    """What a cast quantized, as graphfp8.ops.cast_stats takes it.
+
+    mode: "identity" (x itself), "gelu" (gelu(x)), "dgelu" (dy = x, GELU input act_in),
+    "layernorm" / "rmsnorm" (z = x (rows, hidden) with the kernel's mu / rsigma and the norm's
+    gamma / beta). skip: a weight cast's (1,) noop flag (1: nothing was cast).
+    """
+
+    mode: str
+    x: torch.Tensor
+    act_in: torch.Tensor | None = None
+    mu: torch.Tensor | None = None
+    rsigma: torch.Tensor | None = None
+    gamma: torch.Tensor | None = None
+    beta: torch.Tensor | None = None
+    zero_centered_gamma: bool = False
+    skip: torch.Tensor | None = None
+
+
+class Observer(Protocol):
+    def cast(self, block: SlotBlock, i: int, role: str, source: StatsSource) -> None:
+        """Called after a cast into slot i of `block`, under `role` ("input", ...)."""
+
+
+_OBSERVER: Observer | None = None
+
+
+def observer() -> Observer | None:
+    """The installed observer, or None."""
+    return _OBSERVER
+
+
+def install(obs: Observer | None) -> Observer | None:
+    """Installs `obs` (None: none) and returns the previous observer."""
+    global _OBSERVER
+    previous, _OBSERVER = _OBSERVER, obs
+    return previous
+
+
+def observe_cast(block: SlotBlock, i: int, role: str, source) -> None:
+    """Reports a cast into slot i of `block` to the observer, if one is installed.
+
+    Args:
+        block: the module's slot block of the cast's direction.
+        i: the slot's index in the block.
+        role: the slot's role name ("input", "weight", "output", "grad_output").
+        source: a StatsSource, or a function returning one (called only when an observer is
+            installed, so the cast sites build nothing otherwise).
+    """
+    obs = _OBSERVER
+    if obs is not None:
+        obs.cast(block, i, role, source() if callable(source) else source)

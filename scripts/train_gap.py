@@ -1,0 +1,269 @@
+"""FP8 against bf16 in validation loss, over seeds, and the variants behind issue 27's diagnosis.
+
+Trains the GPT preset once per (variant, seed) in one process - the same data, seed and initial
+weights for every variant of a seed - and prints each variant's validation loss against bf16's of
+the same seed (the paired difference), with the mean over seeds. One seed is not a measurement:
+on the 100m preset two bf16 runs of different seeds ended 5-10% apart, and FP8 against bf16 of
+one seed moved by as much as that (notes/NUMERICS.md). Variants:
+
+    bf16          the baseline                   delayed      FP8 DelayedScaling as shipped
+    current       Float8CurrentScaling           e4m3         DelayedScaling, Format.E4M3
+    stats         delayed with --fp8-stats 10 (its tokens/s against delayed's: the report's cost)
+    bwd_current   gradients current-scaled       fwd_current  forward tensors current-scaled
+    w_current     only weights current-scaled    in_current   only GEMM inputs current-scaled
+    no_fast       forward GEMMs without fast accumulation
+    calib         a slot's first cast scaled from its own amax (fresh-slot calibration)
+    uniform_bf16, uniform_delayed   torch.nn.Linear's initialisation (the preset's before 12-01)
+
+    python scripts/train_gap.py --out DIR [--variants bf16,delayed,current] [--seeds 0,1,2]
+        [--steps 300] [--preset 100m] [--stats-steps K]
+
+`--stats-steps K` then records the first K steps of an eager FP8 run with graphfp8.numerics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from graphfp8.fp8.slots import BwdRole, FwdRole, Quantizer, slot_index
+from graphfp8.modules import _functional
+from graphfp8.modules._functional import GemmConfig
+from graphfp8.numerics import FP8Stats, plot_stats
+from graphfp8.training.data import Dataset
+from graphfp8.training.loop import RunOptions, train_run
+from graphfp8.training.model import PRESETS
+from graphfp8.training.run import Run, RunSpec
+from graphfp8.training.sources import open_stream
+
+
+@contextlib.contextmanager
+def current_for(pred):
+    """Casts whose role satisfies pred take a current scale (amax pass, one-slot update)."""
+    orig = GemmConfig.quantizer
+
+    def quantizer(self, role, amax_pass=None):
+        if not pred(role) or amax_pass is None:
+            return orig(self, role, amax_pass)
+        block = self.fwd if isinstance(role, FwdRole) else self.bwd
+        i = slot_index(role, self.gemm)
+        arena, s = block.arena, block.start + i
+        q = Quantizer(block.scale(i), block.amax(i), arena.fp8_dtype)
+        amax_pass(q)
+        a = arena.amax_history[0, s : s + 1]
+        ok = torch.isfinite(a) & (a > 0)
+        arena.scale[s : s + 1].copy_(torch.where(ok, arena.scaled_max[s : s + 1] / a,
+                                                 arena.scale[s : s + 1]))  # fmt: skip
+        a.zero_()
+        return Quantizer(q.scale, arena.amax_sink, arena.fp8_dtype)
+
+    GemmConfig.quantizer = quantizer
+    try:
+        yield
+    finally:
+        GemmConfig.quantizer = orig
+
+
+@contextlib.contextmanager
+def calibrate_fresh():
+    """A slot's first cast ever takes its scale from its own amax (the amax pass, then the
+    update formula on that one value, H[0] kept for the history); later casts are delayed."""
+    orig = GemmConfig.quantizer
+    done: set[tuple[int, int]] = set()
+
+    def quantizer(self, role, amax_pass=None):
+        block = self.fwd if isinstance(role, FwdRole) else self.bwd
+        i = slot_index(role, self.gemm)
+        arena, s = block.arena, block.start + i
+        if (arena.serial, s) in done or amax_pass is None:
+            return orig(self, role, amax_pass)
+        done.add((arena.serial, s))
+        q = orig(self, role, None)
+        amax_pass(q)
+        a = arena.amax_history[0, s : s + 1]
+        ok = torch.isfinite(a) & (a > 0)
+        arena.scale[s : s + 1].copy_(torch.where(ok, arena.scaled_max[s : s + 1] / a,
+                                                 arena.scale[s : s + 1]))  # fmt: skip
+        return q
+
+    GemmConfig.quantizer = quantizer
+    try:
+        yield
+    finally:
+        GemmConfig.quantizer = orig
+
+
+@contextlib.contextmanager
+def no_fast_accum():
+    orig = _functional.ops.fp8_gemm
+
+    def gemm(*args, **kw):
+        kw["use_fast_accum"] = False
+        return orig(*args, **kw)
+
+    _functional.ops.fp8_gemm = gemm
+    try:
+        yield
+    finally:
+        _functional.ops.fp8_gemm = orig
+
+
+@contextlib.contextmanager
+def uniform_init():
+    """torch.nn.Linear's initialisation of the blocks (the GPT preset's before 2026-12-01)."""
+    from graphfp8.training import model as model_mod
+
+    orig = model_mod.init_normal
+    model_mod.init_normal = None
+    try:
+        yield
+    finally:
+        model_mod.init_normal = orig
+
+
+VARIANTS = {
+    "uniform_bf16": (dict(precision="bf16"), uniform_init),
+    "uniform_delayed": ({}, uniform_init),
+    "delayed": ({}, contextlib.nullcontext),
+    "stats": ({}, contextlib.nullcontext),
+    "bf16": (dict(precision="bf16"), contextlib.nullcontext),
+    "current": (dict(scaling="current"), contextlib.nullcontext),
+    "e4m3": (dict(fp8_format="E4M3"), contextlib.nullcontext),
+    "hist1": (dict(amax_history_len=1), contextlib.nullcontext),
+    "bwd_current": ({}, lambda: current_for(lambda r: isinstance(r, BwdRole))),
+    "fwd_current": ({}, lambda: current_for(lambda r: isinstance(r, FwdRole))),
+    "w_current": ({}, lambda: current_for(lambda r: r == FwdRole.WEIGHT)),
+    "in_current": ({}, lambda: current_for(lambda r: r == FwdRole.INPUT)),
+    "no_fast": ({}, no_fast_accum),
+    "calib": (dict(graphs="none"), calibrate_fresh),
+}
+
+
+def spec_for(name: str, seed: int, args) -> RunSpec:
+    overrides, _ = VARIANTS[name]
+    cfg = PRESETS[args.preset]
+    kw = dict(preset=args.preset, model=cfg, precision="fp8", graphs=args.graphs,
+              microbatches=args.microbatches, device=args.device, seed=seed)  # fmt: skip
+    kw.update(overrides)
+    return RunSpec(**kw)
+
+
+def paired_table(results: dict, seeds: list[int]) -> list[str]:
+    """Each variant's validation loss against bf16 of the same seed (uniform_* against
+    uniform_bf16), per seed and mean; and its tokens/s against bf16's."""
+    lines = [f"{'variant':16} " + " ".join(f"{'seed ' + str(s):>9}" for s in seeds)
+             + f" {'mean':>8} {'val loss':>9} {'tok/s':>8} {'vs bf16':>8}"]  # fmt: skip
+    for name in dict.fromkeys(n for n, _ in results):
+        ref = "uniform_bf16" if name.startswith("uniform_") else "bf16"
+        diffs, vals, rates = [], [], []
+        for s in seeds:
+            r, b = results.get((name, s)), results.get((ref, s))
+            if r is None:
+                continue
+            vals.append(r["final_val_loss"])
+            rates.append((r["tokens_per_s"] or 0) / ((b or {}).get("tokens_per_s") or 1))
+            if b is not None:
+                diffs.append(100 * (r["final_val_loss"] / b["final_val_loss"] - 1))
+        cells = " ".join(f"{d:+8.2f}%" for d in diffs).ljust(10 * len(seeds))
+        mean = f"{sum(diffs) / len(diffs):+7.2f}%" if diffs else ""
+        rate = sum(rates) / len(rates) if rates else 0.0
+        tok_s = results[(name, seeds[0])]["tokens_per_s"] or 0
+        lines.append(f"{name:16} {cells}{mean:>8} {sum(vals) / len(vals):9.4f} {tok_s:8.0f} "
+                     f"{rate:7.2f}x")  # fmt: skip
+    return lines
+
+
+def record_stats(args, data: Dataset, out: Path) -> None:
+    """Eager FP8 (as shipped) for --stats-steps steps, every cast measured."""
+    spec = RunSpec(preset=args.preset, model=PRESETS[args.preset], precision="fp8", graphs="none",
+                   microbatches=args.microbatches, device=args.device)  # fmt: skip
+    run = Run(spec, data)
+    run.prepare()
+    stats = run.fp8_stats = FP8Stats(run.model)
+    stats.enable(True)
+    for _ in range(args.stats_steps):
+        run.train_step(args.steps)
+    stats.close()
+    rows = stats.rows()
+    print(f"wrote {stats.write_csv(out / 'fp8_stats.csv')} ({len(rows)} casts)")
+    print(f"wrote {plot_stats(rows, out / 'fp8_stats.png')}")
+    digest: dict[str, dict] = {}
+    for r in rows:
+        key = f"{r['gemm']}.{r['role']}" if r["gemm"] else r["role"]
+        d = digest.setdefault(key, dict(n=0, sat_max=0.0, sat_sum=0.0, unf_sum=0.0, sqnr_min=1e9,
+                                        sqnr_sum=0.0, amax_mismatch=0))  # fmt: skip
+        d["n"] += 1
+        d["sat_max"] = max(d["sat_max"], r["saturated_frac"])
+        d["sat_sum"] += r["saturated_frac"]
+        d["unf_sum"] += r["underflow_frac"]
+        d["sqnr_min"] = min(d["sqnr_min"], r["sqnr_db"])
+        d["sqnr_sum"] += r["sqnr_db"]
+        d["amax_mismatch"] += r["recorded_amax"] != r["true_amax"]
+    print(f"{'role':18} {'casts':>6} {'sat mean':>9} {'sat max':>9} {'unf mean':>9} "
+          f"{'sqnr mean':>9} {'sqnr min':>9} {'amax !=':>8}")  # fmt: skip
+    for key, d in sorted(digest.items()):
+        n = d["n"]
+        print(f"{key:18} {n:6d} {d['sat_sum'] / n:9.2e} {d['sat_max']:9.2e} "
+              f"{d['unf_sum'] / n:9.2e} {d['sqnr_sum'] / n:9.2f} {d['sqnr_min']:9.2f} "
+              f"{d['amax_mismatch']:8d}")  # fmt: skip
+    worst = sorted(rows, key=lambda r: r["sqnr_db"])[:15]
+    print("worst casts (lowest SQNR):")
+    for r in worst:
+        print(f"  step {r['step']} mb {r['microbatch']} {r['layer']} {r['gemm']} {r['role']}: "
+              f"sqnr {r['sqnr_db']:.2f} sat {r['saturated_frac']:.2e} unf "
+              f"{r['underflow_frac']:.2e} scale {r['scale']:.4g} amax rec {r['recorded_amax']:.4g}"
+              f" true {r['true_amax']:.4g}")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--variants", default="bf16,delayed,current")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--preset", default="100m")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--graphs", default="layers")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--stats-steps", type=int, default=0)
+    p.add_argument("--data", default="stdlib")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = Dataset(open_stream(args.data), 0.01)
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    results = {}
+    for seed in seeds:
+        for name in [v for v in args.variants.split(",") if v]:
+            spec = spec_for(name, seed, args)
+            t0 = time.perf_counter()
+            opts = RunOptions(steps=args.steps, out=args.out / f"{name}_s{seed}", data=data,
+                              log_every=10, fp8_stats=10 if name == "stats" else 0)  # fmt: skip
+            with VARIANTS[name][1]():
+                r = train_run(spec, opts)
+            r.pop("model_state", None)
+            results[(name, seed)] = r
+            losses = r["losses"]
+            early = " ".join(f"{losses[i]:.3f}" for i in (0, 2, 4, 9, 29) if i < len(losses))
+            print(f"{name:16} seed {seed} val {r['final_val_loss']:.4f} "
+                  f"tok/s {r['tokens_per_s'] or 0:.0f}  train@1,3,5,10,30 {early}  "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    dump = {f"{n}_s{s}": r for (n, s), r in results.items()}
+    (args.out / "train_gap.json").write_text(json.dumps(dump, indent=1))
+    table = paired_table(results, seeds)
+    (args.out / "train_gap.md").write_text("\n".join(table) + "\n")
+    print(f"\n{args.preset}, {args.steps} steps, --data {args.data}: validation loss against "
+          "bf16 of the same seed")  # fmt: skip
+    print("\n".join(table))
+    if args.stats_steps:
+        record_stats(args, data, args.out)
+
+
+if __name__ == "__main__":
+    main()
