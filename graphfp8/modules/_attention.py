@@ -97,8 +97,6 @@ def prepare_attention(
     device = torch.device(device)
     if device.type != "cuda":
         return
-    if segments:
-        raise ValueError(cudnn_sdpa.SEGMENTS_UNSUPPORTED)
     b, s, h, d = q_shape
     fmt = recipe.fp8_format
     key = cudnn_sdpa.SdpaKey(
@@ -112,6 +110,7 @@ def prepare_attention(
         fmt.bwd_dtype,
         float(attn_scale),
         bool(causal),
+        bool(segments),
     )
     cudnn_sdpa.prepare(key, backward=training)
 

@@ -24,7 +24,8 @@ Shapes: Q, O (batch, seq, heads, head_dim); K, V (batch, seq, kv_heads, head_dim
 (the BSHD layout); heads a multiple of kv_heads (grouped-query attention); stats (batch, heads,
 seq, 1) float32. Self-attention only (one sequence length), causal only. With segment_ids
 (batch, seq) the causal mask is also confined to each token's segment (packed documents, padding:
-graphfp8.ops.segments): S[i, j] = -inf unless segment[j] == segment[i].
+graphfp8.ops.segments): S[i, j] = -inf unless segment[j] == segment[i] (on the GPU, cuDNN's
+ragged layout of graphfp8.ops.cudnn_ragged, whose stats are laid out (token, head)-major).
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ captures it; nothing reads the ids on the host.
 
 Positions need not restart per document: RoPE makes q.k depend only on the distance between
 the two tokens, and attention never crosses a boundary.
+
+Backends: torch's SDPA takes segment_mask() as its attn_mask; FP8 attention on the CPU masks its
+emulation the same way; on the GPU cuDNN runs a ragged graph whose sequences are the runs of equal
+ids in each row (graphfp8.ops.cudnn_ragged: at most 16 per row, exact up to that).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from graphfp8.ops.segments import (
 )
 from graphfp8.testing import assert_bitwise_equal, sqnr
 from tests.helpers import CUDA_PARAM
-from tests.modules.attention_common import DPA, layer_and_input, shape_for
+from tests.modules.attention_common import DPA, layer_and_input
 from tests.ops.attention_data import backward_scales, forward_case, quantized
 
 BOUNDS = [(0, 5), (5, 11), (11, 16)]  # three documents in a row of 16
@@ -157,12 +157,33 @@ def test_graphed_equals_eager_with_changing_segments(recipe):
 
 
 @pytest.mark.parametrize("device", [CUDA_PARAM])
-def test_cuda_fp8_attention_with_segments_raises_before_anything_runs(device):
-    m, x = layer_and_input(device)
-    ids = torch.zeros(x.shape[:2], dtype=torch.int64, device=device)
-    with g8.fp8_autocast(recipe=DPA), pytest.raises(ValueError, match="segment_ids"):
-        m(x, segment_ids=ids)
-    assert m.qkv.fp8_meta is None and shape_for(device)
+def test_cuda_fp8_attention_with_segments_matches_twin(device):
+    """cuDNN's ragged FP8 attention (graphfp8.ops.cudnn_ragged: three documents, then padding
+    of its own, GQA) against the float64 twin with the same segments, at the CUDA floors of
+    tests/ops/test_sdpa_fp8.py; and the layer runs it with graphs."""
+    q, k, v, scales, attn_scale = forward_case((2, 128, 2, 1, 128), torch.float8_e4m3fn, device)
+    ids = _segments(2, 128, device, bounds=[(0, 40), (40, 100), (100, 128)])
+    ids[0, 120:] = 7  # padding at the end of row 0
+    amax = [torch.zeros(1, device=device), torch.zeros(1, device=device)]
+    o, stats = ops.sdpa_fp8_forward(q, k, v, scales, *amax, attn_scale, segment_ids=ids)
+    want = reference_attention.sdpa_fp8_forward(q, k, v, scales, attn_scale, segment_ids=ids)
+    assert sqnr(want["o"].float(), o.float()) >= 35.0
+    gen = torch.Generator().manual_seed(3)
+    d_o, descale_do = quantized(o.shape, torch.float8_e5m2, device, gen)
+    bwd = backward_scales(q, k, v, o, d_o, stats, scales, attn_scale, torch.float8_e5m2, descale_do)
+    amaxes = [torch.zeros(1, device=device) for _ in range(4)]
+    grads = ops.sdpa_fp8_backward(q, k, v, o, d_o, stats, bwd, amaxes, attn_scale, segment_ids=ids)
+    want = reference_attention.sdpa_fp8_backward(q, k, v, o, d_o, stats, bwd, attn_scale,
+                                                 segment_ids=ids)  # fmt: skip
+    for name, got in zip(("dq", "dk", "dv"), grads, strict=True):
+        assert sqnr(want[name].float(), got.float()) >= 33.0, name
+    layer, sample = layer_and_input(device, groups=1)
+    g8.make_graphed_callables(layer, (sample.requires_grad_(),),
+                              sample_kwargs={"segment_ids": _segments(*sample.shape[:2], device)},
+                              fp8_enabled=True, fp8_recipe=DPA)  # fmt: skip
+    x = torch.randn_like(sample).requires_grad_()
+    layer(x, segment_ids=ids[:, : sample.shape[1]]).float().sum().backward()
+    assert torch.isfinite(x.grad).all()
 
 
 def test_bad_segment_ids():
