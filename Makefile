@@ -35,7 +35,8 @@ setup:
 
 # First install (editable; builds the extension), again only when the build files change.
 $(INSTALLED): $(BUILD_FILES)
-	@echo "== installing graphfp8 (editable) and building graphfp8._C"
+	@echo "== installing graphfp8 (editable) and building graphfp8._C: the C++ CPU kernels, and the"
+	@echo "   CUDA kernels when torch has CUDA and nvcc exists (a minute or more; pip is silent meanwhile)"
 	$(PIP) install --no-build-isolation --no-deps -e .
 	@mkdir -p build && touch $@ $(EXT)
 

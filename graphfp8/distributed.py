@@ -22,13 +22,24 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "allreduce_gradients", "cleanup", "init_distributed", "is_distributed"]
+__all__ = [
+    "DistInfo",
+    "SettingsMismatchError",
+    "allreduce_gradients",
+    "check_gradient_layout",
+    "check_same_settings",
+    "cleanup",
+    "init_distributed",
+    "is_distributed",
+]
 
 # Gradients ------------------------------------------------------------------------------------
 
@@ -51,7 +62,11 @@ def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Te
 
 
 def allreduce_gradients(
-    parameters, group=None, average: bool = True, bucket_mb: float = 25.0
+    parameters,
+    group=None,
+    average: bool = True,
+    bucket_mb: float = 25.0,
+    check_every_step: bool = True,
 ) -> None:
     """Sums (or averages) the parameters' `.grad` over the ranks of `group`, in place.
 
@@ -64,24 +79,33 @@ def allreduce_gradients(
 
     Args:
         parameters: an iterable of parameters (e.g. `model.parameters()`); those without a
-            `.grad` are skipped, which every rank must agree on. Duplicates count once.
+            `.grad` are skipped, which every rank must agree on: check_gradient_layout
+            raises on every rank otherwise. Duplicates count once.
         group: the torch.distributed group (None: the default group).
         average: divide the sum by the group's size, as DDP does.
         bucket_mb: largest bucket, in MiB.
+        check_every_step: check the ranks' gradients on every call (one all_gather of 3
+            integers, and with NCCL a host sync). False checks each gradient set once and then
+            costs nothing, but cannot catch a rank whose set changes alone (a parameter that
+            stops being used on one rank): that rank's check meets the others' all-reduce.
+            Graph captures never check (their warmup did, on the same gradients).
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    seen, grads = set(), []
-    for p in parameters:
+    seen, grads, layout = set(), [], []
+    for i, p in enumerate(parameters):
         if p.grad is None or id(p) in seen:
             continue
         if p.grad.is_sparse:
             raise ValueError("allreduce_gradients: sparse gradients are not supported")
         seen.add(id(p))
         grads.append(p.grad)
+        layout.append((i, tuple(p.grad.shape), p.grad.dtype))
+    bucket_bytes = int(bucket_mb * 2**20)
+    check_gradient_layout(layout, (bucket_bytes, bool(average)), group, check_every_step)
     size = dist.get_world_size(group)
     pending = []
-    for bucket in _buckets(grads, int(bucket_mb * 2**20)):
+    for bucket in _buckets(grads, bucket_bytes):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
     for bucket, flat, work in pending:
@@ -90,6 +114,114 @@ def allreduce_gradients(
             flat.div_(size)
         for g, chunk in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
             g.copy_(chunk.view_as(g))
+
+
+# The cross-rank check before the all-reduce ---------------------------------------------------
+
+# {group: this process's hashes of the gradient layouts that every rank was found to share}
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_gradient_layout(
+    layout: list[tuple], settings: tuple, group=None, every_call: bool = True
+) -> None:
+    """Checks that every rank of `group` is about to all-reduce the same gradients: otherwise
+    the flat buckets differ in size, gloo aborts the process (SIGABRT) and NCCL hangs or mixes
+    unrelated gradients. A collective (an all_gather of 3 integers; the layouts themselves only
+    when they differ): every rank must call it, with the same `every_call`.
+
+    Args:
+        layout: (index in the parameters iterable, shape, dtype) of each gradient, in order.
+        settings: (bucket bytes, average), which every rank must share too.
+        group: the process group (None: the default group).
+        every_call: check on every call; False: once per layout (see allreduce_gradients).
+
+    Raises:
+        RuntimeError: on every rank, naming the parameters whose gradients differ.
+    """
+    key = group if group is not None else dist.group.WORLD
+    local = hash((tuple(layout), settings))  # this process's key: one tuple hash per call
+    if not every_call and local in _CHECKED.get(key, ()):
+        return
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if capturing or torch._C._len_torch_dispatch_stack():
+        return  # a capture (graphfp8's tape records through a dispatch mode) cannot sync
+    layout = [(i, shape, str(dtype)) for i, shape, dtype in layout]
+    text = repr((layout, settings)).encode()  # the same bytes on every rank that agrees
+    crc = zlib.crc32(text)
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    mine = torch.tensor([len(layout), len(text), crc], dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    if any(not torch.equal(r, rows[0]) for r in rows):
+        layouts = [None] * len(rows)
+        dist.all_gather_object(layouts, (layout, settings), group=group)
+        raise RuntimeError(
+            "graphfp8.allreduce_gradients: the ranks hold different gradients, so their "
+            "all-reduce would abort or mix unrelated values (a parameter unused on one rank? "
+            "give it a zero grad, or leave it out of the parameters on every rank): "
+            + "; ".join(_layout_differences(layouts))
+        )
+    _CHECKED.setdefault(key, set()).add(local)
+
+
+def _layout_differences(layouts: list[tuple]) -> list[str]:
+    """One line per rank and difference from group rank 0."""
+    (base, base_settings), lines = layouts[0], []
+    base_grads = {i: rest for i, *rest in base}
+    for rank, (layout, settings) in enumerate(layouts[1:], start=1):
+        if settings != base_settings:
+            lines.append(f"rank {rank} has (bucket bytes, average) {settings}, rank 0 "
+                         f"{base_settings}")  # fmt: skip
+        grads = {i: rest for i, *rest in layout}
+        for i in sorted(set(grads) | set(base_grads)):
+            theirs, ours = grads.get(i), base_grads.get(i)
+            if theirs == ours:
+                continue
+            if theirs is None or ours is None:
+                has, lacks = (0, rank) if theirs is None else (rank, 0)
+                lines.append(f"parameter {i} ({_text(ours or theirs)}) has a gradient on rank "
+                             f"{has}, none on rank {lacks}")  # fmt: skip
+            else:
+                lines.append(f"parameter {i} has a {_text(ours)} gradient on rank 0, a "
+                             f"{_text(theirs)} one on rank {rank}")  # fmt: skip
+    return lines
+
+
+def _text(shape_dtype) -> str:
+    shape, dtype = shape_dtype
+    return f"{tuple(shape)} {dtype}"
+
+
+# Settings ---------------------------------------------------------------------------------------
+
+
+class SettingsMismatchError(RuntimeError):
+    """The ranks of a data-parallel run were started with different settings."""
+
+
+def check_same_settings(settings: dict, group=None) -> None:
+    """Checks that every rank of `group` holds the same `settings` (a dict of picklable values
+    compared with ==), e.g. a training run's command-line options before it starts. A
+    collective (all_gather_object): every rank must call it; a no-op outside a process group.
+
+    Raises:
+        SettingsMismatchError: on every rank, naming each setting that differs from rank 0's.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    rows: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(rows, settings, group=group)
+    diff = []
+    for rank, row in enumerate(rows[1:], start=1):
+        for k in sorted(set(row) | set(rows[0])):
+            if row.get(k) != rows[0].get(k):
+                diff.append(f"{k}: rank 0 {rows[0].get(k)!r}, rank {rank} {row.get(k)!r}")
+    if diff:
+        raise SettingsMismatchError(
+            "the ranks were started with different settings (every rank must run the same "
+            "command): " + "; ".join(diff)
+        )
 
 
 # Process group setup ----------------------------------------------------------------------------

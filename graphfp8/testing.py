@@ -1,4 +1,5 @@
-"""Test helpers shared by the test suite and users: bitwise comparison, SQNR, FP8 test data."""
+"""Test helpers shared by the test suite, the benchmarks and users: bitwise comparison, SQNR, FP8
+test data, the scale dicts of the FP8 attention ops."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import math
 
 import torch
 
-__all__ = ["assert_bitwise_equal", "sqnr", "fp8_test_data", "TOLERANCES"]
+__all__ = [
+    "assert_bitwise_equal",
+    "sqnr",
+    "fp8_test_data",
+    "sdpa_fp8_backward_scales",
+    "sdpa_fp8_scales",
+    "TOLERANCES",
+]
 
 # docs/benchmarking.md: FP8 GEMM vs an fp32 matmul of the dequantized operands.
 TOLERANCES = {torch.float32: 3e-3, torch.bfloat16: 7e-2, torch.float16: 7e-2}
@@ -76,3 +84,21 @@ def fp8_test_data(shape, dtype, *, generator=None, device="cpu", specials=False)
         idx = torch.randperm(flat.numel(), generator=g)[:6]
         flat[idx] = torch.tensor([math.inf, -math.inf, math.nan, -math.nan, 0.0, -0.0])
     return x.to(dtype).to(device)
+
+
+def sdpa_fp8_scales(descale_q, descale_k, descale_v, scale_s, scale_o) -> dict:
+    """The `scales` of ops.sdpa_fp8_forward ((1,) float32 device tensors each): the inputs'
+    scale_inv, S's scale (and its inverse), O's scale."""
+    return dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v, scale_s=scale_s,
+                descale_s=1.0 / scale_s, scale_o=scale_o)  # fmt: skip
+
+
+def sdpa_fp8_backward_scales(fwd: dict, descale_do) -> dict:
+    """The `scales` of ops.sdpa_fp8_backward for a forward run with `fwd`: its input scales, O's
+    inverse scale, dO's scale_inv, and unit scales for dP, dQ, dK, dV (set them from their
+    amaxes once known)."""
+    one = torch.ones_like(fwd["scale_o"])
+    return dict(descale_q=fwd["descale_q"], descale_k=fwd["descale_k"],
+                descale_v=fwd["descale_v"], descale_o=1.0 / fwd["scale_o"], descale_do=descale_do,
+                descale_s=fwd["descale_s"], scale_s=fwd["scale_s"], scale_dp=one, descale_dp=one,
+                scale_dq=one, scale_dk=one, scale_dv=one)  # fmt: skip

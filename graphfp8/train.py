@@ -13,7 +13,10 @@
     graphfp8-train --preset llama-100m --pack     # Llama blocks on packed documents
     torchrun --nproc_per_node=2 -m graphfp8.train --ddp
 
-Writes <out>/<run>.csv (one row per step), <out>/summary.json and, with --compare, <out>/loss.png.
+Writes <out>/<run>.csv (one row per step), <out>/summary.json and, with --compare, <out>/loss.png
+(into a fresh subfolder <out>/<time> when <out> holds an earlier run's files). --out and --save are
+checked writable before training. Ctrl-C stops after the step in flight and writes the checkpoint
+(--save) and summary.json of what finished; a second Ctrl-C aborts without writing.
 """
 
 from __future__ import annotations
@@ -24,15 +27,18 @@ import importlib.util
 import os
 import platform
 import sys
+import zlib
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from graphfp8.distributed import SettingsMismatchError, check_same_settings
 from graphfp8.training.checkpoint import CheckpointError
 from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
+from graphfp8.training.outputs import OutputError, check_outputs, fresh_out
 from graphfp8.training.report import plot_losses, print_table, write_summary
 from graphfp8.training.run import GRAPH_MODES, PRECISIONS, SCALINGS, RunSpec
 from graphfp8.training.sources import DataError, open_stream
@@ -159,7 +165,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     _check(p, args)
+    _check_fp8_options(p, args, sys.argv[1:] if argv is None else list(argv))
     return args
+
+
+def _check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None:
+    """FP8 options given for runs that do not use them, and settings no run can combine."""
+    given = [o for o in ("--fp8-weights", "--scaling", "--fp8-format", "--amax-history-len")
+             if any(a == o or a.startswith(o + "=") for a in argv)]  # fmt: skip
+    if given and all(precision != "fp8" for precision, _ in args.runs):
+        p.error(f"{', '.join(given)}: no run trains in FP8 (--precision fp8, or fp8 in --compare)")
+    if args.scaling == "current" and "--amax-history-len" in given:
+        p.error("--amax-history-len is for delayed scaling: --scaling current keeps no history")
+    if args.compile and any(mode == "step" for _, mode in args.runs):
+        p.error("--compile with --graphs step: the step graph holds the embedding and the loss "
+                "that --compile would take; use --graphs layers or none")  # fmt: skip
 
 
 def _check_device(p: argparse.ArgumentParser, device: str) -> None:
@@ -246,28 +266,58 @@ def main(argv=None) -> int:
         info = distributed.init_distributed("cuda" if args.device.startswith("cuda") else "cpu")
         rank, world, args.device = info.rank, info.world_size, str(info.device)
         group = torch.distributed.group.WORLD
+    where = f" (rank {rank})" if world > 1 else ""
     try:
         return _train_all(args, group, rank, world, argv)
-    except (DataError, CheckpointError) as exc:  # bad input, found before training: one line
-        where = f" (rank {rank})" if world > 1 else ""
+    except (DataError, CheckpointError, SettingsMismatchError, OutputError) as exc:  # at start
         print(f"graphfp8-train: error{where}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before training, or a second Ctrl-C (training/interrupt.py)
+        print(f"graphfp8-train: interrupted{where}: stopped without writing a checkpoint or "
+              "summary.json", file=sys.stderr)  # fmt: skip
+        return 130
     finally:
         if args.ddp:
             distributed.cleanup()
 
 
-def _open_data(args) -> Dataset:
+def _open_data(args, group) -> Dataset:
+    """The run's data; with --ddp, after checking that every rank has the same settings and data
+    (a rank that cannot read its data tells the others, so no rank waits for it)."""
     synthetic_bytes = 4 << 20 if not args.preset.endswith("tiny") else 1 << 20
-    stream = open_stream(args.data, args.vocab_size, synthetic_bytes, args.seed)
-    return Dataset(stream, args.val_fraction, pack=args.pack)
+    try:
+        data = Dataset(open_stream(args.data, args.vocab_size, synthetic_bytes, args.seed),
+                       args.val_fraction, pack=args.pack)  # fmt: skip
+        error, seen = None, {k: v for k, v in data.describe().items() if k in _SAME_DATA}
+    except DataError as exc:
+        error, seen = exc, "unreadable"
+    if group is not None:
+        if error is None:
+            seen["sample_crc32"] = _sample_crc(data)
+        options = {k: v for k, v in vars(args).items() if k != "device"}  # device: per rank
+        check_same_settings({**options, "data contents": seen}, group)
+    if error is not None:
+        raise error
+    return data
+
+
+# What the ranks' data must agree on (its location may differ).
+_SAME_DATA = ("source", "tokens", "vocab_size", "fingerprint")
+
+
+def _sample_crc(data: Dataset) -> int:
+    """crc32 of the data's first, middle and last 4096 tokens: two files of one size differ."""
+    n = len(data.stream)
+    starts = sorted({0, max(0, n // 2 - 2048), max(0, n - 4096)})
+    return zlib.crc32(b"".join(data.stream.read(s, min(4096, n - s)).numpy().tobytes()
+                               for s in starts))  # fmt: skip
 
 
 def _train_all(args, group, rank: int, world: int, argv) -> int:
     is_main = rank == 0
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out = args.out or Path("runs") / stamp
-    data = _open_data(args)
+    out = _outputs(args, stamp, group, is_main)
+    data = _open_data(args, group)
     specs = [_spec(args, precision, graphs, data.vocab_size) for precision, graphs in args.runs]
     data.check_seq_len(specs[0].model.seq_len)
     results = []
@@ -280,8 +330,11 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
         results.append(train_run(spec, opts))
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+        if results[-1]["interrupted"]:  # Ctrl-C: what finished is written, nothing more runs
+            break
+    interrupted = results[-1]["interrupted"]
     if not is_main:
-        return 0
+        return 130 if interrupted else 0
     for r in results:
         r.pop("model_state")
     print_table(results)
@@ -294,13 +347,43 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
                "preset": args.preset, "model": specs[0].model.to_dict(),
                "microbatches": args.microbatches, "world_size": world, "data": data.describe(),
                "eval_every": opts.every, "val_batches": args.val_batches,
-               "environment": _environment(args.device), "runs": results}  # fmt: skip
+               "environment": _environment(args.device), "runs": results,
+               "interrupted": interrupted}  # fmt: skip
     print(f"wrote {write_summary(out, summary)}")
+    if interrupted:
+        r = results[-1]
+        print(f"interrupted: {r['name']} stopped after step {r['steps']} of {args.steps}"
+              f"{'' if args.save is None else f'; resume with --resume {args.save}'}; "
+              f"{len(results) - 1} of {len(specs)} runs had finished")  # fmt: skip
     if args.compare is not None:
         device = _environment(args.device).get("gpu", "cpu")
         title = f"{args.preset}, {args.steps} steps, --data {args.data}, {device}"
         print(f"wrote {plot_losses(results, out / 'loss.png', title)}")
-    return 0
+    return 130 if interrupted else 0
+
+
+def _outputs(args, stamp: str, group, is_main: bool) -> Path:
+    """The log folder (--out, or a fresh subfolder of it when it holds an earlier run's files),
+    with it and --save checked writable on rank 0 before anything else; every rank learns rank
+    0's answer, so none waits for a rank that stopped."""
+    out, note, problem = args.out or Path("runs") / stamp, None, None
+    if is_main:
+        files = ["summary.json", "loss.png", *(f"{_spec(args, p, g, 256).name}.csv"
+                                               for p, g in args.runs)]  # fmt: skip
+        out, note = fresh_out(out, files, stamp)
+        try:
+            check_outputs(out, args.save)
+        except OutputError as exc:
+            problem = str(exc)
+    if group is not None:
+        shared = [out, note, problem]
+        torch.distributed.broadcast_object_list(shared, src=0, group=group)
+        out, note, problem = shared
+    if problem is not None:
+        raise OutputError(problem)
+    if note is not None and is_main:
+        print(f"note: {note}")
+    return out
 
 
 if __name__ == "__main__":

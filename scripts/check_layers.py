@@ -17,7 +17,16 @@ PACKAGE = ROOT / "graphfp8"
 # Lowest first; a module may import its own layer and the layers below. Names are prefixes of
 # dotted module names (the longest matching prefix wins).
 LAYERS = [
-    ("base", ["graphfp8.ops", "graphfp8._C", "graphfp8.profiling", "graphfp8.distributed"]),
+    (
+        "base",
+        [
+            "graphfp8.ops",
+            "graphfp8._C",
+            "graphfp8.profiling",
+            "graphfp8.distributed",
+            "graphfp8.global_state",
+        ],
+    ),
     ("fp8", ["graphfp8.fp8"]),
     ("modules", ["graphfp8.modules"]),
     ("graphs", ["graphfp8.graphs"]),

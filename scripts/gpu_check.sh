@@ -3,13 +3,14 @@
 # the CUDA tests, the benchmarks, a training comparison and a profile; logs, JSON and a summary
 # land in $OUT: summary.md and results.tgz (every log and JSON), both rewritten after every step so
 # that a call stopped at its time limit still brings back what finished.
-#   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step memory
+#   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step host memory
 #              train train-step compile profile profile-step"; also stack (the
-#              TransformerLayer stack, FP8 vs bf16), train-e4m3, kernels-ab, tests-first, ddp,
-#              train-scaling, train-gap: issue 27's paired FP8-vs-bf16 table over GAP_SEEDS for
-#              GAP_VARIANTS, GAP_STEPS steps, glu (SwiGLU LayerNormMLP vs bf16 and TE; TE needs .te
-#              carried), train-llama (the llama-100m preset, bf16 vs FP8 graphed; LLAMA_ARGS adds
-#              e.g. --pack), hf (a 100M HF Llama: FP8 + graphs via g8.from_hf vs HF bf16 eager /
+#              TransformerLayer stack, FP8 vs bf16), step-nodebug (bench step with the graphs'
+#              debug mode off), train-e4m3, kernels-ab, tests-first, ddp, train-scaling,
+#              train-gap: issue 27's paired FP8-vs-bf16 table over GAP_SEEDS for GAP_VARIANTS,
+#              GAP_STEPS steps, glu (SwiGLU LayerNormMLP vs bf16 and TE; TE needs .te carried),
+#              train-llama (the llama-100m preset, bf16 vs FP8 graphed; LLAMA_ARGS adds e.g.
+#              --pack), hf (a 100M HF Llama: FP8 + graphs via g8.from_hf vs HF bf16 eager /
 #              compile))
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
@@ -26,7 +27,7 @@ RES=$(mktemp -d /tmp/gpu_results.XXXXXX)  # everything the steps write; packed a
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
-STEPS=${GPU_STEPS:-"tests kernels eager block attention step memory train train-step compile profile profile-step"}
+STEPS=${GPU_STEPS:-"tests kernels eager block attention step host memory train train-step compile profile profile-step"}
 status=0
 
 # Wheels carried in .whl/ (nvtx, torchao, nvidia-cudnn-frontend for FP8 attention): the device
@@ -156,7 +157,11 @@ for step in $STEPS; do
       $PY -m graphfp8.bench glu --json "$RES/bench_glu.json" > /tmp/bench_glu.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_glu.log; }
       grep -v '^wrote' /tmp/bench_glu.log >> "$RES/summary.md" ;;
-    kernels|eager|block|attention|step|stack|hf)  # hf: issue 23's converted Llama vs HF bf16
+    step-nodebug)  # issue 26: does the CUDA graphs' debug mode (graphs/backends.py) cost launch time?
+      GRAPHFP8_GRAPH_DEBUG=0 $PY -m graphfp8.bench step --json "$RES/bench_step_nodebug.json" \
+        > /tmp/bench_step_nodebug.log 2>&1 || { status=1; tail -30 /tmp/bench_step_nodebug.log; }
+      grep -v '^wrote' /tmp/bench_step_nodebug.log >> "$RES/summary.md" ;;
+    kernels|eager|block|attention|step|host|stack|hf)  # hf: issue 23's converted Llama
       $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;

@@ -9,10 +9,12 @@
 // worked out once per chunk. Other shapes take a scalar loop, one pair per iteration.
 //
 // The arithmetic uses explicitly rounded fp32 operations (no fused multiply-add), like the CPU
-// kernel (built with -ffp-contract=off) and the PyTorch twin, so all three agree bit for bit.
+// kernel (built with -ffp-contract=off) and the PyTorch twin, so all three agree bit for bit; it
+// is rope_math.cuh's, shared with rope_fp8.cu.
 #include "../common.h"
 #include "../dtype_switch.h"
 #include "fp8_util.cuh"
+#include "rope_math.cuh"
 #include "vec.cuh"
 
 namespace graphfp8 {
@@ -21,19 +23,10 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
 
-struct Rotation {
-  float lo, hi;
-};
-
-// One pair: c_lo = cos[i], c_hi = cos[i + half], likewise n_* for sin.
-__device__ __forceinline__ Rotation rotate(float lo, float hi, float c_lo, float c_hi, float n_lo,
+// One pair: rope_math.cuh (the rotation rope_fp8.cu shares, bit for bit).
+__device__ __forceinline__ RopePair rotate(float lo, float hi, float c_lo, float c_hi, float n_lo,
                                            float n_hi, bool inverse) {
-  if (!inverse) {
-    return {__fsub_rn(__fmul_rn(lo, c_lo), __fmul_rn(hi, n_lo)),
-            __fadd_rn(__fmul_rn(hi, c_hi), __fmul_rn(lo, n_hi))};
-  }
-  return {__fadd_rn(__fmul_rn(lo, c_lo), __fmul_rn(hi, n_hi)),
-          __fsub_rn(__fmul_rn(hi, c_hi), __fmul_rn(lo, n_lo))};
+  return rope_rotate(lo, hi, c_lo, c_hi, n_lo, n_hi, inverse);
 }
 
 struct RowInfo {
@@ -70,7 +63,7 @@ __global__ void __launch_bounds__(kThreads)
       const float* sn = sin_t + s * info.head_dim + i0;
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        const Rotation o = rotate(lo[k], hi[k], __ldg(cs + k), __ldg(cs + half + k),
+        const RopePair o = rotate(lo[k], hi[k], __ldg(cs + k), __ldg(cs + half + k),
                                   __ldg(sn + k), __ldg(sn + half + k), inverse);
         lo[k] = o.lo;
         hi[k] = o.hi;
@@ -104,7 +97,7 @@ __global__ void __launch_bounds__(kThreads)
     if (row_position(r, info, s)) {
       const float* cs = cos_t + s * info.head_dim;
       const float* sn = sin_t + s * info.head_dim;
-      const Rotation o = rotate(lo, hi, cs[i], cs[i + half], sn[i], sn[i + half], inverse);
+      const RopePair o = rotate(lo, hi, cs[i], cs[i + half], sn[i], sn[i + half], inverse);
       lo = o.lo;
       hi = o.hi;
     }

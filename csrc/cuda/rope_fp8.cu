@@ -13,10 +13,12 @@
 // Backward grid: the same chunks, seen from the output: M = 16 / sizeof(OutT) pairs per chunk,
 // M FP8 bytes loaded per half, one 16-byte store of OutT per half.
 //
-// Explicitly rounded fp32 arithmetic (no fused multiply-add), like the CPU kernel and the twin.
+// Explicitly rounded fp32 arithmetic (no fused multiply-add), like the CPU kernel and the twin:
+// rope_math.cuh's rotation, shared with rope.cu.
 #include "../dtype_switch.h"
 #include "../rope_fp8.h"
 #include "fp8_util.cuh"
+#include "rope_math.cuh"
 #include "vec.cuh"
 
 namespace graphfp8 {
@@ -24,18 +26,12 @@ namespace {
 
 constexpr int kThreads = 256;
 
-struct Pair {
-  float lo, hi;
-};
+using Pair = RopePair;
 
+// rope_math.cuh's rotation: the one rope.cu runs, so that the two paths agree bit for bit.
 __device__ __forceinline__ Pair rotate(float lo, float hi, float c_lo, float c_hi, float n_lo,
                                        float n_hi, bool inverse) {
-  if (!inverse) {
-    return {__fsub_rn(__fmul_rn(lo, c_lo), __fmul_rn(hi, n_lo)),
-            __fadd_rn(__fmul_rn(hi, c_hi), __fmul_rn(lo, n_hi))};
-  }
-  return {__fadd_rn(__fmul_rn(lo, c_lo), __fmul_rn(hi, n_hi)),
-          __fsub_rn(__fmul_rn(hi, c_hi), __fmul_rn(lo, n_lo))};
+  return rope_rotate(lo, hi, c_lo, c_hi, n_lo, n_hi, inverse);
 }
 
 // Where row r of the fused QKV tensor lives: its part (0 q, 1 k, 2 v), its position s, and the

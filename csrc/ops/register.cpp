@@ -90,7 +90,12 @@ TORCH_LIBRARY_IMPL(graphfp8, CPU, m) { GRAPHFP8_IMPL_ALL(m); }
 TORCH_LIBRARY_IMPL(graphfp8, CUDA, m) { GRAPHFP8_IMPL_ALL(m); }
 #endif
 
+namespace graphfp8 {
+void bind_guard(pybind11::module_& m);  // guard_ops.cpp: the per-call guard of the graphs
+}  // namespace graphfp8
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "graphfp8 kernels; the ops live in torch.ops.graphfp8";
   m.def("built_with_cuda", &graphfp8::built_with_cuda, "Whether the CUDA kernels were compiled");
+  graphfp8::bind_guard(m);
 }

@@ -1,4 +1,5 @@
-"""`python -m graphfp8.bench {kernels,eager,block,attention,step,memory,stack,glu,hf} [--device D]
+"""`python -m graphfp8.bench {kernels,eager,block,attention,step,host,memory,stack,glu,hf}
+[--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ SUITES = {
     "stack": "graphfp8.bench.stack",
     "attention": "graphfp8.bench.attention",
     "step": "graphfp8.bench.step",
+    "host": "graphfp8.bench.host",
     "memory": "graphfp8.bench.memory",
     "glu": "graphfp8.bench.glu",
     "hf": "graphfp8.bench.hf",

@@ -16,6 +16,7 @@ from graphfp8 import ops
 from graphfp8.bench.common import environment, print_table, time_device, time_host
 from graphfp8.fp8.recipe import fp8_max
 from graphfp8.modules._rope import rope_tables
+from graphfp8.testing import sdpa_fp8_backward_scales, sdpa_fp8_scales
 
 # (batch, seq, heads, head_dim): the shapes on the GPU, a smoke shape with --quick.
 SHAPES = [(4, 2048, 16, 128), (4, 4096, 16, 128)]
@@ -40,32 +41,12 @@ def _fp8_ops_step(b, s, h, d, device):
     d_o, ddo = _quantize(torch.randn(b, s, h, d, device=device), e5m2)
     one = torch.ones(1, device=device)
     s_scale = torch.full((1,), 448.0, device=device)
-    fwd = dict(
-        descale_q=dq,
-        descale_k=dk,
-        descale_v=dv,
-        scale_s=s_scale,
-        descale_s=1 / s_scale,
-        scale_o=one,
-    )
+    fwd = sdpa_fp8_scales(dq, dk, dv, s_scale, one)
     amax = [torch.zeros(1, device=device) for _ in range(6)]
     attn_scale = d**-0.5
     o, stats = ops.sdpa_fp8_forward(q, k, v, fwd, amax[0], amax[1], attn_scale)
     fwd["scale_o"] = 448.0 / amax[1]
-    bwd = dict(
-        descale_q=dq,
-        descale_k=dk,
-        descale_v=dv,
-        descale_o=1 / fwd["scale_o"],
-        descale_do=ddo,
-        descale_s=1 / s_scale,
-        descale_dp=one,
-        scale_s=s_scale,
-        scale_dp=one,
-        scale_dq=one,
-        scale_dk=one,
-        scale_dv=one,
-    )
+    bwd = sdpa_fp8_backward_scales(fwd, ddo)
     ops.sdpa_fp8_backward(q, k, v, o, d_o, stats, bwd, amax[2:], attn_scale)
     for name, a in zip(("dp", "dq", "dk", "dv"), amax[2:], strict=True):
         bwd[f"scale_{name}"] = 57344.0 / a.clamp(min=1e-12)

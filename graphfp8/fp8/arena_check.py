@@ -9,15 +9,10 @@ warmup, never inside a capture.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from graphfp8.fp8.recipe import Format
-
-if TYPE_CHECKING:
-    from graphfp8.fp8.scaling import Arena
 
 __all__ = ["check_arena_consistency", "check_arenas", "needs_reduction"]
 
@@ -34,7 +29,10 @@ def needs_reduction(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
 
-def _layout(arena: Arena) -> list[int]:
+# `arena` below is a graphfp8.fp8.scaling.Arena, not imported: scaling imports this module.
+
+
+def _layout(arena) -> list[int]:
     """The arena's direction, size and recipe as integers, in _FIELDS order."""
     recipe = arena.recipe
     return [
@@ -77,7 +75,7 @@ def _mismatches(rows: list[list[int]], direction: str) -> list[str]:
     return lines
 
 
-def check_arena_consistency(arena: Arena, group) -> None:
+def check_arena_consistency(arena, group) -> None:
     """Checks, once per (arena, group, arena size), that every rank of `group` holds an arena of
     the same direction, slot count, history length and recipe, so the amax all-reduce that
     follows cannot hang or mix unrelated slots. A collective: every rank must call it.

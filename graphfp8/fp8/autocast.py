@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graphfp8 import global_state
 from graphfp8.fp8 import observe, scaling
 from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
 
@@ -60,17 +61,34 @@ class _State:
         self.capture: CaptureState | None = None
         self.queued_backward: dict[int, tuple] = {}
 
+    def is_fresh(self) -> bool:
+        return (not self.enabled and self.recipe is None and self.group is None
+                and self.capture is None and not self.queued_backward)  # fmt: skip
+
 
 STATE = _State()
+global_state.register("fp8_autocast state (fp8/autocast.py STATE)", STATE.reset, STATE.is_fresh,
+                      layer=global_state.FP8)  # fmt: skip
+# The observer lives in fp8/observe.py, below this module; registered here, where fp8_autocast's
+# state is, so that observe.py stays free of the registry.
+global_state.register("numerics observer (fp8/observe.py)", lambda: observe.install(None),
+                      lambda: observe.observer() is None, layer=global_state.FP8)  # fmt: skip
+global_state.register_kept(
+    "fp8_autocast region counter (STATE.region)",
+    "arenas remember the region that last updated them: a reused number would skip an update",
+)
 
 
 def reset_state() -> None:
-    """Returns graphfp8's global state to that of a fresh process: no fp8_autocast region or
-    capture in progress, no queued backward update, no registered arena (modules keep theirs), no
-    numerics observer (graphfp8.fp8.observe). Tests call it between cases."""
-    STATE.reset()
-    scaling.REGISTRY.reset()
-    observe.install(None)
+    """Returns graphfp8's global state to that of a fresh process (every entry of
+    graphfp8/global_state.py): no fp8_autocast region or capture in progress, no queued backward
+    update, no registered arena (modules keep theirs), no numerics observer
+    (graphfp8.fp8.observe), no live capture (each is reset(): its graphs freed, its modules'
+    eager forward back), no cached cuDNN graph or capture stream, NVTX ranges as the
+    environment says. Tests call it between cases. A CUDA graph captured outside graphfp8
+    around FP8 attention must be dropped first: it may replay kernels of the cuDNN plans this
+    frees."""
+    global_state.reset_all()
 
 
 def check_is_first_microbatch(is_first_microbatch) -> None:

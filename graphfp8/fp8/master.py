@@ -3,8 +3,17 @@
     masters = g8.MasterWeights(model)                  # model built inside fp8_model_init
     opt = torch.optim.AdamW(masters.parameters(), ...)  # fp32 masters + the model's other params
     ... forward / backward (is_first_microbatch=True on each step's first microbatch) ...
+    torch.nn.utils.clip_grad_norm_(masters.parameters(), 1.0)   # optional: the joint norm
     masters.step(opt)        # grads -> masters, opt.step(), masters -> FP8 weights (one cast each)
     masters.zero_grad()
+
+A master's `.grad` is its FP8 weight's gradient in fp32: reading it (the optimizer, clipping,
+an all-reduce, your own code) first moves the FP8 weight's pending `.grad` into it (added to what
+it holds; the FP8 weight's `.grad` becomes None), so everything that reads the masters' grads
+sees every gradient, whenever it runs. Clipping `model.parameters()` before `masters.step()`
+works too (the FP8 weights' grads are clipped in place, then moved). Inside a step graph
+(make_graphed_step(master_weights=...)) the graph copies the grads itself: there `.grad` of a
+master is the graph's buffer, read as it is.
 
 The write-back quantizes each master with its own amax (graphfp8.fp8.primary.WeightQuantizer)
 and marks the weight's transpose cache stale; the next forward with is_first_microbatch=True (or
@@ -13,13 +22,98 @@ None) rebuilds it, in a graph as the captured transpose node. Every step is devi
 
 from __future__ import annotations
 
+import copy
+import weakref
+
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
+from graphfp8.fp8.autocast import STATE
 from graphfp8.fp8.primary import WeightQuantizer
 from graphfp8.fp8.tensor import Float8Tensor
 
 __all__ = ["MasterWeights"]
+
+_TENSOR_GRAD = torch._C.TensorBase.grad  # the C-level .grad slot, under _Master's property
+
+
+class _Mode:
+    """Shared by the masters of one MasterWeights: whether a step graph captured its step."""
+
+    def __init__(self) -> None:
+        self.in_graph = False
+
+    def moves(self) -> bool:
+        """Whether reading a master's .grad moves its FP8 weight's pending grad in (eagerly);
+        a capture or a step graph copies the grads itself, into buffers that must stay."""
+        return not self.in_graph and STATE.capture is None
+
+
+class _Master(torch.Tensor):
+    """An fp32 master: a plain tensor whose `.grad` first takes in its FP8 weight's pending
+    gradient (module docstring). Ops on it return plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    _weight: Float8Tensor
+    _mode: _Mode
+
+    @property
+    def grad(self):
+        if self._mode.moves() and self._weight.grad is not None:
+            with torch.no_grad():
+                pending, held = self._weight.grad, _TENSOR_GRAD.__get__(self)
+                if held is None:
+                    _TENSOR_GRAD.__set__(self, pending.to(torch.float32, copy=True))
+                else:
+                    held.add_(pending)
+                self._weight.grad = None
+        return _TENSOR_GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value) -> None:
+        if self._mode.moves():  # the pending gradient belongs to the old value
+            self._weight.grad = None
+        _TENSOR_GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        self.grad = None
+
+    def __deepcopy__(self, memo) -> _Master:
+        new = _master(self.detach().clone(), copy.deepcopy(self._weight, memo), self._mode)
+        grad = _TENSOR_GRAD.__get__(self)
+        if grad is not None:
+            _TENSOR_GRAD.__set__(new, grad.clone())
+        memo[id(self)] = new
+        return new
+
+
+# {FP8 weight: weakref to the _Mode of the MasterWeights that trains it} (kept off the tensor,
+# which torch.save(model) would pickle with its attributes).
+_CLAIMS = WeakIdKeyDictionary()
+
+
+def _claim(names: list[str], weights: list[Float8Tensor], mode: _Mode) -> None:
+    """Marks each FP8 weight as trained through `mode`'s masters; a weight whose earlier
+    MasterWeights is still alive (its masters in an optimizer) raises: reading one set's grads
+    would take the gradient from the other."""
+    taken = [n for n, w in zip(names, weights, strict=True)
+             if _CLAIMS.get(w, lambda: None)() is not None]  # fmt: skip
+    if taken:
+        raise ValueError(
+            f"MasterWeights: {taken} already have fp32 masters (another MasterWeights whose "
+            "masters are alive, e.g. in an optimizer): use that one, or drop it first"
+        )
+    for w in weights:
+        _CLAIMS[w] = weakref.ref(mode)
+
+
+def _master(value: torch.Tensor, weight: Float8Tensor, mode: _Mode) -> _Master:
+    """value (fp32) as the master of `weight`."""
+    m = torch.Tensor._make_subclass(_Master, value, weight.requires_grad)
+    m._weight, m._mode = weight, mode
+    return m
 
 
 class MasterWeights:
@@ -39,8 +133,11 @@ class MasterWeights:
                 "inside graphfp8.fp8_model_init()"
             )
         self.others = [p for _, p in named if not isinstance(p, Float8Tensor)]
+        self._mode = _Mode()
+        _claim(self.names, self.fp8_params, self._mode)
+        self._checked_optimizer = None  # weakref to the optimizer step() last checked
         self.masters = [
-            p.dequantize(torch.float32).requires_grad_(p.requires_grad) for p in self.fp8_params
+            _master(p.dequantize(torch.float32), p, self._mode) for p in self.fp8_params
         ]
         self.quantizers = [WeightQuantizer(p.fp8_dtype, p.device) for p in self.fp8_params]
         # From here on every FP8 weight is exactly its master quantized: the same bits as the
@@ -58,7 +155,13 @@ class MasterWeights:
 
     @torch.no_grad()
     def copy_grads_(self) -> None:
-        """Each FP8 weight's .grad (its nominal dtype) into its master's fp32 .grad."""
+        """Each FP8 weight's .grad (its nominal dtype) into its master's fp32 .grad: moved in,
+        as reading the master's .grad does; inside a capture (a step graph), copied into the
+        master's persistent .grad (None stays None)."""
+        if self._mode.moves():
+            for m in self.masters:
+                m.grad  # noqa: B018 - the property moves the pending gradient in
+            return
         for p, m in zip(self.fp8_params, self.masters, strict=True):
             if p.grad is None:
                 m.grad = None
@@ -75,13 +178,31 @@ class MasterWeights:
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """copy_grads_, optimizer.step(), write_back_."""
+        self._check_optimizer(optimizer)
+        if STATE.capture is not None:  # a step graph's warmup or capture: it copies from now on
+            self._mode.in_graph = True
         self.copy_grads_()
         optimizer.step()
         self.write_back_()
 
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Once per optimizer: it must hold every trainable master (or those weights would
+        silently never train)."""
+        if self._checked_optimizer is not None and self._checked_optimizer() is optimizer:
+            return
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [n for n, m in zip(self.names, self.masters, strict=True)
+                   if m.requires_grad and id(m) not in held]  # fmt: skip
+        if missing:
+            raise ValueError(
+                f"MasterWeights.step: the optimizer does not hold the fp32 masters of {missing}, "
+                "which would never train: build it over masters.parameters()"
+            )
+        self._checked_optimizer = weakref.ref(optimizer)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the grads of the FP8 weights, the masters and the other parameters."""
-        for t in (*self.fp8_params, *self.masters, *self.others):
+        for t in (*self.masters, *self.others, *self.fp8_params):
             if t.grad is None:
                 continue
             if set_to_none:
@@ -106,6 +227,14 @@ class MasterWeights:
                 f"MasterWeights.load_state_dict: masters for {sorted(saved)}, the model's FP8 "
                 f"weights are {sorted(self.names)}"
             )
+        for n, m in zip(self.names, self.masters, strict=True):  # all checked before any copy
+            t = saved[n]
+            if not torch.is_tensor(t) or not t.is_floating_point() or t.shape != m.shape:
+                what = f"{tuple(t.shape)} {t.dtype}" if torch.is_tensor(t) else type(t).__name__
+                raise ValueError(
+                    f"MasterWeights.load_state_dict: the master of {n} is {what}, the model's "
+                    f"is {tuple(m.shape)} float32"
+                )
         for n, m in zip(self.names, self.masters, strict=True):
             m.copy_(saved[n])
         self.write_back_()

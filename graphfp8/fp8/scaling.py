@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from graphfp8 import ops
+from graphfp8 import global_state, ops
 from graphfp8.fp8.arena_check import check_arena_consistency, needs_reduction
 from graphfp8.fp8.recipe import Recipe, fp8_max, is_current_scaling
 
@@ -192,8 +192,17 @@ class ArenaRegistry:
         self.arenas: weakref.WeakSet[Arena] = weakref.WeakSet()
         self.open: dict[tuple, Arena] = {}
 
+    def is_fresh(self) -> bool:
+        return not self.arenas and not self.open
+
 
 REGISTRY = ArenaRegistry()
+global_state.register("FP8 arena registry (fp8/scaling.py REGISTRY)", REGISTRY.reset,
+                      REGISTRY.is_fresh, layer=global_state.FP8)  # fmt: skip
+global_state.register_kept(
+    "arena serial numbers (Arena._serials)",
+    "arenas are ordered by creation (updates, checks across ranks): a reused serial would tie",
+)
 
 
 def new_init_group() -> None:

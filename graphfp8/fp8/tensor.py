@@ -104,6 +104,21 @@ class Float8Tensor(torch.Tensor):
         """data * scale_inv as a plain tensor of `dtype` (the nominal dtype by default)."""
         return ops.dequantize(self._data.contiguous(), self._scale_inv, dtype or self.dtype)
 
+    def tolist(self):
+        """The dequantized values as nested lists, as every other read of a Float8Tensor (torch
+        refuses .tolist() of tensor subclasses). The FP8 codes: `t._data.view(torch.uint8)`."""
+        return self.dequantize().tolist()
+
+    def numpy(self, *, force: bool = False):
+        """The dequantized values as a numpy array (a bfloat16 nominal dtype has none: use
+        `t.dequantize(torch.float32).numpy()`)."""
+        if self.dtype == torch.bfloat16:
+            raise TypeError(
+                "Float8Tensor.numpy(): numpy has no bfloat16 (the nominal dtype); use "
+                "t.dequantize(torch.float32).numpy()"
+            )
+        return self.dequantize().numpy(force=force)
+
     def __repr__(self, *, tensor_contents=None) -> str:
         return (
             f"Float8Tensor(fp8_dtype={self.fp8_dtype}, nominal_dtype={self.dtype}, "

@@ -12,11 +12,14 @@ import tempfile
 
 import torch
 
+from graphfp8 import global_state
 from graphfp8.graphs.tape import RecordingMode, ReplayTape
 
-__all__ = ["CudaGraph", "TapeGraph", "capture_stream", "new_graph"]
+__all__ = ["CudaGraph", "TapeGraph", "capture_stream", "new_graph", "tape_replays_off"]
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+global_state.register("capture streams (graphs/backends.py)", _CAPTURE_STREAMS.clear,
+                      lambda: not _CAPTURE_STREAMS, layer=global_state.GRAPHS)  # fmt: skip
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
@@ -32,12 +35,32 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 _KERNEL_NODE = re.compile(r"\{KERNEL\s*\|\s*\{ID \|[^|]*\|\s*([^\\}|]+)")
 
 
+class _TapeReplays:
+    """Whether CPU tapes replay their ops (tape_replays_off)."""
+
+    on = True
+
+
+@contextlib.contextmanager
+def tape_replays_off():
+    """Inside the block CPU tapes skip their recorded ops: a call of a graphed callable, microbatch
+    or step runs all its host-side work (checks, copies, bookkeeping, autograd) and no kernel. What
+    the host benchmark and the host-cost test time (`python -m graphfp8.bench host`); the values
+    the graphs hold are meaningless afterwards."""
+    _TapeReplays.on = False
+    try:
+        yield
+    finally:
+        _TapeReplays.on = True
+
+
 class TapeGraph:
     """CPU backend: a ReplayTape."""
 
     def __init__(self) -> None:
         self.tape = ReplayTape()
         self.op_names: list[str] = []
+        self.released = False
 
     @contextlib.contextmanager
     def capture(self, pool=None):
@@ -47,7 +70,8 @@ class TapeGraph:
         self.op_names = mode.names
 
     def replay(self) -> None:
-        self.tape.replay()
+        if _TapeReplays.on:
+            self.tape.replay()
 
     def kernels(self) -> list[str]:
         return self.tape.op_names()
@@ -55,17 +79,23 @@ class TapeGraph:
     def release(self) -> None:
         """Drops the recorded ops and the tensors they hold."""
         self.tape = ReplayTape()
+        self.released = True
 
 
 class CudaGraph:
     """GPU backend: a torch.cuda.CUDAGraph kept (keep_graph=True) in debug mode, so that its kernel
-    nodes can be listed; the recording mode checks every op during capture."""
+    nodes can be listed; the recording mode checks every op during capture. With the environment
+    variable GRAPHFP8_GRAPH_DEBUG=0 at capture, neither (captured_kernels() then raises): what
+    `bench step` compares, to see whether debug mode costs launch time."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.graph = torch.cuda.CUDAGraph(keep_graph=True)
-        self.graph.enable_debug_mode()
+        self.debug = os.environ.get("GRAPHFP8_GRAPH_DEBUG", "1") != "0"
+        self.graph = torch.cuda.CUDAGraph(keep_graph=self.debug)
+        if self.debug:
+            self.graph.enable_debug_mode()
         self.op_names: list[str] = []
+        self.released = False
 
     @contextlib.contextmanager
     def capture(self, pool=None):
@@ -77,7 +107,8 @@ class CudaGraph:
             with mode:
                 yield
         self.op_names = mode.names
-        self.graph.instantiate()
+        if self.debug:  # keep_graph=True: instantiated here; otherwise at the end of capture
+            self.graph.instantiate()
 
     def replay(self) -> None:
         self.graph.replay()
@@ -85,9 +116,15 @@ class CudaGraph:
     def release(self) -> None:
         """Destroys the CUDA graph; its memory pool is freed once no graph or tensor uses it."""
         self.graph.reset()
+        self.released = True
 
     def kernels(self) -> list[str]:
         """Kernel nodes of the graph, in dump order (demangled when c++filt is available)."""
+        if not self.debug:
+            raise RuntimeError(
+                "graphfp8: this graph was captured with GRAPHFP8_GRAPH_DEBUG=0 (no debug mode), so "
+                "its kernel nodes cannot be listed; capture it without that variable"
+            )
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "graph.dot")
             self.graph.debug_dump(path)

@@ -86,8 +86,10 @@ def opaque_to_dynamo(replay: Callable) -> Callable:
     opaque = torch.compiler.disable(
         replay,
         recursive=True,
-        reason="graphfp8: a graphed callable replays captured graphs; torch.compile runs the "
-        "replay as one opaque call and compiles the code around it",
+        reason="graphfp8: a graphed callable replays captured graphs, which torch.compile runs "
+        "as one opaque call between the graphs it compiles around it, so fullgraph=True cannot "
+        "hold it. Compile without fullgraph=True (the code before and after the graphed "
+        "callable is still compiled), or compile only the code between graphed callables",
     )
 
     @functools.wraps(replay)

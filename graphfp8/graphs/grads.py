@@ -9,12 +9,14 @@ import operator
 
 import torch
 
+from graphfp8 import _C
 from graphfp8.graphs.backends import new_graph
 from graphfp8.graphs.tape import CaptureError
 
 __all__ = ["FOLD_AT_ONCE", "GradAccumulator", "GradFold", "grad_buffer"]
 
 _GRAD = operator.attrgetter("grad")
+_ALL_BUFFERS, _ALL_NONE = 0, 1  # GradWatch.state(): every .grad is its buffer / is None
 
 
 class GradAccumulator:
@@ -39,15 +41,18 @@ class GradAccumulator:
         self.params, self.buffers, self.reset_graph = params, buffers, reset_graph
         self._nones = [None] * len(params)
         self._attach = None
+        # Where every .grad stands, in one C++ pass (graphs/replay_guard.py says why C++).
+        self._where = _C.GradWatch(params, buffers).state
 
     def before_replay(self) -> None:
-        current = list(map(_GRAD, self.params))
-        if all(map(operator.is_, current, self.buffers)):
+        where = self._where()
+        if where == _ALL_BUFFERS:
             self._attach = None
-        elif not any(map(operator.is_not, current, self._nones)):
+        elif where == _ALL_NONE:
             self.reset_graph.replay()
             self._attach = self._nones
         else:
+            current = list(map(_GRAD, self.params))
             for b, g in zip(self.buffers, current, strict=True):
                 if g is None:
                     b.fill_(-0.0)
@@ -64,6 +69,15 @@ class GradAccumulator:
             elif g is not b:
                 g.copy_(b)
         self._attach = None
+
+    def replay_leaving_grads(self, graph) -> None:
+        """Replays `graph` for a backward that asks for a subset of the gradients
+        (torch.autograd.grad(loss, x), backward(inputs=[x])): eagerly such a backward leaves the
+        parameters' .grad alone, so the buffers the graph adds into are put back afterwards (a
+        copy of every buffer: the slow path of an unusual call)."""
+        saved = [b.clone() for b in self.buffers]
+        graph.replay()
+        torch._foreach_copy_(self.buffers, saved)
 
 
 # Gradients of at least this many elements fold into .grad as soon as autograd produces them, so

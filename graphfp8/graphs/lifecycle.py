@@ -3,7 +3,9 @@ settings, reset()), which modules have their forward replaced by graphs (so that
 again, or a model containing one, or deep-copying one, raises a clear error), and undoing a
 capture that failed halfway.
 
-A submodule of a graphed module keeps its eager forward and may be captured on its own.
+A submodule of a graphed module keeps its eager forward and may be captured on its own. The live
+captures are global state: graphfp8.reset_state() resets every one of them (graphfp8/
+global_state.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import weakref
 import torch
 from torch import nn
 
-from graphfp8.fp8 import scaling
+from graphfp8 import global_state
 from graphfp8.fp8.autocast import STATE
 from graphfp8.graphs.schedule import Layout, Schedule
 
@@ -24,21 +26,36 @@ __all__ = ["CapturedGraphs", "check_not_captured", "undone_on_failure"]
 # Weak both ways: the graphs refer to the module (its forward is theirs), so a strong value would
 # keep a dropped model alive.
 _CAPTURED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+# Every capture whose graphs are alive (weakly: a dropped graphed callable frees its capture).
+_LIVE: weakref.WeakSet[CapturedGraphs] = weakref.WeakSet()
+
+
+def _reset_live() -> None:
+    for graphs in list(_LIVE):
+        graphs.reset()
+    _CAPTURED.clear()
+
+
+global_state.register(
+    "live captures (graphs/lifecycle.py)", _reset_live, lambda: not _LIVE and not _CAPTURED,
+    layer=global_state.GRAPHS,
+)  # fmt: skip
 
 
 class CapturedGraphs:
     """The graphs of one make_graphed_callables call.
 
     Attributes:
-        runners: one GraphedRunner per graph pair, in schedule.Layout order.
+        runners: one GraphedRunner per graph pair, in schedule.Layout order (register()).
         schedule: the replay-order check.
         fp8_enabled, recipe, group: the FP8 settings the graphs were captured with.
         closed: reset() has run.
     """
 
-    def __init__(self, runners, layout: Layout, fp8_enabled: bool, recipe, group, device):
-        self.runners = runners
-        self.schedule = Schedule(layout, [r.name for r in runners])
+    def __init__(self, layout: Layout, names: list[str], fp8_enabled: bool, recipe, group,
+                 device):  # fmt: skip
+        self.runners: list = []
+        self.schedule = Schedule(layout, names)
         self.fp8_enabled, self.recipe, self.group = fp8_enabled, recipe, group
         self.device = device
         self.closed = False
@@ -71,16 +88,18 @@ class CapturedGraphs:
             "Call it outside that region, or capture it with the region's settings"
         )
 
-    def register(self, funcs) -> None:
-        """Marks the modules among `funcs` (one per runner) whose forward now replays these
-        graphs; reset() runs their runners' undo."""
-        pairs = [
-            (f, r.undo) for f, r in zip(funcs, self.runners, strict=True) if r.undo is not None
-        ]
+    def register(self, runners, funcs, undos, skippable=()) -> None:
+        """Takes the capture's runners, and marks the modules among `funcs` (one per runner)
+        whose forward now replays these graphs; reset() runs their `undos` (None where nothing
+        was replaced). skippable: the runners a microbatch may leave out (graphs/schedule.py)."""
+        self.runners = list(runners)
+        self.schedule.skippable = frozenset(skippable)
+        pairs = [(f, undo) for f, undo in zip(funcs, undos, strict=True) if undo is not None]
         self.modules = [weakref.ref(f) for f, _ in pairs]
         for f, _ in pairs:
             _CAPTURED[f] = weakref.ref(self)
         self._undo = [undo for _, undo in pairs]
+        _LIVE.add(self)
 
     def reset(self) -> None:
         """Frees every graph and static buffer of this capture, so its memory pool returns to
@@ -100,6 +119,7 @@ class CapturedGraphs:
             if m is not None and _owner(m) is self:
                 del _CAPTURED[m]
         self.closed = True
+        _LIVE.discard(self)
 
 
 def _owner(module: nn.Module) -> CapturedGraphs | None:
@@ -135,25 +155,26 @@ def refuse_deepcopy(module: nn.Module):
 
 
 @contextlib.contextmanager
-def undone_on_failure(fp8_modules, runners, callables):
+def undone_on_failure(fp8_modules, samples, callables):
     """Puts the modules back as they were when the capture raises: their FP8 slots and weight
-    workspaces, the arenas it froze, the `.grad` buffers it created, attributes it set on the
-    callables. (FP8 values and RNG are restored by the phases themselves.)
+    workspaces, the `.grad` buffers it created, attributes it set on the callables. (FP8 values
+    and RNG are restored by the phases themselves, the frozen arenas by the CaptureSession.)
 
-    Yields a list to which the capturer appends the arenas it freezes.
+    Args:
+        fp8_modules: the FP8 modules of the capture.
+        samples: what is captured (graphs/callable_phases.Sample): their `params`, read again
+            on failure (with the parameters found by then).
+        callables: the callables given.
     """
     fp8_saved = [(m, m.fp8_meta, dict(m._weight_fp8), m._weight_cache_valid) for m in fp8_modules]
     attrs = [(c, set(vars(c))) for c in callables if isinstance(c, nn.Module)]
-    had_buffer = {id(p) for r in runners for p in r.params if hasattr(p, "_graphfp8_grad")}
-    frozen: list[scaling.Arena] = []
+    had_buffer = {id(p) for r in samples for p in r.params if hasattr(p, "_graphfp8_grad")}
     try:
-        yield frozen
+        yield
     except BaseException:
         for m, meta, workspaces, valid in fp8_saved:
             m.fp8_meta, m._weight_fp8, m._weight_cache_valid = meta, workspaces, valid
-        for arena in frozen:
-            arena.frozen = False
-        for p in {id(p): p for r in runners for p in r.params}.values():
+        for p in {id(p): p for r in samples for p in r.params}.values():
             if id(p) not in had_buffer and hasattr(p, "_graphfp8_grad"):
                 del p._graphfp8_grad
         for c, keys in attrs:

@@ -17,14 +17,15 @@ import contextlib
 
 import torch
 
-from graphfp8.fp8.autocast import CaptureState, capture_state
-from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
-from graphfp8.graphs.backends import new_graph
-from graphfp8.graphs.contexts import fp8_and_rng_preserved, gc_paused, side_stream
+from graphfp8.fp8 import scaling
+from graphfp8.fp8.recipe import DelayedScaling, Recipe
+from graphfp8.graphs.capture_checks import check_options
+from graphfp8.graphs.fp8_init import fp8_modules_in
 from graphfp8.graphs.grads import GradFold
-from graphfp8.graphs.replay import WeightCacheFlag
-from graphfp8.graphs.step_body import StaticBatch, TrainBody, freeze_arenas, init_fp8
+from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_optim import TrainingSnapshot
+from graphfp8.graphs.train_body import StaticBatch, TrainBody
+from graphfp8.graphs.weight_flag import WeightCacheFlag
 from graphfp8.profiling import nvtx_range
 
 __all__ = ["GraphedMicrobatch", "make_graphed_microbatch"]
@@ -72,16 +73,18 @@ def make_graphed_microbatch(
         A GraphedMicrobatch; calling it returns loss / num_microbatches (static 0-d device
         tensor, overwritten by the next call).
 
-    .. warning::
-        Parameter gradients are folded into `.grad` inside captured graphs: parameter hooks
-        (DDP's included) do not run. Reduce gradients with distributed.allreduce_gradients.
-    .. warning::
-        With fp8_weight_caching, pass is_first_microbatch=True on the first microbatch after
-        every optimizer step: the graph recasts the weights only then.
+    The rules after capture, each checked before anything runs (docs/after-capture.md):
+
+    .. warning:: The loss is a static buffer that the next call overwrites: clone to keep it.
+    .. warning:: Batches keep the captured structure, shapes, dtypes and device.
+    .. warning:: The model keeps its parameters, buffers, storage, requires_grad; no hooks.
+    .. warning:: The model stays in the training mode it was captured in.
+    .. warning:: Call it outside fp8_autocast: it carries its own FP8 settings.
+    .. warning:: With fp8_weight_caching, is_first_microbatch=True after every optimizer step.
+    .. warning:: Gradients are folded into .grad inside the graph: parameter hooks (DDP's) never
+        run; reduce gradients with distributed.allreduce_gradients.
     """
-    if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
-        raise ValueError(f"{_NAME}: num_warmup_iters must be >= 1, got {num_warmup_iters!r}")
-    check_recipe(fp8_recipe, "make_graphed_microbatch: fp8_recipe")
+    check_options(_NAME, num_warmup_iters, fp8_enabled, fp8_recipe, minimum=1)
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     batch = StaticBatch(sample_microbatch, None, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
@@ -89,33 +92,32 @@ def make_graphed_microbatch(
     caching = fp8_enabled and fp8_weight_caching
     flag = WeightCacheFlag(torch.zeros(1, device=device) if caching else None, fp8_enabled,
                            fp8_weight_caching)  # fmt: skip
-    capture = CaptureState(weight_cache_flag=flag.tensor)
-    state = dict(fp8_enabled=fp8_enabled, recipe=recipe, group=fp8_group, capture=capture)
-    if fp8_enabled:
-        init_fp8(model, recipe, fp8_group, device)
-    snapshot = TrainingSnapshot(model)  # buffers that the forward updates (batch norm statistics)
-    try:
-        with fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
-            with side_stream(device), capture_state(**state):
-                for _ in range(num_warmup_iters):
-                    body.microbatch(None, [], [], None)
-    finally:
-        snapshot.restore()
-    fwd, bwd = freeze_arenas(capture, fp8_group) if fp8_enabled else ([], [])
-    if pool is None and device.type == "cuda":
-        pool = torch.cuda.graph_pool_handle()
-    graph = new_graph(device)
-    fold = GradFold(body.grad_params, device)  # .grad inside the graph (graphs/grads.py)
-    try:
-        with fp8_and_rng_preserved(recipe, device), gc_paused(device), nvtx_range("capture"):
-            with capture_state(**state), fold.hooked(), graph.capture(pool):
-                loss, grads = body.microbatch(None, fwd, bwd, fp8_group)
+    # The snapshot: buffers that the forward updates (batch norm statistics).
+    session = CaptureSession(device, fp8_enabled=fp8_enabled, recipe=recipe, fp8_group=fp8_group,
+                             weight_cache_flag=flag.tensor, pool=pool,
+                             snapshot=TrainingSnapshot(model))  # fmt: skip
+    with session:
+        session.init_fp8([fp8_modules_in([model])])
+        with session.warmup():
+            for _ in range(num_warmup_iters):
+                body.microbatch(None, [], [], None)
+        arenas = session.freeze_arenas()
+        graph = session.new_graph()
+        fold = GradFold(body.grad_params, device)  # .grad inside the graph (graphs/grads.py)
+        with session.capture_phase():
+            with session.recording(), fold.hooked(), graph.capture(session.pool):
+                loss, grads = body.microbatch(None, *_by_direction(arenas), fp8_group)
                 fold.finish()
             del grads  # the parameters' stand-ins
-            accumulator = fold.accumulator(pool)
-    finally:
-        snapshot.restore()  # the CPU tape ran (part of) the microbatch it recorded
-    return GraphedMicrobatch(body, graph, accumulator, flag, loss)
+            accumulator = fold.accumulator(session.pool)
+    guard = body.replay_guard("capture the microbatch again (make_graphed_microbatch)")
+    return GraphedMicrobatch(body, graph, accumulator, flag, loss, guard)
+
+
+def _by_direction(arenas) -> tuple[list, list]:
+    """(forward arenas, backward arenas)."""
+    return ([a for a in arenas if a.direction == scaling.FORWARD],
+            [a for a in arenas if a.direction == scaling.BACKWARD])  # fmt: skip
 
 
 class GraphedMicrobatch:
@@ -126,8 +128,9 @@ class GraphedMicrobatch:
         params: the parameters that get a gradient, in the model's order.
     """
 
-    def __init__(self, body: TrainBody, graph, accumulator, flag: WeightCacheFlag, loss):
+    def __init__(self, body: TrainBody, graph, accumulator, flag: WeightCacheFlag, loss, guard):
         self._body, self._graph, self._accumulator, self._flag = body, graph, accumulator, flag
+        self._guard = guard
         self._tape = body.device.type == "cpu"
         self.loss = loss
         self.params = body.grad_params
@@ -136,8 +139,8 @@ class GraphedMicrobatch:
         """Runs forward, loss and backward of `batch` and accumulates the gradients into
         `.grad`. Returns the loss / num_microbatches (static 0-d device tensor)."""
         body = self._body
-        body.check_not_in_autocast()
-        body.check_hooks()
+        body.check_call()
+        self._guard.check()
         given = body.batch.check(batch)
         self._flag.set(is_first_microbatch)
         body.batch.copy(given)

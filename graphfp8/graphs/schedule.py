@@ -18,6 +18,12 @@ A unit is one (chunk, microbatch): its forward runs its layers' forward graphs i
 first one opening with the forward scale update of the arenas those layers use (as one eager
 fp8_autocast region per forward would); its backward runs their backward graphs in reverse, the
 last one closing with the backward update (as the end of an eager backward pass does).
+
+Without `order`, a microbatch may skip callables after the first (a model that leaves a layer
+out): their forward and backward events are passed over, as long as their FP8 arenas are the
+first callable's (so the scale updates the first and last graphs run are what eager mode runs)
+and no backward that is still pending lies in between. What a skipped graph would have written
+is not read by the graphs that do run (they copy their inputs in), so skipping equals eager.
 """
 
 from __future__ import annotations
@@ -139,6 +145,7 @@ class Schedule:
     def __init__(self, layout: Layout, names: list[str]):
         self.layout = layout
         self.names = names
+        self.skippable: frozenset[int] = frozenset()  # runners a microbatch may leave out
         self.events: list[tuple[str, int]] = []
         for kind, unit in layout.steps:
             runners = unit.runners if kind == "forward" else unit.runners[::-1]
@@ -159,6 +166,32 @@ class Schedule:
                 return
             self.pending[j] = None
             self._advance()
+
+    def _alive(self, j: int) -> bool:
+        ref = self.pending[j]
+        return ref is not None and ref() is not None
+
+    def is_pending(self, j: int) -> bool:
+        """Whether runner j's last forward still waits for its backward."""
+        return self._alive(j)
+
+    def _skip_to(self, kind: str, j: int) -> bool:
+        """Passes over the forwards of skippable runners and dead backwards when that reaches
+        (kind, j); returns whether it did (nothing moves otherwise)."""
+        if not self.skippable:
+            return False
+        p = self.pos
+        for _ in range(len(self.events)):
+            event = self.events[p]
+            if event == (kind, j):
+                self.pos = p
+                return True
+            k_kind, k = event
+            if not ((k_kind == "forward" and k in self.skippable)
+                    or (k_kind == "backward" and not self._alive(k))):  # fmt: skip
+                return False
+            p = (p + 1) % len(self.events)
+        return False
 
     def _text(self, kind: str, j: int) -> str:
         where = self.layout.describe(j)
@@ -188,7 +221,7 @@ class Schedule:
     def check_forward(self, j: int) -> None:
         """Before runner j's forward replay: raises unless it is the next event."""
         self._skip_dead_backwards()
-        if self.events[self.pos] != ("forward", j):
+        if self.events[self.pos] != ("forward", j) and not self._skip_to("forward", j):
             raise self._mismatch("forward", j)
 
     def forward_done(self, j: int, ctx) -> None:
@@ -207,7 +240,7 @@ class Schedule:
                 "before calling the graphed callable again"
             )
         self._skip_dead_backwards()
-        if self.events[self.pos] != ("backward", j):
+        if self.events[self.pos] != ("backward", j) and not self._skip_to("backward", j):
             raise self._mismatch("backward", j)
 
     def backward_done(self, j: int) -> None:

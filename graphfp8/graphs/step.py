@@ -30,14 +30,15 @@ import warnings
 import torch
 
 from graphfp8.distributed import allreduce_gradients
-from graphfp8.fp8.autocast import CaptureState, capture_state
+from graphfp8.fp8 import scaling
 from graphfp8.fp8.master import MasterWeights
-from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
+from graphfp8.fp8.recipe import DelayedScaling, Recipe
 from graphfp8.fp8.tensor import Float8Tensor
-from graphfp8.graphs.backends import new_graph
-from graphfp8.graphs.contexts import fp8_and_rng_preserved, gc_paused, side_stream
-from graphfp8.graphs.step_body import StaticBatch, TrainBody, freeze_arenas, init_fp8
+from graphfp8.graphs.capture_checks import check_options
+from graphfp8.graphs.fp8_init import fp8_modules_in
+from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_optim import OptimizerGuard, TrainingSnapshot, check_optimizer
+from graphfp8.graphs.train_body import StaticBatch, TrainBody
 from graphfp8.profiling import nvtx_range
 
 __all__ = ["GraphedStep", "make_graphed_step"]
@@ -115,47 +116,41 @@ def make_graphed_step(
         A GraphedStep: `step(batch)` replays the graph and returns the loss (0-d float32 device
         tensor, the sum of loss_i; reading it is the only host sync).
 
-    .. warning::
-        The loss, `grad_norm` and the `.grad` buffers are static: the next replay overwrites
-        them. Clone what you keep. After a step, `.grad` holds the gradients that the optimizer
-        applied (clipped); zero_grad between steps is not needed.
-    .. warning::
-        Every call must pass a batch of the captured structure, shapes, dtypes and device;
-        anything else raises before anything runs.
-    .. warning::
-        Frozen at capture: the model's parameters and buffers (change them in place only), the
-        optimizer's hyperparameters other than tensor learning rates (checked at every replay),
-        its state (load_state_dict afterwards raises), and the set of trained parameters.
-    .. warning::
-        Hooks are not captured: the model's modules and parameters and the optimizer must have
-        none, at capture or later. Module hooks are checked at every replay, parameter hooks
-        only at capture.
-    .. warning::
-        Capture holds a copy of the parameters, buffers and optimizer state (to undo warmup).
+    The rules after capture, each checked before anything runs (docs/after-capture.md):
+
+    .. warning:: The loss, grad_norm and .grad buffers are static: the next step overwrites them.
+    .. warning:: Batches keep the captured structure, shapes, dtypes and device.
+    .. warning:: The model keeps its parameters, buffers, storage, requires_grad; no hooks.
+    .. warning:: The model stays in the training mode it was captured in.
+    .. warning:: The optimizer keeps its state and hyperparameters (tensor learning rates: fill_).
+    .. warning:: Call it outside fp8_autocast: it carries its own FP8 settings.
+    .. warning:: Capture holds a copy of the parameters, buffers and optimizer state.
     """
-    if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
-        raise ValueError(f"{_NAME}: num_warmup_iters must be >= 1, got {num_warmup_iters!r}")
+    check_options(_NAME, num_warmup_iters, fp8_enabled, fp8_recipe, minimum=1)
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"{_NAME}: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-    check_recipe(fp8_recipe, "make_graphed_step: fp8_recipe")
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     batch = StaticBatch(sample_batch, num_microbatches, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
     check_optimizer(_NAME, optimizer, _optimized_params(body.params, master_weights),
                     body.device)  # fmt: skip
-    run = _StepRun(body, optimizer, max_grad_norm, process_group, keep_grads_before_clipping,
-                   fp8_enabled and fp8_weight_caching, master_weights)  # fmt: skip
-    state = dict(fp8_enabled=fp8_enabled, recipe=recipe, group=fp8_group, capture=run.capture)
-    if fp8_enabled:
-        init_fp8(model, recipe, fp8_group, body.device)
+    extra = master_weights.tensors() if master_weights is not None else ()
+    session = CaptureSession(body.device, fp8_enabled=fp8_enabled, recipe=recipe,
+                             fp8_group=fp8_group, pool=pool,
+                             snapshot=TrainingSnapshot(model, optimizer, extra))  # fmt: skip
+    run = StepBody(body, optimizer, max_grad_norm, process_group, keep_grads_before_clipping,
+                   fp8_enabled and fp8_weight_caching, master_weights, session)  # fmt: skip
     old_grads = [p.grad for p in body.params]
     try:
-        graph, loss, grad_norm = _warmup_and_capture(run, state, num_warmup_iters, pool)
+        with session:
+            session.init_fp8([fp8_modules_in([model])])
+            graph, loss, grad_norm = _warmup_and_capture(run, session, num_warmup_iters)
     except BaseException:
         for p, g in zip(body.params, old_grads, strict=True):
             p.grad = g
         raise
-    return GraphedStep(run, graph, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
+    guard = body.replay_guard("capture the step again (make_graphed_step)")
+    return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
 
 
 def _optimized_params(params: list[torch.Tensor], masters: MasterWeights | None) -> list:
@@ -173,42 +168,32 @@ def _optimized_params(params: list[torch.Tensor], masters: MasterWeights | None)
     return [*masters.masters, *(p for p in params if not isinstance(p, Float8Tensor))]
 
 
-def _warmup_and_capture(run: _StepRun, state: dict, iters: int, pool):
-    body, recipe, device = run.body, state["recipe"], run.body.device
-    extra = run.masters.tensors() if run.masters is not None else ()
-    snapshot = TrainingSnapshot(body.model, run.optimizer, extra)
-    try:
-        with warnings.catch_warnings():
-            # Eager steps of a capturable optimizer make torch warn that capturable costs speed.
-            warnings.filterwarnings("ignore", message="This instance was constructed with capt")
-            with fp8_and_rng_preserved(recipe, device), nvtx_range("warmup"):
-                with side_stream(device), capture_state(**state):
-                    for _ in range(iters):
-                        run([], [], None)
-    finally:
-        snapshot.restore()
-    fwd, bwd = freeze_arenas(run.capture, state["group"]) if state["fp8_enabled"] else ([], [])
-    if pool is None and device.type == "cuda":
-        pool = torch.cuda.graph_pool_handle()
-    graph = new_graph(device)
-    # No garbage collection while capturing: see make_graphed_callables.
-    try:
-        with fp8_and_rng_preserved(recipe, device), gc_paused(device), nvtx_range("capture"):
-            with capture_state(**state), graph.capture(pool):
-                loss, grad_norm = run(fwd, bwd, state["group"])
-    finally:
-        snapshot.restore()  # the CPU tape ran (part of) the step it recorded
+def _warmup_and_capture(run: StepBody, session: CaptureSession, iters: int):
+    with warnings.catch_warnings():
+        # Eager steps of a capturable optimizer make torch warn that capturable costs speed.
+        warnings.filterwarnings("ignore", message="This instance was constructed with capt")
+        with session.warmup():
+            for _ in range(iters):
+                run([], [], None)
+    arenas = session.freeze_arenas()
+    fwd = [a for a in arenas if a.direction == scaling.FORWARD]
+    bwd = [a for a in arenas if a.direction == scaling.BACKWARD]
+    graph = session.new_graph()
+    with session.capture_phase(), session.recording(), graph.capture(session.pool):
+        loss, grad_norm = run(fwd, bwd, session.fp8_group)
     return graph, loss, grad_norm
 
 
-class _StepRun:
-    """One training step as warmup runs it and capture records it."""
+class StepBody:
+    """One optimizer step (the microbatches of a TrainBody, the gradient all-reduce, clipping,
+    the optimizer) as warmup runs it and capture records it."""
 
     def __init__(self, body: TrainBody, optimizer, max_grad_norm, process_group, keep: bool,
-                 caching: bool, masters: MasterWeights | None):  # fmt: skip
+                 caching: bool, masters: MasterWeights | None,
+                 session: CaptureSession):  # fmt: skip
         self.body, self.optimizer, self.masters = body, optimizer, masters
         self.max_grad_norm, self.process_group, self.keep = max_grad_norm, process_group, keep
-        self.capture = CaptureState(weight_cache_flag=None)
+        self.capture = session.capture  # its weight_cache_flag is set per microbatch
         n, dev = body.num_microbatches, body.device
         # Constant flags, one per microbatch: 0 = cast the weights, 1 = reuse the cache.
         cast, reuse = torch.zeros(1, device=dev), torch.ones(1, device=dev)
@@ -270,8 +255,10 @@ class GraphedStep:
         grads_before_clipping: copies of `grads` before clipping (keep_grads_before_clipping).
     """
 
-    def __init__(self, run: _StepRun, graph, guard: OptimizerGuard, loss, grad_norm):
-        self._run, self._graph, self._guard = run, graph, guard
+    def __init__(self, run: StepBody, graph, guard, optimizer_guard: OptimizerGuard, loss,
+                 grad_norm):  # fmt: skip
+        self._run, self._graph = run, graph
+        self._guard, self._optimizer_guard = guard, optimizer_guard
         self._body = run.body
         self._tape = run.body.device.type == "cpu"
         self.loss, self.grad_norm = loss, grad_norm
@@ -281,9 +268,9 @@ class GraphedStep:
     def __call__(self, batch) -> torch.Tensor:
         """Runs one optimizer step on `batch` (same structure as the sample batch). Returns the
         loss (static 0-d float32 device tensor)."""
-        self._body.check_not_in_autocast()
-        self._body.check_hooks()
+        self._body.check_call()
         self._guard.check()
+        self._optimizer_guard.check()
         given = self._body.batch.check(batch)
         self._body.batch.copy(given)
         with nvtx_range("replay-step"):

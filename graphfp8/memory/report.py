@@ -119,13 +119,21 @@ def memory_report(model: torch.nn.Module, outputs=None, graphed=(), other=None) 
     Returns:
         A MemoryReport; on CUDA with the pools and torch.cuda's counters.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"memory_report: model must be an nn.Module, got {type(model).__name__}")
+    runners = [_runner_of(g) for g in graphed]
+    if any(r is None for r in runners):
+        kinds = [type(g).__name__ for g, r in zip(graphed, runners, strict=True) if r is None]
+        raise TypeError(
+            f"memory_report: graphed= takes what make_graphed_callables returned, got {kinds} "
+            "that no graph backs (nothing of them would be counted)"
+        )
     ledger = Ledger()
     device = _device(model)
     _claim_model(model, ledger)
     for name, t in (other or {}).items():
         if isinstance(t, torch.Tensor):
             ledger.claim(t, OTHER, name)
-    runners = [r for r in (_runner_of(g) for g in graphed) if r is not None]
     for i, runner in enumerate(runners):
         _claim_runner(runner, i, ledger)
     saved = walk_saved(outputs, ledger) if outputs is not None else []

@@ -11,19 +11,16 @@ from torch import nn
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.autocast import STATE, check_is_first_microbatch
 from graphfp8.fp8.primary import quantize_weight
-from graphfp8.fp8.recipe import Recipe, recipe_from_dict, recipe_to_dict
-from graphfp8.fp8.slots import BwdRole, FwdRole, slot_index, slots_per_gemm
+from graphfp8.fp8.recipe import Recipe, is_current_scaling, recipe_to_dict
+from graphfp8.fp8.slots import BwdRole, FwdRole, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.modules._autocast import honour_autocast
+from graphfp8.modules._checkpoint import EXTRA_STATE_VERSION, check_extra_state, shape_errors
 from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
 
 __all__ = ["FP8Meta", "FP8Module", "cache_weight_transposes"]
-
-
-# _extra_state layout: 0 (no "version" key) held 2 backward slots per GEMM (grad_output and an
-# unused grad_input); 1 holds the slots of graphfp8.fp8.slots.
-EXTRA_STATE_VERSION = 1
 
 
 class FP8Meta:
@@ -50,6 +47,20 @@ class FP8Meta:
             mine.scales().copy_(theirs.scales())
 
 
+class FrozenSlots:
+    """A SlotBlock whose casts read its scales but fold their amaxes into the arena's sink: an
+    FP8 call that leaves the delayed-scaling state as it was (FP8Module._frozen_call)."""
+
+    def __init__(self, block: scaling.SlotBlock):
+        self.block, self.arena, self.start = block, block.arena, block.start
+
+    def scale(self, i: int) -> torch.Tensor:
+        return self.block.scale(i)
+
+    def amax(self, i: int) -> torch.Tensor:
+        return self.arena.amax_sink
+
+
 class FP8Module(nn.Module):
     """Base of the graphfp8 layers. A subclass sets `num_gemms`, and its forward calls
     `_fp8_forward_configs`, which checks the input and returns the GEMM configs under
@@ -61,11 +72,12 @@ class FP8Module(nn.Module):
     cache_weight_transpose = True
 
     def __init_subclass__(cls, **kwargs) -> None:
-        # torch.compile: the FP8 forward runs eagerly, never traced (modules/_compile.py).
+        # torch.compile: the FP8 forward runs eagerly, never traced (modules/_compile.py);
+        # torch.autocast's dtype is the activation dtype (modules/_autocast.py).
         super().__init_subclass__(**kwargs)
         forward = cls.__dict__.get("forward")
         if forward is not None and not hasattr(forward, "_graphfp8_prepare"):
-            cls.forward = eager_under_fp8(forward, cls.__name__)
+            cls.forward = eager_under_fp8(honour_autocast(forward), cls.__name__)
 
     def __init__(self) -> None:
         super().__init__()
@@ -181,6 +193,18 @@ class FP8Module(nn.Module):
             self._weight_cache_valid = False
         return ws
 
+    def _frozen_call(self, is_first_microbatch: bool | None) -> bool:
+        """An eval-mode call with is_first_microbatch=False (an eval pass between a step's
+        training microbatches, eager or a graphed module's eager fallback): it reuses the
+        cached FP8 weights and leaves the delayed-scaling state alone (current scales, no amax
+        recorded, no update), so the next training microbatch is the one it would have been."""
+        return (
+            is_first_microbatch is False
+            and not self.training
+            and STATE.capture is None
+            and not is_current_scaling(STATE.recipe)  # no state carries from cast to cast
+        )
+
     def _eager_weight_cast(self, is_first_microbatch: bool | None) -> bool:
         """None: cast every call. True: cast and cache. False: reuse the cache."""
         if is_first_microbatch is None or is_first_microbatch:
@@ -193,16 +217,22 @@ class FP8Module(nn.Module):
             )
         return False
 
-    def _fp8_forward_state(self, device) -> tuple[FP8Meta, tuple | None]:
+    def _fp8_forward_state(self, device, frozen: bool = False) -> tuple[FP8Meta, tuple | None]:
         """This module's slots for an FP8 forward under the current recipe, and the (backward
         arena, group) whose update must run at the end of the backward pass (eager), or None
-        (in a capture, which places both updates itself and learns the arenas here). Eager mode
-        updates the forward arena once per fp8_autocast region, before its first use."""
+        (in a capture, which places both updates itself and learns the arenas here; or a
+        `frozen` call, which updates nothing). Eager mode updates the forward arena once per
+        fp8_autocast region, before its first use."""
         meta = self.fp8_init(STATE.recipe, device)
         capture = STATE.capture
         if capture is not None:
             capture.arenas[id(meta.fwd.arena)] = meta.fwd.arena
             capture.arenas[id(meta.bwd.arena)] = meta.bwd.arena
+            # The workspaces now hold what the graph casts (its device flag decides): an eager
+            # call with is_first_microbatch=False after a replay reuses them.
+            self._weight_cache_valid = True
+            return meta, None
+        if frozen:
             return meta, None
         meta.fwd.arena.update_once(STATE.region, STATE.group)
         return meta, (meta.bwd.arena, STATE.group)
@@ -214,7 +244,9 @@ class FP8Module(nn.Module):
         fp8_output: bool,
     ) -> list[GemmConfig]:
         """One GemmConfig per (workspace key, weight) for this FP8 forward."""
-        meta, bwd_update = self._fp8_forward_state(weights[0][1].device)
+        frozen = self._frozen_call(is_first_microbatch)
+        meta, bwd_update = self._fp8_forward_state(weights[0][1].device, frozen)
+        fwd, bwd = map(FrozenSlots, (meta.fwd, meta.bwd)) if frozen else (meta.fwd, meta.bwd)
         fp8_dtype = meta.fwd.arena.fp8_dtype
         workspaces = [self._weight_workspace(key, w, fp8_dtype) for key, w in weights]
         if STATE.capture is not None:  # the graph decides through its device flag
@@ -226,8 +258,8 @@ class FP8Module(nn.Module):
         last = len(weights) - 1
         return [
             GemmConfig(
-                meta.fwd,
-                meta.bwd,
+                fwd,
+                bwd,
                 g,
                 ws,
                 casts[g],
@@ -293,20 +325,32 @@ class FP8Module(nn.Module):
                 )
         return super()._apply(fn, recurse)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """A high-precision checkpoint entry for an FP8 primary weight is quantized first (its
-        scale from its own amax, as fp8_model_init does); FP8 entries copy bit for bit."""
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):  # fmt: skip
+        """Checks this module's whole entry first - FP8 state, recipe, history length, shapes -
+        so a checkpoint it cannot take changes nothing of it (an FP8 state error raises, a
+        shape is reported as torch reports it). A high-precision checkpoint entry for an FP8
+        primary weight is quantized (its scale from its own amax, as fp8_model_init does); FP8
+        entries copy bit for bit. The cached FP8 weights are stale afterwards."""
+        extra = state_dict.get(prefix + "_extra_state")
+        if extra is not None:
+            check_extra_state(self, extra, f"{type(self).__name__} {prefix[:-1]}".rstrip())
+        errors = shape_errors(self, state_dict, prefix)
+        if errors:
+            error_msgs.extend(errors)
+            return
         for name, p in self._parameters.items():
             entry = state_dict.get(prefix + name)
             if (
                 isinstance(p, Float8Tensor)
                 and isinstance(entry, torch.Tensor)
                 and not isinstance(entry, Float8Tensor)
-                and entry.shape == p.shape
             ):
                 hp = entry.to(device=p.device, dtype=p.dtype)
                 state_dict[prefix + name] = quantize_weight(hp, p.fp8_dtype)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)  # fmt: skip
+        self._weight_cache_valid = False
 
     def get_extra_state(self):
         meta = self.fp8_meta
@@ -322,20 +366,21 @@ class FP8Module(nn.Module):
         }
 
     def set_extra_state(self, state) -> None:
+        """Loads a checkpoint's FP8 state (checked first: check_extra_state). None (the module
+        had not run in FP8) resets this module's slots, as a fresh module holds them."""
         if state is None:
+            if self.fp8_meta is not None:
+                for block in (self.fp8_meta.fwd, self.fp8_meta.bwd):
+                    block.history().zero_()
+                    block.scales().fill_(1.0)
+            self._weight_cache_valid = False
             return
-        state = _upgrade_extra_state(state, type(self).__name__, self.num_gemms)
+        state = check_extra_state(self, state, type(self).__name__)
         device = next(itertools.chain(self.parameters(), self.buffers())).device
         meta = self.fp8_init(state["recipe"], device)
         for key, block in (("fwd", meta.fwd), ("bwd", meta.bwd)):
-            history, scale = state[f"{key}_amax_history"], state[f"{key}_scale"]
-            if tuple(history.shape) != tuple(block.history().shape):
-                raise ValueError(
-                    f"{type(self).__name__}: checkpoint {key} amax history has shape "
-                    f"{tuple(history.shape)}, the module's is {tuple(block.history().shape)}"
-                )
-            block.history().copy_(history)
-            block.scales().copy_(scale)
+            block.history().copy_(state[f"{key}_amax_history"])
+            block.scales().copy_(state[f"{key}_scale"])
         self._weight_cache_valid = False
 
 
@@ -353,38 +398,3 @@ def cache_weight_transposes(module: nn.Module, enabled: bool) -> None:
 
 
 FP8_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_EXTRA_KEYS = ("recipe", "fwd_amax_history", "fwd_scale", "bwd_amax_history", "bwd_scale")
-
-
-def _upgrade_extra_state(state, name: str, num_gemms: int) -> dict:
-    """Validates a checkpoint's FP8 state and brings it to EXTRA_STATE_VERSION: a dict whose
-    "recipe" is a recipe object. Version 0 had a second backward slot per GEMM, dropped here."""
-    where = f"{name}: the checkpoint's FP8 state (_extra_state)"
-    if not isinstance(state, dict) or any(k not in state for k in _EXTRA_KEYS):
-        found = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(
-            f"{where} is not one that graphfp8 wrote: expected a dict with keys "
-            f"{list(_EXTRA_KEYS)}, got {found}"
-        )
-    version = state.get("version", 0)
-    if version not in (0, EXTRA_STATE_VERSION):
-        raise ValueError(
-            f"{where} has version {version!r}; this graphfp8 reads versions 0 to "
-            f"{EXTRA_STATE_VERSION}"
-        )
-    try:
-        recipe = recipe_from_dict(state["recipe"])
-    except (TypeError, KeyError, ValueError) as exc:
-        raise ValueError(f"{where} holds an invalid recipe {state['recipe']!r}: {exc}") from exc
-    state = {**state, "recipe": recipe}
-    if version == 0:  # backward slots were (grad_output, grad_input) per GEMM
-        old = 2 * num_gemms
-        keep = [2 * g + slot_index(BwdRole.GRAD_OUTPUT, 0) for g in range(num_gemms)]
-        history, scale = state["bwd_amax_history"], state["bwd_scale"]
-        if history.dim() != 2 or history.shape[1] != old or scale.shape != (old,):
-            raise ValueError(
-                f"{where} (version 0) has backward history {tuple(history.shape)} and scale "
-                f"{tuple(scale.shape)}; a module with {num_gemms} GEMMs had {old} slots"
-            )
-        state["bwd_amax_history"], state["bwd_scale"] = history[:, keep], scale[keep]
-    return state

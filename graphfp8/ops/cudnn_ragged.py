@@ -67,17 +67,22 @@ def stats_desc(batch: int, seq: int, heads: int, ragged) -> tuple[list[int], lis
     return dims, ([heads * seq, 1, heads, 1] if ragged else [heads * seq, seq, 1, 1])
 
 
-def pack(segment_ids: torch.Tensor, q: torch.Tensor, k: torch.Tensor, first_uid: int) -> dict:
+def pack(segment_ids, q: torch.Tensor, k: torch.Tensor, first_uid: int) -> dict:
     """{uid: tensor} of layout() for q (batch, seq, heads, d) and k (batch, seq, kv_heads, d),
-    uids first_uid, first_uid + 1, ... in RAGGED_NAMES order (as declare() gives them)."""
+    uids first_uid, first_uid + 1, ... in RAGGED_NAMES order (as declare() gives them); {}
+    without segment ids."""
+    if segment_ids is None:
+        return {}
     tensors = layout(segment_ids, q.shape[2], k.shape[2], q.shape[3])
     return {first_uid + i: tensors[name] for i, name in enumerate(RAGGED_NAMES)}
 
 
-def declare(cudnn, graph, n: int, first_uid: int) -> tuple[dict, dict]:
-    """The graph's declarations of layout()'s tensors for n sequence slots (uids as pack()'s),
-    and the attention op's padding-mask arguments."""
-    out = {}
+def declare(cudnn, graph, key, first_uid: int) -> tuple[dict | None, dict]:
+    """The declarations of layout()'s tensors in a graph of `key` (cudnn_sdpa.SdpaKey; uids as
+    pack()'s), and the attention op's padding-mask arguments: (None, {}) without segments."""
+    if not key.segments:
+        return None, {}
+    n, out = key.graph_batch, {}
     for i, name in enumerate(RAGGED_NAMES):
         rows = n if name == "seq_len" else n + 1
         out[name] = graph.tensor(uid=first_uid + i, dim=[rows, 1, 1, 1], stride=[1, 1, 1, 1],

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from graphfp8 import global_state
 from graphfp8.ops import cudnn_ragged
 
 __all__ = ["BWD_SCALES", "FWD_SCALES", "SdpaKey", "backward", "cudnn_module", "forward", "prepare"]
@@ -108,6 +109,16 @@ _BACKWARD: dict[SdpaKey, tuple[object, int]] = {}
 _HANDLES: dict[int, object] = {}
 # The stream each handle was last set to, per device: set_stream only when it changes.
 _HANDLE_STREAM: dict[int, int] = {}
+_CACHES = (_FORWARD, _BACKWARD, _HANDLES, _HANDLE_STREAM)
+
+
+def _clear_caches() -> None:
+    for cache in _CACHES:
+        cache.clear()
+
+
+global_state.register("cuDNN SDPA graphs and handles (ops/cudnn_sdpa.py)", _clear_caches,
+                      lambda: not any(_CACHES), layer=global_state.BASE)  # fmt: skip
 
 
 def _handle(device: int):
@@ -182,13 +193,6 @@ def _inputs(cudnn, graph, key: SdpaKey, io_type, names, ragged=None):
     return out
 
 
-def _ragged(cudnn, graph, key: SdpaKey) -> tuple[dict | None, dict]:
-    """(cudnn_ragged declarations or None, the op's padding-mask arguments)."""
-    if not key.segments:
-        return None, {}
-    return cudnn_ragged.declare(cudnn, graph, key.graph_batch, int(_Uid.RAGGED))
-
-
 def _build(graph) -> int:
     graph.validate()
     graph.build_operation_graph()
@@ -201,7 +205,7 @@ def _build(graph) -> int:
 def _build_forward(cudnn, key: SdpaKey):
     io_type = _fp8_type(cudnn, key.fwd_dtype)
     graph = _new_graph(cudnn, key, io_type)
-    ragged, padding = _ragged(cudnn, graph, key)
+    ragged, padding = cudnn_ragged.declare(cudnn, graph, key, int(_Uid.RAGGED))
     t = _inputs(cudnn, graph, key, io_type, ("q", "k", "v"), ragged)
     sc = _scalars(cudnn, graph, FWD_SCALES)
     o, stats, amax_s, amax_o = graph.sdpa_fp8(
@@ -236,7 +240,7 @@ def _build_backward(cudnn, key: SdpaKey):
     io_type = _fp8_type(cudnn, key.fwd_dtype)
     grad_type = _fp8_type(cudnn, key.bwd_dtype)
     graph = _new_graph(cudnn, key, io_type)
-    ragged, padding = _ragged(cudnn, graph, key)
+    ragged, padding = cudnn_ragged.declare(cudnn, graph, key, int(_Uid.RAGGED))
     t = _inputs(cudnn, graph, key, io_type, ("q", "k", "v", "o", "d_o"), ragged)
     b, s, h, d = key.graph_batch, key.seq, key.heads, key.head_dim
     one, f32 = [1, 1, 1, 1], cudnn.data_type.FLOAT
@@ -337,11 +341,6 @@ def key_for(q: torch.Tensor, k: torch.Tensor, bwd_dtype, attn_scale, causal,
                    bool(causal), segments)  # fmt: skip
 
 
-def _ragged_pack(segment_ids, q, k) -> dict:
-    """{uid: tensor} of a ragged call's layout (cudnn_ragged), {} without segment ids."""
-    return {} if segment_ids is None else cudnn_ragged.pack(segment_ids, q, k, int(_Uid.RAGGED))
-
-
 # The variant packs' uids as plain ints, in the order the ops pass their tensors (no enum
 # lookups per call): forward q, k, v, o, stats, amax_S, amax_O, then FWD_SCALES; backward q, k,
 # v, o, dO, stats, dQ, dK, dV, amax_dP, dQ, dK, dV, then BWD_SCALES.
@@ -378,7 +377,9 @@ def forward(q, k, v, scales, o, stats, amax, attn_scale, causal, segment_ids=Non
         prepare(key, backward=False)
         built = _FORWARD[key]
     tensors = [q, k, v, o, stats, amax[0], amax[1], *scales]
-    pack = dict(zip(_FWD_UIDS, tensors, strict=True)) | _ragged_pack(segment_ids, q, k)
+    pack = dict(zip(_FWD_UIDS, tensors, strict=True)) | cudnn_ragged.pack(
+        segment_ids, q, k, int(_Uid.RAGGED)
+    )
     _execute(built[0], built[1], pack, q.device)
 
 
@@ -391,5 +392,7 @@ def backward(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causa
         prepare(key, backward=True)
         built = _BACKWARD[key]
     tensors = [q, k, v, o, d_o, stats, dq, dk, dv, *amax, *scales]
-    pack = dict(zip(_BWD_UIDS, tensors, strict=True)) | _ragged_pack(segment_ids, q, k)
+    pack = dict(zip(_BWD_UIDS, tensors, strict=True)) | cudnn_ragged.pack(
+        segment_ids, q, k, int(_Uid.RAGGED)
+    )
     _execute(built[0], built[1], pack, q.device)

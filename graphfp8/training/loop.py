@@ -19,6 +19,7 @@ from graphfp8.training.checkpoint import (
 )
 from graphfp8.training.data import Dataset
 from graphfp8.training.evaluate import validation_loss
+from graphfp8.training.interrupt import StopAtStepBoundary
 from graphfp8.training.model import count_parameters
 from graphfp8.training.report import MetricsLog, Progress, final_loss
 from graphfp8.training.run import Run, RunSpec, run_settings
@@ -116,8 +117,10 @@ def _log_interval(run: Run, opts: RunOptions, log, pending, val_losses: dict, la
     return values
 
 
-def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, val) -> dict:
-    """Steps `run` up to `steps`, validating every opts.every steps and at the end, logging every
+def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, val,
+                 stop: StopAtStepBoundary) -> dict:  # fmt: skip
+    """Steps `run` up to `steps` (after Ctrl-C: to the end of the step in flight, with a group
+    to the next log point), validating every opts.every steps and at the end, logging every
     opts.log_every steps. Returns the losses and the training seconds behind tokens/s."""
     first = run.step
     steady_from = first + max(1, (steps - first) // 10)
@@ -127,19 +130,24 @@ def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, v
     clock = _Clock(run.spec.device)
     t_last = clock.train_time()
     t_steady, last_step = None, first
-    while run.step < steps:
+    stopped = False
+    while run.step < steps and not stopped:
         if run.fp8_stats is not None:
             run.fp8_stats.enable(run.step % opts.fp8_stats == 0)
         pending.append(run.train_step(opts.steps))
         if run.step == steady_from:
             sync(run.spec.device)
             t_steady = clock.train_time()
-        if val is not None and (run.step % opts.every == 0 or run.step == steps):
+        at_log = run.step % opts.log_every == 0 or run.step == steps
+        # Ranks agree at log points (a host sync already); one process stops at once.
+        stopped = stop.agreed(opts.group, run.spec.device) if at_log else (
+            opts.group is None and stop.requested)  # fmt: skip
+        if val is not None and not stopped and (run.step % opts.every == 0 or run.step == steps):
             if run.fp8_stats is not None:  # validation casts are not training's
                 run.fp8_stats.enable(False)
             with clock.excluding():
                 val_losses[run.step] = validation_loss(run, val)
-        if run.step % opts.log_every and run.step != steps:
+        if not at_log and not stopped:
             continue
         now = clock.train_time()
         rate = tokens_per_step * (run.step - last_step) / (now - t_last)
@@ -158,7 +166,8 @@ def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, v
     steady_s = t_end - t_steady if t_steady is not None else 0.0
     return dict(losses=losses, val_losses=[[s, v] for s, v in sorted(val_losses.items())],
                 train_s=time.perf_counter() - clock.start, eval_s=clock.excluded,
-                steady_s=steady_s, steady_steps=steps - steady_from)  # fmt: skip
+                steady_s=steady_s, steady_steps=max(0, run.step - steady_from),
+                interrupted=stopped)  # fmt: skip
 
 
 def _resume(run: Run, opts: RunOptions) -> None:
@@ -199,6 +208,21 @@ def _write_fp8_stats(run: Run, opts: RunOptions) -> dict | None:
             "roles": roles}  # fmt: skip
 
 
+def _train_and_save(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, val):
+    """_train_steps, then the checkpoint (--save) and the FP8 statistics' files (--fp8-stats):
+    also after a Ctrl-C at a step boundary. Returns (_train_steps' dict, _write_fp8_stats')."""
+    try:
+        with StopAtStepBoundary() as stop:
+            t = _train_steps(run, opts, steps, tokens_per_step, val, stop)
+            if opts.save is not None and opts.is_main:
+                path = save_checkpoint(run, opts.save, opts.steps, opts.data.describe())
+                print(f"saved {path} (step {run.step} of {opts.steps})")
+    finally:
+        if run.fp8_stats is not None:
+            run.fp8_stats.close()
+    return t, _write_fp8_stats(run, opts)
+
+
 def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     """Trains `spec` for opts.steps optimizer steps (counting from a resumed step; ending early
     at opts.stop_at), validating on opts.data's validation set.
@@ -232,15 +256,7 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     sync(spec.device)
     capture_s = time.perf_counter() - t0
     tokens_per_step = spec.tokens_per_microbatch * spec.microbatches * opts.world_size
-    try:
-        t = _train_steps(run, opts, steps, tokens_per_step, val)
-    finally:
-        if run.fp8_stats is not None:
-            run.fp8_stats.close()
-    stats_files = _write_fp8_stats(run, opts)
-    if opts.save is not None and opts.is_main:
-        path = save_checkpoint(run, opts.save, opts.steps, opts.data.describe())
-        print(f"saved {path} (step {run.step} of {opts.steps})")
+    t, stats_files = _train_and_save(run, opts, steps, tokens_per_step, val)
     steady_tokens = tokens_per_step * t["steady_steps"]
     tokens_per_s = steady_tokens / t["steady_s"] if steady_tokens and t["steady_s"] > 0 else None
     final_val = t["val_losses"][-1][1] if t["val_losses"] else None
@@ -251,7 +267,8 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         "graphs": spec.graphs,
         "parameters": count_parameters(run.model),
         "first_step": first,
-        "steps": steps,
+        "steps": run.step,
+        "interrupted": t["interrupted"],
         "losses": t["losses"],
         "final_loss": final_loss(t["losses"]),
         "val_losses": t["val_losses"],

@@ -90,10 +90,10 @@ def print_table(results: list[dict]) -> None:
         diff = f"{'-':>9}"
         if val is not None and base_val:
             diff = f"{(val / base_val - 1) * 100:>+8.2f}%"
-        tps = r["tokens_per_s"] or float("nan")
-        speed = tps / (base["tokens_per_s"] or float("nan"))
-        print(f"{r['name']:>14} {r['final_loss']:>10.4f} {val_text} {diff} {tps:>12,.0f} "
-              f"{speed:>7.2f}x")  # fmt: skip
+        tps, base_tps = r["tokens_per_s"], base["tokens_per_s"]
+        tps_text = f"{tps:>12,.0f}" if tps else f"{'-':>12}"  # None: too few steps to time
+        speed = f"{tps / base_tps:>7.2f}x" if tps and base_tps else f"{'-':>8}"
+        print(f"{r['name']:>14} {r['final_loss']:>10.4f} {val_text} {diff} {tps_text} {speed}")
 
 
 def plot_losses(results: list[dict], path: Path, title: str) -> Path:

@@ -277,8 +277,8 @@ class Run:
                 self.fp8_stats.collect(self.step, mb)
             total += loss.detach()
         with nvtx_range("optimizer"):
-            if self.group is not None:
-                allreduce_gradients(model.parameters(), self.group)
+            if self.group is not None:  # every rank trains every parameter: check once
+                allreduce_gradients(model.parameters(), self.group, check_every_step=False)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if self.masters is not None:  # fp32 masters, then one cast back into FP8 per weight
                 self.masters.step(self.optimizer)

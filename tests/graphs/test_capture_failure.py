@@ -13,8 +13,9 @@ import torch
 import graphfp8 as g8
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.autocast import STATE
-from graphfp8.graphs import capture as capture_module
-from graphfp8.graphs.guard import hook_dicts
+from graphfp8.graphs import callables as capture_module
+from graphfp8.graphs.grads import GradFold
+from graphfp8.graphs.replay_guard import hook_dicts
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import compare_models
 from tests.modules.common import H, Stack, T, fp8_state
@@ -108,9 +109,9 @@ def test_failed_capture_leaves_the_process_as_it_was(device, where, monkeypatch)
     reference = _copy(stack)
     model = _Faulty(stack, **CASES[where])
     if where == "grad accumulator":  # the last steps of the capture
-        monkeypatch.setattr(capture_module.GradFold, "accumulator", _fail)
+        monkeypatch.setattr(GradFold, "accumulator", _fail)
     elif where == "guard":
-        monkeypatch.setattr(capture_module, "build_guard", _fail)
+        monkeypatch.setattr(capture_module, "ReplayGuard", _fail)
     before = _state_of(stack)
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state() if device == "cuda" else None

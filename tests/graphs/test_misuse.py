@@ -116,11 +116,11 @@ def _data_swap(m):
 @pytest.mark.parametrize(
     "change, pattern",
     [
-        (_load_assign, r"\['Linear.weight', 'Linear.bias'\] were replaced"),
+        (_load_assign, r"\['weight', 'bias'\] were replaced"),
         (lambda m: m.weight.requires_grad_(False), r"requires_grad of \['weight \(True -> False"),
         (lambda m: m.bias.register_hook(lambda g: g), r"tensor hooks .* \['bias'\]"),
         (lambda m: m.weight.register_post_accumulate_grad_hook(print), r"tensor hooks"),
-        (_data_swap, r"storage of \['Linear.weight'\] changed"),
+        (_data_swap, r"storage of \['weight'\] changed"),
         (lambda m: m.register_forward_pre_hook(lambda *a: None), "hooks were registered"),
     ],
 )
@@ -219,7 +219,7 @@ def test_reset_frees_the_graphs_and_allows_a_new_capture(device):
     gc.collect()
     assert static() is None, "the static outputs are freed"
     assert "forward" not in vars(m) and not hasattr(m, "graphed_runner")
-    assert runner.fwd_graph is None and runner.bwd_graph is None
+    assert runner.fwd_graph.released and runner.bwd_graph.released
     if device == "cuda":
         assert torch.cuda.memory_allocated() < allocated
     with g8.fp8_autocast(recipe=RECIPE):
@@ -319,5 +319,5 @@ def test_replacing_a_submodule_after_capture_raises():
     model = Stack()
     g = g8.make_graphed_callables(model, (_x("cpu"),), fp8_enabled=True, fp8_recipe=RECIPE)
     model.act = torch.nn.ReLU()
-    with pytest.raises(RuntimeError, match=r"\['Stack.act'\] were replaced after capture"):
+    with pytest.raises(RuntimeError, match=r"\['act'\] were replaced after capture"):
         g(_x("cpu"))

@@ -92,29 +92,31 @@ def test_hooks_raise_at_capture_and_at_replay(device):
     model = build("LayerNormMLP", device=device)
     x = torch.randn(N, T, H, dtype=torch.bfloat16, device=device)
     handle = model.register_forward_hook(lambda *a: None)
-    with pytest.raises(RuntimeError, match="hooks on the model's modules .* when captured"):
+    with pytest.raises(RuntimeError, match="modules must have no hooks when captured"):
         g8.make_graphed_step(model, mse, adamw(model.parameters(), device), (x, x), N)
     handle.remove()
     for register in (lambda p: p.register_hook(lambda g: g),
                      lambda p: p.register_post_accumulate_grad_hook(lambda p: None)):  # fmt: skip
         handle = register(model.fc1_weight)
-        with pytest.raises(RuntimeError, match="parameters must have no hooks when captured"):
+        with pytest.raises(RuntimeError, match=r"parameters \['fc1_weight'\] have tensor hooks"):
             g8.make_graphed_step(model, mse, adamw(model.parameters(), device), (x, x), N)
         handle.remove()
     model, opt, step, x = _setup(device)
     handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
-    with pytest.raises(RuntimeError, match="global module hooks.* after capture"):
-        step((x, x))
-    handle.remove()
+    try:
+        with pytest.raises(RuntimeError, match=r"\(or globally\) after capture"):
+            step((x, x))
+    finally:
+        handle.remove()
     handle = model.register_forward_pre_hook(lambda *a: None)
     with pytest.raises(RuntimeError, match="after capture"):
         step((x, x))
     handle.remove()
     model.fc1_bias.requires_grad_(False)
-    with pytest.raises(RuntimeError, match="requires_grad=False after capture"):
+    with pytest.raises(RuntimeError, match=r"requires_grad of \['fc1_bias \(True -> False"):
         step((x, x))
     model.fc1_bias.requires_grad_(True)
-    step((x, x))
+    step((x, x))  # as captured again: it runs
 
 
 def test_loss_that_syncs_with_the_host_is_named_and_changes_nothing(device):

@@ -8,7 +8,7 @@ import torch
 
 from graphfp8 import reference_attention
 from graphfp8.fp8.recipe import fp8_max
-from graphfp8.testing import sqnr
+from graphfp8.testing import sdpa_fp8_backward_scales, sdpa_fp8_scales, sqnr
 
 # (batch, seq, heads, kv_heads, head_dim) per device: small on the CPU; on the GPU the shapes
 # cuDNN's FP8 attention is known to take on Hopper (head_dim 128, seq a multiple of 128).
@@ -46,15 +46,7 @@ def forward_case(shape, fwd_dtype, device, seed: int = 0):
     k, dk = quantized((b, s, g, d), fwd_dtype, device, gen)
     v, dv = quantized((b, s, g, d), fwd_dtype, device, gen)
     one = torch.ones(1, device=device)
-    scale_s = scale_for(one, fwd_dtype)
-    scales = dict(
-        descale_q=dq,
-        descale_k=dk,
-        descale_v=dv,
-        scale_s=scale_s,
-        descale_s=1.0 / scale_s,
-        scale_o=one,
-    )
+    scales = sdpa_fp8_scales(dq, dk, dv, scale_for(one, fwd_dtype), one)
     attn_scale = d**-0.5
     first = reference_attention.sdpa_fp8_forward(q, k, v, scales, attn_scale)
     scales["scale_o"] = scale_for(first["amax_o"].to(device), fwd_dtype)
@@ -65,21 +57,7 @@ def backward_scales(q, k, v, o, d_o, stats, fwd_scales, attn_scale, bwd_dtype, d
     """BWD_SCALES for a backward of these tensors: dP, dQ, dK, dV scales from the twin's amaxes
     (computed with unit scales first)."""
     device = q.device
-    one = torch.ones(1, device=device)
-    scales = dict(
-        descale_q=fwd_scales["descale_q"],
-        descale_k=fwd_scales["descale_k"],
-        descale_v=fwd_scales["descale_v"],
-        descale_o=1.0 / fwd_scales["scale_o"],
-        descale_do=descale_do,
-        descale_s=fwd_scales["descale_s"],
-        scale_s=fwd_scales["scale_s"],
-        scale_dp=one,
-        descale_dp=one,
-        scale_dq=one,
-        scale_dk=one,
-        scale_dv=one,
-    )
+    scales = sdpa_fp8_backward_scales(fwd_scales, descale_do)
     first = reference_attention.sdpa_fp8_backward(q, k, v, o, d_o, stats, scales, attn_scale)
     for name in ("dp", "dq", "dk", "dv"):
         scales[f"scale_{name}"] = scale_for(first[f"amax_{name}"].to(device), bwd_dtype)

@@ -1,5 +1,6 @@
-"""What the step graph and the microbatch graph share: the static batch, the checks on the model,
-and one microbatch's scale updates, forward, loss and backward as warmup and capture run it.
+"""What the step graph and the microbatch graph share: the static batch, the checks on the model
+(at capture; the replay guard after it) and one microbatch's scale updates, forward, loss and
+backward as warmup and capture run it.
 
 One microbatch, in order (the eager loop with one fp8_autocast region per microbatch runs the
 same updates at the same logical points, so both give the same bits):
@@ -12,19 +13,15 @@ same updates at the same logical points, so both give the same bits):
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import nn
 
 from graphfp8.fp8 import scaling
-from graphfp8.fp8.arena_check import check_arenas
 from graphfp8.fp8.autocast import STATE
-from graphfp8.graphs.capture import _init_fp8_modules
-from graphfp8.graphs.replay import hook_dicts
-from graphfp8.modules.base import FP8Module
+from graphfp8.graphs.capture_checks import check_no_hooks
+from graphfp8.graphs.replay_guard import ReplayGuard, module_names
 
-__all__ = ["StaticBatch", "TrainBody", "freeze_arenas", "init_fp8", "split_batch"]
+__all__ = ["StaticBatch", "TrainBody", "split_batch"]
 
 
 def _as_tuple(part, name: str, what: str) -> tuple[torch.Tensor, ...]:
@@ -117,11 +114,6 @@ class StaticBatch:
                 s.copy_(g)
 
 
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
-_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
-
-
 class TrainBody:
     """A model and its loss, run one microbatch at a time by warmup and capture.
 
@@ -152,39 +144,32 @@ class TrainBody:
         self.device = devices.pop()
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"{name}: unsupported device {self.device}")
-        self.hook_dicts = hook_dicts(list(model.modules()))
-        self.check_hooks(at_capture=True)
+        named = list(model.named_parameters())
+        check_no_hooks(name, list(model.modules()), [p for _, p in named], [n for n, _ in named])
+        self.training = model.training  # the mode the graph is captured in
         self.has_grad: list[bool] | None = None  # which parameters get a gradient (first run)
 
-    # Checks, at capture and before every replay ------------------------------------------------
+    # Before every replay ------------------------------------------------------------------------
 
-    def check_hooks(self, at_capture: bool = False) -> None:
-        """Module hooks (global ones included) and frozen parameters before every replay: Python
-        that a graph would not run, or a change of what it trains. Parameter hooks only at
-        capture: reading them costs ~0.5 us per parameter, too much for every replay."""
-        when = "when captured" if at_capture else "after capture"
-        if any(self.hook_dicts):
-            raise RuntimeError(
-                f"{self.name}: hooks on the model's modules (or global module hooks) {when}; a "
-                "captured graph does not run hooks"
-            )
-        if at_capture and (any(map(_TENSOR_HOOKS, self.params))
-                           or any(map(_ACCUMULATE_HOOKS, self.params))):  # fmt: skip
-            raise RuntimeError(
-                f"{self.name}: parameters must have no hooks when captured (register_hook, "
-                "register_post_accumulate_grad_hook); a captured graph does not run them"
-            )
-        if not all(map(_REQUIRES_GRAD, self.params)):
-            raise RuntimeError(
-                f"{self.name}: a trained parameter was set to requires_grad=False after capture; "
-                "the graph would still train it: capture again"
-            )
+    def replay_guard(self, recapture: str) -> ReplayGuard:
+        """The guard of the captured model, checked before every replay (graphs/replay_guard.py)."""
+        names = module_names([("", self.model)])
+        return ReplayGuard(self.name, list(self.model.modules()), names, [], recapture)
 
-    def check_not_in_autocast(self) -> None:
+    def check_call(self) -> None:
+        """Outside fp8_autocast (the graph carries its own FP8 state), in the captured mode."""
         if STATE.enabled and STATE.capture is None:
             raise RuntimeError(
                 f"{self.name}: a graphed step carries its own FP8 state and scale updates; call "
                 "it outside fp8_autocast"
+            )
+        if self.model.training != self.training:
+            mode = "train" if self.training else "eval"
+            raise RuntimeError(
+                f"{self.name}: captured in {mode} mode, called with model.training="
+                f"{self.model.training}; the graph holds the {mode}-mode forward (Dropout, batch "
+                "norm statistics). Put the model back in that mode, run other modes eagerly "
+                f"(under torch.no_grad() for evaluation), or capture a graph in the other mode"
             )
 
     # One microbatch ----------------------------------------------------------------------------
@@ -230,21 +215,3 @@ class TrainBody:
     def grad_params(self) -> list[torch.Tensor]:
         """The parameters that get a gradient, in parameter order (after a first run)."""
         return [p for p, h in zip(self.params, self.has_grad, strict=True) if h]
-
-
-def init_fp8(model: nn.Module, recipe, fp8_group, device) -> None:
-    """Allocates the slots of the model's FP8 modules in fresh arenas and checks, before warmup,
-    that every rank of fp8_group holds the same ones (raising on every rank otherwise)."""
-    scaling.new_init_group()
-    fp8_modules = [m for m in model.modules() if isinstance(m, FP8Module)]
-    check_arenas(_init_fp8_modules(fp8_modules, recipe, device), fp8_group)
-
-
-def freeze_arenas(capture, fp8_group) -> tuple[list, list]:
-    """The arenas the warmup reached (checked across ranks, then frozen): (forward, backward)."""
-    arenas = sorted(capture.arenas.values(), key=lambda a: a.serial)
-    check_arenas(arenas, fp8_group)  # arenas that warmup allocated; never inside a capture
-    for arena in arenas:
-        arena.frozen = True
-    fwd = [a for a in arenas if a.direction == scaling.FORWARD]
-    return fwd, [a for a in arenas if a.direction == scaling.BACKWARD]

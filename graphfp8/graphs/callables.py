@@ -1,0 +1,273 @@
+"""make_graphed_callables: capture callables with their FP8 state inside the graphs, one graph pair
+per callable (per (chunk, microbatch, layer) with a pipeline `order`), replayed through autograd.
+
+The phases (graphs/callable_phases.py) run inside the capture session every entry point shares
+(graphs/session.py); the runners are built once at the end and frozen (graphs/runner.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from graphfp8.fp8.recipe import DelayedScaling, Recipe
+from graphfp8.graphs.callable_phases import (
+    Sample,
+    capture_backwards,
+    capture_forwards,
+    prepare,
+    warmup,
+)
+from graphfp8.graphs.capture_checks import check_distinct, check_no_hooks, check_options
+from graphfp8.graphs.compiled import check_not_compiled, opaque_to_dynamo
+from graphfp8.graphs.fp8_init import fp8_modules_in, unique
+from graphfp8.graphs.function import GraphedFunction
+from graphfp8.graphs.lifecycle import CapturedGraphs, refuse_deepcopy, undone_on_failure
+from graphfp8.graphs.replay_guard import ReplayGuard, module_names, owner_modules
+from graphfp8.graphs.runner import GraphedRunner, InputSpec
+from graphfp8.graphs.schedule import Layout
+from graphfp8.graphs.session import CaptureSession
+from graphfp8.graphs.weight_flag import WeightCacheFlag
+from graphfp8.modules.base import FP8Module
+
+__all__ = ["make_graphed_callables"]
+
+_NAME = "make_graphed_callables"
+_RECAPTURE = "call reset() on the graphed callable and capture again"
+
+
+def make_graphed_callables(
+    callables,
+    sample_args,
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    sample_kwargs=None,
+    fp8_enabled: bool = False,
+    fp8_recipe: Recipe | None = None,
+    fp8_weight_caching: bool = False,
+    fp8_group=None,
+    pool=None,
+    order=None,
+    chain: bool = False,
+):
+    """Captures callables (modules or functions) into CUDA graphs (GPU) or replay tapes (CPU).
+
+    Args:
+        callables: one callable or a tuple of them, run in this order on every microbatch (with
+            `order`: the layers of the model chunks, chunk-major).
+        sample_args: a tuple of tensors per callable (a tuple of tuples for several; with
+            `order`, one per (chunk, microbatch, layer), chunk-major); they become the static
+            inputs, and their requires_grad must be that of the real inputs. One tensor given
+            at several positions is one input (its gradient summed once, as eagerly).
+        num_warmup_iters: eager iterations before capture (>= 1 with FP8: they find the FP8
+            arenas the graphs update); their FP8 and RNG effects are undone.
+        allow_unused_input: let inputs get no gradient.
+        sample_kwargs: a dict of tensors per callable (a tuple of dicts for several).
+        fp8_enabled: run graphfp8 modules in FP8 inside the graphs.
+        fp8_recipe: a DelayedScaling or Float8CurrentScaling (DelayedScaling() when None).
+        fp8_weight_caching: guard the weight casts with a device flag driven by the
+            is_first_microbatch argument of each call (True/None cast, False reuses the cache).
+        fp8_group: torch.distributed group whose ranks MAX-reduce amaxes inside the graphs,
+            with every scale update (once per microbatch per direction). Every rank of the
+            group must call make_graphed_callables with the same modules and recipe: the ranks
+            check this before warmup and raise on every rank otherwise. Gradients are not
+            reduced here: call distributed.allreduce_gradients once per optimizer step.
+        pool: a memory pool handle shared with other graphs (CUDA).
+        order: a pipeline schedule, TransformerEngine's convention: +c runs the forward of
+            model chunk c (1-based) for its next microbatch, -c its backward (see
+            graphs/schedule.py). One graph pair per (chunk, microbatch, layer), captured and
+            replayed in this order, each unit's FP8 updates in its own graphs.
+        chain: callable j+1 is called on callable j's first output (per-layer graphs of a
+            stack): each is captured reading the previous one's static output and writing its
+            input gradient where the previous backward reads it, so no copy runs between them.
+            Not with `order`.
+
+    Returns:
+        The graphed callables, in the shape given. Modules are returned with `forward`
+        replaced (with `order`: one function per (chunk, microbatch, layer), chunk-major, and
+        modules keep their forward); each accepts `is_first_microbatch=` and has
+        `captured_ops()`, `captured_kernels()` and `reset()`, which frees the graphs of the
+        whole capture and gives the modules their eager forward back.
+
+    The rules after capture, each checked before anything runs (docs/after-capture.md):
+
+    .. warning:: Outputs are static buffers that the next replay overwrites: clone to keep.
+    .. warning:: Calls follow the captured order: forwards in turn, backwards in reverse.
+    .. warning:: Inputs keep the captured shapes, dtypes, devices, requires_grad, aliasing.
+    .. warning:: Modules keep their parameters, buffers, storage, requires_grad; no hooks.
+    .. warning:: Inside fp8_autocast, only with the capture's recipe, fp8_group, enabled flag.
+    .. warning:: With fp8_weight_caching, is_first_microbatch=True after every optimizer step.
+    .. warning:: Another training mode than captured runs the module eagerly (torch's rule).
+    .. warning:: Capture first, then torch.compile around the graphed callables.
+    """
+    just_one, callables, sample_args, sample_kwargs = _normalize(callables, sample_args,
+                                                                 sample_kwargs, order)  # fmt: skip
+    layout = Layout(len(callables), len(sample_args), order)
+    if chain and layout.explicit:
+        raise ValueError(f"{_NAME}: chain=True chains the layers of one unit; not with order=")
+    check_not_compiled(callables)
+    check_options(_NAME, num_warmup_iters, fp8_enabled, fp8_recipe)
+    check_distinct(callables)
+    recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
+    funcs = [callables[i] for i in layout.callable_of]
+    samples, device = prepare(funcs, sample_args, sample_kwargs)
+    caching = fp8_enabled and fp8_weight_caching
+    flag = WeightCacheFlag(torch.zeros(1, device=device) if caching else None, fp8_enabled,
+                           fp8_weight_caching)  # fmt: skip
+    graphs = CapturedGraphs(layout, [s.name for s in samples], fp8_enabled, recipe, fp8_group,
+                            device)  # fmt: skip
+    chunks = [fp8_modules_in([m for j in layout.units[(c, 0)].runners for m in _trees(samples[j])])
+              for c in range(layout.num_chunks)]  # fmt: skip
+    session = CaptureSession(device, fp8_enabled=fp8_enabled, recipe=recipe, fp8_group=fp8_group,
+                             weight_cache_flag=flag.tensor, pool=pool)  # fmt: skip
+    with session, undone_on_failure(unique(m for c in chunks for m in c), samples, callables):
+        session.init_fp8(chunks)
+        warmup(samples, num_warmup_iters, allow_unused_input, session)
+        session.freeze_arenas()
+        built = _capture_units(samples, layout, session, allow_unused_input, chain)
+        chained = _followers(layout) if chain else set()
+        runners = [_runner(s, *built[s.index], graphs, flag, s.index in chained) for s in samples]
+    wrapped = [
+        _wrap(f, r, replace_forward=not layout.explicit)
+        for f, r in zip(funcs, runners, strict=True)
+    ]
+    graphs.register(runners, funcs, [undo for _, undo in wrapped], _skippable(samples, layout))
+    graphed = tuple(g for g, _ in wrapped)
+    return graphed[0] if just_one else graphed
+
+
+def _normalize(callables, sample_args, sample_kwargs, order):
+    """(just one callable given, callables, sample_args, sample_kwargs) as tuples."""
+    just_one = not isinstance(callables, tuple)
+    if just_one:
+        if order is not None:
+            raise ValueError(f"{_NAME}: order needs a tuple of callables")
+        callables, sample_args, sample_kwargs = (callables,), (sample_args,), (sample_kwargs,)
+    elif sample_kwargs is None:
+        sample_kwargs = (None,) * len(sample_args)
+    if len(sample_args) != len(sample_kwargs) or (
+        order is None and len(callables) != len(sample_args)
+    ):
+        raise ValueError(f"{_NAME}: need one sample_args entry per callable")
+    return just_one, callables, sample_args, sample_kwargs
+
+
+def _trees(s: Sample) -> list[nn.Module]:
+    """The module trees of a callable: its own, or those a plain function closes over."""
+    return s.modules[:1] + s.closure
+
+
+def _followers(layout: Layout) -> set[int]:
+    """Runners that are not the first of their unit (chain=True reads their predecessor)."""
+    return {j for unit in layout.units.values() for j in unit.runners[1:]}
+
+
+def _skippable(samples: list[Sample], layout: Layout) -> set[int]:
+    """Callables a microbatch may leave out (graphs/schedule.py): without `order`, those after the
+    first whose FP8 arenas are all the first one's (whose graphs hold the scale updates)."""
+    if layout.explicit:
+        return set()
+    first = samples[0].arenas.keys()
+    return {s.index for s in samples[1:] if s.arenas.keys() <= first}
+
+
+def _capture_units(samples, layout: Layout, session: CaptureSession, allow_unused: bool,
+                   chain: bool) -> dict:  # fmt: skip
+    """The forwards and backwards of each unit, in the layout's order: {runner: (Forward,
+    Backward)}."""
+    forwards, built = {}, {}
+    with session.capture_phase():
+        for kind, unit in layout.steps:
+            unit_samples = [samples[j] for j in unit.runners]
+            used = {k: a for s in unit_samples for k, a in s.arenas.items()}
+            arenas = sorted(used.values(), key=lambda a: a.serial)
+            if kind == "forward":
+                fwds = capture_forwards(unit_samples, arenas, session, chain)
+                forwards.update(zip(unit.runners, fwds, strict=True))
+            else:
+                fwds = [forwards[j] for j in unit.runners]
+                bwds = capture_backwards(unit_samples, fwds, arenas, session, allow_unused, chain)
+                built.update({j: (forwards[j], b) for j, b in zip(unit.runners, bwds, strict=True)})
+    return built
+
+
+def _guard(s: Sample) -> ReplayGuard:
+    """What a callable's graphs assume about its modules. A plain function's modules are those it
+    closes over whose parameters it was found to use; they must have no hooks either."""
+    if s.closure:
+        modules = owner_modules(s.closure, s.params)
+        check_no_hooks(s.name, modules, [], [])
+        roots = [(type(c).__name__, c) for c in s.closure]
+    else:
+        modules = s.modules
+        roots = [("", s.func)] if isinstance(s.func, nn.Module) else []
+    owned = {id(p) for m in modules for p in m._parameters.values()}
+    outside = [(n, p) for n, p in zip(s.param_names, s.params, strict=True) if id(p) not in owned]
+    return ReplayGuard(s.name, modules, module_names(roots), outside, _RECAPTURE)
+
+
+def _runner(s: Sample, fwd, bwd, graphs, flag, chained: bool) -> GraphedRunner:
+    """The frozen runner of a captured sample."""
+    anchor = torch.empty(0, requires_grad=any(p.requires_grad for p in s.params))
+    # Its AccumulateGrad node: a backward that will not run it asks for a subset of gradients.
+    node = anchor.view_as(anchor).grad_fn.next_functions[0][0] if anchor.requires_grad else None
+    spec = InputSpec.of(s.static_inputs, s.kwarg_names, s.alias_of)
+    expects = any(g is not None for g in bwd.grad_outputs) and (
+        anchor.requires_grad or any(t.requires_grad for t in s.static_inputs)
+    )
+    return GraphedRunner(
+        name=s.name, index=s.index, graphs=graphs, weight_cache_flag=flag, guard=_guard(s),
+        uses_fp8=bool(s.arenas) or any(isinstance(m, FP8Module) for m in s.modules), spec=spec,
+        static_inputs=s.static_inputs, copies=spec.copies, chained=chained,
+        params=tuple(s.params), param_names=tuple(s.param_names), fwd_graph=fwd.graph,
+        bwd_graph=bwd.graph, static_outputs=fwd.outputs, out_spec=fwd.out_spec,
+        static_grad_outputs=bwd.grad_outputs, static_grad_inputs=bwd.grad_inputs,
+        accumulator=bwd.accumulator, expects_grad=expects, grad_anchor=anchor, anchor_node=node,
+    )  # fmt: skip
+
+
+def _wrap(func, runner: GraphedRunner, replace_forward: bool = True):
+    """(the graphed callable, undo or None). A module gets its forward replaced (undo puts it
+    back at reset()) unless replace_forward is False (pipeline schedules: several graphs per
+    module, each returned as a function)."""
+
+    @opaque_to_dynamo
+    def graphed(*args, is_first_microbatch=None, **kwargs):
+        flat = runner.check_call(args, kwargs, is_first_microbatch)
+        expects_backward = runner.expects_grad and torch.is_grad_enabled()
+        outs = GraphedFunction.apply(runner, expects_backward, runner.grad_anchor, *flat)
+        return runner.outputs(outs)
+
+    def captured_ops() -> dict[str, list[str]]:
+        """The dispatcher ops each graph recorded: {'forward': [...], 'backward': [...]}."""
+        return {"forward": runner.fwd_graph.op_names, "backward": runner.bwd_graph.op_names}
+
+    def captured_kernels() -> dict[str, list[str]]:
+        """What each graph replays: CUDA kernel nodes on the GPU, tape ops on the CPU."""
+        return {"forward": runner.fwd_graph.kernels(), "backward": runner.bwd_graph.kernels()}
+
+    extras = dict(captured_ops=captured_ops, captured_kernels=captured_kernels,
+                  reset=runner.graphs.reset)  # fmt: skip
+    if not isinstance(func, nn.Module):
+        vars(graphed).update(extras, runner=runner)
+        return graphed, None
+    training = func.training
+    eager_forward = func.forward
+
+    def forward(*args, **kwargs):  # is_first_microbatch among kwargs, when given
+        if func.training != training:  # torch's rule: other modes run the eager forward
+            return eager_forward(*args, **kwargs)
+        return graphed(*args, **kwargs)
+
+    if not replace_forward:
+        vars(forward).update(extras, runner=runner)
+        return forward, None
+    added = dict(extras, forward=forward, graphed_runner=runner,
+                 __deepcopy__=refuse_deepcopy(func))  # fmt: skip
+    vars(func).update(added)
+
+    def undo() -> None:
+        for key in added:
+            vars(func).pop(key, None)
+
+    return func, undo

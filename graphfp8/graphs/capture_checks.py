@@ -1,0 +1,112 @@
+"""Capture-time checks, run before anything runs: the options every entry point shares (warmup
+count, recipe), and what makes a callable, a model or a set of sample inputs uncapturable (hooks,
+a module given twice, inputs that alias in ways a graph cannot follow)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from graphfp8.fp8.recipe import check_recipe
+from graphfp8.graphs.replay_guard import hook_dicts, tensor_hooks
+
+__all__ = ["check_distinct", "check_inputs_alias", "check_no_hooks", "check_options"]
+
+
+def check_options(name: str, num_warmup_iters, fp8_enabled: bool, fp8_recipe,
+                  minimum: int = 0) -> None:  # fmt: skip
+    """Raises for a warmup count or recipe that the entry point `name` cannot honour.
+
+    Args:
+        minimum: the fewest warmup iterations the entry point needs without FP8 (FP8 needs one:
+            the warmup finds the arenas whose scale updates the graphs hold).
+    """
+    iters = num_warmup_iters
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < minimum:
+        raise ValueError(f"{name}: num_warmup_iters must be an int >= {minimum}, got {iters!r}")
+    if fp8_enabled and iters < 1:
+        raise ValueError(
+            f"{name}: fp8_enabled needs num_warmup_iters >= 1: the warmup finds the FP8 arenas "
+            "whose scale updates the graphs hold (without it they held none, and every scale "
+            "stayed 1.0)"
+        )
+    check_recipe(fp8_recipe, f"{name}: fp8_recipe")
+
+
+def check_distinct(callables) -> None:
+    """Raises if one module is given twice: its forward cannot replay two captures."""
+    seen = {}
+    for i, func in enumerate(callables):
+        if id(func) in seen and isinstance(func, nn.Module):
+            raise ValueError(
+                f"make_graphed_callables: callables {seen[id(func)]} and {i} are the same "
+                f"{type(func).__name__}; to capture a layer for several microbatches of a "
+                "pipeline schedule, pass it once and give order="
+            )
+        seen[id(func)] = i
+
+
+def check_no_hooks(name: str, modules, params, param_names) -> None:
+    """Raises if the modules (or torch, globally) have module hooks, or the parameters tensor
+    hooks: Python that a captured graph would not run."""
+    if any(hook_dicts(modules)):
+        raise RuntimeError(
+            f"{name}: modules must have no hooks when captured (module or global module hooks); "
+            "a captured graph does not run them"
+        )
+    hooked = tensor_hooks(params)
+    if hooked:
+        raise RuntimeError(
+            f"{name}: parameters {[param_names[i] for i in hooked]} have tensor hooks "
+            "(register_hook, register_post_accumulate_grad_hook); the captured backward folds "
+            "gradients into .grad without running them"
+        )
+
+
+def check_inputs_alias(name: str, inputs: list[torch.Tensor]) -> list[int]:
+    """How the sample inputs share memory, as a graph can follow it.
+
+    The same tensor at several positions is one static input (its gradient is summed once, as
+    eagerly), and later calls must pass one tensor at those positions too. Distinct tensors that
+    overlap in memory (x and x[1:]) are refused: the input copies of a replay would overwrite
+    each other. Views of one storage that do not overlap (qkv.chunk(3)) are fine.
+
+    Returns:
+        alias_of: for each position, the first position that holds the same tensor.
+    """
+    first: dict[int, int] = {}
+    alias_of = [first.setdefault(id(t), i) for i, t in enumerate(inputs)]
+    distinct = [inputs[i] for i in sorted(set(alias_of))]
+    by_storage: dict[tuple, list[torch.Tensor]] = {}
+    for t in distinct:
+        if t.numel():
+            key = (t.device, t.untyped_storage().data_ptr())
+            by_storage.setdefault(key, []).append(t)
+    for group in by_storage.values():
+        if len(group) > 1 and _overlap(group):
+            positions = [i for i, t in enumerate(inputs) if any(t is g for g in group)]
+            raise ValueError(
+                f"{name}: sample arguments {positions} are different tensors that overlap in "
+                "memory (views of one storage); a replay copies each into its own static "
+                "buffer, so they would overwrite each other. Pass the same tensor at each of "
+                "those positions, or tensors that do not overlap"
+            )
+    return alias_of
+
+
+def _overlap(views: list[torch.Tensor]) -> bool:
+    """Whether any element of one view is an element of another (views of one storage): each
+    view marks its bytes in a map of the storage."""
+    storage = views[0].untyped_storage()
+    marks = torch.zeros(storage.nbytes(), dtype=torch.uint8, device=views[0].device)
+    for v in views:
+        if v.dtype != views[0].dtype:
+            return True  # one storage read as two dtypes: treat as overlapping
+        size = v.element_size()
+        # The bytes of every element: a (numel, element size) view of the byte map.
+        shape, stride = (*v.shape, size), (*(s * size for s in v.stride()), 1)
+        region = marks.as_strided(shape, stride, v.storage_offset() * size)
+        if region.any():
+            return True
+        region.fill_(1)
+    return False

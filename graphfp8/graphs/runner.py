@@ -1,0 +1,218 @@
+"""One captured callable as its replays see it (GraphedRunner): built once at the end of
+make_graphed_callables and frozen, with the checks made before every replay and the replays of
+its two graphs (the autograd.Function that calls them: graphs/function.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_unflatten
+
+from graphfp8.profiling import nvtx_range
+
+__all__ = ["GraphedRunner", "InputSpec"]
+
+
+def _tensor_text(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}, requires_grad={t.requires_grad}"
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What every call must pass, fixed at capture (the checks compare these, nothing else).
+
+    Attributes:
+        kwarg_names: the keyword arguments, in the order of the static inputs.
+        shapes, dtypes, devices, requires_grad: of each flat input (args, then kwargs).
+        alias_of: for each position, the first position that held the same sample tensor.
+    """
+
+    kwarg_names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    devices: tuple[torch.device, ...]
+    requires_grad: tuple[bool, ...]
+    alias_of: tuple[int, ...]
+
+    @classmethod
+    def of(cls, static_inputs, kwarg_names, alias_of) -> InputSpec:
+        return cls(tuple(kwarg_names), tuple(t.shape for t in static_inputs),
+                   tuple(t.dtype for t in static_inputs), tuple(t.device for t in static_inputs),
+                   tuple(t.requires_grad for t in static_inputs), tuple(alias_of))  # fmt: skip
+
+    @property
+    def copies(self) -> tuple[int, ...]:
+        """The positions a replay copies into (one per distinct static input)."""
+        return tuple(i for i, a in enumerate(self.alias_of) if a == i)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class GraphedRunner:
+    """One captured callable: its graphs, static buffers and checks (frozen: nothing writes it
+    after capture; reset() releases what it holds).
+
+    Attributes:
+        name: "graphed callable j (Type)", for messages.
+        index: its place in its capture's schedule (the runner index of schedule.Layout).
+        graphs: the CapturedGraphs of its capture (schedule, FP8 settings, reset).
+        weight_cache_flag: the is_first_microbatch device flag of its capture.
+        guard: what it assumes about its modules (graphs/replay_guard.py).
+        uses_fp8: it runs FP8 modules (inside fp8_autocast it must match the region).
+        spec: what every call must pass.
+        static_inputs: the flat tensors the forward graph reads (args, then kwargs; positions
+            that held one sample tensor hold one static tensor).
+        copies: the positions replay_forward copies into (spec.copies).
+        chained: static input 0 is the previous callable's static output 0 (chain=True).
+        params: the parameters whose gradients go through `accumulator`, not autograd: the
+            module's own and those its outputs were found to depend on (graphs/discover.py).
+        param_names: a name per parameter, for messages.
+        fwd_graph, bwd_graph: the two graphs (graphs/backends.py).
+        static_outputs: flat output tensors the forward graph writes; out_spec rebuilds them.
+        static_grad_outputs: one buffer per output that requires grad (None otherwise).
+        static_grad_inputs: one gradient per input position; None where there is none.
+        accumulator: the parameter gradients' fold into .grad (graphs/grads.py), or None.
+        expects_grad: a forward with grad enabled leaves a backward to run.
+        grad_anchor: makes the outputs require grad when only parameters do.
+        anchor_node: grad_anchor's AccumulateGrad node (None when it does not require grad): a
+            backward that will not run it asks for a subset of the gradients.
+    """
+
+    name: str
+    index: int
+    graphs: object
+    weight_cache_flag: object
+    guard: object
+    uses_fp8: bool
+    spec: InputSpec
+    static_inputs: list[torch.Tensor]
+    copies: tuple[int, ...]
+    chained: bool
+    params: tuple[torch.Tensor, ...]
+    param_names: tuple[str, ...]
+    fwd_graph: object
+    bwd_graph: object
+    static_outputs: list[torch.Tensor]
+    out_spec: object
+    static_grad_outputs: list[torch.Tensor | None]
+    static_grad_inputs: list[torch.Tensor | None]
+    accumulator: object
+    expects_grad: bool
+    grad_anchor: torch.Tensor
+    anchor_node: object
+
+    def __repr__(self) -> str:
+        return f"GraphedRunner({self.name!r})"
+
+    def check_call(self, args, kwargs, is_first_microbatch) -> list:
+        """Validates a call before anything runs; returns the flat user tensors."""
+        if self.graphs.closed:
+            raise RuntimeError(
+                f"{self.name}: reset() released its graphs; call make_graphed_callables again"
+            )
+        self.graphs.check_fp8_region(self)
+        spec = self.spec
+        if kwargs or spec.kwarg_names:
+            if sorted(kwargs) != sorted(spec.kwarg_names):
+                raise TypeError(
+                    f"{self.name}: captured with keyword arguments {sorted(spec.kwarg_names)}, "
+                    f"called with {sorted(kwargs)}"
+                )
+            flat = list(args) + [kwargs[k] for k in spec.kwarg_names]
+        else:
+            flat = list(args)
+        if len(flat) != len(spec.shapes):
+            raise TypeError(
+                f"{self.name}: captured with {len(spec.shapes)} tensor arguments, called with "
+                f"{len(flat)}"
+            )
+        for i, a in enumerate(flat):
+            if not isinstance(a, torch.Tensor):
+                raise TypeError(f"{self.name}: argument {i} must be a tensor, got {type(a)}")
+            if (a.shape != spec.shapes[i] or a.dtype != spec.dtypes[i]
+                    or a.requires_grad != spec.requires_grad[i]
+                    or a.device != spec.devices[i]):  # fmt: skip
+                raise ValueError(
+                    f"{self.name}: argument {i} is {_tensor_text(a)}, but the graph was captured "
+                    f"for {_tensor_text(self.static_inputs[i])}; capture another graph for "
+                    "other inputs"
+                )
+        if len(flat) > 1:
+            self._check_aliasing(flat)
+        if self.chained and flat[0].data_ptr() != self.static_inputs[0].data_ptr():
+            self._check_chain_input()
+        self.guard.check()
+        self.graphs.schedule.check_forward(self.index)
+        self.weight_cache_flag.set(is_first_microbatch)
+        return flat
+
+    def _check_aliasing(self, flat) -> None:
+        """Positions that held one sample tensor must hold one tensor (the graph reads one
+        buffer for them); distinct ones that require grad must be distinct (each gets its own
+        gradient, which autograd would sum in another order than eager mode does)."""
+        alias_of = self.spec.alias_of
+        given: dict[int, int] = {}
+        for i, t in enumerate(flat):
+            first = given.setdefault(id(t), i)
+            if alias_of[i] != i and flat[alias_of[i]] is not t:
+                raise ValueError(
+                    f"{self.name}: captured with one tensor at arguments {alias_of[i]} and {i} "
+                    "(its gradient summed once, as eagerly); pass one tensor at both, or "
+                    "capture with distinct sample tensors"
+                )
+            if first != i and alias_of[i] == i and t.requires_grad:
+                raise ValueError(
+                    f"{self.name}: arguments {first} and {i} are one tensor, but the graph was "
+                    "captured with distinct tensors there; capture with the same tensor at both "
+                    "positions (sample_args=(s, s, ...)) to get eager's gradient"
+                )
+
+    def _check_chain_input(self) -> None:
+        """chain=True: static input 0 is the previous callable's output buffer. Another tensor is
+        copied into it, which is safe only while no backward still needs that output."""
+        if self.graphs.schedule.is_pending(self.index - 1):
+            raise ValueError(
+                f"{self.name}: captured with chain=True, it reads the previous callable's output "
+                "buffer; pass it that output (or capture without chain=True for inputs from "
+                "elsewhere): copying another tensor there would overwrite what the previous "
+                "callable's pending backward may read"
+            )
+
+    def replay_forward(self, flat_inputs) -> None:
+        for i in self.copies:
+            static, given = self.static_inputs[i], flat_inputs[i]
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        with nvtx_range("replay-forward"):
+            self.fwd_graph.replay()
+
+    def replay_backward(self, grads) -> tuple:
+        for static, given in zip(self.static_grad_outputs, grads, strict=True):
+            if static is not None and given is not None and static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        acc = self.accumulator
+        with nvtx_range("replay-backward"):
+            if acc is None:
+                self.bwd_graph.replay()
+            elif torch._C._will_engine_execute_node(self.anchor_node):
+                acc.before_replay()
+                self.bwd_graph.replay()
+                acc.after_replay()
+            else:  # torch.autograd.grad(loss, x), backward(inputs=[x]): .grad stays as it was
+                acc.replay_leaving_grads(self.bwd_graph)
+        # Returned without detach(): the runner keeps a reference, so AccumulateGrad clones
+        # them into a leaf input's .grad instead of stealing a static buffer that the next
+        # replay overwrites.
+        return tuple(self.static_grad_inputs)
+
+    def outputs(self, flat):
+        return tree_unflatten(list(flat), self.out_spec)
+
+    def release(self) -> None:
+        """Drops the graphs and static buffers (reset()); the runner stays, empty."""
+        for g in (self.fwd_graph, self.bwd_graph, getattr(self.accumulator, "reset_graph", None)):
+            if g is not None:
+                g.release()
+        for buffers in (self.static_inputs, self.static_outputs, self.static_grad_outputs,
+                        self.static_grad_inputs):  # fmt: skip
+            buffers.clear()

@@ -1,0 +1,56 @@
+"""Small misuse cases of issue 25 and of the round in notes/MISUSE.md: Float8Tensor.tolist()/numpy()
+(torch refused them for a tensor subclass, naming no alternative), a build that says what it
+builds before a silent minute, memory_report's arguments, a recipe object in a checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphfp8 as g8
+from graphfp8.fp8.primary import quantize_weight
+from graphfp8.memory import memory_report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_float8_tensor_tolist_and_numpy_give_the_dequantized_values():
+    t = quantize_weight(torch.randn(3, 4))
+    assert t.tolist() == t.dequantize().tolist()
+    assert (t.numpy() == t.dequantize().numpy()).all()
+    b = quantize_weight(torch.randn(3, 4, dtype=torch.bfloat16))
+    assert b.tolist() == b.dequantize().tolist()
+    with pytest.raises(TypeError, match=r"dequantize\(torch.float32\).numpy\(\)"):
+        b.numpy()
+
+
+def test_the_build_says_what_it_builds():
+    done = subprocess.run([sys.executable, "setup.py", "build_ext", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "graphfp8: building the extension graphfp8._C from" in done.stderr
+    assert "a minute or more" in (ROOT / "Makefile").read_text()
+
+
+def test_memory_report_refuses_what_it_cannot_count():
+    m = g8.Linear(32, 32)
+    with pytest.raises(TypeError, match="model must be an nn.Module, got Tensor"):
+        memory_report(torch.randn(3))
+    with pytest.raises(TypeError, match=r"graphed= takes what make_graphed_callables returned"):
+        memory_report(m, graphed=[m])  # not graphed: it was silently left out
+
+
+def test_a_checkpoint_may_hold_a_recipe_object():
+    recipe = g8.DelayedScaling(amax_history_len=4)
+    m = g8.Linear(32, 32)
+    with g8.fp8_autocast(recipe=recipe):
+        m(torch.randn(16, 32))
+    state = m.state_dict()
+    state["_extra_state"]["recipe"] = recipe
+    other = g8.Linear(32, 32)
+    other.load_state_dict(state)
+    assert other.fp8_meta.recipe == recipe
