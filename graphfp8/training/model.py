@@ -73,7 +73,7 @@ PRESETS = {
         hidden=1024, heads=16, ffn=4096, layers=24, seq_len=1024, batch=8, lr=3e-4
     ),  # fmt: skip
     # Llama-style blocks: RMSNorm, 4 key/value heads for 16 (head_dim 64), SwiGLU of F = 2816
-    # (~8/3 h), no biases, RoPE. 101M parameters, the 100m preset's depth plus one.
+    # (~8/3 h), no biases, RoPE. 102M parameters, the 100m preset's depth plus one.
     "llama-100m": ModelConfig(
         hidden=1024,
         heads=16,
@@ -87,15 +87,7 @@ PRESETS = {
     ),  # fmt: skip
     # The same block at the tiny preset's size (CPU runs and tests).
     "llama-tiny": ModelConfig(
-        hidden=64,
-        heads=4,
-        ffn=176,
-        layers=2,
-        seq_len=64,
-        batch=8,
-        lr=3e-3,
-        kv_heads=2,
-        **_LLAMA,
+        hidden=64, heads=4, ffn=176, layers=2, seq_len=64, batch=8, lr=3e-3, kv_heads=2, **_LLAMA
     ),  # fmt: skip
 }
 
