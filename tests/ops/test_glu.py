@@ -87,6 +87,13 @@ def test_matches_reference(device, variant, activation, hp_dtype, fp8_dtype, sha
         return
     values = _values(variant, activation, h, da)
     slack = torch.finfo(values.dtype).eps * values.double().abs() * 4
+    if variant != "forward" and activation == "geglu":
+        # gelu' sums two terms that can cancel, and gelu(g) = 0.5 g (1 + tanh) loses digits for
+        # g << 0: a few-ulp tanhf difference leaves an absolute error of about these sizes
+        # (tests/ops/test_cast_fused.py's dGELU slack).
+        g, u = h.double().chunk(2, dim=-1)
+        d = da.double()
+        slack = slack + torch.cat([(d * u).abs() * 2.0**-16, (d * g).abs() * 2.0**-20], dim=-1)
     _assert_fp8_close(got[0], want[0], scale, slack)
     torch.testing.assert_close(got[3], want[3], rtol=0.0, atol=float(slack.max()), msg="amax")
     if variant == "backward_dbias":
