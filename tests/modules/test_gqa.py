@@ -39,17 +39,21 @@ def _as_mha(gqa: g8.TransformerLayer) -> g8.TransformerLayer:
 @pytest.mark.parametrize("recipe", [None, g8.DelayedScaling(amax_history_len=4), DPA],
                          ids=["bf16", "fp8 gemms", "fp8 attention"])  # fmt: skip
 def test_gqa_equals_mha_with_repeated_kv_heads(device, recipe):
-    """The forward is the MHA layer's, bit for bit (with FP8 attention too: the K/V amaxes and
-    casts see the same values); each k/v head's weight gradient is the sum of its repeated
-    heads' - to float32 summation order in bf16; in FP8 the two quantize different gradients
-    (dK of the group summed, or dK per head) in E5M2, so they agree to its rounding only (>= 15
-    dB, the floor of HYBRID gradients through FP8 attention in test_attention.py)."""
+    """The forward is the MHA layer's, bit for bit on the CPU (with FP8 attention too: the K/V
+    amaxes and casts see the same values; on the GPU to 40 dB); each k/v head's weight gradient
+    is the sum of its repeated heads' - to float32 summation order in bf16; in FP8 the two
+    quantize different gradients (dK of the group summed, or dK per head) in E5M2, so they agree
+    to its rounding only (>= 15 dB, the floor of HYBRID gradients through FP8 attention in
+    test_attention.py)."""
     gqa, x = layer_and_input(device, groups=1)
     mha = _as_mha(gqa)
     xg, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
     with g8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
         yg, ym = gqa(xg), mha(xm)
-    assert_bitwise_equal(yg, ym, "output")
+    if device == "cpu":
+        assert_bitwise_equal(yg, ym, "output")
+    else:  # GPU kernels (flash / cuDNN) may tile a GQA call differently
+        assert sqnr(ym.float(), yg.float()) > 40.0
     dy = torch.randn_like(yg)
     yg.backward(dy)
     ym.backward(dy)
