@@ -15,7 +15,8 @@ EXT := build/.ext-built
 .PHONY: help setup install build test test-gpu gpu-check bench profile train lint format clean
 
 help:
-	@echo "setup      install torch $(TORCH_CPU_VERSION) (CPU) if torch is missing, plus nvtx/pytest/ruff"
+	@echo "setup      install torch $(TORCH_CPU_VERSION) (CPU) if torch is missing, plus nvtx/pytest/ruff/matplotlib"
+	@echo "           and transformers (the Hugging Face conversion's tests)"
 	@echo "install    setup + editable install of graphfp8; rebuilds graphfp8._C when csrc/ changed"
 	@echo "build      (re)build graphfp8._C in place, unconditionally"
 	@echo "test       CPU test suite (what CI runs)"
@@ -30,6 +31,7 @@ setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_CPU_VERSION)
 	@$(PYTHON) -c "import nvtx, pytest, ruff, matplotlib" 2>/dev/null || \
 		$(PIP) install -q nvtx pytest ruff matplotlib
+	@$(PYTHON) -c "import transformers" 2>/dev/null || $(PIP) install -q "transformers>=4.48"
 
 # First install (editable; builds the extension), again only when the build files change.
 $(INSTALLED): $(BUILD_FILES)

@@ -117,7 +117,9 @@ struct FusedCastTransposeParams {
   float* workspace;     // CUDA with dbias: (ceil(rows / kDbiasPartialRows), cols) fp32 scratch
 };
 
-// Rotary position embedding of the q and k parts of a fused QKV tensor; the v part is copied.
+// Rotary position embedding of the q and k parts of a fused QKV tensor; the v part is copied. A
+// token's row holds heads q heads, then kv_heads k heads and kv_heads v heads (grouped-query
+// attention when kv_heads < heads; kv_heads == heads is the (3, heads, head_dim) layout).
 // For head_dim index i < half = head_dim / 2, with c = cos[s], n = sin[s]:
 //   forward   out[i] = x[i] c[i] - x[i+half] n[i],    out[i+half] = x[i+half] c[i+half] + x[i] n[i+half]
 //   inverse   (the backward: the transposed rotation applied to a gradient)
@@ -125,7 +127,7 @@ struct FusedCastTransposeParams {
 // in fp32, every product and sum rounded on its own (no fused multiply-add), then rounded to the
 // dtype, so CPU, CUDA and the PyTorch twin agree bit for bit.
 struct RopeParams {
-  const void* x;       // (batch, seq, 3, heads, head_dim), dtype, contiguous
+  const void* x;       // (batch, seq, heads + 2 * kv_heads, head_dim), dtype, contiguous
   void* out;           // same shape and dtype
   DType dtype;         // float32, bfloat16 or float16
   const float* cos;    // (>= seq, head_dim) float32, row-major
@@ -133,6 +135,7 @@ struct RopeParams {
   int64_t batch;
   int64_t seq;
   int64_t heads;
+  int64_t kv_heads;    // 1 <= kv_heads <= heads
   int64_t head_dim;    // even
   bool inverse;
 };

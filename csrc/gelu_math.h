@@ -3,6 +3,8 @@
 // The operation order is torch's (aten GeluKernel / GeluTanhBackward with opmath = float), so
 // that, rounded to bf16/fp16, the results match F.gelu(x, approximate="tanh") and
 // gelu_backward: only a 1-ulp fp32 difference of the tanh implementations can change a result.
+// The tanh is a parameter: tanhf for the GELU kernels, a double-precision tanh rounded to float
+// for the CPU GeGLU kernel (glu_math.h), whose PyTorch twin computes the same.
 #pragma once
 
 #include <cmath>
@@ -14,19 +16,26 @@ namespace graphfp8 {
 constexpr float kGeluBeta = static_cast<float>(1.41421356237309504880 * 1.12837916709551257390 * 0.5);
 constexpr float kGeluKappa = 0.044715f;
 
+// The C library's (host) or CUDA's (device) tanhf.
+struct TanhF {
+  GRAPHFP8_HOST_DEVICE float operator()(float v) const { return tanhf(v); }
+};
+
 // 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))
-GRAPHFP8_HOST_DEVICE float gelu_tanh(float x) {
+template <typename Tanh = TanhF>
+GRAPHFP8_HOST_DEVICE float gelu_tanh(float x, Tanh tanh_fn = Tanh{}) {
   const float x_cube = x * x * x;
   const float inner = kGeluBeta * (x + kGeluKappa * x_cube);
-  return 0.5f * x * (1.0f + tanhf(inner));
+  return 0.5f * x * (1.0f + tanh_fn(inner));
 }
 
 // dy * d gelu_tanh(x) / dx
-GRAPHFP8_HOST_DEVICE float dgelu_tanh(float dy, float x) {
+template <typename Tanh = TanhF>
+GRAPHFP8_HOST_DEVICE float dgelu_tanh(float dy, float x, Tanh tanh_fn = Tanh{}) {
   const float x_sq = x * x;
   const float x_cube = x_sq * x;
   const float inner = kGeluBeta * (x + kGeluKappa * x_cube);
-  const float tanh_inner = tanhf(inner);
+  const float tanh_inner = tanh_fn(inner);
   const float left = 0.5f * x;
   const float right = 1.0f + tanh_inner;
   const float left_derivative = 0.5f * right;

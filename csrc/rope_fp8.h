@@ -1,5 +1,6 @@
 // Params structs and launchers of the rotary embedding fused with the FP8 casts of q, k and v (the
-// front of FP8 attention) and of its backward. No torch headers (see common.h).
+// front of FP8 attention) and of its backward. No torch headers (see common.h). A token's row of the
+// fused QKV tensor holds heads q heads, then kv_heads k and kv_heads v heads (common.h's RopeParams).
 //
 // Forward, for each part p of a fused QKV tensor (q, k, v) and each element:
 //   r = rotate(x) for q and k (common.h's RopeParams math, fp32, every product and sum rounded on
@@ -18,11 +19,11 @@
 namespace graphfp8 {
 
 struct RopeFp8Params {
-  const void* qkv;           // (batch, seq, 3, heads, head_dim), qkv_dtype, contiguous
+  const void* qkv;           // (batch, seq, heads + 2 * kv_heads, head_dim), qkv_dtype
   DType qkv_dtype;           // float32, bfloat16 or float16
   const float* cos;          // (>= seq, head_dim) float32, or nullptr: no rotation
   const float* sin;          // like cos
-  void* out[3];              // q, k, v: (batch, seq, heads, head_dim) each, out_dtype, contiguous
+  void* out[3];              // q (batch, seq, heads, head_dim), k and v (.., kv_heads, ..), contiguous
   DType out_dtype;           // E4M3 or E5M2
   const float* scale[3];     // (1,) each
   float* scale_inv[3];       // (1,) each: receives 1 / scale
@@ -30,22 +31,40 @@ struct RopeFp8Params {
   int64_t batch;
   int64_t seq;
   int64_t heads;
+  int64_t kv_heads;          // 1 <= kv_heads <= heads
   int64_t head_dim;          // even
 };
 
 struct RopeFp8BwdParams {
-  const void* grad[3];       // dq, dk, dv: (batch, seq, heads, head_dim) each, grad_dtype
+  const void* grad[3];       // dq (batch, seq, heads, head_dim), dk and dv (.., kv_heads, ..)
   DType grad_dtype;          // E4M3 or E5M2
   const float* scale_inv[3]; // (1,) each
   const float* cos;          // (>= seq, head_dim) float32, or nullptr: no rotation
   const float* sin;
-  void* out;                 // dqkv: (batch, seq, 3, heads, head_dim), out_dtype, contiguous
+  void* out;                 // dqkv: (batch, seq, heads + 2 * kv_heads, head_dim), out_dtype
   DType out_dtype;           // float32, bfloat16 or float16
   int64_t batch;
   int64_t seq;
   int64_t heads;
+  int64_t kv_heads;          // 1 <= kv_heads <= heads
   int64_t head_dim;          // even
 };
+
+// Where head row j (< heads + 2 * kv_heads) of a token lives: its part (0 q, 1 k, 2 v), its head
+// in that part, and the part's head count.
+struct RopeRow {
+  int part;
+  int64_t head, part_heads;
+};
+
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline RopeRow rope_row(int64_t j, int64_t heads, int64_t kv_heads) {
+  if (j < heads) return {0, j, heads};
+  if (j < heads + kv_heads) return {1, j - heads, kv_heads};
+  return {2, j - heads - kv_heads, kv_heads};
+}
 
 // Launchers assume csrc/ops/'s checks passed; a failed Status reports a launch error.
 Status rope_fp8_cpu(const RopeFp8Params& p);

@@ -1,6 +1,6 @@
 """graphfp8: CUDA-graph-centric FP8 training for PyTorch."""
 
-from graphfp8 import numerics, ops
+from graphfp8 import hf, numerics, ops
 from graphfp8.fp8 import (
     DelayedScaling,
     Float8CurrentScaling,
@@ -17,6 +17,7 @@ from graphfp8.graphs import (
     make_graphed_microbatch,
     make_graphed_step,
 )
+from graphfp8.hf import from_hf, to_hf
 from graphfp8.modules import (
     DotProductAttention,
     FP8Module,
@@ -43,10 +44,13 @@ __all__ = [
     "convert",
     "fp8_autocast",
     "fp8_model_init",
+    "from_hf",
+    "hf",
     "make_graphed_callables",
     "make_graphed_microbatch",
     "make_graphed_step",
     "numerics",
     "ops",
     "reset_state",
+    "to_hf",
 ]

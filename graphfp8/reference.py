@@ -3,22 +3,18 @@
 Longer than ~400 lines: it is the one module of every kernel's twin (tests import one name).
 
 Each twin writes into the tensors it is given exactly as the kernel does, so tests compare bit
-for bit; the FP8 attention twins instead return float64 references that tests compare within
-tolerances (cuDNN's online softmax rounds differently). Runtime code never imports this module;
-tests and CPU debugging do.
-
-Longer than 400 lines: one short twin per op, all in one module, so that every test imports the
-twins from one place.
+for bit. The FP8 attention twins, float64 references compared within tolerances, are in
+graphfp8/reference_attention.py. Runtime code never imports this module; tests and CPU debugging
+do.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 
 from graphfp8.fp8.recipe import fp8_max
+from graphfp8.ops.glu import dglu, glu
 
 __all__ = [
     "quantize",
@@ -37,6 +33,8 @@ __all__ = [
     "cast_transpose_dbias",
     "gelu_cast_transpose",
     "dgelu_cast_transpose_dbias",
+    "glu_cast_transpose",
+    "dglu_cast_transpose_dbias",
     "rope_qkv",
     "layernorm_fp8",
     "rmsnorm_fp8",
@@ -44,8 +42,6 @@ __all__ = [
     "rmsnorm_bwd",
     "rope_fp8",
     "rope_fp8_backward",
-    "sdpa_fp8_forward",
-    "sdpa_fp8_backward",
     "cast_stats",
     "cast_stats_hp",
 ]
@@ -186,22 +182,42 @@ def dgelu_cast_transpose_dbias(dy, x, scale, out, out_t, scale_inv, amax, dbias,
     cast_transpose_dbias(dx, scale, out, out_t, scale_inv, amax, dbias, scaled_max)
 
 
-def rope_qkv(qkv, cos, sin, num_heads, inverse, out) -> None:
+def glu_cast_transpose(x, activation, scale, out, out_t, scale_inv, amax) -> None:
+    """Twin of torch.ops.graphfp8.glu_cast_transpose: graphfp8.ops.glu's math with float64 exp
+    and tanh (the CPU kernel's transcendentals), rounded to x's dtype, then cast_transpose."""
+    cast_transpose(glu(x, activation, precise=True), scale, out, out_t, scale_inv, amax)
+
+
+def dglu_cast_transpose_dbias(dy, x, activation, scale, out, out_t, scale_inv, amax,
+                              dbias=None) -> None:  # fmt: skip
+    """Twin of torch.ops.graphfp8.dglu_cast_transpose_dbias: dh = graphfp8.ops.dglu (float64
+    transcendentals), cast_transpose, and dbias as a sequential float64 column sum rounded to
+    float32, then to the dtype (the CPU kernel's order)."""
+    dh = dglu(dy, x, activation, precise=True)
+    cast_transpose(dh, scale, out, out_t, scale_inv, amax)
+    if dbias is not None:
+        dbias.copy_(_to_hp(_column_sum(dh.float()), dbias.dtype))
+
+
+def rope_qkv(qkv, cos, sin, num_heads, inverse, out, num_kv_heads=0) -> None:
     """Twin of torch.ops.graphfp8.rope_qkv: the rotation in float32, each product and sum
-    rounded on its own, then rounded to qkv's dtype."""
+    rounded on its own, then rounded to qkv's dtype. A token holds num_heads q heads, then
+    num_kv_heads (0: num_heads) k and v heads; the first num_heads + num_kv_heads rotate."""
     b, s, width = qkv.shape
-    head_dim = width // (3 * num_heads)
+    kv = num_kv_heads or num_heads
+    rows = num_heads + 2 * kv
+    head_dim = width // rows
     half = head_dim // 2
-    x = qkv.view(b, s, 3, num_heads, head_dim).float()
-    c = cos[:s, None, None, :].float()  # (s, 1, 1, head_dim): broadcast over parts, heads
-    n = sin[:s, None, None, :].float()
-    lo, hi = x[:, :, :2, :, :half], x[:, :, :2, :, half:]
+    x = qkv.view(b, s, rows, head_dim).float()
+    c = cos[:s, None, :].float()  # (s, 1, head_dim): broadcast over head rows
+    n = sin[:s, None, :].float()
+    lo, hi = x[:, :, : num_heads + kv, :half], x[:, :, : num_heads + kv, half:]
     c_lo, c_hi, n_lo, n_hi = c[..., :half], c[..., half:], n[..., :half], n[..., half:]
     if inverse:
         rot = torch.cat([lo * c_lo + hi * n_hi, hi * c_hi - lo * n_lo], dim=-1)
     else:
         rot = torch.cat([lo * c_lo - hi * n_lo, hi * c_hi + lo * n_hi], dim=-1)
-    y = torch.cat([rot, x[:, :, 2:]], dim=2)
+    y = torch.cat([rot, x[:, :, num_heads + kv :]], dim=2)
     out.copy_(y.to(out.dtype).view(b, s, width))
 
 
@@ -358,107 +374,29 @@ def rmsnorm_bwd(dy, x, rsigma, gamma, zero_centered_gamma, dx, dgamma, dresidual
     _norm_bwd(dy, xhat, rsigma, gamma, zero_centered_gamma, dresidual, dx, dgamma, None, True)
 
 
-def rope_fp8(qkv, cos, sin, num_heads, scale, out, scale_inv, amax) -> None:
+def rope_fp8(qkv, cos, sin, num_heads, scale, out, scale_inv, amax, num_kv_heads=0) -> None:
     """Twin of torch.ops.graphfp8.rope_fp8: rope_qkv (the identity without tables), then one
-    cast_to_fp8 per part into (batch, seq, heads, head_dim)."""
+    cast_to_fp8 per part into q (batch, seq, heads, head_dim), k, v (.., kv_heads, ..)."""
     b, s, width = qkv.shape
+    kv = num_kv_heads or num_heads
     rotated = qkv.clone()
     if cos is not None:
-        rope_qkv(qkv, cos, sin, num_heads, False, rotated)
-    parts = rotated.view(b, s, 3, num_heads, width // (3 * num_heads))
+        rope_qkv(qkv, cos, sin, num_heads, False, rotated, kv)
+    parts = rotated.view(b, s, num_heads + 2 * kv, -1).split([num_heads, kv, kv], dim=2)
     for p in range(3):
-        cast_to_fp8(parts[:, :, p].contiguous(), scale[p], out[p], scale_inv[p], amax[p])
+        cast_to_fp8(parts[p].contiguous(), scale[p], out[p], scale_inv[p], amax[p])
 
 
-def rope_fp8_backward(grads, scale_inv, cos, sin, num_heads, out) -> None:
+def rope_fp8_backward(grads, scale_inv, cos, sin, num_heads, out, num_kv_heads=0) -> None:
     """Twin of torch.ops.graphfp8.rope_fp8_backward: each part dequantized in float32, rope_qkv's
     inverse rotation in float32 on the packed gradient, one rounding to out's dtype."""
     b, s, width = out.shape
     parts = [g.float() * si.reshape(()) for g, si in zip(grads, scale_inv, strict=True)]
-    packed = torch.stack(parts, dim=2).reshape(b, s, width)
+    packed = torch.cat(parts, dim=2).reshape(b, s, width)
     rotated = packed.clone()
     if cos is not None:
-        rope_qkv(packed, cos, sin, num_heads, True, rotated)
+        rope_qkv(packed, cos, sin, num_heads, True, rotated, num_kv_heads)
     out.copy_(rotated.to(out.dtype))
-
-
-def _attn_operands(q, k, v, scales):
-    """Dequantized (batch, heads, seq, d) float64 operands; kv heads repeated for GQA."""
-    heads = q.shape[2]
-
-    def bhsd(t, descale):
-        x = t.double().transpose(1, 2) * descale.double().reshape(())
-        return x.repeat_interleave(heads // t.shape[2], dim=1)
-
-    return bhsd(q, scales["descale_q"]), bhsd(k, scales["descale_k"]), bhsd(v, scales["descale_v"])
-
-
-def _attn_probabilities(qd, kd, attn_scale, causal, stats=None):
-    s = torch.einsum("bhid,bhjd->bhij", qd, kd) * attn_scale
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -math.inf)
-    m = s.amax(dim=-1, keepdim=True) if stats is None else stats.double()
-    return s, torch.exp(s - m), m
-
-
-def sdpa_fp8_forward(q, k, v, scales: dict, attn_scale: float, causal: bool = True) -> dict:
-    """Twin of graphfp8.ops.sdpa_fp8_forward in float64, quantizing P and O at cuDNN's points
-    (that module's docstring has the math). scales: graphfp8.ops.sdpa_fp8's FWD_SCALES names.
-
-    Returns:
-        {"o": FP8 (batch, seq, heads, d), "stats": (batch, heads, seq, 1) float32, "o_hp": the
-        float64 O before its cast, "amax_s", "amax_o": (1,) float32}.
-    """
-    qd, kd, vd = _attn_operands(q, k, v, scales)
-    _, p, m = _attn_probabilities(qd, kd, attn_scale, causal)
-    row_sum = p.sum(dim=-1, keepdim=True)
-    p_fp8 = quantize(p, scales["scale_s"], q.dtype).double()
-    out = torch.einsum("bhij,bhjd->bhid", p_fp8, vd) * scales["descale_s"].double().reshape(())
-    out = (out / row_sum).transpose(1, 2)
-    return {
-        "o": quantize(out, scales["scale_o"], q.dtype),
-        "stats": (m + torch.log(row_sum)).float(),
-        "o_hp": out,
-        "amax_s": abs_max(p),
-        "amax_o": abs_max(out),
-    }
-
-
-def sdpa_fp8_backward(q, k, v, o, d_o, stats, scales: dict, attn_scale: float,
-                      causal: bool = True) -> dict:  # fmt: skip
-    """Twin of graphfp8.ops.sdpa_fp8_backward in float64 (scales: BWD_SCALES names).
-
-    Returns:
-        {"dq", "dk", "dv": FP8 in d_o's dtype, "dq_hp", "dk_hp", "dv_hp": float64 before their
-        casts, "amax_dp" (max |dS|), "amax_dq", "amax_dk", "amax_dv": (1,) float32, and
-        "max_abs_dp": max |dO V^T| (what a kernel reporting the unscaled dP would give)}.
-    """
-    kv_heads = k.shape[2]
-    qd, kd, vd = _attn_operands(q, k, v, scales)
-    _, p, _ = _attn_probabilities(qd, kd, attn_scale, causal, stats)
-    dod = d_o.double().transpose(1, 2) * scales["descale_do"].double().reshape(())
-    od = o.double().transpose(1, 2) * scales["descale_o"].double().reshape(())
-    p_fp8 = quantize(p, scales["scale_s"], q.dtype).double() * scales["descale_s"].double()
-    d_v = torch.einsum("bhij,bhid->bhjd", p_fp8, dod)
-    d_p = torch.einsum("bhid,bhjd->bhij", dod, vd)
-    delta = (od * dod).sum(dim=-1, keepdim=True)
-    d_s = p * (d_p - delta) * attn_scale
-    ds_fp8 = quantize(d_s, scales["scale_dp"], d_o.dtype).double() * scales["descale_dp"].double()
-    d_q = torch.einsum("bhij,bhjd->bhid", ds_fp8, kd)
-    d_k = torch.einsum("bhij,bhid->bhjd", ds_fp8, qd)
-
-    def per_kv_head(x):
-        b, h, s, d = x.shape
-        return x.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2) if h != kv_heads else x
-
-    out = {"amax_dp": abs_max(d_s), "max_abs_dp": abs_max(d_p)}
-    for name, x in (("dq", d_q), ("dk", per_kv_head(d_k)), ("dv", per_kv_head(d_v))):
-        x = x.transpose(1, 2)
-        out[f"{name}_hp"] = x
-        out[f"amax_{name}"] = abs_max(x)
-        out[name] = quantize(x, scales[f"scale_{name}"], d_o.dtype)
-    return out
 
 
 # FP8 cast statistics (graphfp8.numerics) ---------------------------------------------------------

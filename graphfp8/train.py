@@ -10,6 +10,7 @@
     graphfp8-train --compare fp8:layers,fp8:step --preset small
     graphfp8-train --steps 300 --stop-at 100 --save ckpt.pt   # then: ... --resume ckpt.pt
     graphfp8-train --compile                      # torch.compile around the graphed blocks
+    graphfp8-train --preset llama-100m --pack     # Llama blocks on packed documents
     torchrun --nproc_per_node=2 -m graphfp8.train --ddp
 
 Writes <out>/<run>.csv (one row per step), <out>/summary.json and, with --compare, <out>/loss.png
@@ -156,6 +157,8 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
                    "STEPS steps and at the end (default: --steps / 10)")  # fmt: skip
     p.add_argument("--val-batches", type=_positive, help="validation set size in microbatches "
                    "of --batch sequences (default: 2 with --preset tiny, else 32)")  # fmt: skip
+    p.add_argument("--pack", action="store_true", help="packed documents (the data's files): "
+                   "attention and targets stay within each document (default: off)")  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -196,11 +199,11 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.preset is None:
         args.preset = "100m" if args.device.startswith("cuda") else "tiny"
     if args.steps is None:
-        args.steps = 60 if args.preset == "tiny" else 300
+        args.steps = 60 if args.preset.endswith("tiny") else 300
     if args.val_batches is None:
         # On the CPU a validation batch costs about one training microbatch (the FP8 forward
         # GEMMs dominate there): 10 validations of 2 batches add ~8% to the tiny default run.
-        args.val_batches = 2 if args.preset == "tiny" else 32
+        args.val_batches = 2 if args.preset.endswith("tiny") else 32
     if args.stop_at is not None and args.stop_at > args.steps:
         p.error(f"--stop-at {args.stop_at} is beyond --steps {args.steps}")
     if args.compare is not None and importlib.util.find_spec("matplotlib") is None:
@@ -242,7 +245,8 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
                    amax_history_len=args.amax_history_len, compile=args.compile,
                    fp8_format=args.fp8_format, scaling=args.scaling,
-                   fp8_weights=args.fp8_weights and precision == "fp8")  # fmt: skip
+                   fp8_weights=args.fp8_weights and precision == "fp8",
+                   pack=args.pack)  # fmt: skip
 
 
 def _environment(device: str) -> dict:
@@ -280,10 +284,10 @@ def main(argv=None) -> int:
 def _open_data(args, group) -> Dataset:
     """The run's data; with --ddp, after checking that every rank has the same settings and data
     (a rank that cannot read its data tells the others, so no rank waits for it)."""
-    synthetic_bytes = 4 << 20 if args.preset != "tiny" else 1 << 20
+    synthetic_bytes = 4 << 20 if not args.preset.endswith("tiny") else 1 << 20
     try:
         data = Dataset(open_stream(args.data, args.vocab_size, synthetic_bytes, args.seed),
-                       args.val_fraction)  # fmt: skip
+                       args.val_fraction, pack=args.pack)  # fmt: skip
         error, seen = None, {k: v for k, v in data.describe().items() if k in _SAME_DATA}
     except DataError as exc:
         error, seen = exc, "unreadable"

@@ -12,7 +12,10 @@
 #              microbatch from the captured ops), variants (each kernel switch off and on
 #              in one run), tests-switched (the CUDA suite with every switch on), block-switched,
 #              stack-switched, step-switched (those benchmarks with every switch on),
-#              train-scaling-fused (delayed vs current scaling on the fused path))
+#              train-scaling-fused (delayed vs current scaling on the fused path); issue 23's: glu
+#              (SwiGLU LayerNormMLP vs bf16 and TE), train-llama (the llama-100m preset, bf16 vs
+#              FP8 graphed; LLAMA_ARGS adds e.g. --pack), hf (a 100M HF Llama: FP8 + graphs via
+#              g8.from_hf vs HF bf16 eager / compile))
 #   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
 #   WITH_TE    1 (default): install TransformerEngine from a carried .te/ (a copy of
 #              ../shared/te: docs/benchmarking.md, "TransformerEngine") for the benchmarks' TE
@@ -66,7 +69,7 @@ $PY -c "import graphfp8.ops as o; assert o.built_with_cuda(), 'CUDA kernels miss
   || { echo "CUDA KERNELS MISSING" >> "$RES/summary.md"; pack; exit 1; }
 TE_ENV=""
 if [ "${WITH_TE:-1}" = 1 ] && [ -f .te/install_te.sh ]; then
-  if TE_SKIP_SMOKE=1 bash .te/install_te.sh > "$RES/install_te.log" 2>&1; then
+  if TE_SKIP_SMOKE=1 TE_SAVE_DIR=/tmp/te_save bash .te/install_te.sh > "$RES/install_te.log" 2>&1; then
     TE_ENV=/tmp/te_site/te_env.sh; echo "TransformerEngine installed (benchmark peer)" >> "$RES/summary.md"
   else
     echo "TransformerEngine install failed: no TE columns (install_te.log)" >> "$RES/summary.md"
@@ -124,6 +127,11 @@ for step in $STEPS; do
         --preset ${TRAIN_PRESET:-100m} --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} \
         --out "$RES/train" > "$RES/train.log" 2>&1 || status=1
       tail -8 "$RES/train.log" | tee -a "$RES/summary.md" ;;
+    train-llama)  # issue 23: Llama blocks (RMSNorm, GQA, SwiGLU, no bias), bf16 vs FP8 graphed
+      $PY -m graphfp8.train --compare ${TRAIN_RUNS:-bf16:graphs,fp8:graphs} --preset llama-100m \
+        --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} ${LLAMA_ARGS:-} \
+        --out "$RES/train_llama" > "$RES/train_llama.log" 2>&1 || status=1
+      tail -8 "$RES/train_llama.log" | tee -a "$RES/summary.md" ;;
     train-gap)  # issue 27: FP8 vs bf16 validation loss over seeds (paired), the report's cost,
       # and the numerics report of the first GAP_STATS_STEPS steps (recorded == true amax)
       $PY scripts/train_gap.py --out "$RES/train_gap" --variants ${GAP_VARIANTS:-bf16,delayed,current,stats} \
@@ -183,11 +191,15 @@ for step in $STEPS; do
           > /tmp/bench_memory_$what.log 2>&1 || { status=1; tail -30 /tmp/bench_memory_$what.log; }
         grep -v '^wrote' /tmp/bench_memory_$what.log >> "$RES/summary.md"
       done ;;
+    glu)  # issue 23: SwiGLU LayerNormMLP FP8 graphed vs bf16 graphed and TE, the GLU kernels
+      with_te $PY -m graphfp8.bench glu --json "$RES/bench_glu.json" > /tmp/bench_glu.log 2>&1 \
+        || { status=1; tail -30 /tmp/bench_glu.log; }
+      grep -v '^wrote' /tmp/bench_glu.log >> "$RES/summary.md" ;;
     step-nodebug)  # issue 26: does the CUDA graphs' debug mode (graphs/backends.py) cost launch time?
       GRAPHFP8_GRAPH_DEBUG=0 $PY -m graphfp8.bench step --json "$RES/bench_step_nodebug.json" \
         > /tmp/bench_step_nodebug.log 2>&1 || { status=1; tail -30 /tmp/bench_step_nodebug.log; }
       grep -v '^wrote' /tmp/bench_step_nodebug.log >> "$RES/summary.md" ;;
-    kernels|variants|opcount|eager|block|attention|step|host|stack)
+    kernels|variants|opcount|eager|block|attention|step|host|stack|hf)  # hf: issue 23's Llama
       with_te $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;

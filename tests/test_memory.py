@@ -68,7 +68,7 @@ def test_layernorm_mlp_fp8_saves_no_high_precision_copy_of_its_input(device):
         sizes[fp8] = report
         hp_inputs = [s for s, d, b in _saved(report) if d == "bfloat16" and b == T * H * 2]
         assert len(hp_inputs) == (0 if fp8 else 1), hp_inputs
-    mlp = sorted(_saved(sizes[True], "_FP8GeluMLPBackward"))
+    mlp = sorted(_saved(sizes[True], "_FP8FusedMLPBackward"))
     assert mlp == sorted([((H, T), "float8_e4m3fn", H * T), ((1,), "float32", 4),
                           ((T, F), "bfloat16", 2 * T * F), ((F, T), "float8_e4m3fn", F * T),
                           ((1,), "float32", 4)])  # fmt: skip

@@ -12,10 +12,11 @@ void rope_loop(const RopeParams& p) {
   const auto* x = static_cast<const T*>(p.x);
   auto* y = static_cast<T*>(p.out);
   const int64_t half = p.head_dim / 2;
-  const int64_t rows = p.batch * p.seq * 3 * p.heads;  // one row per (b, s, part, head)
+  const int64_t per_token = p.heads + 2 * p.kv_heads;  // q, k, v head rows of one token
+  const int64_t rows = p.batch * p.seq * per_token;     // one row per (b, s, head row)
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t part = (r / p.heads) % 3;
-    const int64_t s = (r / (3 * p.heads)) % p.seq;
+    const bool rotated = r % per_token < p.heads + p.kv_heads;  // q or k, not v
+    const int64_t s = (r / per_token) % p.seq;
     const int64_t base = r * p.head_dim;
     const float* c = p.cos + s * p.head_dim;
     const float* n = p.sin + s * p.head_dim;
@@ -23,10 +24,10 @@ void rope_loop(const RopeParams& p) {
       const float lo = static_cast<float>(x[base + i]);
       const float hi = static_cast<float>(x[base + i + half]);
       float out_lo = lo, out_hi = hi;
-      if (part < 2 && !p.inverse) {
+      if (rotated && !p.inverse) {
         out_lo = lo * c[i] - hi * n[i];
         out_hi = hi * c[i + half] + lo * n[i + half];
-      } else if (part < 2) {
+      } else if (rotated) {
         out_lo = lo * c[i] + hi * n[i + half];
         out_hi = hi * c[i + half] - lo * n[i];
       }

@@ -29,14 +29,15 @@ void rope_fp8_loop(const RopeFp8Params& p) {
   const int64_t half = p.head_dim / 2;
   float scale[3], amax[3] = {0.0f, 0.0f, 0.0f};
   for (int part = 0; part < 3; ++part) scale[part] = *p.scale[part];
-  const int64_t rows = p.batch * p.seq * 3 * p.heads;  // one row per (b, s, part, head)
+  const int64_t per_token = p.heads + 2 * p.kv_heads;
+  const int64_t rows = p.batch * p.seq * per_token;  // one row per (b, s, head row)
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t head = r % p.heads;
-    const int part = static_cast<int>((r / p.heads) % 3);
-    const int64_t token = r / (3 * p.heads);  // b * seq + s
+    const RopeRow row = rope_row(r % per_token, p.heads, p.kv_heads);
+    const int part = row.part;
+    const int64_t token = r / per_token;  // b * seq + s
     const int64_t s = token % p.seq;
     const int64_t in_base = r * p.head_dim;
-    const int64_t out_base = (token * p.heads + head) * p.head_dim;
+    const int64_t out_base = (token * row.part_heads + row.head) * p.head_dim;
     auto* out = static_cast<uint8_t*>(p.out[part]);
     for (int64_t i = 0; i < half; ++i) {
       float lo = static_cast<float>(qkv[in_base + i]);
@@ -63,13 +64,14 @@ void rope_fp8_bwd_loop(const RopeFp8BwdParams& p) {
   const int64_t half = p.head_dim / 2;
   float scale_inv[3];
   for (int part = 0; part < 3; ++part) scale_inv[part] = *p.scale_inv[part];
-  const int64_t rows = p.batch * p.seq * 3 * p.heads;
+  const int64_t per_token = p.heads + 2 * p.kv_heads;
+  const int64_t rows = p.batch * p.seq * per_token;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t head = r % p.heads;
-    const int part = static_cast<int>((r / p.heads) % 3);
-    const int64_t token = r / (3 * p.heads);
+    const RopeRow row = rope_row(r % per_token, p.heads, p.kv_heads);
+    const int part = row.part;
+    const int64_t token = r / per_token;
     const int64_t s = token % p.seq;
-    const int64_t in_base = (token * p.heads + head) * p.head_dim;
+    const int64_t in_base = (token * row.part_heads + row.head) * p.head_dim;
     const int64_t out_base = r * p.head_dim;
     const auto* grad = static_cast<const uint8_t*>(p.grad[part]);
     for (int64_t i = 0; i < half; ++i) {

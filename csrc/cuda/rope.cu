@@ -30,14 +30,15 @@ __device__ __forceinline__ RopePair rotate(float lo, float hi, float c_lo, float
 }
 
 struct RowInfo {
-  int64_t seq, heads, head_dim;
+  int64_t seq, heads, kv_heads, head_dim;
 };
 
-// Whether row r holds q or k (rotated) rather than v (copied), and its position s.
+// Whether row r holds q or k (rotated) rather than v (copied), and its position s. A token has
+// heads q rows, then kv_heads k rows and kv_heads v rows.
 __device__ __forceinline__ bool row_position(int64_t r, const RowInfo& info, int64_t& s) {
-  const int64_t head_row = r / info.heads;  // (batch, seq, part)
-  s = (head_row / 3) % info.seq;
-  return head_row % 3 < 2;
+  const int64_t per_token = info.heads + 2 * info.kv_heads;
+  s = (r / per_token) % info.seq;
+  return r % per_token < info.heads + info.kv_heads;
 }
 
 template <typename T>
@@ -110,8 +111,8 @@ int grid_for(int64_t work) { return cuda::grid_size(cuda::ceil_div(work, kThread
 template <typename T>
 Status launch(const RopeParams& p, cudaStream_t stream) {
   constexpr int N = cuda::Vec<T>::N;
-  const RowInfo info{p.seq, p.heads, p.head_dim};
-  const int64_t rows = p.batch * p.seq * 3 * p.heads;
+  const RowInfo info{p.seq, p.heads, p.kv_heads, p.head_dim};
+  const int64_t rows = p.batch * p.seq * (p.heads + 2 * p.kv_heads);
   const int64_t half = p.head_dim / 2;
   const auto* x = static_cast<const T*>(p.x);
   auto* out = static_cast<T*>(p.out);

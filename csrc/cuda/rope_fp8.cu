@@ -42,10 +42,12 @@ struct RowPlace {
   int64_t part_offset;
 };
 
-__device__ __forceinline__ RowPlace place(int64_t r, int64_t seq, int64_t heads, int64_t head_dim) {
-  const int64_t head = r % heads;
-  const int64_t token = r / (3 * heads);
-  return {static_cast<int>((r / heads) % 3), token % seq, (token * heads + head) * head_dim};
+__device__ __forceinline__ RowPlace place(int64_t r, int64_t seq, int64_t heads, int64_t kv_heads,
+                                          int64_t head_dim) {
+  const int64_t per_token = heads + 2 * kv_heads;
+  const int64_t token = r / per_token;
+  const RopeRow row = rope_row(r % per_token, heads, kv_heads);
+  return {row.part, token % seq, (token * row.part_heads + row.head) * head_dim};
 }
 
 template <typename T>
@@ -89,7 +91,7 @@ __device__ __forceinline__ void block_amax3(float (&v)[3], float* const (&amax)[
 }
 
 struct Shape {
-  int64_t seq, heads, head_dim;
+  int64_t seq, heads, kv_heads, head_dim;
 };
 
 // Folds |lo|, |hi| into the amax of `part` without indexing a register array dynamically.
@@ -112,7 +114,7 @@ __global__ void __launch_bounds__(kThreads)
        c += stride) {
     const int64_t r = c / per_row;
     const int64_t i0 = (c - r * per_row) * N;
-    const RowPlace at = place(r, sh.seq, sh.heads, sh.head_dim);
+    const RowPlace at = place(r, sh.seq, sh.heads, sh.kv_heads, sh.head_dim);
     const T* src = qkv + r * sh.head_dim + i0;
     float lo[N], hi[N];
     if constexpr (kVec) {
@@ -189,7 +191,7 @@ __global__ void __launch_bounds__(kThreads)
        c += stride) {
     const int64_t r = c / per_row;
     const int64_t i0 = (c - r * per_row) * M;
-    const RowPlace at = place(r, sh.seq, sh.heads, sh.head_dim);
+    const RowPlace at = place(r, sh.seq, sh.heads, sh.kv_heads, sh.head_dim);
     const auto* src = static_cast<const uint8_t*>(p.grad[at.part]) + at.part_offset + i0;
     const float scale_inv = *p.scale_inv[at.part];
     float lo[M], hi[M];
@@ -232,8 +234,8 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, bool kE4M3>
 Status launch_fwd(const RopeFp8Params& p, cudaStream_t stream) {
   constexpr int N = cuda::Vec<T>::N;
-  const Shape sh{p.seq, p.heads, p.head_dim};
-  const int64_t rows = p.batch * p.seq * 3 * p.heads;
+  const Shape sh{p.seq, p.heads, p.kv_heads, p.head_dim};
+  const int64_t rows = p.batch * p.seq * (p.heads + 2 * p.kv_heads);
   const int64_t half = p.head_dim / 2;
   const auto* qkv = static_cast<const T*>(p.qkv);
   bool vec = half % N == 0 && cuda::aligned16(qkv);
@@ -249,8 +251,8 @@ Status launch_fwd(const RopeFp8Params& p, cudaStream_t stream) {
 template <typename OutT, bool kE4M3>
 Status launch_bwd(const RopeFp8BwdParams& p, cudaStream_t stream) {
   constexpr int M = cuda::Vec<OutT>::N;
-  const Shape sh{p.seq, p.heads, p.head_dim};
-  const int64_t rows = p.batch * p.seq * 3 * p.heads;
+  const Shape sh{p.seq, p.heads, p.kv_heads, p.head_dim};
+  const int64_t rows = p.batch * p.seq * (p.heads + 2 * p.kv_heads);
   const int64_t half = p.head_dim / 2;
   auto* out = static_cast<OutT*>(p.out);
   bool vec = half % M == 0 && cuda::aligned16(out);

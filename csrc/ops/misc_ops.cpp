@@ -54,7 +54,7 @@ void check_rope_table(const char* op, const char* name, const at::Tensor& t, con
 }  // namespace
 
 void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-              int64_t num_heads, bool inverse, const at::Tensor& out) {
+              int64_t num_heads, bool inverse, const at::Tensor& out, int64_t num_kv_heads) {
   const char* op = "graphfp8.rope_qkv";
   TORCH_CHECK_TYPE(is_hp(qkv.scalar_type()), op,
                    ": argument 'qkv' must be float32, bfloat16 or float16, got ",
@@ -63,9 +63,14 @@ void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
                     ": argument 'qkv' must be (batch, seq, 3 * hidden), got ", fmt(qkv.sizes()));
   TORCH_CHECK_VALUE(qkv.is_contiguous(), op, ": argument 'qkv' must be contiguous");
   const int64_t width = qkv.size(2);
-  TORCH_CHECK_VALUE(num_heads > 0 && width % (3 * num_heads) == 0, op, ": last dim ",
-                    fmt(width), " is not 3 * num_heads (", fmt(num_heads), ") * head_dim");
-  const int64_t head_dim = width / (3 * num_heads);
+  const int64_t kv_heads = num_kv_heads == 0 ? num_heads : num_kv_heads;
+  TORCH_CHECK_VALUE(num_heads > 0 && kv_heads > 0 && num_heads % kv_heads == 0, op,
+                    ": num_heads (", fmt(num_heads), ") must be a positive multiple of ",
+                    "num_kv_heads (", fmt(kv_heads), ")");
+  TORCH_CHECK_VALUE(width % (num_heads + 2 * kv_heads) == 0, op, ": last dim ", fmt(width),
+                    " is not (num_heads + 2 * num_kv_heads) * head_dim with num_heads ",
+                    fmt(num_heads), ", num_kv_heads ", fmt(kv_heads));
+  const int64_t head_dim = width / (num_heads + 2 * kv_heads);
   TORCH_CHECK_VALUE(head_dim % 2 == 0, op, ": head_dim must be even, got ", fmt(head_dim));
   check_rope_table(op, "cos", cos, qkv, head_dim);
   check_rope_table(op, "sin", sin, qkv, head_dim);
@@ -85,6 +90,7 @@ void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
   p.batch = qkv.size(0);
   p.seq = qkv.size(1);
   p.heads = num_heads;
+  p.kv_heads = kv_heads;
   p.head_dim = head_dim;
   p.inverse = inverse;
   if (qkv.numel() == 0) return;

@@ -5,7 +5,8 @@
 // one folder of a few files rather than one ops.cpp because the checks of all ops together ran
 // past ~400 lines: cast_ops.cpp (casts, transposes, dequantize, the fused cast-transposes),
 // norm_ops.cpp (the norms), misc_ops.cpp (scale update, RoPE), rope_fp8_ops.cpp (RoPE fused with
-// the FP8 casts of q, k, v) and register.cpp (the schemas).
+// the FP8 casts of q, k, v), glu_ops.cpp (SwiGLU / GeGLU fused with the FP8 cast-transposes) and
+// register.cpp (the schemas).
 //
 // Every op writes into tensors the caller passes in (graph-friendly: nothing is allocated here
 // but fp32 workspaces), and every value that changes between steps (scale, amax, noop flag) is
@@ -151,13 +152,14 @@ void dgelu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x, const
 void scale_update(const at::Tensor& amax_history, const at::Tensor& scale,
                   const at::Tensor& scaled_max, bool most_recent);
 void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-              int64_t num_heads, bool inverse, const at::Tensor& out);
+              int64_t num_heads, bool inverse, const at::Tensor& out, int64_t num_kv_heads);
 void rope_fp8(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos,
               const c10::optional<at::Tensor>& sin, int64_t num_heads, at::TensorList scale,
-              at::TensorList out, at::TensorList scale_inv, at::TensorList amax);
+              at::TensorList out, at::TensorList scale_inv, at::TensorList amax,
+              int64_t num_kv_heads);
 void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
                        const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
-                       int64_t num_heads, const at::Tensor& out);
+                       int64_t num_heads, const at::Tensor& out, int64_t num_kv_heads);
 void layernorm_fp8(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
                    double eps, bool zero_centered_gamma, const at::Tensor& scale,
                    const at::Tensor& out, const c10::optional<at::Tensor>& out_t,
@@ -187,5 +189,13 @@ void layernorm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
 void rmsnorm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& rsigma,
                  const at::Tensor& gamma, bool zero_centered_gamma, const at::Tensor& dx,
                  const at::Tensor& dgamma, const c10::optional<at::Tensor>& dresidual);
+void glu_cast_transpose(const at::Tensor& x, c10::string_view activation, const at::Tensor& scale,
+                        const at::Tensor& out, const at::Tensor& out_t,
+                        const at::Tensor& scale_inv, const at::Tensor& amax);
+void dglu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x,
+                               c10::string_view activation, const at::Tensor& scale,
+                               const at::Tensor& out, const at::Tensor& out_t,
+                               const at::Tensor& scale_inv, const at::Tensor& amax,
+                               const c10::optional<at::Tensor>& dbias);
 
 }  // namespace graphfp8

@@ -54,14 +54,14 @@ TORCH_LIBRARY(graphfp8, m) {
   m.def("gelu_cast_transpose(Tensor x, Tensor(s!) scale, Tensor(a!) out, Tensor(b!) out_t, "
         "Tensor(c!) scale_inv, Tensor(d!) amax, Tensor? scaled_max=None) -> ()");
   m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int num_heads, bool inverse, "
-        "Tensor(a!) out) -> ()");
+        "Tensor(a!) out, int num_kv_heads=0) -> ()");
   m.def("dgelu_cast_transpose_dbias(Tensor dy, Tensor x, Tensor(s!) scale, Tensor(a!) out, "
         "Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax, Tensor(e!) dbias, "
         "Tensor? scaled_max=None) -> ()");
   m.def("rope_fp8(Tensor qkv, Tensor? cos, Tensor? sin, int num_heads, Tensor[] scale, "
-        "Tensor(a!)[] out, Tensor(b!)[] scale_inv, Tensor(c!)[] amax) -> ()");
+        "Tensor(a!)[] out, Tensor(b!)[] scale_inv, Tensor(c!)[] amax, int num_kv_heads=0) -> ()");
   m.def("rope_fp8_backward(Tensor[] grads, Tensor[] scale_inv, Tensor? cos, Tensor? sin, "
-        "int num_heads, Tensor(a!) out) -> ()");
+        "int num_heads, Tensor(a!) out, int num_kv_heads=0) -> ()");
   m.def("layernorm_fp8(Tensor x, Tensor gamma, Tensor beta, float eps, bool zero_centered_gamma, "
         "Tensor(s!) scale, Tensor(a!) out, Tensor(b!)? out_t, Tensor(c!) scale_inv, "
         "Tensor(d!) amax, Tensor(e!) mu, Tensor(f!) rsigma, Tensor(g!)? out_hp=None, "
@@ -82,6 +82,11 @@ TORCH_LIBRARY(graphfp8, m) {
   m.def("cast_stats(Tensor x, Tensor? act_in, Tensor? mu, Tensor? rsigma, Tensor? gamma, "
         "Tensor? beta, int mode, bool zero_centered_gamma, Tensor scale, Tensor recorded_amax, "
         "bool e4m3, Tensor? enabled, Tensor? skip, Tensor(a!) out) -> ()");
+  m.def("glu_cast_transpose(Tensor x, str activation, Tensor scale, Tensor(a!) out, "
+        "Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax) -> ()");
+  m.def("dglu_cast_transpose_dbias(Tensor dy, Tensor x, str activation, Tensor scale, "
+        "Tensor(a!) out, Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax, "
+        "Tensor(e!)? dbias=None) -> ()");
 }
 
 // The same checked entry points serve both backends: each picks its launcher by device.
@@ -106,7 +111,9 @@ TORCH_LIBRARY(graphfp8, m) {
   m.impl("rmsnorm_amax", &graphfp8::rmsnorm_amax);                             \
   m.impl("layernorm_bwd", &graphfp8::layernorm_bwd);                           \
   m.impl("rmsnorm_bwd", &graphfp8::rmsnorm_bwd);                               \
-  m.impl("cast_stats", &graphfp8::cast_stats)
+  m.impl("cast_stats", &graphfp8::cast_stats);                                 \
+  m.impl("glu_cast_transpose", &graphfp8::glu_cast_transpose);                 \
+  m.impl("dglu_cast_transpose_dbias", &graphfp8::dglu_cast_transpose_dbias)
 
 TORCH_LIBRARY_IMPL(graphfp8, CPU, m) { GRAPHFP8_IMPL_ALL(m); }
 

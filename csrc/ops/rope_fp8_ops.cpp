@@ -30,30 +30,42 @@ void check_three(const char* op, const char* name, at::TensorList ts) {
               fmt(static_cast<int64_t>(ts.size())));
 }
 
+// head_dim of a fused QKV row of `width` = (heads + 2 * kv_heads) * head_dim (kv_heads 0: heads).
+int64_t qkv_head_dim(const char* op, int64_t width, int64_t heads, int64_t& kv_heads) {
+  if (kv_heads == 0) kv_heads = heads;
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, op, ": num_heads (",
+              fmt(heads), ") must be a positive multiple of num_kv_heads (", fmt(kv_heads), ")");
+  TORCH_CHECK(width % (heads + 2 * kv_heads) == 0, op, ": last dim ", fmt(width),
+              " is not (num_heads + 2 * num_kv_heads) * head_dim with num_heads ", fmt(heads),
+              ", num_kv_heads ", fmt(kv_heads));
+  const int64_t head_dim = width / (heads + 2 * kv_heads);
+  TORCH_CHECK(head_dim % 2 == 0, op, ": head_dim must be even, got ", fmt(head_dim));
+  return head_dim;
+}
+
 }  // namespace
 
 void rope_fp8(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos,
               const c10::optional<at::Tensor>& sin, int64_t num_heads, at::TensorList scale,
-              at::TensorList out, at::TensorList scale_inv, at::TensorList amax) {
+              at::TensorList out, at::TensorList scale_inv, at::TensorList amax,
+              int64_t num_kv_heads) {
   const char* op = "graphfp8.rope_fp8";
   TORCH_CHECK(is_hp(qkv.scalar_type()), op,
               ": argument 'qkv' must be float32, bfloat16 or float16, got ", qkv.scalar_type());
   TORCH_CHECK(qkv.dim() == 3, op, ": argument 'qkv' must be (batch, seq, 3 * hidden), got ",
               fmt(qkv.dim()), "-D");
   TORCH_CHECK(qkv.is_contiguous(), op, ": argument 'qkv' must be contiguous");
-  const int64_t width = qkv.size(2);
-  TORCH_CHECK(num_heads > 0 && width % (3 * num_heads) == 0, op, ": last dim ", fmt(width),
-              " is not 3 * num_heads (", fmt(num_heads), ") * head_dim");
-  const int64_t head_dim = width / (3 * num_heads);
-  TORCH_CHECK(head_dim % 2 == 0, op, ": head_dim must be even, got ", fmt(head_dim));
+  int64_t kv_heads = num_kv_heads;
+  const int64_t head_dim = qkv_head_dim(op, qkv.size(2), num_heads, kv_heads);
   check_rope_tables(op, cos, sin, qkv, qkv.size(1), head_dim);
   for (auto [name, list] : {std::pair<const char*, at::TensorList>{"scale", scale},
                             {"out", out}, {"scale_inv", scale_inv}, {"amax", amax}}) {
     check_three(op, name, list);
   }
   RopeFp8Params p{};
-  const std::vector<int64_t> part_shape{qkv.size(0), qkv.size(1), num_heads, head_dim};
   for (int i = 0; i < 3; ++i) {
+    const std::vector<int64_t> part_shape{qkv.size(0), qkv.size(1), i == 0 ? num_heads : kv_heads,
+                                          head_dim};
     check_scalar_f32(op, "scale", scale[i], qkv);
     check_fp8_out(op, "out", out[i], qkv, part_shape);
     TORCH_CHECK(out[i].scalar_type() == out[0].scalar_type(), op,
@@ -73,6 +85,7 @@ void rope_fp8(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos,
   p.batch = qkv.size(0);
   p.seq = qkv.size(1);
   p.heads = num_heads;
+  p.kv_heads = kv_heads;
   p.head_dim = head_dim;
   if (qkv.numel() == 0) return;
   launch(op, qkv, p, rope_fp8_cpu,
@@ -81,7 +94,7 @@ void rope_fp8(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos,
 
 void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
                        const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
-                       int64_t num_heads, const at::Tensor& out) {
+                       int64_t num_heads, const at::Tensor& out, int64_t num_kv_heads) {
   const char* op = "graphfp8.rope_fp8_backward";
   check_three(op, "grads", grads);
   check_three(op, "scale_inv", scale_inv);
@@ -89,14 +102,13 @@ void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
               ": argument 'out' must be float32, bfloat16 or float16, got ", out.scalar_type());
   TORCH_CHECK(out.dim() == 3 && out.is_contiguous(), op,
               ": argument 'out' must be a contiguous (batch, seq, 3 * hidden) tensor");
-  TORCH_CHECK(num_heads > 0 && out.size(2) % (3 * num_heads) == 0, op, ": last dim ",
-              fmt(out.size(2)), " is not 3 * num_heads (", fmt(num_heads), ") * head_dim");
-  const int64_t head_dim = out.size(2) / (3 * num_heads);
-  TORCH_CHECK(head_dim % 2 == 0, op, ": head_dim must be even, got ", fmt(head_dim));
+  int64_t kv_heads = num_kv_heads;
+  const int64_t head_dim = qkv_head_dim(op, out.size(2), num_heads, kv_heads);
   check_rope_tables(op, cos, sin, out, out.size(1), head_dim);
   RopeFp8BwdParams p{};
-  const std::vector<int64_t> part_shape{out.size(0), out.size(1), num_heads, head_dim};
   for (int i = 0; i < 3; ++i) {
+    const std::vector<int64_t> part_shape{out.size(0), out.size(1), i == 0 ? num_heads : kv_heads,
+                                          head_dim};
     check_fp8_out(op, "grads", grads[i], out, part_shape);
     TORCH_CHECK(grads[i].scalar_type() == grads[0].scalar_type(), op,
                 ": the three 'grads' tensors must have one FP8 dtype");
@@ -112,6 +124,7 @@ void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
   p.batch = out.size(0);
   p.seq = out.size(1);
   p.heads = num_heads;
+  p.kv_heads = kv_heads;
   p.head_dim = head_dim;
   if (out.numel() == 0) return;
   launch(op, out, p, rope_fp8_bwd_cpu,

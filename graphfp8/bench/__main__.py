@@ -1,5 +1,5 @@
 """`python -m graphfp8.bench {kernels,variants,opcount,eager,block,attention,step,host,memory,
-stack} [--device D]
+stack,glu,hf} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ SUITES = {
     "step": "graphfp8.bench.step",
     "host": "graphfp8.bench.host",
     "memory": "graphfp8.bench.memory",
+    "glu": "graphfp8.bench.glu",
+    "hf": "graphfp8.bench.hf",
 }
 
 

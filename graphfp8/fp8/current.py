@@ -96,7 +96,7 @@ def dgelu_amax_of(dy: torch.Tensor, h: torch.Tensor) -> AmaxPass:
 
 
 def slot_quantizer(
-    block: SlotBlock, i: int, amax_pass: AmaxPass | None
+    block: SlotBlock, i: int, amax_pass: AmaxPass | None, three_launch: bool = False
 ) -> Quantizer | CurrentQuantizer:
     """(scale, amax, fp8_dtype[, scaled_max]) for a cast into slot i of `block`.
 
@@ -110,6 +110,8 @@ def slot_quantizer(
         i: the slot's index in the block.
         amax_pass: the cast's amax pass (`amax_of(x)` for a plain cast); required under current
             scaling, ignored otherwise.
+        three_launch: take the three-launch sequence even where the fused one is on (for casts
+            whose kernels take no scaled_max: the GLU casts).
     """
     arena = block.arena
     quantizer = Quantizer(block.scale(i), block.amax(i), arena.fp8_dtype)
@@ -121,7 +123,7 @@ def slot_quantizer(
         )
     amax_pass(quantizer)
     s = block.start + i
-    if fused(arena.device):
+    if fused(arena.device) and not three_launch:
         return CurrentQuantizer(*quantizer, arena.scaled_max[s : s + 1])
     ops.scale_update_(
         arena.amax_history[:, s : s + 1], arena.scale[s : s + 1], arena.scaled_max[s : s + 1], True

@@ -3,7 +3,7 @@
 amax is a device view into the arenas (the attention's AttnFwdRole / AttnBwdRole slots).
 
     fused QKV (FP8 MHA chain, TransformerLayer):
-      forward   qkv (B, S, 3 H D) --rope_fp8--> Q, K, V (FP8, BSHD) --sdpa_fp8_fwd--> O (FP8)
+      forward   qkv (B, S, (H + 2G) D) --rope_fp8--> Q, K, V (FP8, BSHD) --sdpa_fp8_fwd--> O (FP8)
                 O -> Float8Tensor (fp8_output: the next Linear consumes it as is) or dequantized
       backward  dO --cast--> dO (FP8) --sdpa_fp8_bwd--> dQ, dK, dV (FP8)
                 --rope_fp8_backward--> dqkv (dequantize + inverse rotation, one pass)
@@ -41,9 +41,12 @@ class AttentionConfig:
         fp8_output: return O as a Float8Tensor (FP8 MHA) instead of dequantizing it.
         backward_update: (backward arena, group) updated at the end of the backward pass
             (eager), or None (graphs place it themselves).
+        segment_ids: (batch, seq) integer segments of this call (graphfp8.ops.segments), or None.
     """
 
-    __slots__ = ("fwd", "bwd", "attn_scale", "causal", "fp8_output", "backward_update")
+    __slots__ = (
+        "fwd", "bwd", "attn_scale", "causal", "fp8_output", "backward_update", "segment_ids",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -53,10 +56,12 @@ class AttentionConfig:
         causal: bool,
         fp8_output: bool,
         backward_update: tuple | None,
+        segment_ids: torch.Tensor | None = None,
     ):
         self.fwd, self.bwd = fwd, bwd
         self.attn_scale, self.causal = attn_scale, causal
         self.fp8_output, self.backward_update = fp8_output, backward_update
+        self.segment_ids = segment_ids
 
     def quantizer(self, role: AttnFwdRole | AttnBwdRole) -> Quantizer:
         block = self.fwd if isinstance(role, AttnFwdRole) else self.bwd
@@ -73,8 +78,9 @@ class AttentionConfig:
 
 
 def prepare_attention(
-    q_shape, kv_shape, device, recipe, attn_scale: float, causal: bool, training: bool
-) -> None:
+    q_shape, kv_shape, device, recipe, attn_scale: float, causal: bool, training: bool,
+    segments: bool = False,
+) -> None:  # fmt: skip
     """Checks an FP8 attention call and, on the GPU, builds its cuDNN graphs (cached): raises
     before any kernel or state change of the call, and keeps graph building out of CUDA-graph
     captures (a capture's warmup runs the same call first).
@@ -85,6 +91,7 @@ def prepare_attention(
         recipe: the DelayedScaling in force (its formats are the attention's FP8 dtypes).
         attn_scale, causal: the softmax scale and mask.
         training: the backward will run too (its graph is built now as well).
+        segments: the call has segment_ids.
     """
     ops.check_sdpa_fp8(q_shape, kv_shape, kv_shape, causal, "graphfp8 FP8 attention")
     device = torch.device(device)
@@ -103,6 +110,7 @@ def prepare_attention(
         fmt.bwd_dtype,
         float(attn_scale),
         bool(causal),
+        bool(segments),
     )
     cudnn_sdpa.prepare(key, backward=training)
 
@@ -132,6 +140,7 @@ def _forward_core(ctx, qkv_fp8, qkv_scale_inv, cfg: AttentionConfig, needs_grad:
         cfg.amax(AttnFwdRole.O),
         cfg.attn_scale,
         cfg.causal,
+        cfg.segment_ids,
     )
     if needs_grad:
         scale_s = s_o[0:1].clone()  # the pair P was quantized with, for the backward
@@ -166,7 +175,7 @@ def _backward_core(ctx, grad: torch.Tensor):
     )
     amaxes = [cfg.amax(r) for r in (AttnBwdRole.DP, AttnBwdRole.DQ, AttnBwdRole.DK, AttnBwdRole.DV)]
     grads = ops.sdpa_fp8_backward(
-        q, k, v, o, do_fp8, stats, scales, amaxes, cfg.attn_scale, cfg.causal
+        q, k, v, o, do_fp8, stats, scales, amaxes, cfg.attn_scale, cfg.causal, cfg.segment_ids
     )
     if cfg.backward_update is not None:
         queue_backward_update(*cfg.backward_update)
@@ -183,9 +192,9 @@ def _output(o: torch.Tensor, o_scale_inv: torch.Tensor, cfg: AttentionConfig, dt
 
 class _FP8AttentionQKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, cos, sin, heads: int, cfg: AttentionConfig, needs_grad: bool):
+    def forward(ctx, qkv, cos, sin, heads: tuple, cfg: AttentionConfig, needs_grad: bool):
         quantizers = [cfg.quantizer(r) for r in (AttnFwdRole.Q, AttnFwdRole.K, AttnFwdRole.V)]
-        parts, scale_inv = ops.rope_fp8(qkv, cos, sin, heads, quantizers)
+        parts, scale_inv = ops.rope_fp8(qkv, cos, sin, heads[0], quantizers, heads[1])
         o, o_scale_inv = _forward_core(ctx, parts, scale_inv, cfg, needs_grad)
         ctx.tables, ctx.dtype = (cos, sin), qkv.dtype
         return _output(o, o_scale_inv, cfg, qkv.dtype)
@@ -218,15 +227,17 @@ class _FP8Attention(torch.autograd.Function):
         return *out, None, None
 
 
-def fp8_attention_qkv(qkv, rope_tables, heads: int, cfg: AttentionConfig):
+def fp8_attention_qkv(qkv, rope_tables, heads: int, cfg: AttentionConfig,
+                      kv_heads: int | None = None):  # fmt: skip
     """FP8 attention from a fused QKV projection, with RoPE fused into the casts.
 
     Args:
-        qkv: (batch, seq, 3 * heads * head_dim) float32/bfloat16/float16, laid out as
-            (batch, seq, 3, heads, head_dim).
+        qkv: (batch, seq, (heads + 2 * kv_heads) * head_dim) float32/bfloat16/float16: per
+            token the q heads, then the k and the v heads (graphfp8.ops.rope_qkv's layout).
         rope_tables: (cos, sin) float32 (>= seq, head_dim), or None for no rotation.
-        heads: attention heads (no grouped-query attention here).
+        heads: query heads.
         cfg: slots, scale, mask and output form.
+        kv_heads: key/value heads (grouped-query attention); None: heads.
 
     Returns:
         (batch, seq, heads * head_dim): a Float8Tensor of nominal dtype qkv.dtype when
@@ -236,7 +247,7 @@ def fp8_attention_qkv(qkv, rope_tables, heads: int, cfg: AttentionConfig):
     if not qkv.is_contiguous():
         qkv = qkv.contiguous()
     needs_grad = torch.is_grad_enabled() and qkv.requires_grad
-    return _FP8AttentionQKV.apply(qkv, cos, sin, heads, cfg, needs_grad)
+    return _FP8AttentionQKV.apply(qkv, cos, sin, (heads, kv_heads or heads), cfg, needs_grad)
 
 
 def fp8_attention(q, k, v, cfg: AttentionConfig):

@@ -74,11 +74,13 @@ class GemmConfig:
         self.fp8_output = fp8_output
         self.backward_update = backward_update
 
-    def quantizer(self, role: FwdRole | BwdRole, amax_pass: AmaxPass | None = None) -> Quantizer:
+    def quantizer(self, role: FwdRole | BwdRole, amax_pass: AmaxPass | None = None,
+                  three_launch: bool = False) -> Quantizer:  # fmt: skip
         """Scale, amax and FP8 dtype of this GEMM's slot for `role`; under current scaling the
-        scale is first computed from `amax_pass` (graphfp8.fp8.current.slot_quantizer)."""
+        scale is first computed from `amax_pass` (graphfp8.fp8.current.slot_quantizer;
+        three_launch for a cast that takes no scaled_max)."""
         block = self.fwd if isinstance(role, FwdRole) else self.bwd
-        return slot_quantizer(block, slot_index(role, self.gemm), amax_pass)
+        return slot_quantizer(block, slot_index(role, self.gemm), amax_pass, three_launch)
 
     def observe(self, role: FwdRole | BwdRole, source) -> None:
         """Reports a cast into this GEMM's slot for `role` to the numerics observer: `source` is

@@ -19,17 +19,19 @@ def rope_tables(max_seq_len: int, head_dim: int, base: float, dtype, device):
 
 
 class RopeQKV(torch.autograd.Function):
-    """qkv (B, S, 3H) -> the same layout with q and k rotated; backward rotates the gradient
-    back (the transposed rotation) and passes v's gradient through."""
+    """qkv (B, S, (H + 2G) D) -> the same layout with q and k rotated; backward rotates the
+    gradient back (the transposed rotation) and passes v's gradient through."""
 
     @staticmethod
-    def forward(ctx, qkv, cos, sin, num_heads: int):
+    def forward(ctx, qkv, cos, sin, num_heads: int, num_kv_heads: int | None = None):
         ctx.save_for_backward(cos, sin)
-        ctx.num_heads = num_heads
-        return ops.rope_qkv(qkv, cos, sin, num_heads)
+        ctx.heads = (num_heads, num_kv_heads)
+        return ops.rope_qkv(qkv, cos, sin, num_heads, num_kv_heads=num_kv_heads)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        dqkv = ops.rope_qkv(grad.contiguous(), cos, sin, ctx.num_heads, inverse=True)
-        return dqkv, None, None, None
+        heads, kv_heads = ctx.heads
+        dqkv = ops.rope_qkv(grad.contiguous(), cos, sin, heads, inverse=True,
+                            num_kv_heads=kv_heads)  # fmt: skip
+        return dqkv, None, None, None, None

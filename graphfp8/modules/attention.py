@@ -20,6 +20,7 @@ from graphfp8.modules._attention import (
 )
 from graphfp8.modules._rope import RopeQKV
 from graphfp8.modules.base import FP8Module
+from graphfp8.ops.segments import segment_mask
 
 __all__ = ["DotProductAttention"]
 
@@ -85,81 +86,89 @@ class DotProductAttention(FP8Module):
         """Whether a call now runs in FP8 (fp8_autocast with a recipe that sets fp8_dpa)."""
         return STATE.enabled and STATE.recipe is not None and STATE.recipe.fp8_dpa
 
-    def _fp8_config(self, q_shape, kv_shape, device, training: bool) -> AttentionConfig:
+    def _fp8_config(self, q_shape, kv_shape, device, training: bool,
+                    segment_ids=None) -> AttentionConfig:  # fmt: skip
         recipe, causal = STATE.recipe, self.attn_mask_type == "causal"
-        prepare_attention(q_shape, kv_shape, device, recipe, self.attn_scale, causal, training)
+        prepare_attention(q_shape, kv_shape, device, recipe, self.attn_scale, causal, training,
+                          segment_ids is not None)  # fmt: skip
         meta, bwd_update = self._fp8_forward_state(device)  # state changes only after the checks
-        return AttentionConfig(
-            meta.fwd, meta.bwd, self.attn_scale, causal, recipe.fp8_mha, bwd_update
-        )
+        return AttentionConfig(meta.fwd, meta.bwd, self.attn_scale, causal, recipe.fp8_mha,
+                               bwd_update, segment_ids)  # fmt: skip
 
-    def check_fused(self, batch: int, seq: int, device) -> None:
+    def check_fused(self, batch: int, seq: int, device, segment_ids=None) -> None:
         """For a layer that calls forward_qkv after other work (TransformerLayer): raises now if
-        the FP8 attention of a (batch, seq) input would not run (and builds its cuDNN graphs),
-        so the layer fails before any of its state changes. A no-op outside FP8 attention."""
+        the FP8 attention of a (batch, seq) input (with those segment_ids) would not run (and
+        builds its cuDNN graphs), so the layer fails before any of its state changes. Checks
+        segment_ids in any precision; otherwise a no-op outside FP8 attention."""
+        _check_segments(segment_ids, batch, seq, device)
         if self.fp8_active():
-            h, d = self.num_attention_heads, self.kv_channels
+            h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
             causal = self.attn_mask_type == "causal"
-            shape = (batch, seq, h, d)
-            prepare_attention(
-                shape, shape, device, STATE.recipe, self.attn_scale, causal, torch.is_grad_enabled()
-            )
+            prepare_attention((batch, seq, h, d), (batch, seq, g, d), device, STATE.recipe,
+                              self.attn_scale, causal, torch.is_grad_enabled(),
+                              segment_ids is not None)  # fmt: skip
 
     # Forward -----------------------------------------------------------------------------------
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                segment_ids: torch.Tensor | None = None):  # fmt: skip
         """query: (batch, seq, H, D); key, value: (batch, seq, G, D); one float dtype and device.
+        segment_ids: optional (batch, seq) integer tensor on that device: packed documents or
+        padding, each token attending only within its segment (graphfp8.ops.segments).
 
         Returns (batch, seq, H * D) in the inputs' dtype (a Float8Tensor of that nominal dtype
         under fp8_mha).
         """
         self._check_qkv(query, key, value)
+        _check_segments(segment_ids, query.shape[0], query.shape[1], query.device)
         if self.fp8_active():
             training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            cfg = self._fp8_config(query.shape, key.shape, query.device, training)
+            cfg = self._fp8_config(query.shape, key.shape, query.device, training, segment_ids)
             return fp8_attention(query, key, value, cfg)
-        return self._sdpa(query, key, value)
+        return self._sdpa(query, key, value, segment_ids)
 
-    def forward_qkv(self, qkv: torch.Tensor, rope_tables=None):
+    def forward_qkv(self, qkv: torch.Tensor, rope_tables=None, segment_ids=None):
         """Attention straight from a fused QKV projection (TransformerLayer): in FP8 the rotary
         embedding is fused into the casts of q, k and v (graphfp8.ops.rope_fp8).
 
         Args:
-            qkv: (batch, seq, 3 * H * D) laid out as (batch, seq, 3, H, D); needs G == H.
+            qkv: (batch, seq, (H + 2 G) * D): per token the H query heads, then the G key heads
+                and the G value heads (G == H: the (batch, seq, 3, H, D) layout).
             rope_tables: (cos, sin), float32 (>= seq, D) rotary tables for q and k, or None.
+            segment_ids: as for forward().
 
         Returns:
             (batch, seq, H * D), as forward().
         """
-        h, d = self.num_attention_heads, self.kv_channels
-        if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3 or qkv.shape[-1] != 3 * h * d:
+        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
+        width = (h + 2 * g) * d
+        if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3 or qkv.shape[-1] != width:
             shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
             raise ValueError(
-                f"DotProductAttention: expected qkv (batch, seq, {3 * h * d}), got {shape}"
-            )
-        if self.num_gqa_groups != h:
-            raise ValueError(
-                "DotProductAttention.forward_qkv: the fused layout has as many key/"
-                "value heads as query heads; use forward(q, k, v) with GQA"
+                f"DotProductAttention: expected qkv (batch, seq, {width}), got {shape}"
             )
         _check_tensor("qkv", qkv)
         b, s, _ = qkv.shape
+        _check_segments(segment_ids, b, s, qkv.device)
         if self.fp8_active():
             training = torch.is_grad_enabled() and qkv.requires_grad
-            cfg = self._fp8_config((b, s, h, d), (b, s, h, d), qkv.device, training)
-            return fp8_attention_qkv(qkv, rope_tables, h, cfg)
+            cfg = self._fp8_config((b, s, h, d), (b, s, g, d), qkv.device, training, segment_ids)
+            return fp8_attention_qkv(qkv, rope_tables, h, cfg, g)
         if rope_tables is not None:
-            qkv = RopeQKV.apply(qkv.contiguous(), *rope_tables, h)
-        q, k, v = qkv.view(b, s, 3, h, d).unbind(dim=2)
-        return self._sdpa(q, k, v)
+            qkv = RopeQKV.apply(qkv.contiguous(), *rope_tables, h, g)
+        q, k, v = qkv.view(b, s, h + 2 * g, d).split([h, g, g], dim=2)
+        return self._sdpa(q, k, v, segment_ids)
 
-    def _sdpa(self, q, k, v) -> torch.Tensor:
+    def _sdpa(self, q, k, v, segment_ids=None) -> torch.Tensor:
         b, s, h, d = q.shape
+        causal = self.attn_mask_type == "causal"
+        mask = None if segment_ids is None else segment_mask(segment_ids, causal)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            is_causal=self.attn_mask_type == "causal",
+            attn_mask=mask,
+            is_causal=causal and mask is None,
             scale=self.softmax_scale,
             enable_gqa=self.num_gqa_groups != h,
         )
@@ -203,6 +212,26 @@ def _check_tensor(name: str, t) -> None:
         raise TypeError(
             f"DotProductAttention: {name} must be float32, bfloat16 or float16 (not "
             f"FP8), got {t.dtype}"
+        )
+
+
+def _check_segments(segment_ids, batch: int, seq: int, device) -> None:
+    if segment_ids is None:
+        return
+    if not isinstance(segment_ids, torch.Tensor):
+        raise TypeError(
+            f"DotProductAttention: segment_ids must be a tensor, got {type(segment_ids).__name__}"
+        )
+    if (
+        segment_ids.dtype.is_floating_point
+        or segment_ids.dtype == torch.bool
+        or tuple(segment_ids.shape) != (batch, seq)
+        or segment_ids.device != torch.device(device)
+    ):
+        raise ValueError(
+            f"DotProductAttention: segment_ids must be an integer (batch, seq) = {(batch, seq)} "
+            f"tensor on {device}, got {segment_ids.dtype} {tuple(segment_ids.shape)} on "
+            f"{segment_ids.device}"
         )
 
 

@@ -10,17 +10,32 @@ import torch.nn.functional as F
 
 from graphfp8.fp8.slots import FwdRole
 from graphfp8.modules._functional import GemmConfig, fp8_linear
-from graphfp8.modules._mlp import fp8_gelu_mlp
+from graphfp8.modules._mlp import FUSED_ACTIVATIONS, fp8_mlp
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
 from graphfp8.modules.base import FP8Module
 from graphfp8.modules.linear import InitMethod, linear_params
 
 __all__ = ["LayerNormMLP"]
 
+
+def _gated(act):
+    """The gated activation act(g) * u of h = [g | u] (the gate first, TransformerEngine's and
+    Hugging Face's order; PyTorch's F.glu gates the second half)."""
+
+    def f(h: torch.Tensor) -> torch.Tensor:
+        g, u = h.chunk(2, dim=-1)
+        return act(g) * u
+
+    return f
+
+
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x, approximate="tanh"),  # TransformerEngine's "gelu"
     "relu": F.relu,
+    "swiglu": _gated(F.silu),
+    "geglu": _gated(lambda g: F.gelu(g, approximate="tanh")),
 }
+GATED = ("swiglu", "geglu")
 
 
 class LayerNormMLP(FP8Module):
@@ -31,7 +46,9 @@ class LayerNormMLP(FP8Module):
         ffn_hidden_size: F, a multiple of 16 for FP8.
         eps: normalization epsilon.
         bias: learn fc1/fc2 biases.
-        activation: "gelu" (tanh approximation, as TransformerEngine) or "relu".
+        activation: "gelu" (tanh approximation, as TransformerEngine), "relu", or the gated
+            "swiglu" (silu(g) * u) and "geglu" (gelu(g) * u), for which fc1 has 2 F outputs,
+            the gate g first (TransformerEngine's layout; Hugging Face's gate_proj then up_proj).
         normalization: "LayerNorm" or "RMSNorm".
         zero_centered_gamma: the norm's weight is 1 + layer_norm_weight, which starts at 0.
         params_dtype, device: as for Linear.
@@ -57,8 +74,9 @@ class LayerNormMLP(FP8Module):
         self.eps, self.normalization, self.activation = eps, normalization, activation
         self.zero_centered_gamma = zero_centered_gamma
         make_norm_params(self, hidden_size, normalization, dtype, device, zero_centered_gamma)
-        self.fc1_weight, self.fc1_bias = linear_params(hidden_size, ffn_hidden_size, bias, dtype,
-                                                       device, init_method)  # fmt: skip
+        fc1_out = 2 * ffn_hidden_size if activation in GATED else ffn_hidden_size
+        self.fc1_weight, self.fc1_bias = linear_params(hidden_size, fc1_out, bias, dtype, device,
+                                                       init_method)  # fmt: skip
         self.fc2_weight, self.fc2_bias = linear_params(
             ffn_hidden_size, hidden_size, bias, dtype, device,
             output_layer_init_method or init_method,
@@ -101,10 +119,10 @@ class LayerNormMLP(FP8Module):
         """fc2(act(fc1(x))) in FP8 for the normalized input x_fp8 (a Float8Tensor (...,
         hidden_size) from this module's norm, in cfgs[0]'s INPUT slot)."""
         cfg1, cfg2 = cfgs
-        if self.activation == "gelu":
-            # GELU and dGELU fused into the FP8 casts around it (graphfp8.modules._mlp).
-            return fp8_gelu_mlp(x_fp8, self.fc1_weight, self.fc1_bias, self.fc2_weight,
-                                self.fc2_bias, cfg1, cfg2)  # fmt: skip
+        if self.activation in FUSED_ACTIVATIONS:
+            # The activation and its backward fused into the FP8 casts around it (modules/_mlp).
+            return fp8_mlp(x_fp8, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias,
+                           cfg1, cfg2, self.activation)  # fmt: skip
         hidden = ACTIVATIONS[self.activation](fp8_linear(x_fp8, self.fc1_weight, self.fc1_bias,
                                                          cfg1))  # fmt: skip
         return fp8_linear(hidden, self.fc2_weight, self.fc2_bias, cfg2)

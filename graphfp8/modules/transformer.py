@@ -6,6 +6,12 @@
 (the second add folds into the next layer's first norm when layers hand it on: forward's
 residual and defer_residual)
 
+Grouped-query attention (num_gqa_groups G < heads, TransformerEngine's name): the fused QKV
+projection has (heads + 2 G) * head_dim outputs, per token the q heads, then the G k heads and
+the G v heads (with G == heads the (3, heads, head_dim) layout); each k/v head serves
+heads / G query heads. Llama-style blocks: normalization="RMSNorm", bias=False,
+activation="swiglu".
+
 Under fp8_autocast both norms write their GEMM's FP8 input directly, and the first residual add
 folds into the MLP's norm: one kernel reads x and the projection's output and writes h = x + proj
 and the FP8 norm of h (graphfp8.modules._norm); its backward adds the gradient that reaches h
@@ -53,6 +59,10 @@ class TransformerLayer(nn.Module):
             None: torch.nn.Linear's initialisation.
         output_layer_init_method: the same for the projection and fc2 (default: init_method),
             TransformerEngine's names.
+        num_gqa_groups: key/value heads G (grouped-query attention); None: num_heads. num_heads
+            must be a multiple of it.
+        qkv_bias, mlp_bias: biases of the QKV projection and of the MLP when they differ from
+            `bias` (which then covers the output projection): Qwen2 biases q, k, v only.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, rope: bool = True,
@@ -60,27 +70,40 @@ class TransformerLayer(nn.Module):
                  bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
                  zero_centered_gamma: bool = False, params_dtype: torch.dtype | None = None,
                  device=None, init_method: InitMethod | None = None,
-                 output_layer_init_method: InitMethod | None = None):  # fmt: skip
+                 output_layer_init_method: InitMethod | None = None,
+                 num_gqa_groups: int | None = None, qkv_bias: bool | None = None,
+                 mlp_bias: bool | None = None):  # fmt: skip
         super().__init__()
         if num_heads < 1 or hidden_size % num_heads:
             raise ValueError(
                 f"TransformerLayer: hidden_size {hidden_size} must be a multiple of num_heads "
                 f"{num_heads}"
             )
+        groups = num_heads if num_gqa_groups is None else num_gqa_groups
+        if groups < 1 or num_heads % groups:
+            raise ValueError(
+                f"TransformerLayer: num_heads {num_heads} must be a multiple of num_gqa_groups "
+                f"{groups}"
+            )
         head_dim = hidden_size // num_heads
         if rope and head_dim % 2:
             raise ValueError(f"TransformerLayer: RoPE needs an even head_dim, got {head_dim}")
         dtype = params_dtype or torch.get_default_dtype()
-        kw = dict(eps=eps, bias=bias, normalization=normalization, params_dtype=dtype,
+        kw = dict(eps=eps, normalization=normalization, params_dtype=dtype,
                   zero_centered_gamma=zero_centered_gamma, device=device)  # fmt: skip
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        mlp_bias = bias if mlp_bias is None else mlp_bias
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.num_gqa_groups = groups
         self.ffn_hidden_size, self.rope, self.max_seq_len = ffn_hidden_size, rope, max_seq_len
         out_init = output_layer_init_method or init_method
-        self.qkv = LayerNormLinear(hidden_size, 3 * hidden_size, init_method=init_method, **kw)
-        self.core_attention = DotProductAttention(num_heads, head_dim, device=device)
+        self.qkv = LayerNormLinear(hidden_size, (num_heads + 2 * groups) * head_dim, bias=qkv_bias,
+                                   init_method=init_method, **kw)  # fmt: skip
+        self.core_attention = DotProductAttention(num_heads, head_dim, num_gqa_groups=groups,
+                                                  device=device)  # fmt: skip
         self.proj = Linear(hidden_size, hidden_size, bias=bias, params_dtype=dtype, device=device,
                            init_method=out_init)  # fmt: skip
-        self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation,
+        self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation, bias=mlp_bias,
                                 init_method=init_method, output_layer_init_method=out_init,
                                 **kw)  # fmt: skip
         if rope:
@@ -88,18 +111,22 @@ class TransformerLayer(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
-    def attention(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Causal self-attention core with RoPE: qkv (B, S, 3H) -> (B, S, H), in qkv's dtype (a
-        Float8Tensor under fp8_mha)."""
+    def attention(self, qkv: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal self-attention core with RoPE: qkv (B, S, (heads + 2 G) * head_dim) -> (B, S,
+        H), in qkv's dtype (a Float8Tensor under fp8_mha); segment_ids as for forward()."""
         tables = None
         if self.rope:  # the tables stay float32 even if the module was cast to another dtype
             tables = (self.rope_cos.float(), self.rope_sin.float())
-        return self.core_attention.forward_qkv(qkv, tables)
+        return self.core_attention.forward_qkv(qkv, tables, segment_ids)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None,
-                residual: torch.Tensor | None = None, defer_residual: bool = False):  # fmt: skip
+                residual: torch.Tensor | None = None, defer_residual: bool = False,
+                segment_ids: torch.Tensor | None = None):  # fmt: skip
         """x: (B, S, H) in params_dtype, S <= max_seq_len. Returns (B, S, H).
         is_first_microbatch: as for Linear (all four weights).
+        segment_ids: optional (B, S) integer tensor on x's device: packed documents (or padding
+        in a segment of its own), attention staying within each token's segment
+        (graphfp8.ops.segments; a device tensor, so graphs replay it with each call's ids).
 
         Consecutive layers can hand the second residual add on (training/model.py's Blocks):
         defer_residual returns (h, y) instead of h + y, and the next layer given residual=y
@@ -114,17 +141,18 @@ class TransformerLayer(nn.Module):
                 f"TransformerLayer: sequence length {x.shape[1]} exceeds max_seq_len "
                 f"{self.max_seq_len} of the rotary tables"
             )
-        self.core_attention.check_fused(x.shape[0], x.shape[1], x.device)
+        self.core_attention.check_fused(x.shape[0], x.shape[1], x.device, segment_ids)
         if residual is None:
             qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
         else:
             x, qkv = self.qkv(x, is_first_microbatch=is_first_microbatch, residual=residual)
-        attn = self.proj(self.attention(qkv), is_first_microbatch=is_first_microbatch)
+        attn = self.proj(self.attention(qkv, segment_ids), is_first_microbatch=is_first_microbatch)
         h, y = self.mlp(x, is_first_microbatch=is_first_microbatch, residual=attn)
         return (h, y) if defer_residual else h + y
 
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
-            f"ffn_hidden_size={self.ffn_hidden_size}, rope={self.rope}"
+            f"num_gqa_groups={self.num_gqa_groups}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"rope={self.rope}"
         )

@@ -10,6 +10,7 @@ from graphfp8.ops.cast_fused import (
 )
 from graphfp8.ops.dequantize import dequantize
 from graphfp8.ops.gemm import check_gemm_dims, fp8_gemm
+from graphfp8.ops.glu import dglu_cast_transpose_dbias, glu_cast_transpose
 from graphfp8.ops.norm import NormFP8, layernorm_bwd, layernorm_fp8, rmsnorm_bwd, rmsnorm_fp8
 from graphfp8.ops.rope import rope_qkv
 from graphfp8.ops.rope_fp8 import rope_fp8, rope_fp8_backward
@@ -28,6 +29,7 @@ __all__ = [
     "cast_transpose_dbias",
     "dgelu_amax_",
     "dgelu_cast_transpose_dbias",
+    "dglu_cast_transpose_dbias",
     "check_gemm_dims",
     "check_sdpa_fp8",
     "dequantize",
@@ -35,6 +37,7 @@ __all__ = [
     "fp8_transpose",
     "gelu_amax_",
     "gelu_cast_transpose",
+    "glu_cast_transpose",
     "layernorm_amax_",
     "layernorm_bwd",
     "layernorm_fp8",

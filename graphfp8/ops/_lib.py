@@ -78,7 +78,7 @@ def _dgelu_cast_transpose_dbias_fake(dy, x, scale, out, out_t, scale_inv, amax, 
 
 
 @torch.library.register_fake("graphfp8::rope_qkv")
-def _rope_qkv_fake(qkv, cos, sin, num_heads, inverse, out):
+def _rope_qkv_fake(qkv, cos, sin, num_heads, inverse, out, num_kv_heads=0):
     return None
 
 
@@ -118,10 +118,10 @@ def _rmsnorm_bwd_fake(dy, x, rsigma, gamma, zero_centered_gamma, dx, dgamma, dre
 
 
 @torch.library.register_fake("graphfp8::rope_fp8")
-def _rope_fp8_fake(qkv, cos, sin, num_heads, scale, out, scale_inv, amax):
+def _rope_fp8_fake(qkv, cos, sin, num_heads, scale, out, scale_inv, amax, num_kv_heads=0):
     return None
 
 
 @torch.library.register_fake("graphfp8::rope_fp8_backward")
-def _rope_fp8_backward_fake(grads, scale_inv, cos, sin, num_heads, out):
+def _rope_fp8_backward_fake(grads, scale_inv, cos, sin, num_heads, out, num_kv_heads=0):
     return None

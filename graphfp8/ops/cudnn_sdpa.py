@@ -12,7 +12,8 @@ arena's own H[0] slots (cuDNN folds into them; nothing else writes them during a
 Tensors are declared as cuDNN wants them: Q, K, V, O, dO, dQ, dK, dV with dims (batch, heads,
 seq, head_dim) over BSHD memory (strides (seq * heads * d, d, heads * d, 1)); stats (batch,
 heads, seq, 1) float32; every scalar and every amax (1, 1, 1, 1) float32. An output declared
-without a data type takes the graph's FP8 I/O type, so each one names its type.
+without a data type takes the graph's FP8 I/O type, so each one names its type. With segment ids
+(packed documents, padding) the graphs are ragged: graphfp8.ops.cudnn_ragged has the layout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from graphfp8 import global_state
+from graphfp8.ops import cudnn_ragged
 
 __all__ = ["BWD_SCALES", "FWD_SCALES", "SdpaKey", "backward", "cudnn_module", "forward", "prepare"]
 
@@ -75,6 +77,7 @@ class _Uid(enum.IntEnum):
     AMAX_DQ = 13
     AMAX_DK = 14
     AMAX_DV = 15
+    RAGGED = 16  # the first of cudnn_ragged's tensors, in its RAGGED_NAMES order
     SCALES = 32  # the first of the scalar inputs, in FWD_SCALES / BWD_SCALES order
 
 
@@ -92,6 +95,12 @@ class SdpaKey(NamedTuple):
     bwd_dtype: torch.dtype | None
     attn_scale: float
     causal: bool
+    segments: bool = False  # segment ids: a ragged graph (cudnn_ragged)
+
+    @property
+    def graph_batch(self) -> int:
+        """The graph's batch dimension: rows, or the sequence slots of a ragged graph."""
+        return cudnn_ragged.slots(self.batch) if self.segments else self.batch
 
 
 # Built graphs and their workspace sizes: forward ones by key with bwd_dtype None.
@@ -167,9 +176,10 @@ def _mask_kwargs(cudnn, key: SdpaKey) -> dict:
     return dict(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, right_bound=0)
 
 
-def _inputs(cudnn, graph, key: SdpaKey, io_type, names):
-    """The Q, K, V (and with `names` more, O and dO) tensor declarations."""
-    b, s, d = key.batch, key.seq, key.head_dim
+def _inputs(cudnn, graph, key: SdpaKey, io_type, names, ragged=None):
+    """The Q, K, V (and with `names` more, O and dO) tensor declarations; ragged: cudnn_ragged's
+    declarations, whose offsets displace each sequence."""
+    b, s, d = key.graph_batch, key.seq, key.head_dim
     shapes = {"q": key.heads, "k": key.kv_heads, "v": key.kv_heads, "o": key.heads}
     uids = {"q": _Uid.Q, "k": _Uid.K, "v": _Uid.V, "o": _Uid.O}
     out = {}
@@ -178,6 +188,8 @@ def _inputs(cudnn, graph, key: SdpaKey, io_type, names):
         dtype = _fp8_type(cudnn, key.bwd_dtype) if name == "d_o" else io_type
         uid = _Uid.DO if name == "d_o" else uids[name]
         out[name] = graph.tensor(uid=int(uid), dim=dims, stride=strides, data_type=dtype, name=name)
+        if ragged is not None:
+            out[name].set_ragged_offset(ragged["offset_kv" if name in "kv" else "offset_q"])
     return out
 
 
@@ -193,7 +205,8 @@ def _build(graph) -> int:
 def _build_forward(cudnn, key: SdpaKey):
     io_type = _fp8_type(cudnn, key.fwd_dtype)
     graph = _new_graph(cudnn, key, io_type)
-    t = _inputs(cudnn, graph, key, io_type, ("q", "k", "v"))
+    ragged, padding = cudnn_ragged.declare(cudnn, graph, key, int(_Uid.RAGGED))
+    t = _inputs(cudnn, graph, key, io_type, ("q", "k", "v"), ragged)
     sc = _scalars(cudnn, graph, FWD_SCALES)
     o, stats, amax_s, amax_o = graph.sdpa_fp8(
         q=t["q"],
@@ -209,11 +222,15 @@ def _build_forward(cudnn, key: SdpaKey):
         attn_scale=key.attn_scale,
         name="sdpa_fp8",
         **_mask_kwargs(cudnn, key),
+        **padding,
     )
-    b, s, h = key.batch, key.seq, key.heads
+    b, s, h = key.graph_batch, key.seq, key.heads
     one, f32 = [1, 1, 1, 1], cudnn.data_type.FLOAT
     _output(cudnn, o, _Uid.O, *_bshd(b, s, h, key.head_dim), io_type)
-    _output(cudnn, stats, _Uid.STATS, [b, h, s, 1], [h * s, s, 1, 1], f32)
+    _output(cudnn, stats, _Uid.STATS, *cudnn_ragged.stats_desc(key.graph_batch, s, h, ragged), f32)
+    if ragged is not None:
+        o.set_ragged_offset(ragged["offset_q"])
+        stats.set_ragged_offset(ragged["offset_stats"])
     _output(cudnn, amax_s, _Uid.AMAX_S, one, one, f32)
     _output(cudnn, amax_o, _Uid.AMAX_O, one, one, f32)
     return graph, _build(graph)
@@ -223,12 +240,15 @@ def _build_backward(cudnn, key: SdpaKey):
     io_type = _fp8_type(cudnn, key.fwd_dtype)
     grad_type = _fp8_type(cudnn, key.bwd_dtype)
     graph = _new_graph(cudnn, key, io_type)
-    t = _inputs(cudnn, graph, key, io_type, ("q", "k", "v", "o", "d_o"))
-    b, s, h, d = key.batch, key.seq, key.heads, key.head_dim
+    ragged, padding = cudnn_ragged.declare(cudnn, graph, key, int(_Uid.RAGGED))
+    t = _inputs(cudnn, graph, key, io_type, ("q", "k", "v", "o", "d_o"), ragged)
+    b, s, h, d = key.graph_batch, key.seq, key.heads, key.head_dim
     one, f32 = [1, 1, 1, 1], cudnn.data_type.FLOAT
-    stats = graph.tensor(
-        uid=int(_Uid.STATS), dim=[b, h, s, 1], stride=[h * s, s, 1, 1], data_type=f32, name="stats"
-    )
+    dims, strides = cudnn_ragged.stats_desc(b, s, h, ragged)
+    stats = graph.tensor(uid=int(_Uid.STATS), dim=dims, stride=strides, data_type=f32,
+                         name="stats")  # fmt: skip
+    if ragged is not None:
+        stats.set_ragged_offset(ragged["offset_stats"])
     sc = _scalars(cudnn, graph, BWD_SCALES)
     d_q, d_k, d_v, amax_dq, amax_dk, amax_dv, amax_dp = graph.sdpa_fp8_backward(
         q=t["q"],
@@ -252,10 +272,15 @@ def _build_backward(cudnn, key: SdpaKey):
         attn_scale=key.attn_scale,
         name="sdpa_fp8_backward",
         **_mask_kwargs(cudnn, key),
+        **padding,
     )
     _output(cudnn, d_q, _Uid.DQ, *_bshd(b, s, h, d), grad_type)
     _output(cudnn, d_k, _Uid.DK, *_bshd(b, s, key.kv_heads, d), grad_type)
     _output(cudnn, d_v, _Uid.DV, *_bshd(b, s, key.kv_heads, d), grad_type)
+    if ragged is not None:
+        d_q.set_ragged_offset(ragged["offset_q"])
+        d_k.set_ragged_offset(ragged["offset_kv"])
+        d_v.set_ragged_offset(ragged["offset_kv"])
     for amax, uid in (
         (amax_dp, _Uid.AMAX_DP),
         (amax_dq, _Uid.AMAX_DQ),
@@ -302,17 +327,18 @@ def _build_or_explain(cudnn, key: SdpaKey, which: str, build):
         raise ValueError(
             f"graphfp8: cuDNN does not support FP8 attention ({which}) for batch={key.batch}, "
             f"seq={key.seq}, heads={key.heads}, kv_heads={key.kv_heads}, "
-            f"head_dim={key.head_dim}, causal={key.causal} on this GPU and cuDNN "
+            f"head_dim={key.head_dim}, causal={key.causal}, segments={key.segments} on this "
+            "GPU and cuDNN "
             f"{cudnn.backend_version_string()}{hint}: {exc}"
         ) from exc
 
 
-def key_for(q: torch.Tensor, k: torch.Tensor, bwd_dtype, attn_scale, causal) -> SdpaKey:
+def key_for(q: torch.Tensor, k: torch.Tensor, bwd_dtype, attn_scale, causal,
+            segments: bool = False) -> SdpaKey:  # fmt: skip
     """The key of a call on q (batch, seq, heads, d) and k (batch, seq, kv_heads, d)."""
     b, s, h, d = q.shape
-    return SdpaKey(
-        q.device.index, b, s, h, k.shape[2], d, q.dtype, bwd_dtype, float(attn_scale), bool(causal)
-    )
+    return SdpaKey(q.device.index, b, s, h, k.shape[2], d, q.dtype, bwd_dtype, float(attn_scale),
+                   bool(causal), segments)  # fmt: skip
 
 
 # The variant packs' uids as plain ints, in the order the ops pass their tensors (no enum
@@ -343,23 +369,30 @@ def _execute(graph, workspace_bytes: int, pack: dict, device) -> None:
     graph.execute(pack, workspace, handle=handle)
 
 
-def forward(q, k, v, scales, o, stats, amax, attn_scale, causal) -> None:
+def forward(q, k, v, scales, o, stats, amax, attn_scale, causal, segment_ids=None) -> None:
     """torch.ops.graphfp8.sdpa_fp8_fwd on CUDA (graphfp8.ops.sdpa_fp8 has the contract)."""
-    key = key_for(q, k, None, attn_scale, causal)
+    key = key_for(q, k, None, attn_scale, causal, segment_ids is not None)
     built = _FORWARD.get(key)
     if built is None:  # a direct op call: build now (graphfp8's layers prepare first)
         prepare(key, backward=False)
         built = _FORWARD[key]
     tensors = [q, k, v, o, stats, amax[0], amax[1], *scales]
-    _execute(built[0], built[1], dict(zip(_FWD_UIDS, tensors, strict=True)), q.device)
+    pack = dict(zip(_FWD_UIDS, tensors, strict=True)) | cudnn_ragged.pack(
+        segment_ids, q, k, int(_Uid.RAGGED)
+    )
+    _execute(built[0], built[1], pack, q.device)
 
 
-def backward(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causal) -> None:
+def backward(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causal,
+             segment_ids=None) -> None:  # fmt: skip
     """torch.ops.graphfp8.sdpa_fp8_bwd on CUDA (graphfp8.ops.sdpa_fp8 has the contract)."""
-    key = key_for(q, k, d_o.dtype, attn_scale, causal)
+    key = key_for(q, k, d_o.dtype, attn_scale, causal, segment_ids is not None)
     built = _BACKWARD.get(key)
     if built is None:
         prepare(key, backward=True)
         built = _BACKWARD[key]
     tensors = [q, k, v, o, d_o, stats, dq, dk, dv, *amax, *scales]
-    _execute(built[0], built[1], dict(zip(_BWD_UIDS, tensors, strict=True)), q.device)
+    pack = dict(zip(_BWD_UIDS, tensors, strict=True)) | cudnn_ragged.pack(
+        segment_ids, q, k, int(_Uid.RAGGED)
+    )
+    _execute(built[0], built[1], pack, q.device)

@@ -17,6 +17,7 @@ def rope_qkv(
     inverse: bool = False,
     *,
     out: torch.Tensor | None = None,
+    num_kv_heads: int | None = None,
 ) -> torch.Tensor:
     """Rotates the q and k heads of a fused QKV tensor by their positions; v is copied.
 
@@ -25,15 +26,17 @@ def rope_qkv(
     + x[i] sin[s, i + half]. `inverse` applies the transposed rotation (the backward).
 
     Args:
-        qkv: (batch, seq, 3 * hidden) float32/bfloat16/float16, contiguous, laid out as
-            (batch, seq, 3, num_heads, head_dim) with q, k, v in that order.
+        qkv: (batch, seq, (num_heads + 2 * num_kv_heads) * head_dim) float32/bfloat16/float16,
+            contiguous: per token num_heads q heads, then num_kv_heads k and v heads (with
+            num_kv_heads == num_heads the (batch, seq, 3, num_heads, head_dim) layout).
         cos, sin: (>= seq, head_dim) float32 tables; row s is position s.
-        num_heads: heads per q/k/v; head_dim = hidden / num_heads must be even.
+        num_heads: query heads; head_dim must be even.
         inverse: rotate by -angle, transposed (the gradient of the forward rotation).
         out: optional destination shaped like qkv (may be qkv itself).
+        num_kv_heads: key/value heads (grouped-query attention); None: num_heads.
 
     Returns:
-        out: (batch, seq, 3 * hidden), qkv's dtype.
+        out: shaped like qkv, qkv's dtype.
 
     Raises:
         TypeError: a dtype is wrong (the op's own checks, in csrc/ops/).
@@ -41,5 +44,5 @@ def rope_qkv(
     """
     if out is None:
         out = torch.empty_like(qkv)
-    ops.rope_qkv(qkv, cos, sin, num_heads, inverse, out)
+    ops.rope_qkv(qkv, cos, sin, num_heads, inverse, out, num_kv_heads or 0)
     return out

@@ -1,8 +1,9 @@
 """Typed wrappers of the RoPE kernels fused with the FP8 casts of q, k, v (and their backward).
 
-Forward: a fused QKV projection output (batch, seq, 3 * heads * head_dim) -> q, k and v in FP8,
-each (batch, seq, heads, head_dim) contiguous (the BSHD layout attention kernels take), with q
-and k rotated first. The result equals rope_qkv followed by one cast per part, bit for bit.
+Forward: a fused QKV projection output (batch, seq, (heads + 2 * kv_heads) * head_dim) -> q
+(batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim) in FP8, contiguous (the
+BSHD layout attention kernels take), with q and k rotated first (kv_heads < heads: grouped-query
+attention). The result equals rope_qkv followed by one cast per part, bit for bit.
 Backward: the three FP8 gradients -> the fused QKV gradient, dq and dk rotated back, in one pass.
 """
 
@@ -34,10 +35,16 @@ def _check_tables(name: str, cos, sin, seq: int, head_dim: int, device) -> None:
             raise ValueError(f"{name}: argument '{arg}' must be contiguous on {device}")
 
 
-def _head_dim(name: str, width: int, num_heads: int) -> int:
-    if num_heads < 1 or width % (3 * num_heads):
-        raise ValueError(f"{name}: last dim {width} is not 3 * num_heads ({num_heads}) * head_dim")
-    head_dim = width // (3 * num_heads)
+def _head_dim(name: str, width: int, num_heads: int, kv_heads: int) -> int:
+    if num_heads < 1 or kv_heads < 1 or num_heads % kv_heads:
+        raise ValueError(f"{name}: num_heads ({num_heads}) must be a positive multiple of "
+                         f"num_kv_heads ({kv_heads})")  # fmt: skip
+    if width % (num_heads + 2 * kv_heads):
+        raise ValueError(
+            f"{name}: last dim {width} is not (num_heads + 2 * num_kv_heads) * head_dim with "
+            f"num_heads {num_heads}, num_kv_heads {kv_heads}"
+        )
+    head_dim = width // (num_heads + 2 * kv_heads)
     if head_dim % 2:
         raise ValueError(f"{name}: head_dim must be even, got {head_dim}")
     return head_dim
@@ -49,6 +56,7 @@ def rope_fp8(
     sin: torch.Tensor | None,
     num_heads: int,
     quantizers,
+    num_kv_heads: int | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Rotates q and k of a fused QKV tensor and casts q, k, v to FP8 in one pass.
 
@@ -57,17 +65,18 @@ def rope_fp8(
     dtype (q, k) or the value itself (v, or every part without tables).
 
     Args:
-        qkv: (batch, seq, 3 * heads * head_dim) float32/bfloat16/float16, contiguous, laid out as
-            (batch, seq, 3, heads, head_dim).
+        qkv: (batch, seq, (heads + 2 * kv_heads) * head_dim) float32/bfloat16/float16,
+            contiguous: per token the q heads, then the k and the v heads (rope_qkv's layout).
         cos, sin: (>= seq, head_dim) float32 rotary tables (rope_qkv's layout), or both None
             for a plain cast of the three parts.
-        num_heads: heads per part; head_dim must be even.
+        num_heads: query heads; head_dim must be even.
         quantizers: three (scale (1,) float32, amax (1,) float32, fp8_dtype) triples (q, k, v;
             graphfp8.fp8.slots.Quantizer), one FP8 dtype for all three.
+        num_kv_heads: key/value heads; None: num_heads.
 
     Returns:
-        ([q, k, v], [q_scale_inv, k_scale_inv, v_scale_inv]): FP8 (batch, seq, heads, head_dim)
-        tensors and (1,) float32 tensors.
+        ([q, k, v], [q_scale_inv, k_scale_inv, v_scale_inv]): FP8 q (batch, seq, heads,
+        head_dim), k and v (batch, seq, kv_heads, head_dim), and (1,) float32 tensors.
     """
     name = "graphfp8.rope_fp8"
     if qkv.dtype not in _HP:
@@ -79,15 +88,17 @@ def rope_fp8(
             f"{name}: argument 'qkv' must be a contiguous (batch, seq, 3 * hidden) "
             f"tensor, got {tuple(qkv.shape)}"
         )
-    head_dim = _head_dim(name, qkv.shape[-1], num_heads)
+    kv_heads = num_kv_heads or num_heads
+    head_dim = _head_dim(name, qkv.shape[-1], num_heads, kv_heads)
     _check_tables(name, cos, sin, qkv.shape[1], head_dim, qkv.device)
     dtypes = {dtype for _, _, dtype in quantizers}
     if len(quantizers) != 3 or len(dtypes) != 1 or not dtypes <= set(_FP8):
         raise ValueError(
             f"{name}: need 3 quantizers of one FP8 dtype, got {sorted(map(str, dtypes))}"
         )
-    shape, fp8_dtype = (qkv.shape[0], qkv.shape[1], num_heads, head_dim), dtypes.pop()
-    out = [torch.empty(shape, dtype=fp8_dtype, device=qkv.device) for _ in range(3)]
+    b, s, fp8_dtype = qkv.shape[0], qkv.shape[1], dtypes.pop()
+    out = [torch.empty((b, s, h, head_dim), dtype=fp8_dtype, device=qkv.device)
+           for h in (num_heads, kv_heads, kv_heads)]  # fmt: skip
     scale_inv = [torch.empty(1, dtype=torch.float32, device=qkv.device) for _ in range(3)]
     ops.rope_fp8(
         qkv,
@@ -98,6 +109,7 @@ def rope_fp8(
         out,
         scale_inv,
         [a for _, a, _ in quantizers],
+        kv_heads,
     )
     return out, scale_inv
 
@@ -113,31 +125,37 @@ def rope_fp8_backward(
     dk rotated back (rope_qkv's inverse rotation), rounded once to `dtype`.
 
     Args:
-        grads: [dq, dk, dv], FP8 (batch, seq, heads, head_dim) each, contiguous, one dtype.
+        grads: [dq (batch, seq, heads, head_dim), dk, dv (batch, seq, kv_heads, head_dim)], FP8
+            of one dtype, contiguous.
         scale_inv: their (1,) float32 scale_inv.
         cos, sin: the forward's rotary tables, or both None.
         dtype: float32, bfloat16 or float16.
 
     Returns:
-        (batch, seq, 3 * heads * head_dim) tensor of `dtype`.
+        (batch, seq, (heads + 2 * kv_heads) * head_dim) tensor of `dtype`.
     """
     name = "graphfp8.rope_fp8_backward"
     if len(grads) != 3 or len(scale_inv) != 3:
         raise ValueError(f"{name}: need 3 gradients and 3 scale_inv tensors")
-    g = grads[0]
-    if g.dim() != 4 or any(t.shape != g.shape or t.dtype != g.dtype for t in grads):
+    g, kv = grads[0], grads[1]
+    same = lambda t, ref: t.dim() == 4 and t.shape == ref.shape and t.dtype == g.dtype  # noqa: E731
+    if not (g.dim() == 4 and same(kv, kv) and same(grads[2], kv)
+            and (kv.shape[:2], kv.shape[3]) == (g.shape[:2], g.shape[3])):  # fmt: skip
         raise ValueError(
-            f"{name}: the gradients must share one (batch, seq, heads, head_dim) "
-            f"shape and FP8 dtype, got {[tuple(t.shape) for t in grads]}"
+            f"{name}: the gradients must be dq (batch, seq, heads, head_dim) and dk, dv "
+            f"(batch, seq, kv_heads, head_dim) of one FP8 dtype, got "
+            f"{[tuple(t.shape) for t in grads]}"
         )
     if g.dtype not in _FP8:
         raise TypeError(f"{name}: the gradients must be FP8, got {g.dtype}")
     if dtype not in _HP:
         raise TypeError(f"{name}: dtype must be float32, bfloat16 or float16, got {dtype}")
     batch, seq, heads, head_dim = g.shape
+    kv_heads = kv.shape[2]
+    _head_dim(name, (heads + 2 * kv_heads) * head_dim, heads, kv_heads)
     if head_dim % 2:
         raise ValueError(f"{name}: head_dim must be even, got {head_dim}")
     _check_tables(name, cos, sin, seq, head_dim, g.device)
-    out = torch.empty(batch, seq, 3 * heads * head_dim, dtype=dtype, device=g.device)
-    ops.rope_fp8_backward(grads, scale_inv, cos, sin, heads, out)
+    out = torch.empty(batch, seq, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=g.device)
+    ops.rope_fp8_backward(grads, scale_inv, cos, sin, heads, out, kv_heads)
     return out

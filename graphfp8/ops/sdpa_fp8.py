@@ -22,7 +22,10 @@ into the given slots with fmax, so they ignore NaN like the cast kernels.
 
 Shapes: Q, O (batch, seq, heads, head_dim); K, V (batch, seq, kv_heads, head_dim), contiguous
 (the BSHD layout); heads a multiple of kv_heads (grouped-query attention); stats (batch, heads,
-seq, 1) float32. Self-attention only (one sequence length), causal only.
+seq, 1) float32. Self-attention only (one sequence length), causal only. With segment_ids
+(batch, seq) the causal mask is also confined to each token's segment (packed documents, padding:
+graphfp8.ops.segments): S[i, j] = -inf unless segment[j] == segment[i] (on the GPU, cuDNN's
+ragged layout of graphfp8.ops.cudnn_ragged, whose stats are laid out (token, head)-major).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from graphfp8.ops import (
     cudnn_sdpa,
 )
 from graphfp8.ops.cudnn_sdpa import BWD_SCALES, FWD_SCALES
+from graphfp8.ops.segments import segment_mask
 
 __all__ = [
     "BWD_SCALES",
@@ -98,7 +102,24 @@ def _check_operands(q, k, v, what: str) -> None:
             )
 
 
-def sdpa_fp8_forward(q, k, v, scales: dict, amax_s, amax_o, attn_scale: float, causal: bool = True):
+def _check_segments(segment_ids, q, what: str) -> None:
+    if segment_ids is None:
+        return
+    if (
+        segment_ids.dtype.is_floating_point
+        or segment_ids.is_complex()
+        or tuple(segment_ids.shape) != tuple(q.shape[:2])
+        or segment_ids.device != q.device
+    ):
+        raise ValueError(
+            f"{what}: segment_ids must be an integer (batch, seq) = {tuple(q.shape[:2])} tensor "
+            f"on {q.device}, got {segment_ids.dtype} {tuple(segment_ids.shape)} on "
+            f"{segment_ids.device}"
+        )
+
+
+def sdpa_fp8_forward(q, k, v, scales: dict, amax_s, amax_o, attn_scale: float, causal: bool = True,
+                     segment_ids=None):  # fmt: skip
     """FP8 attention forward (this module's docstring has the math).
 
     Args:
@@ -108,6 +129,7 @@ def sdpa_fp8_forward(q, k, v, scales: dict, amax_s, amax_o, attn_scale: float, c
         amax_s, amax_o: (1,) float32, folded in place (the S and O slots).
         attn_scale: the softmax scale, e.g. head_dim ** -0.5.
         causal: must be True.
+        segment_ids: optional (batch, seq) integer segments on q's device.
 
     Returns:
         (o_fp8 (batch, seq, heads, head_dim) in q's dtype, stats (batch, heads, seq, 1) float32).
@@ -115,6 +137,7 @@ def sdpa_fp8_forward(q, k, v, scales: dict, amax_s, amax_o, attn_scale: float, c
     what = "graphfp8.sdpa_fp8_forward"
     check_sdpa_fp8(q.shape, k.shape, v.shape, causal, what)
     _check_operands(q, k, v, what)
+    _check_segments(segment_ids, q, what)
     b, s, h, _ = q.shape
     o = torch.empty_like(q)
     stats = torch.empty(b, h, s, 1, dtype=torch.float32, device=q.device)
@@ -128,13 +151,15 @@ def sdpa_fp8_forward(q, k, v, scales: dict, amax_s, amax_o, attn_scale: float, c
         [amax_s, amax_o],
         float(attn_scale),
         causal,
+        segment_ids,
     )
     return o, stats
 
 
 def sdpa_fp8_backward(
-    q, k, v, o, d_o, stats, scales: dict, amaxes, attn_scale: float, causal: bool = True
-):
+    q, k, v, o, d_o, stats, scales: dict, amaxes, attn_scale: float, causal: bool = True,
+    segment_ids=None,
+):  # fmt: skip
     """FP8 attention backward (this module's docstring has the math).
 
     Args:
@@ -142,7 +167,7 @@ def sdpa_fp8_backward(
         d_o: (batch, seq, heads, head_dim) FP8 (the backward format), contiguous.
         scales: BWD_SCALES -> (1,) float32 device tensors.
         amaxes: (amax_dp, amax_dq, amax_dk, amax_dv), (1,) float32 each, folded in place.
-        attn_scale, causal: as for the forward.
+        attn_scale, causal, segment_ids: as for the forward.
 
     Returns:
         (dq, dk, dv): FP8 in d_o's dtype, shaped like q, k, v.
@@ -152,6 +177,7 @@ def sdpa_fp8_backward(
     _check_operands(q, k, v, what)
     if o.shape != q.shape or d_o.shape != q.shape or d_o.dtype not in _FP8 or o.dtype != q.dtype:
         raise ValueError(f"{what}: o and d_o must be FP8 shaped like q {tuple(q.shape)}")
+    _check_segments(segment_ids, q, what)
     dq, dk, dv = (torch.empty(t.shape, dtype=d_o.dtype, device=q.device) for t in (q, k, v))
     torch.ops.graphfp8.sdpa_fp8_bwd(
         q,
@@ -167,6 +193,7 @@ def sdpa_fp8_backward(
         list(amaxes),
         float(attn_scale),
         causal,
+        segment_ids,
     )
     return dq, dk, dv
 
@@ -176,12 +203,12 @@ def sdpa_fp8_backward(
 _LIB = torch.library.Library("graphfp8", "FRAGMENT")
 _LIB.define(
     "sdpa_fp8_fwd(Tensor q, Tensor k, Tensor v, Tensor[] scales, Tensor(a!) o, Tensor(b!) stats, "
-    "Tensor(c!)[] amax, float attn_scale, bool causal) -> ()"
+    "Tensor(c!)[] amax, float attn_scale, bool causal, Tensor? segment_ids=None) -> ()"
 )
 _LIB.define(
     "sdpa_fp8_bwd(Tensor q, Tensor k, Tensor v, Tensor o, Tensor d_o, Tensor stats, "
     "Tensor[] scales, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!)[] amax, "
-    "float attn_scale, bool causal) -> ()"
+    "float attn_scale, bool causal, Tensor? segment_ids=None) -> ()"
 )
 
 
@@ -200,10 +227,12 @@ def _bhsd(t: torch.Tensor, heads: int) -> torch.Tensor:
     return x.repeat_interleave(heads // t.shape[2], dim=1) if t.shape[2] != heads else x
 
 
-def _scores(q, k, descale_q, descale_k, attn_scale: float, causal: bool) -> torch.Tensor:
+def _scores(q, k, descale_q, descale_k, attn_scale: float, causal: bool, segment_ids=None):
     heads = q.shape[2]
     s = torch.matmul(_bhsd(q, heads), _bhsd(k, heads).transpose(-1, -2))
     s = s * (descale_q * descale_k * attn_scale)
+    if segment_ids is not None:
+        return s.masked_fill(~segment_mask(segment_ids, causal), float("-inf"))
     if causal:
         n = s.shape[-1]
         future = torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1)
@@ -211,9 +240,9 @@ def _scores(q, k, descale_q, descale_k, attn_scale: float, causal: bool) -> torc
     return s
 
 
-def _fwd_cpu(q, k, v, scales, o, stats, amax, attn_scale, causal) -> None:
+def _fwd_cpu(q, k, v, scales, o, stats, amax, attn_scale, causal, segment_ids=None) -> None:
     descale_q, descale_k, descale_v, descale_s, scale_s, scale_o = scales
-    s = _scores(q, k, descale_q, descale_k, attn_scale, causal)
+    s = _scores(q, k, descale_q, descale_k, attn_scale, causal, segment_ids)
     m = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - m)
     row_sum = p.sum(dim=-1, keepdim=True)
@@ -231,7 +260,8 @@ def _group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x if h == kv_heads else x.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
 
 
-def _bwd_cpu(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causal) -> None:
+def _bwd_cpu(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causal,
+             segment_ids=None) -> None:  # fmt: skip
     (
         descale_q,
         descale_k,
@@ -247,7 +277,7 @@ def _bwd_cpu(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causa
         scale_dv,
     ) = scales
     heads, kv_heads = q.shape[2], k.shape[2]
-    p = torch.exp(_scores(q, k, descale_q, descale_k, attn_scale, causal) - stats)
+    p = torch.exp(_scores(q, k, descale_q, descale_k, attn_scale, causal, segment_ids) - stats)
     p_fp8 = _quantize(p * scale_s, q.dtype).float()
     grad = _bhsd(d_o, heads)
     d_v = torch.matmul(p_fp8.transpose(-1, -2), grad) * (descale_s * descale_do)
@@ -274,10 +304,11 @@ _LIB.impl("sdpa_fp8_bwd", cudnn_sdpa.backward, "CUDA")
 
 
 @torch.library.register_fake("graphfp8::sdpa_fp8_fwd")
-def _fwd_fake(q, k, v, scales, o, stats, amax, attn_scale, causal):
+def _fwd_fake(q, k, v, scales, o, stats, amax, attn_scale, causal, segment_ids=None):
     return None
 
 
 @torch.library.register_fake("graphfp8::sdpa_fp8_bwd")
-def _bwd_fake(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causal):
+def _bwd_fake(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causal,
+              segment_ids=None):  # fmt: skip
     return None

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphfp8.fp8.autocast import fp8_autocast
+from graphfp8.training.data import IGNORE, split_windows
 from graphfp8.training.run import Run
 
 __all__ = ["fp8_state_preserved", "validation_loss"]
@@ -44,8 +45,9 @@ def validation_loss(run: Run, batches: list[tuple[torch.Tensor, torch.Tensor]]) 
 
     Args:
         run: the run whose model is evaluated (its optimizer and step are not touched).
-        batches: this rank's (tokens (b, S + 1) int64, weights (b,) float32) pairs; windows of
-            weight 0 are padding (training/data.py).
+        batches: this rank's (tokens (b, S + 1) int64, weights (b,) float32[, segments (b, S +
+            1)]) tuples; windows of weight 0 are padding (training/data.py). With segments a
+            window's loss is its mean over the tokens predicted (not a document's first).
 
     Returns:
         The loss, identical on every rank (sums reduced over run.group).
@@ -60,10 +62,18 @@ def validation_loss(run: Run, batches: list[tuple[torch.Tensor, torch.Tensor]]) 
             fp8_state_preserved(model),
             fp8_autocast(enabled=run.fp8, recipe=run.recipe, fp8_group=run.group),
         ):
-            for tokens, weights in batches:
+            for tokens, weights, *segments in batches:
                 tokens = tokens.to(device, non_blocking=True)
-                hidden = model.blocks(model.embed(tokens[:, :-1]))
-                per_window = model.token_losses(hidden, tokens[:, 1:]).mean(dim=1).double()
+                segments = [s.to(device, non_blocking=True) for s in segments]
+                inputs, targets, seg = split_windows(tokens, *segments)
+                kw = {} if seg is None else {"segment_ids": seg}
+                hidden = model.blocks(model.embed(inputs), **kw)
+                losses = model.token_losses(hidden, targets)
+                if seg is None:
+                    per_window = losses.mean(dim=1).double()
+                else:  # the mean over the tokens predicted
+                    counted = (targets != IGNORE).sum(dim=1).clamp(min=1)
+                    per_window = (losses.sum(dim=1) / counted).double()
                 weights = weights.to(device, torch.float64, non_blocking=True)
                 totals[0] += (per_window * weights).sum()
                 totals[1] += weights.sum()

@@ -2,6 +2,9 @@
 
     tokens (B, S) int64 -> Embedding -> Blocks (the graphed part) -> LayerNorm -> head -> logits
 
+The llama-* presets build Llama-style blocks: RMSNorm (the final norm too), grouped-query
+attention, SwiGLU, no biases, RoPE.
+
 Only `Blocks` holds FP8 layers and is what the training loop captures: the embedding, the final
 norm, the vocabulary head and the loss stay eager (a handful of kernels per microbatch).
 
@@ -42,9 +45,20 @@ class ModelConfig:
     batch: int  # sequences per microbatch
     lr: float
     vocab: int = BYTE_VOCAB  # a token file's --vocab-size replaces it
+    kv_heads: int | None = None  # grouped-query attention's key/value heads (None: heads)
+    activation: str = "gelu"  # LayerNormMLP's: gelu, swiglu, ...
+    norm: str = "LayerNorm"  # LayerNorm or RMSNorm, in the blocks and before the head
+    bias: bool = True  # biases in the blocks' linear layers
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields, less those added after 2026-12-01 while at their defaults: checkpoints of
+        the GPT presets written before they existed record the same dict, so they resume."""
+        return {k: v for k, v in asdict(self).items() if _NEWER.get(k, _UNSET) != v}
+
+
+_UNSET = object()
+_NEWER = {"kv_heads": None, "activation": "gelu", "norm": "LayerNorm", "bias": True}
+_LLAMA = dict(activation="swiglu", norm="RMSNorm", bias=False)
 
 
 PRESETS = {
@@ -57,6 +71,23 @@ PRESETS = {
     ),  # fmt: skip
     "300m": ModelConfig(
         hidden=1024, heads=16, ffn=4096, layers=24, seq_len=1024, batch=8, lr=3e-4
+    ),  # fmt: skip
+    # Llama-style blocks: RMSNorm, 4 key/value heads for 16 (head_dim 64), SwiGLU of F = 2816
+    # (~8/3 h), no biases, RoPE. 102M parameters, the 100m preset's depth plus one.
+    "llama-100m": ModelConfig(
+        hidden=1024,
+        heads=16,
+        ffn=2816,
+        layers=9,
+        seq_len=1024,
+        batch=8,
+        lr=6e-4,
+        kv_heads=4,
+        **_LLAMA,
+    ),  # fmt: skip
+    # The same block at the tiny preset's size (CPU runs and tests).
+    "llama-tiny": ModelConfig(
+        hidden=64, heads=4, ffn=176, layers=2, seq_len=64, batch=8, lr=3e-3, kv_heads=2, **_LLAMA
     ),  # fmt: skip
 }
 
@@ -76,17 +107,25 @@ class Blocks(nn.Module):
                 max_seq_len=cfg.seq_len,
                 params_dtype=dtype,
                 device=device,
+                num_gqa_groups=cfg.kv_heads,
+                activation=cfg.activation,
+                normalization=cfg.norm,
+                bias=cfg.bias,
                 init_method=init_normal,
             )  # fmt: skip
             for _ in range(cfg.layers)
         )
 
-    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """x: (B, S, H); segment_ids: optional (B, S) documents of packed rows (--pack). Each
+        layer hands its second residual add to the next one's first norm."""
+        kw = {} if segment_ids is None else {"segment_ids": segment_ids}  # graphed layers too
         residual = None
         for i, layer in enumerate(self.layers):
             last = i == len(self.layers) - 1
             out = layer(x, is_first_microbatch=is_first_microbatch, residual=residual,
-                        defer_residual=not last)  # fmt: skip
+                        defer_residual=not last, **kw)  # fmt: skip
             x, residual = (out, None) if last else out
         return x
 
@@ -105,28 +144,34 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dtype, device=device)
         self.blocks = Blocks(cfg, dtype, device)
-        self.norm = nn.LayerNorm(cfg.hidden, dtype=dtype, device=device)
+        norm = nn.RMSNorm if cfg.norm == "RMSNorm" else nn.LayerNorm
+        self.norm = norm(cfg.hidden, eps=1e-5, dtype=dtype, device=device)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype, device=device)
         nn.init.normal_(self.embed.weight, std=INIT_STD)
         nn.init.normal_(self.head.weight, std=INIT_STD)
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """hidden: (B, S, H) output of the blocks; targets: (B, S) int64. Mean cross entropy,
-        float32."""
+        """hidden: (B, S, H) output of the blocks; targets: (B, S) int64, -100 where no token is
+        predicted (a packed document's first token). Mean cross entropy, float32."""
         logits = self.head(self.norm(hidden)).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
     def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """hidden: (B, S, H); targets: (B, S) int64. Cross entropy per token, (B, S) float32."""
+        """hidden: (B, S, H); targets: (B, S) int64. Cross entropy per token, (B, S) float32 (0
+        where the target is -100)."""
         logits = self.head(self.norm(hidden)).float()
         losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1),
                                  reduction="none")  # fmt: skip
         return losses.view(targets.shape)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                segment_ids: torch.Tensor | None = None,
                 is_first_microbatch: bool | None = None) -> torch.Tensor:  # fmt: skip
-        """tokens, targets: (B, S) int64. Returns the mean cross entropy (float32)."""
-        hidden = self.blocks(self.embed(tokens), is_first_microbatch=is_first_microbatch)
+        """tokens, targets: (B, S) int64; segment_ids: optional (B, S) documents (--pack; third
+        so that the step graph's model(tokens, targets, segment_ids) passes it).
+        Returns the mean cross entropy (float32)."""
+        hidden = self.blocks(self.embed(tokens), is_first_microbatch=is_first_microbatch,
+                             segment_ids=segment_ids)  # fmt: skip
         return self.loss(hidden, targets)
 
 

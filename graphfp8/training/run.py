@@ -26,7 +26,7 @@ from graphfp8.fp8.primary import fp8_model_init
 from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.profiling import nvtx_range
-from graphfp8.training.data import Dataset
+from graphfp8.training.data import Dataset, split_windows
 from graphfp8.training.model import GPT, ModelConfig
 
 __all__ = ["GRAPH_MODES", "RunSpec", "Run", "run_settings"]
@@ -54,6 +54,7 @@ class RunSpec:
     fp8_format: str = "HYBRID"  # graphfp8.Format: HYBRID (E5M2 gradients) or E4M3
     scaling: str = "delayed"  # one of SCALINGS: the FP8 recipe
     fp8_weights: bool = False  # FP8 primary weights (fp8_model_init) with fp32 MasterWeights
+    pack: bool = False  # packed documents: attention and targets within each document
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -78,6 +79,7 @@ class RunSpec:
         suffix = "-compile" if self.compile else ""
         fmt += "-current" if self.precision == "fp8" and self.scaling == "current" else ""
         fmt += "-fp8w" if self.fp8_weights else ""
+        suffix += "-pack" if self.pack else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
 
     @property
@@ -86,7 +88,8 @@ class RunSpec:
 
 
 # Settings that checkpoints written before they existed trained with.
-OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False}
+OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False,
+                  "pack": False}  # fmt: skip
 
 
 def run_settings(spec: RunSpec) -> dict:
@@ -101,6 +104,7 @@ def run_settings(spec: RunSpec) -> dict:
         "fp8_format": spec.fp8_format,
         "scaling": spec.scaling,
         "fp8_weights": spec.fp8_weights,
+        "pack": spec.pack,
     }
 
 
@@ -120,6 +124,8 @@ class Run:
         if data.vocab_size != spec.model.vocab:
             raise ValueError(f"the data's vocabulary ({data.vocab_size}) is not the model's "
                              f"({spec.model.vocab})")  # fmt: skip
+        if data.pack != spec.pack:
+            raise ValueError(f"the run packs documents ({spec.pack}), the data not ({data.pack})")
         self.spec, self.data, self.group = spec, data, group
         self.rank = torch.distributed.get_rank(group) if group is not None else 0
         self.world = torch.distributed.get_world_size(group) if group is not None else 1
@@ -165,8 +171,19 @@ class Run:
                              device=self.spec.device, requires_grad=True)  # fmt: skip
         self.blocks = make_graphed_callables(
             self.model.blocks, (sample,), fp8_enabled=self.fp8, fp8_recipe=self.recipe,
-            fp8_weight_caching=True, fp8_group=self.group,
+            fp8_weight_caching=True, fp8_group=self.group, sample_kwargs=self._segments_kw(),
         )  # fmt: skip
+
+    def _segments_kw(self, segments=None) -> dict:
+        """{"segment_ids": segments} for packed runs (zeros of a microbatch's shape when None),
+        {} otherwise."""
+        if not self.spec.pack:
+            return {}
+        if segments is None:
+            cfg = self.spec.model
+            segments = torch.zeros(cfg.batch, cfg.seq_len, dtype=torch.int64,
+                                   device=self.spec.device)  # fmt: skip
+        return {"segment_ids": segments}
 
     def _prepare_step(self) -> None:
         for group in self.optimizer.param_groups:  # a checkpoint of another mode may say False
@@ -177,8 +194,11 @@ class Run:
         tokens = torch.zeros(
             mbs, cfg.batch, cfg.seq_len, dtype=torch.int64, device=self.spec.device
         )
+        inputs = (
+            (tokens, tokens.clone(), tokens.clone()) if self.spec.pack else (tokens, tokens.clone())
+        )
         self.graphed_step = make_graphed_step(
-            self.model, None, self.optimizer, ((tokens, tokens.clone()), ()), mbs,
+            self.model, None, self.optimizer, (inputs, ()), mbs,
             fp8_enabled=self.fp8, fp8_recipe=self.recipe, fp8_weight_caching=True,
             max_grad_norm=1.0, fp8_group=self.group, process_group=self.group,
             master_weights=self.masters,
@@ -187,12 +207,12 @@ class Run:
 
     def _step_batch(self):
         """This step's microbatches, stacked straight into the step graph's static batch
-        ((inputs, targets), (): the model's output is the loss)."""
-        inputs, targets = self.graphed_step.static_batch
-        pairs = [self._microbatch(mb) for mb in range(self.spec.microbatches)]
-        torch.stack([x for x, _ in pairs], out=inputs)
-        torch.stack([y for _, y in pairs], out=targets)
-        return (inputs, targets), ()
+        ((inputs, targets[, segments]), (): the model's output is the loss)."""
+        static = self.graphed_step.static_batch
+        parts = [self._microbatch(mb) for mb in range(self.spec.microbatches)]
+        for i, out in enumerate(static):
+            torch.stack([p[i] for p in parts], out=out)
+        return tuple(static), ()
 
     def _compile(self) -> None:
         """torch.compile (in place: checkpoints keep their keys) the embedding and the loss (norm,
@@ -203,9 +223,9 @@ class Run:
         if self.spec.graphs == "none":
             self.model.blocks.compile()
 
-    def _eager_blocks(self, x, is_first_microbatch=None):
+    def _eager_blocks(self, x, is_first_microbatch=None, **segments):
         with fp8_autocast(enabled=self.fp8, recipe=self.recipe, fp8_group=self.group):
-            return self.model.blocks(x, is_first_microbatch=is_first_microbatch)
+            return self.model.blocks(x, is_first_microbatch=is_first_microbatch, **segments)
 
     def lr_at(self, step: int, total: int) -> float:
         """Linear warm-up over the first 10% of steps (at most 100), then cosine to 10%."""
@@ -215,12 +235,17 @@ class Run:
         t = (step - warmup) / max(1, total - warmup)
         return self.spec.model.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, t))))
 
-    def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _microbatch(self, mb: int) -> tuple[torch.Tensor, ...]:
+        """(inputs, targets) of microbatch mb on the device, packed (inputs, targets,
+        segments)."""
         cfg = self.spec.model
-        tokens = self.data.train_batch(self.step, mb, cfg.batch, cfg.seq_len, self.spec.seed,
-                                       self.rank, self.world)  # fmt: skip
-        tokens = tokens.to(self.spec.device, non_blocking=True)
-        return tokens[:, :-1], tokens[:, 1:]
+        args = (self.step, mb, cfg.batch, cfg.seq_len, self.spec.seed, self.rank, self.world)
+        tokens = self.data.train_batch(*args).to(self.spec.device, non_blocking=True)
+        segments = None
+        if self.spec.pack:
+            segments = self.data.train_segments(*args).to(self.spec.device, non_blocking=True)
+        inputs, targets, segments = split_windows(tokens, segments)
+        return (inputs, targets) if segments is None else (inputs, targets, segments)
 
     def train_step(self, total_steps: int) -> torch.Tensor:
         """One optimizer step over `microbatches` microbatches. Returns the step's mean loss as
@@ -241,9 +266,10 @@ class Run:
         model, mbs = self.model, self.spec.microbatches
         total = torch.zeros((), dtype=torch.float32, device=self.spec.device)
         for mb in range(mbs):
-            inputs, targets = self._microbatch(mb)
+            inputs, targets, *segments = self._microbatch(mb)
             with nvtx_range("forward"):
-                hidden = self.blocks(model.embed(inputs), is_first_microbatch=mb == 0)
+                hidden = self.blocks(model.embed(inputs), is_first_microbatch=mb == 0,
+                                     **self._segments_kw(*segments))  # fmt: skip
                 loss = model.loss(hidden, targets) / mbs
             with nvtx_range("backward"):
                 loss.backward()

@@ -112,6 +112,21 @@ class TokenStream:
             self._check_vocab(out, starts)
         return out
 
+    @property
+    def documents(self) -> int:
+        """How many documents (files) the stream holds; one for an in-memory stream."""
+        return len(self._offsets) - 1
+
+    def document_ids(self, starts: list[int], length: int) -> torch.Tensor:
+        """The document (file index) of every token of the windows [s, s + length).
+
+        Returns:
+            (len(starts), length) int64 on the CPU.
+        """
+        boundaries = torch.tensor(self._offsets[1:-1], dtype=torch.int64)
+        positions = torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(length)
+        return torch.searchsorted(boundaries, positions, right=True)
+
     def _check_vocab(self, windows: torch.Tensor, starts: list[int]) -> None:
         bad = windows >= self.vocab_size
         if not bool(bad.any()):

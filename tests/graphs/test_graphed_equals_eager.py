@@ -27,8 +27,9 @@ def test_graphed_equals_eager(device, kind, caching, fmt, length, margin):
 
 
 @pytest.mark.parametrize(
-    "kind", ["RMSNormLinear", "Chain", "RMSNormMLP", "RMSNormTransformerLayer"]
-)
+    "kind", ["RMSNormLinear", "Chain", "RMSNormMLP", "RMSNormTransformerLayer", "SwiGLUMLP",
+             "GeGLUMLP", "LlamaLayer"]
+)  # fmt: skip
 def test_graphed_equals_eager_rmsnorm_and_fp8_chain(device, kind):
     train_side_by_side(kind, g8.DelayedScaling(amax_history_len=4), True, device)
 

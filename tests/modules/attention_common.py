@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import graphfp8 as g8
-from graphfp8 import ops, reference
+from graphfp8 import ops, reference, reference_attention
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole
 from graphfp8.testing import assert_bitwise_equal
 from tests.ops.attention_data import check_amax
@@ -22,13 +22,13 @@ def shape_for(device) -> tuple[int, int, int, int]:
     return (2, 16, 2, 16) if torch.device(device).type == "cpu" else (2, 128, 2, 128)
 
 
-def layer_and_input(device, seed: int = 0):
-    """A bf16 TransformerLayer of shape_for(device) and an input (batch, seq, hidden)."""
+def layer_and_input(device, seed: int = 0, groups: int | None = None):
+    """A bf16 TransformerLayer of shape_for(device) (groups: its key/value heads, None = all)
+    and an input (batch, seq, hidden)."""
     b, s, h, d = shape_for(device)
     torch.manual_seed(seed)
-    m = g8.TransformerLayer(
-        h * d, h, 2 * h * d, max_seq_len=s, params_dtype=torch.bfloat16, device=device
-    )
+    m = g8.TransformerLayer(h * d, h, 2 * h * d, max_seq_len=s, params_dtype=torch.bfloat16,
+                            device=device, num_gqa_groups=groups)  # fmt: skip
     return m, torch.randn(b, s, h * d, dtype=torch.bfloat16, device=device)
 
 
@@ -79,20 +79,19 @@ class OpRecorder:
     def check_forward(self, h0, scale, attn_scale: float, device) -> None:
         """Forward slots: Q, K, V amaxes exact from the rotated bf16 QKV; S and O from the twin
         on the recorded FP8 tensors; scale_invs and descales exact reciprocals."""
-        ((qkv, cos, sin, heads, _), _), (parts, scale_inv), _ = self.calls["rope_fp8"][-1]
-        b, s, width = qkv.shape
-        rotated = ops.rope_qkv(qkv, cos, sin, heads).view(b, s, 3, heads, width // (3 * heads))
+        ((qkv, cos, sin, heads, _, kv), _), (parts, scale_inv), _ = self.calls["rope_fp8"][-1]
+        b, s, _ = qkv.shape
+        rotated = ops.rope_qkv(qkv, cos, sin, heads, num_kv_heads=kv).view(b, s, heads + 2 * kv, -1)
         for i, role in enumerate((AttnFwdRole.Q, AttnFwdRole.K, AttnFwdRole.V)):
-            assert_bitwise_equal(
-                h0[role : role + 1], reference.abs_max(rotated[:, :, i]), role.name
-            )
+            part = rotated.split([heads, kv, kv], dim=2)[i]
+            assert_bitwise_equal(h0[role : role + 1], reference.abs_max(part), role.name)
             assert_bitwise_equal(scale_inv[i], torch.reciprocal(scale[role : role + 1]))
         ((q, k, v, scales, *_), _), _, _ = self.calls["sdpa_fp8_forward"][-1]
         for i, t in enumerate((q, k, v)):
             assert_bitwise_equal(t, parts[i])
         assert_bitwise_equal(scales["descale_s"], torch.reciprocal(scale[AttnFwdRole.S :][:1]))
         assert_bitwise_equal(scales["scale_o"], scale[AttnFwdRole.O :][:1])
-        want = reference.sdpa_fp8_forward(q, k, v, scales, attn_scale)
+        want = reference_attention.sdpa_fp8_forward(q, k, v, scales, attn_scale)
         for role, key in ((AttnFwdRole.S, "amax_s"), (AttnFwdRole.O, "amax_o")):
             print(f"{key}: slot {h0[role].item():.6g}, twin {float(want[key]):.6g}")
             check_amax(key, want[key], h0[role], device)
@@ -110,7 +109,7 @@ class OpRecorder:
         (dy, *_), _ = casts[-1][0]
         assert_bitwise_equal(newest[AttnBwdRole.DO : AttnBwdRole.DO + 1], reference.abs_max(dy))
         assert_bitwise_equal(scales["descale_dp"], torch.reciprocal(scales["scale_dp"]))
-        want = reference.sdpa_fp8_backward(q, k, v, o, d_o, stats, scales, attn_scale)
+        want = reference_attention.sdpa_fp8_backward(q, k, v, o, d_o, stats, scales, attn_scale)
         roles = (AttnBwdRole.DP, AttnBwdRole.DQ, AttnBwdRole.DK, AttnBwdRole.DV)
         for role, key in zip(roles, ("amax_dp", "amax_dq", "amax_dk", "amax_dv"), strict=True):
             print(f"{key}: slot {newest[role].item():.6g}, twin {float(want[key]):.6g}")

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphfp8 as g8
+from graphfp8.modules.layernorm_mlp import ACTIVATIONS
 
 H = 32  # hidden size: a multiple of 16
 T = 48  # tokens per microbatch: a multiple of 16
@@ -49,12 +50,21 @@ def build(kind: str, dtype=torch.bfloat16, device="cpu") -> nn.Module:
         with torch.no_grad():
             m.layer_norm_weight.normal_(0.0, 0.2)
         return m
+    if kind == "SwiGLUMLP":  # Llama's MLP: RMSNorm, SwiGLU, no biases
+        return g8.LayerNormMLP(H, 2 * H, normalization="RMSNorm", bias=False,
+                               activation="swiglu", **kw)  # fmt: skip
+    if kind == "GeGLUMLP":  # with biases: the fused dbias of both halves
+        return g8.LayerNormMLP(H, 2 * H, activation="geglu", **kw)
     if kind == "Stack":
         return Stack(dtype=dtype, device=device)
     if kind == "Chain":
         return Stack(dtype=dtype, device=device, fp8_output=True)
     if kind == "TransformerLayer":
         return g8.TransformerLayer(H, 2, 2 * H, max_seq_len=T, **kw)
+    if kind == "LlamaLayer":  # RMSNorm, grouped-query attention (1 kv head for 2), SwiGLU, no bias
+        return g8.TransformerLayer(H, 2, 2 * H, max_seq_len=T, num_gqa_groups=1,
+                                   normalization="RMSNorm", bias=False, activation="swiglu",
+                                   **kw)  # fmt: skip
     if kind == "RMSNormTransformerLayer":
         return g8.TransformerLayer(H, 2, 2 * H, max_seq_len=T, normalization="RMSNorm",
                                    zero_centered_gamma=True, **kw)  # fmt: skip
@@ -70,7 +80,7 @@ def torch_twin(m: nn.Module):
     if isinstance(m, g8.LayerNormMLP):
 
         def f(x):
-            y = F.gelu(F.linear(_torch_norm(m, x), m.fc1_weight, m.fc1_bias), approximate="tanh")
+            y = ACTIVATIONS[m.activation](F.linear(_torch_norm(m, x), m.fc1_weight, m.fc1_bias))
             return F.linear(y, m.fc2_weight, m.fc2_bias)
 
         return f

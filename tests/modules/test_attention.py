@@ -274,7 +274,7 @@ def test_bad_input(device):
         noncausal(q, q, q)
     assert noncausal.fp8_meta is None
     gqa = g8.DotProductAttention(h, d, num_gqa_groups=h // 2, device=device)
-    with pytest.raises(ValueError, match="use forward"):
+    with pytest.raises(ValueError, match=rf"expected qkv \(batch, seq, {2 * h * d}\)"):
         gqa.forward_qkv(torch.zeros(b, s, 3 * h * d, dtype=torch.bfloat16, device=device))
     with g8.fp8_autocast(recipe=MHA), pytest.raises(TypeError, match="not FP8"):
         qf = g8.Float8Tensor(q.to(torch.float8_e4m3fn), torch.ones(1, device=device), q.dtype)

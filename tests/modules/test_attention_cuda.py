@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graphfp8 as g8
-from graphfp8 import reference
+from graphfp8 import reference_attention
 from graphfp8.testing import sqnr
 from tests.helpers import CUDA_PARAM
 from tests.ops.attention_data import forward_case, report
@@ -79,7 +79,7 @@ def test_other_shapes_run_correctly_or_raise_clearly(shape):
         assert "cuDNN does not support FP8 attention" in str(exc)
         assert amax[0].item() == 0.0 and amax[1].item() == 0.0
         return
-    want = reference.sdpa_fp8_forward(q, k, v, scales, attn_scale)
+    want = reference_attention.sdpa_fp8_forward(q, k, v, scales, attn_scale)
     db = sqnr(want["o"].float(), o.float())
     print(f"\n{shape}: runs; O codes vs twin {db:.2f} dB")
     assert db >= 20.0

@@ -17,10 +17,10 @@ from tests.modules.common import H, T, build
 RECIPE = g8.DelayedScaling(amax_history_len=4)
 
 
-def _step(m, x, dy, first: bool):
+def _step(m, x, dy, first: bool, recipe=RECIPE):
     """One FP8 forward + backward; returns (y, {name: grad}) and leaves the grads on m."""
     xi = x.clone().requires_grad_()
-    with g8.fp8_autocast(recipe=RECIPE):
+    with g8.fp8_autocast(recipe=recipe):
         y = m(xi, is_first_microbatch=first)
     m.zero_grad()
     y.backward(dy)
@@ -87,10 +87,16 @@ def test_relu_mlp_keeps_the_unfused_path():
     assert names.count("graphfp8::cast_transpose_dbias") == 2  # each GEMM's grad output
 
 
-@pytest.mark.parametrize("frozen", ["fc1_weight", "fc2_weight", "fc1_bias", "input"])
-def test_partial_grads(device, frozen):
-    """Whatever is frozen gets no grad; the rest match the all-trainable run."""
-    m = build("LayerNormMLP", device=device)
+@pytest.mark.parametrize(
+    "kind, frozen",
+    [*[("LayerNormMLP", f) for f in ("fc1_weight", "fc2_weight", "fc1_bias", "input")],
+     *[(k, f) for k in ("SwiGLUMLP", "GeGLUMLP") for f in ("fc1_weight", "fc2_weight", "input")],
+     ("GeGLUMLP", "fc1_bias")],
+)  # fmt: skip
+def test_partial_grads(device, kind, frozen):
+    """Whatever is frozen gets no grad; the rest match the all-trainable run (GELU and the
+    gated activations)."""
+    m = build(kind, device=device)
     ref = copy.deepcopy(m)
     x, dy = _data(device)
     _, want = _step(ref, x, dy, first=True)

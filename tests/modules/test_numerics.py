@@ -35,13 +35,22 @@ def _grad_floor(kind: str, fmt) -> float:
     """20 dB, except for E5M2 grads through a whole TransformerLayer: the QKV norm's grads come
     out of four quantized backward GEMM stages (fc2, fc1, proj, qkv), measured 19.5-20.7 dB over
     three seeds (E4M3: 22.5-25.0 dB), so the floor there is 18 dB."""
-    return 18.0 if kind == "TransformerLayer" and fmt == g8.Format.HYBRID else 20.0
+    return 18.0 if kind in ("TransformerLayer", "LlamaLayer") and fmt == g8.Format.HYBRID else 20.0
 
 
-SQNR_KINDS = ["Linear", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP", "RMSNormMLP"]
+def _output_floor(kind: str) -> float:
+    """25 dB, except for the gated MLPs: a = act(g) * u multiplies two outputs of the FP8 fc1 GEMM,
+    so their quantization noise adds, ~2 dB below GELU's (measured at H = 32 over 6 seeds, current
+    scaling: SwiGLU 23.5-24.2 dB, GeGLU 24.4-25.6 dB, GELU 25.8-26.2 dB; against a float model of
+    the same quantization all three sit at 34-42 dB), so the floor there is 22 dB."""
+    return 22.0 if kind in ("SwiGLUMLP", "GeGLUMLP") else 25.0
 
 
-@pytest.mark.parametrize("kind", [*SQNR_KINDS, "TransformerLayer"])
+SQNR_KINDS = ["Linear", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP", "RMSNormMLP",
+              "SwiGLUMLP", "GeGLUMLP"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", [*SQNR_KINDS, "TransformerLayer", "LlamaLayer"])
 @pytest.mark.parametrize("fmt", [g8.Format.HYBRID, g8.Format.E4M3])
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
 def test_sqnr_against_torch_after_warmup(device, kind, fmt, scaling):
@@ -68,7 +77,7 @@ def test_sqnr_against_torch_after_warmup(device, kind, fmt, scaling):
     for name in runs[0][0]:
         got = torch.cat([fp8[name].flatten() for fp8, _ in runs])
         want = torch.cat([ref[name].flatten() for _, ref in runs])
-        floor = 25.0 if name == "output" else _grad_floor(kind, fmt)
+        floor = _output_floor(kind) if name == "output" else _grad_floor(kind, fmt)
         assert sqnr(want, got) >= floor, f"{name} SQNR {sqnr(want, got):.1f} dB < {floor}"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from graphfp8 import reference
+from graphfp8 import reference_attention
 from graphfp8.fp8.recipe import fp8_max
 from graphfp8.testing import sdpa_fp8_backward_scales, sdpa_fp8_scales, sqnr
 
@@ -48,7 +48,7 @@ def forward_case(shape, fwd_dtype, device, seed: int = 0):
     one = torch.ones(1, device=device)
     scales = sdpa_fp8_scales(dq, dk, dv, scale_for(one, fwd_dtype), one)
     attn_scale = d**-0.5
-    first = reference.sdpa_fp8_forward(q, k, v, scales, attn_scale)
+    first = reference_attention.sdpa_fp8_forward(q, k, v, scales, attn_scale)
     scales["scale_o"] = scale_for(first["amax_o"].to(device), fwd_dtype)
     return q, k, v, scales, attn_scale
 
@@ -58,7 +58,7 @@ def backward_scales(q, k, v, o, d_o, stats, fwd_scales, attn_scale, bwd_dtype, d
     (computed with unit scales first)."""
     device = q.device
     scales = sdpa_fp8_backward_scales(fwd_scales, descale_do)
-    first = reference.sdpa_fp8_backward(q, k, v, o, d_o, stats, scales, attn_scale)
+    first = reference_attention.sdpa_fp8_backward(q, k, v, o, d_o, stats, scales, attn_scale)
     for name in ("dp", "dq", "dk", "dv"):
         scales[f"scale_{name}"] = scale_for(first[f"amax_{name}"].to(device), bwd_dtype)
     scales["descale_dp"] = 1.0 / scales["scale_dp"]

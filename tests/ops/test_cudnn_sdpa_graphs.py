@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from graphfp8.ops import cudnn_sdpa
+from graphfp8.ops import cudnn_ragged, cudnn_sdpa
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -22,7 +22,11 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 class _Tensor:
     def __init__(self, **kw):
         self.uid, self.dim, self.stride = kw.get("uid"), kw.get("dim"), kw.get("stride")
-        self.data_type, self.output = kw.get("data_type"), False
+        self.data_type, self.output, self.ragged = kw.get("data_type"), False, None
+
+    def set_ragged_offset(self, t):
+        self.ragged = t
+        return self
 
     def set_uid(self, v):
         self.uid = v
@@ -87,7 +91,9 @@ class _Graph:
 
 _FAKE = types.SimpleNamespace(
     pygraph=_Graph,
-    data_type=types.SimpleNamespace(FLOAT="FLOAT", FP8_E4M3="FP8_E4M3", FP8_E5M2="FP8_E5M2"),
+    data_type=types.SimpleNamespace(
+        FLOAT="FLOAT", FP8_E4M3="FP8_E4M3", FP8_E5M2="FP8_E5M2", INT32="INT32"
+    ),  # fmt: skip
     heur_mode=types.SimpleNamespace(A="A", FALLBACK="FALLBACK"),
     diagonal_alignment=types.SimpleNamespace(TOP_LEFT="TOP_LEFT"),
     cudnnGraphNotSupportedError=type("cudnnGraphNotSupportedError", (Exception,), {}),
@@ -165,6 +171,44 @@ def test_backward_declarations_match_the_bound_tensors(fake_cudnn, grad_dtype):
     name, kw = graph.op
     assert name == "sdpa_fp8_backward" and kw["attn_scale"] == 0.125
     assert {"descale_dO", "descale_dP", "scale_dQ", "scale_dK", "scale_dV", "scale_dP"} <= set(kw)
+
+
+def test_ragged_declarations_with_segments(fake_cudnn):
+    """With segment ids the graphs are ragged (graphfp8.ops.cudnn_ragged): one sequence slot per
+    run of a row, BSHD strides, each operand displaced by its ragged offset, the padding mask on
+    the slots' lengths, (token, head)-major statistics; the pack binds the layout's values."""
+    q, k, v, scales, o, stats, amax = _forward_operands()  # b 2, s 32, h 4, g 2, d 64
+    seg = torch.tensor([[0] * 10 + [1] * 22, [5] * 32])
+    cudnn_sdpa.forward(q, k, v, scales, o, stats, amax, 0.125, True, seg)
+    graph, _, pack = fake_cudnn[-1]
+    n = cudnn_ragged.slots(2)
+    by_uid = {t.uid: t for t in graph.tensors if t.uid is not None}
+    assert sorted(by_uid) == sorted(pack), "declared and bound uids differ"
+    first = int(cudnn_sdpa._Uid.RAGGED)
+    seq_len, off_q, off_kv, off_stats = (by_uid[first + i] for i in range(4))
+    assert seq_len.dim == [n, 1, 1, 1] and off_q.dim == [n + 1, 1, 1, 1]
+    assert all(t.data_type == "INT32" for t in (seq_len, off_q, off_kv, off_stats))
+    decl = {u: by_uid[int(u)] for u in (cudnn_sdpa._Uid.Q, cudnn_sdpa._Uid.K, cudnn_sdpa._Uid.O,
+                                        cudnn_sdpa._Uid.STATS)}  # fmt: skip
+    assert decl[cudnn_sdpa._Uid.Q].dim == [n, 4, 32, 64]
+    assert decl[cudnn_sdpa._Uid.Q].stride == [32 * 4 * 64, 64, 4 * 64, 1]
+    assert decl[cudnn_sdpa._Uid.Q].ragged is off_q and decl[cudnn_sdpa._Uid.O].ragged is off_q
+    assert decl[cudnn_sdpa._Uid.K].ragged is off_kv and decl[cudnn_sdpa._Uid.K].dim[1] == 2
+    assert decl[cudnn_sdpa._Uid.STATS].stride == [4 * 32, 1, 4, 1]
+    assert decl[cudnn_sdpa._Uid.STATS].ragged is off_stats
+    _, kw = graph.op
+    assert kw["use_padding_mask"] is True and kw["seq_len_q"] is seq_len
+    lengths = pack[first].flatten().tolist()
+    assert lengths[:3] == [10, 22, 0] and lengths[16:18] == [32, 0] and sum(lengths) == 64
+    assert pack[first + 1].flatten()[:3].tolist() == [0, 10 * 256, 32 * 256]
+    assert pack[first + 2].flatten()[1].item() == 10 * 128
+    assert pack[first + 3].flatten()[1].item() == 10 * 4
+
+
+def test_more_runs_than_slots_merge_into_the_last():
+    seg = torch.arange(40).repeat_interleave(2)[None]  # 40 runs of 2 tokens in one row
+    lengths = cudnn_ragged.layout(seg, 2, 1, 16)["seq_len"].flatten().tolist()
+    assert lengths[:15] == [2] * 15 and lengths[15] == 80 - 30
 
 
 def test_unsupported_shape_raises_value_error(fake_cudnn):

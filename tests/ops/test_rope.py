@@ -12,25 +12,45 @@ from graphfp8.testing import assert_bitwise_equal
 from tests.helpers import HP_DTYPES
 
 
-def _inputs(batch, seq, heads, head_dim, dtype, device, extra_rows=3):
-    qkv = torch.randn(batch, seq, 3 * heads * head_dim, device=device).to(dtype) * 4
+def _inputs(batch, seq, heads, head_dim, dtype, device, extra_rows=3, kv_heads=None):
+    width = (heads + 2 * (kv_heads or heads)) * head_dim
+    qkv = torch.randn(batch, seq, width, device=device).to(dtype) * 4
     cos, sin = rope_tables(seq + extra_rows, head_dim, 500.0, torch.float32, device)
     return qkv, cos, sin
 
 
+# (batch, seq, heads, head_dim, kv_heads): kv_heads < heads is grouped-query attention.
+SHAPES = [(2, 24, 2, 16, 2), (1, 7, 3, 6, 3), (3, 1, 1, 2, 1), (1, 130, 4, 64, 4),
+          (2, 24, 4, 16, 1), (1, 33, 6, 64, 2), (2, 5, 4, 6, 2)]  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", HP_DTYPES)
-@pytest.mark.parametrize("shape", [(2, 24, 2, 16), (1, 7, 3, 6), (3, 1, 1, 2), (1, 130, 4, 64)])
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("inverse", [False, True])
 def test_matches_twin_bitwise(device, dtype, shape, inverse):
-    qkv, cos, sin = _inputs(*shape, dtype, device)
-    heads = shape[2]
+    *dims, kv = shape
+    qkv, cos, sin = _inputs(*dims, dtype, device, kv_heads=kv)
+    heads, head_dim = shape[2], shape[3]
     want = torch.empty_like(qkv)
-    reference.rope_qkv(qkv, cos, sin, heads, inverse, want)
-    assert_bitwise_equal(ops.rope_qkv(qkv, cos, sin, heads, inverse), want)
+    reference.rope_qkv(qkv, cos, sin, heads, inverse, want, kv)
+    assert_bitwise_equal(ops.rope_qkv(qkv, cos, sin, heads, inverse, num_kv_heads=kv), want)
     # v is copied untouched, and position 0 is the identity for q and k too
-    width = qkv.shape[-1] // 3
-    assert_bitwise_equal(want[..., 2 * width :], qkv[..., 2 * width :])
+    v_from = (heads + kv) * head_dim
+    assert_bitwise_equal(want[..., v_from:], qkv[..., v_from:])
     assert_bitwise_equal(want[:, 0], qkv[:, 0])
+
+
+def test_gqa_rotates_every_q_and_k_head_alike(device):
+    """With G < H each of the H q heads and G k heads is rotated exactly as a one-head call
+    rotates it (the head layout: q heads, then k heads, then v heads)."""
+    b, s, h, g, d = 2, 9, 4, 2, 8
+    qkv, cos, sin = _inputs(b, s, h, d, torch.float32, device, kv_heads=g)
+    got = ops.rope_qkv(qkv, cos, sin, h, num_kv_heads=g).view(b, s, h + 2 * g, d)
+    rows = qkv.view(b, s, h + 2 * g, d)
+    for j in range(h + g):
+        one = rows[:, :, j].repeat(1, 1, 3).contiguous()  # q = k = v = this head
+        want = ops.rope_qkv(one, cos, sin, 1).view(b, s, 3, d)[:, :, 0]
+        assert_bitwise_equal(got[:, :, j], want, f"head row {j}")
 
 
 def test_in_place(device):
@@ -67,7 +87,7 @@ def test_module_backward_uses_inverse(device):
 ERROR_CASES = [
     (lambda q, c, s: (q.to(torch.int32), c, s, 2), TypeError, "float32, bfloat16 or float16"),
     (lambda q, c, s: (q[0], c, s, 2), ValueError, r"must be \(batch, seq, 3 \* hidden\)"),
-    (lambda q, c, s: (q, c, s, 5), ValueError, r"is not 3 \* num_heads"),
+    (lambda q, c, s: (q, c, s, 5), ValueError, r"is not \(num_heads \+ 2 \* num_kv_heads\)"),
     (lambda q, c, s: (q, c[:4], s, 2), ValueError, "argument 'cos' must be"),
     (lambda q, c, s: (q, c, s.double(), 2), TypeError, "argument 'sin' must be float32"),
     (lambda q, c, s: (q.transpose(0, 1), c, s, 2), ValueError, "must be contiguous"),

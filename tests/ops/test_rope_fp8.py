@@ -11,11 +11,14 @@ from graphfp8.modules.transformer import rope_tables
 from graphfp8.testing import assert_bitwise_equal, fp8_test_data
 from tests.helpers import FP8_DTYPES, HP_DTYPES, poison
 
-SHAPES = [(2, 24, 2, 16), (1, 7, 3, 6), (3, 1, 1, 2), (2, 9, 2, 128)]
+# (batch, seq, heads, head_dim, kv_heads): kv_heads < heads is grouped-query attention.
+SHAPES = [(2, 24, 2, 16, 2), (1, 7, 3, 6, 3), (3, 1, 1, 2, 1), (2, 9, 2, 128, 2),
+          (2, 24, 4, 16, 1), (1, 9, 6, 64, 2)]  # fmt: skip
 
 
-def _inputs(batch, seq, heads, head_dim, dtype, device, specials=False):
-    qkv = fp8_test_data((batch, seq, 3 * heads * head_dim), dtype, specials=specials, device=device)
+def _inputs(batch, seq, heads, head_dim, dtype, device, specials=False, kv_heads=None):
+    width = (heads + 2 * (kv_heads or heads)) * head_dim
+    qkv = fp8_test_data((batch, seq, width), dtype, specials=specials, device=device)
     cos, sin = rope_tables(seq + 3, head_dim, 500.0, torch.float32, device)
     return qkv, cos, sin
 
@@ -27,13 +30,15 @@ def _quantizers(fp8_dtype, device, scales=(0.5, 2.0, 1.0 / 3.0)):
     ]
 
 
-def _twin(qkv, cos, sin, heads, quantizers):
+def _twin(qkv, cos, sin, heads, quantizers, kv_heads=None):
     b, s, width = qkv.shape
-    shape = (b, s, heads, width // (3 * heads))
-    out = [torch.empty(shape, dtype=q[2], device=qkv.device) for q in quantizers]
+    kv = kv_heads or heads
+    d = width // (heads + 2 * kv)
+    out = [torch.empty((b, s, h, d), dtype=q[2], device=qkv.device)
+           for h, q in zip((heads, kv, kv), quantizers, strict=True)]  # fmt: skip
     scale_inv = [torch.empty(1, device=qkv.device) for _ in range(3)]
     amax = [q[1].clone() for q in quantizers]
-    reference.rope_fp8(qkv, cos, sin, heads, [q[0] for q in quantizers], out, scale_inv, amax)
+    reference.rope_fp8(qkv, cos, sin, heads, [q[0] for q in quantizers], out, scale_inv, amax, kv)
     return out, scale_inv, amax
 
 
@@ -42,12 +47,13 @@ def _twin(qkv, cos, sin, heads, quantizers):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("tables", [True, False])
 def test_forward_matches_twin_bitwise(device, dtype, fp8_dtype, shape, tables):
-    qkv, cos, sin = _inputs(*shape, dtype, device, specials=True)
+    *dims, kv = shape
+    qkv, cos, sin = _inputs(*dims, dtype, device, specials=True, kv_heads=kv)
     if not tables:
         cos = sin = None
     quantizers = _quantizers(fp8_dtype, device)
-    want, want_inv, want_amax = _twin(qkv, cos, sin, shape[2], quantizers)
-    got, got_inv = ops.rope_fp8(qkv, cos, sin, shape[2], quantizers)
+    want, want_inv, want_amax = _twin(qkv, cos, sin, shape[2], quantizers, kv)
+    got, got_inv = ops.rope_fp8(qkv, cos, sin, shape[2], quantizers, num_kv_heads=kv)
     for part, (g, w) in enumerate(zip(got, want, strict=True)):
         assert_bitwise_equal(g, w, f"part {part}")
     for g, w in zip(got_inv, want_inv, strict=True):
@@ -84,14 +90,14 @@ def test_every_output_byte_is_written(device):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("tables", [True, False])
 def test_backward_matches_twin_bitwise(device, dtype, fp8_dtype, shape, tables):
-    batch, seq, heads, head_dim = shape
-    grads = [_grad_with_nans((batch, seq, heads, head_dim), fp8_dtype, device) for _ in range(3)]
+    batch, seq, heads, head_dim, kv = shape
+    grads = [_grad_with_nans((batch, seq, h, head_dim), fp8_dtype, device) for h in (heads, kv, kv)]
     scale_inv = [torch.tensor([s], device=device) for s in (0.5, 3.0, 1e-3)]
     cos, sin = rope_tables(seq + 2, head_dim, 500.0, torch.float32, device)
     if not tables:
         cos = sin = None
-    want = torch.empty(batch, seq, 3 * heads * head_dim, dtype=dtype, device=device)
-    reference.rope_fp8_backward(grads, scale_inv, cos, sin, heads, want)
+    want = torch.empty(batch, seq, (heads + 2 * kv) * head_dim, dtype=dtype, device=device)
+    reference.rope_fp8_backward(grads, scale_inv, cos, sin, heads, want, kv)
     if device != "cpu":
         assert torch.isnan(want).any()  # the NaN encodings are under test too
     assert_bitwise_equal(ops.rope_fp8_backward(grads, scale_inv, cos, sin, dtype), want)
@@ -130,7 +136,7 @@ def test_backward_is_the_transposed_rotation(device):
     [
         (lambda q, c, s, h: (q.to(torch.int32), c, s, h), TypeError, "float32, bfloat16"),
         (lambda q, c, s, h: (q[0], c, s, h), ValueError, r"\(batch, seq, 3 \* hidden\)"),
-        (lambda q, c, s, h: (q, c, s, 5), ValueError, r"is not 3 \* num_heads"),
+        (lambda q, c, s, h: (q, c, s, 5), ValueError, r"is not \(num_heads \+ 2"),
         (lambda q, c, s, h: (q, c[:4], s, h), ValueError, "argument 'cos' must be"),
         (lambda q, c, s, h: (q, c, None, h), ValueError, "given together"),
         (lambda q, c, s, h: (q, c, s.double(), h), TypeError, "argument 'sin' must be float32"),
@@ -141,6 +147,26 @@ def test_errors(device, change, error, match):
     qkv, cos, sin = _inputs(2, 16, 2, 8, torch.bfloat16, device)
     with pytest.raises(error, match=match):
         ops.rope_fp8(*change(qkv, cos, sin, 2), _quantizers(torch.float8_e4m3fn, device))
+
+
+def test_gqa_equals_rope_then_casts(device):
+    """With kv_heads < heads the fused op is rope_qkv (same layout) then one cast per part, and
+    its backward is rope_qkv's inverse of the dequantized gradients."""
+    b, s, h, g, d = 2, 16, 4, 2, 32
+    qkv, cos, sin = _inputs(b, s, h, d, torch.bfloat16, device, kv_heads=g)
+    quantizers = _quantizers(torch.float8_e4m3fn, device)
+    got, inv = ops.rope_fp8(qkv, cos, sin, h, quantizers, num_kv_heads=g)
+    assert [t.shape[2] for t in got] == [h, g, g]
+    rotated = ops.rope_qkv(qkv, cos, sin, h, num_kv_heads=g).view(b, s, h + 2 * g, d)
+    for part, (lo, hi) in enumerate(((0, h), (h, h + g), (h + g, h + 2 * g))):
+        scale, _, fp8_dtype = quantizers[part]
+        want, _ = ops.cast_to_fp8(rotated[:, :, lo:hi].contiguous(), scale, torch.zeros(1,
+                                  device=device), fp8_dtype)  # fmt: skip
+        assert_bitwise_equal(got[part], want, f"part {part}")
+    back = ops.rope_fp8_backward(got, inv, cos, sin, torch.float32)
+    packed = torch.cat([t.float() * si for t, si in zip(got, inv, strict=True)], dim=2)
+    want = ops.rope_qkv(packed.reshape(b, s, -1), cos, sin, h, inverse=True, num_kv_heads=g)
+    assert_bitwise_equal(back, want)
 
 
 def test_mixed_fp8_dtypes_rejected(device):

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from graphfp8 import ops, reference
+from graphfp8 import ops, reference_attention
 from graphfp8.ops import cudnn_sdpa
 from tests.helpers import CUDA_PARAM
 from tests.ops.attention_data import (
@@ -51,7 +51,7 @@ def _run_forward(shape, fwd_dtype, device):
     q, k, v, scales, attn_scale = forward_case(shape, fwd_dtype, device)
     amax_s, amax_o = torch.zeros(1, device=device), torch.zeros(1, device=device)
     o, stats = ops.sdpa_fp8_forward(q, k, v, scales, amax_s, amax_o, attn_scale)
-    want = reference.sdpa_fp8_forward(q, k, v, scales, attn_scale)
+    want = reference_attention.sdpa_fp8_forward(q, k, v, scales, attn_scale)
     return (q, k, v, scales, attn_scale), (o, stats, amax_s, amax_o), want
 
 
@@ -93,7 +93,7 @@ def test_backward_matches_twin(device, shape, fwd_dtype, bwd_dtype):
         assert all(a.item() == 0.0 for a in amaxes)  # raised before anything ran
         return
     grads = ops.sdpa_fp8_backward(q, k, v, o, d_o, stats, scales, amaxes, attn_scale)
-    want = reference.sdpa_fp8_backward(q, k, v, o, d_o, stats, scales, attn_scale)
+    want = reference_attention.sdpa_fp8_backward(q, k, v, o, d_o, stats, scales, attn_scale)
     print(f"\nbackward {shape} {fwd_dtype} {bwd_dtype}")
     floor = FLOORS[device][1]
     for name, got in zip(("dq", "dk", "dv"), grads, strict=True):
@@ -119,7 +119,7 @@ def test_amax_outputs_fold_into_the_slots(device):
     per step after the scale update zeroed them), and fails on anything else."""
     shape = SHAPES[device][0]
     q, k, v, scales, attn_scale = forward_case(shape, torch.float8_e4m3fn, device)
-    want = reference.sdpa_fp8_forward(q, k, v, scales, attn_scale)
+    want = reference_attention.sdpa_fp8_forward(q, k, v, scales, attn_scale)
     big = torch.full((1,), 1e6, device=device)
     small = torch.full((1,), 1e-6, device=device)
     ops.sdpa_fp8_forward(q, k, v, scales, big, small, attn_scale)

@@ -1,0 +1,238 @@
+// CUDA: the GLU activation (SwiGLU, GeGLU) fused with the FP8 cast-transpose of its output, and
+// its backward fused with the FP8 cast-transpose of the fc1 gradient and dbias (glu.h has the
+// contract, glu_math.h the math):
+//
+//   glu_fwd:  h = [g | u] (rows, 2F) -> a = act(g) * u: out (rows, F), out_t (F, rows), amax
+//   glu_bwd:  da (rows, F), h -> dh = [dg | du]: out (rows, 2F), out_t (2F, rows), amax, dbias
+//
+// Values are computed in fp32 and rounded to the input dtype before they are scaled, folded into
+// amax or summed, like the other fused cast-transposes (cast_transpose.cu).
+//
+// Grid: one 256-thread block per tile of tile.cuh (128x64 vector tiles, 64x64 scalar ones) of the
+// (rows, F) grid of a and da, block b taking tile first_tile + b. A block loads columns
+// c0..c0+63 of g, u (and da) for its rows, so every input element is read once: the forward
+// writes one FP8 tile and, through a shared tile, its transpose; the backward writes dg's tile at
+// columns c0.. and du's at F + c0.. of dh, and both transposes through two shared tiles.
+// dbias: per-thread column sums in registers, added per block in a fixed order in shared memory
+// into one row of an fp32 workspace per row of tiles, then summed by dbias.cuh's kernel.
+#include "../dtype_switch.h"
+#include "../glu.h"
+#include "dbias.cuh"
+#include "fp8_util.cuh"
+#include "tile.cuh"
+#include "vec.cuh"
+
+namespace graphfp8 {
+namespace {
+
+using cuda::kTileThreads;
+
+template <typename T>
+struct GluArgs {
+  const T* __restrict__ h;   // (rows, 2 * cols)
+  const T* __restrict__ da;  // (rows, cols), backward only
+  uint8_t* __restrict__ out;
+  uint8_t* __restrict__ out_t;
+  const float* scale;
+  float* scale_inv;
+  float* amax;
+  float* workspace;  // (row tiles, 2 * cols) fp32, backward with dbias
+  int64_t rows;
+  int64_t cols;  // F
+};
+
+// tile.cuh's load_tile for a tensor whose rows are `row_stride` elements apart (g and u are the
+// two halves of h's rows, 2F apart); columns and rows in range of the (rows, F) grid only.
+template <typename S, typename T>
+__device__ __forceinline__ void load_half(const T* __restrict__ x, int64_t row_stride,
+                                          const cuda::TileGrid<S>& g, const cuda::TilePos& t,
+                                          typename S::Frag (&raw)[S::kLoads]) {
+  const int64_t gc = t.c0 + S::col();
+#pragma unroll
+  for (int l = 0; l < S::kLoads; ++l) {
+    const int64_t gr = t.r0 + S::row(l);
+    if (!g.in(gr, gc)) continue;
+    const T* p = x + gr * row_stride + gc;
+    if constexpr (S::N == 1) {
+      raw[l] = *p;
+    } else {
+      raw[l] = __ldg(reinterpret_cast<const uint4*>(p));
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return cuda::to_float(cuda::from_float<T>(v));
+}
+
+template <typename T, bool kE4M3, GluAct kAct, bool kVec>
+__global__ void __launch_bounds__(kTileThreads) glu_fwd_kernel(GluArgs<T> a, int64_t first_tile) {
+  using S = cuda::TileShape<T, kVec>;
+  __shared__ cuda::SharedTile<kVec> tile;
+  const cuda::TileGrid<S> g(a.rows, a.cols);
+  const cuda::TilePos t = g.at(first_tile + blockIdx.x);
+  const float scale = *a.scale;
+  typename S::Frag gate[S::kLoads], up[S::kLoads];
+  load_half(a.h, 2 * a.cols, g, t, gate);
+  load_half(a.h + a.cols, 2 * a.cols, g, t, up);
+  float amax = 0.0f;
+  const int64_t gc = t.c0 + S::col();
+#pragma unroll
+  for (int l = 0; l < S::kLoads; ++l) {
+    const int r = S::row(l);
+    const int64_t gr = t.r0 + r;
+    if (!g.in(gr, gc)) continue;  // vector tiles: F % 16 == 0, so all N columns are in range
+    float fg[S::N], fu[S::N];
+    cuda::frag_to_floats<S, T>(gate[l], fg);
+    cuda::frag_to_floats<S, T>(up[l], fu);
+    uint8_t q[S::N];
+#pragma unroll
+    for (int k = 0; k < S::N; ++k) {
+      const float v = round_to<T>(glu_forward<kAct>(fg[k], fu[k]));
+      amax = fmaxf(amax, fabsf(v));
+      q[k] = cuda::quantize<kE4M3>(v * scale);
+    }
+    cuda::store_bytes<S::N>(a.out + gr * a.cols + gc, q);
+    cuda::stage<S>(tile, r, q);
+  }
+  __syncthreads();
+  cuda::store_transposed(tile, a.out_t, g, t);
+  cuda::amax_epilogue(amax, a.amax, a.scale_inv, scale);
+}
+
+// The block's dbias partials of both halves (dg's columns c0.., du's F + c0..) into its
+// workspace row, each column summed over the row groups in order.
+// Every thread of the block must call it (it holds a barrier).
+template <typename S>
+__device__ __forceinline__ void write_partials(const float (&col_g)[S::N],
+                                               const float (&col_u)[S::N],
+                                               float (&partial)[S::kRowGroups][2 * S::kCols],
+                                               float* workspace, int64_t cols,
+                                               const cuda::TilePos& t) {
+#pragma unroll
+  for (int k = 0; k < S::N; ++k) {
+    partial[S::group()][S::col() + k] = col_g[k];
+    partial[S::group()][S::kCols + S::col() + k] = col_u[k];
+  }
+  __syncthreads();
+  const int c = threadIdx.x;
+  if (c >= 2 * S::kCols) return;
+  const int64_t col = t.c0 + c % S::kCols;
+  if (col >= cols) return;
+  float s = 0.0f;
+  for (int grp = 0; grp < S::kRowGroups; ++grp) s += partial[grp][c];
+  workspace[t.tile_r * 2 * cols + (c < S::kCols ? 0 : cols) + col] = s;
+}
+
+template <typename T, bool kE4M3, GluAct kAct, bool kDbias, bool kVec>
+__global__ void __launch_bounds__(kTileThreads) glu_bwd_kernel(GluArgs<T> a, int64_t first_tile) {
+  using S = cuda::TileShape<T, kVec>;
+  __shared__ cuda::SharedTile<kVec> tile_g, tile_u;
+  __shared__ float partial[kDbias ? S::kRowGroups : 1][2 * S::kCols];
+  const cuda::TileGrid<S> g(a.rows, a.cols);
+  const cuda::TilePos t = g.at(first_tile + blockIdx.x);
+  const float scale = *a.scale;
+  typename S::Frag grad[S::kLoads], gate[S::kLoads], up[S::kLoads];
+  cuda::load_tile(a.da, g, t, grad);
+  load_half(a.h, 2 * a.cols, g, t, gate);
+  load_half(a.h + a.cols, 2 * a.cols, g, t, up);
+  float amax = 0.0f, col_g[S::N], col_u[S::N];
+#pragma unroll
+  for (int k = 0; k < S::N; ++k) col_g[k] = col_u[k] = 0.0f;
+  const int64_t gc = t.c0 + S::col();
+#pragma unroll
+  for (int l = 0; l < S::kLoads; ++l) {
+    const int r = S::row(l);
+    const int64_t gr = t.r0 + r;
+    if (!g.in(gr, gc)) continue;
+    float fd[S::N], fg[S::N], fu[S::N];
+    cuda::frag_to_floats<S, T>(grad[l], fd);
+    cuda::frag_to_floats<S, T>(gate[l], fg);
+    cuda::frag_to_floats<S, T>(up[l], fu);
+    uint8_t q_g[S::N], q_u[S::N];
+#pragma unroll
+    for (int k = 0; k < S::N; ++k) {
+      const GluGrad d = glu_backward<kAct>(fd[k], fg[k], fu[k]);
+      const float dg = round_to<T>(d.dg), du = round_to<T>(d.du);
+      amax = fmaxf(amax, fmaxf(fabsf(dg), fabsf(du)));
+      q_g[k] = cuda::quantize<kE4M3>(dg * scale);
+      q_u[k] = cuda::quantize<kE4M3>(du * scale);
+      if constexpr (kDbias) {
+        col_g[k] += dg;
+        col_u[k] += du;
+      }
+    }
+    uint8_t* row = a.out + gr * 2 * a.cols;
+    cuda::store_bytes<S::N>(row + gc, q_g);
+    cuda::store_bytes<S::N>(row + a.cols + gc, q_u);
+    cuda::stage<S>(tile_g, r, q_g);
+    cuda::stage<S>(tile_u, r, q_u);
+  }
+  if constexpr (kDbias) {
+    write_partials<S>(col_g, col_u, partial, a.workspace, a.cols, t);
+  }
+  __syncthreads();
+  cuda::store_transposed(tile_g, a.out_t, g, t);
+  cuda::store_transposed(tile_u, a.out_t + a.cols * a.rows, g, t);
+  cuda::amax_epilogue(amax, a.amax, a.scale_inv, scale);
+}
+
+template <typename T, bool kE4M3, GluAct kAct, bool kVec>
+Status launch_fwd(const GluArgs<T>& a, cudaStream_t stream) {
+  using S = cuda::TileShape<T, kVec>;
+  return cuda::launch_tiles(cuda::TileGrid<S>(a.rows, a.cols).num_tiles, "glu_fwd_kernel",
+                            [&](int blocks, int64_t first) {
+                              glu_fwd_kernel<T, kE4M3, kAct, kVec>
+                                  <<<blocks, kTileThreads, 0, stream>>>(a, first);
+                            });
+}
+
+template <typename T, bool kE4M3, GluAct kAct, bool kDbias, bool kVec>
+Status launch_bwd(const GluArgs<T>& a, void* dbias, cudaStream_t stream) {
+  using S = cuda::TileShape<T, kVec>;
+  const Status st = cuda::launch_tiles(
+      cuda::TileGrid<S>(a.rows, a.cols).num_tiles, "glu_bwd_kernel",
+      [&](int blocks, int64_t first) {
+        glu_bwd_kernel<T, kE4M3, kAct, kDbias, kVec><<<blocks, kTileThreads, 0, stream>>>(a, first);
+      });
+  if (!kDbias || !st.ok()) return st;
+  return cuda::launch_dbias_reduce<T>(a.workspace, dbias, cuda::ceil_div(a.rows, S::kRows),
+                                      2 * a.cols, stream);
+}
+
+template <typename T, bool kE4M3, GluAct kAct>
+Status dispatch(const GluParams& p, bool backward, cudaStream_t stream) {
+  const GluArgs<T> a{static_cast<const T*>(p.x), static_cast<const T*>(p.dy),
+                     static_cast<uint8_t*>(p.out), static_cast<uint8_t*>(p.out_t), p.scale,
+                     p.scale_inv, p.amax, p.workspace, p.rows, p.cols};
+  const bool vec = cuda::vec_tiles_ok(p.rows, p.cols, p.x, p.dy, p.out, p.out_t);
+  if (!backward) {
+    GRAPHFP8_SWITCH_BOOL(vec, kVec, return launch_fwd<T, kE4M3, kAct, kVec>(a, stream);)
+  }
+  const bool dbias = p.dbias != nullptr;
+  GRAPHFP8_SWITCH_BOOL(vec, kVec,
+    GRAPHFP8_SWITCH_BOOL(dbias, kDbias,
+      return launch_bwd<T, kE4M3, kAct, kDbias, kVec>(a, p.dbias, stream);))
+  return Status{};
+}
+
+Status run(const GluParams& p, bool backward, void* stream_ptr) {
+  if (backward && p.dbias != nullptr && p.workspace == nullptr) {
+    return Status{"glu_bwd", "a fused dbias needs its fp32 workspace"};
+  }
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  GRAPHFP8_SWITCH_HP(p.dtype, "glu", T,
+    GRAPHFP8_SWITCH_FP8(p.out_dtype, "glu", kE4M3,
+      if (p.act == GluAct::kSwiglu) return dispatch<T, kE4M3, GluAct::kSwiglu>(p, backward, stream);
+      return dispatch<T, kE4M3, GluAct::kGeglu>(p, backward, stream);))
+  return Status{};
+}
+
+}  // namespace
+
+Status glu_fwd_cuda(const GluParams& p, void* stream) { return run(p, false, stream); }
+
+Status glu_bwd_cuda(const GluParams& p, void* stream) { return run(p, true, stream); }
+
+}  // namespace graphfp8
