@@ -42,60 +42,65 @@ from graphfp8.training.run import Run, RunSpec
 from graphfp8.training.sources import open_stream
 
 
+def _slot(cfg: GemmConfig, role):
+    block = cfg.fwd if isinstance(role, FwdRole) else cfg.bwd
+    i = slot_index(role, cfg.gemm)
+    return block, i, block.arena, block.start + i
+
+
+def _scale_from_h0_(arena, s: int) -> torch.Tensor:
+    """The slot's scale from its H[0] by the update formula (kept when H[0] is 0 or not finite);
+    returns the H[0] view."""
+    a = arena.amax_history[0, s : s + 1]
+    ok = torch.isfinite(a) & (a > 0)
+    arena.scale[s : s + 1].copy_(torch.where(ok, arena.scaled_max[s : s + 1] / a,
+                                             arena.scale[s : s + 1]))  # fmt: skip
+    return a
+
+
 @contextlib.contextmanager
-def current_for(pred):
-    """Casts whose role satisfies pred take a current scale (amax pass, one-slot update)."""
+def _patched_quantizer(quantizer):
     orig = GemmConfig.quantizer
-
-    def quantizer(self, role, amax_pass=None):
-        if not pred(role) or amax_pass is None:
-            return orig(self, role, amax_pass)
-        block = self.fwd if isinstance(role, FwdRole) else self.bwd
-        i = slot_index(role, self.gemm)
-        arena, s = block.arena, block.start + i
-        q = Quantizer(block.scale(i), block.amax(i), arena.fp8_dtype)
-        amax_pass(q)
-        a = arena.amax_history[0, s : s + 1]
-        ok = torch.isfinite(a) & (a > 0)
-        arena.scale[s : s + 1].copy_(torch.where(ok, arena.scaled_max[s : s + 1] / a,
-                                                 arena.scale[s : s + 1]))  # fmt: skip
-        a.zero_()
-        return Quantizer(q.scale, arena.amax_sink, arena.fp8_dtype)
-
-    GemmConfig.quantizer = quantizer
+    GemmConfig.quantizer = lambda self, role, amax_pass=None, **kw: quantizer(
+        orig, self, role, amax_pass, **kw
+    )
     try:
         yield
     finally:
         GemmConfig.quantizer = orig
 
 
-@contextlib.contextmanager
+def current_for(pred):
+    """Casts whose role satisfies pred take a current scale (amax pass, one-slot update)."""
+
+    def quantizer(orig, self, role, amax_pass, **kw):
+        if not pred(role) or amax_pass is None:
+            return orig(self, role, amax_pass, **kw)
+        block, i, arena, s = _slot(self, role)
+        q = Quantizer(block.scale(i), block.amax(i), arena.fp8_dtype)
+        amax_pass(q)
+        _scale_from_h0_(arena, s).zero_()
+        return Quantizer(q.scale, arena.amax_sink, arena.fp8_dtype)
+
+    return _patched_quantizer(quantizer)
+
+
 def calibrate_fresh():
     """A slot's first cast ever takes its scale from its own amax (the amax pass, then the
     update formula on that one value, H[0] kept for the history); later casts are delayed."""
-    orig = GemmConfig.quantizer
     done: set[tuple[int, int]] = set()
 
-    def quantizer(self, role, amax_pass=None):
-        block = self.fwd if isinstance(role, FwdRole) else self.bwd
-        i = slot_index(role, self.gemm)
-        arena, s = block.arena, block.start + i
+    def quantizer(orig, self, role, amax_pass, **kw):
+        _, _, arena, s = _slot(self, role)
         if (arena.serial, s) in done or amax_pass is None:
-            return orig(self, role, amax_pass)
+            return orig(self, role, amax_pass, **kw)
         done.add((arena.serial, s))
-        q = orig(self, role, None)
+        q = orig(self, role, None, **kw)
         amax_pass(q)
-        a = arena.amax_history[0, s : s + 1]
-        ok = torch.isfinite(a) & (a > 0)
-        arena.scale[s : s + 1].copy_(torch.where(ok, arena.scaled_max[s : s + 1] / a,
-                                                 arena.scale[s : s + 1]))  # fmt: skip
+        _scale_from_h0_(arena, s)
         return q
 
-    GemmConfig.quantizer = quantizer
-    try:
-        yield
-    finally:
-        GemmConfig.quantizer = orig
+    return _patched_quantizer(quantizer)
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@
 #include "../common.h"
 #include "../dtype_switch.h"
 #include "current_scale.cuh"
+#include "dbias.cuh"
 #include "fp8_util.cuh"
 #include "fused_act.cuh"
 #include "tile.cuh"
@@ -159,20 +160,6 @@ __global__ void __launch_bounds__(kTileThreads)
   cuda::cast_epilogue<kCurrent>(amax, a.amax, a.scale_inv, scale);
 }
 
-// dbias[c] = sum over r of workspace[r][c], in row order, rounded to OutT. One thread per column.
-template <typename OutT>
-__global__ void __launch_bounds__(kTileThreads)
-    dbias_reduce_kernel(const float* __restrict__ workspace, OutT* __restrict__ dbias,
-                        int64_t partial_rows, int64_t cols) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < cols;
-       c += stride) {
-    float s = 0.0f;
-    for (int64_t r = 0; r < partial_rows; ++r) s += workspace[r * cols + c];
-    dbias[c] = cuda::from_float<OutT>(s);
-  }
-}
-
 template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop, bool kVec,
           bool kCurrent, bool kPaired>
 Status launch_shape(const TileArgs<InT>& a, void* dbias, cudaStream_t stream) {
@@ -184,10 +171,8 @@ Status launch_shape(const TileArgs<InT>& a, void* dbias, cudaStream_t stream) {
             <<<blocks, kTileThreads, 0, stream>>>(a, first);
       });
   if (!kDbias || !st.ok()) return st;
-  const int grid = cuda::grid_size(cuda::ceil_div(a.cols, kTileThreads), 1024);
-  dbias_reduce_kernel<InT><<<grid, kTileThreads, 0, stream>>>(
-      a.workspace, static_cast<InT*>(dbias), cuda::ceil_div(a.rows, S::kRows), a.cols);
-  return cuda::check_launch("dbias_reduce_kernel");
+  return cuda::launch_dbias_reduce<InT>(a.workspace, dbias, cuda::ceil_div(a.rows, S::kRows),
+                                        a.cols, stream);
 }
 
 // The tile shape and the kernel variant: kCurrent (CurrentScale), kPaired (the kernel switch
