@@ -78,12 +78,7 @@ def test_an_input_of_the_autocast_dtype_is_taken(device, fp8):
         assert_bitwise_equal(y, want.to(torch.bfloat16))
 
 
-TAPE_REPLAYS_UNDER_AUTOCAST = pytest.mark.xfail(
-    strict=True,
-    reason="graphs/tape.py replays its recorded ops under the caller's torch.autocast, which "
-    "recasts some of them (graph-side, notes/MISUSE.md; CUDA graphs replay kernels)",
-)
-GRAPH_DEVICES = [pytest.param("cpu", marks=TAPE_REPLAYS_UNDER_AUTOCAST), CUDA_PARAM]
+GRAPH_DEVICES = ["cpu", CUDA_PARAM]
 
 
 @pytest.mark.parametrize("device", GRAPH_DEVICES)
