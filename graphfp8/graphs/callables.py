@@ -27,6 +27,7 @@ from graphfp8.graphs.replay_guard import ReplayGuard, module_names, owner_module
 from graphfp8.graphs.runner import GraphedRunner, InputSpec
 from graphfp8.graphs.schedule import Layout
 from graphfp8.graphs.session import CaptureSession
+from graphfp8.graphs.torch_autocast import AutocastState
 from graphfp8.graphs.weight_flag import WeightCacheFlag
 from graphfp8.modules.base import FP8Module
 
@@ -98,6 +99,7 @@ def make_graphed_callables(
     .. warning:: Inside fp8_autocast, only with the capture's recipe, fp8_group, enabled flag.
     .. warning:: With fp8_weight_caching, is_first_microbatch=True after every optimizer step.
     .. warning:: Another training mode than captured runs the module eagerly (torch's rule).
+    .. warning:: Call it in the torch.autocast state it was captured in.
     .. warning:: Capture first, then torch.compile around the graphed callables.
     """
     just_one, callables, sample_args, sample_kwargs = _normalize(callables, sample_args,
@@ -111,9 +113,10 @@ def make_graphed_callables(
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     funcs = [callables[i] for i in layout.callable_of]
     samples, device = prepare(funcs, sample_args, sample_kwargs)
+    autocast = AutocastState(device)
     caching = fp8_enabled and fp8_weight_caching
     flag = WeightCacheFlag(torch.zeros(1, device=device) if caching else None, fp8_enabled,
-                           fp8_weight_caching)  # fmt: skip
+                           fp8_weight_caching, _NAME, "graphed callable")  # fmt: skip
     graphs = CapturedGraphs(layout, [s.name for s in samples], fp8_enabled, recipe, fp8_group,
                             device)  # fmt: skip
     chunks = [fp8_modules_in([m for j in layout.units[(c, 0)].runners for m in _trees(samples[j])])
@@ -126,7 +129,8 @@ def make_graphed_callables(
         session.freeze_arenas()
         built = _capture_units(samples, layout, session, allow_unused_input, chain)
         chained = _followers(layout) if chain else set()
-        runners = [_runner(s, *built[s.index], graphs, flag, s.index in chained) for s in samples]
+        runners = [_runner(s, *built[s.index], graphs, flag, autocast, s.index in chained)
+                   for s in samples]  # fmt: skip
     wrapped = [
         _wrap(f, r, replace_forward=not layout.explicit)
         for f, r in zip(funcs, runners, strict=True)
@@ -206,7 +210,8 @@ def _guard(s: Sample) -> ReplayGuard:
     return ReplayGuard(s.name, modules, module_names(roots), outside, _RECAPTURE)
 
 
-def _runner(s: Sample, fwd, bwd, graphs, flag, chained: bool) -> GraphedRunner:
+def _runner(s: Sample, fwd, bwd, graphs, flag, autocast: AutocastState,
+            chained: bool) -> GraphedRunner:  # fmt: skip
     """The frozen runner of a captured sample."""
     anchor = torch.empty(0, requires_grad=any(p.requires_grad for p in s.params))
     # Its AccumulateGrad node: a backward that will not run it asks for a subset of gradients.
@@ -217,6 +222,7 @@ def _runner(s: Sample, fwd, bwd, graphs, flag, chained: bool) -> GraphedRunner:
     )
     return GraphedRunner(
         name=s.name, index=s.index, graphs=graphs, weight_cache_flag=flag, guard=_guard(s),
+        autocast=autocast,
         uses_fp8=bool(s.arenas) or any(isinstance(m, FP8Module) for m in s.modules), spec=spec,
         static_inputs=s.static_inputs, copies=spec.copies, chained=chained,
         params=tuple(s.params), param_names=tuple(s.param_names), fwd_graph=fwd.graph,

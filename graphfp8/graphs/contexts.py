@@ -1,5 +1,5 @@
 """The context managers the capture phases run under: FP8 state and RNG restored, garbage
-collection paused, the side stream that warms up and captures."""
+collection paused, torch.autocast's cast cache off, the side stream that warms up and captures."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from graphfp8.fp8 import scaling
 from graphfp8.graphs.backends import capture_stream
 
-__all__ = ["fp8_and_rng_preserved", "gc_paused", "side_stream"]
+__all__ = ["autocast_cache_off", "fp8_and_rng_preserved", "gc_paused", "side_stream"]
 
 
 @contextlib.contextmanager
@@ -52,6 +52,21 @@ def gc_paused(device):
     finally:
         if was_enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def autocast_cache_off():
+    """torch.autocast's cache of parameter casts off inside the block. Under torch.autocast a
+    parameter's low-precision cast is cached for the rest of the region: a capture inside that
+    region would hold the cast that warmup (or an earlier eager call) made, not a cast of its
+    own, and keep replaying that stale copy after the optimizer changed the parameter. Without
+    the cache every capture records its casts, which give the cached casts' bits."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
 
 
 @contextlib.contextmanager

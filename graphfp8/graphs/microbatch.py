@@ -79,6 +79,7 @@ def make_graphed_microbatch(
     .. warning:: Batches keep the captured structure, shapes, dtypes and device.
     .. warning:: The model keeps its parameters, buffers, storage, requires_grad; no hooks.
     .. warning:: The model stays in the training mode it was captured in.
+    .. warning:: Call it in the torch.autocast state it was captured in.
     .. warning:: Call it outside fp8_autocast: it carries its own FP8 settings.
     .. warning:: With fp8_weight_caching, is_first_microbatch=True after every optimizer step.
     .. warning:: Gradients are folded into .grad inside the graph: parameter hooks (DDP's) never
@@ -91,7 +92,7 @@ def make_graphed_microbatch(
     device = body.device
     caching = fp8_enabled and fp8_weight_caching
     flag = WeightCacheFlag(torch.zeros(1, device=device) if caching else None, fp8_enabled,
-                           fp8_weight_caching)  # fmt: skip
+                           fp8_weight_caching, _NAME, "graphed microbatch")  # fmt: skip
     # The snapshot: buffers that the forward updates (batch norm statistics).
     session = CaptureSession(device, fp8_enabled=fp8_enabled, recipe=recipe, fp8_group=fp8_group,
                              weight_cache_flag=flag.tensor, pool=pool,

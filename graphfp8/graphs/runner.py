@@ -58,6 +58,7 @@ class GraphedRunner:
         graphs: the CapturedGraphs of its capture (schedule, FP8 settings, reset).
         weight_cache_flag: the is_first_microbatch device flag of its capture.
         guard: what it assumes about its modules (graphs/replay_guard.py).
+        autocast: the torch.autocast state of its capture (graphs/torch_autocast.py).
         uses_fp8: it runs FP8 modules (inside fp8_autocast it must match the region).
         spec: what every call must pass.
         static_inputs: the flat tensors the forward graph reads (args, then kwargs; positions
@@ -83,6 +84,7 @@ class GraphedRunner:
     graphs: object
     weight_cache_flag: object
     guard: object
+    autocast: object
     uses_fp8: bool
     spec: InputSpec
     static_inputs: list[torch.Tensor]
@@ -111,6 +113,7 @@ class GraphedRunner:
                 f"{self.name}: reset() released its graphs; call make_graphed_callables again"
             )
         self.graphs.check_fp8_region(self)
+        self.autocast.check(self.name)
         spec = self.spec
         if kwargs or spec.kwarg_names:
             if sorted(kwargs) != sorted(spec.kwarg_names):

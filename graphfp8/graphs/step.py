@@ -122,6 +122,7 @@ def make_graphed_step(
     .. warning:: Batches keep the captured structure, shapes, dtypes and device.
     .. warning:: The model keeps its parameters, buffers, storage, requires_grad; no hooks.
     .. warning:: The model stays in the training mode it was captured in.
+    .. warning:: Call it in the torch.autocast state it was captured in.
     .. warning:: The optimizer keeps its state and hyperparameters (tensor learning rates: fill_).
     .. warning:: Call it outside fp8_autocast: it carries its own FP8 settings.
     .. warning:: Capture holds a copy of the parameters, buffers and optimizer state.

@@ -20,6 +20,7 @@ from graphfp8.fp8 import scaling
 from graphfp8.fp8.autocast import STATE
 from graphfp8.graphs.capture_checks import check_no_hooks
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names
+from graphfp8.graphs.torch_autocast import AutocastState
 
 __all__ = ["StaticBatch", "TrainBody", "split_batch"]
 
@@ -147,6 +148,7 @@ class TrainBody:
         named = list(model.named_parameters())
         check_no_hooks(name, list(model.modules()), [p for _, p in named], [n for n, _ in named])
         self.training = model.training  # the mode the graph is captured in
+        self.autocast = AutocastState(self.device)  # and the torch.autocast state
         self.has_grad: list[bool] | None = None  # which parameters get a gradient (first run)
 
     # Before every replay ------------------------------------------------------------------------
@@ -157,11 +159,13 @@ class TrainBody:
         return ReplayGuard(self.name, list(self.model.modules()), names, [], recapture)
 
     def check_call(self) -> None:
-        """Outside fp8_autocast (the graph carries its own FP8 state), in the captured mode."""
+        """Outside fp8_autocast (the graph carries its own FP8 state), in the captured mode and
+        torch.autocast state."""
         if STATE.enabled and STATE.capture is None:
             raise RuntimeError(
-                f"{self.name}: a graphed step carries its own FP8 state and scale updates; call "
-                "it outside fp8_autocast"
+                f"{self.name}: the graph carries its own FP8 state and scale updates; call it "
+                "outside fp8_autocast (its fp8_enabled / fp8_recipe / fp8_group are fixed at "
+                "capture)"
             )
         if self.model.training != self.training:
             mode = "train" if self.training else "eval"
@@ -171,6 +175,7 @@ class TrainBody:
                 "norm statistics). Put the model back in that mode, run other modes eagerly "
                 f"(under torch.no_grad() for evaluation), or capture a graph in the other mode"
             )
+        self.autocast.check(self.name)
 
     # One microbatch ----------------------------------------------------------------------------
 

@@ -24,6 +24,22 @@ def compare_models(eager, graphed, what: str) -> None:
         assert_bitwise_equal(sg, se, f"{what}: {name}")
 
 
+def snapshot(m) -> list[torch.Tensor]:
+    """Copies of m's FP8 state, parameters and gradients: what a refused call must not change."""
+    grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    return (
+        [t.clone() for _, t in fp8_state(m)] + [p.detach().clone() for p in m.parameters()] + grads
+    )
+
+
+def assert_unchanged(m, before: list[torch.Tensor], what: str) -> None:
+    """m's snapshot() is `before`, bit for bit."""
+    now = snapshot(m)
+    assert len(now) == len(before), f"{what}: gradients appeared or went"
+    for a, b in zip(now, before, strict=True):
+        assert_bitwise_equal(a, b, what)
+
+
 def train_side_by_side(kind, recipe, caching, device, steps=3, mbs=3, set_to_none=True):
     """Trains `kind` eagerly and through make_graphed_callables on the same data, asserting
     equality after every microbatch and every optimizer step. Returns the two models."""
