@@ -24,7 +24,7 @@ from graphfp8.graphs.fp8_init import fp8_modules_in, unique
 from graphfp8.graphs.function import GraphedFunction
 from graphfp8.graphs.lifecycle import CapturedGraphs, refuse_deepcopy, undone_on_failure
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names, owner_modules
-from graphfp8.graphs.runner import GraphedRunner, InputSpec
+from graphfp8.graphs.runner import GraphedRunner, InputSpec, storages_of
 from graphfp8.graphs.schedule import Layout
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.torch_autocast import AutocastState
@@ -224,7 +224,8 @@ def _runner(s: Sample, fwd, bwd, graphs, flag, autocast: AutocastState,
         name=s.name, index=s.index, graphs=graphs, weight_cache_flag=flag, guard=_guard(s),
         autocast=autocast,
         uses_fp8=bool(s.arenas) or any(isinstance(m, FP8Module) for m in s.modules), spec=spec,
-        static_inputs=s.static_inputs, copies=spec.copies, chained=chained,
+        static_inputs=s.static_inputs, copies=spec.copies,
+        storages=storages_of(s.static_inputs), chained=chained,
         params=tuple(s.params), param_names=tuple(s.param_names), fwd_graph=fwd.graph,
         bwd_graph=bwd.graph, static_outputs=fwd.outputs, out_spec=fwd.out_spec,
         static_grad_outputs=bwd.grad_outputs, static_grad_inputs=bwd.grad_inputs,

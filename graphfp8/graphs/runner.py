@@ -11,7 +11,30 @@ from torch.utils._pytree import tree_unflatten
 
 from graphfp8.profiling import nvtx_range
 
-__all__ = ["GraphedRunner", "InputSpec"]
+__all__ = ["GraphedRunner", "InputSpec", "copy_inputs", "storages_of"]
+
+
+def storages_of(tensors) -> frozenset[int]:
+    """The storages (data pointers) of static buffers, for copy_inputs."""
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors if t.numel())
+
+
+def copy_inputs(pairs: list[tuple[torch.Tensor, torch.Tensor]], storages: frozenset[int]) -> None:
+    """Copies each (given, static) pair's given tensor into its static buffer. When a given
+    tensor lives in a static buffer (one passed at another position), every given tensor is read
+    whole before anything is written: a buffer written first would change it."""
+    if len(pairs) > 1 and any(g.numel() and g.untyped_storage().data_ptr() in storages
+                              for g, _ in pairs):  # fmt: skip
+        pairs = [(g.clone(), s) for g, s in pairs]
+    for given, static in pairs:
+        static.copy_(given)
+
+
+def needs_copy(given: torch.Tensor, static: torch.Tensor) -> bool:
+    """Whether a replay must copy `given` into `static` (it is not that buffer, as laid out)."""
+    return given is not static and (
+        given.data_ptr() != static.data_ptr() or given.stride() != static.stride()
+    )
 
 
 def _tensor_text(t: torch.Tensor) -> str:
@@ -64,6 +87,7 @@ class GraphedRunner:
         static_inputs: the flat tensors the forward graph reads (args, then kwargs; positions
             that held one sample tensor hold one static tensor).
         copies: the positions replay_forward copies into (spec.copies).
+        storages: those of the static inputs (copy_inputs).
         chained: static input 0 is the previous callable's static output 0 (chain=True).
         params: the parameters whose gradients go through `accumulator`, not autograd: the
             module's own and those its outputs were found to depend on (graphs/discover.py).
@@ -89,6 +113,7 @@ class GraphedRunner:
     spec: InputSpec
     static_inputs: list[torch.Tensor]
     copies: tuple[int, ...]
+    storages: frozenset[int]
     chained: bool
     params: tuple[torch.Tensor, ...]
     param_names: tuple[str, ...]
@@ -142,7 +167,7 @@ class GraphedRunner:
                 )
         if len(flat) > 1:
             self._check_aliasing(flat)
-        if self.chained and flat[0].data_ptr() != self.static_inputs[0].data_ptr():
+        if self.chained and needs_copy(flat[0], self.static_inputs[0]):
             self._check_chain_input()
         self.guard.check()
         self.graphs.schedule.check_forward(self.index)
@@ -182,10 +207,11 @@ class GraphedRunner:
             )
 
     def replay_forward(self, flat_inputs) -> None:
-        for i in self.copies:
-            static, given = self.static_inputs[i], flat_inputs[i]
-            if static.data_ptr() != given.data_ptr():
-                static.copy_(given)
+        static = self.static_inputs
+        pairs = [(flat_inputs[i], static[i]) for i in self.copies
+                 if needs_copy(flat_inputs[i], static[i])]  # fmt: skip
+        if pairs:
+            copy_inputs(pairs, self.storages)
         with nvtx_range("replay-forward"):
             self.fwd_graph.replay()
 

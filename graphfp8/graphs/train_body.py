@@ -18,8 +18,9 @@ from torch import nn
 
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.autocast import STATE
-from graphfp8.graphs.capture_checks import check_no_hooks
+from graphfp8.graphs.capture_checks import check_no_hooks, distinct_buffers
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names
+from graphfp8.graphs.runner import copy_inputs, needs_copy, storages_of
 from graphfp8.graphs.torch_autocast import AutocastState
 
 __all__ = ["StaticBatch", "TrainBody", "split_batch"]
@@ -58,7 +59,8 @@ class StaticBatch:
     """The batch tensors a graph reads, and the copy of a caller's batch into them.
 
     Args:
-        sample: the sample batch (see split_batch); its tensors become the static buffers.
+        sample: the sample batch (see split_batch); its tensors become the static buffers (a
+            tensor that shares memory with an earlier one gets a buffer of its own).
         leading: the size of dim 0 of every tensor (the microbatch index of a step), or None.
         name: prefix of error messages.
     """
@@ -67,7 +69,8 @@ class StaticBatch:
         self.name = name
         inputs, targets = split_batch(sample, name)
         self.num_inputs, self.num_targets = len(inputs), len(targets)
-        self.tensors = [*inputs, *targets]
+        self.tensors = distinct_buffers([*inputs, *targets])
+        self.storages = storages_of(self.tensors)
         if not self.tensors:
             raise ValueError(f"{name}: the batch holds no tensor")
         for t in self.tensors:
@@ -109,10 +112,11 @@ class StaticBatch:
         return given
 
     def copy(self, given: list[torch.Tensor]) -> None:
-        """Copies checked tensors into the static buffers, skipping those that are the buffers."""
-        for g, s in zip(given, self.tensors, strict=True):
-            if g is not s and (g.data_ptr() != s.data_ptr() or g.stride() != s.stride()):
-                s.copy_(g)
+        """Copies checked tensors into the static buffers, skipping those that are the buffers
+        (copy_inputs: `static_batch` passed at other positions is read before any write)."""
+        pairs = [(g, s) for g, s in zip(given, self.tensors, strict=True) if needs_copy(g, s)]
+        if pairs:
+            copy_inputs(pairs, self.storages)
 
 
 class TrainBody:

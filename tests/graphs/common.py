@@ -5,10 +5,24 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import nn
 
 import graphfp8 as g8
 from graphfp8.testing import assert_bitwise_equal
-from tests.modules.common import build, fp8_state, input_shape
+from tests.modules.common import H, build, fp8_state, input_shape
+
+
+class QKV(nn.Module):
+    """Three FP8 projections of three inputs, mixed (self-attention's sample: one tensor thrice)."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.q, self.k, self.v = (g8.Linear(H, H, params_dtype=torch.bfloat16, device=device)
+                                  for _ in range(3))  # fmt: skip
+
+    def forward(self, q, k, v, is_first_microbatch=None):
+        kw = dict(is_first_microbatch=is_first_microbatch)
+        return self.q(q, **kw) * self.k(k, **kw).sigmoid() + self.v(v, **kw)
 
 
 def compare_models(eager, graphed, what: str) -> None:

@@ -10,11 +10,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import graphfp8 as g8
 from graphfp8.testing import assert_bitwise_equal
-from tests.graphs.common import assert_unchanged, compare_models, snapshot
+from tests.graphs.common import QKV, assert_unchanged, compare_models, snapshot
 from tests.graphs.step_common import adamw
 from tests.modules.common import H, T, build
 
@@ -24,19 +23,6 @@ FP8 = dict(fp8_enabled=True, fp8_recipe=RECIPE, fp8_weight_caching=True)
 
 def _x(device, requires_grad=True):
     return torch.randn(T, H, dtype=torch.bfloat16, device=device, requires_grad=requires_grad)
-
-
-class QKV(nn.Module):
-    """Three FP8 projections of three inputs, mixed (self-attention's sample: one tensor thrice)."""
-
-    def __init__(self, device):
-        super().__init__()
-        self.q, self.k, self.v = (g8.Linear(H, H, params_dtype=torch.bfloat16, device=device)
-                                  for _ in range(3))  # fmt: skip
-
-    def forward(self, q, k, v, is_first_microbatch=None):
-        kw = dict(is_first_microbatch=is_first_microbatch)
-        return self.q(q, **kw) * self.k(k, **kw).sigmoid() + self.v(v, **kw)
 
 
 # Row 1: one tensor as several sample args; overlapping inputs ------------------------------------
