@@ -24,6 +24,17 @@ struct Status {
 constexpr float kE4M3Max = 448.0f;
 constexpr float kE5M2Max = 57344.0f;
 
+// Current scaling computed on the device by the cast itself (docs/fp8.md, "Current scaling"):
+// with a = *amax (the slot's H[0], which an amax pass filled), the cast first runs the one-slot
+// update of scale_math.h, writes the new scale to *scale, resets *amax to 0, and casts with the
+// new scale; its own amax is folded nowhere. Off (all nullptr): the cast reads its scale as is.
+struct CurrentScale {
+  float* scale = nullptr;             // (1,) the slot's scale: read, then rewritten
+  float* amax = nullptr;              // (1,) the slot's H[0]: read, then reset to 0
+  const float* scaled_max = nullptr;  // (1,) fp8_max * 2^-margin
+  bool on() const { return scaled_max != nullptr; }
+};
+
 // Cast of a (rows, cols) row-major tensor to FP8, optionally also writing its transpose.
 struct CastParams {
   const void* x;         // (rows, cols), x_dtype
@@ -37,6 +48,8 @@ struct CastParams {
   const float* noop;     // (1,) or nullptr: when *noop == 1 nothing is written
   int64_t rows;
   int64_t cols;
+  CurrentScale current;  // on: scale == current.scale, amax == nullptr (nothing folded)
+  bool paired_quantize;  // CUDA tile kernels: the kernel switch PAIRED_QUANTIZE (same bytes)
 };
 
 // Transpose of an FP8 (rows, cols) row-major tensor into (cols, rows).
@@ -76,6 +89,18 @@ struct DequantizeParams {
 // f is computed in fp32 and rounded to x's dtype before it is scaled, folded into amax or summed,
 // so the result equals torch's gelu / gelu_backward followed by the plain cast-transpose.
 enum class FusedAct : int { kNone, kGelu, kDgelu };
+
+// max |f(x)| of a tensor folded into *amax (NaN ignored), nothing written but the amax: the
+// amax pass of current scaling (f: FusedAct above; kDgelu reads dy = x and act_in).
+struct AmaxParams {
+  const void* x;         // (numel,), dtype
+  const void* act_in;    // (numel,), dtype: the GELU input (kDgelu only), else nullptr
+  DType dtype;
+  float* amax;           // (1,)
+  const float* noop;     // (1,) or nullptr: when *noop == 1 nothing is read or written
+  int64_t numel;
+  FusedAct act;
+};
 
 // Rows of x covered by one row of the CUDA dbias workspace: every tile height (128 or 64) is a
 // multiple of it, so ceil(rows / kDbiasPartialRows) workspace rows are always enough.
@@ -143,6 +168,10 @@ struct NormParams {
   bool zero_centered_gamma;
   int64_t rows;
   int64_t hidden;
+  CurrentScale current;      // on: scale == current.scale, amax == nullptr (nothing folded)
+  // The norm's amax pass (current scaling): only amax = max(amax, max |y|) is written; out,
+  // out_t, out_hp, residual_out, mu, rsigma, scale_inv are nullptr and untouched.
+  bool amax_only;
 };
 
 // The norm backward, given dy = dL/dy: with xhat = (x - mu) rsigma (RMSNorm: x rsigma) and
@@ -170,6 +199,7 @@ struct NormBwdParams {
   bool zero_centered_gamma;
   int64_t rows;
   int64_t hidden;
+  bool batched;              // CUDA: cuda/norm_bwd_batched.cu (kernel switch NORM_BWD_BATCHED)
 };
 
 constexpr int64_t kNormBwdMaxBlocks = 256;
@@ -179,6 +209,7 @@ constexpr int64_t kNormMaxHiddenCuda = 8192;
 
 // Launchers assume validated parameters (csrc/ops/ checks) and a non-empty input.
 Status cast_cpu(const CastParams& p);
+Status amax_cpu(const AmaxParams& p);
 Status cast_transpose_fused_cpu(const FusedCastTransposeParams& p);
 Status transpose_cpu(const TransposeParams& p);
 Status scale_update_cpu(const ScaleUpdateParams& p);
@@ -189,6 +220,7 @@ Status norm_bwd_cpu(const NormBwdParams& p);
 
 // CUDA launchers take the stream as an opaque cudaStream_t.
 Status cast_cuda(const CastParams& p, void* stream);
+Status amax_cuda(const AmaxParams& p, void* stream);
 Status cast_transpose_cuda(const CastParams& p, void* stream);  // cast_cuda with p.out_t set
 Status transpose_cuda(const TransposeParams& p, void* stream);
 Status scale_update_cuda(const ScaleUpdateParams& p, void* stream);
@@ -197,5 +229,6 @@ Status rope_cuda(const RopeParams& p, void* stream);
 Status cast_transpose_fused_cuda(const FusedCastTransposeParams& p, void* stream);
 Status norm_fwd_cuda(const NormParams& p, void* stream);
 Status norm_bwd_cuda(const NormBwdParams& p, void* stream);
+Status norm_bwd_batched_cuda(const NormBwdParams& p, void* stream);  // the same sums, bit for bit
 
 }  // namespace graphfp8

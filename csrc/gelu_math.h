@@ -7,11 +7,7 @@
 
 #include <cmath>
 
-#ifdef __CUDACC__
-#define GRAPHFP8_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define GRAPHFP8_HOST_DEVICE inline
-#endif
+#include "host_device.h"
 
 namespace graphfp8 {
 

@@ -6,6 +6,9 @@ Each twin writes into the tensors it is given exactly as the kernel does, so tes
 for bit; the FP8 attention twins instead return float64 references that tests compare within
 tolerances (cuDNN's online softmax rounds differently). Runtime code never imports this module;
 tests and CPU debugging do.
+
+Longer than 400 lines: one short twin per op, all in one module, so that every test imports the
+twins from one place.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ from graphfp8.fp8.recipe import fp8_max
 __all__ = [
     "quantize",
     "abs_max",
+    "amax",
+    "gelu_amax",
+    "dgelu_amax",
+    "layernorm_amax",
+    "rmsnorm_amax",
     "cast_to_fp8",
     "cast_transpose",
     "fp8_transpose",
@@ -70,19 +78,49 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
 
 def _cast_common(x, scale, out, scale_inv, amax):
     out.copy_(quantize(x, scale, out.dtype))
-    amax.copy_(torch.maximum(amax, abs_max(x).reshape(amax.shape)))
+    if amax is not None:
+        amax.copy_(torch.maximum(amax, abs_max(x).reshape(amax.shape)))
     scale_inv.copy_(torch.reciprocal(scale).reshape(scale_inv.shape))
 
 
-def cast_to_fp8(x, scale, out, scale_inv, amax, noop=None) -> None:
+def _current(scale, amax, scaled_max):
+    """A cast's `scaled_max` form (current scaling computed by the cast): the one-slot update of
+    scale from amax (a history of length 1), before anything else. Returns where the cast folds
+    its own amax: `amax` without scaled_max, nowhere (None) with it."""
+    if scaled_max is None:
+        return amax
+    scale_update(amax.view(1, 1), scale.view(1), scaled_max.reshape(1), True)
+    return None
+
+
+def amax(x, amax, noop=None) -> None:
+    """Twin of torch.ops.graphfp8.amax: max |x| folded into amax, nothing else written."""
+    if not _skip(noop):
+        amax.copy_(torch.maximum(amax, abs_max(x).reshape(amax.shape)))
+
+
+def gelu_amax(x, amax) -> None:
+    """Twin of torch.ops.graphfp8.gelu_amax: gelu_cast_transpose's amax alone."""
+    amax.copy_(torch.maximum(amax, abs_max(F.gelu(x, approximate="tanh")).reshape(amax.shape)))
+
+
+def dgelu_amax(dy, x, amax) -> None:
+    """Twin of torch.ops.graphfp8.dgelu_amax: dgelu_cast_transpose_dbias's amax alone."""
+    dx = torch.ops.aten.gelu_backward(dy, x, approximate="tanh")
+    amax.copy_(torch.maximum(amax, abs_max(dx).reshape(amax.shape)))
+
+
+def cast_to_fp8(x, scale, out, scale_inv, amax, noop=None, scaled_max=None) -> None:
     """Twin of torch.ops.graphfp8.cast_to_fp8."""
+    amax = _current(scale, amax, scaled_max)
     if _skip(noop):
         return
     _cast_common(x, scale, out, scale_inv, amax)
 
 
-def cast_transpose(x, scale, out, out_t, scale_inv, amax, noop=None) -> None:
+def cast_transpose(x, scale, out, out_t, scale_inv, amax, noop=None, scaled_max=None) -> None:
     """Twin of torch.ops.graphfp8.cast_transpose."""
+    amax = _current(scale, amax, scaled_max)
     if _skip(noop):
         return
     _cast_common(x, scale, out, scale_inv, amax)
@@ -128,22 +166,24 @@ def dequantize(x, scale_inv, out) -> None:
     out.copy_((x.float() * scale_inv.reshape(())).to(out.dtype))
 
 
-def cast_transpose_dbias(x, scale, out, out_t, scale_inv, amax, dbias) -> None:
+def cast_transpose_dbias(x, scale, out, out_t, scale_inv, amax, dbias, scaled_max=None) -> None:
     """Twin of torch.ops.graphfp8.cast_transpose_dbias: cast_transpose, then the fp32 row sum."""
-    cast_transpose(x, scale, out, out_t, scale_inv, amax)
+    cast_transpose(x, scale, out, out_t, scale_inv, amax, scaled_max=scaled_max)
     dbias.copy_(x.float().sum(dim=0).to(dbias.dtype))
 
 
-def gelu_cast_transpose(x, scale, out, out_t, scale_inv, amax) -> None:
+def gelu_cast_transpose(x, scale, out, out_t, scale_inv, amax, scaled_max=None) -> None:
     """Twin of torch.ops.graphfp8.gelu_cast_transpose: torch's tanh GELU, then cast_transpose."""
-    cast_transpose(F.gelu(x, approximate="tanh"), scale, out, out_t, scale_inv, amax)
+    y = F.gelu(x, approximate="tanh")
+    cast_transpose(y, scale, out, out_t, scale_inv, amax, scaled_max=scaled_max)
 
 
-def dgelu_cast_transpose_dbias(dy, x, scale, out, out_t, scale_inv, amax, dbias) -> None:
+def dgelu_cast_transpose_dbias(dy, x, scale, out, out_t, scale_inv, amax, dbias,
+                               scaled_max=None) -> None:  # fmt: skip
     """Twin of torch.ops.graphfp8.dgelu_cast_transpose_dbias: torch's tanh gelu_backward, then
     cast_transpose_dbias of the result."""
     dx = torch.ops.aten.gelu_backward(dy, x, approximate="tanh")
-    cast_transpose_dbias(dx, scale, out, out_t, scale_inv, amax, dbias)
+    cast_transpose_dbias(dx, scale, out, out_t, scale_inv, amax, dbias, scaled_max)
 
 
 def rope_qkv(qkv, cos, sin, num_heads, inverse, out) -> None:
@@ -224,9 +264,11 @@ def _norm_outputs(y, scale, out, out_t, scale_inv, amax, out_hp) -> None:
 
 
 def layernorm_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, out, out_t, scale_inv, amax,
-                  mu, rsigma, out_hp=None, residual=None, residual_out=None) -> None:  # fmt: skip
+                  mu, rsigma, out_hp=None, residual=None, residual_out=None,
+                  scaled_max=None) -> None:  # fmt: skip
     """Twin of torch.ops.graphfp8.layernorm_fp8: per row of z (x, or x + residual rounded),
     y = ((z - mu) * rsigma) * g + beta with g = gamma (+ 1), quantized like cast_transpose."""
+    amax = _current(scale, amax, scaled_max)
     z = _norm_input(x, residual, residual_out)
     m = _seq_mean(z)
     d = z - m[:, None]
@@ -239,14 +281,39 @@ def layernorm_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, out, out_t, s
 
 
 def rmsnorm_fp8(x, gamma, eps, zero_centered_gamma, scale, out, out_t, scale_inv, amax, rsigma,
-                out_hp=None, residual=None, residual_out=None) -> None:  # fmt: skip
+                out_hp=None, residual=None, residual_out=None,
+                scaled_max=None) -> None:  # fmt: skip
     """Twin of torch.ops.graphfp8.rmsnorm_fp8: y = (z * rsigma) * g, rsigma = 1 / sqrt(mean(z^2)
     + eps)."""
+    amax = _current(scale, amax, scaled_max)
     z = _norm_input(x, residual, residual_out)
     rs = _rsqrt(_seq_mean_of_products(z, z), eps)
     y = (z * rs[:, None]) * _norm_weight(gamma, zero_centered_gamma)
     rsigma.copy_(rs)
     _norm_outputs(y, scale, out, out_t, scale_inv, amax, out_hp)
+
+
+def _norm_scratch(x, fp8_dtype=torch.float8_e4m3fn):
+    rows, hidden = x.shape
+    f32 = dict(dtype=torch.float32, device=x.device)
+    return (torch.empty(rows, hidden, dtype=fp8_dtype, device=x.device), torch.empty(1, **f32),
+            torch.empty(rows, **f32), torch.empty(rows, **f32))  # fmt: skip
+
+
+def layernorm_amax(x, gamma, beta, eps, zero_centered_gamma, amax, residual=None) -> None:
+    """Twin of torch.ops.graphfp8.layernorm_amax: layernorm_fp8's amax alone."""
+    out, scale_inv, mu, rsigma = _norm_scratch(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    layernorm_fp8(x, gamma, beta, eps, zero_centered_gamma, torch.ones_like(amax), out, None,
+                  scale_inv, amax, mu, rsigma, None, residual, res_out)  # fmt: skip
+
+
+def rmsnorm_amax(x, gamma, eps, zero_centered_gamma, amax, residual=None) -> None:
+    """Twin of torch.ops.graphfp8.rmsnorm_amax: rmsnorm_fp8's amax alone."""
+    out, scale_inv, _, rsigma = _norm_scratch(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    rmsnorm_fp8(x, gamma, eps, zero_centered_gamma, torch.ones_like(amax), out, None, scale_inv,
+                amax, rsigma, None, residual, res_out)  # fmt: skip
 
 
 def _column_sum(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

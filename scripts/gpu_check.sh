@@ -6,9 +6,17 @@
 #   GPU_STEPS  which steps to run (default: "tests kernels eager block attention step host memory
 #              train train-step compile profile profile-step"; also stack (the
 #              TransformerLayer stack, FP8 vs bf16), step-nodebug (bench step with the graphs'
-#              debug mode off), train-e4m3, kernels-ab, tests-first, ddp, train-scaling,
-#              train-gap: issue 27's paired FP8-vs-bf16 table over GAP_SEEDS for GAP_VARIANTS,
-#              GAP_STEPS steps)
+#              debug mode off), train-e4m3, kernels-ab, tests-first, ddp,
+#              train-scaling, train-gap: issue 27's paired FP8-vs-bf16 table over GAP_SEEDS for
+#              GAP_VARIANTS, GAP_STEPS steps; issue 22's: opcount (kernels per TransformerLayer
+#              microbatch from the captured ops), variants (each kernel switch off and on
+#              in one run), tests-switched (the CUDA suite with every switch on), block-switched,
+#              stack-switched, step-switched (those benchmarks with every switch on),
+#              train-scaling-fused (delayed vs current scaling on the fused path))
+#   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
+#   WITH_TE    1 (default): install TransformerEngine from a carried .te/ (a copy of
+#              ../shared/te: docs/benchmarking.md, "TransformerEngine") for the benchmarks' TE
+#              columns; the tests never see it
 #   AB_BASE    the commit that kernels-ab compares with (default 30328b1; without the git
 #              history, carry the .ab-base/ that `scripts/bench_before_after.sh --prepare` wrote)
 #   PYTEST_ARGS extra pytest arguments for the CUDA tests
@@ -26,6 +34,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 PY=${PYTHON:-python3}
 STEPS=${GPU_STEPS:-"tests kernels eager block attention step host memory train train-step compile profile profile-step"}
 status=0
+SWITCHES=${SWITCHES:-"GRAPHFP8_CURRENT_FUSED=1 GRAPHFP8_NORM_BWD_BATCHED=1 GRAPHFP8_PAIRED_QUANTIZE=1"}
 
 # Wheels carried in .whl/ (nvtx, torchao, nvidia-cudnn-frontend for FP8 attention): the device
 # machine has no package index.
@@ -55,6 +64,17 @@ fi
 echo "built in $(( $(date +%s) - t0 )) s" | tee -a "$RES/summary.md"
 $PY -c "import graphfp8.ops as o; assert o.built_with_cuda(), 'CUDA kernels missing'" \
   || { echo "CUDA KERNELS MISSING" >> "$RES/summary.md"; pack; exit 1; }
+TE_ENV=""
+if [ "${WITH_TE:-1}" = 1 ] && [ -f .te/install_te.sh ]; then
+  if TE_SKIP_SMOKE=1 bash .te/install_te.sh > "$RES/install_te.log" 2>&1; then
+    TE_ENV=/tmp/te_site/te_env.sh; echo "TransformerEngine installed (benchmark peer)" >> "$RES/summary.md"
+  else
+    echo "TransformerEngine install failed: no TE columns (install_te.log)" >> "$RES/summary.md"
+  fi
+fi
+with_te() {  # a benchmark with TE importable; the tests run without it
+  if [ -n "$TE_ENV" ]; then ( . "$TE_ENV"; "$@" ); else "$@"; fi
+}
 pack
 
 for step in $STEPS; do
@@ -65,6 +85,26 @@ for step in $STEPS; do
         ${PYTEST_ARGS:-} tests > "$RES/tests_gpu.log" 2>&1
       rc=$?; tail -25 "$RES/tests_gpu.log"; tail -1 "$RES/tests_gpu.log" >> "$RES/summary.md"
       [ $rc -eq 0 ] || status=1 ;;
+    tests-switched)  # issue 22: the CUDA suite again with every new kernel switched on
+      env $SWITCHES timeout "${TESTS_TIMEOUT_S:-420}" $PY -m pytest -q -m cuda -p no:cacheprovider \
+        ${PYTEST_ARGS:-} tests > "$RES/tests_gpu_switched.log" 2>&1
+      rc=$?; tail -25 "$RES/tests_gpu_switched.log"
+      tail -1 "$RES/tests_gpu_switched.log" >> "$RES/summary.md"; [ $rc -eq 0 ] || status=1 ;;
+    block-switched|stack-switched|step-switched)  # the benchmark with every switch on
+      b=${step%-switched}
+      with_te env $SWITCHES $PY -m graphfp8.bench "$b" --json "$RES/bench_${b}_switched.json" \
+        > /tmp/bench_${b}_switched.log 2>&1 || { status=1; tail -30 /tmp/bench_${b}_switched.log; }
+      grep -v '^wrote' /tmp/bench_${b}_switched.log >> "$RES/summary.md" ;;
+    train-scaling-fused)  # issue 22: current scaling's fused path against delayed scaling
+      for run in delayed current; do
+        GRAPHFP8_CURRENT_FUSED=1 $PY -m graphfp8.train --compare fp8:layers --scaling $run \
+          --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_SCALING_STEPS:-200} \
+          --out "$RES/train_scaling_fused_$run" > "$RES/train_scaling_fused_$run.log" 2>&1 \
+          || status=1
+        echo "-- $run (GRAPHFP8_CURRENT_FUSED=1)" | tee -a "$RES/summary.md"
+        sed -n '/^ *run /,/^wrote/p' "$RES/train_scaling_fused_$run.log" | grep -v '^wrote' \
+          | tee -a "$RES/summary.md"
+      done ;;
     ddp)  # data parallel: 1 vs all GPUs of the machine, FP8 + graphs, the GPU default preset
       n=$($PY -c "import torch; print(torch.cuda.device_count())")
       procs_list=1; [ "$n" -gt 1 ] && procs_list="1 $n"
@@ -147,8 +187,8 @@ for step in $STEPS; do
       GRAPHFP8_GRAPH_DEBUG=0 $PY -m graphfp8.bench step --json "$RES/bench_step_nodebug.json" \
         > /tmp/bench_step_nodebug.log 2>&1 || { status=1; tail -30 /tmp/bench_step_nodebug.log; }
       grep -v '^wrote' /tmp/bench_step_nodebug.log >> "$RES/summary.md" ;;
-    kernels|eager|block|attention|step|host|stack)
-      $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
+    kernels|variants|opcount|eager|block|attention|step|host|stack)
+      with_te $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;
     *)

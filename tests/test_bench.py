@@ -34,6 +34,39 @@ def test_kernels_quick(tmp_path, capsys):
     assert "| cast_transpose_dbias | 128x256 |" in printed
 
 
+def test_variants_quick(tmp_path, capsys):
+    path = tmp_path / "variants.json"
+    main(["variants", "--quick", "--device", "cpu", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert [(r["switch"], r["op"]) for r in result["switches"]] == [
+        ("PAIRED_QUANTIZE", "cast_transpose"), ("PAIRED_QUANTIZE", "cast_transpose_dbias"),
+        ("PAIRED_QUANTIZE", "gelu_cast_transpose"),
+        ("PAIRED_QUANTIZE", "dgelu_cast_transpose_dbias"), ("NORM_BWD_BATCHED", "layernorm_bwd"),
+    ]  # fmt: skip
+    assert [r["op"] for r in result["current"]] == ["cast_transpose", "gelu_cast_transpose"]
+    numbers = _numbers(result["switches"] + result["current"])
+    assert numbers and all(math.isfinite(v) and v > 0 for v in numbers)
+    printed = capsys.readouterr().out
+    assert all(line in printed for line in result["table"].splitlines())
+
+
+def test_opcount_quick(tmp_path, capsys):
+    """Kernels per TransformerLayer microbatch from the CPU tape: the fused current-scaling path
+    replaces each cast's one-slot scale update by nothing and its throwaway cast by an amax
+    kernel; delayed scaling has two arena updates (forward, backward) and no amax pass."""
+    path = tmp_path / "opcount.json"
+    main(["opcount", "--quick", "--device", "cpu", "--json", str(path)])
+    rows = json.loads(path.read_text())["layers"]
+    delayed, three = rows["fp8 delayed"]["by_op"], rows["fp8 current, three launches"]["by_op"]
+    fused = rows["fp8 current, fused"]["by_op"]
+    amax_passes = sum(n for op, n in fused.items() if op.endswith("amax"))
+    assert amax_passes == three["graphfp8::scale_update"] == 12  # 12 casts per layer
+    assert "graphfp8::scale_update" not in fused and delayed["graphfp8::scale_update"] == 2
+    assert rows["fp8 current, fused"]["total"] == rows["fp8 delayed"]["total"] + amax_passes - 2
+    assert rows["fp8 current, fused"]["total"] < rows["fp8 current, three launches"]["total"]
+    assert "| fp8 current, fused |" in capsys.readouterr().out
+
+
 def test_stack_quick(tmp_path, capsys):
     path = tmp_path / "stack.json"
     main(["stack", "--quick", "--device", "cpu", "--json", str(path)])

@@ -1,4 +1,4 @@
-// CPU kernels: FP8 cast (with optional transpose), FP8 transpose and dequantize.
+// CPU kernels: FP8 cast (with optional transpose), its amax pass, FP8 transpose and dequantize.
 //
 // Reference-speed loops for CI and debugging; the CUDA files hold the fast versions. Results are
 // bit-identical to graphfp8/reference.py, which the tests check.
@@ -7,6 +7,7 @@
 #include "../common.h"
 #include "../dtype_switch.h"
 #include "fp8_convert.h"
+#include "fused_act.h"
 
 namespace graphfp8 {
 namespace {
@@ -28,7 +29,7 @@ void cast_loop(const CastParams& p) {
       if (out_t != nullptr) out_t[c * p.rows + r] = q;
     }
   }
-  if (*p.amax < amax) *p.amax = amax;
+  cpu::fold_amax(p.amax, amax);
   *p.scale_inv = 1.0f / scale;
 }
 
@@ -42,9 +43,25 @@ void dequantize_loop(const DequantizeParams& p) {
 }  // namespace
 
 Status cast_cpu(const CastParams& p) {
+  cpu::update_current_scale(p.current);
   if (p.noop != nullptr && *p.noop == 1.0f) return Status{};
   GRAPHFP8_SWITCH_HP(p.x_dtype, "cast_cpu", T,
     GRAPHFP8_SWITCH_FP8(p.out_dtype, "cast_cpu", kE4M3, cast_loop<T, kE4M3>(p);))
+  return Status{};
+}
+
+Status amax_cpu(const AmaxParams& p) {
+  if (p.noop != nullptr && *p.noop == 1.0f) return Status{};
+  GRAPHFP8_SWITCH_HP(p.dtype, "amax_cpu", T,
+    const auto* x = static_cast<const T*>(p.x);
+    const auto* h = static_cast<const T*>(p.act_in);
+    float amax = 0.0f;
+    for (int64_t i = 0; i < p.numel; ++i) {
+      const float v = cpu::apply_act<T>(p.act, static_cast<float>(x[i]),
+                                        h != nullptr ? static_cast<float>(h[i]) : 0.0f);
+      amax = std::fmax(amax, std::fabs(v));
+    }
+    cpu::fold_amax(p.amax, amax);)
   return Status{};
 }
 

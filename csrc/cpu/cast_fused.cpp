@@ -8,8 +8,8 @@
 
 #include "../common.h"
 #include "../dtype_switch.h"
-#include "../gelu_math.h"
 #include "fp8_convert.h"
+#include "fused_act.h"
 
 namespace graphfp8 {
 namespace {
@@ -18,13 +18,8 @@ namespace {
 template <typename T>
 float fused_value(const FusedCastTransposeParams& p, int64_t i) {
   const float x = static_cast<float>(static_cast<const T*>(p.cast.x)[i]);
-  float f = x;
-  if (p.act == FusedAct::kGelu) {
-    f = gelu_tanh(x);
-  } else if (p.act == FusedAct::kDgelu) {
-    f = dgelu_tanh(x, static_cast<float>(static_cast<const T*>(p.act_in)[i]));
-  }
-  return cpu::round_to<T>(f);
+  const float h = p.act_in != nullptr ? static_cast<float>(static_cast<const T*>(p.act_in)[i]) : 0;
+  return cpu::apply_act<T>(p.act, x, h);
 }
 
 template <typename T, bool kE4M3>
@@ -46,7 +41,7 @@ void fused_loop(const FusedCastTransposeParams& p) {
       if (p.dbias != nullptr) col_sum[col] += v;
     }
   }
-  if (*c.amax < amax) *c.amax = amax;
+  cpu::fold_amax(c.amax, amax);
   *c.scale_inv = 1.0f / scale;
   auto* dbias = static_cast<T*>(p.dbias);
   for (size_t col = 0; col < col_sum.size(); ++col) dbias[col] = T(col_sum[col]);
@@ -55,6 +50,7 @@ void fused_loop(const FusedCastTransposeParams& p) {
 }  // namespace
 
 Status cast_transpose_fused_cpu(const FusedCastTransposeParams& p) {
+  cpu::update_current_scale(p.cast.current);
   if (p.cast.noop != nullptr && *p.cast.noop == 1.0f) return Status{};
   GRAPHFP8_SWITCH_HP(p.cast.x_dtype, "cast_transpose_fused_cpu", T,
     GRAPHFP8_SWITCH_FP8(p.cast.out_dtype, "cast_transpose_fused_cpu", kE4M3,

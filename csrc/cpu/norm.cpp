@@ -11,6 +11,7 @@
 #include "../common.h"
 #include "../dtype_switch.h"
 #include "fp8_convert.h"
+#include "fused_act.h"
 
 namespace graphfp8 {
 namespace {
@@ -42,16 +43,18 @@ void load_row(const NormParams& p, int64_t r, std::vector<float>& z) {
   for (int64_t i = 0; i < p.hidden; ++i) z[i] = static_cast<float>(x[i]);
   if (p.residual == nullptr) return;
   const auto* res = static_cast<const T*>(p.residual) + base;
-  auto* res_out = static_cast<T*>(p.residual_out) + base;
+  auto* res_out = p.amax_only ? nullptr : static_cast<T*>(p.residual_out) + base;
   for (int64_t i = 0; i < p.hidden; ++i) {
-    res_out[i] = T(z[i] + static_cast<float>(res[i]));
-    z[i] = static_cast<float>(res_out[i]);
+    const T zi = T(z[i] + static_cast<float>(res[i]));
+    if (res_out != nullptr) res_out[i] = zi;
+    z[i] = static_cast<float>(zi);
   }
 }
 
 template <typename T, bool kE4M3>
 void norm_fwd_loop(const NormParams& p) {
-  const float scale = *p.scale;
+  cpu::update_current_scale(p.current);
+  const float scale = p.amax_only ? 1.0f : *p.scale;
   const int64_t H = p.hidden;
   auto* out = static_cast<uint8_t*>(p.out);
   auto* out_t = static_cast<uint8_t*>(p.out_t);
@@ -64,19 +67,20 @@ void norm_fwd_loop(const NormParams& p) {
     for (int64_t i = 0; i < H; ++i) d[i] = p.rms ? z[i] : z[i] - mu;
     const float rsigma = 1.0f / std::sqrt(seq_mean_of_products(d.data(), d.data(), H) + p.eps);
     if (p.mu != nullptr) p.mu[r] = mu;
-    p.rsigma[r] = rsigma;
+    if (p.rsigma != nullptr) p.rsigma[r] = rsigma;
     for (int64_t i = 0; i < H; ++i) {
       float y = (d[i] * rsigma) * weight<T>(p, i);
       if (!p.rms) y = y + static_cast<float>(static_cast<const T*>(p.beta)[i]);
       amax = std::fmax(amax, std::fabs(y));  // fmax ignores NaN, as fmaxf does on the GPU
+      if (p.amax_only) continue;
       const uint8_t q = cpu::quantize<kE4M3>(y * scale);
       out[r * H + i] = q;
       if (out_t != nullptr) out_t[i * p.rows + r] = q;
       if (out_hp != nullptr) out_hp[r * H + i] = T(y);
     }
   }
-  if (*p.amax < amax) *p.amax = amax;
-  *p.scale_inv = 1.0f / scale;
+  cpu::fold_amax(p.amax, amax);
+  if (!p.amax_only) *p.scale_inv = 1.0f / scale;
 }
 
 template <typename T>

@@ -1,9 +1,9 @@
 // CPU kernel: the fused delayed-scaling update of every slot of an arena (docs/fp8.md's exact
 // math, as cuda/scale_update.cu).
 #include <cmath>
-#include <limits>
 
 #include "../common.h"
+#include "../scale_math.h"
 
 namespace graphfp8 {
 
@@ -24,11 +24,7 @@ Status scale_update_cpu(const ScaleUpdateParams& p) {
       h[(L - 1) * S] = a;
       h[0] = 0.0f;  // after the shift, so that L == 1 gives H = [0]
     }
-    const float amax = p.most_recent ? a : m;
-    float scale = p.scale[s];
-    if (std::isfinite(amax) && amax > 0.0f) scale = p.scaled_max[s] / amax;
-    if (std::isinf(scale)) scale = std::numeric_limits<float>::max();
-    p.scale[s] = scale;
+    p.scale[s] = updated_scale(p.most_recent ? a : m, p.scale[s], p.scaled_max[s]);
   }
   return Status{};
 }

@@ -4,11 +4,13 @@
 // in one pass over x. Grid: a grid-stride loop of 256-thread blocks (at most 4 per SM); each
 // iteration of a thread handles 16 consecutive elements with 16-byte loads and one 16-byte FP8
 // store; the tail (or a misaligned tensor) goes element by element. Each block reduces its amax in
-// registers and shared memory and issues one atomic max.
+// registers and shared memory and issues one atomic max. The kCurrent variant computes its
+// scale from the slot's amax first (current_scale.cuh) and folds no amax.
 //
 // dequantize: out = x_fp8 * scale_inv rounded to bf16/fp16/fp32, 16 elements per iteration.
 #include "../common.h"
 #include "../dtype_switch.h"
+#include "current_scale.cuh"
 #include "fp8_util.cuh"
 #include "tile.cuh"
 #include "vec.cuh"
@@ -20,12 +22,15 @@ constexpr int kThreads = 256;
 constexpr int kElems = 16;  // elements per vector iteration: one 16-byte FP8 store
 constexpr int kBlocksPerSm = 4;
 
-template <typename InT, bool kE4M3>
+template <typename InT, bool kE4M3, bool kCurrent>
 __global__ void __launch_bounds__(kThreads)
     cast_kernel(const InT* __restrict__ x, uint8_t* __restrict__ out, const float* scale_p,
-                float* scale_inv, float* amax_p, const float* noop, int64_t n, bool vectorized) {
+                float* scale_inv, float* amax_p, const float* noop, int64_t n, bool vectorized,
+                CurrentScale current) {
+  // A current-scaling cast updates its slot even when the noop flag skips the cast, as the
+  // separate scale update did.
+  const float scale = cuda::cast_scale<kCurrent>(scale_p, current);
   if (noop != nullptr && *noop == 1.0f) return;
-  const float scale = *scale_p;
   float amax = 0.0f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -50,7 +55,7 @@ __global__ void __launch_bounds__(kThreads)
     amax = fmaxf(amax, fabsf(v));
     out[i] = cuda::quantize<kE4M3>(v * scale);
   }
-  cuda::amax_epilogue(amax, amax_p, scale_inv, scale);
+  cuda::cast_epilogue<kCurrent>(amax, amax_p, scale_inv, scale);
 }
 
 template <bool kE4M3, typename OutT>
@@ -85,13 +90,13 @@ int grid_for(int64_t work_items) {
   return cuda::grid_size(cuda::ceil_div(work_items, kThreads), kBlocksPerSm);
 }
 
-template <typename InT, bool kE4M3>
+template <typename InT, bool kE4M3, bool kCurrent>
 Status launch_cast(const CastParams& p, cudaStream_t stream) {
   const int64_t n = p.rows * p.cols;
   const bool vec = cuda::aligned16(p.x) && cuda::aligned16(p.out);
-  cast_kernel<InT, kE4M3><<<grid_for(vec ? n / kElems : n), kThreads, 0, stream>>>(
+  cast_kernel<InT, kE4M3, kCurrent><<<grid_for(vec ? n / kElems : n), kThreads, 0, stream>>>(
       static_cast<const InT*>(p.x), static_cast<uint8_t*>(p.out), p.scale, p.scale_inv, p.amax,
-      p.noop, n, vec);
+      p.noop, n, vec, p.current);
   return cuda::check_launch("cast_kernel");
 }
 
@@ -111,7 +116,8 @@ Status cast_cuda(const CastParams& p, void* stream_ptr) {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   GRAPHFP8_SWITCH_HP(p.x_dtype, "cast", InT,
     GRAPHFP8_SWITCH_FP8(p.out_dtype, "cast", kE4M3,
-      return launch_cast<InT, kE4M3>(p, stream);))
+      GRAPHFP8_SWITCH_BOOL(p.current.on(), kCurrent,
+        return launch_cast<InT, kE4M3, kCurrent>(p, stream);)))
   return Status{};
 }
 

@@ -9,7 +9,9 @@
 // scale_inv = 1 / scale. f is computed in fp32 and rounded to the input dtype first, as torch's
 // activation kernels store it, so each fused op equals "torch activation, then cast_transpose".
 // With the noop flag set (*noop == 1) the kernel returns before touching anything, so a graph can
-// hold the weight cast and skip it on later microbatches.
+// hold the weight cast and skip it on later microbatches. The kCurrent variants compute their
+// scale from the slot's amax first (current_scale.cuh; also under a set noop flag) and fold no
+// amax.
 //
 // Grid: one 256-thread block per tile of tile.cuh (128x64 vector tiles, 64x64 scalar ones),
 // block b taking tile first_tile + b (tile.cuh's launch_tiles). A thread loads all its vectors of
@@ -23,8 +25,9 @@
 // dbias's dtype.
 #include "../common.h"
 #include "../dtype_switch.h"
-#include "../gelu_math.h"
+#include "current_scale.cuh"
 #include "fp8_util.cuh"
+#include "fused_act.cuh"
 #include "tile.cuh"
 #include "vec.cuh"
 
@@ -46,23 +49,24 @@ struct TileArgs {
   float* workspace;                // (row tiles, cols) fp32 column partials (kDbias)
   int64_t rows;
   int64_t cols;
+  CurrentScale current;            // read only by the kCurrent variants
 };
 
-// f(x) for one element, rounded to InT (a no-op for the identity and for fp32).
-template <typename InT, FusedAct kAct>
-__device__ __forceinline__ float apply(float x, float act_in) {
-  if constexpr (kAct == FusedAct::kGelu) {
-    return cuda::to_float(cuda::from_float<InT>(gelu_tanh(x)));
-  } else if constexpr (kAct == FusedAct::kDgelu) {
-    return cuda::to_float(cuda::from_float<InT>(dgelu_tanh(x, act_in)));
+// Stores 1 or 2 words of FP8 bytes with one aligned store (the paired path).
+template <int kWords>
+__device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[kWords]) {
+  if constexpr (kWords == 2) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
   } else {
-    return x;
+    static_assert(kWords == 1, "8 or 4 bytes per load");
+    *reinterpret_cast<uint32_t*>(dst) = w[0];
   }
 }
 
 // Converts the thread's loads of one tile: row-major FP8 to `out` and to the shared tile, amax,
 // and (kDbias) the per-column sums of its rows, in row order.
-template <typename S, typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kVec>
+template <typename S, typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kVec,
+          bool kPaired>
 __device__ __forceinline__ void convert_tile(const TileArgs<InT>& a,
                                              const cuda::TileGrid<S>& g, const cuda::TilePos& t,
                                              cuda::SharedTile<kVec>& tile, float scale,
@@ -82,42 +86,68 @@ __device__ __forceinline__ void convert_tile(const TileArgs<InT>& a,
     float h[S::N];
     cuda::frag_to_floats<S, InT>(raw[l], f);
     if constexpr (kHasActIn) cuda::frag_to_floats<S, InT>(raw_in[l], h);
-    uint8_t q[S::N];
+    if constexpr (kPaired) {
+      static_assert(kVec && S::N % 4 == 0, "paired quantization packs words of 4 bytes");
+      float v[S::N];
 #pragma unroll
-    for (int k = 0; k < S::N; ++k) {
-      const float v = apply<InT, kAct>(f[k], kHasActIn ? h[k] : 0.0f);
-      amax = fmaxf(amax, fabsf(v));
-      q[k] = cuda::quantize<kE4M3>(v * scale);
-      if constexpr (kDbias) col_sum[k] += v;
+      for (int k = 0; k < S::N; ++k) {
+        v[k] = cuda::apply_act<InT, kAct>(f[k], kHasActIn ? h[k] : 0.0f);
+        amax = fmaxf(amax, fabsf(v[k]));
+        if constexpr (kDbias) col_sum[k] += v[k];
+      }
+      uint32_t w[S::N / 4];
+#pragma unroll
+      for (int m = 0; m < S::N / 4; ++m) {
+        w[m] = cuda::quantize4<kE4M3>(v[4 * m] * scale, v[4 * m + 1] * scale,
+                                      v[4 * m + 2] * scale, v[4 * m + 3] * scale);
+      }
+      store_words(a.out + gr * a.cols + gc, w);
+      store_words(tile.at(r, S::col()), w);
+    } else {
+      uint8_t q[S::N];
+#pragma unroll
+      for (int k = 0; k < S::N; ++k) {
+        const float v = cuda::apply_act<InT, kAct>(f[k], kHasActIn ? h[k] : 0.0f);
+        amax = fmaxf(amax, fabsf(v));
+        q[k] = cuda::quantize<kE4M3>(v * scale);
+        if constexpr (kDbias) col_sum[k] += v;
+      }
+      cuda::store_bytes<S::N>(a.out + gr * a.cols + gc, q);
+      cuda::stage<S>(tile, r, q);
     }
-    cuda::store_bytes<S::N>(a.out + gr * a.cols + gc, q);
-    cuda::stage<S>(tile, r, q);
   }
 }
 
-template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop, bool kVec>
+template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop, bool kVec,
+          bool kCurrent, bool kPaired>
 __global__ void __launch_bounds__(kTileThreads)
     cast_transpose_kernel(TileArgs<InT> a, int64_t first_tile) {
   using S = cuda::TileShape<InT, kVec>;
+  float scale = 0.0f;
+  if constexpr (kCurrent) scale = cuda::cast_scale<true>(a.scale, a.current);
   if constexpr (kNoop) {
     if (*a.noop == 1.0f) return;
   }
+  if constexpr (!kCurrent) scale = *a.scale;
   __shared__ cuda::SharedTile<kVec> tile;
   __shared__ float partial[kDbias ? S::kRowGroups : 1][S::kCols];
   const cuda::TileGrid<S> g(a.rows, a.cols);
   const cuda::TilePos t = g.at(first_tile + blockIdx.x);
-  const float scale = *a.scale;
   float amax = 0.0f;
   float col_sum[S::N];
 #pragma unroll
   for (int k = 0; k < S::N; ++k) col_sum[k] = 0.0f;
-  convert_tile<S, InT, kE4M3, kAct, kDbias>(a, g, t, tile, scale, amax, col_sum);
+  convert_tile<S, InT, kE4M3, kAct, kDbias, kVec, kPaired>(a, g, t, tile, scale, amax, col_sum);
   if constexpr (kDbias) {
 #pragma unroll
     for (int k = 0; k < S::N; ++k) partial[S::group()][S::col() + k] = col_sum[k];
   }
   __syncthreads();
-  cuda::store_transposed(tile, a.out_t, g, t);
+  if constexpr (kPaired) {
+    cuda::store_transposed_words(tile, a.out_t, g, t);
+  } else {
+    cuda::store_transposed(tile, a.out_t, g, t);
+  }
   if constexpr (kDbias) {
     const int c = threadIdx.x;
     if (c < S::kCols && t.c0 + c < a.cols) {
@@ -126,7 +156,7 @@ __global__ void __launch_bounds__(kTileThreads)
       a.workspace[t.tile_r * a.cols + t.c0 + c] = s;
     }
   }
-  cuda::amax_epilogue(amax, a.amax, a.scale_inv, scale);
+  cuda::cast_epilogue<kCurrent>(amax, a.amax, a.scale_inv, scale);
 }
 
 // dbias[c] = sum over r of workspace[r][c], in row order, rounded to OutT. One thread per column.
@@ -143,13 +173,14 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
-template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop, bool kVec>
+template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop, bool kVec,
+          bool kCurrent, bool kPaired>
 Status launch_shape(const TileArgs<InT>& a, void* dbias, cudaStream_t stream) {
   using S = cuda::TileShape<InT, kVec>;
   const Status st = cuda::launch_tiles(
       cuda::TileGrid<S>(a.rows, a.cols).num_tiles, "cast_transpose_kernel",
       [&](int blocks, int64_t first) {
-        cast_transpose_kernel<InT, kE4M3, kAct, kDbias, kNoop, kVec>
+        cast_transpose_kernel<InT, kE4M3, kAct, kDbias, kNoop, kVec, kCurrent, kPaired>
             <<<blocks, kTileThreads, 0, stream>>>(a, first);
       });
   if (!kDbias || !st.ok()) return st;
@@ -159,12 +190,22 @@ Status launch_shape(const TileArgs<InT>& a, void* dbias, cudaStream_t stream) {
   return cuda::check_launch("dbias_reduce_kernel");
 }
 
+// The tile shape and the kernel variant: kCurrent (CurrentScale), kPaired (the kernel switch
+// PAIRED_QUANTIZE, vector tiles only).
 template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop>
-Status launch(const TileArgs<InT>& a, void* dbias, cudaStream_t stream) {
-  if (cuda::vec_tiles_ok(a.rows, a.cols, a.x, a.act_in, a.out, a.out_t)) {
-    return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, true>(a, dbias, stream);
-  }
-  return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, false>(a, dbias, stream);
+Status launch(const TileArgs<InT>& a, bool paired, void* dbias, cudaStream_t stream) {
+  const bool vec = cuda::vec_tiles_ok(a.rows, a.cols, a.x, a.act_in, a.out, a.out_t);
+  GRAPHFP8_SWITCH_BOOL(a.current.on(), kCurrent,
+    if (!vec) {
+      return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, false, kCurrent, false>(a, dbias,
+                                                                                   stream);
+    }
+    if (paired) {
+      return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, true, kCurrent, true>(a, dbias,
+                                                                                 stream);
+    }
+    return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, true, kCurrent, false>(a, dbias,
+                                                                                stream);)
 }
 
 // The variants that the ops use: (activation, dbias, noop).
@@ -173,22 +214,23 @@ Status dispatch_variant(const FusedCastTransposeParams& p, cudaStream_t stream) 
   const CastParams& cp = p.cast;
   const TileArgs<InT> a{static_cast<const InT*>(cp.x), static_cast<const InT*>(p.act_in),
                         static_cast<uint8_t*>(cp.out), static_cast<uint8_t*>(cp.out_t),
-                        cp.scale, cp.scale_inv, cp.amax, cp.noop, p.workspace, cp.rows, cp.cols};
+                        cp.scale, cp.scale_inv, cp.amax, cp.noop, p.workspace, cp.rows, cp.cols,
+                        cp.current};
   const bool dbias = p.dbias != nullptr;
   const bool noop = cp.noop != nullptr;
   if (p.act == FusedAct::kNone && !dbias) {
-    if (noop) return launch<InT, kE4M3, FusedAct::kNone, false, true>(a, nullptr, stream);
-    return launch<InT, kE4M3, FusedAct::kNone, false, false>(a, nullptr, stream);
+    if (noop) return launch<InT, kE4M3, FusedAct::kNone, false, true>(a, cp.paired_quantize, nullptr, stream);
+    return launch<InT, kE4M3, FusedAct::kNone, false, false>(a, cp.paired_quantize, nullptr, stream);
   }
   if (noop) return Status{"cast_transpose", "a noop flag only goes with the plain cast"};
   if (p.act == FusedAct::kNone && dbias) {
-    return launch<InT, kE4M3, FusedAct::kNone, true, false>(a, p.dbias, stream);
+    return launch<InT, kE4M3, FusedAct::kNone, true, false>(a, cp.paired_quantize, p.dbias, stream);
   }
   if (p.act == FusedAct::kGelu && !dbias) {
-    return launch<InT, kE4M3, FusedAct::kGelu, false, false>(a, nullptr, stream);
+    return launch<InT, kE4M3, FusedAct::kGelu, false, false>(a, cp.paired_quantize, nullptr, stream);
   }
   if (p.act == FusedAct::kDgelu && dbias) {
-    return launch<InT, kE4M3, FusedAct::kDgelu, true, false>(a, p.dbias, stream);
+    return launch<InT, kE4M3, FusedAct::kDgelu, true, false>(a, cp.paired_quantize, p.dbias, stream);
   }
   return Status{"cast_transpose", "unsupported (activation, dbias) variant"};
 }

@@ -31,6 +31,30 @@ __device__ __forceinline__ uint8_t quantize(float v) {
       __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2));
 }
 
+// Four quantize() results packed into a word (a in the lowest byte), from two saturating
+// pair converts instead of four clamped single ones (kernel switch PAIRED_QUANTIZE). The same
+// bytes: the convert's .satfinite clamps +-inf and overflow to +-max as quantize()'s clamp did,
+// rounds in-range values by the same instruction, and only NaN differs - the convert keeps the
+// sign (E4M3 0xFF) or a payload (E5M2 0x7D/0x7E/0xFD..) - so every NaN code is then rewritten
+// to 0x7F without a compare: t flags each byte whose low 7 bits reach the format's lowest NaN
+// code (0x7F for E4M3, 0x7D for E5M2), m = 0x7F in those bytes, w = (w & ~(t | m)) | m.
+template <bool kE4M3>
+__device__ __forceinline__ uint32_t quantize4(float a, float b, float c, float d) {
+  uint16_t lo, hi;
+  if constexpr (kE4M3) {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+  } else {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+  }
+  const uint32_t w = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  constexpr uint32_t kToNan = kE4M3 ? 0x01010101u : 0x03030303u;
+  const uint32_t t = ((w & 0x7F7F7F7Fu) + kToNan) & 0x80808080u;
+  const uint32_t m = t - (t >> 7);
+  return (w & ~(t | m)) | m;
+}
+
 // Exact for every finite code and E5M2's infinities. A NaN code decodes to a NaN without its
 // sign (torch's decoding keeps it), which no caller can see: each multiplies by scale_inv first,
 // and the GPU's float multiply returns its one canonical NaN whatever NaN it is given (the

@@ -112,4 +112,34 @@ __device__ __forceinline__ void row_sums(float (&v)[K], int tpr, float (*scratch
   __syncthreads();  // scratch is reused by the next call
 }
 
+// xhat and dy g of the N elements of load v of a row (the backward's elementwise terms, shared
+// by norm_bwd.cu and norm_bwd_batched.cu).
+template <typename T, bool kVec>
+__device__ __forceinline__ void bwd_terms(const NormBwdParams& p, int64_t v,
+                                          const typename Elems<T, kVec>::Frag& x_raw,
+                                          const typename Elems<T, kVec>::Frag& dy_raw, float mu,
+                                          float rsigma, float (&xhat)[Elems<T, kVec>::N],
+                                          float (&dy)[Elems<T, kVec>::N],
+                                          float (&dyg)[Elems<T, kVec>::N]) {
+  using E = Elems<T, kVec>;
+  float x[E::N], g[E::N];
+  E::to_floats(x_raw, x);
+  E::to_floats(dy_raw, dy);
+  E::to_floats(E::load(static_cast<const T*>(p.gamma) + v * E::N), g);
+#pragma unroll
+  for (int j = 0; j < E::N; ++j) {
+    const float gj = p.zero_centered_gamma ? __fadd_rn(g[j], 1.0f) : g[j];
+    xhat[j] = p.rms ? __fmul_rn(x[j], rsigma) : __fmul_rn(__fsub_rn(x[j], mu), rsigma);
+    dyg[j] = __fmul_rn(dy[j], gj);
+  }
+}
+
+// Whether the backward takes 16-byte loads: the hidden size a multiple of the vector width and
+// every row pointer aligned (norm_bwd.cu and norm_bwd_batched.cu decide alike).
+template <typename T>
+inline bool bwd_vectorized(const NormBwdParams& p) {
+  return p.hidden % Vec<T>::N == 0 && aligned16(p.dy) && aligned16(p.x) && aligned16(p.gamma) &&
+         aligned16(p.dx) && (p.dresidual == nullptr || aligned16(p.dresidual));
+}
+
 }  // namespace graphfp8::cuda::norm

@@ -15,32 +15,12 @@ namespace graphfp8 {
 namespace {
 
 using cuda::norm::bwd_loads;
+using cuda::norm::bwd_terms;
 using cuda::norm::Elems;
 using cuda::norm::kMaxThreads;
 using cuda::norm::row_layout;
 using cuda::norm::row_sums;
 using cuda::norm::RowLayout;
-
-// xhat and dy g of the N elements of load k of a row.
-template <typename T, bool kVec>
-__device__ __forceinline__ void bwd_terms(const NormBwdParams& p, int64_t v,
-                                          const typename Elems<T, kVec>::Frag& x_raw,
-                                          const typename Elems<T, kVec>::Frag& dy_raw, float mu,
-                                          float rsigma, float (&xhat)[Elems<T, kVec>::N],
-                                          float (&dy)[Elems<T, kVec>::N],
-                                          float (&dyg)[Elems<T, kVec>::N]) {
-  using E = Elems<T, kVec>;
-  float x[E::N], g[E::N];
-  E::to_floats(x_raw, x);
-  E::to_floats(dy_raw, dy);
-  E::to_floats(E::load(static_cast<const T*>(p.gamma) + v * E::N), g);
-#pragma unroll
-  for (int j = 0; j < E::N; ++j) {
-    const float gj = p.zero_centered_gamma ? __fadd_rn(g[j], 1.0f) : g[j];
-    xhat[j] = p.rms ? __fmul_rn(x[j], rsigma) : __fmul_rn(__fsub_rn(x[j], mu), rsigma);
-    dyg[j] = __fmul_rn(dy[j], gj);
-  }
-}
 
 // Writes this block's column sums to its workspace rows: its row slots in order first (only
 // 256-thread blocks hold several rows). Every thread of the block calls it.
@@ -184,13 +164,10 @@ Status launch_bwd(const NormBwdParams& p, cudaStream_t stream) {
 }  // namespace
 
 Status norm_bwd_cuda(const NormBwdParams& p, void* stream_ptr) {
+  if (p.batched) return norm_bwd_batched_cuda(p, stream_ptr);
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   GRAPHFP8_SWITCH_HP(p.dtype, "norm_bwd", T,
-    constexpr int N = cuda::Vec<T>::N;
-    const bool vec = p.hidden % N == 0 && cuda::aligned16(p.dy) && cuda::aligned16(p.x) &&
-                     cuda::aligned16(p.gamma) && cuda::aligned16(p.dx) &&
-                     (p.dresidual == nullptr || cuda::aligned16(p.dresidual));
-    if (vec) return launch_bwd<T, true>(p, stream);
+    if (cuda::norm::bwd_vectorized<T>(p)) return launch_bwd<T, true>(p, stream);
     return launch_bwd<T, false>(p, stream);)
   return Status{};
 }

@@ -2,11 +2,14 @@
 //
 // Grid and registers: norm.cuh. Per row: the mean, then the sum of squared deviations (or of
 // squares, RMSNorm), then y, the FP8 bytes (row-major), amax and the optional high-precision y;
-// each block folds its amax into the slot with one atomic. The transpose, when asked for, is one
+// each block folds its amax into the slot with one atomic. kAmaxOnly (the amax pass of current
+// scaling) computes the same y and writes only the amax; kCurrent computes its scale from the
+// slot's amax first (current_scale.cuh) and folds no amax. The transpose, when asked for, is one
 // pass of the tile machinery's fp8_transpose over the FP8 output (1 byte read and written per
 // element): fusing it needs a band of >= 16 rows x hidden staged on chip (notes/PERF.md).
 #include "../common.h"
 #include "../dtype_switch.h"
+#include "current_scale.cuh"
 #include "fp8_util.cuh"
 #include "norm.cuh"
 #include "tile.cuh"
@@ -41,7 +44,7 @@ __device__ __forceinline__ void weights(const NormParams& p, int64_t c,
 }
 
 // Loads the thread's part of row r (z = x, or x + residual rounded to T, also written out).
-template <typename T, bool kVec, int kLoads>
+template <typename T, bool kVec, int kLoads, bool kStore = true>
 __device__ __forceinline__ void load_row(const NormParams& p, int64_t r, int lane_r, int tpr,
                                          bool valid, typename Elems<T, kVec>::Frag (&raw)[kLoads]) {
   using E = Elems<T, kVec>;
@@ -63,7 +66,7 @@ __device__ __forceinline__ void load_row(const NormParams& p, int64_t r, int lan
 #pragma unroll
     for (int j = 0; j < E::N; ++j) x[j] = __fadd_rn(x[j], res[j]);
     raw[k] = E::from_floats(x);
-    E::store(static_cast<T*>(p.residual_out) + at, raw[k]);
+    if constexpr (kStore) E::store(static_cast<T*>(p.residual_out) + at, raw[k]);
   }
 }
 
@@ -88,7 +91,7 @@ __device__ __forceinline__ float part_sum(const typename Elems<T, kVec>::Frag (&
   return s;
 }
 
-template <typename T, bool kE4M3, bool kVec>
+template <typename T, bool kE4M3, bool kVec, bool kCurrent, bool kAmaxOnly>
 __global__ void __launch_bounds__(kMaxThreads) norm_fwd_kernel(FwdArgs<T> a) {
   using E = Elems<T, kVec>;
   constexpr int kLoads = fwd_loads<T, kVec>();
@@ -99,7 +102,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_fwd_kernel(FwdArgs<T> a) {
   const int lane_r = threadIdx.x % tpr;
   const int64_t loads = p.hidden / E::N;
   const float h = static_cast<float>(p.hidden);
-  const float scale = *p.scale;
+  const float scale = kAmaxOnly ? 1.0f : cuda::cast_scale<kCurrent>(p.scale, p.current);
   float amax = 0.0f;
   const int64_t step = static_cast<int64_t>(gridDim.x) * a.layout.rows_per_block;
   for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * a.layout.rows_per_block; row0 < p.rows;
@@ -107,7 +110,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_fwd_kernel(FwdArgs<T> a) {
     const int64_t r = row0 + slot;
     const bool valid = r < p.rows;
     typename E::Frag raw[kLoads];
-    load_row<T, kVec, kLoads>(p, r, lane_r, tpr, valid, raw);
+    load_row<T, kVec, kLoads, !kAmaxOnly>(p, r, lane_r, tpr, valid, raw);
     float s[1] = {0.0f};
     float mu = 0.0f;
     if (!p.rms) {
@@ -119,7 +122,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_fwd_kernel(FwdArgs<T> a) {
     row_sums(s, tpr, scratch);
     const float rsigma = __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(s[0], h), p.eps)));
     if (!valid) continue;
-    if (lane_r == 0) {
+    if (!kAmaxOnly && lane_r == 0) {
       if (p.mu != nullptr) p.mu[r] = mu;
       p.rsigma[r] = rsigma;
     }
@@ -138,14 +141,19 @@ __global__ void __launch_bounds__(kMaxThreads) norm_fwd_kernel(FwdArgs<T> a) {
         if (!p.rms) y = __fadd_rn(y, b[j]);
         z[j] = y;
         amax = fmaxf(amax, fabsf(y));
-        q[j] = cuda::quantize<kE4M3>(__fmul_rn(y, scale));
+        if constexpr (!kAmaxOnly) q[j] = cuda::quantize<kE4M3>(__fmul_rn(y, scale));
       }
+      if constexpr (kAmaxOnly) continue;
       const int64_t at = r * p.hidden + v * E::N;
       cuda::store_bytes<E::N>(static_cast<uint8_t*>(p.out) + at, q);
       if (p.out_hp != nullptr) E::store(static_cast<T*>(p.out_hp) + at, E::from_floats(z));
     }
   }
-  cuda::amax_epilogue(amax, p.amax, p.scale_inv, scale);
+  if constexpr (kAmaxOnly) {
+    cuda::block_amax_atomic(amax, p.amax);
+  } else {
+    cuda::cast_epilogue<kCurrent>(amax, p.amax, p.scale_inv, scale);
+  }
 }
 
 template <typename T, bool kE4M3, bool kVec>
@@ -154,7 +162,14 @@ Status launch_fwd(const NormParams& p, cudaStream_t stream) {
   const RowLayout layout = row_layout(p.hidden / E::N, fwd_loads<T, kVec>());
   const int grid = cuda::grid_size(cuda::ceil_div(p.rows, layout.rows_per_block),
                                    2048 / layout.block);
-  norm_fwd_kernel<T, kE4M3, kVec><<<grid, layout.block, 0, stream>>>(FwdArgs<T>{p, layout});
+  const FwdArgs<T> args{p, layout};
+  if (p.amax_only) {
+    norm_fwd_kernel<T, kE4M3, kVec, false, true><<<grid, layout.block, 0, stream>>>(args);
+  } else if (p.current.on()) {
+    norm_fwd_kernel<T, kE4M3, kVec, true, false><<<grid, layout.block, 0, stream>>>(args);
+  } else {
+    norm_fwd_kernel<T, kE4M3, kVec, false, false><<<grid, layout.block, 0, stream>>>(args);
+  }
   const Status st = cuda::check_launch("norm_fwd_kernel");
   if (!st.ok() || p.out_t == nullptr) return st;
   const TransposeParams t{static_cast<const uint8_t*>(p.out), static_cast<uint8_t*>(p.out_t),
@@ -174,7 +189,7 @@ Status norm_fwd_cuda(const NormParams& p, void* stream_ptr) {
                        (p.residual == nullptr || cuda::aligned16(p.residual)) &&
                        (p.residual_out == nullptr || cuda::aligned16(p.residual_out)) &&
                        (p.out_hp == nullptr || cuda::aligned16(p.out_hp)) &&
-                       cuda::aligned16(p.out);
+                       (p.out == nullptr || cuda::aligned16(p.out));
       if (vec) return launch_fwd<T, kE4M3, true>(p, stream);
       return launch_fwd<T, kE4M3, false>(p, stream);))
   return Status{};

@@ -13,9 +13,8 @@
 // that one barrier per tile because a tile reads rows (base, base + T] and writes [base, base + T).
 // For L <= 1024 that is a single tile. The per-slot max is then reduced over TY in shared memory.
 // The grid loops over slot groups when there are more groups than blocks.
-#include <cfloat>
-
 #include "../common.h"
+#include "../scale_math.h"
 #include "fp8_util.cuh"
 
 namespace graphfp8 {
@@ -68,11 +67,7 @@ __device__ __forceinline__ void update_slots(const ScaleUpdateParams& p, int64_t
     __syncthreads();
   }
   if (ty == 0 && valid) {
-    const float amax = p.most_recent ? a : partial[tx];
-    float scale = p.scale[s];
-    if (isfinite(amax) && amax > 0.0f) scale = p.scaled_max[s] / amax;
-    if (isinf(scale)) scale = FLT_MAX;
-    p.scale[s] = scale;
+    p.scale[s] = updated_scale(p.most_recent ? a : partial[tx], p.scale[s], p.scaled_max[s]);
   }
 }
 

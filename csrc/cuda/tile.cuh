@@ -193,12 +193,59 @@ __device__ __forceinline__ void store_transposed(SharedTile<kVec>& tile,
   }
 }
 
+// store_transposed for vector tiles with 4-byte shared reads (kernel switch PAIRED_QUANTIZE):
+// thread (j4 = tid / 16, rg = tid % 16) reads tile rows 8 rg .. 8 rg + 7 of columns 4 j4 ..
+// 4 j4 + 3 as eight words, transposes them in registers (two 4x4 byte transposes, 8 byte
+// permutes each) and writes 8 bytes to each of the 4 rows of out_t: per warp, two whole 128-byte
+// lines per store. The bytes land where store_transposed puts them (the same tile, the same
+// out_t), with ~1 instruction per byte instead of ~3 (one LDS.U8 per byte and its packing).
+template <typename S>
+__device__ __forceinline__ void store_transposed_words(SharedTile<true>& tile,
+                                                       uint8_t* __restrict__ out_t,
+                                                       const TileGrid<S>& g, const TilePos& t) {
+  static_assert(S::kRows == 128, "16 groups of 8 rows");
+  const int j4 = threadIdx.x / 16;
+  const int rg = threadIdx.x % 16;
+  const int64_t gi = t.r0 + rg * 8;
+  if (gi >= g.rows || t.c0 + j4 * 4 >= g.cols) return;  // rows, cols % 16 == 0: all or nothing
+  uint32_t w[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) w[k] = *reinterpret_cast<const uint32_t*>(tile.at(rg * 8 + k, j4 * 4));
+  uint32_t col[4][2];  // col[c][h]: column 4 j4 + c, rows 4 h .. 4 h + 3 of the eight
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t* v = w + 4 * h;
+    const uint32_t a = __byte_perm(v[0], v[1], 0x5140), b = __byte_perm(v[0], v[1], 0x7362);
+    const uint32_t c = __byte_perm(v[2], v[3], 0x5140), d = __byte_perm(v[2], v[3], 0x7362);
+    col[0][h] = __byte_perm(a, c, 0x5410);
+    col[1][h] = __byte_perm(a, c, 0x7632);
+    col[2][h] = __byte_perm(b, d, 0x5410);
+    col[3][h] = __byte_perm(b, d, 0x7632);
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    *reinterpret_cast<uint2*>(out_t + (t.c0 + j4 * 4 + c) * g.rows + gi) =
+        make_uint2(col[c][0], col[c][1]);
+  }
+}
+
 // Every kernel that casts with a scale ends here: folds the block's amax into *amax (one atomic
 // per block) and block 0 writes scale_inv = 1 / scale. Every thread of the block must call it.
 __device__ __forceinline__ void amax_epilogue(float amax, float* amax_out, float* scale_inv,
                                               float scale) {
   block_amax_atomic(amax, amax_out);
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+}
+
+// The epilogue of a current-scaling cast (current_scale.cuh): its own amax goes nowhere.
+template <bool kCurrent>
+__device__ __forceinline__ void cast_epilogue(float amax, float* amax_out, float* scale_inv,
+                                              float scale) {
+  if constexpr (kCurrent) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+  } else {
+    amax_epilogue(amax, amax_out, scale_inv, scale);
+  }
 }
 
 }  // namespace graphfp8::cuda

@@ -1,12 +1,42 @@
-// Checks and launches of the casts, the FP8 transpose, dequantize and the fused cast-transposes.
+// Checks and launches of the casts, their amax passes, the FP8 transpose, dequantize and the
+// fused cast-transposes.
 #include "ops.h"
+#include "switches.h"
 
 namespace graphfp8 {
 namespace {
 
+// The input x (float, contiguous) and, for dGELU, the GELU input act_in of x's shape and dtype.
+void check_act_input(const char* op, const at::Tensor& x, const at::Tensor* act_in,
+                     const char* act_in_name) {
+  TORCH_CHECK(is_hp(x.scalar_type()), op, ": argument 'x' must be float32, bfloat16 or float16, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
+  if (act_in == nullptr) return;
+  check_common(op, act_in_name, *act_in, x);
+  TORCH_CHECK(act_in->scalar_type() == x.scalar_type() && act_in->sizes() == x.sizes(), op,
+              ": argument '", act_in_name, "' must have the shape and dtype of the gradient, got ",
+              fmt(act_in->sizes()), " ", act_in->scalar_type());
+}
+
+// A cast's scale: as given, or (scaled_max given: current scaling) computed by the cast from the
+// slot's amax, which is then read and reset instead of receiving the cast's own amax.
+void set_scale(const char* op, const at::Tensor& x, const at::Tensor& scale, const at::Tensor& amax,
+               const c10::optional<at::Tensor>& scaled_max, CastParams& p) {
+  p.scale = scale.data_ptr<float>();
+  p.amax = amax.data_ptr<float>();
+  p.paired_quantize = switch_on("PAIRED_QUANTIZE");
+  if (!scaled_max.has_value()) return;
+  check_scalar_f32(op, "scaled_max", *scaled_max, x);
+  p.current = CurrentScale{scale.data_ptr<float>(), amax.data_ptr<float>(),
+                           scaled_max->data_ptr<float>()};
+  p.amax = nullptr;
+}
+
 void cast_impl(const char* op, const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
                const at::Tensor* out_t, const at::Tensor& scale_inv, const at::Tensor& amax,
-               const c10::optional<at::Tensor>& noop) {
+               const c10::optional<at::Tensor>& noop,
+               const c10::optional<at::Tensor>& scaled_max) {
   TORCH_CHECK(is_hp(x.scalar_type()), op, ": argument 'x' must be float32, bfloat16 or float16, got ",
               x.scalar_type());
   TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
@@ -27,13 +57,12 @@ void cast_impl(const char* op, const at::Tensor& x, const at::Tensor& scale, con
                 ": arguments 'out' and 'out_t' must have the same dtype");
     p.out_t = out_t->data_ptr();
   }
-  p.scale = scale.data_ptr<float>();
+  set_scale(op, x, scale, amax, scaled_max, p);
   p.scale_inv = scale_inv.data_ptr<float>();
-  p.amax = amax.data_ptr<float>();
   p.noop = noop_ptr(op, noop, x);
   p.rows = x.dim() == 2 ? x.size(0) : 1;
   p.cols = x.dim() == 2 ? x.size(1) : x.numel();
-  if (x.numel() == 0) return;
+  if (x.numel() == 0 && !p.current.on()) return;  // an empty tensor still updates its slot
   launch(op, x, p, cast_cpu, [](const CastParams& q, void* s) { return cast_cuda(q, s); });
 }
 
@@ -41,14 +70,48 @@ void cast_impl(const char* op, const at::Tensor& x, const at::Tensor& scale, con
 
 void cast_to_fp8(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
                  const at::Tensor& scale_inv, const at::Tensor& amax,
-                 const c10::optional<at::Tensor>& noop) {
-  cast_impl("graphfp8.cast_to_fp8", x, scale, out, nullptr, scale_inv, amax, noop);
+                 const c10::optional<at::Tensor>& noop,
+                 const c10::optional<at::Tensor>& scaled_max) {
+  cast_impl("graphfp8.cast_to_fp8", x, scale, out, nullptr, scale_inv, amax, noop, scaled_max);
 }
 
 void cast_transpose(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
                     const at::Tensor& out_t, const at::Tensor& scale_inv, const at::Tensor& amax,
-                    const c10::optional<at::Tensor>& noop) {
-  cast_impl("graphfp8.cast_transpose", x, scale, out, &out_t, scale_inv, amax, noop);
+                    const c10::optional<at::Tensor>& noop,
+                    const c10::optional<at::Tensor>& scaled_max) {
+  cast_impl("graphfp8.cast_transpose", x, scale, out, &out_t, scale_inv, amax, noop, scaled_max);
+}
+
+namespace {
+
+void amax_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Tensor* act_in,
+               const at::Tensor& amax, const c10::optional<at::Tensor>& noop) {
+  check_act_input(op, x, act_in, "x");
+  check_scalar_f32(op, "amax", amax, x);
+  AmaxParams p{};
+  p.x = x.data_ptr();
+  p.act_in = act_in != nullptr ? act_in->data_ptr() : nullptr;
+  p.dtype = to_dtype(x.scalar_type());
+  p.amax = amax.data_ptr<float>();
+  p.noop = noop_ptr(op, noop, x);
+  p.numel = x.numel();
+  p.act = act;
+  if (x.numel() == 0) return;
+  launch(op, x, p, amax_cpu, [](const AmaxParams& q, void* s) { return amax_cuda(q, s); });
+}
+
+}  // namespace
+
+void amax(const at::Tensor& x, const at::Tensor& amax, const c10::optional<at::Tensor>& noop) {
+  amax_impl("graphfp8.amax", FusedAct::kNone, x, nullptr, amax, noop);
+}
+
+void gelu_amax(const at::Tensor& x, const at::Tensor& amax) {
+  amax_impl("graphfp8.gelu_amax", FusedAct::kGelu, x, nullptr, amax, c10::nullopt);
+}
+
+void dgelu_amax(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& amax) {
+  amax_impl("graphfp8.dgelu_amax", FusedAct::kDgelu, dy, &x, amax, c10::nullopt);
 }
 
 void fp8_transpose(const at::Tensor& x, const at::Tensor& out_t,
@@ -100,17 +163,10 @@ namespace {
 // Checks and launches a fused cast-transpose: f(x) -> out, out_t, scale_inv, amax (and dbias).
 void fused_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Tensor* act_in,
                 const at::Tensor& scale, const at::Tensor& out, const at::Tensor& out_t,
-                const at::Tensor& scale_inv, const at::Tensor& amax, const at::Tensor* dbias) {
-  TORCH_CHECK(is_hp(x.scalar_type()), op, ": argument 'x' must be float32, bfloat16 or float16, got ",
-              x.scalar_type());
+                const at::Tensor& scale_inv, const at::Tensor& amax, const at::Tensor* dbias,
+                const c10::optional<at::Tensor>& scaled_max) {
+  check_act_input(op, x, act_in, "act_in");
   TORCH_CHECK(x.dim() == 2, op, ": argument 'x' must be 2-D, got ", fmt(x.dim()), "-D");
-  TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
-  if (act_in != nullptr) {
-    check_common(op, "act_in", *act_in, x);
-    TORCH_CHECK(act_in->scalar_type() == x.scalar_type() && act_in->sizes() == x.sizes(), op,
-                ": argument 'act_in' must have the shape and dtype of the gradient, got ",
-                fmt(act_in->sizes()), " ", act_in->scalar_type());
-  }
   check_scalar_f32(op, "scale", scale, x);
   check_fp8_out(op, "out", out, x, x.sizes());
   check_fp8_out(op, "out_t", out_t, x, {x.size(1), x.size(0)});
@@ -124,9 +180,8 @@ void fused_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Ten
   p.cast.out = out.data_ptr();
   p.cast.out_t = out_t.data_ptr();
   p.cast.out_dtype = to_dtype(out.scalar_type());
-  p.cast.scale = scale.data_ptr<float>();
+  set_scale(op, x, scale, amax, scaled_max, p.cast);
   p.cast.scale_inv = scale_inv.data_ptr<float>();
-  p.cast.amax = amax.data_ptr<float>();
   p.cast.noop = nullptr;
   p.cast.rows = x.size(0);
   p.cast.cols = x.size(1);
@@ -152,6 +207,12 @@ void fused_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Ten
   }
   if (x.numel() == 0) {
     if (dbias != nullptr) dbias->zero_();  // an empty sum is zero, as torch's
+    if (p.cast.current.on()) {  // an empty tensor still updates its slot
+      const CastParams none{x.data_ptr(), p.cast.x_dtype, out.data_ptr(), nullptr,
+                            p.cast.out_dtype, p.cast.scale, p.cast.scale_inv, nullptr, nullptr,
+                            0, 0, p.cast.current, false};
+      launch(op, x, none, cast_cpu, [](const CastParams& q, void* s) { return cast_cuda(q, s); });
+    }
     return;
   }
   launch(op, x, p, cast_transpose_fused_cpu,
@@ -162,24 +223,26 @@ void fused_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Ten
 
 void cast_transpose_dbias(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
                           const at::Tensor& out_t, const at::Tensor& scale_inv,
-                          const at::Tensor& amax, const at::Tensor& dbias) {
+                          const at::Tensor& amax, const at::Tensor& dbias,
+                          const c10::optional<at::Tensor>& scaled_max) {
   fused_impl("graphfp8.cast_transpose_dbias", FusedAct::kNone, x, nullptr, scale, out, out_t,
-             scale_inv, amax, &dbias);
+             scale_inv, amax, &dbias, scaled_max);
 }
 
 void gelu_cast_transpose(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
                          const at::Tensor& out_t, const at::Tensor& scale_inv,
-                         const at::Tensor& amax) {
+                         const at::Tensor& amax, const c10::optional<at::Tensor>& scaled_max) {
   fused_impl("graphfp8.gelu_cast_transpose", FusedAct::kGelu, x, nullptr, scale, out, out_t,
-             scale_inv, amax, nullptr);
+             scale_inv, amax, nullptr, scaled_max);
 }
 
 void dgelu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale,
                                 const at::Tensor& out, const at::Tensor& out_t,
                                 const at::Tensor& scale_inv, const at::Tensor& amax,
-                                const at::Tensor& dbias) {
+                                const at::Tensor& dbias,
+                                const c10::optional<at::Tensor>& scaled_max) {
   fused_impl("graphfp8.dgelu_cast_transpose_dbias", FusedAct::kDgelu, dy, &x, scale, out, out_t,
-             scale_inv, amax, &dbias);
+             scale_inv, amax, &dbias, scaled_max);
 }
 
 }  // namespace graphfp8

@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "ops.h"
+#include "switches.h"
 
 namespace graphfp8 {
 namespace {
@@ -55,6 +56,7 @@ struct NormFwdArgs {
   const at::Tensor* out_hp;
   const at::Tensor* residual;
   const at::Tensor* residual_out;
+  const at::Tensor* scaled_max;  // current scaling: the norm computes its scale (CurrentScale)
 };
 
 void check_fwd(const char* op, const NormFwdArgs& a) {
@@ -100,6 +102,11 @@ void norm_fwd(const char* op, const NormFwdArgs& a) {
   p.scale = a.scale.data_ptr<float>();
   p.scale_inv = a.scale_inv.data_ptr<float>();
   p.amax = a.amax.data_ptr<float>();
+  if (a.scaled_max != nullptr) {
+    check_scalar_f32(op, "scaled_max", *a.scaled_max, a.x);
+    p.current = CurrentScale{a.scale.data_ptr<float>(), p.amax, a.scaled_max->data_ptr<float>()};
+    p.amax = nullptr;
+  }
   p.mu = a.mu != nullptr ? a.mu->data_ptr<float>() : nullptr;
   p.rsigma = a.rsigma.data_ptr<float>();
   p.eps = static_cast<float>(a.eps);
@@ -107,8 +114,35 @@ void norm_fwd(const char* op, const NormFwdArgs& a) {
   p.zero_centered_gamma = a.zero_centered_gamma;
   p.rows = a.x.size(0);
   p.hidden = a.x.size(1);
-  if (p.rows == 0) return;
+  if (p.rows == 0 && !p.current.on()) return;  // an empty input still updates its slot
   launch(op, a.x, p, norm_fwd_cpu, [](const NormParams& q, void* s) { return norm_fwd_cuda(q, s); });
+}
+
+// The norm's amax pass: y computed as norm_fwd computes it, only max |y| written.
+void norm_amax(const char* op, const at::Tensor& x, const at::Tensor& gamma,
+               const at::Tensor* beta, double eps, bool zero_centered_gamma,
+               const at::Tensor& amax, const at::Tensor* residual) {
+  check_norm_input(op, x, gamma);
+  if (beta != nullptr) check_like(op, "beta", *beta, x, {x.size(1)});
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be finite and >= 0");
+  check_scalar_f32(op, "amax", amax, x);
+  if (residual != nullptr) check_like(op, "residual", *residual, x, x.sizes());
+  NormParams p{};
+  p.x = x.data_ptr();
+  p.residual = ptr(residual);
+  p.gamma = gamma.data_ptr();
+  p.beta = ptr(beta);
+  p.dtype = to_dtype(x.scalar_type());
+  p.out_dtype = DType::kE4M3;  // unused: nothing is quantized
+  p.amax = amax.data_ptr<float>();
+  p.eps = static_cast<float>(eps);
+  p.rms = beta == nullptr;
+  p.zero_centered_gamma = zero_centered_gamma;
+  p.rows = x.size(0);
+  p.hidden = x.size(1);
+  p.amax_only = true;
+  if (p.rows == 0) return;
+  launch(op, x, p, norm_fwd_cpu, [](const NormParams& q, void* s) { return norm_fwd_cuda(q, s); });
 }
 
 void norm_bwd(const char* op, const at::Tensor& dy, const at::Tensor& x, const at::Tensor* mu,
@@ -138,6 +172,7 @@ void norm_bwd(const char* op, const at::Tensor& dy, const at::Tensor& x, const a
   p.zero_centered_gamma = zero_centered_gamma;
   p.rows = x.size(0);
   p.hidden = x.size(1);
+  p.batched = switch_on("NORM_BWD_BATCHED");
   if (p.rows == 0) {  // sums over no rows are zero, as torch's
     dgamma.zero_();
     if (dbeta != nullptr) dbeta->zero_();
@@ -162,10 +197,11 @@ void layernorm_fp8(const at::Tensor& x, const at::Tensor& gamma, const at::Tenso
                    const at::Tensor& scale_inv, const at::Tensor& amax, const at::Tensor& mu,
                    const at::Tensor& rsigma, const c10::optional<at::Tensor>& out_hp,
                    const c10::optional<at::Tensor>& residual,
-                   const c10::optional<at::Tensor>& residual_out) {
+                   const c10::optional<at::Tensor>& residual_out,
+                   const c10::optional<at::Tensor>& scaled_max) {
   norm_fwd("graphfp8.layernorm_fp8",
            {x, gamma, &beta, eps, zero_centered_gamma, scale, out, opt(out_t), scale_inv, amax,
-            &mu, rsigma, opt(out_hp), opt(residual), opt(residual_out)});
+            &mu, rsigma, opt(out_hp), opt(residual), opt(residual_out), opt(scaled_max)});
 }
 
 void rmsnorm_fp8(const at::Tensor& x, const at::Tensor& gamma, double eps,
@@ -174,10 +210,25 @@ void rmsnorm_fp8(const at::Tensor& x, const at::Tensor& gamma, double eps,
                  const at::Tensor& amax, const at::Tensor& rsigma,
                  const c10::optional<at::Tensor>& out_hp,
                  const c10::optional<at::Tensor>& residual,
-                 const c10::optional<at::Tensor>& residual_out) {
+                 const c10::optional<at::Tensor>& residual_out,
+                 const c10::optional<at::Tensor>& scaled_max) {
   norm_fwd("graphfp8.rmsnorm_fp8",
            {x, gamma, nullptr, eps, zero_centered_gamma, scale, out, opt(out_t), scale_inv, amax,
-            nullptr, rsigma, opt(out_hp), opt(residual), opt(residual_out)});
+            nullptr, rsigma, opt(out_hp), opt(residual), opt(residual_out), opt(scaled_max)});
+}
+
+void layernorm_amax(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
+                    double eps, bool zero_centered_gamma, const at::Tensor& amax,
+                    const c10::optional<at::Tensor>& residual) {
+  norm_amax("graphfp8.layernorm_amax", x, gamma, &beta, eps, zero_centered_gamma, amax,
+            opt(residual));
+}
+
+void rmsnorm_amax(const at::Tensor& x, const at::Tensor& gamma, double eps,
+                  bool zero_centered_gamma, const at::Tensor& amax,
+                  const c10::optional<at::Tensor>& residual) {
+  norm_amax("graphfp8.rmsnorm_amax", x, gamma, nullptr, eps, zero_centered_gamma, amax,
+            opt(residual));
 }
 
 void layernorm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,

@@ -124,23 +124,30 @@ void cast_stats(const at::Tensor& x, const c10::optional<at::Tensor>& act_in,
                 const at::Tensor& out);
 void cast_to_fp8(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
                  const at::Tensor& scale_inv, const at::Tensor& amax,
-                 const c10::optional<at::Tensor>& noop);
+                 const c10::optional<at::Tensor>& noop,
+                 const c10::optional<at::Tensor>& scaled_max);
 void cast_transpose(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
                     const at::Tensor& out_t, const at::Tensor& scale_inv, const at::Tensor& amax,
-                    const c10::optional<at::Tensor>& noop);
+                    const c10::optional<at::Tensor>& noop,
+                    const c10::optional<at::Tensor>& scaled_max);
+void amax(const at::Tensor& x, const at::Tensor& amax, const c10::optional<at::Tensor>& noop);
+void gelu_amax(const at::Tensor& x, const at::Tensor& amax);
+void dgelu_amax(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& amax);
 void fp8_transpose(const at::Tensor& x, const at::Tensor& out_t,
                    const c10::optional<at::Tensor>& noop);
 void dequantize(const at::Tensor& x, const at::Tensor& scale_inv, const at::Tensor& out);
 void cast_transpose_dbias(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
                           const at::Tensor& out_t, const at::Tensor& scale_inv,
-                          const at::Tensor& amax, const at::Tensor& dbias);
+                          const at::Tensor& amax, const at::Tensor& dbias,
+                          const c10::optional<at::Tensor>& scaled_max);
 void gelu_cast_transpose(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
                          const at::Tensor& out_t, const at::Tensor& scale_inv,
-                         const at::Tensor& amax);
+                         const at::Tensor& amax, const c10::optional<at::Tensor>& scaled_max);
 void dgelu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale,
                                 const at::Tensor& out, const at::Tensor& out_t,
                                 const at::Tensor& scale_inv, const at::Tensor& amax,
-                                const at::Tensor& dbias);
+                                const at::Tensor& dbias,
+                                const c10::optional<at::Tensor>& scaled_max);
 void scale_update(const at::Tensor& amax_history, const at::Tensor& scale,
                   const at::Tensor& scaled_max, bool most_recent);
 void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
@@ -157,14 +164,22 @@ void layernorm_fp8(const at::Tensor& x, const at::Tensor& gamma, const at::Tenso
                    const at::Tensor& scale_inv, const at::Tensor& amax, const at::Tensor& mu,
                    const at::Tensor& rsigma, const c10::optional<at::Tensor>& out_hp,
                    const c10::optional<at::Tensor>& residual,
-                   const c10::optional<at::Tensor>& residual_out);
+                   const c10::optional<at::Tensor>& residual_out,
+                   const c10::optional<at::Tensor>& scaled_max);
 void rmsnorm_fp8(const at::Tensor& x, const at::Tensor& gamma, double eps,
                  bool zero_centered_gamma, const at::Tensor& scale, const at::Tensor& out,
                  const c10::optional<at::Tensor>& out_t, const at::Tensor& scale_inv,
                  const at::Tensor& amax, const at::Tensor& rsigma,
                  const c10::optional<at::Tensor>& out_hp,
                  const c10::optional<at::Tensor>& residual,
-                 const c10::optional<at::Tensor>& residual_out);
+                 const c10::optional<at::Tensor>& residual_out,
+                 const c10::optional<at::Tensor>& scaled_max);
+void layernorm_amax(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
+                    double eps, bool zero_centered_gamma, const at::Tensor& amax,
+                    const c10::optional<at::Tensor>& residual);
+void rmsnorm_amax(const at::Tensor& x, const at::Tensor& gamma, double eps,
+                  bool zero_centered_gamma, const at::Tensor& amax,
+                  const c10::optional<at::Tensor>& residual);
 void layernorm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
                    const at::Tensor& rsigma, const at::Tensor& gamma, bool zero_centered_gamma,
                    const at::Tensor& dx, const at::Tensor& dgamma, const at::Tensor& dbeta,

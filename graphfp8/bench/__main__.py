@@ -1,4 +1,5 @@
-"""`python -m graphfp8.bench {kernels,eager,block,attention,step,host,memory,stack} [--device D]
+"""`python -m graphfp8.bench {kernels,variants,opcount,eager,block,attention,step,host,memory,
+stack} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from graphfp8.bench.common import write_json
 
 SUITES = {
     "kernels": "graphfp8.bench.kernels",
+    "variants": "graphfp8.bench.variants",
+    "opcount": "graphfp8.bench.opcount",
     "eager": "graphfp8.bench.eager",
     "block": "graphfp8.bench.block",
     "stack": "graphfp8.bench.stack",

@@ -15,6 +15,7 @@ import torch
 from graphfp8.bench.common import environment, print_table, time_device, time_host
 from graphfp8.bench.peers import G8Stack, make_peers
 from graphfp8.bench.profile_util import kernel_stats
+from graphfp8.bench.te_peers import try_build
 
 SHAPES = [(1024, 2048), (2048, 4096), (4096, 8192), (8192, 8192)]
 
@@ -70,9 +71,12 @@ def _fresh_memory() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-def _measure_built(build, iters: int) -> dict:
+def _measure_built(build, iters: int, name: str = "", failures: dict | None = None):
+    """The peer's row; a TE peer that fails to build gives None (its error in failures)."""
     _fresh_memory()
-    step = build()
+    step = try_build(name, build, failures) if name.startswith("TE") else build()
+    if step is None:
+        return None
     row = _measure(step, iters)
     row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     del step
@@ -83,9 +87,12 @@ def _measure_built(build, iters: int) -> dict:
 def bench_shape(hidden: int, tokens: int, tflops: float, compile_peers: bool) -> dict:
     iters = 20 if hidden <= 2048 else 8
     peers = make_peers(hidden, tokens, compile_peers)
-    rows = {name: _measure_built(build, iters) for name, build in peers.items()}
+    failures: dict = {}
+    rows = {name: _measure_built(build, iters, name, failures) for name, build in peers.items()}
+    rows = {name: row for name, row in rows.items() if row is not None}
     floor_ms = 48 * tokens * hidden**2 / (tflops * 1e9)
-    return {"hidden": hidden, "tokens": tokens, "floor_ms": floor_ms, "peers": rows}
+    return {"hidden": hidden, "tokens": tokens, "floor_ms": floor_ms, "peers": rows,
+            "failed_peers": failures}  # fmt: skip
 
 
 def bench_layers(hidden=1024, tokens=2048, counts=(1, 8)) -> list[dict]:
@@ -120,6 +127,33 @@ def run(device, quick: bool = False, compile_peers: bool = True) -> dict:
             "layers": layers, "table": text}  # fmt: skip
 
 
+RATIO_PEERS = ("bf16 eager", "bf16 graphed", "torchao fp8 compile", "graphfp8 fp8 compile",
+               "TE fp8 graphed")  # fmt: skip
+
+
+def _te_table(results) -> str:
+    """graphfp8 against TransformerEngine, like for like (each recipe, graphed), and the TE
+    peers that failed to build; nothing without TE."""
+    pairs = [("graphfp8 fp8 graphed", "TE fp8 graphed"),
+             ("graphfp8 fp8 current graphed", "TE fp8 current graphed"),
+             ("graphfp8 fp8 eager", "TE fp8 eager")]  # fmt: skip
+    failed = {name: err for r in results for name, err in r.get("failed_peers", {}).items()}
+    pairs = [(g, t) for g, t in pairs if any(t in r["peers"] for r in results)]
+    text = ""
+    if pairs:
+        text = print_table(
+            "graphfp8 time relative to TransformerEngine, same recipe (< 1 is faster)",
+            ["h, T", *[f"{g} / {t}" for g, t in pairs]],
+            [[f"{r['hidden']}, {r['tokens']}",
+              *[r["peers"][g]["device_ms"] / r["peers"][t]["device_ms"]
+                if g in r["peers"] and t in r["peers"] else "-" for g, t in pairs]]
+             for r in results],
+        )  # fmt: skip
+    for name, err in failed.items():
+        text += f"TE peer {name!r} failed to build: {err}\n"
+    return text
+
+
 def _variants_table(results, names, base: str) -> str:
     """Issue 16's variants (current scaling, FP8 primary weights) relative to `base`."""
     variants = [n for n in ("graphfp8 fp8 current graphed", "graphfp8 fp8w graphed") if n in names]
@@ -133,7 +167,7 @@ def _variants_table(results, names, base: str) -> str:
 
 
 def _tables(results, layers, tflops) -> str:
-    names = list(results[0]["peers"])
+    names = [n for n in results[0]["peers"] if all(n in r["peers"] for r in results)]
     text = print_table(
         f"MLP block fwd+bwd, ms per microbatch (CUDA events, back to back); FP8 GEMM "
         f"{tflops:.0f} TFLOP/s measured",
@@ -159,22 +193,16 @@ def _tables(results, layers, tflops) -> str:
     for r in results:
         p = r["peers"]
         row = [f"{r['hidden']}, {r['tokens']}"]
-        for peer in ("bf16 eager", "bf16 graphed", "torchao fp8 compile", "graphfp8 fp8 compile"):
+        for peer in RATIO_PEERS:
             row.append(p[g8g]["device_ms"] / p[peer]["device_ms"] if peer in p else "-")
         row.append(p[g8g]["device_ms"] / r["floor_ms"])
         ratio_rows.append(row)
     text += print_table(
         "graphfp8 fp8 graphed time relative to each peer (< 1 is faster)",
-        [
-            "h, T",
-            "/ bf16 eager",
-            "/ bf16 graphed",
-            "/ torchao fp8 compile",
-            "/ graphfp8 fp8 compile",
-            "/ FP8 floor",
-        ],
+        ["h, T", *[f"/ {peer}" for peer in RATIO_PEERS], "/ FP8 floor"],
         ratio_rows,
     )
+    text += _te_table(results)
     text += _variants_table(results, names, g8g)
     text += print_table(
         "graphed graphfp8 stack, h=1024 T=2048: host enqueue per microbatch vs layers",

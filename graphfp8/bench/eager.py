@@ -1,5 +1,6 @@
 """Eager host-overhead benchmark: CPU time to enqueue forward and forward + backward of
-graphfp8.Linear (FP8, cached weight) against nn.Linear bf16 and torchao Float8Linear."""
+graphfp8.Linear (FP8, cached weight) against nn.Linear bf16, torchao Float8Linear and, where it
+imports, TransformerEngine's te.Linear (FP8, cached weight)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 import graphfp8 as g8
 from graphfp8.bench.common import environment, print_table, time_host
 from graphfp8.bench.peers import RECIPE, torchao_available
+from graphfp8.bench.te_peers import te_linear_peer, try_build
 
 
 def _peers(n: int, tokens: int, device) -> dict:
@@ -35,6 +37,10 @@ def _peers(n: int, tokens: int, device) -> dict:
 
         ao = convert_to_float8_training(nn.Sequential(copy.deepcopy(ref)))
         peers["torchao Float8Linear"] = lambda: ao(x)
+    if torch.device(device).type == "cuda":
+        te_fwd = try_build("TE Linear fp8", lambda: te_linear_peer(ref, x), {})
+        if te_fwd is not None:
+            peers["TE Linear fp8"] = te_fwd
     return {name: (fwd, dy) for name, fwd in peers.items()}
 
 

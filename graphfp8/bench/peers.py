@@ -1,6 +1,7 @@
 """The models that the benchmarks race: the MLP block of docs/benchmarking.md as bf16 torch, torchao
-float8 and graphfp8 (eager, graphed, compiled), each built on demand into a `step(i)` callable
-that runs forward + backward of microbatch i."""
+float8, graphfp8 (eager, graphed, compiled) and TransformerEngine where it imports
+(bench/te_peers.py), each built on demand into a `step(i)` callable that runs forward + backward
+of microbatch i."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphfp8 as g8
+from graphfp8.bench.te_peers import te_block_peers
 
 __all__ = ["TorchMLP", "G8Stack", "torchao_available", "make_peers"]
 
@@ -144,4 +146,5 @@ def make_peers(hidden: int, tokens: int, compile_peers: bool, layers: int = 1) -
         # Dynamo graph-breaks around the FP8 layer, which runs eagerly (docs/architecture.md,
         # "torch.compile"): this measures what compiling a graphfp8 block gives without graphs.
         peers["graphfp8 fp8 compile"] = lambda: _g8_eager(torch.compile(_g8_from_torch(ref)), x, dy)
+    peers.update(te_block_peers(ref, x, dy, MICROBATCHES_PER_STEP))
     return peers

@@ -1,7 +1,9 @@
 """TransformerLayer-stack benchmark: 4 graphfp8 TransformerLayers (batch 4 x seq 2048, heads =
 hidden / 128, ffn = 4 x hidden), forward + backward per microbatch, FP8 + graphs against bf16 +
 graphs: the same layers and the same capturer, FP8 on and off, in one process. Prints ms per
-microbatch, kernels per microbatch and the FP8 speed-up (bf16 ms / FP8 ms)."""
+microbatch, kernels per microbatch and the FP8 speed-up (bf16 ms / FP8 ms); where
+TransformerEngine imports, a graphed stack of TE TransformerLayers beside them (bench/te_peers.py:
+TE runs its unfused attention there and no RoPE, which the column names say)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from torch import nn
 import graphfp8 as g8
 from graphfp8.bench.common import environment, print_table, time_device
 from graphfp8.bench.peers import MICROBATCHES_PER_STEP, RECIPE
+from graphfp8.bench.te_peers import TE_UNFUSED, te, te_stack_step, try_build
 
 HIDDEN = [1024, 2048, 4096]
 LAYERS, BATCH, SEQ = 4, 4, 2048
@@ -80,7 +83,24 @@ def bench_hidden(hidden: int, device, batch: int, seq: int, layers: int, iters: 
         del model, step
     row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
     row["fp8_tflops"] = flops_per_microbatch(hidden, batch, seq, layers) / row["fp8_ms"] / 1e9
+    if te() is not None and torch.device(device).type == "cuda":
+        _te_columns(row, x, dy, device, iters, repeats)
     return row
+
+
+def _te_columns(row: dict, x, dy, device, iters: int, repeats: int) -> None:
+    """te_ms, te_kernels and graphfp8 FP8's speed-up over TE (TE_UNFUSED), or te_error."""
+    failures: dict = {}
+    step = try_build("TE", lambda: te_stack_step(row["hidden"], row["heads"], row["layers"], x,
+                                                 dy, MICROBATCHES_PER_STEP), failures)  # fmt: skip
+    if step is None:
+        row["te_error"] = failures["TE"]
+        return
+    counter = iter(range(10**9))
+    call = lambda c=counter: step(next(c))  # noqa: E731
+    row["te_ms"] = time_device(call, device, warmup=min(3, repeats), iters=iters, repeats=repeats)
+    row["te_kernels"] = _kernels_per_call(step, device)
+    row["fp8_vs_te"] = row["te_ms"] / row["fp8_ms"]
 
 
 def run(device, quick: bool = False) -> dict:
@@ -91,12 +111,30 @@ def run(device, quick: bool = False) -> dict:
     else:
         shapes, batch, seq, layers, iters, repeats = HIDDEN, BATCH, SEQ, LAYERS, 10, 3
     rows = [bench_hidden(h, device, batch, seq, layers, iters, repeats) for h in shapes]
+    text = _table(rows, layers, batch, seq, device)
+    return {"env": environment(device), "stack": rows, "table": text}
+
+
+def _table(rows, layers: int, batch: int, seq: int, device) -> str:
+    te_cols = any("te_ms" in r for r in rows)
+    header = ["hidden", "heads", "bf16 ms", "FP8 ms", "FP8 speed-up", "FP8 TFLOP/s",
+              "bf16 kernels", "FP8 kernels"]  # fmt: skip
+    if te_cols:
+        header += [f"TE FP8 ms ({TE_UNFUSED})", "FP8 speed-up over TE", "TE kernels"]
+    cells = []
+    for r in rows:
+        cell = [r["hidden"], r["heads"], r["bf16_ms"], r["fp8_ms"], r["speedup"], r["fp8_tflops"],
+                r["bf16_kernels"] or "-", r["fp8_kernels"] or "-"]  # fmt: skip
+        if te_cols:
+            cell += [r.get("te_ms", "-"), r.get("fp8_vs_te", "-"), r.get("te_kernels") or "-"]
+        cells.append(cell)
     text = print_table(
         f"{layers} TransformerLayers, batch {batch} x seq {seq}, fwd+bwd per microbatch, "
         f"graphed, {device}",
-        ["hidden", "heads", "bf16 ms", "FP8 ms", "FP8 speed-up", "FP8 TFLOP/s",
-         "bf16 kernels", "FP8 kernels"],
-        [[r["hidden"], r["heads"], r["bf16_ms"], r["fp8_ms"], r["speedup"], r["fp8_tflops"],
-          r["bf16_kernels"] or "-", r["fp8_kernels"] or "-"] for r in rows],
-    )  # fmt: skip
-    return {"env": environment(device), "stack": rows, "table": text}
+        header,
+        cells,
+    )
+    for r in rows:
+        if "te_error" in r:
+            text += f"TE stack at hidden {r['hidden']} failed to build: {r['te_error']}\n"
+    return text

@@ -11,6 +11,9 @@ backward, gradient accumulation, clipping to norm 1.0, fused AdamW, zero_grad:
                         autograd engine, clipping and AdamW eager
     bf16 step graph     graphs.make_graphed_step with FP8 off
     bf16 torch graphs   torch.cuda.make_graphed_callables of the torch block; the rest eager (GPU)
+    TE layer graphs     TransformerEngine's LayerNormMLP stack through its make_graphed_callables
+                        (one stream: bench/te_peers.py); loss, backward, clipping and AdamW
+                        eager, as "fp8 layer graphs" (GPU, where TE imports)
 
     python -m graphfp8.bench step [--quick] [--json PATH]   (--quick: small shapes, CPU too)
 """
@@ -24,6 +27,7 @@ import torch
 import graphfp8 as g8
 from graphfp8.bench.common import environment, print_table, time_device, time_host
 from graphfp8.bench.peers import RECIPE, G8Stack, TorchMLP
+from graphfp8.bench.te_peers import TEMLPStack, same_stream_graphed, te, te_recipe, try_build
 
 MICROBATCHES = 4  # per optimizer step (2 with --quick)
 MAX_GRAD_NORM = 1.0
@@ -90,6 +94,26 @@ def _torch_graphs(model, x, dy):
     return step
 
 
+def _te_layer_graphs(ref, x, dy):
+    """TE's peer of "fp8 layer graphs": the same weights in te.LayerNormMLP blocks."""
+    model = TEMLPStack(ref.blocks[0].hidden_size, len(ref.blocks))
+    model.load_state_dict({k: v for k, v in ref.state_dict().items() if "_extra_state" not in k},
+                          strict=False)  # fmt: skip
+    opt = _adamw(model, x.device, captured=False)
+    recipe = te_recipe()
+    graphed = same_stream_graphed(model, (x[0],), fp8_enabled=True, fp8_recipe=recipe,
+                                  fp8_weight_caching=True)  # fmt: skip
+
+    def step():
+        for i in range(len(x)):
+            with te().fp8_autocast(enabled=True, fp8_recipe=recipe):
+                y = graphed(x[i], is_first_microbatch=i == 0)
+            (_loss(y, dy[i]) / len(x)).backward()
+        _eager_tail(model, opt)
+
+    return step
+
+
 def make_peers(n: int, hidden: int, tokens: int, layers: int, device, bf16: bool = True) -> dict:
     """{name: step()} of n microbatches, on the same weights and data."""
     torch.manual_seed(0)
@@ -103,6 +127,13 @@ def make_peers(n: int, hidden: int, tokens: int, layers: int, device, bf16: bool
         peers["bf16 step graph"] = _step_graph(copy.deepcopy(ref), x, dy, fp8=False)
         if torch.device(device).type == "cuda" and layers == 1:
             peers["bf16 torch graphs"] = _torch_graphs(TorchMLP(hidden), x, dy)
+    if bf16 and torch.device(device).type == "cuda" and te() is not None:
+        failures: dict = {}
+        step = try_build("TE layer graphs", lambda: _te_layer_graphs(ref, x, dy), failures)
+        if step is not None:
+            peers["TE layer graphs"] = step
+        for name, err in failures.items():
+            print(f"{name} failed to build: {err}")
     return peers
 
 

@@ -133,6 +133,7 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
             closure = closure_modules(func)
             check_not_captured(name, [m for c in closure for m in c.modules()])
         alias_of = check_inputs_alias(name, flat)
+        flat = _leaf_aliases(flat, alias_of)
         samples.append(Sample(j, name, func, flat, list(kwargs), alias_of, [p for _, p in named],
                               [n for n, _ in named], modules, closure))  # fmt: skip
         devices.update(t.device for t in flat)
@@ -199,6 +200,19 @@ def capture_forwards(samples: list[Sample], arenas, session: CaptureSession,
         adopt_outside_leaves(s, outputs, since)
         forwards.append(Forward(graph, outputs, out_spec))
     return forwards
+
+
+def _leaf_aliases(flat: list[torch.Tensor], alias_of: list[int]) -> list[torch.Tensor]:
+    """The static inputs: each sample tensor, or for one that autograd produced (a view such as
+    qkv.chunk(3)'s) a detached leaf on the same memory with its requires_grad. The capture's
+    backward then ends at the static inputs: through the sample's own grad_fn it would run nodes
+    recorded on another stream (on CUDA: "operation would make the legacy stream depend on a
+    capturing blocking stream", H200 2026-12-01)."""
+    leaves: dict[int, torch.Tensor] = {}
+    for i, t in enumerate(flat):
+        if alias_of[i] == i:
+            leaves[i] = t.detach().requires_grad_(t.requires_grad) if t.grad_fn is not None else t
+    return [leaves[alias_of[i]] for i in range(len(flat))]
 
 
 def _chained_input(prev: Sample, prev_fwd: Forward, s: Sample) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 from graphfp8 import ops
 from graphfp8.fp8.autocast import queue_backward_update
+from graphfp8.fp8.current import dgelu_amax_of, gelu_amax_of
 from graphfp8.fp8.observe import StatsSource
 from graphfp8.fp8.slots import BwdRole, FwdRole
 from graphfp8.modules._functional import (
@@ -40,7 +41,7 @@ class _FP8GeluMLP(torch.autograd.Function):
         lead = inp.shape[:-1]
         x_fp8, x_t_fp8, x_scale_inv = cast_input(inp, hidden, cfg1, needs[1])
         h = forward_gemm(x_fp8, x_scale_inv, w1, b1, cfg1)
-        a_quantizer = cfg2.quantizer(FwdRole.INPUT, lambda q: ops.gelu_cast_transpose(h, *q))
+        a_quantizer = cfg2.quantizer(FwdRole.INPUT, gelu_amax_of(h))
         a_fp8, a_t_fp8, a_scale_inv = ops.gelu_cast_transpose(h, *a_quantizer)
         cfg2.observe(FwdRole.INPUT, StatsSource("gelu", h))
         y = forward_gemm(a_fp8, a_scale_inv, w2, b2, cfg2)
@@ -70,10 +71,10 @@ class _FP8GeluMLP(torch.autograd.Function):
         da = dgrad_gemm(dy_fp8, dy_scale_inv, *weight_t(ctx.w2), dy.dtype) if needs_fc1 else None
         dy_fp8 = dh_fp8 = dh_t_fp8 = dh_scale_inv = db1 = None
         if needs_fc1:
-            dgelu = lambda q: ops.dgelu_cast_transpose_dbias(da, h, *q)  # noqa: E731
-            dh_fp8, dh_t_fp8, dh_scale_inv, db1 = dgelu(cfg1.quantizer(BwdRole.GRAD_OUTPUT, dgelu))
+            dh_q = cfg1.quantizer(BwdRole.GRAD_OUTPUT, dgelu_amax_of(da, h))
+            dh_fp8, dh_t_fp8, dh_scale_inv, db1 = ops.dgelu_cast_transpose_dbias(da, h, *dh_q)
             cfg1.observe(BwdRole.GRAD_OUTPUT, StatsSource("dgelu", da, act_in=h))
-            da = dgelu = None
+            da = None
         dw2 = (
             wgrad_gemm(dy_t_fp8, dy_scale_inv, a_t_fp8, a_scale_inv, dy.dtype)
             if needs_wgrad2

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphfp8 import ops
-from graphfp8.fp8.current import AmaxPass
+from graphfp8.fp8.current import AmaxPass, fused
 from graphfp8.fp8.observe import StatsSource
 from graphfp8.fp8.slots import Quantizer
 from graphfp8.fp8.tensor import Float8Tensor
@@ -65,6 +65,17 @@ def apply_norm(module: nn.Module, x: torch.Tensor, spec: NormSpec) -> torch.Tens
     return F.rms_norm(x, shape, weight, spec.eps)
 
 
+def _amax_pass(x2, res2, gamma, beta, spec: NormSpec, norm) -> AmaxPass:
+    """The norm's amax pass under current scaling (graphfp8.fp8.current): the read-only norm
+    amax kernel on the fused path, else the norm itself with one layout and its outputs dropped."""
+    if not fused(x2.device):
+        return lambda q: norm(q, transpose=False, hp=False)
+    kw = dict(zero_centered_gamma=spec.zero_centered_gamma, residual=res2)
+    if spec.normalization == "LayerNorm":
+        return lambda q: ops.layernorm_amax_(x2, gamma, beta, spec.eps, q.amax, **kw)
+    return lambda q: ops.rmsnorm_amax_(x2, gamma, spec.eps, q.amax, **kw)
+
+
 class _NormFP8(torch.autograd.Function):
     """(x, residual) -> (y as a Float8Tensor, y in high precision or None, z = x + residual or
     None), y = norm(z); backward: dz = norm'(dy_fp8 + dy_hp) + dz_residual, to x and residual."""
@@ -83,8 +94,7 @@ class _NormFP8(torch.autograd.Function):
                 return ops.layernorm_fp8(x2, gamma, beta, spec.eps, *q, **kw)
             return ops.rmsnorm_fp8(x2, gamma, spec.eps, *q, **kw)
 
-        # Current scaling: the norm itself is the amax pass (one layout, outputs dropped).
-        o = norm(quantizer(lambda q: norm(q, transpose=False, hp=False)))
+        o = norm(quantizer(_amax_pass(x2, res2, gamma, beta, spec, norm)))
         z = x2 if residual is None else o.residual_out
         if observe is not None:
             mode = "layernorm" if spec.normalization == "LayerNorm" else "rmsnorm"
@@ -133,7 +143,7 @@ def norm_fp8(
         spec: the norm.
         quantizer: amax_pass -> (scale, amax, FP8 dtype) of the slot that the output goes to
             (the next GEMM's FwdRole.INPUT), e.g. partial(cfg.quantizer, FwdRole.INPUT); under
-            current scaling it runs amax_pass (the norm, outputs dropped) first.
+            current scaling it runs amax_pass (the norm's amax pass) first.
         needs_t: also write the transposed FP8 layout (the next GEMM's weight gradient).
         hp_out: also return y in high precision.
         residual: optional (..., hidden) in x's dtype, added to x before the norm.

@@ -51,27 +51,34 @@ class LayerNormLinear(FP8Module):
     def norm_spec(self) -> NormSpec:
         return NormSpec(self.normalization, self.eps, self.zero_centered_gamma)
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None,
+                residual: torch.Tensor | None = None):  # fmt: skip
         """inp: (..., in_features) in params_dtype. Returns (..., out_features), a Float8Tensor
         when fp8_output and FP8 are on, and with return_layernorm_output the pair (output, norm
-        output (..., in_features)). is_first_microbatch: as for Linear."""
+        output (..., in_features)). is_first_microbatch: as for Linear.
+
+        residual: optional, like inp: the layer normalizes h = inp + residual instead and returns
+        (h, what it returns otherwise); under fp8_autocast the add runs inside the norm kernel
+        (as LayerNormMLP's residual): the previous TransformerLayer's second residual add."""
         cfgs = self._fp8_forward_configs(
             inp, self.in_features, [("weight", self.weight)], is_first_microbatch,
             high_precision_input=True, fp8_output=self.fp8_output,
         )  # fmt: skip
         if cfgs is None:
-            ln_out = apply_norm(self, inp, self.norm_spec)
+            h = inp if residual is None else inp + residual
+            ln_out = apply_norm(self, h, self.norm_spec)
             out = F.linear(ln_out, self.weight, self.bias)
         else:
             needs_t = torch.is_grad_enabled() and self.weight.requires_grad
             quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)
-            x_fp8, ln_out, _ = norm_fp8(
+            x_fp8, ln_out, h = norm_fp8(
                 self, inp, self.norm_spec, quantizer, needs_t=needs_t,
-                hp_out=self.return_layernorm_output,
+                hp_out=self.return_layernorm_output, residual=residual,
                 observe=partial(cfgs[0].observe, FwdRole.INPUT),
             )  # fmt: skip
             out = fp8_linear(x_fp8, self.weight, self.bias, cfgs[0])
-        return (out, ln_out) if self.return_layernorm_output else out
+        result = (out, ln_out) if self.return_layernorm_output else out
+        return result if residual is None else (h, result)
 
     def extra_repr(self) -> str:
         return (

@@ -3,6 +3,9 @@
     x (B, S, H) -> LayerNormLinear (QKV, FP8) -> RoPE on q, k -> causal SDPA -> Linear (proj, FP8)
       -> + x -> LayerNormMLP (FP8) -> + residual
 
+(the second add folds into the next layer's first norm when layers hand it on: forward's
+residual and defer_residual)
+
 Under fp8_autocast both norms write their GEMM's FP8 input directly, and the first residual add
 folds into the MLP's norm: one kernel reads x and the projection's output and writes h = x + proj
 and the FP8 norm of h (graphfp8.modules._norm); its backward adds the gradient that reaches h
@@ -93,9 +96,14 @@ class TransformerLayer(nn.Module):
             tables = (self.rope_cos.float(), self.rope_sin.float())
         return self.core_attention.forward_qkv(qkv, tables)
 
-    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None,
+                residual: torch.Tensor | None = None, defer_residual: bool = False):  # fmt: skip
         """x: (B, S, H) in params_dtype, S <= max_seq_len. Returns (B, S, H).
-        is_first_microbatch: as for Linear (all four weights)."""
+        is_first_microbatch: as for Linear (all four weights).
+
+        Consecutive layers can hand the second residual add on (training/model.py's Blocks):
+        defer_residual returns (h, y) instead of h + y, and the next layer given residual=y
+        takes x + residual as its input, the add folded into its first norm."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(
@@ -107,10 +115,13 @@ class TransformerLayer(nn.Module):
                 f"{self.max_seq_len} of the rotary tables"
             )
         self.core_attention.check_fused(x.shape[0], x.shape[1], x.device)
-        qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
+        if residual is None:
+            qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
+        else:
+            x, qkv = self.qkv(x, is_first_microbatch=is_first_microbatch, residual=residual)
         attn = self.proj(self.attention(qkv), is_first_microbatch=is_first_microbatch)
         h, y = self.mlp(x, is_first_microbatch=is_first_microbatch, residual=attn)
-        return h + y
+        return (h, y) if defer_residual else h + y
 
     def extra_repr(self) -> str:
         return (

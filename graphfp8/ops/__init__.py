@@ -1,6 +1,7 @@
 """Thin typed wrappers over the graphfp8 kernels (torch.ops.graphfp8.*) and the FP8 GEMM."""
 
 from graphfp8.ops._lib import built_with_cuda
+from graphfp8.ops.amax import amax_, dgelu_amax_, gelu_amax_, layernorm_amax_, rmsnorm_amax_
 from graphfp8.ops.cast import cast_to_fp8, cast_transpose
 from graphfp8.ops.cast_fused import (
     cast_transpose_dbias,
@@ -19,21 +20,26 @@ from graphfp8.ops.transpose import fp8_transpose
 
 __all__ = [
     "NormFP8",
+    "amax_",
     "built_with_cuda",
     "cast_to_fp8",
     "cast_transpose",
     "cast_stats",
     "cast_transpose_dbias",
+    "dgelu_amax_",
     "dgelu_cast_transpose_dbias",
     "check_gemm_dims",
     "check_sdpa_fp8",
     "dequantize",
     "fp8_gemm",
     "fp8_transpose",
+    "gelu_amax_",
     "gelu_cast_transpose",
+    "layernorm_amax_",
     "layernorm_bwd",
     "layernorm_fp8",
     "reduce_cast_stats",
+    "rmsnorm_amax_",
     "rmsnorm_bwd",
     "rmsnorm_fp8",
     "rope_fp8",

@@ -22,12 +22,27 @@ def built_with_cuda() -> bool:
 
 # Every op only writes into tensors it is given, so the fake (meta) kernels have nothing to do.
 @torch.library.register_fake("graphfp8::cast_to_fp8")
-def _cast_fake(x, scale, out, scale_inv, amax, noop=None):
+def _cast_fake(x, scale, out, scale_inv, amax, noop=None, scaled_max=None):
     return None
 
 
 @torch.library.register_fake("graphfp8::cast_transpose")
-def _cast_transpose_fake(x, scale, out, out_t, scale_inv, amax, noop=None):
+def _cast_transpose_fake(x, scale, out, out_t, scale_inv, amax, noop=None, scaled_max=None):
+    return None
+
+
+@torch.library.register_fake("graphfp8::amax")
+def _amax_fake(x, amax, noop=None):
+    return None
+
+
+@torch.library.register_fake("graphfp8::gelu_amax")
+def _gelu_amax_fake(x, amax):
+    return None
+
+
+@torch.library.register_fake("graphfp8::dgelu_amax")
+def _dgelu_amax_fake(dy, x, amax):
     return None
 
 
@@ -47,17 +62,18 @@ def _dequantize_fake(x, scale_inv, out):
 
 
 @torch.library.register_fake("graphfp8::cast_transpose_dbias")
-def _cast_transpose_dbias_fake(x, scale, out, out_t, scale_inv, amax, dbias):
+def _cast_transpose_dbias_fake(x, scale, out, out_t, scale_inv, amax, dbias, scaled_max=None):
     return None
 
 
 @torch.library.register_fake("graphfp8::gelu_cast_transpose")
-def _gelu_cast_transpose_fake(x, scale, out, out_t, scale_inv, amax):
+def _gelu_cast_transpose_fake(x, scale, out, out_t, scale_inv, amax, scaled_max=None):
     return None
 
 
 @torch.library.register_fake("graphfp8::dgelu_cast_transpose_dbias")
-def _dgelu_cast_transpose_dbias_fake(dy, x, scale, out, out_t, scale_inv, amax, dbias):
+def _dgelu_cast_transpose_dbias_fake(dy, x, scale, out, out_t, scale_inv, amax, dbias,
+                                     scaled_max=None):  # fmt: skip
     return None
 
 
@@ -69,13 +85,24 @@ def _rope_qkv_fake(qkv, cos, sin, num_heads, inverse, out):
 @torch.library.register_fake("graphfp8::layernorm_fp8")
 def _layernorm_fp8_fake(x, gamma, beta, eps, zero_centered_gamma, scale, out, out_t,
                         scale_inv, amax, mu, rsigma, out_hp=None, residual=None,
-                        residual_out=None):  # fmt: skip
+                        residual_out=None, scaled_max=None):  # fmt: skip
     return None
 
 
 @torch.library.register_fake("graphfp8::rmsnorm_fp8")
 def _rmsnorm_fp8_fake(x, gamma, eps, zero_centered_gamma, scale, out, out_t, scale_inv, amax,
-                      rsigma, out_hp=None, residual=None, residual_out=None):  # fmt: skip
+                      rsigma, out_hp=None, residual=None, residual_out=None,
+                      scaled_max=None):  # fmt: skip
+    return None
+
+
+@torch.library.register_fake("graphfp8::layernorm_amax")
+def _layernorm_amax_fake(x, gamma, beta, eps, zero_centered_gamma, amax, residual=None):
+    return None
+
+
+@torch.library.register_fake("graphfp8::rmsnorm_amax")
+def _rmsnorm_amax_fake(x, gamma, eps, zero_centered_gamma, amax, residual=None):
     return None
 
 

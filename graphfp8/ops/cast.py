@@ -18,6 +18,7 @@ def cast_to_fp8(
     scale: torch.Tensor,
     amax: torch.Tensor,
     fp8_dtype: torch.dtype,
+    scaled_max: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     scale_inv: torch.Tensor | None = None,
@@ -30,6 +31,11 @@ def cast_to_fp8(
         scale: (1,) float32, the quantization scale: x_fp8 = saturate(x * scale).
         amax: (1,) float32, updated in place to max(amax, max|x|) (NaNs in x are ignored).
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        scaled_max: optional (1,) float32, the slot's fp8_max * 2**-margin: current scaling
+            computed by the cast (docs/fp8.md, "Current scaling"). `amax` is then the slot's
+            H[0] left by an amax pass: the cast sets `scale` from it on the device (the one-slot
+            update of the delayed-scaling math), resets it to 0 and casts with the new scale,
+            folding its own amax nowhere; the update runs even when `noop` skips the cast.
         out: optional (...) fp8_dtype destination, allocated when None.
         scale_inv: optional (1,) float32 destination for 1/scale, allocated when None.
         noop: optional (1,) float32 flag; when it holds 1 the kernel writes nothing.
@@ -39,7 +45,7 @@ def cast_to_fp8(
     """
     out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if out is None else out
     scale_inv = _scale_inv_buffer(x, scale_inv)
-    ops.cast_to_fp8(x, scale, out, scale_inv, amax, noop)
+    ops.cast_to_fp8(x, scale, out, scale_inv, amax, noop, scaled_max)
     return out, scale_inv
 
 
@@ -48,6 +54,7 @@ def cast_transpose(
     scale: torch.Tensor,
     amax: torch.Tensor,
     fp8_dtype: torch.dtype,
+    scaled_max: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     out_t: torch.Tensor | None = None,
@@ -58,7 +65,7 @@ def cast_transpose(
 
     Args:
         x: (rows, cols), float32/bfloat16/float16, row-major contiguous.
-        scale, amax, fp8_dtype, scale_inv, noop: as in `cast_to_fp8`.
+        scale, amax, fp8_dtype, scaled_max, scale_inv, noop: as in `cast_to_fp8`.
         out: optional (rows, cols) fp8_dtype destination.
         out_t: optional (cols, rows) fp8_dtype destination for the transpose.
 
@@ -73,5 +80,5 @@ def cast_transpose(
     if out_t is None:
         out_t = torch.empty((cols, rows), dtype=fp8_dtype, device=x.device)
     scale_inv = _scale_inv_buffer(x, scale_inv)
-    ops.cast_transpose(x, scale, out, out_t, scale_inv, amax, noop)
+    ops.cast_transpose(x, scale, out, out_t, scale_inv, amax, noop, scaled_max)
     return out, out_t, scale_inv

@@ -23,7 +23,11 @@ def _outputs(x: torch.Tensor, fp8_dtype: torch.dtype, what: str) -> CastTranspos
 
 
 def cast_transpose_dbias(
-    dy: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype
+    dy: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    scaled_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cast-transposes a gradient to FP8 and sums it over rows, reading it once.
 
@@ -32,6 +36,8 @@ def cast_transpose_dbias(
         scale: (1,) float32: dy_fp8 = saturate(dy * scale).
         amax: (1,) float32, updated in place to max(amax, max|dy|) (NaNs ignored).
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        scaled_max: optional (1,) float32: current scaling computed by the cast (amax is then
+            the slot's H[0], read and reset; graphfp8.ops.cast_to_fp8).
 
     Returns:
         (dy_fp8 (M, N), dy_t_fp8 (N, M), scale_inv (1,) float32, dbias (N,) in dy.dtype), where
@@ -39,12 +45,16 @@ def cast_transpose_dbias(
     """
     out, out_t, scale_inv = _outputs(dy, fp8_dtype, "cast_transpose_dbias")
     dbias = torch.empty(dy.shape[1], dtype=dy.dtype, device=dy.device)
-    ops.cast_transpose_dbias(dy, scale, out, out_t, scale_inv, amax, dbias)
+    ops.cast_transpose_dbias(dy, scale, out, out_t, scale_inv, amax, dbias, scaled_max)
     return out, out_t, scale_inv, dbias
 
 
 def gelu_cast_transpose(
-    x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    scaled_max: torch.Tensor | None = None,
 ) -> CastTransposed:
     """FP8 cast-transpose of gelu(x) (tanh approximation), without writing gelu(x) itself.
 
@@ -53,13 +63,13 @@ def gelu_cast_transpose(
 
     Args:
         x: (M, F), float32/bfloat16/float16, row-major contiguous: the GELU input.
-        scale, amax, fp8_dtype: as in `cast_transpose_dbias` (amax of gelu(x)).
+        scale, amax, fp8_dtype, scaled_max: as in `cast_transpose_dbias` (amax of gelu(x)).
 
     Returns:
         (y_fp8 (M, F), y_t_fp8 (F, M), scale_inv (1,) float32) of y = gelu(x).
     """
     out, out_t, scale_inv = _outputs(x, fp8_dtype, "gelu_cast_transpose")
-    ops.gelu_cast_transpose(x, scale, out, out_t, scale_inv, amax)
+    ops.gelu_cast_transpose(x, scale, out, out_t, scale_inv, amax, scaled_max)
     return out, out_t, scale_inv
 
 
@@ -69,6 +79,7 @@ def dgelu_cast_transpose_dbias(
     scale: torch.Tensor,
     amax: torch.Tensor,
     fp8_dtype: torch.dtype,
+    scaled_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The GELU backward fused with the FP8 cast-transpose of its result and its row sum.
 
@@ -78,7 +89,7 @@ def dgelu_cast_transpose_dbias(
     Args:
         dy: (M, F), float32/bfloat16/float16, row-major contiguous: grad of the GELU output.
         x: (M, F), dy's dtype, contiguous: the GELU input saved by the forward.
-        scale, amax, fp8_dtype: as in `cast_transpose_dbias` (amax of dx).
+        scale, amax, fp8_dtype, scaled_max: as in `cast_transpose_dbias` (amax of dx).
 
     Returns:
         (dx_fp8 (M, F), dx_t_fp8 (F, M), scale_inv (1,) float32, dbias (F,) in dy.dtype), where
@@ -86,5 +97,5 @@ def dgelu_cast_transpose_dbias(
     """
     out, out_t, scale_inv = _outputs(dy, fp8_dtype, "dgelu_cast_transpose_dbias")
     dbias = torch.empty(dy.shape[1], dtype=dy.dtype, device=dy.device)
-    ops.dgelu_cast_transpose_dbias(dy, x, scale, out, out_t, scale_inv, amax, dbias)
+    ops.dgelu_cast_transpose_dbias(dy, x, scale, out, out_t, scale_inv, amax, dbias, scaled_max)
     return out, out_t, scale_inv, dbias

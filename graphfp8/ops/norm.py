@@ -62,6 +62,7 @@ def layernorm_fp8(
     scale: torch.Tensor,
     amax: torch.Tensor,
     fp8_dtype: torch.dtype,
+    scaled_max: torch.Tensor | None = None,
     *,
     zero_centered_gamma: bool = False,
     transpose: bool = False,
@@ -77,6 +78,8 @@ def layernorm_fp8(
         scale: (1,) float32: out = saturate(y * scale).
         amax: (1,) float32, updated in place to max(amax, max|y|) (NaNs ignored).
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        scaled_max: optional (1,) float32: current scaling computed by the norm (amax is then
+            the slot's H[0] from `layernorm_amax`, read and reset; graphfp8.ops.cast_to_fp8).
         zero_centered_gamma: the weight is 1 + gamma (gamma starts at zero).
         transpose: also write out_t = out^T (hidden, rows), for a weight-gradient GEMM.
         hp_out: also write y in x's dtype.
@@ -89,7 +92,7 @@ def layernorm_fp8(
     o = _outputs(x, fp8_dtype, transpose, hp_out, residual, True, "layernorm_fp8")
     ops.layernorm_fp8(x, gamma, beta, eps, zero_centered_gamma, scale, o.out, o.out_t,
                       o.scale_inv, amax, o.mu, o.rsigma, o.out_hp, residual,
-                      o.residual_out)  # fmt: skip
+                      o.residual_out, scaled_max)  # fmt: skip
     return o
 
 
@@ -100,6 +103,7 @@ def rmsnorm_fp8(
     scale: torch.Tensor,
     amax: torch.Tensor,
     fp8_dtype: torch.dtype,
+    scaled_max: torch.Tensor | None = None,
     *,
     zero_centered_gamma: bool = False,
     transpose: bool = False,
@@ -110,7 +114,7 @@ def rmsnorm_fp8(
     result as in `layernorm_fp8` (no beta; mu is None)."""
     o = _outputs(x, fp8_dtype, transpose, hp_out, residual, False, "rmsnorm_fp8")
     ops.rmsnorm_fp8(x, gamma, eps, zero_centered_gamma, scale, o.out, o.out_t, o.scale_inv, amax,
-                    o.rsigma, o.out_hp, residual, o.residual_out)  # fmt: skip
+                    o.rsigma, o.out_hp, residual, o.residual_out, scaled_max)  # fmt: skip
     return o
 
 

@@ -8,8 +8,9 @@ import json
 
 from graphfp8 import train
 
-ARGV = ["--batch", "2", "--seq-len", "32", "--microbatches", "2", "--steps", "4",
-        "--val-batches", "1", "--data", "synthetic", "--eval-every", "2"]  # fmt: skip
+ARGV = ["--preset", "tiny", "--batch", "2", "--seq-len", "32", "--microbatches", "2",
+        "--steps", "4", "--val-batches", "1", "--data", "synthetic",
+        "--eval-every", "2"]  # fmt: skip
 
 
 def _rows(path):

@@ -1,0 +1,54 @@
+// Default-off switches for CUDA kernel variants that have not yet been verified on a GPU
+// (docs/benchmarking.md, "Kernel switches"). Each starts from its environment variable, read
+// once, and can be flipped at run time (graphfp8.ops.switches) so that one process can compare
+// a new kernel with the one it replaces, bit for bit. The CPU kernels ignore them.
+#pragma once
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace graphfp8 {
+
+struct KernelSwitch {
+  const char* name;  // also the environment variable, prefixed GRAPHFP8_
+  std::atomic<bool> on;
+};
+
+// GRAPHFP8_NORM_BWD_BATCHED: the norm backward with several rows in flight per block and the
+// fast fixed-order parameter-gradient reduction (cuda/norm_bwd_batched.cu).
+// GRAPHFP8_PAIRED_QUANTIZE: the cast-transposes' FP8 conversion two values at a time with one
+// saturating convert, and word-wide transposed stores (cuda/tile.cuh).
+inline KernelSwitch* kernel_switches(int* count) {
+  static KernelSwitch switches[] = {{"NORM_BWD_BATCHED", {false}},
+                                    {"PAIRED_QUANTIZE", {false}}};
+  static const bool from_env = [] {
+    for (auto& s : switches) {
+      char var[64] = "GRAPHFP8_";
+      std::strncat(var, s.name, sizeof(var) - std::strlen(var) - 1);
+      const char* v = std::getenv(var);
+      s.on = v != nullptr && std::strcmp(v, "1") == 0;
+    }
+    return true;
+  }();
+  (void)from_env;
+  *count = static_cast<int>(sizeof(switches) / sizeof(switches[0]));
+  return switches;
+}
+
+// The switch named `name`, or nullptr.
+inline KernelSwitch* kernel_switch(const char* name) {
+  int n = 0;
+  KernelSwitch* all = kernel_switches(&n);
+  for (int i = 0; i < n; ++i) {
+    if (std::strcmp(all[i].name, name) == 0) return &all[i];
+  }
+  return nullptr;
+}
+
+inline bool switch_on(const char* name) {
+  const KernelSwitch* s = kernel_switch(name);
+  return s != nullptr && s->on.load();
+}
+
+}  // namespace graphfp8

@@ -1,0 +1,37 @@
+"""Default-off CUDA kernel variants that wait for their GPU verification (csrc/ops/switches.h).
+
+Each switch starts from its environment variable (GRAPHFP8_<NAME>=1, read once when the
+extension loads) and can be flipped at run time, which is how the CUDA tests compare a new
+kernel with the one it replaces in one process. docs/benchmarking.md lists them.
+
+    NORM_BWD_BATCHED   the norm backward with several rows in flight per block and the fast
+                       fixed-order parameter-gradient reduction (bit-identical results)
+    PAIRED_QUANTIZE    the cast-transposes' FP8 conversion two values per instruction and
+                       word-wide transposed stores (bit-identical results)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from graphfp8.ops._lib import _C
+
+__all__ = ["SWITCHES", "kernel_switch", "switch_on"]
+
+SWITCHES = ("NORM_BWD_BATCHED", "PAIRED_QUANTIZE")
+
+
+def switch_on(name: str) -> bool:
+    """Whether the kernel switch `name` (one of SWITCHES) is on."""
+    return bool(_C.get_kernel_switch(name))
+
+
+@contextlib.contextmanager
+def kernel_switch(name: str, on: bool = True) -> Iterator[None]:
+    """Runs the block with the kernel switch `name` set to `on`, then restores it."""
+    before = _C.set_kernel_switch(name, on)
+    try:
+        yield
+    finally:
+        _C.set_kernel_switch(name, before)

@@ -1,0 +1,79 @@
+"""The batched norm backward (kernel switch NORM_BWD_BATCHED, csrc/cuda/norm_bwd_batched.cu)
+against the kernel it replaces: dx, dgamma and dbeta bit for bit, on every path its layout
+takes (1, 2 or 4 lanes per thread, several row slots per block, rows in batches with a ragged
+tail, fewer rows than blocks, unvectorised hidden sizes, every dtype, dresidual, RMSNorm,
+zero-centred gamma), and bit for bit on repeat. GPU only: the CPU has one backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphfp8 import ops
+from graphfp8.ops.switches import kernel_switch, switch_on
+from graphfp8.testing import assert_bitwise_equal
+from tests.helpers import CUDA_PARAM
+
+SHAPES = [
+    ((8192, 1024), torch.bfloat16),  # 2 row slots per block, 16 rows per slot
+    ((8192, 4096), torch.bfloat16),  # 2 lanes per thread
+    ((2048, 8192), torch.bfloat16),  # 4 lanes per thread
+    ((1100, 8192), torch.bfloat16),  # a ragged last batch
+    ((777, 2048), torch.float32),
+    ((3000, 1536), torch.float16),
+    ((513, 8190), torch.bfloat16),  # unvectorised, 4 lanes per thread
+    ((100, 64), torch.bfloat16),  # fewer rows than blocks, lanes narrower than a warp
+    ((37, 53), torch.float32),
+]
+
+
+def _inputs(shape, dtype, rms, dresidual, zero_centered):
+    rows, hidden = shape
+    x = (torch.randn(shape, device="cuda") * 3 + 1).to(dtype)
+    gamma = (torch.randn(hidden, device="cuda") * 0.2 + (0.0 if zero_centered else 1.0)).to(dtype)
+    beta = torch.randn(hidden, device="cuda").to(dtype)
+    one, zero = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda")
+    if rms:
+        fwd = ops.rmsnorm_fp8(x, gamma, 1e-5, one, zero, torch.float8_e4m3fn)
+    else:
+        fwd = ops.layernorm_fp8(x, gamma, beta, 1e-5, one, zero, torch.float8_e4m3fn)
+    dy = (torch.randn(shape, device="cuda") * 4).to(dtype)
+    dres = torch.randn(shape, device="cuda").to(dtype) if dresidual else None
+    return dy, x, fwd.mu, fwd.rsigma, gamma, dres
+
+
+def _backward(args, rms, zero_centered):
+    dy, x, mu, rsigma, gamma, dres = args
+    kw = dict(zero_centered_gamma=zero_centered, dresidual=dres)
+    if rms:
+        return ops.rmsnorm_bwd(dy, x, rsigma, gamma, **kw)
+    return ops.layernorm_bwd(dy, x, mu, rsigma, gamma, **kw)
+
+
+OPTIONS = [(False, False, False), (True, True, True), (False, True, False)]
+
+
+@pytest.mark.parametrize("device", [CUDA_PARAM])
+@pytest.mark.parametrize("shape, dtype", SHAPES)
+@pytest.mark.parametrize("rms, dresidual, zero_centered", OPTIONS)
+def test_batched_backward_equals_the_old_kernel(device, shape, dtype, rms, dresidual,
+                                                zero_centered):  # fmt: skip
+    args = _inputs(shape, dtype, rms, dresidual, zero_centered)
+    with kernel_switch("NORM_BWD_BATCHED", False):
+        want = _backward(args, rms, zero_centered)
+    with kernel_switch("NORM_BWD_BATCHED", True):
+        got = _backward(args, rms, zero_centered)
+        again = _backward(args, rms, zero_centered)
+    for name, g, a, w in zip(("dx", "dgamma", "dbeta"), got, again, want, strict=False):
+        assert_bitwise_equal(g, w, f"{name} vs the old kernel")
+        assert_bitwise_equal(a, g, f"{name} on repeat")
+
+
+def test_switch_sets_and_restores():
+    before = switch_on("NORM_BWD_BATCHED")  # off unless GRAPHFP8_NORM_BWD_BATCHED=1
+    with kernel_switch("NORM_BWD_BATCHED", not before):
+        assert switch_on("NORM_BWD_BATCHED") is not before
+    assert switch_on("NORM_BWD_BATCHED") is before
+    with pytest.raises(RuntimeError, match="no kernel switch named"):
+        with kernel_switch("NO_SUCH_SWITCH"):
+            pass
