@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 from graphfp8.fp8 import scaling
 from graphfp8.graphs.capture_checks import check_inputs_alias, check_no_hooks
 from graphfp8.graphs.compiled import compile_set_aside
+from graphfp8.graphs.contexts import saved_storages
 from graphfp8.graphs.discover import adopt_outside_leaves, closure_modules, next_sequence_nr
 from graphfp8.graphs.grads import GradAccumulator, GradFold
 from graphfp8.graphs.lifecycle import check_not_captured
@@ -89,11 +90,13 @@ class Sample:
 
 @dataclass
 class Forward:
-    """A captured forward: its graph and the static outputs it writes."""
+    """A captured forward: its graph, the static outputs it writes, and the storages of the
+    tensors it saved for its backward (contexts.saved_storages)."""
 
     graph: object
     outputs: list[torch.Tensor]
     out_spec: object
+    saved: set[int]
 
 
 @dataclass
@@ -188,7 +191,7 @@ def capture_forwards(samples: list[Sample], arenas, session: CaptureSession,
         graph = session.new_graph()
         capture.arenas = used = {}
         since = next_sequence_nr()
-        with session.recording(), graph.capture(session.pool):
+        with session.recording(), graph.capture(session.pool), saved_storages() as saved:
             if i == 0 and session.fp8_enabled:
                 scaling.update_(fwd_arenas, session.fp8_group)
             outputs, out_spec = s.call()
@@ -198,7 +201,7 @@ def capture_forwards(samples: list[Sample], arenas, session: CaptureSession,
                 "a callable must run the same modules every time"
             )
         adopt_outside_leaves(s, outputs, since)
-        forwards.append(Forward(graph, outputs, out_spec))
+        forwards.append(Forward(graph, outputs, out_spec, saved))
     return forwards
 
 

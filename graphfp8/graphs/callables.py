@@ -100,6 +100,7 @@ def make_graphed_callables(
     .. warning:: With fp8_weight_caching, is_first_microbatch=True after every optimizer step.
     .. warning:: Another training mode than captured runs the module eagerly (torch's rule).
     .. warning:: Call it in the torch.autocast state it was captured in.
+    .. warning:: No in-place writes into an output its backward reads; no checkpoint around it.
     .. warning:: Capture first, then torch.compile around the graphed callables.
     """
     just_one, callables, sample_args, sample_kwargs = _normalize(callables, sample_args,
@@ -217,6 +218,7 @@ def _runner(s: Sample, fwd, bwd, graphs, flag, autocast: AutocastState,
     # Its AccumulateGrad node: a backward that will not run it asks for a subset of gradients.
     node = anchor.view_as(anchor).grad_fn.next_functions[0][0] if anchor.requires_grad else None
     spec = InputSpec.of(s.static_inputs, s.kwarg_names, s.alias_of)
+    read_back = _read_back(s, fwd, spec)
     expects = any(g is not None for g in bwd.grad_outputs) and (
         anchor.requires_grad or any(t.requires_grad for t in s.static_inputs)
     )
@@ -228,9 +230,18 @@ def _runner(s: Sample, fwd, bwd, graphs, flag, autocast: AutocastState,
         storages=storages_of(s.static_inputs), chained=chained,
         params=tuple(s.params), param_names=tuple(s.param_names), fwd_graph=fwd.graph,
         bwd_graph=bwd.graph, static_outputs=fwd.outputs, out_spec=fwd.out_spec,
+        read_back=[t for _, t in read_back], read_back_names=tuple(n for n, _ in read_back),
         static_grad_outputs=bwd.grad_outputs, static_grad_inputs=bwd.grad_inputs,
         accumulator=bwd.accumulator, expects_grad=expects, grad_anchor=anchor, anchor_node=node,
     )  # fmt: skip
+
+
+def _read_back(s: Sample, fwd, spec: InputSpec) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the static outputs and inputs whose storage the captured forward saved
+    for its backward (graphs/contexts.saved_storages)."""
+    named = [(f"output {j}", o) for j, o in enumerate(fwd.outputs)]
+    named += [(f"argument {i}", s.static_inputs[i]) for i in spec.copies]
+    return [(n, t) for n, t in named if t.numel() and t.untyped_storage().data_ptr() in fwd.saved]
 
 
 def _wrap(func, runner: GraphedRunner, replace_forward: bool = True):

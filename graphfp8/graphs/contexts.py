@@ -1,5 +1,6 @@
 """The context managers the capture phases run under: FP8 state and RNG restored, garbage
-collection paused, torch.autocast's cast cache off, the side stream that warms up and captures."""
+collection paused, torch.autocast's cast cache off, the side stream that warms up and captures,
+and the record of what a captured forward saves for its backward."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from graphfp8.fp8 import scaling
 from graphfp8.graphs.backends import capture_stream
 
-__all__ = ["autocast_cache_off", "fp8_and_rng_preserved", "gc_paused", "side_stream"]
+__all__ = ["autocast_cache_off", "fp8_and_rng_preserved", "gc_paused", "saved_storages",
+           "side_stream"]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -67,6 +69,23 @@ def autocast_cache_off():
         yield
     finally:
         torch.set_autocast_cache_enabled(enabled)
+
+
+@contextlib.contextmanager
+def saved_storages():
+    """Yields the set of the storages (data pointers) of every plain tensor that autograd saves
+    for backward inside the block: the static buffers among them are read by the captured
+    backward, so a write into them between a replay's forward and its backward changes the
+    gradients (eager autograd refuses such a backward; graphs/runner.py does the same)."""
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if type(t) is torch.Tensor and t.numel():
+            seen.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
 
 
 @contextlib.contextmanager

@@ -79,7 +79,7 @@ def make_graphed_microbatch(
     .. warning:: Batches keep the captured structure, shapes, dtypes and device.
     .. warning:: The model keeps its parameters, buffers, storage, requires_grad; no hooks.
     .. warning:: The model stays in the training mode it was captured in.
-    .. warning:: Call it in the torch.autocast state it was captured in.
+    .. warning:: Call it in the torch.autocast state it was captured in, with grad enabled.
     .. warning:: Call it outside fp8_autocast: it carries its own FP8 settings.
     .. warning:: With fp8_weight_caching, is_first_microbatch=True after every optimizer step.
     .. warning:: Gradients are folded into .grad inside the graph: parameter hooks (DDP's) never

@@ -94,6 +94,9 @@ class GraphedRunner:
         param_names: a name per parameter, for messages.
         fwd_graph, bwd_graph: the two graphs (graphs/backends.py).
         static_outputs: flat output tensors the forward graph writes; out_spec rebuilds them.
+        read_back: the static outputs and inputs that the captured backward reads (saved for
+            backward at capture), with their names: a write into one between a call and its
+            backward is refused, as eager autograd refuses it.
         static_grad_outputs: one buffer per output that requires grad (None otherwise).
         static_grad_inputs: one gradient per input position; None where there is none.
         accumulator: the parameter gradients' fold into .grad (graphs/grads.py), or None.
@@ -121,6 +124,8 @@ class GraphedRunner:
     bwd_graph: object
     static_outputs: list[torch.Tensor]
     out_spec: object
+    read_back: list[torch.Tensor]
+    read_back_names: tuple[str, ...]
     static_grad_outputs: list[torch.Tensor | None]
     static_grad_inputs: list[torch.Tensor | None]
     accumulator: object
@@ -136,6 +141,14 @@ class GraphedRunner:
         if self.graphs.closed:
             raise RuntimeError(
                 f"{self.name}: reset() released its graphs; call make_graphed_callables again"
+            )
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                f"{self.name}: called inside a backward pass (the recompute of activation "
+                "checkpointing, torch.utils.checkpoint, or a hook). A graph keeps its activations "
+                "in its static buffers, so checkpointing it saves no memory, and the recompute "
+                "would replay its forward (with its FP8 scale update) a second time for one "
+                "backward. Call the graphed callable outside checkpoint"
             )
         self.graphs.check_fp8_region(self)
         self.autocast.check(self.name)
@@ -215,6 +228,25 @@ class GraphedRunner:
         with nvtx_range("replay-forward"):
             self.fwd_graph.replay()
 
+    def versions(self) -> tuple[int, ...]:
+        """The version counters of read_back, as a forward replay leaves them."""
+        return tuple(t._version for t in self.read_back)
+
+    def check_versions(self, versions: tuple[int, ...]) -> None:
+        """Raises before a backward replay if the caller wrote into a static tensor that it
+        reads since the forward (`out.mul_(2)` of an output the backward reads)."""
+        now = self.versions()
+        if now == versions:
+            return
+        names = [n for n, a, b in zip(self.read_back_names, versions, now, strict=True) if a != b]
+        raise RuntimeError(
+            f"{self.name}: {', '.join(names)} of the call was modified by an in-place operation "
+            "before its backward, and the captured backward reads it (eager autograd refuses "
+            "this backward too: 'one of the variables needed for gradient computation has been "
+            "modified by an inplace operation'). Modify a clone (out = out.clone()), or run the "
+            "backward first"
+        )
+
     def replay_backward(self, grads) -> tuple:
         for static, given in zip(self.static_grad_outputs, grads, strict=True):
             if static is not None and given is not None and static.data_ptr() != given.data_ptr():
@@ -243,5 +275,5 @@ class GraphedRunner:
             if g is not None:
                 g.release()
         for buffers in (self.static_inputs, self.static_outputs, self.static_grad_outputs,
-                        self.static_grad_inputs):  # fmt: skip
+                        self.static_grad_inputs, self.read_back):  # fmt: skip
             buffers.clear()

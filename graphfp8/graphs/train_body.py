@@ -104,6 +104,12 @@ class StaticBatch:
         for i, (g, s) in enumerate(zip(given, self.tensors, strict=True)):
             if g is s:  # the static buffer itself (filled in place): nothing to check or copy
                 continue
+            if g.requires_grad:
+                raise ValueError(
+                    f"{self.name}: batch tensor {i} requires grad, but the graph computes the "
+                    "parameters' gradients only (eager code would give it a .grad); pass it "
+                    "detached (t.detach())"
+                )
             if g.shape != s.shape or g.dtype != s.dtype or g.device != s.device:
                 raise ValueError(
                     f"{self.name}: batch tensor {i} is {_tensor_text(g)}, but the graph was "
@@ -163,13 +169,20 @@ class TrainBody:
         return ReplayGuard(self.name, list(self.model.modules()), names, [], recapture)
 
     def check_call(self) -> None:
-        """Outside fp8_autocast (the graph carries its own FP8 state), in the captured mode and
-        torch.autocast state."""
+        """Outside fp8_autocast (the graph carries its own FP8 state), with grad enabled, in the
+        captured mode and torch.autocast state."""
         if STATE.enabled and STATE.capture is None:
             raise RuntimeError(
                 f"{self.name}: the graph carries its own FP8 state and scale updates; call it "
                 "outside fp8_autocast (its fp8_enabled / fp8_recipe / fp8_group are fixed at "
                 "capture)"
+            )
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{self.name}: called under torch.no_grad() or torch.inference_mode(); the graph "
+                "trains (a backward into .grad with its FP8 scale update; a step graph also "
+                "steps the optimizer), which the eager code cannot do in that mode. Evaluate "
+                "eagerly (the model under torch.no_grad()), or call it with grad enabled"
             )
         if self.model.training != self.training:
             mode = "train" if self.training else "eval"
