@@ -18,7 +18,12 @@ from graphfp8.graphs.callable_phases import (
     prepare,
     warmup,
 )
-from graphfp8.graphs.capture_checks import check_distinct, check_no_hooks, check_options
+from graphfp8.graphs.capture_checks import (
+    check_distinct,
+    check_grad_mode,
+    check_no_hooks,
+    check_options,
+)
 from graphfp8.graphs.compiled import check_not_compiled, opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in, unique
 from graphfp8.graphs.function import GraphedFunction
@@ -114,6 +119,7 @@ def make_graphed_callables(
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     funcs = [callables[i] for i in layout.callable_of]
     samples, device = prepare(funcs, sample_args, sample_kwargs)
+    check_grad_mode(_NAME, any(t.requires_grad for s in samples for t in s.grad_inputs()))
     autocast = AutocastState(device)
     caching = fp8_enabled and fp8_weight_caching
     flag = WeightCacheFlag(torch.zeros(1, device=device) if caching else None, fp8_enabled,

@@ -10,8 +10,8 @@ from torch import nn
 from graphfp8.fp8.recipe import check_recipe
 from graphfp8.graphs.replay_guard import hook_dicts, tensor_hooks
 
-__all__ = ["check_distinct", "check_inputs_alias", "check_no_hooks", "check_options",
-           "distinct_buffers"]  # fmt: skip
+__all__ = ["check_distinct", "check_grad_mode", "check_inputs_alias", "check_no_hooks",
+           "check_options", "distinct_buffers"]  # fmt: skip
 
 
 def check_options(name: str, num_warmup_iters, fp8_enabled: bool, fp8_recipe,
@@ -32,6 +32,18 @@ def check_options(name: str, num_warmup_iters, fp8_enabled: bool, fp8_recipe,
             "stayed 1.0)"
         )
     check_recipe(fp8_recipe, f"{name}: fp8_recipe")
+
+
+def check_grad_mode(name: str, needs_backward: bool) -> None:
+    """Raises if the capture needs a backward (something requires grad) but grad is disabled
+    (torch.no_grad(), inference_mode()): the graphs hold the backward, which autograd cannot
+    record there. Forward-only captures (nothing requires grad) are fine under no_grad."""
+    if needs_backward and not torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}: captured under torch.no_grad() or torch.inference_mode(), but its "
+            "graphs hold a backward (parameters or sample inputs require grad), which autograd "
+            "cannot record there. Capture with grad enabled"
+        )
 
 
 def check_distinct(callables) -> None:

@@ -186,3 +186,47 @@ def test_another_hyperparameter_than_the_learning_rate_says_to_recapture(device)
     opt.param_groups[0]["weight_decay"] = 0.0
     with pytest.raises(RuntimeError, match=r"'weight_decay' changed .* capture the step again"):
         step((x, torch.randn(2, T, 2 * H, device=device)))
+
+
+# Captures the entry points cannot hold ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", ["callables", "microbatch", "step"])
+def test_a_capture_under_no_grad_that_needs_a_backward_says_so(device, entry):
+    """make_graphed_callables failed with a bare StopIteration, the others named the loss."""
+    model = build("LayerNormMLP", device=device)
+    x = torch.randn(2, T, H, dtype=torch.bfloat16, device=device)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"captured under torch.no_grad\(\)"):
+        if entry == "callables":
+            g8.make_graphed_callables(model, (x[0].clone().requires_grad_(),), **FP8)
+        elif entry == "microbatch":
+            g8.make_graphed_microbatch(model, _mse, (x[0], x[1]))
+        else:
+            g8.make_graphed_step(model, _mse, adamw(model.parameters(), device), (x, x), 2)
+
+
+def test_a_forward_only_capture_under_no_grad_equals_eager(device):
+    eager = build("LayerNormMLP", device=device).requires_grad_(False)
+    model = copy.deepcopy(eager)
+    with torch.no_grad():
+        g = g8.make_graphed_callables(model, (_x(device, False),), **FP8)
+    for mb in range(2):
+        x = _x(device, False)
+        with torch.no_grad(), g8.fp8_autocast(recipe=RECIPE):
+            want = eager(x, is_first_microbatch=mb == 0)
+        assert_bitwise_equal(g(x, is_first_microbatch=mb == 0), want, f"mb {mb}")
+
+
+@pytest.mark.parametrize("entry", ["microbatch", "step"])
+def test_a_model_holding_a_graphed_callable_is_refused(device, entry):
+    """Its capture would record a replay inside another capture; the error came from the inner
+    callable's input check, from the warmup."""
+    inner = build("LayerNormMLP", device=device)
+    g8.make_graphed_callables(inner, (_x(device),), **FP8)
+    model = nn.Sequential(inner)
+    x = torch.randn(2, T, H, dtype=torch.bfloat16, device=device)
+    with pytest.raises(RuntimeError, match=rf"make_graphed_{entry}: the model contains LayerNorm"):
+        if entry == "microbatch":
+            g8.make_graphed_microbatch(model, _mse, (x[0], x[1]))
+        else:
+            g8.make_graphed_step(model, _mse, adamw(model.parameters(), device), (x, x), 2)
