@@ -21,7 +21,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from graphfp8.fp8 import scaling
-from graphfp8.graphs.capture_checks import check_inputs_alias, check_no_hooks
+from graphfp8.graphs.capture_checks import (
+    check_inputs_alias,
+    check_no_data_parallel,
+    check_no_hooks,
+)
 from graphfp8.graphs.compiled import compile_set_aside
 from graphfp8.graphs.contexts import saved_storages
 from graphfp8.graphs.discover import adopt_outside_leaves, closure_modules, next_sequence_nr
@@ -130,11 +134,13 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
         if isinstance(func, nn.Module):
             modules = list(func.modules())
             check_not_captured(name, modules)
+            check_no_data_parallel(name, modules)
             named = list(func.named_parameters())
             check_no_hooks(name, modules, [p for _, p in named], [n for n, _ in named])
         else:
             closure = closure_modules(func)
             check_not_captured(name, [m for c in closure for m in c.modules()])
+            check_no_data_parallel(name, [m for c in closure for m in c.modules()])
         alias_of = check_inputs_alias(name, flat)
         flat = _leaf_aliases(flat, alias_of)
         samples.append(Sample(j, name, func, flat, list(kwargs), alias_of, [p for _, p in named],

@@ -10,8 +10,14 @@ from torch import nn
 from graphfp8.fp8.recipe import check_recipe
 from graphfp8.graphs.replay_guard import hook_dicts, tensor_hooks
 
-__all__ = ["check_distinct", "check_grad_mode", "check_inputs_alias", "check_no_hooks",
-           "check_options", "distinct_buffers"]  # fmt: skip
+__all__ = ["check_distinct", "check_grad_mode", "check_inputs_alias", "check_no_data_parallel",
+           "check_no_hooks", "check_options", "distinct_buffers", "inside_ddp_forward"]  # fmt: skip
+
+_DDP_ADVICE = (
+    "a graph folds the gradients into .grad inside itself, so DDP's (or FSDP's) gradient hooks "
+    "never run. Capture the plain module and average the gradients with "
+    "graphfp8.distributed.allreduce_gradients once per step (make_graphed_step: process_group=)"
+)
 
 
 def check_options(name: str, num_warmup_iters, fp8_enabled: bool, fp8_recipe,
@@ -44,6 +50,32 @@ def check_grad_mode(name: str, needs_backward: bool) -> None:
             "graphs hold a backward (parameters or sample inputs require grad), which autograd "
             "cannot record there. Capture with grad enabled"
         )
+
+
+def _data_parallel_types() -> tuple[type, ...]:
+    kinds: list[type] = [nn.parallel.DistributedDataParallel]
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        kinds += [FullyShardedDataParallel, FSDPModule]
+    return tuple(kinds)
+
+
+def check_no_data_parallel(name: str, modules) -> None:
+    """Raises if a module to capture is (or holds) a DistributedDataParallel or FSDP wrapper."""
+    kinds = _data_parallel_types()
+    found = sorted({type(m).__name__ for m in modules if isinstance(m, kinds)})
+    if found:
+        raise RuntimeError(f"{name}: cannot capture {found[0]}: {_DDP_ADVICE}")
+
+
+def inside_ddp_forward(name: str) -> None:
+    """Raises if a replay is called from inside a DistributedDataParallel forward (DDP(model)
+    around graphed blocks): DDP would wait for gradients its hooks never see (torch reports
+    unused parameters at the next step)."""
+    if getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None) is not None:
+        raise RuntimeError(f"{name}: called inside DistributedDataParallel's forward; "
+                           f"{_DDP_ADVICE}")  # fmt: skip
 
 
 def check_distinct(callables) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from graphfp8.graphs.capture_checks import inside_ddp_forward
 from graphfp8.profiling import nvtx_range
 
 __all__ = ["GraphedRunner", "InputSpec", "copy_inputs", "storages_of"]
@@ -152,6 +153,7 @@ class GraphedRunner:
             )
         self.graphs.check_fp8_region(self)
         self.autocast.check(self.name)
+        inside_ddp_forward(self.name)
         spec = self.spec
         if kwargs or spec.kwarg_names:
             if sorted(kwargs) != sorted(spec.kwarg_names):

@@ -18,7 +18,12 @@ from torch import nn
 
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.autocast import STATE
-from graphfp8.graphs.capture_checks import check_grad_mode, check_no_hooks, distinct_buffers
+from graphfp8.graphs.capture_checks import (
+    check_grad_mode,
+    check_no_data_parallel,
+    check_no_hooks,
+    distinct_buffers,
+)
 from graphfp8.graphs.lifecycle import check_not_captured
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names
 from graphfp8.graphs.runner import copy_inputs, needs_copy, storages_of
@@ -159,6 +164,7 @@ class TrainBody:
         named = list(model.named_parameters())
         check_no_hooks(name, list(model.modules()), [p for _, p in named], [n for n, _ in named])
         check_not_captured("the model", model.modules(), name)
+        check_no_data_parallel(name, model.modules())
         check_grad_mode(name, True)
         self.training = model.training  # the mode the graph is captured in
         self.autocast = AutocastState(self.device)  # and the torch.autocast state
