@@ -86,7 +86,8 @@ def opaque_to_dynamo(replay: Callable) -> Callable:
     opaque = torch.compiler.disable(
         replay,
         recursive=True,
-        reason="graphfp8: a graphed callable replays captured graphs, which torch.compile runs "
+        reason="graphfp8: a graphed callable (microbatch, step) replays captured graphs, which "
+        "torch.compile runs "
         "as one opaque call between the graphs it compiles around it, so fullgraph=True cannot "
         "hold it. Compile without fullgraph=True (the code before and after the graphed "
         "callable is still compiled), or compile only the code between graphed callables",

@@ -20,6 +20,7 @@ import torch
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.recipe import DelayedScaling, Recipe
 from graphfp8.graphs.capture_checks import check_options
+from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
 from graphfp8.graphs.grads import GradFold
 from graphfp8.graphs.session import CaptureSession
@@ -136,6 +137,7 @@ class GraphedMicrobatch:
         self.loss = loss
         self.params = body.grad_params
 
+    @opaque_to_dynamo  # one opaque call inside torch.compile'd code, as a graphed callable
     def __call__(self, batch, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """Runs forward, loss and backward of `batch` and accumulates the gradients into
         `.grad`. Returns the loss / num_microbatches (static 0-d device tensor)."""

@@ -36,6 +36,7 @@ from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.recipe import DelayedScaling, Recipe
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.graphs.capture_checks import check_options
+from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_optim import OptimizerGuard, TrainingSnapshot, check_optimizer
@@ -271,6 +272,7 @@ class GraphedStep:
         # Where the parameters' .grad stand, in one C++ pass (graphs/grads.py).
         self._grads_attached = _C.GradWatch(self.params, self.grads).state
 
+    @opaque_to_dynamo  # one opaque call inside torch.compile'd code, as a graphed callable
     def __call__(self, batch) -> torch.Tensor:
         """Runs one optimizer step on `batch` (same structure as the sample batch). Returns the
         loss (static 0-d float32 device tensor)."""

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import graphfp8 as g8
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import assert_unchanged, compare_models, snapshot
-from tests.graphs.step_common import adamw
+from tests.graphs.step_common import adamw, compare_step, compare_training_state, eager_step
 from tests.modules.common import H, T, build
 
 RECIPE = g8.DelayedScaling(amax_history_len=4)
@@ -230,3 +230,33 @@ def test_a_model_holding_a_graphed_callable_is_refused(device, entry):
             g8.make_graphed_microbatch(model, _mse, (x[0], x[1]))
         else:
             g8.make_graphed_step(model, _mse, adamw(model.parameters(), device), (x, x), 2)
+
+
+@pytest.mark.parametrize("entry", ["microbatch", "step"])
+def test_torch_compile_around_a_microbatch_or_step_call_is_one_opaque_call(entry):
+    """As a graphed callable's: dynamo traced into the checks and the replay (warning about the
+    graphfp8._C functions it cannot trace; fullgraph=True failed there); eager's bits."""
+    eager = build("LayerNormMLP")
+    model = copy.deepcopy(eager)
+    x = torch.randn(2, T, H, dtype=torch.bfloat16)
+    opt_e, opt_g = adamw(eager.parameters(), "cpu"), adamw(model.parameters(), "cpu")
+    if entry == "step":
+        g = g8.make_graphed_step(model, _mse, opt_g, (x, x.clone()), 2, **FP8)
+    else:
+        g = g8.make_graphed_microbatch(model, _mse, (x[0], x[1]), **FP8)
+    batch = (torch.randn_like(x), torch.randn_like(x))
+    given = batch if entry == "step" else (batch[0][0], batch[1][0])
+    full = torch.compile(lambda b: g(b) * 1.0, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="without fullgraph=True"):  # nothing ran
+        full(given)
+    got = torch.compile(lambda b: g(b) * 1.0, backend="eager")(given)
+    if entry == "step":
+        compare_step(g, eager_step(eager, _mse, opt_e, batch, 2), "the step")
+        compare_training_state(eager, model, opt_e, opt_g, "after the step")
+        return
+    with g8.fp8_autocast(recipe=RECIPE):
+        out = eager(batch[0][0], is_first_microbatch=True)
+    want = _mse(out, batch[1][0])
+    want.backward()
+    assert_bitwise_equal(got, want.detach(), "loss")
+    compare_models(eager, model, "after the call")
