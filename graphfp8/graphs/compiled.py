@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["check_not_compiled", "compile_set_aside", "opaque_to_dynamo"]
+__all__ = ["check_model_not_compiled", "check_not_compiled", "compile_set_aside",
+           "opaque_to_dynamo"]  # fmt: skip
 
 _ORDER = (
     "capture the plain module and compile around the graphed callable instead: "
@@ -61,6 +62,18 @@ def check_not_compiled(callables) -> None:
                 f"make_graphed_callables: graphed callable {i} is {what}; graphing compiled code "
                 f"is not supported: {_ORDER}"
             )
+
+
+def check_model_not_compiled(name: str, model: nn.Module) -> None:
+    """make_graphed_microbatch / make_graphed_step: the same rule for the model (their capture
+    would replay eager ops on the CPU tape, inductor's kernels in a CUDA graph)."""
+    what = _compiled_part(model)
+    if what is not None:
+        raise TypeError(
+            f"{name}: the model is {what}; graphing compiled code is not supported: capture "
+            "the plain model, and torch.compile the code around the graph's call if you like "
+            "(dynamo runs the call as one opaque call)"
+        )
 
 
 @contextlib.contextmanager

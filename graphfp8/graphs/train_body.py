@@ -24,6 +24,7 @@ from graphfp8.graphs.capture_checks import (
     check_no_hooks,
     distinct_buffers,
 )
+from graphfp8.graphs.compiled import check_model_not_compiled
 from graphfp8.graphs.lifecycle import check_not_captured
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names
 from graphfp8.graphs.runner import copy_inputs, needs_copy, storages_of
@@ -164,6 +165,7 @@ class TrainBody:
         named = list(model.named_parameters())
         check_no_hooks(name, list(model.modules()), [p for _, p in named], [n for n, _ in named])
         check_not_captured("the model", model.modules(), name)
+        check_model_not_compiled(name, model)
         check_no_data_parallel(name, model.modules())
         check_grad_mode(name, True)
         self.training = model.training  # the mode the graph is captured in

@@ -260,3 +260,16 @@ def test_torch_compile_around_a_microbatch_or_step_call_is_one_opaque_call(entry
     want.backward()
     assert_bitwise_equal(got, want.detach(), "loss")
     compare_models(eager, model, "after the call")
+
+
+@pytest.mark.parametrize("entry", ["microbatch", "step"])
+def test_a_compiled_model_is_refused_as_by_make_graphed_callables(entry):
+    """One rule for the three entry points (capture first, compile around); the microbatch and
+    step graphs took a torch.compile'd model."""
+    model = torch.compile(build("LayerNormMLP"), backend="eager")
+    x = torch.randn(2, T, H, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=rf"make_graphed_{entry}: the model is a torch.compile'd"):
+        if entry == "microbatch":
+            g8.make_graphed_microbatch(model, _mse, (x[0], x[1]))
+        else:
+            g8.make_graphed_step(model, _mse, adamw(model.parameters(), "cpu"), (x, x), 2)
