@@ -21,8 +21,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from graphfp8.fp8 import scaling
-from graphfp8.graphs.capture_checks import check_inputs_alias, check_no_hooks
+from graphfp8.graphs.capture_checks import (
+    check_inputs_alias,
+    check_no_data_parallel,
+    check_no_hooks,
+)
 from graphfp8.graphs.compiled import compile_set_aside
+from graphfp8.graphs.contexts import saved_storages
 from graphfp8.graphs.discover import adopt_outside_leaves, closure_modules, next_sequence_nr
 from graphfp8.graphs.grads import GradAccumulator, GradFold
 from graphfp8.graphs.lifecycle import check_not_captured
@@ -89,11 +94,13 @@ class Sample:
 
 @dataclass
 class Forward:
-    """A captured forward: its graph and the static outputs it writes."""
+    """A captured forward: its graph, the static outputs it writes, and the storages of the
+    tensors it saved for its backward (contexts.saved_storages)."""
 
     graph: object
     outputs: list[torch.Tensor]
     out_spec: object
+    saved: set[int]
 
 
 @dataclass
@@ -127,11 +134,13 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
         if isinstance(func, nn.Module):
             modules = list(func.modules())
             check_not_captured(name, modules)
+            check_no_data_parallel(name, modules)
             named = list(func.named_parameters())
             check_no_hooks(name, modules, [p for _, p in named], [n for n, _ in named])
         else:
             closure = closure_modules(func)
             check_not_captured(name, [m for c in closure for m in c.modules()])
+            check_no_data_parallel(name, [m for c in closure for m in c.modules()])
         alias_of = check_inputs_alias(name, flat)
         flat = _leaf_aliases(flat, alias_of)
         samples.append(Sample(j, name, func, flat, list(kwargs), alias_of, [p for _, p in named],
@@ -188,7 +197,7 @@ def capture_forwards(samples: list[Sample], arenas, session: CaptureSession,
         graph = session.new_graph()
         capture.arenas = used = {}
         since = next_sequence_nr()
-        with session.recording(), graph.capture(session.pool):
+        with session.recording(), graph.capture(session.pool), saved_storages() as saved:
             if i == 0 and session.fp8_enabled:
                 scaling.update_(fwd_arenas, session.fp8_group)
             outputs, out_spec = s.call()
@@ -198,7 +207,7 @@ def capture_forwards(samples: list[Sample], arenas, session: CaptureSession,
                 "a callable must run the same modules every time"
             )
         adopt_outside_leaves(s, outputs, since)
-        forwards.append(Forward(graph, outputs, out_spec))
+        forwards.append(Forward(graph, outputs, out_spec, saved))
     return forwards
 
 

@@ -18,15 +18,21 @@ from graphfp8.graphs.callable_phases import (
     prepare,
     warmup,
 )
-from graphfp8.graphs.capture_checks import check_distinct, check_no_hooks, check_options
+from graphfp8.graphs.capture_checks import (
+    check_distinct,
+    check_grad_mode,
+    check_no_hooks,
+    check_options,
+)
 from graphfp8.graphs.compiled import check_not_compiled, opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in, unique
 from graphfp8.graphs.function import GraphedFunction
 from graphfp8.graphs.lifecycle import CapturedGraphs, refuse_deepcopy, undone_on_failure
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names, owner_modules
-from graphfp8.graphs.runner import GraphedRunner, InputSpec
+from graphfp8.graphs.runner import GraphedRunner, InputSpec, storages_of
 from graphfp8.graphs.schedule import Layout
 from graphfp8.graphs.session import CaptureSession
+from graphfp8.graphs.torch_autocast import AutocastState
 from graphfp8.graphs.weight_flag import WeightCacheFlag
 from graphfp8.modules.base import FP8Module
 
@@ -98,6 +104,8 @@ def make_graphed_callables(
     .. warning:: Inside fp8_autocast, only with the capture's recipe, fp8_group, enabled flag.
     .. warning:: With fp8_weight_caching, is_first_microbatch=True after every optimizer step.
     .. warning:: Another training mode than captured runs the module eagerly (torch's rule).
+    .. warning:: Call it in the torch.autocast state it was captured in.
+    .. warning:: No in-place writes into an output its backward reads; no checkpoint around it.
     .. warning:: Capture first, then torch.compile around the graphed callables.
     """
     just_one, callables, sample_args, sample_kwargs = _normalize(callables, sample_args,
@@ -111,9 +119,11 @@ def make_graphed_callables(
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     funcs = [callables[i] for i in layout.callable_of]
     samples, device = prepare(funcs, sample_args, sample_kwargs)
+    check_grad_mode(_NAME, any(t.requires_grad for s in samples for t in s.grad_inputs()))
+    autocast = AutocastState(device)
     caching = fp8_enabled and fp8_weight_caching
     flag = WeightCacheFlag(torch.zeros(1, device=device) if caching else None, fp8_enabled,
-                           fp8_weight_caching)  # fmt: skip
+                           fp8_weight_caching, _NAME, "graphed callable")  # fmt: skip
     graphs = CapturedGraphs(layout, [s.name for s in samples], fp8_enabled, recipe, fp8_group,
                             device)  # fmt: skip
     chunks = [fp8_modules_in([m for j in layout.units[(c, 0)].runners for m in _trees(samples[j])])
@@ -126,7 +136,8 @@ def make_graphed_callables(
         session.freeze_arenas()
         built = _capture_units(samples, layout, session, allow_unused_input, chain)
         chained = _followers(layout) if chain else set()
-        runners = [_runner(s, *built[s.index], graphs, flag, s.index in chained) for s in samples]
+        runners = [_runner(s, *built[s.index], graphs, flag, autocast, s.index in chained)
+                   for s in samples]  # fmt: skip
     wrapped = [
         _wrap(f, r, replace_forward=not layout.explicit)
         for f, r in zip(funcs, runners, strict=True)
@@ -206,24 +217,37 @@ def _guard(s: Sample) -> ReplayGuard:
     return ReplayGuard(s.name, modules, module_names(roots), outside, _RECAPTURE)
 
 
-def _runner(s: Sample, fwd, bwd, graphs, flag, chained: bool) -> GraphedRunner:
+def _runner(s: Sample, fwd, bwd, graphs, flag, autocast: AutocastState,
+            chained: bool) -> GraphedRunner:  # fmt: skip
     """The frozen runner of a captured sample."""
     anchor = torch.empty(0, requires_grad=any(p.requires_grad for p in s.params))
     # Its AccumulateGrad node: a backward that will not run it asks for a subset of gradients.
     node = anchor.view_as(anchor).grad_fn.next_functions[0][0] if anchor.requires_grad else None
     spec = InputSpec.of(s.static_inputs, s.kwarg_names, s.alias_of)
+    read_back = _read_back(s, fwd, spec)
     expects = any(g is not None for g in bwd.grad_outputs) and (
         anchor.requires_grad or any(t.requires_grad for t in s.static_inputs)
     )
     return GraphedRunner(
         name=s.name, index=s.index, graphs=graphs, weight_cache_flag=flag, guard=_guard(s),
+        autocast=autocast,
         uses_fp8=bool(s.arenas) or any(isinstance(m, FP8Module) for m in s.modules), spec=spec,
-        static_inputs=s.static_inputs, copies=spec.copies, chained=chained,
+        static_inputs=s.static_inputs, copies=spec.copies,
+        storages=storages_of(s.static_inputs), chained=chained,
         params=tuple(s.params), param_names=tuple(s.param_names), fwd_graph=fwd.graph,
         bwd_graph=bwd.graph, static_outputs=fwd.outputs, out_spec=fwd.out_spec,
+        read_back=[t for _, t in read_back], read_back_names=tuple(n for n, _ in read_back),
         static_grad_outputs=bwd.grad_outputs, static_grad_inputs=bwd.grad_inputs,
         accumulator=bwd.accumulator, expects_grad=expects, grad_anchor=anchor, anchor_node=node,
     )  # fmt: skip
+
+
+def _read_back(s: Sample, fwd, spec: InputSpec) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the static outputs and inputs whose storage the captured forward saved
+    for its backward (graphs/contexts.saved_storages)."""
+    named = [(f"output {j}", o) for j, o in enumerate(fwd.outputs)]
+    named += [(f"argument {i}", s.static_inputs[i]) for i in spec.copies]
+    return [(n, t) for n, t in named if t.numel() and t.untyped_storage().data_ptr() in fwd.saved]
 
 
 def _wrap(func, runner: GraphedRunner, replace_forward: bool = True):

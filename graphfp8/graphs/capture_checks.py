@@ -10,7 +10,14 @@ from torch import nn
 from graphfp8.fp8.recipe import check_recipe
 from graphfp8.graphs.replay_guard import hook_dicts, tensor_hooks
 
-__all__ = ["check_distinct", "check_inputs_alias", "check_no_hooks", "check_options"]
+__all__ = ["check_distinct", "check_grad_mode", "check_inputs_alias", "check_no_data_parallel",
+           "check_no_hooks", "check_options", "distinct_buffers", "inside_ddp_forward"]  # fmt: skip
+
+_DDP_ADVICE = (
+    "a graph folds the gradients into .grad inside itself, so DDP's (or FSDP's) gradient hooks "
+    "never run. Capture the plain module and average the gradients with "
+    "graphfp8.distributed.allreduce_gradients once per step (make_graphed_step: process_group=)"
+)
 
 
 def check_options(name: str, num_warmup_iters, fp8_enabled: bool, fp8_recipe,
@@ -31,6 +38,44 @@ def check_options(name: str, num_warmup_iters, fp8_enabled: bool, fp8_recipe,
             "stayed 1.0)"
         )
     check_recipe(fp8_recipe, f"{name}: fp8_recipe")
+
+
+def check_grad_mode(name: str, needs_backward: bool) -> None:
+    """Raises if the capture needs a backward (something requires grad) but grad is disabled
+    (torch.no_grad(), inference_mode()): the graphs hold the backward, which autograd cannot
+    record there. Forward-only captures (nothing requires grad) are fine under no_grad."""
+    if needs_backward and not torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}: captured under torch.no_grad() or torch.inference_mode(), but its "
+            "graphs hold a backward (parameters or sample inputs require grad), which autograd "
+            "cannot record there. Capture with grad enabled"
+        )
+
+
+def _data_parallel_types() -> tuple[type, ...]:
+    kinds: list[type] = [nn.parallel.DistributedDataParallel]
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        kinds += [FullyShardedDataParallel, FSDPModule]
+    return tuple(kinds)
+
+
+def check_no_data_parallel(name: str, modules) -> None:
+    """Raises if a module to capture is (or holds) a DistributedDataParallel or FSDP wrapper."""
+    kinds = _data_parallel_types()
+    found = sorted({type(m).__name__ for m in modules if isinstance(m, kinds)})
+    if found:
+        raise RuntimeError(f"{name}: cannot capture {found[0]}: {_DDP_ADVICE}")
+
+
+def inside_ddp_forward(name: str) -> None:
+    """Raises if a replay is called from inside a DistributedDataParallel forward (DDP(model)
+    around graphed blocks): DDP would wait for gradients its hooks never see (torch reports
+    unused parameters at the next step)."""
+    if getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None) is not None:
+        raise RuntimeError(f"{name}: called inside DistributedDataParallel's forward; "
+                           f"{_DDP_ADVICE}")  # fmt: skip
 
 
 def check_distinct(callables) -> None:
@@ -92,6 +137,28 @@ def check_inputs_alias(name: str, inputs: list[torch.Tensor]) -> list[int]:
                 "those positions, or tensors that do not overlap"
             )
     return alias_of
+
+
+def distinct_buffers(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The static buffers of a sample batch: its tensors, except that one which is, or overlaps,
+    an earlier one (`(x, x)` as inputs and targets; `data[:, :-1], data[:, 1:]`) becomes a copy
+    of its own. A replay copies each caller's tensor into its buffer: buffers that share memory
+    would overwrite each other, and every later batch would be read as the last one copied."""
+    buffers: list[torch.Tensor] = []
+    for t in tensors:
+        if t.numel() and any(b is t or (_same_storage(b, t) and _overlap([b, t]))
+                             for b in buffers):  # fmt: skip
+            t = t.clone()
+        buffers.append(t)
+    return buffers
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.numel() > 0
+        and a.device == b.device
+        and (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    )
 
 
 def _overlap(views: list[torch.Tensor]) -> bool:

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["check_not_compiled", "compile_set_aside", "opaque_to_dynamo"]
+__all__ = ["check_model_not_compiled", "check_not_compiled", "compile_set_aside",
+           "opaque_to_dynamo"]  # fmt: skip
 
 _ORDER = (
     "capture the plain module and compile around the graphed callable instead: "
@@ -63,6 +64,18 @@ def check_not_compiled(callables) -> None:
             )
 
 
+def check_model_not_compiled(name: str, model: nn.Module) -> None:
+    """make_graphed_microbatch / make_graphed_step: the same rule for the model (their capture
+    would replay eager ops on the CPU tape, inductor's kernels in a CUDA graph)."""
+    what = _compiled_part(model)
+    if what is not None:
+        raise TypeError(
+            f"{name}: the model is {what}; graphing compiled code is not supported: capture "
+            "the plain model, and torch.compile the code around the graph's call if you like "
+            "(dynamo runs the call as one opaque call)"
+        )
+
+
 @contextlib.contextmanager
 def compile_set_aside():
     """Warmup and capture run torch.compile'd code reached through plain functions eagerly, so
@@ -86,7 +99,8 @@ def opaque_to_dynamo(replay: Callable) -> Callable:
     opaque = torch.compiler.disable(
         replay,
         recursive=True,
-        reason="graphfp8: a graphed callable replays captured graphs, which torch.compile runs "
+        reason="graphfp8: a graphed callable (microbatch, step) replays captured graphs, which "
+        "torch.compile runs "
         "as one opaque call between the graphs it compiles around it, so fullgraph=True cannot "
         "hold it. Compile without fullgraph=True (the code before and after the graphed "
         "callable is still compiled), or compile only the code between graphed callables",

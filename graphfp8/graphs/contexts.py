@@ -1,5 +1,6 @@
 """The context managers the capture phases run under: FP8 state and RNG restored, garbage
-collection paused, the side stream that warms up and captures."""
+collection paused, torch.autocast's cast cache off, the side stream that warms up and captures,
+and the record of what a captured forward saves for its backward."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from graphfp8.fp8 import scaling
 from graphfp8.graphs.backends import capture_stream
 
-__all__ = ["fp8_and_rng_preserved", "gc_paused", "side_stream"]
+__all__ = ["autocast_cache_off", "fp8_and_rng_preserved", "gc_paused", "saved_storages",
+           "side_stream"]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -52,6 +54,38 @@ def gc_paused(device):
     finally:
         if was_enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def autocast_cache_off():
+    """torch.autocast's cache of parameter casts off inside the block. Under torch.autocast a
+    parameter's low-precision cast is cached for the rest of the region: a capture inside that
+    region would hold the cast that warmup (or an earlier eager call) made, not a cast of its
+    own, and keep replaying that stale copy after the optimizer changed the parameter. Without
+    the cache every capture records its casts, which give the cached casts' bits."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
+@contextlib.contextmanager
+def saved_storages():
+    """Yields the set of the storages (data pointers) of every plain tensor that autograd saves
+    for backward inside the block: the static buffers among them are read by the captured
+    backward, so a write into them between a replay's forward and its backward changes the
+    gradients (eager autograd refuses such a backward; graphs/runner.py does the same)."""
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if type(t) is torch.Tensor and t.numel():
+            seen.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
 
 
 @contextlib.contextmanager

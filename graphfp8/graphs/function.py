@@ -24,6 +24,7 @@ class GraphedFunction(torch.autograd.Function):
     def forward(ctx, runner, expects_backward: bool, anchor, *inputs):
         ctx.runner = runner
         runner.replay_forward(inputs)
+        ctx.versions = runner.versions()
         runner.graphs.schedule.forward_done(runner.index, ctx if expects_backward else None)
         outs = tuple(o.detach() for o in runner.static_outputs)
         ctx.mark_non_differentiable(
@@ -40,6 +41,7 @@ class GraphedFunction(torch.autograd.Function):
                 f"{runner.name}: backward through outputs made before reset() released the graphs"
             )
         runner.graphs.schedule.check_backward(runner.index, ctx)
+        runner.check_versions(ctx.versions)
         grad_inputs = runner.replay_backward(grads)
         runner.graphs.schedule.backward_done(runner.index)
         return (None, None, None, *grad_inputs)

@@ -127,14 +127,20 @@ def _owner(module: nn.Module) -> CapturedGraphs | None:
     return None if ref is None else ref()
 
 
-def check_not_captured(name: str, modules) -> None:
+def check_not_captured(name: str, modules, entry: str = "make_graphed_callables") -> None:
     """Raises if one of `modules` replays the graphs of a live capture: capturing it would
-    record a replay inside another capture."""
+    record a replay inside another capture.
+
+    Args:
+        name: what is captured, for the message ("graphed callable 0 (Block)", "the model").
+        modules: its modules.
+        entry: the entry point that captures it.
+    """
     for m in modules:
         owner = _owner(m)
         if owner is not None and not owner.closed:
             raise RuntimeError(
-                f"make_graphed_callables: {name} contains {type(m).__name__}, which an earlier "
+                f"{entry}: {name} contains {type(m).__name__}, which an earlier "
                 "make_graphed_callables already captured (its forward replays that capture's "
                 "graphs). Call reset() on the earlier graphed callable to give it its eager "
                 "forward back, or capture a copy made before the first capture"

@@ -20,6 +20,7 @@ import torch
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.recipe import DelayedScaling, Recipe
 from graphfp8.graphs.capture_checks import check_options
+from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
 from graphfp8.graphs.grads import GradFold
 from graphfp8.graphs.session import CaptureSession
@@ -79,6 +80,7 @@ def make_graphed_microbatch(
     .. warning:: Batches keep the captured structure, shapes, dtypes and device.
     .. warning:: The model keeps its parameters, buffers, storage, requires_grad; no hooks.
     .. warning:: The model stays in the training mode it was captured in.
+    .. warning:: Call it in the torch.autocast state it was captured in, with grad enabled.
     .. warning:: Call it outside fp8_autocast: it carries its own FP8 settings.
     .. warning:: With fp8_weight_caching, is_first_microbatch=True after every optimizer step.
     .. warning:: Gradients are folded into .grad inside the graph: parameter hooks (DDP's) never
@@ -91,7 +93,7 @@ def make_graphed_microbatch(
     device = body.device
     caching = fp8_enabled and fp8_weight_caching
     flag = WeightCacheFlag(torch.zeros(1, device=device) if caching else None, fp8_enabled,
-                           fp8_weight_caching)  # fmt: skip
+                           fp8_weight_caching, _NAME, "graphed microbatch")  # fmt: skip
     # The snapshot: buffers that the forward updates (batch norm statistics).
     session = CaptureSession(device, fp8_enabled=fp8_enabled, recipe=recipe, fp8_group=fp8_group,
                              weight_cache_flag=flag.tensor, pool=pool,
@@ -135,6 +137,7 @@ class GraphedMicrobatch:
         self.loss = loss
         self.params = body.grad_params
 
+    @opaque_to_dynamo  # one opaque call inside torch.compile'd code, as a graphed callable
     def __call__(self, batch, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """Runs forward, loss and backward of `batch` and accumulates the gradients into
         `.grad`. Returns the loss / num_microbatches (static 0-d device tensor)."""

@@ -9,9 +9,33 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from graphfp8.graphs.capture_checks import inside_ddp_forward
 from graphfp8.profiling import nvtx_range
 
-__all__ = ["GraphedRunner", "InputSpec"]
+__all__ = ["GraphedRunner", "InputSpec", "copy_inputs", "storages_of"]
+
+
+def storages_of(tensors) -> frozenset[int]:
+    """The storages (data pointers) of static buffers, for copy_inputs."""
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors if t.numel())
+
+
+def copy_inputs(pairs: list[tuple[torch.Tensor, torch.Tensor]], storages: frozenset[int]) -> None:
+    """Copies each (given, static) pair's given tensor into its static buffer. When a given
+    tensor lives in a static buffer (one passed at another position), every given tensor is read
+    whole before anything is written: a buffer written first would change it."""
+    if len(pairs) > 1 and any(g.numel() and g.untyped_storage().data_ptr() in storages
+                              for g, _ in pairs):  # fmt: skip
+        pairs = [(g.clone(), s) for g, s in pairs]
+    for given, static in pairs:
+        static.copy_(given)
+
+
+def needs_copy(given: torch.Tensor, static: torch.Tensor) -> bool:
+    """Whether a replay must copy `given` into `static` (it is not that buffer, as laid out)."""
+    return given is not static and (
+        given.data_ptr() != static.data_ptr() or given.stride() != static.stride()
+    )
 
 
 def _tensor_text(t: torch.Tensor) -> str:
@@ -58,17 +82,22 @@ class GraphedRunner:
         graphs: the CapturedGraphs of its capture (schedule, FP8 settings, reset).
         weight_cache_flag: the is_first_microbatch device flag of its capture.
         guard: what it assumes about its modules (graphs/replay_guard.py).
+        autocast: the torch.autocast state of its capture (graphs/torch_autocast.py).
         uses_fp8: it runs FP8 modules (inside fp8_autocast it must match the region).
         spec: what every call must pass.
         static_inputs: the flat tensors the forward graph reads (args, then kwargs; positions
             that held one sample tensor hold one static tensor).
         copies: the positions replay_forward copies into (spec.copies).
+        storages: those of the static inputs (copy_inputs).
         chained: static input 0 is the previous callable's static output 0 (chain=True).
         params: the parameters whose gradients go through `accumulator`, not autograd: the
             module's own and those its outputs were found to depend on (graphs/discover.py).
         param_names: a name per parameter, for messages.
         fwd_graph, bwd_graph: the two graphs (graphs/backends.py).
         static_outputs: flat output tensors the forward graph writes; out_spec rebuilds them.
+        read_back: the static outputs and inputs that the captured backward reads (saved for
+            backward at capture), with their names: a write into one between a call and its
+            backward is refused, as eager autograd refuses it.
         static_grad_outputs: one buffer per output that requires grad (None otherwise).
         static_grad_inputs: one gradient per input position; None where there is none.
         accumulator: the parameter gradients' fold into .grad (graphs/grads.py), or None.
@@ -83,10 +112,12 @@ class GraphedRunner:
     graphs: object
     weight_cache_flag: object
     guard: object
+    autocast: object
     uses_fp8: bool
     spec: InputSpec
     static_inputs: list[torch.Tensor]
     copies: tuple[int, ...]
+    storages: frozenset[int]
     chained: bool
     params: tuple[torch.Tensor, ...]
     param_names: tuple[str, ...]
@@ -94,6 +125,8 @@ class GraphedRunner:
     bwd_graph: object
     static_outputs: list[torch.Tensor]
     out_spec: object
+    read_back: list[torch.Tensor]
+    read_back_names: tuple[str, ...]
     static_grad_outputs: list[torch.Tensor | None]
     static_grad_inputs: list[torch.Tensor | None]
     accumulator: object
@@ -110,7 +143,17 @@ class GraphedRunner:
             raise RuntimeError(
                 f"{self.name}: reset() released its graphs; call make_graphed_callables again"
             )
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                f"{self.name}: called inside a backward pass (the recompute of activation "
+                "checkpointing, torch.utils.checkpoint, or a hook). A graph keeps its activations "
+                "in its static buffers, so checkpointing it saves no memory, and the recompute "
+                "would replay its forward (with its FP8 scale update) a second time for one "
+                "backward. Call the graphed callable outside checkpoint"
+            )
         self.graphs.check_fp8_region(self)
+        self.autocast.check(self.name)
+        inside_ddp_forward(self.name)
         spec = self.spec
         if kwargs or spec.kwarg_names:
             if sorted(kwargs) != sorted(spec.kwarg_names):
@@ -139,7 +182,7 @@ class GraphedRunner:
                 )
         if len(flat) > 1:
             self._check_aliasing(flat)
-        if self.chained and flat[0].data_ptr() != self.static_inputs[0].data_ptr():
+        if self.chained and needs_copy(flat[0], self.static_inputs[0]):
             self._check_chain_input()
         self.guard.check()
         self.graphs.schedule.check_forward(self.index)
@@ -179,12 +222,32 @@ class GraphedRunner:
             )
 
     def replay_forward(self, flat_inputs) -> None:
-        for i in self.copies:
-            static, given = self.static_inputs[i], flat_inputs[i]
-            if static.data_ptr() != given.data_ptr():
-                static.copy_(given)
+        static = self.static_inputs
+        pairs = [(flat_inputs[i], static[i]) for i in self.copies
+                 if needs_copy(flat_inputs[i], static[i])]  # fmt: skip
+        if pairs:
+            copy_inputs(pairs, self.storages)
         with nvtx_range("replay-forward"):
             self.fwd_graph.replay()
+
+    def versions(self) -> tuple[int, ...]:
+        """The version counters of read_back, as a forward replay leaves them."""
+        return tuple(t._version for t in self.read_back)
+
+    def check_versions(self, versions: tuple[int, ...]) -> None:
+        """Raises before a backward replay if the caller wrote into a static tensor that it
+        reads since the forward (`out.mul_(2)` of an output the backward reads)."""
+        now = self.versions()
+        if now == versions:
+            return
+        names = [n for n, a, b in zip(self.read_back_names, versions, now, strict=True) if a != b]
+        raise RuntimeError(
+            f"{self.name}: {', '.join(names)} of the call was modified by an in-place operation "
+            "before its backward, and the captured backward reads it (eager autograd refuses "
+            "this backward too: 'one of the variables needed for gradient computation has been "
+            "modified by an inplace operation'). Modify a clone (out = out.clone()), or run the "
+            "backward first"
+        )
 
     def replay_backward(self, grads) -> tuple:
         for static, given in zip(self.static_grad_outputs, grads, strict=True):
@@ -214,5 +277,5 @@ class GraphedRunner:
             if g is not None:
                 g.release()
         for buffers in (self.static_inputs, self.static_outputs, self.static_grad_outputs,
-                        self.static_grad_inputs):  # fmt: skip
+                        self.static_grad_inputs, self.read_back):  # fmt: skip
             buffers.clear()

@@ -3,11 +3,13 @@ make_graphed_step run their own bodies in (docs/architecture.md, "Capture").
 
     with CaptureSession(device, ...) as session:     argument checks done (capture_checks.py)
         session.init_fp8(chunks)                     slots in fresh arenas, checked across ranks
-        with session.warmup(): ...                   side stream, FP8 capture state; FP8 state,
-                                                     RNG (and the snapshot, when given) put back
+        with session.warmup(): ...                   side stream, FP8 capture state, no autocast
+                                                     cache; FP8 state, RNG (and the snapshot,
+                                                     when given) put back
         session.freeze_arenas()                      the arenas warmup reached: checked, frozen
         with session.capture_phase():                FP8 state, RNG, snapshot put back after; no
-            with session.recording(), graph.capture(session.pool):  garbage collection inside
+            with session.recording(), graph.capture(session.pool):  garbage collection or
+                                                     autocast cache inside
                 ...
 
 On failure (any exception inside `with session:`) the arenas it froze are unfrozen; what else a
@@ -22,7 +24,12 @@ import torch
 
 from graphfp8.fp8.autocast import CaptureState, capture_state
 from graphfp8.graphs.backends import new_graph
-from graphfp8.graphs.contexts import fp8_and_rng_preserved, gc_paused, side_stream
+from graphfp8.graphs.contexts import (
+    autocast_cache_off,
+    fp8_and_rng_preserved,
+    gc_paused,
+    side_stream,
+)
 from graphfp8.graphs.fp8_init import freeze_arenas, init_fp8_modules
 from graphfp8.profiling import nvtx_range
 
@@ -76,7 +83,7 @@ class CaptureSession:
         """Eager iterations on the capture stream; their FP8, RNG and snapshot effects undone."""
         try:
             with fp8_and_rng_preserved(self.recipe, self.device), nvtx_range("warmup"):
-                with side_stream(self.device), self.recording():
+                with side_stream(self.device), self.recording(), autocast_cache_off():
                     yield
         finally:
             if self.snapshot is not None:
@@ -99,7 +106,7 @@ class CaptureSession:
             self.pool = torch.cuda.graph_pool_handle()
         try:
             with fp8_and_rng_preserved(self.recipe, self.device), gc_paused(self.device):
-                with nvtx_range("capture"):
+                with nvtx_range("capture"), autocast_cache_off():
                     yield
         finally:
             if self.snapshot is not None:

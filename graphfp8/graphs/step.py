@@ -29,12 +29,14 @@ import warnings
 
 import torch
 
+from graphfp8 import _C
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.recipe import DelayedScaling, Recipe
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.graphs.capture_checks import check_options
+from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_optim import OptimizerGuard, TrainingSnapshot, check_optimizer
@@ -122,6 +124,7 @@ def make_graphed_step(
     .. warning:: Batches keep the captured structure, shapes, dtypes and device.
     .. warning:: The model keeps its parameters, buffers, storage, requires_grad; no hooks.
     .. warning:: The model stays in the training mode it was captured in.
+    .. warning:: Call it in the torch.autocast state it was captured in, with grad enabled.
     .. warning:: The optimizer keeps its state and hyperparameters (tensor learning rates: fill_).
     .. warning:: Call it outside fp8_autocast: it carries its own FP8 settings.
     .. warning:: Capture holds a copy of the parameters, buffers and optimizer state.
@@ -251,7 +254,9 @@ class GraphedStep:
         grad_norm: 0-d device tensor, the last step's gradient norm before clipping (static), or
             None without max_grad_norm.
         params: the parameters that get a gradient, in the model's order.
-        grads: their `.grad` buffers (static): what the optimizer applied in the last step.
+        grads: their `.grad` buffers (static): what the optimizer applied in the last step; a
+            call puts them back as `.grad` after zero_grad(set_to_none=True) or a replaced
+            `.grad`.
         grads_before_clipping: copies of `grads` before clipping (keep_grads_before_clipping).
     """
 
@@ -264,7 +269,10 @@ class GraphedStep:
         self.loss, self.grad_norm = loss, grad_norm
         self.params = run.body.grad_params
         self.grads, self.grads_before_clipping = run.grads, run.grads_before_clipping
+        # Where the parameters' .grad stand, in one C++ pass (graphs/grads.py).
+        self._grads_attached = _C.GradWatch(self.params, self.grads).state
 
+    @opaque_to_dynamo  # one opaque call inside torch.compile'd code, as a graphed callable
     def __call__(self, batch) -> torch.Tensor:
         """Runs one optimizer step on `batch` (same structure as the sample batch). Returns the
         loss (static 0-d float32 device tensor)."""
@@ -273,6 +281,12 @@ class GraphedStep:
         self._optimizer_guard.check()
         given = self._body.batch.check(batch)
         self._body.batch.copy(given)
+        if self._grads_attached() != 0:
+            # zero_grad(set_to_none=True) or a .grad replaced since the last step: the graph
+            # writes its own buffers, so after this step .grad shows them again, not a stale
+            # tensor (what eager code leaves in .grad after backward is this step's gradient).
+            for p, g in zip(self.params, self.grads, strict=True):
+                p.grad = g
         with nvtx_range("replay-step"):
             self.launch_only()
         return self.loss

@@ -134,10 +134,15 @@ class OptimizerGuard:
                 if now is value:
                     continue
                 if isinstance(value, torch.Tensor) or isinstance(now, torch.Tensor) or now != value:
+                    advice = (
+                        "Change a learning rate in place (group['lr'].fill_(value), as torch's "
+                        "LR schedulers do)"
+                        if key == "lr"
+                        else "Put it back, or capture the step again with the new value"
+                    )
                     raise RuntimeError(
                         f"{self.name}: the optimizer's {key!r} changed after capture ({value!r} "
-                        f"-> {now!r}); the graph replays the captured one. Change a learning rate "
-                        "in place (group['lr'].fill_(value), as torch's LR schedulers do)"
+                        f"-> {now!r}); the graph replays the captured one. {advice}"
                     )
 
 

@@ -151,8 +151,12 @@ class ReplayTape:
         self.records: list[_Record] = []
 
     def replay(self) -> None:
-        for rec in self.records:
-            rec.replay()
+        # The records are the ops torch.autocast already chose at capture (its dispatch keys sit
+        # above the recording mode): a replay under the caller's autocast must not recast them
+        # again, as a CUDA graph replays kernels, not ops.
+        with torch._C._DisableAutocast():
+            for rec in self.records:
+                rec.replay()
 
     def op_names(self) -> list[str]:
         """Every recorded op, e.g. 'graphfp8::cast_transpose', 'aten::_scaled_mm'."""

@@ -18,8 +18,17 @@ from torch import nn
 
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.autocast import STATE
-from graphfp8.graphs.capture_checks import check_no_hooks
+from graphfp8.graphs.capture_checks import (
+    check_grad_mode,
+    check_no_data_parallel,
+    check_no_hooks,
+    distinct_buffers,
+)
+from graphfp8.graphs.compiled import check_model_not_compiled
+from graphfp8.graphs.lifecycle import check_not_captured
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names
+from graphfp8.graphs.runner import copy_inputs, needs_copy, storages_of
+from graphfp8.graphs.torch_autocast import AutocastState
 
 __all__ = ["StaticBatch", "TrainBody", "split_batch"]
 
@@ -57,7 +66,8 @@ class StaticBatch:
     """The batch tensors a graph reads, and the copy of a caller's batch into them.
 
     Args:
-        sample: the sample batch (see split_batch); its tensors become the static buffers.
+        sample: the sample batch (see split_batch); its tensors become the static buffers (a
+            tensor that shares memory with an earlier one gets a buffer of its own).
         leading: the size of dim 0 of every tensor (the microbatch index of a step), or None.
         name: prefix of error messages.
     """
@@ -66,7 +76,8 @@ class StaticBatch:
         self.name = name
         inputs, targets = split_batch(sample, name)
         self.num_inputs, self.num_targets = len(inputs), len(targets)
-        self.tensors = [*inputs, *targets]
+        self.tensors = distinct_buffers([*inputs, *targets])
+        self.storages = storages_of(self.tensors)
         if not self.tensors:
             raise ValueError(f"{name}: the batch holds no tensor")
         for t in self.tensors:
@@ -100,6 +111,12 @@ class StaticBatch:
         for i, (g, s) in enumerate(zip(given, self.tensors, strict=True)):
             if g is s:  # the static buffer itself (filled in place): nothing to check or copy
                 continue
+            if g.requires_grad:
+                raise ValueError(
+                    f"{self.name}: batch tensor {i} requires grad, but the graph computes the "
+                    "parameters' gradients only (eager code would give it a .grad); pass it "
+                    "detached (t.detach())"
+                )
             if g.shape != s.shape or g.dtype != s.dtype or g.device != s.device:
                 raise ValueError(
                     f"{self.name}: batch tensor {i} is {_tensor_text(g)}, but the graph was "
@@ -108,10 +125,11 @@ class StaticBatch:
         return given
 
     def copy(self, given: list[torch.Tensor]) -> None:
-        """Copies checked tensors into the static buffers, skipping those that are the buffers."""
-        for g, s in zip(given, self.tensors, strict=True):
-            if g is not s and (g.data_ptr() != s.data_ptr() or g.stride() != s.stride()):
-                s.copy_(g)
+        """Copies checked tensors into the static buffers, skipping those that are the buffers
+        (copy_inputs: `static_batch` passed at other positions is read before any write)."""
+        pairs = [(g, s) for g, s in zip(given, self.tensors, strict=True) if needs_copy(g, s)]
+        if pairs:
+            copy_inputs(pairs, self.storages)
 
 
 class TrainBody:
@@ -146,7 +164,12 @@ class TrainBody:
             raise ValueError(f"{name}: unsupported device {self.device}")
         named = list(model.named_parameters())
         check_no_hooks(name, list(model.modules()), [p for _, p in named], [n for n, _ in named])
+        check_not_captured("the model", model.modules(), name)
+        check_model_not_compiled(name, model)
+        check_no_data_parallel(name, model.modules())
+        check_grad_mode(name, True)
         self.training = model.training  # the mode the graph is captured in
+        self.autocast = AutocastState(self.device)  # and the torch.autocast state
         self.has_grad: list[bool] | None = None  # which parameters get a gradient (first run)
 
     # Before every replay ------------------------------------------------------------------------
@@ -157,11 +180,20 @@ class TrainBody:
         return ReplayGuard(self.name, list(self.model.modules()), names, [], recapture)
 
     def check_call(self) -> None:
-        """Outside fp8_autocast (the graph carries its own FP8 state), in the captured mode."""
+        """Outside fp8_autocast (the graph carries its own FP8 state), with grad enabled, in the
+        captured mode and torch.autocast state."""
         if STATE.enabled and STATE.capture is None:
             raise RuntimeError(
-                f"{self.name}: a graphed step carries its own FP8 state and scale updates; call "
-                "it outside fp8_autocast"
+                f"{self.name}: the graph carries its own FP8 state and scale updates; call it "
+                "outside fp8_autocast (its fp8_enabled / fp8_recipe / fp8_group are fixed at "
+                "capture)"
+            )
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{self.name}: called under torch.no_grad() or torch.inference_mode(); the graph "
+                "trains (a backward into .grad with its FP8 scale update; a step graph also "
+                "steps the optimizer), which the eager code cannot do in that mode. Evaluate "
+                "eagerly (the model under torch.no_grad()), or call it with grad enabled"
             )
         if self.model.training != self.training:
             mode = "train" if self.training else "eval"
@@ -171,6 +203,7 @@ class TrainBody:
                 "norm statistics). Put the model back in that mode, run other modes eagerly "
                 f"(under torch.no_grad() for evaluation), or capture a graph in the other mode"
             )
+        self.autocast.check(self.name)
 
     # One microbatch ----------------------------------------------------------------------------
 

@@ -20,7 +20,11 @@ class WeightCacheFlag:
     a pinned host value read by a memcpy node of the graph.
     """
 
-    def __init__(self, tensor: torch.Tensor | None, fp8_enabled: bool, caching: bool):
+    def __init__(self, tensor: torch.Tensor | None, fp8_enabled: bool, caching: bool, name: str,
+                 what: str):  # fmt: skip
+        """name: the entry point ("make_graphed_microbatch"); what: what it returned, as the
+        messages call it ("graphed microbatch")."""
+        self.name, self.what = name, what
         self.tensor = tensor
         self.fp8_enabled = fp8_enabled
         self.caching = caching
@@ -32,15 +36,17 @@ class WeightCacheFlag:
         if self.tensor is None:
             if self.fp8_enabled and is_first_microbatch is not None:
                 raise ValueError(
-                    "make_graphed_callables(fp8_weight_caching=False) casts the weights on every "
-                    "replay; call the graphed callable with is_first_microbatch=None"
+                    f"{self.name}(fp8_weight_caching=False) casts the weights on every replay; "
+                    f"call the {self.what} with is_first_microbatch=None, or capture with "
+                    "fp8_weight_caching=True"
                 )
             return
         if is_first_microbatch is False:
             if not self.seen_first:
                 raise RuntimeError(
-                    "graphed callable called with is_first_microbatch=False before any call "
-                    "with is_first_microbatch=True: there is no cached FP8 weight to reuse"
+                    f"{self.name}: the {self.what} was called with is_first_microbatch=False "
+                    "before any call with is_first_microbatch=True: there is no cached FP8 "
+                    "weight to reuse"
                 )
             value = 1.0
         else:

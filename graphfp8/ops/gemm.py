@@ -110,10 +110,13 @@ def onednn_off():
     """torch routes a CPU `_scaled_mm` to oneDNN on CPUs with AMX-INT8, where FP8 runs a path
     ~200x slower than torch's own fp32 emulation (~40 ms for a 64x64x256 GEMM) that also rounds
     differently. graphfp8's CPU FP8 GEMMs always run the emulation; the replay tape replays each
-    `_scaled_mm` under the switch it was captured with (graphs/tape.py)."""
+    `_scaled_mm` under the switch it was captured with (graphs/tape.py). The emulation's fp32
+    matmul is an ordinary op that torch.autocast("cpu") would run in bf16 (a backward inside an
+    autocast region reaches it so): autocast is off inside too."""
     enabled = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
-        yield
+        with torch._C._DisableAutocast():
+            yield
     finally:
         torch._C._set_mkldnn_enabled(enabled)

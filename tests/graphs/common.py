@@ -5,10 +5,24 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import nn
 
 import graphfp8 as g8
 from graphfp8.testing import assert_bitwise_equal
-from tests.modules.common import build, fp8_state, input_shape
+from tests.modules.common import H, build, fp8_state, input_shape
+
+
+class QKV(nn.Module):
+    """Three FP8 projections of three inputs, mixed (self-attention's sample: one tensor thrice)."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.q, self.k, self.v = (g8.Linear(H, H, params_dtype=torch.bfloat16, device=device)
+                                  for _ in range(3))  # fmt: skip
+
+    def forward(self, q, k, v, is_first_microbatch=None):
+        kw = dict(is_first_microbatch=is_first_microbatch)
+        return self.q(q, **kw) * self.k(k, **kw).sigmoid() + self.v(v, **kw)
 
 
 def compare_models(eager, graphed, what: str) -> None:
@@ -22,6 +36,22 @@ def compare_models(eager, graphed, what: str) -> None:
             assert_bitwise_equal(pg.grad, pe.grad, f"{what}: grad {name}")
     for (name, se), (_, sg) in zip(fp8_state(eager), fp8_state(graphed), strict=True):
         assert_bitwise_equal(sg, se, f"{what}: {name}")
+
+
+def snapshot(m) -> list[torch.Tensor]:
+    """Copies of m's FP8 state, parameters and gradients: what a refused call must not change."""
+    grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    return (
+        [t.clone() for _, t in fp8_state(m)] + [p.detach().clone() for p in m.parameters()] + grads
+    )
+
+
+def assert_unchanged(m, before: list[torch.Tensor], what: str) -> None:
+    """m's snapshot() is `before`, bit for bit."""
+    now = snapshot(m)
+    assert len(now) == len(before), f"{what}: gradients appeared or went"
+    for a, b in zip(now, before, strict=True):
+        assert_bitwise_equal(a, b, what)
 
 
 def train_side_by_side(kind, recipe, caching, device, steps=3, mbs=3, set_to_none=True):

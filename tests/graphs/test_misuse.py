@@ -12,8 +12,8 @@ import torch
 
 import graphfp8 as g8
 from graphfp8.testing import assert_bitwise_equal
-from tests.graphs.common import compare_models
-from tests.modules.common import H, Stack, T, build, fp8_state
+from tests.graphs.common import assert_unchanged, compare_models, snapshot
+from tests.modules.common import H, Stack, T, build
 
 RECIPE = g8.DelayedScaling(amax_history_len=4)
 
@@ -26,15 +26,6 @@ def _graphed(kind="Linear", device="cpu", **kw):
     m = build(kind, device=device)
     options = dict(fp8_enabled=True, fp8_recipe=RECIPE, fp8_weight_caching=True) | kw
     return m, g8.make_graphed_callables(m, (_x(device),), **options)
-
-
-def _snapshot(m):
-    return [t.clone() for _, t in fp8_state(m)] + [p.detach().clone() for p in m.parameters()]
-
-
-def _assert_unchanged(m, before, what):
-    for a, b in zip(_snapshot(m), before, strict=True):
-        assert_bitwise_equal(a, b, what)
 
 
 # Item 1: warmup iterations ----------------------------------------------------------------------
@@ -73,11 +64,11 @@ def test_second_forward_before_backward_raises_before_running(device):
     x0, x1 = _x(device), _x(device)
     a = g(x0, is_first_microbatch=True)
     kept = a.clone()
-    before = _snapshot(m)
+    before = snapshot(m)
     with pytest.raises(RuntimeError, match=r"called again before the backward of its previous"):
         g(x1, is_first_microbatch=False)
     assert_bitwise_equal(a, kept, "the first output was not overwritten")
-    _assert_unchanged(m, before, "nothing ran")
+    assert_unchanged(m, before, "nothing ran")
     a.float().sum().backward()  # the right way: backward first, then the next microbatch
     g(x1, is_first_microbatch=False).float().sum().backward()
 
@@ -129,11 +120,11 @@ def test_changes_after_capture_raise_on_the_next_call(device, change, pattern, f
     m, g = _graphed(device=device)
     g(_x(device), is_first_microbatch=True).float().sum().backward()
     change(m)
-    before = _snapshot(m)
+    before = snapshot(m)
     with pytest.raises(RuntimeError, match=pattern) as err:
         g(_x(device), is_first_microbatch=first)
     assert "capture again" in str(err.value) or "Remove them" in str(err.value)
-    _assert_unchanged(m, before, "nothing ran")
+    assert_unchanged(m, before, "nothing ran")
 
 
 def test_hook_on_a_submodule_raises_on_every_microbatch(device):

@@ -116,3 +116,17 @@ def test_cpu_fp8_gemm_runs_the_emulation_and_replays_it():
     onednn = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
     if not torch.equal(onednn, emulated):  # this CPU takes oneDNN's path: the case bites here
         assert not torch.equal(out, onednn)
+
+
+def test_tape_replays_its_ops_as_recorded_under_the_callers_autocast():
+    """The recorded ops are those torch.autocast chose at capture (here none: fp32); a replay
+    inside torch.autocast does not recast them, as a CUDA graph replays its kernels."""
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    out = torch.empty(16, 16)
+    tape = ReplayTape()
+    with RecordingMode(tape):
+        out.copy_(a @ b)
+    out.zero_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tape.replay()
+    assert torch.equal(out, a @ b)

@@ -10,13 +10,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import graphfp8 as g8
 from graphfp8.testing import assert_bitwise_equal
-from tests.graphs.common import compare_models
+from tests.graphs.common import QKV, assert_unchanged, compare_models, snapshot
 from tests.graphs.step_common import adamw
-from tests.modules.common import H, T, build, fp8_state
+from tests.modules.common import H, T, build
 
 RECIPE = g8.DelayedScaling(amax_history_len=4)
 FP8 = dict(fp8_enabled=True, fp8_recipe=RECIPE, fp8_weight_caching=True)
@@ -24,31 +23,6 @@ FP8 = dict(fp8_enabled=True, fp8_recipe=RECIPE, fp8_weight_caching=True)
 
 def _x(device, requires_grad=True):
     return torch.randn(T, H, dtype=torch.bfloat16, device=device, requires_grad=requires_grad)
-
-
-class QKV(nn.Module):
-    """Three FP8 projections of three inputs, mixed (self-attention's sample: one tensor thrice)."""
-
-    def __init__(self, device):
-        super().__init__()
-        self.q, self.k, self.v = (g8.Linear(H, H, params_dtype=torch.bfloat16, device=device)
-                                  for _ in range(3))  # fmt: skip
-
-    def forward(self, q, k, v, is_first_microbatch=None):
-        kw = dict(is_first_microbatch=is_first_microbatch)
-        return self.q(q, **kw) * self.k(k, **kw).sigmoid() + self.v(v, **kw)
-
-
-def _snapshot(m):
-    grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
-    return (
-        [t.clone() for _, t in fp8_state(m)] + [p.detach().clone() for p in m.parameters()] + grads
-    )
-
-
-def _unchanged(m, before, what):
-    for a, b in zip(_snapshot(m), before, strict=True):
-        assert_bitwise_equal(a, b, what)
 
 
 # Row 1: one tensor as several sample args; overlapping inputs ------------------------------------
@@ -77,10 +51,10 @@ def test_aliasing_other_than_captured_raises_before_running(device):
     s = _x(device)
     g = g8.make_graphed_callables(model, (s, s, s), **FP8)
     g(s, s, s, is_first_microbatch=True).float().sum().backward()
-    before = _snapshot(model)
+    before = snapshot(model)
     with pytest.raises(ValueError, match=r"captured with one tensor at arguments 0 and 1"):
         g(_x(device), _x(device), _x(device), is_first_microbatch=False)
-    _unchanged(model, before, "nothing ran")
+    assert_unchanged(model, before, "nothing ran")
     other = QKV(device)
     g2 = g8.make_graphed_callables(other, (_x(device), _x(device), _x(device)), **FP8)
     x = _x(device)
@@ -158,25 +132,38 @@ def _mse(y, t):
     return F.mse_loss(y.float(), t.float())
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("captured", ["train", "eval"])
 @pytest.mark.parametrize("entry", ["microbatch", "step"])
-def test_a_replay_in_another_training_mode_raises_before_running(device, entry):
+def test_a_replay_in_another_training_mode_raises_before_running(device, entry, captured, fp8):
+    """Captured in one mode, called after model.train(not captured mode): raises before any
+    FP8 state, weight, gradient or optimizer state moves; the captured mode still replays."""
     model = build("LayerNormMLP", device=device)
+    model.train(captured == "train")
     x = torch.randn(2, T, H, dtype=torch.bfloat16, device=device)
+    opts = dict(fp8_enabled=fp8, fp8_recipe=RECIPE, num_warmup_iters=1)
     if entry == "step":
-        g = g8.make_graphed_step(model, _mse, adamw(model.parameters(), device), (x, x), 2,
-                                 num_warmup_iters=1)  # fmt: skip
+        opt = adamw(model.parameters(), device)
+        g = g8.make_graphed_step(model, _mse, opt, (x, x.clone()), 2, **opts)
         batch = (x, x)
     else:
-        g = g8.make_graphed_microbatch(model, _mse, (x[0], x[1]), num_warmup_iters=1)
+        opt = None
+        g = g8.make_graphed_microbatch(model, _mse, (x[0], x[1]), **opts)
         batch = (x[0], x[1])
     g(batch)
-    model.eval()
-    before = _snapshot(model)
-    with pytest.raises(RuntimeError, match=r"captured in train mode, called with model.training="):
+    model.train(captured != "train")
+    before = snapshot(model) + ([] if opt is None else [v.clone() for v in _opt_state(opt)])
+    with pytest.raises(RuntimeError, match=rf"captured in {captured} mode, called with model.tr"):
         g(batch)
-    _unchanged(model, before, "nothing ran")
-    model.train()
+    after = snapshot(model) + ([] if opt is None else [v.clone() for v in _opt_state(opt)])
+    for a, b in zip(after, before, strict=True):
+        assert_bitwise_equal(a, b, "nothing ran")
+    model.train(captured == "train")
     g(batch)
+
+
+def _opt_state(opt):
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
 @pytest.mark.parametrize("entry", ["callables", "microbatch", "step"])
@@ -219,10 +206,10 @@ def test_a_microbatch_may_leave_later_callables_out(device):
 def test_leaving_out_the_first_callable_raises_before_running(device):
     layers = (build("LayerNormMLP", device=device), build("LayerNormMLP", device=device))
     g = g8.make_graphed_callables(layers, ((_x(device),), (_x(device),)), **FP8)
-    before = _snapshot(layers[1])
+    before = snapshot(layers[1])
     with pytest.raises(RuntimeError, match=r"expected the forward of graphed callable 0"):
         g[1](_x(device), is_first_microbatch=True)
-    _unchanged(layers[1], before, "nothing ran")
+    assert_unchanged(layers[1], before, "nothing ran")
 
 
 # torch.compile(fullgraph=True) around a graphed callable -----------------------------------------
