@@ -15,6 +15,12 @@ works too (the FP8 weights' grads are clipped in place, then moved). Inside a st
 (make_graphed_step(master_weights=...)) the graph copies the grads itself: there `.grad` of a
 master is the graph's buffer, read as it is.
 
+The masters are a tensor subclass (for that `.grad`), so torch's optimizers step them with their
+for-loop implementation by default (they pick foreach only for plain tensors, on CUDA): a
+high-precision model compared bit for bit needs the same implementation (`foreach=False` on its
+optimizer; the two round 1 ulp apart, H200 2026-12-01). Whether `foreach=True` takes the
+subclass is not tested.
+
 The write-back quantizes each master with its own amax (graphfp8.fp8.primary.WeightQuantizer)
 and marks the weight's transpose cache stale; the next forward with is_first_microbatch=True (or
 None) rebuilds it, in a graph as the captured transpose node. Every step is device work only.

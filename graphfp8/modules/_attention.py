@@ -26,7 +26,7 @@ from graphfp8.fp8.autocast import queue_backward_update
 from graphfp8.fp8.scaling import SlotBlock
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, Quantizer, slot_index, slot_range
 from graphfp8.fp8.tensor import Float8Tensor
-from graphfp8.ops import cudnn_sdpa
+from graphfp8.ops import cudnn_ragged, cudnn_sdpa
 
 __all__ = ["AttentionConfig", "fp8_attention", "fp8_attention_qkv", "prepare_attention"]
 
@@ -97,6 +97,8 @@ def prepare_attention(
     device = torch.device(device)
     if device.type != "cuda":
         return
+    if segments:
+        cudnn_ragged.check_enabled("graphfp8 FP8 attention")
     b, s, h, d = q_shape
     fmt = recipe.fp8_format
     key = cudnn_sdpa.SdpaKey(

@@ -12,9 +12,30 @@ softmax statistics are (token, head)-major; the forward and backward ops share t
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-__all__ = ["SLOTS_PER_ROW", "declare", "layout", "pack", "slots", "stats_desc"]
+__all__ = ["ENABLED", "SLOTS_PER_ROW", "check_enabled", "declare", "layout", "pack", "slots",
+           "stats_desc"]  # fmt: skip
+
+# Off until it runs on a GPU: its first H200 run (2026-12-01) stopped with "an illegal
+# instruction was encountered" inside the ragged FP8 forward. GRAPHFP8_CUDNN_RAGGED=1 turns it on.
+ENABLED = os.environ.get("GRAPHFP8_CUDNN_RAGGED", "0") == "1"
+
+
+def check_enabled(what: str) -> None:
+    """Raises unless the ragged cuDNN path is switched on (FP8 attention with segment ids on a
+    GPU): before any kernel, so nothing has changed."""
+    if not ENABLED:
+        raise NotImplementedError(
+            f"{what}: FP8 attention (fp8_dpa) with segment_ids (packed sequences or padding) "
+            "on the GPU needs cuDNN's ragged graph, which is switched off until it is verified "
+            "(its first H200 run stopped with an illegal instruction): run the attention in "
+            "bf16 (DelayedScaling(fp8_dpa=False), the default) with segment_ids, or set "
+            "GRAPHFP8_CUDNN_RAGGED=1 to try it"
+        )
+
 
 SLOTS_PER_ROW = 16
 RAGGED_NAMES = ("seq_len", "offset_q", "offset_kv", "offset_stats")

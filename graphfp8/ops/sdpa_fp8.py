@@ -34,6 +34,7 @@ import torch
 
 from graphfp8.ops import (
     _lib,  # noqa: F401 - loads the extension that defines the namespace
+    cudnn_ragged,
     cudnn_sdpa,
 )
 from graphfp8.ops.cudnn_sdpa import BWD_SCALES, FWD_SCALES
@@ -116,6 +117,8 @@ def _check_segments(segment_ids, q, what: str) -> None:
             f"on {q.device}, got {segment_ids.dtype} {tuple(segment_ids.shape)} on "
             f"{segment_ids.device}"
         )
+    if q.is_cuda:
+        cudnn_ragged.check_enabled(what)
 
 
 def sdpa_fp8_forward(q, k, v, scales: dict, amax_s, amax_o, attn_scale: float, causal: bool = True,

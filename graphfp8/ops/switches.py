@@ -1,7 +1,8 @@
-"""Default-off CUDA kernel variants that wait for their GPU verification (csrc/ops/switches.h).
+"""Switches between CUDA kernel variants (csrc/ops/switches.h): a new kernel lands off until it
+has run on a GPU; the two below ran on the H200 on 2026-12-01 and are on by default.
 
-Each switch starts from its environment variable (GRAPHFP8_<NAME>=1, read once when the
-extension loads) and can be flipped at run time, which is how the CUDA tests compare a new
+Each switch starts from its environment variable (GRAPHFP8_<NAME>=0 turns it off, read once when
+the extension loads) and can be flipped at run time, which is how the CUDA tests compare a new
 kernel with the one it replaces in one process. docs/benchmarking.md lists them.
 
     NORM_BWD_BATCHED   the norm backward with several rows in flight per block and the fast

@@ -57,9 +57,11 @@ def test_clipping_the_masters_equals_high_precision_clipping(device, graphed):
         call = g8.make_graphed_callables(f8, (sample,), fp8_enabled=True, fp8_recipe=CURRENT,
                                          fp8_weight_caching=True)  # fmt: skip
     params = masters.parameters()  # kept, as a training loop keeps model.parameters()
-    opt_f8 = torch.optim.AdamW(params, lr=1e-2)
+    # One AdamW implementation for both: torch steps the masters (a tensor subclass) with its
+    # for-loop one by default, plain CUDA tensors with foreach (1-ulp apart: H200 2026-12-01).
+    opt_f8 = torch.optim.AdamW(params, lr=1e-2, foreach=False)
     hp_params = _in_masters_order(hp, masters)
-    opt_hp = torch.optim.AdamW(hp_params, lr=1e-2)
+    opt_hp = torch.optim.AdamW(hp_params, lr=1e-2, foreach=False)
     for step in range(3):
         for mb in range(2):
             x = torch.randn(T, H, device=device) * 10.0 ** (mb - 1)

@@ -11,6 +11,7 @@ import torch
 
 import graphfp8 as g8
 from graphfp8 import ops, reference_attention
+from graphfp8.ops import cudnn_ragged
 from graphfp8.ops.segments import (
     segment_ids_from_cu_seqlens,
     segment_ids_from_lengths,
@@ -156,6 +157,11 @@ def test_graphed_equals_eager_with_changing_segments(recipe):
         assert_bitwise_equal(xg.grad, xe.grad, f"microbatch {mb} dgrad")
 
 
+@pytest.mark.skipif(
+    not cudnn_ragged.ENABLED,
+    reason="GRAPHFP8_CUDNN_RAGGED=1 runs it: its first "
+    "H200 run stopped with an illegal instruction (docs/benchmarking.md)",
+)
 @pytest.mark.parametrize("device", [CUDA_PARAM])
 def test_cuda_fp8_attention_with_segments_matches_twin(device):
     """cuDNN's ragged FP8 attention (graphfp8.ops.cudnn_ragged: three documents, then padding
@@ -184,6 +190,32 @@ def test_cuda_fp8_attention_with_segments_matches_twin(device):
     x = torch.randn_like(sample).requires_grad_()
     layer(x, segment_ids=ids[:, : sample.shape[1]]).float().sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("device", [CUDA_PARAM])
+def test_cuda_fp8_attention_with_segments_raises_while_switched_off(device, monkeypatch):
+    """Until the ragged cuDNN graph is verified, FP8 attention with segment ids on the GPU
+    raises before anything runs (the layer's FP8 state and the input untouched)."""
+    monkeypatch.setattr(cudnn_ragged, "ENABLED", False)
+    layer, sample = layer_and_input(device, groups=1)
+    ids = _segments(*sample.shape[:2], device)
+    with g8.fp8_autocast(recipe=DPA), pytest.raises(NotImplementedError, match="RAGGED=1"):
+        layer(sample, segment_ids=ids)
+    q, k, v, scales, attn_scale = forward_case((2, 128, 2, 1, 128), torch.float8_e4m3fn, device)
+    amax = [torch.zeros(1, device=device), torch.zeros(1, device=device)]
+    with pytest.raises(NotImplementedError, match="switched off"):
+        ops.sdpa_fp8_forward(
+            q, k, v, scales, *amax, attn_scale, segment_ids=_segments(2, 128, device)
+        )
+    assert float(amax[0].sum() + amax[1].sum()) == 0.0
+
+
+def test_ragged_switch_message(monkeypatch):
+    monkeypatch.setattr(cudnn_ragged, "ENABLED", False)
+    with pytest.raises(NotImplementedError, match=r"fp8_dpa=False.*GRAPHFP8_CUDNN_RAGGED=1"):
+        cudnn_ragged.check_enabled("x")
+    monkeypatch.setattr(cudnn_ragged, "ENABLED", True)
+    cudnn_ragged.check_enabled("x")
 
 
 def test_bad_segment_ids():
