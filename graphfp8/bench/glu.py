@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +17,7 @@ from torch import nn
 
 import graphfp8 as g8
 from graphfp8 import ops
+from graphfp8.bench import te_peers
 from graphfp8.bench.common import environment, print_table, time_device
 from graphfp8.bench.kernels import _rotating, _timed
 from graphfp8.bench.peers import MICROBATCHES_PER_STEP, RECIPE
@@ -77,63 +76,29 @@ def _g8_peer(ref, x, dy, fused: bool):
 
 
 def _te_peers(ref, x, dy) -> dict:
-    """TransformerEngine's SwiGLU LayerNormMLP, FP8 eager and graphed, or {} without TE."""
-    try:
-        import transformer_engine.pytorch as te
-        from transformer_engine.common.recipe import DelayedScaling, Format
-    except Exception:  # not installed, or no GPU build of it
+    """TransformerEngine's SwiGLU LayerNormMLP, FP8 eager and graphed (bench/te_peers.py: TE's
+    recipe, its one-stream capture, its step), or {} without TE."""
+    te_pt = te_peers.te()
+    if te_pt is None:
         return {}
-    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=RECIPE.amax_history_len,
-                            amax_compute_algo="max")  # fmt: skip
+    recipe = te_peers.te_recipe()
 
     def build():
         hidden, ffn = ref.fc2.weight.shape
-        m = te.LayerNormMLP(
-            hidden,
-            ffn,
-            bias=False,
-            normalization="RMSNorm",
-            activation="swiglu",
-            params_dtype=torch.bfloat16,
-            device="cuda",
-        )
-        return _copy_weights(m, ref)  # fmt: skip
-
-    def eager():
-        m = build()
-
-        def step(i):
-            with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
-                y = m(x, is_first_microbatch=i % MICROBATCHES_PER_STEP == 0)
-            y.backward(dy)
-
-        return step
+        m = te_pt.LayerNormMLP(hidden, ffn, bias=False, normalization="RMSNorm",
+                               activation="swiglu", params_dtype=torch.bfloat16,
+                               device="cuda")  # fmt: skip
+        return _copy_weights(m, ref)
 
     def graphed():
-        g = _te_graph_capturer(te)(build(), (x,), fp8_enabled=True, fp8_recipe=recipe,
-                                   fp8_weight_caching=True)  # fmt: skip
+        g = te_peers.same_stream_graphed(build(), (x,), fp8_enabled=True, fp8_recipe=recipe,
+                                         fp8_weight_caching=True)  # fmt: skip
+        return te_peers.te_step(g, x, dy, recipe, MICROBATCHES_PER_STEP)
 
-        def step(i):
-            with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
-                y = g(x, is_first_microbatch=i % MICROBATCHES_PER_STEP == 0)
-            y.backward(dy)
-
-        return step
-
-    return {"TE fp8 eager": eager, "TE fp8 graphed": graphed}
-
-
-def _te_graph_capturer(te):
-    """te.make_graphed_callables, or the one-stream variant of the offline TE bundle's tools
-    (GRAPHFP8_TE_TOOLS, default .te/tools): plain TE 2.20 capture fails its backward under
-    torch 2.11 ("would make the legacy stream depend on a capturing blocking stream")."""
-    tools = os.environ.get("GRAPHFP8_TE_TOOLS", ".te/tools")
-    if os.path.isfile(os.path.join(tools, "te_same_stream.py")):
-        sys.path.insert(0, os.path.abspath(tools))
-        from te_same_stream import same_stream_make_graphed_callables
-
-        return same_stream_make_graphed_callables
-    return te.make_graphed_callables
+    return {
+        "TE fp8 eager": lambda: te_peers.te_step(build(), x, dy, recipe, MICROBATCHES_PER_STEP),
+        "TE fp8 graphed": graphed,
+    }
 
 
 def make_peers(hidden: int, ffn: int, tokens: int, device) -> dict:

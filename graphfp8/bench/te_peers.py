@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["TEMLPStack", "TE_UNFUSED", "same_stream_graphed", "te", "te_block_peers",
-           "te_linear_peer", "te_recipe", "te_stack_step", "try_build"]  # fmt: skip
+           "te_linear_peer", "te_recipe", "te_stack_step", "te_step", "try_build"]  # fmt: skip
 
 # The note that goes with every TE TransformerLayer number (see the module docstring).
 TE_UNFUSED = "TE: unfused attention, no RoPE"
@@ -103,7 +103,7 @@ def _te_mlp_from(ref):
     return m
 
 
-def _te_step(call, x, dy, recipe, microbatches: int) -> Callable[[int], None]:
+def te_step(call, x, dy, recipe, microbatches: int) -> Callable[[int], None]:
     """step(i): forward under te.fp8_autocast (graphs too: TE replays inside it) + backward."""
     te_pt = te()
 
@@ -125,10 +125,10 @@ def te_block_peers(ref, x, dy, microbatches: int) -> dict:
         model = _te_mlp_from(ref)
         call = same_stream_graphed(model, (x,), fp8_enabled=True, fp8_recipe=recipe,
                                    fp8_weight_caching=True)  # fmt: skip
-        return _te_step(call, x, dy, recipe, microbatches)
+        return te_step(call, x, dy, recipe, microbatches)
 
     return {
-        "TE fp8 eager": lambda: _te_step(_te_mlp_from(ref), x, dy, te_recipe(), microbatches),
+        "TE fp8 eager": lambda: te_step(_te_mlp_from(ref), x, dy, te_recipe(), microbatches),
         "TE fp8 graphed": lambda: graphed(te_recipe()),
         "TE fp8 current graphed": lambda: graphed(te_recipe(current=True)),
     }
@@ -168,7 +168,7 @@ def te_stack_step(hidden: int, heads: int, layers: int, x, dy, microbatches: int
     recipe = te_recipe()
     call = same_stream_graphed(_TEStack(hidden, heads, layers), (x,), fp8_enabled=True,
                                fp8_recipe=recipe, fp8_weight_caching=True)  # fmt: skip
-    return _te_step(call, x, dy, recipe, microbatches)
+    return te_step(call, x, dy, recipe, microbatches)
 
 
 class TEMLPStack(torch.nn.Module):
