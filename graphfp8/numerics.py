@@ -45,7 +45,7 @@ from graphfp8.fp8.recipe import fp8_max, is_current_scaling
 from graphfp8.fp8.scaling import SlotBlock
 from graphfp8.fp8.slots import BwdRole, FwdRole, slots_per_gemm
 
-__all__ = ["FIELDS", "FP8Stats", "plot_stats"]
+__all__ = ["FIELDS", "FP8Stats", "plot_stats", "role_digest"]
 
 # One row of FP8Stats.rows().
 FIELDS = ("step", "microbatch", "layer", "gemm", "role", "scale", "recorded_amax", "true_amax",
@@ -255,6 +255,32 @@ def _row(step: int, mb: int, slot: _Slot, v: list[float]) -> dict:
     }  # fmt: skip
 
 
+def _role(r: dict) -> str:
+    """The role key of a row across layers: "fc1.input", or "input" for a one-GEMM layer."""
+    return f"{r['gemm']}.{r['role']}" if r["gemm"] else r["role"]
+
+
+def role_digest(rows: list[dict]) -> dict[str, dict]:
+    """Per role (over layers, steps and microbatches): casts, mean and max saturated fraction,
+    mean underflow fraction, mean and min SQNR over the finite ones (None without any), and how
+    many casts recorded an amax other than the true one (0 for correct kernels)."""
+    by_role: dict[str, list[dict]] = {}
+    for r in rows:
+        by_role.setdefault(_role(r), []).append(r)
+    digest = {}
+    for key, rs in sorted(by_role.items()):
+        sat = [r["saturated_frac"] for r in rs]
+        sqnr = [r["sqnr_db"] for r in rs if math.isfinite(r["sqnr_db"])]
+        digest[key] = {
+            "casts": len(rs), "saturated_mean": sum(sat) / len(sat), "saturated_max": max(sat),
+            "underflow_mean": sum(r["underflow_frac"] for r in rs) / len(rs),
+            "sqnr_mean_db": sum(sqnr) / len(sqnr) if sqnr else None,
+            "sqnr_min_db": min(sqnr) if sqnr else None,
+            "amax_mismatches": sum(r["recorded_amax"] != r["true_amax"] for r in rs),
+        }  # fmt: skip
+    return digest
+
+
 def plot_stats(rows: list[dict], path) -> Path | None:
     """Saturation and underflow fraction and SQNR per role over steps (mean over layers and
     microbatches), one panel each; returns the path, or None without matplotlib."""
@@ -267,8 +293,7 @@ def plot_stats(rows: list[dict], path) -> Path | None:
         return None
     series: dict[str, dict[int, list[dict]]] = {}
     for r in rows:
-        key = f"{r['gemm']}.{r['role']}" if r["gemm"] else r["role"]
-        series.setdefault(key, {}).setdefault(r["step"], []).append(r)
+        series.setdefault(_role(r), {}).setdefault(r["step"], []).append(r)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     panels = (("saturated_frac", "saturated fraction"), ("underflow_frac", "underflow fraction"),
               ("sqnr_db", "SQNR (dB)"))  # fmt: skip

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import time
 from pathlib import Path
 
@@ -34,7 +35,7 @@ import torch
 from graphfp8.fp8.slots import BwdRole, FwdRole, Quantizer, slot_index
 from graphfp8.modules import _functional
 from graphfp8.modules._functional import GemmConfig
-from graphfp8.numerics import FP8Stats, plot_stats
+from graphfp8.numerics import FP8Stats, plot_stats, role_digest
 from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
@@ -197,25 +198,14 @@ def record_stats(args, data: Dataset, out: Path) -> None:
     rows = stats.rows()
     print(f"wrote {stats.write_csv(out / 'fp8_stats.csv')} ({len(rows)} casts)")
     print(f"wrote {plot_stats(rows, out / 'fp8_stats.png')}")
-    digest: dict[str, dict] = {}
-    for r in rows:
-        key = f"{r['gemm']}.{r['role']}" if r["gemm"] else r["role"]
-        d = digest.setdefault(key, dict(n=0, sat_max=0.0, sat_sum=0.0, unf_sum=0.0, sqnr_min=1e9,
-                                        sqnr_sum=0.0, amax_mismatch=0))  # fmt: skip
-        d["n"] += 1
-        d["sat_max"] = max(d["sat_max"], r["saturated_frac"])
-        d["sat_sum"] += r["saturated_frac"]
-        d["unf_sum"] += r["underflow_frac"]
-        d["sqnr_min"] = min(d["sqnr_min"], r["sqnr_db"])
-        d["sqnr_sum"] += r["sqnr_db"]
-        d["amax_mismatch"] += r["recorded_amax"] != r["true_amax"]
     print(f"{'role':18} {'casts':>6} {'sat mean':>9} {'sat max':>9} {'unf mean':>9} "
           f"{'sqnr mean':>9} {'sqnr min':>9} {'amax !=':>8}")  # fmt: skip
-    for key, d in sorted(digest.items()):
-        n = d["n"]
-        print(f"{key:18} {n:6d} {d['sat_sum'] / n:9.2e} {d['sat_max']:9.2e} "
-              f"{d['unf_sum'] / n:9.2e} {d['sqnr_sum'] / n:9.2f} {d['sqnr_min']:9.2f} "
-              f"{d['amax_mismatch']:8d}")  # fmt: skip
+    for key, d in role_digest(rows).items():
+        sqnr_mean, sqnr_min = (math.nan if v is None else v
+                               for v in (d["sqnr_mean_db"], d["sqnr_min_db"]))  # fmt: skip
+        print(f"{key:18} {d['casts']:6d} {d['saturated_mean']:9.2e} {d['saturated_max']:9.2e} "
+              f"{d['underflow_mean']:9.2e} {sqnr_mean:9.2f} {sqnr_min:9.2f} "
+              f"{d['amax_mismatches']:8d}")  # fmt: skip
     worst = sorted(rows, key=lambda r: r["sqnr_db"])[:15]
     print("worst casts (lowest SQNR):")
     for r in worst:

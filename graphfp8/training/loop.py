@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from graphfp8.numerics import FP8Stats, plot_stats
+from graphfp8.numerics import FP8Stats, plot_stats, role_digest
 from graphfp8.training.checkpoint import (
     CheckpointError,
     check_resumable,
@@ -181,31 +180,15 @@ def _resume(run: Run, opts: RunOptions) -> None:
 
 def _write_fp8_stats(run: Run, opts: RunOptions) -> dict | None:
     """<out>/<run>_fp8_stats.csv and .png when the run recorded them; their paths and a digest
-    per role (mean and max saturation and underflow, mean and min SQNR)."""
+    per role (graphfp8.numerics.role_digest)."""
     if run.fp8_stats is None or not opts.is_main:
         return None
     name = run.spec.name
     rows = run.fp8_stats.rows()
     csv_path = run.fp8_stats.write_csv(opts.out / f"{name}_fp8_stats.csv")
     png = plot_stats(rows, opts.out / f"{name}_fp8_stats.png")
-    digest: dict[str, dict] = {}
-    for r in rows:
-        key = f"{r['gemm']}.{r['role']}" if r["gemm"] else r["role"]
-        d = digest.setdefault(key, {"casts": 0, "sat": [], "unf": [], "sqnr": []})
-        d["casts"] += 1
-        d["sat"].append(r["saturated_frac"])
-        d["unf"].append(r["underflow_frac"])
-        if math.isfinite(r["sqnr_db"]):
-            d["sqnr"].append(r["sqnr_db"])
-    roles = {
-        k: {"casts": d["casts"], "saturated_mean": sum(d["sat"]) / len(d["sat"]),
-            "saturated_max": max(d["sat"]), "underflow_mean": sum(d["unf"]) / len(d["unf"]),
-            "sqnr_mean_db": sum(d["sqnr"]) / len(d["sqnr"]) if d["sqnr"] else None,
-            "sqnr_min_db": min(d["sqnr"]) if d["sqnr"] else None}
-        for k, d in sorted(digest.items())
-    }  # fmt: skip
     return {"csv": str(csv_path), "png": str(png) if png else None, "every": opts.fp8_stats,
-            "roles": roles}  # fmt: skip
+            "roles": role_digest(rows)}  # fmt: skip
 
 
 def _train_and_save(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, val):
