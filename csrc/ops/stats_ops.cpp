@@ -5,29 +5,18 @@
 namespace graphfp8 {
 namespace {
 
-const void* hp_aux(const char* op, const char* name, const c10::optional<at::Tensor>& t,
-                   const at::Tensor& x, int64_t numel, bool needed) {
+// An optional input of the mode: present exactly when the mode needs it, on x's device,
+// contiguous, `numel` elements of dtype `dtype`.
+const void* aux(const char* op, const char* name, const c10::optional<at::Tensor>& t,
+                const at::Tensor& x, at::ScalarType dtype, int64_t numel, bool needed) {
   TORCH_CHECK(t.has_value() == needed, op, ": argument '", name,
               needed ? "' is required by this mode" : "' is not used by this mode");
   if (!needed) return nullptr;
   check_common(op, name, *t, x);
-  TORCH_CHECK(t->scalar_type() == x.scalar_type(), op, ": argument '", name,
-              "' must have the dtype of 'x'");
+  TORCH_CHECK(t->scalar_type() == dtype, op, ": argument '", name, "' must be ", dtype);
   TORCH_CHECK(t->numel() == numel, op, ": argument '", name, "' must hold ", fmt(numel),
               " elements, got ", fmt(t->numel()));
   return t->data_ptr();
-}
-
-const float* f32_aux(const char* op, const char* name, const c10::optional<at::Tensor>& t,
-                     const at::Tensor& x, int64_t numel, bool needed) {
-  TORCH_CHECK(t.has_value() == needed, op, ": argument '", name,
-              needed ? "' is required by this mode" : "' is not used by this mode");
-  if (!needed) return nullptr;
-  check_common(op, name, *t, x);
-  TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": argument '", name, "' must be float32");
-  TORCH_CHECK(t->numel() == numel, op, ": argument '", name, "' must hold ", fmt(numel),
-              " elements, got ", fmt(t->numel()));
-  return t->data_ptr<float>();
 }
 
 }  // namespace
@@ -51,11 +40,12 @@ void cast_stats(const at::Tensor& x, const c10::optional<at::Tensor>& act_in,
   CastStatsParams p{};
   p.x = x.data_ptr();
   p.x_dtype = to_dtype(x.scalar_type());
-  p.act_in = hp_aux(op, "act_in", act_in, x, x.numel(), mode == kStatsDgelu);
-  p.mu = f32_aux(op, "mu", mu, x, rows, mode == kStatsLayerNorm);
-  p.rsigma = f32_aux(op, "rsigma", rsigma, x, rows, norm);
-  p.gamma = hp_aux(op, "gamma", gamma, x, cols, norm);
-  p.beta = hp_aux(op, "beta", beta, x, cols, mode == kStatsLayerNorm);
+  const at::ScalarType hp = x.scalar_type();
+  p.act_in = aux(op, "act_in", act_in, x, hp, x.numel(), mode == kStatsDgelu);
+  p.mu = static_cast<const float*>(aux(op, "mu", mu, x, at::kFloat, rows, mode == kStatsLayerNorm));
+  p.rsigma = static_cast<const float*>(aux(op, "rsigma", rsigma, x, at::kFloat, rows, norm));
+  p.gamma = aux(op, "gamma", gamma, x, hp, cols, norm);
+  p.beta = aux(op, "beta", beta, x, hp, cols, mode == kStatsLayerNorm);
   p.zero_centered_gamma = zero_centered_gamma;
   p.mode = static_cast<int>(mode);
   p.rows = rows;
