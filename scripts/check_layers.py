@@ -24,6 +24,7 @@ LAYERS = [
             "graphfp8._C",
             "graphfp8.profiling",
             "graphfp8.distributed",
+            "graphfp8.collectives",
             "graphfp8.global_state",
         ],
     ),

@@ -1,5 +1,6 @@
-"""Ranks for the data-parallel tests: WORLD processes spawned once per backend and kept alive,
-so each test pays one task round trip instead of starting two interpreters (~1.5 s each).
+"""Ranks for the data-parallel tests: `world` processes (WORLD = 2 unless a test asks for another
+size, e.g. 3 for uneven shards) spawned once per (backend, world) and kept alive, so each test
+pays one task round trip instead of starting interpreters (~1.5 s each).
 
 Each rank joins its process group once, then runs tasks `worker(rank, device, *args)` sent by
 `run_on_ranks`, starting each from a fresh graphfp8 state and the same seed. A rank's failure is
@@ -25,10 +26,10 @@ COLLECTIVE_TIMEOUT_S = 30  # a mismatched collective fails instead of hanging
 TASK_TIMEOUT_S = 120  # one task on all ranks, the pool's start included
 GRACE_S = 5.0  # after one rank failed, how long the others get to report
 
-_POOLS: dict[str, _Pool] = {}
+_POOLS: dict[tuple[str, int], _Pool] = {}
 
 
-def _serve(rank: int, backend: str, store: str, tasks, results) -> None:
+def _serve(rank: int, world: int, backend: str, store: str, tasks, results) -> None:
     """A rank's loop: join the group, then run tasks until told to stop (None)."""
     import graphfp8 as g8
     from graphfp8.distributed import cleanup
@@ -38,7 +39,7 @@ def _serve(rank: int, backend: str, store: str, tasks, results) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, init_method=f"file://{store}", rank=rank, world_size=WORLD,
+        backend, init_method=f"file://{store}", rank=rank, world_size=world,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         device_id=device if device.type == "cuda" else None,
     )  # fmt: skip
@@ -58,18 +59,19 @@ def _serve(rank: int, backend: str, store: str, tasks, results) -> None:
 
 
 class _Pool:
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, world: int):
         ctx = mp.get_context("spawn")
+        self.world = world
         self.store = tempfile.mkdtemp(prefix="graphfp8_ranks_") + "/store"
-        self.tasks = [ctx.Queue() for _ in range(WORLD)]
+        self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         self.procs = [
             ctx.Process(
                 target=_serve,
-                args=(r, backend, self.store, self.tasks[r], self.results),
+                args=(r, world, backend, self.store, self.tasks[r], self.results),
                 daemon=True,
             )  # fmt: skip
-            for r in range(WORLD)
+            for r in range(world)
         ]
         for p in self.procs:
             p.start()
@@ -79,21 +81,21 @@ class _Pool:
             q.put((worker, args))
         errors, done = {}, set()
         deadline = time.monotonic() + TASK_TIMEOUT_S
-        while len(done) < WORLD:
+        while len(done) < self.world:
             if errors:
                 deadline = min(deadline, time.monotonic() + GRACE_S)
             try:
                 rank, error = self.results.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 self.close()
-                missing = sorted(set(range(WORLD)) - done)
+                missing = sorted(set(range(self.world)) - done)
                 if errors:
                     break  # the others are stuck in a collective the failed rank never joined
                 raise TimeoutError(f"{name}: ranks {missing} did not finish in time") from None
             done.add(rank)
             if error is not None:
                 errors[rank] = error
-            if any(not p.is_alive() for p in self.procs) and len(done) < WORLD:
+            if any(not p.is_alive() for p in self.procs) and len(done) < self.world:
                 self.close()
                 raise RuntimeError(f"{name}: a rank process died") from None
         if errors:
@@ -105,20 +107,20 @@ class _Pool:
             if p.is_alive():
                 p.kill()
             p.join()
-        for backend, pool in list(_POOLS.items()):
+        for key, pool in list(_POOLS.items()):
             if pool is self:
-                del _POOLS[backend]
+                del _POOLS[key]
 
 
-def run_on_ranks(backend: str, worker, *args) -> None:
-    """Runs worker(rank, device, *args) on WORLD ranks of `backend` ("gloo": CPU, "nccl": one
+def run_on_ranks(backend: str, worker, *args, world: int = WORLD) -> None:
+    """Runs worker(rank, device, *args) on `world` ranks of `backend` ("gloo": CPU, "nccl": one
     GPU per rank); re-raises the first failing rank's exception text. worker must be a
     module-level function (it is pickled by name)."""
-    pool = _POOLS.get(backend)
+    pool = _POOLS.get((backend, world))
     if pool is None or any(not p.is_alive() for p in pool.procs):
         if pool is not None:
             pool.close()
-        pool = _POOLS[backend] = _Pool(backend)
+        pool = _POOLS[backend, world] = _Pool(backend, world)
     try:
         pool.run(worker, args, worker.__name__)
     except (AssertionError, TimeoutError, RuntimeError):

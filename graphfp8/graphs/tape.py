@@ -1,8 +1,13 @@
 """The CPU replay tape: records every dispatcher op run during a capture and replays exactly those
 ops on the same tensors, without running Python again - a CPU stand-in for a CUDA graph that
 freezes Python state the same way a CUDA graph does. In-place torch.distributed collectives (the
-amax all-reduce over fp8_group) are replayed too: re-issued on the same tensors at the same point,
-then waited for, as a NCCL collective captured in a CUDA graph runs in stream order.
+amax all-reduce over fp8_group, the gradient all-reduce, the sharded masters' reduce-scatter and
+all-gather) are replayed too: re-issued on the same tensors at the same point, then waited for, as
+a NCCL collective captured in a CUDA graph runs in stream order. While recording, a collective is
+waited for inside the recorder and the caller gets a finished Work: what a Work's wait() runs
+(gloo's reduce-scatter copies its result out of an internal buffer there) belongs to that Work,
+and the replay's own wait() runs it again; recorded, it would copy the capture's stale buffer
+over every replay's result.
 
 The same recording mode guards CUDA captures: an op that would synchronise with the host (or
 whose output shape depends on data) raises a CaptureError naming the op and the user's line,
@@ -15,8 +20,9 @@ import os
 import traceback
 
 import torch
+from torch._C._distributed_c10d import _create_work_from_future
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from graphfp8.ops.gemm import onednn_off
 
@@ -88,12 +94,30 @@ def _check_capturable(func, args, kwargs) -> None:
         )
 
 
+def _is_work(item) -> bool:
+    return isinstance(item, torch.ScriptObject) and hasattr(item, "wait")
+
+
 def _wait_for_work(result) -> None:
     """Waits on every c10d Work a collective returned, as torch.distributed's Python wrappers do
     with async_op=False: the tape replays the op itself, below those wrappers."""
     for item in tree_flatten(result)[0]:
-        if isinstance(item, torch.ScriptObject) and hasattr(item, "wait"):
+        if _is_work(item):
             item.wait()
+
+
+def _finished_work():
+    """A c10d Work (as a collective op returns it) whose wait() does nothing."""
+    done = torch.futures.Future()
+    done.set_result(None)
+    return _create_work_from_future(done).boxed()
+
+
+def _waited(result):
+    """`result` of a collective with its Work waited for now (inside the recorder, so the ops the
+    wait runs are not recorded) and replaced by a finished one (module docstring)."""
+    _wait_for_work(result)
+    return tree_map(lambda item: _finished_work() if _is_work(item) else item, result)
 
 
 class _Record:
@@ -178,4 +202,6 @@ class RecordingMode(TorchDispatchMode):
         self.names.append(func._schema.name)
         if self.tape is not None:
             self.tape.records.append(_Record(func, args, kwargs, out))
+            if func.namespace == "c10d":
+                out = _waited(out)
         return out
