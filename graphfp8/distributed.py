@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "DistInfo",
@@ -39,9 +40,20 @@ __all__ = [
     "cleanup",
     "init_distributed",
     "is_distributed",
+    "mark_sharded",
 ]
 
 # Gradients ------------------------------------------------------------------------------------
+
+# {tensor: what reduces its gradients itself} (graphfp8.fp8.shard's masters reduce-scatter them).
+_SHARDED = WeakIdKeyDictionary()
+
+
+def mark_sharded(tensors, owner: str) -> None:
+    """Marks tensors whose gradients `owner` reduces (sharded masters): allreduce_gradients
+    refuses them, which would reduce the gradients twice."""
+    for t in tensors:
+        _SHARDED[t] = owner
 
 
 def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
@@ -90,6 +102,14 @@ def allreduce_gradients(
             stops being used on one rank): that rank's check meets the others' all-reduce.
             Graph captures never check (their warmup did, on the same gradients).
     """
+    parameters = list(parameters)
+    owners = {_SHARDED[p] for p in parameters if p in _SHARDED}
+    if owners:
+        raise RuntimeError(
+            f"allreduce_gradients: these gradients are reduced by {sorted(owners)} (sharded "
+            "masters reduce-scatter them in clip_grad_norm_ / step); all-reducing them too "
+            "would reduce them twice"
+        )
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     seen, grads, layout = set(), [], []

@@ -1,6 +1,7 @@
 """The FP8 state layer: recipes, slot roles, arenas, Float8Tensor and fp8_autocast.
 
-Imports flow one way: recipe -> slots -> (ops) -> tensor -> primary -> master, and tensor ->
+Imports flow one way: recipe -> slots -> (ops) -> tensor -> primary -> master -> shard_state ->
+shard (which registers itself as what MasterWeights(shard_group=...) builds), and tensor ->
 arena_check -> scaling -> current -> autocast.
 """
 
@@ -8,6 +9,7 @@ from graphfp8.fp8.autocast import fp8_autocast, reset_state
 from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.primary import fp8_model_init
 from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format, fp8_max
+from graphfp8.fp8.shard import ShardedMasterWeights
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, BwdRole, FwdRole
 from graphfp8.fp8.tensor import Float8Tensor
 
@@ -21,6 +23,7 @@ __all__ = [
     "Format",
     "MasterWeights",
     "FwdRole",
+    "ShardedMasterWeights",
     "fp8_autocast",
     "fp8_max",
     "fp8_model_init",

@@ -24,6 +24,10 @@ subclass is not tested.
 The write-back quantizes each master with its own amax (graphfp8.fp8.primary.WeightQuantizer)
 and marks the weight's transpose cache stale; the next forward with is_first_microbatch=True (or
 None) rebuilds it, in a graph as the captured transpose node. Every step is device work only.
+
+`MasterWeights(model, shard_group=group)` shards instead: fp32 masters of every trainable
+parameter, their gradients and the optimizer state split over the group's ranks
+(graphfp8.fp8.shard, docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ __all__ = ["MasterWeights"]
 _TENSOR_GRAD = torch._C.TensorBase.grad  # the C-level .grad slot, under _Master's property
 
 
+def capturing() -> bool:
+    """Whether a graph capture (or its warmup) is running: the one read of fp8_autocast's global
+    state by the masters (unsharded and sharded)."""
+    return STATE.capture is not None
+
+
 class _Mode:
     """Shared by the masters of one MasterWeights: whether a step graph captured its step."""
 
@@ -53,7 +63,7 @@ class _Mode:
     def moves(self) -> bool:
         """Whether reading a master's .grad moves its FP8 weight's pending grad in (eagerly);
         a capture or a step graph copies the grads itself, into buffers that must stay."""
-        return not self.in_graph and STATE.capture is None
+        return not self.in_graph and not capturing()
 
 
 class _Master(torch.Tensor):
@@ -100,10 +110,10 @@ class _Master(torch.Tensor):
 _CLAIMS = WeakIdKeyDictionary()
 
 
-def _claim(names: list[str], weights: list[Float8Tensor], mode: _Mode) -> None:
-    """Marks each FP8 weight as trained through `mode`'s masters; a weight whose earlier
-    MasterWeights is still alive (its masters in an optimizer) raises: reading one set's grads
-    would take the gradient from the other."""
+def claim(names: list[str], weights: list[torch.Tensor], mode) -> None:
+    """Marks each weight as trained through `mode`'s masters (any object the MasterWeights
+    keeps alive); a weight whose earlier MasterWeights is still alive (its masters in an
+    optimizer) raises: reading one set's grads would take the gradient from the other."""
     taken = [n for n, w in zip(names, weights, strict=True)
              if _CLAIMS.get(w, lambda: None)() is not None]  # fmt: skip
     if taken:
@@ -124,12 +134,26 @@ def _master(value: torch.Tensor, weight: Float8Tensor, mode: _Mode) -> _Master:
 
 class MasterWeights:
     """fp32 masters of every FP8 primary weight of `model`; other parameters are used as they are.
+    With `shard_group`, a ShardedMasterWeights (graphfp8.fp8.shard) instead.
 
     Args:
         model: a module with FP8 primary weights (created inside graphfp8.fp8_model_init).
+        shard_group: a torch.distributed group: shard the masters of every trainable parameter,
+            their gradients and the optimizer state over its ranks (docs/sharding.md).
+        bucket_mb, check_every_step: sharded only, see ShardedMasterWeights.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    sharded = False
+    _sharded_class: type | None = None  # graphfp8.fp8.shard registers it (it builds on this)
+
+    def __new__(cls, model: nn.Module, shard_group=None, **sharded_options):
+        if cls is MasterWeights and shard_group is not None:
+            return super().__new__(MasterWeights._sharded_class)
+        return super().__new__(cls)
+
+    def __init__(self, model: nn.Module, shard_group=None, **sharded_options) -> None:
+        if sharded_options:
+            raise TypeError(f"MasterWeights: {sorted(sharded_options)} need shard_group")
         named = list(model.named_parameters())
         self.names = [n for n, p in named if isinstance(p, Float8Tensor)]
         self.fp8_params = [p for _, p in named if isinstance(p, Float8Tensor)]
@@ -140,7 +164,7 @@ class MasterWeights:
             )
         self.others = [p for _, p in named if not isinstance(p, Float8Tensor)]
         self._mode = _Mode()
-        _claim(self.names, self.fp8_params, self._mode)
+        claim(self.names, self.fp8_params, self._mode)
         self._checked_optimizer = None  # weakref to the optimizer step() last checked
         self.masters = [
             _master(p.dequantize(torch.float32), p, self._mode) for p in self.fp8_params
@@ -185,7 +209,7 @@ class MasterWeights:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """copy_grads_, optimizer.step(), write_back_."""
         self._check_optimizer(optimizer)
-        if STATE.capture is not None:  # a step graph's warmup or capture: it copies from now on
+        if capturing():  # a step graph's warmup or capture: it copies from now on
             self._mode.in_graph = True
         self.copy_grads_()
         optimizer.step()

@@ -112,7 +112,11 @@ def make_graphed_step(
         master_weights: the graphfp8.MasterWeights of a model with FP8 primary weights
             (fp8_model_init); the optimizer then holds master_weights.parameters(), and the
             graph runs master_weights.step(optimizer) in place of optimizer.step() (the
-            weights' transposes are rebuilt on the next replay's microbatch 0).
+            weights' transposes are rebuilt on the next replay's microbatch 0). Sharded
+            masters (MasterWeights(model, shard_group=group)) put the whole sharded step in the
+            graph: their reduce-scatter replaces the all-reduce (process_group must be None),
+            max_grad_norm clips by the global norm (masters.clip_grad_norm_), and the FP8 and
+            high-precision all-gathers follow the optimizer (docs/sharding.md).
 
     Returns:
         A GraphedStep: `step(batch)` replays the graph and returns the loss (0-d float32 device
@@ -132,6 +136,7 @@ def make_graphed_step(
     check_options(_NAME, num_warmup_iters, fp8_enabled, fp8_recipe, minimum=1)
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"{_NAME}: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+    _check_sharded(master_weights, process_group, keep_grads_before_clipping)
     recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     batch = StaticBatch(sample_batch, num_microbatches, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
@@ -156,9 +161,28 @@ def make_graphed_step(
     return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
 
 
+def _check_sharded(masters: MasterWeights | None, process_group, keep: bool) -> None:
+    if masters is None or not masters.sharded:
+        return
+    if process_group is not None:
+        raise ValueError(
+            f"{_NAME}: master_weights are sharded (MasterWeights(shard_group=...)): they "
+            "reduce-scatter the gradients themselves; an all-reduce over process_group would "
+            "reduce them twice. Pass process_group=None"
+        )
+    if keep:
+        raise ValueError(
+            f"{_NAME}: keep_grads_before_clipping with sharded master_weights: the reduced "
+            "gradients are this rank's slices (masters.grad_shards)"
+        )
+
+
 def _optimized_params(params: list[torch.Tensor], masters: MasterWeights | None) -> list:
     """What the optimizer must hold: the model's trainable parameters, with the FP8 primary
-    weights replaced by their fp32 masters (which `masters` must cover, and only them)."""
+    weights replaced by their fp32 masters (which `masters` must cover, and only them); with
+    sharded masters, their pieces."""
+    if masters is not None and masters.sharded:
+        return masters.optimizer_params(params, _NAME)
     fp8 = [p for p in params if isinstance(p, Float8Tensor)]
     if masters is None and not fp8:
         return params
@@ -214,6 +238,8 @@ class StepBody:
             self._accumulate(i, grads)
             total += loss
             del loss, grads  # microbatch i's memory is free for microbatch i + 1
+        if self.masters is not None and self.masters.sharded:
+            return total, self._sharded_update()
         params = body.grad_params
         if self.process_group is not None:
             allreduce_gradients(params, self.process_group)
@@ -227,6 +253,15 @@ class StepBody:
         else:
             self.optimizer.step()
         return total, grad_norm
+
+    def _sharded_update(self):
+        """Reduce-scatter, clipping by the global norm, the optimizer on the slices and the
+        all-gathers (graphfp8.fp8.shard). Returns the norm or None."""
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            grad_norm = self.masters.clip_grad_norm_(self.max_grad_norm)
+        self.masters.step(self.optimizer)
+        return grad_norm
 
     def _accumulate(self, i: int, grads: list[torch.Tensor]) -> None:
         if self.grads is None:  # the first warmup microbatch: persistent .grad buffers
