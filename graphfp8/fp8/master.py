@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from graphfp8.fp8.autocast import STATE
+from graphfp8.fp8 import context
 from graphfp8.fp8.primary import WeightQuantizer
 from graphfp8.fp8.tensor import Float8Tensor
 
@@ -49,9 +49,9 @@ _TENSOR_GRAD = torch._C.TensorBase.grad  # the C-level .grad slot, under _Master
 
 
 def capturing() -> bool:
-    """Whether a graph capture (or its warmup) is running: the one read of fp8_autocast's global
-    state by the masters (unsharded and sharded)."""
-    return STATE.capture is not None
+    """Whether a graph capture (or its warmup) is running: the one read of the FP8 context by
+    the masters (unsharded and sharded)."""
+    return context.current().capturing
 
 
 class _Mode:
