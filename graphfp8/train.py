@@ -12,6 +12,7 @@
     graphfp8-train --compile                      # torch.compile around the graphed blocks
     graphfp8-train --preset llama-100m --pack     # Llama blocks on packed documents
     torchrun --nproc_per_node=2 -m graphfp8.train --ddp
+    torchrun --nproc_per_node=8 -m graphfp8.train --ddp --shard --fp8-weights --graphs step
 
 Writes <out>/<run>.csv (one row per step), <out>/summary.json and, with --compare, <out>/loss.png
 (into a fresh subfolder <out>/<time> when <out> holds an earlier run's files). --out and --save are
@@ -39,7 +40,7 @@ from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.outputs import OutputError, check_outputs, fresh_out
-from graphfp8.training.report import plot_losses, print_table, write_summary
+from graphfp8.training.report import plot_losses, print_memory, print_table, write_summary
 from graphfp8.training.run import GRAPH_MODES, PRECISIONS, SCALINGS, RunSpec
 from graphfp8.training.sources import DataError, open_stream
 
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end after this step; the LR schedule still spans --steps; with --save "
                         "to resume later (default: run all --steps)")  # fmt: skip
     p.add_argument("--ddp", action="store_true", help="data parallel over torchrun's processes")
+    p.add_argument("--shard", action="store_true", help="with --ddp: fp32 masters of every "
+                   "parameter, gradients and optimizer state sharded over the ranks "
+                   "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
     return p
 
 
@@ -212,6 +216,9 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--save/--resume/--stop-at work on a single run, not with --compare")
     if args.seq_len is not None and args.seq_len % 16:
         p.error(f"--seq-len must be a multiple of 16 for FP8 GEMMs, got {args.seq_len}")
+    if args.shard and not args.ddp:
+        p.error("--shard shards over the ranks of --ddp: torchrun --nproc_per_node=N -m "
+                "graphfp8.train --ddp --shard")  # fmt: skip
     if args.ddp and "WORLD_SIZE" not in os.environ:
         p.error("--ddp runs under torchrun: torchrun --nproc_per_node=N -m graphfp8.train --ddp")
     if args.resume is not None and not args.resume.is_file():
@@ -246,7 +253,7 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
                    amax_history_len=args.amax_history_len, compile=args.compile,
                    fp8_format=args.fp8_format, scaling=args.scaling,
                    fp8_weights=args.fp8_weights and precision == "fp8",
-                   pack=args.pack)  # fmt: skip
+                   pack=args.pack, shard=args.shard)  # fmt: skip
 
 
 def _environment(device: str) -> dict:
@@ -343,6 +350,7 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
             agree = ", ".join(f"{k} {'identical' if v else 'DIFFERENT'}"
                               for k, v in r["ranks_agree"].items())  # fmt: skip
             print(f"{r['name']}: across {world} ranks: {agree}")
+    print_memory(results)
     summary = {"date": stamp, "argv": sys.argv[1:] if argv is None else list(argv),
                "preset": args.preset, "model": specs[0].model.to_dict(),
                "microbatches": args.microbatches, "world_size": world, "data": data.describe(),

@@ -8,6 +8,8 @@
 
 Everything in it is a tensor, a number, a string or a container of them, so it loads with
 torch.load(weights_only=True): resuming a checkpoint cannot run code that someone put into it.
+A --shard run's checkpoint is a manifest (no "optimizer": each rank's is in its own file, beside
+it) read by training/shard_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def load_checkpoint(path: Path) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # whatever the file is, the answer is: not a checkpoint
         raise CheckpointError(f"{path} is not a graphfp8 checkpoint ({_reason(exc)})") from None
-    if not isinstance(state, dict) or any(k not in state for k in _REQUIRED):
+    required = [k for k in _REQUIRED if not (k == "optimizer" and _is_manifest(state))]
+    if not isinstance(state, dict) or any(k not in state for k in required):
         if isinstance(state, dict):
             held = f"a dict with keys {sorted(map(str, state))[:8]}"
         else:
@@ -79,6 +82,11 @@ def load_checkpoint(path: Path) -> dict:
             f"graphfp8 reads {FORMAT!r} version {VERSION}"
         )
     return state
+
+
+def _is_manifest(state) -> bool:
+    """A --shard checkpoint's manifest (training/shard_checkpoint.py)."""
+    return isinstance(state, dict) and isinstance(state.get("shards"), dict)
 
 
 def check_resumable(state: dict, spec: dict, steps: int, data: dict) -> list[str]:

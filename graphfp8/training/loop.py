@@ -20,8 +20,9 @@ from graphfp8.training.data import Dataset
 from graphfp8.training.evaluate import validation_loss
 from graphfp8.training.interrupt import StopAtStepBoundary
 from graphfp8.training.model import count_parameters
-from graphfp8.training.report import MetricsLog, Progress, final_loss
+from graphfp8.training.report import MetricsLog, Progress, final_loss, rank_memory
 from graphfp8.training.run import Run, RunSpec, run_settings
+from graphfp8.training.shard_checkpoint import load_shard, save_sharded
 
 __all__ = ["RunOptions", "sync", "train_run"]
 
@@ -175,6 +176,8 @@ def _resume(run: Run, opts: RunOptions) -> None:
     notes = check_resumable(state, run_settings(run.spec), opts.steps, opts.data.describe())
     for note in notes if opts.is_main else ():
         print(f"note: {note}")
+    if run.spec.shard:  # the manifest, and this rank's file beside it
+        state = load_shard(state, opts.resume, run, opts.group)
     run.load_state_dict(state)
 
 
@@ -197,8 +200,12 @@ def _train_and_save(run: Run, opts: RunOptions, steps: int, tokens_per_step: int
     try:
         with StopAtStepBoundary() as stop:
             t = _train_steps(run, opts, steps, tokens_per_step, val, stop)
-            if opts.save is not None and opts.is_main:
+            path = None
+            if opts.save is not None and run.spec.shard:  # every rank writes its own file
+                path = save_sharded(run, opts.save, opts.steps, opts.data.describe(), opts.group)
+            elif opts.save is not None and opts.is_main:
                 path = save_checkpoint(run, opts.save, opts.steps, opts.data.describe())
+            if path is not None and opts.is_main:
                 print(f"saved {path} (step {run.step} of {opts.steps})")
     finally:
         if run.fp8_stats is not None:
@@ -214,7 +221,8 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         {"name", "losses" (per step), "final_loss", "val_losses" ([step, loss] pairs),
         "final_val_loss", "tokens_per_s" (steady state: after the first tenth of the steps,
         capture and validation excluded), "capture_s", "parameters", "peak_reserved_bytes"
-        (torch.cuda.max_memory_reserved over the run; None on the CPU), ...}.
+        (torch.cuda.max_memory_reserved over the run; None on the CPU), "memory_per_rank"
+        (training/report.py rank_memory: each rank's peak and bytes per parameter), ...}.
     """
     if spec.device.startswith("cuda"):
         # peak_reserved_bytes is this run's: an earlier run's cached blocks (--compare runs
@@ -244,6 +252,7 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     tokens_per_s = steady_tokens / t["steady_s"] if steady_tokens and t["steady_s"] > 0 else None
     final_val = t["val_losses"][-1][1] if t["val_losses"] else None
     agree = _ranks_agree(run.model, opts.group, final_val) if opts.group is not None else None
+    memory = rank_memory(run, opts.group)
     return {
         "name": spec.name,
         "precision": spec.precision,
@@ -264,6 +273,7 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
             torch.cuda.max_memory_reserved() if spec.device.startswith("cuda") else None
         ),  # fmt: skip
         "ranks_agree": agree,
+        "memory_per_rank": memory,
         "fp8_stats": stats_files,
         "model_state": run.model.state_dict() if opts.keep_state else None,
     }

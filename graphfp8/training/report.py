@@ -1,5 +1,5 @@
-"""What a training run shows and writes: a progress bar, the CSV/JSON logs, the results table
-and the loss plot."""
+"""What a training run shows and writes: a progress bar, the CSV/JSON logs, the results table,
+every rank's memory and the loss plot."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["Progress", "MetricsLog", "write_summary", "plot_losses", "final_loss", "print_table"]
+import torch
+import torch.distributed as dist
+
+from graphfp8.memory.state import training_state
+
+__all__ = ["Progress", "MetricsLog", "write_summary", "plot_losses", "final_loss", "print_table",
+           "print_memory", "rank_memory"]  # fmt: skip
 
 
 class Progress:
@@ -94,6 +100,33 @@ def print_table(results: list[dict]) -> None:
         tps_text = f"{tps:>12,.0f}" if tps else f"{'-':>12}"  # None: too few steps to time
         speed = f"{tps / base_tps:>7.2f}x" if tps and base_tps else f"{'-':>8}"
         print(f"{r['name']:>14} {r['final_loss']:>10.4f} {val_text} {diff} {tps_text} {speed}")
+
+
+def rank_memory(run, group) -> list[dict]:
+    """Every rank's memory (a collective with a group): {"rank", "max_allocated_bytes"
+    (torch.cuda's peak over the run; None on the CPU), "state": graphfp8.memory's
+    training_state (bytes and bytes per parameter by category)}, in rank order."""
+    peak = torch.cuda.max_memory_allocated() if run.spec.device.startswith("cuda") else None
+    state = training_state(run.model, run.optimizer, run.masters).to_dict()
+    mine = {"rank": run.rank, "max_allocated_bytes": peak, "state": state}
+    if group is None:
+        return [mine]
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    return every
+
+
+def print_memory(results: list[dict]) -> None:
+    """One line per run and rank: bytes per parameter of the training state, by category, and
+    the measured peak."""
+    for r in results:
+        for m in r.get("memory_per_rank") or ():
+            per = m["state"]["bytes_per_parameter"]
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in per.items() if k != "total" and v)
+            peak = m["max_allocated_bytes"]
+            peak_text = f"; max_allocated {peak / 2**30:.2f} GiB" if peak is not None else ""
+            print(f"{r['name']} rank {m['rank']}: {per['total']:.2f} B/param of state "
+                  f"({parts}){peak_text}")  # fmt: skip
 
 
 def plot_losses(results: list[dict], path: Path, title: str) -> Path:

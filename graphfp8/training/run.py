@@ -55,6 +55,7 @@ class RunSpec:
     scaling: str = "delayed"  # one of SCALINGS: the FP8 recipe
     fp8_weights: bool = False  # FP8 primary weights (fp8_model_init) with fp32 MasterWeights
     pack: bool = False  # packed documents: attention and targets within each document
+    shard: bool = False  # masters, gradients and optimizer state sharded over the group
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -80,6 +81,7 @@ class RunSpec:
         fmt += "-current" if self.precision == "fp8" and self.scaling == "current" else ""
         fmt += "-fp8w" if self.fp8_weights else ""
         suffix += "-pack" if self.pack else ""
+        suffix += "-shard" if self.shard else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
 
     @property
@@ -89,7 +91,7 @@ class RunSpec:
 
 # Settings that checkpoints written before they existed trained with.
 OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False,
-                  "pack": False}  # fmt: skip
+                  "pack": False, "shard": False}  # fmt: skip
 
 
 def run_settings(spec: RunSpec) -> dict:
@@ -105,6 +107,7 @@ def run_settings(spec: RunSpec) -> dict:
         "scaling": spec.scaling,
         "fp8_weights": spec.fp8_weights,
         "pack": spec.pack,
+        "shard": spec.shard,
     }
 
 
@@ -132,7 +135,7 @@ class Run:
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
         with fp8_model_init(enabled=spec.fp8_weights):
             self.model = GPT(spec.model, torch.bfloat16, spec.device)
-        self.masters = MasterWeights(self.model) if spec.fp8_weights else None
+        self.masters = self._masters()
         params = self.masters.parameters() if self.masters else self.model.parameters()
         # Fused, with the learning rate as a device tensor, in every mode: a step graph can
         # capture it (capturable on the GPU), and all modes compute the same bits.
@@ -154,6 +157,16 @@ class Run:
     @property
     def fp8(self) -> bool:
         return self.spec.precision == "fp8"
+
+    def _masters(self) -> MasterWeights | None:
+        """fp32 masters: sharded over the group (of every parameter) with spec.shard, of the FP8
+        weights with spec.fp8_weights, else none (AdamW steps the bf16 parameters)."""
+        if self.spec.shard:
+            if self.group is None:
+                raise ValueError("shard needs a process group (--ddp under torchrun)")
+            # Every rank trains every parameter: the gradient sets are checked once.
+            return MasterWeights(self.model, shard_group=self.group, check_every_step=False)
+        return MasterWeights(self.model) if self.spec.fp8_weights else None
 
     def prepare(self) -> None:
         """Compiles what the graphs do not hold when the run says so, and captures the blocks,
@@ -200,8 +213,8 @@ class Run:
         self.graphed_step = make_graphed_step(
             self.model, None, self.optimizer, (inputs, ()), mbs,
             fp8_enabled=self.fp8, fp8_recipe=self.recipe, fp8_weight_caching=True,
-            max_grad_norm=1.0, fp8_group=self.group, process_group=self.group,
-            master_weights=self.masters,
+            max_grad_norm=1.0, fp8_group=self.group,
+            process_group=None if self.spec.shard else self.group, master_weights=self.masters,
             num_warmup_iters=3 if torch.device(self.spec.device).type == "cuda" else 1,
         )  # fmt: skip
 
@@ -277,17 +290,28 @@ class Run:
                 self.fp8_stats.collect(self.step, mb)
             total += loss.detach()
         with nvtx_range("optimizer"):
-            if self.group is not None:  # every rank trains every parameter: check once
-                allreduce_gradients(model.parameters(), self.group, check_every_step=False)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            if self.masters is not None:  # fp32 masters, then one cast back into FP8 per weight
-                self.masters.step(self.optimizer)
-                self.masters.zero_grad(set_to_none=True)
-            else:
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+            self._optimizer_step()
         self.step += 1
         return total
+
+    def _optimizer_step(self) -> None:
+        """After the microbatches of an eager or layers step: the gradient reduction, clipping to
+        1.0 and AdamW (through the masters when there are any), then zero_grad."""
+        if self.spec.shard:  # reduce-scatter, global-norm clip, step on the slices, all-gathers
+            self.masters.clip_grad_norm_(1.0)
+            self.masters.step(self.optimizer)
+            self.masters.zero_grad(set_to_none=True)
+            return
+        params = self.model.parameters
+        if self.group is not None:  # every rank trains every parameter: check once
+            allreduce_gradients(params(), self.group, check_every_step=False)
+        torch.nn.utils.clip_grad_norm_(params(), 1.0)
+        if self.masters is not None:  # fp32 masters, then one cast back into FP8 per weight
+            self.masters.step(self.optimizer)
+            self.masters.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
     # Checkpoints ---------------------------------------------------------------------------------
 

@@ -1,0 +1,101 @@
+"""Bytes per parameter per GPU: the persistent training state one rank holds - weights (FP8 data,
+transpose and scale_inv of FP8 primary weights), the FP8 casts of high-precision weights, the
+model's gradients, fp32 masters and their gradients (all of them, or this rank's slices when
+sharded), the optimizer state - each storage counted once, divided by the model's parameter count.
+Activations, graph pools and collectives' buffers are not state (graphfp8.memory.memory_report
+and torch.cuda's counters measure those)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from graphfp8.memory.ledger import storage_key, tensor_parts
+
+__all__ = ["STATE_CATEGORIES", "TrainingState", "training_state"]
+
+WEIGHTS, FP8_CASTS, GRADS = "weights", "FP8 weight casts", "grads"
+MASTERS, MASTER_GRADS, OPTIMIZER = "fp32 masters", "master grads", "optimizer state"
+STATE_CATEGORIES = (WEIGHTS, FP8_CASTS, GRADS, MASTERS, MASTER_GRADS, OPTIMIZER)
+_TENSOR_GRAD = torch._C.TensorBase.grad  # read without MasterWeights' moving .grad property
+
+
+@dataclass
+class TrainingState:
+    """Bytes of one rank's persistent training state by category, and the model's parameters.
+
+    Attributes:
+        bytes: {category: bytes}, categories in STATE_CATEGORIES order.
+        parameters: elements of the model's parameters (the whole model, on every rank).
+    """
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    parameters: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def per_parameter(self) -> dict[str, float]:
+        """{category: bytes per parameter, ..., "total": ...}."""
+        out = {k: v / self.parameters for k, v in self.bytes.items()}
+        out["total"] = self.total / self.parameters
+        return out
+
+    def to_dict(self) -> dict:
+        return {"bytes": dict(self.bytes), "parameters": self.parameters, "total": self.total,
+                "bytes_per_parameter": self.per_parameter()}  # fmt: skip
+
+
+def _fp8_casts(model: nn.Module):
+    """The FP8 weight workspaces of graphfp8 layers (the casts of high-precision weights)."""
+    for module in model.modules():
+        yield from getattr(module, "_weight_fp8", {}).values()
+
+
+def _master_tensors(masters):
+    """(masters, their gradients) of a MasterWeights, sharded or not."""
+    if masters is None:
+        return [], []
+    if masters.sharded:
+        return list(masters.master_shards), list(masters.grad_shards)
+    return list(masters.masters), [_TENSOR_GRAD.__get__(m) for m in masters.masters]
+
+
+def training_state(model: nn.Module, optimizer=None, masters=None) -> TrainingState:
+    """The persistent training state this process holds for `model`.
+
+    Args:
+        model: the model (its parameters and gradients; graphfp8 layers' FP8 weight casts).
+        optimizer: its torch optimizer (every tensor of optimizer.state), or None.
+        masters: its graphfp8.MasterWeights (sharded or not), or None.
+    """
+    seen: set = set()
+    out = TrainingState(dict.fromkeys(STATE_CATEGORIES, 0),
+                        sum(p.numel() for p in model.parameters()))  # fmt: skip
+    master_values, master_grads = _master_tensors(masters)
+    optimizer_state = []
+    if optimizer is not None:
+        for s in optimizer.state.values():
+            optimizer_state += [v for v in s.values() if isinstance(v, torch.Tensor)]
+    sources = (
+        (WEIGHTS, model.parameters()),
+        (FP8_CASTS, _fp8_casts(model)),
+        (GRADS, (p.grad for p in model.parameters())),
+        (MASTERS, master_values),
+        (MASTER_GRADS, master_grads),
+        (OPTIMIZER, optimizer_state),
+    )
+    for category, tensors in sources:
+        for t in tensors:
+            if t is None:
+                continue
+            for _, part in tensor_parts(t):
+                key = storage_key(part)
+                if key is None or key in seen:
+                    continue
+                seen.add(key)
+                out.bytes[category] += part.untyped_storage().nbytes()
+    return out
