@@ -18,14 +18,7 @@ from torch import nn
 
 from graphfp8.fp8 import context
 from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
-from graphfp8.graphs.capture_checks import (
-    check_grad_mode,
-    check_no_data_parallel,
-    check_no_hooks,
-    distinct_buffers,
-)
-from graphfp8.graphs.compiled import check_model_not_compiled
-from graphfp8.graphs.lifecycle import check_not_captured
+from graphfp8.graphs.capture_checks import check_capturable, check_grad_mode, distinct_buffers
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names
 from graphfp8.graphs.runner import copy_inputs, needs_copy, storages_of
 from graphfp8.graphs.torch_autocast import AutocastState
@@ -162,11 +155,7 @@ class TrainBody:
         self.device = devices.pop()
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"{name}: unsupported device {self.device}")
-        named = list(model.named_parameters())
-        check_no_hooks(name, list(model.modules()), [p for _, p in named], [n for n, _ in named])
-        check_not_captured("the model", model.modules(), name)
-        check_model_not_compiled(name, model)
-        check_no_data_parallel(name, model.modules())
+        check_capturable(name, "the model", model, model.modules(), model.named_parameters())
         check_grad_mode(name, True)
         self.training = model.training  # the mode the graph is captured in
         self.autocast = AutocastState(self.device)  # and the torch.autocast state
