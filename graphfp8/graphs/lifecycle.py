@@ -1,7 +1,8 @@
 """A capture's life: the graphs of one make_graphed_callables call (CapturedGraphs: schedule, FP8
 settings, reset()), which modules have their forward replaced by graphs (so that capturing one
 again, or a model containing one, or deep-copying one, raises a clear error), and undoing a
-capture that failed halfway.
+capture that failed halfway. Also where graphs/ reads the FP8 context after capture: a replay
+checks the fp8_autocast region it is called in (check_fp8_region, check_outside_fp8_region).
 
 A submodule of a graphed module keeps its eager forward and may be captured on its own. The live
 captures are global state: graphfp8.reset_state() resets every one of them (graphfp8/
@@ -20,7 +21,8 @@ from graphfp8 import global_state
 from graphfp8.fp8 import context
 from graphfp8.graphs.schedule import Layout, Schedule
 
-__all__ = ["CapturedGraphs", "live_owner", "refuse_deepcopy", "undone_on_failure"]
+__all__ = ["CapturedGraphs", "check_outside_fp8_region", "live_owner", "refuse_deepcopy",
+           "undone_on_failure"]  # fmt: skip
 
 # Every module whose forward replays a live capture -> a weak reference to its CapturedGraphs.
 # Weak both ways: the graphs refer to the module (its forward is theirs), so a strong value would
@@ -123,6 +125,18 @@ class CapturedGraphs:
                 del _CAPTURED[m]
         self.closed = True
         _LIVE.discard(self)
+
+
+def check_outside_fp8_region(name: str) -> None:
+    """A microbatch or step graph is called outside fp8_autocast: it carries its own FP8
+    settings (graphed callables compare theirs: CapturedGraphs.check_fp8_region)."""
+    ctx = context.current()
+    if ctx.enabled and not ctx.capturing:
+        raise RuntimeError(
+            f"{name}: the graph carries its own FP8 state and scale updates; call it "
+            "outside fp8_autocast (its fp8_enabled / fp8_recipe / fp8_group are fixed at "
+            "capture)"
+        )
 
 
 def _owner(module: nn.Module) -> CapturedGraphs | None:

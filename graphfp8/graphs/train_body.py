@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphfp8.fp8 import context
 from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
 from graphfp8.graphs.capture_checks import check_capturable, check_grad_mode, distinct_buffers
+from graphfp8.graphs.lifecycle import check_outside_fp8_region
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names
 from graphfp8.graphs.runner import copy_inputs, needs_copy, storages_of
 from graphfp8.graphs.torch_autocast import AutocastState
@@ -171,13 +171,7 @@ class TrainBody:
     def check_call(self) -> None:
         """Outside fp8_autocast (the graph carries its own FP8 state), with grad enabled, in the
         captured mode and torch.autocast state."""
-        ctx = context.current()
-        if ctx.enabled and not ctx.capturing:
-            raise RuntimeError(
-                f"{self.name}: the graph carries its own FP8 state and scale updates; call it "
-                "outside fp8_autocast (its fp8_enabled / fp8_recipe / fp8_group are fixed at "
-                "capture)"
-            )
+        check_outside_fp8_region(self.name)
         if not torch.is_grad_enabled():
             raise RuntimeError(
                 f"{self.name}: called under torch.no_grad() or torch.inference_mode(); the graph "
