@@ -312,3 +312,8 @@ class GraphedStep:
     def captured_kernels(self) -> list[str]:
         """What the graph replays: CUDA kernel nodes on the GPU, tape ops on the CPU."""
         return self._graph.kernels()
+
+    def captured_nodes(self) -> list[tuple[str, str]]:
+        """(node type, name) of what the graph replays: ("KERNEL", name), ("MEMSET", ""), ...
+        on the GPU, ("OP", name) for each tape op on the CPU."""
+        return self._graph.nodes()
