@@ -18,7 +18,9 @@
 #              g8.from_hf vs HF bf16 eager / compile); issue 33's: ncu (Nsight Compute counters of
 #              the norm backward, GELU/GLU casts and amax passes: scripts/ncu_kernels.py); issue
 #              32's: te (TransformerEngine's documentation examples on graphfp8.te, tests/te's
-#              CUDA tests))
+#              CUDA tests); issue 31's: shard (sharded masters at world size 1 with NCCL: the CUDA
+#              tests of tests/sharding, graphfp8-train --ddp --shard eager == step graph, tokens/s
+#              against unsharded on the 100m preset, the bytes-per-parameter table; ~2 min))
 #   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
 #   WITH_TE    1 (default): install TransformerEngine from a carried .te/ (a copy of
 #              ../shared/te: docs/benchmarking.md, "TransformerEngine") for the benchmarks' TE
@@ -122,6 +124,24 @@ for step in $STEPS; do
         grep -A3 "^ *run " "$RES/ddp$procs.log" | tee -a "$RES/summary.md"
         grep "across" "$RES/ddp$procs.log" | tee -a "$RES/summary.md"
       done ;;
+    shard)  # issue 31: sharded masters at world size 1 with NCCL (one GPU; torchrun for the CLI)
+      $PY -m pytest -q -m cuda -p no:cacheprovider tests/sharding > "$RES/shard_tests.log" 2>&1 \
+        || status=1
+      tail -1 "$RES/shard_tests.log" | tee -a "$RES/summary.md"
+      TR="$PY -m torch.distributed.run --standalone --nproc_per_node=1 -m graphfp8.train --ddp \
+        --fp8-weights --preset ${TRAIN_PRESET:-100m} --eval-every 1000 --val-batches 2"
+      $TR --shard --compare fp8:none,fp8:step --steps 8 --out "$RES/shard_modes" \
+        > "$RES/shard_modes.log" 2>&1 || status=1
+      for flag in "" --shard; do  # tokens/s and memory: unsharded, then sharded, step graphs
+        $TR $flag --graphs step --steps ${SHARD_STEPS:-120} --out "$RES/shard_speed$flag" \
+          > "$RES/shard_speed$flag.log" 2>&1 || status=1
+      done
+      $PY scripts/shard_report.py "$RES" > "$RES/shard_report.log" 2>&1 || status=1
+      grep "^shard" "$RES/shard_report.log" | tee -a "$RES/summary.md"
+      $PY -c 'import json, sys; from graphfp8.bench.memory_shard import run
+json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.json" \
+        > "$RES/memory_shard.log" 2>&1 || status=1
+      grep "^|\|^###" "$RES/memory_shard.log" | tee -a "$RES/summary.md" ;;
     tests-first)  # one file first, verbose, so a crash names its test
       $PY -m pytest -v -m cuda -p no:cacheprovider ${FIRST_TESTS:-tests/ops} > "$RES/tests_first.log" 2>&1
       rc=$?; tail -5 "$RES/tests_first.log" | tee -a "$RES/summary.md"; [ $rc -eq 0 ] || status=1 ;;

@@ -138,6 +138,14 @@ def test_bench_memory_quick_runs_and_fp8_saves_less(tmp_path):
     fp8w, ref = stack["fp8 graphed, FP8 weights"]["report"], stack["fp8 graphed"]["report"]
     weights = lambda r: r["bytes"]["parameters"] + r["bytes"].get("FP8 weights", 0)  # noqa: E731
     assert weights(fp8w) < weights(ref) and "FP8 weights" not in fp8w["bytes"]
+    # Bytes per parameter per GPU (bench/memory_shard.py): issue 31's targets for FP8 weights,
+    # 2 (FP8 weight + transpose) + 2 (bf16 grad) + 16 / N, a bit more for norms and padding.
+    shard = json.loads(path.read_text())["sharding"]["configs"]
+    per = {name: {int(n): s["bytes_per_parameter"]["total"] for n, s in c["state"].items()}
+           for name, c in shard.items()}  # fmt: skip
+    fp8w = per["fp8, FP8 weights, sharded"]
+    assert 20 <= fp8w[1] < 20.1 and 12 <= fp8w[2] < 12.1 and 6 <= fp8w[8] < 6.1, fp8w
+    assert per["fp8, FP8 weights"][1] < 18 and 8 <= per["bf16"][1] < 8.01
 
 
 @pytest.mark.parametrize("device", [CUDA_PARAM])

@@ -2,7 +2,8 @@
 beside FP8, eager beside graphed (graphfp8.memory's report: parameters, grads, FP8 weights,
 arenas, graph buffers and pools or tapes, and every autograd node's saved tensors), and with
 --table the measurement of issue 19: each mode in its own process, torch.cuda.memory_reserved()
-after 2 steps of 4 microbatches and the peak allocated, at hidden 2048 and 4096."""
+after 2 steps of 4 microbatches and the peak allocated, at hidden 2048 and 4096. Then bytes per
+parameter per GPU, sharded and unsharded (bench/memory_shard.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 
+from graphfp8.bench import memory_shard
 from graphfp8.bench.common import environment, print_table
 from graphfp8.bench.memory_run import Shape, release, run_mode
 from graphfp8.memory import CATEGORIES
@@ -62,7 +64,9 @@ def run(device, quick: bool = False, table: bool = False) -> dict:
                 print(table, flush=True)
                 text += table
         results.append(row)
-    return {"env": environment(device), "results": results, "table": text}
+    sharding = memory_shard.run(device, quick=quick)  # bytes per parameter, sharded or not
+    text += sharding["table"]
+    return {"env": environment(device), "results": results, "sharding": sharding, "table": text}
 
 
 def _compare(shape: Shape, reports: dict, lives: dict) -> str:

@@ -2,12 +2,14 @@
 fp8_autocast.
 
 Imports flow one way: recipe -> slots -> (ops) -> tensor -> primary -> master -> shard_state ->
-shard (which registers itself as what MasterWeights(shard_group=...) builds), and tensor ->
+shard (which registers itself as what MasterWeights(shard_group=...) builds), master ->
+group_quantize -> fsdp_master (what MasterWeights of an FSDP2 model builds), and tensor ->
 arena_check -> scaling -> current; tensor -> weight_cache -> context -> (master, scale_schedule,
 autocast), scaling -> scale_schedule.
 """
 
 from graphfp8.fp8.autocast import autocast, fp8_autocast, reset_state
+from graphfp8.fp8.fsdp_master import FSDPMasterWeights
 from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.primary import fp8_model_init
 from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format, fp8_max
@@ -25,6 +27,7 @@ __all__ = [
     "Float8Tensor",
     "Format",
     "MasterWeights",
+    "FSDPMasterWeights",
     "FwdRole",
     "ShardedMasterWeights",
     "fp8_autocast",

@@ -132,9 +132,34 @@ def _master(value: torch.Tensor, weight: Float8Tensor, mode: _Mode) -> _Master:
     return m
 
 
+def _is_fp8(p: torch.Tensor) -> bool:
+    """An FP8 weight, or an FSDP2 shard of one (a DTensor of a Float8Tensor)."""
+    return isinstance(p, Float8Tensor) or isinstance(getattr(p, "_local_tensor", None),
+                                                     Float8Tensor)  # fmt: skip
+
+
+def check_fp8_weights_kept(model: nn.Module, what: str) -> None:
+    """Raises if a graphfp8 layer built inside fp8_model_init holds a GEMM weight (a 2-D
+    parameter of the layer itself) that is no longer FP8: something replaced it with a
+    high-precision copy, which these masters would train as such (torch FSDP2's sharding did,
+    before graphfp8.fp8.tensor_fsdp; its CPU offload still copies)."""
+    lost = [f"{mod + '.' if mod else ''}{name} ({p.dtype})"
+            for mod, m in model.named_modules() if getattr(m, "_fp8_primary", False)
+            for name, p in m.named_parameters(recurse=False)
+            if p.dim() >= 2 and not _is_fp8(p)]  # fmt: skip
+    if lost:
+        raise ValueError(
+            f"{what}: the model was built with FP8 primary weights (fp8_model_init), but {lost} "
+            "are now high-precision tensors: something replaced them (an assignment, or a torch "
+            "FSDP2 option that copies parameters, such as CPU offload; plain fully_shard keeps "
+            "them FP8, docs/sharding.md)"
+        )
+
+
 class MasterWeights:
     """fp32 masters of every FP8 primary weight of `model`; other parameters are used as they are.
-    With `shard_group`, a ShardedMasterWeights (graphfp8.fp8.shard) instead.
+    With `shard_group`, a ShardedMasterWeights (graphfp8.fp8.shard) instead; for a model under
+    torch FSDP2 (fully_shard), an FSDPMasterWeights (graphfp8.fp8.fsdp_master).
 
     Args:
         model: a module with FP8 primary weights (created inside graphfp8.fp8_model_init).
@@ -144,16 +169,24 @@ class MasterWeights:
     """
 
     sharded = False
-    _sharded_class: type | None = None  # graphfp8.fp8.shard registers it (it builds on this)
+    # What MasterWeights(...) builds for sharded masters and for a model under FSDP2:
+    # graphfp8.fp8.shard and graphfp8.fp8.fsdp_master register them (they build on this).
+    _sharded_class: type | None = None
+    _fsdp_class: type | None = None
 
     def __new__(cls, model: nn.Module, shard_group=None, **sharded_options):
         if cls is MasterWeights and shard_group is not None:
             return super().__new__(MasterWeights._sharded_class)
+        if cls is MasterWeights and any(
+            isinstance(getattr(p, "_local_tensor", None), Float8Tensor) for p in model.parameters()
+        ):
+            return super().__new__(MasterWeights._fsdp_class)  # FP8 shards of fully_shard
         return super().__new__(cls)
 
     def __init__(self, model: nn.Module, shard_group=None, **sharded_options) -> None:
         if sharded_options:
             raise TypeError(f"MasterWeights: {sorted(sharded_options)} need shard_group")
+        check_fp8_weights_kept(model, "MasterWeights")
         named = list(model.named_parameters())
         self.names = [n for n, p in named if isinstance(p, Float8Tensor)]
         self.fp8_params = [p for _, p in named if isinstance(p, Float8Tensor)]

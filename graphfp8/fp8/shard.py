@@ -40,11 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphfp8 import ops
-from graphfp8.collectives import all_gather_, max_all_reduce_, reduce_scatter_
+from graphfp8.collectives import all_gather_, reduce_scatter_
 from graphfp8.distributed import check_gradient_layout, check_same_settings, mark_sharded
-from graphfp8.fp8.master import MasterWeights, claim
-from graphfp8.fp8.recipe import fp8_max
+from graphfp8.fp8.group_quantize import GroupQuantizer
+from graphfp8.fp8.master import MasterWeights, check_fp8_weights_kept, claim
 from graphfp8.fp8.shard_layout import ShardLayout
 from graphfp8.fp8.shard_state import check_loadable, full_state, shard_state
 from graphfp8.fp8.tensor import Float8Tensor
@@ -123,6 +122,7 @@ class ShardedMasterWeights(MasterWeights):
                                "initialised (graphfp8.init_distributed)")  # fmt: skip
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         _check_model(named)
+        check_fp8_weights_kept(model, "MasterWeights(shard_group=...)")
         self.group, self.check_every_step = shard_group, check_every_step
         self.world, self.rank = dist.get_world_size(shard_group), dist.get_rank(shard_group)
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -177,20 +177,14 @@ class ShardedMasterWeights(MasterWeights):
         self._build_weight_vectors(by_name, dev)
 
     def _build_weight_vectors(self, by_name: dict, dev) -> None:
-        """One amax, scale, scaled_max and scale_inv per FP8 weight; each weight's scale_inv
-        becomes a view of the vector (written for all weights at once)."""
-        w = len(self.weight_index)
-        self.amax = torch.zeros(w, dtype=torch.float32, device=dev)
-        self.scale = torch.ones(w, dtype=torch.float32, device=dev)
-        # Every 4th float: each weight's scale_inv starts 16-byte aligned (cuBLASLt's FP8 GEMMs).
-        self.scale_inv = torch.ones(4 * w, dtype=torch.float32, device=dev)[::4]
-        self.scaled_max = torch.zeros(w, dtype=torch.float32, device=dev)
-        self.sink = torch.zeros(2, dtype=torch.float32, device=dev)  # amax, scale_inv the casts
-        for name, i in self.weight_index.items():  # write and nobody reads
-            p = by_name[name]
-            self.scaled_max[i] = fp8_max(p.fp8_dtype)
-            self.scale_inv[i] = p._scale_inv
-            p._scale_inv = self.scale_inv[i : i + 1]
+        """The FP8 weights' quantizer (fp8/group_quantize.py); each weight's scale_inv becomes
+        a view of its vector (written for all weights at once)."""
+        weights = [by_name[name] for name in self.weight_index]
+        self.quantizer = GroupQuantizer([p.fp8_dtype for p in weights], dev)
+        self.amax, self.scale = self.quantizer.amax, self.quantizer.scale
+        for i, p in enumerate(weights):
+            self.quantizer.scale_inv[i] = p._scale_inv
+            p._scale_inv = self.quantizer.scale_inv[i : i + 1]
 
     def _build_pieces(self) -> None:
         """masters: one leaf fp32 tensor per piece (a view of the master slice), what the
@@ -308,21 +302,14 @@ class ShardedMasterWeights(MasterWeights):
     def write_back_(self) -> None:
         """Every parameter from the masters (module docstring, 4): FP8 weights quantized with
         one amax per weight over all ranks, then every bucket all-gathered."""
-        fp8_pieces = [(p, m) for p, m in zip(self.layout.pieces, self.masters, strict=True)
-                      if p.entry.fp8_dtype is not None]  # fmt: skip
         if self.weight_index:
-            for piece, master in fp8_pieces:
-                i = self.weight_index[piece.entry.name]
-                ops.amax_(master.detach(), self.amax[i : i + 1])
-            max_all_reduce_(self.amax, self.group)
-            ops.scale_update_(self.amax.view(1, -1), self.scale, self.scaled_max, True)
-            torch.reciprocal(self.scale, out=self.scale_inv)
-            for piece, master in fp8_pieces:
-                i = self.weight_index[piece.entry.name]
-                data = self.flats[piece.bucket][piece.start : piece.stop]
-                ops.cast_to_fp8(master.detach(), self.scale[i : i + 1], self.sink[0:1],
-                                piece.entry.fp8_dtype, out=data.view(piece.entry.fp8_dtype),
-                                scale_inv=self.sink[1:2])  # fmt: skip
+            pieces = [
+                (self.weight_index[p.entry.name], m.detach(),
+                 self.flats[p.bucket][p.start : p.stop].view(p.entry.fp8_dtype))
+                for p, m in zip(self.layout.pieces, self.masters, strict=True)
+                if p.entry.fp8_dtype is not None
+            ]  # fmt: skip
+            self.quantizer.quantize_(pieces, self.group)
         for b, bucket in enumerate(self.layout.buckets):
             lo = self.rank * bucket.shard
             mine = self.flats[b][lo : lo + bucket.shard]

@@ -4,7 +4,8 @@ A Float8Tensor never computes a scale: whoever casts into it (a kernel) writes i
 scale_inv together, so the two always pair up, however the recipe's scales move on. It is a
 wrapper subclass whose nominal shape and dtype are the high-precision ones, so it can flow
 through autograd between graphfp8 modules (LayerNormLinear(fp8_output=True) -> Linear); any
-other torch op sees the dequantized values.
+other torch op sees the dequantized values, but for the views and the padded copy that torch
+FSDP2 takes of a parameter, which stay FP8, and FSDP2's all-gather hooks (fp8/tensor_fsdp.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from graphfp8 import ops
+from graphfp8.fp8 import tensor_fsdp
 
 __all__ = ["Float8Tensor"]
 
@@ -138,6 +140,15 @@ class Float8Tensor(torch.Tensor):
         memo[id(self)] = new
         return new
 
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """FSDP2's hook: this shard's FP8 bytes (uint8) and scale_inv (fp8/tensor_fsdp.py)."""
+        return tensor_fsdp.pre_all_gather(self, outer_size, mesh.size())
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """FSDP2's hook: the gathered bytes as the whole FP8 weight, no copy."""
+        return tensor_fsdp.post_all_gather(type(self), all_gather_outputs, metadata, param_dtype,
+                                           out)  # fmt: skip
+
     def __tensor_flatten__(self):
         return ["_data", "_scale_inv"], {"nominal_dtype": self.dtype}
 
@@ -159,6 +170,8 @@ class Float8Tensor(torch.Tensor):
             )
         if func is torch.ops.aten.copy_.default:
             return _copy_(args[0], args[1])
+        if func in tensor_fsdp.SHARD_OPS:  # views FSDP2 takes of a parameter stay FP8
+            return tensor_fsdp.SHARD_OPS[func](func, args, kwargs)
         if func._schema.is_mutable:
             raise NotImplementedError(
                 f"Float8Tensor does not support the in-place op {func}; dequantize() first (FP8 "

@@ -19,7 +19,9 @@ __all__ = ["check_capturable", "check_distinct", "check_grad_mode", "check_input
 _DDP_ADVICE = (
     "a graph folds the gradients into .grad inside itself, so DDP's (or FSDP's) gradient hooks "
     "never run. Capture the plain module and average the gradients with "
-    "graphfp8.distributed.allreduce_gradients once per step (make_graphed_step: process_group=)"
+    "graphfp8.distributed.allreduce_gradients once per step (make_graphed_step: process_group=), "
+    "or shard it the graphed way: masters, gradients and optimizer state with "
+    "MasterWeights(model, shard_group=...) (make_graphed_step(master_weights=...))"
 )
 
 

@@ -4,7 +4,7 @@ bytes per parameter of one rank's training state (sharded or not)."""
 from graphfp8.memory.live import LiveBytes
 from graphfp8.memory.report import CATEGORIES, MemoryReport, cuda_counters, memory_report
 from graphfp8.memory.saved import NodeSaves, walk_saved
-from graphfp8.memory.state import STATE_CATEGORIES, TrainingState, training_state
+from graphfp8.memory.state import STATE_CATEGORIES, TrainingState, sharded_at, training_state
 
 __all__ = [
     "CATEGORIES",
@@ -15,6 +15,7 @@ __all__ = [
     "TrainingState",
     "cuda_counters",
     "memory_report",
+    "sharded_at",
     "training_state",
     "walk_saved",
 ]

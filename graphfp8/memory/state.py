@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from graphfp8.fp8.shard_layout import ShardLayout
 from graphfp8.memory.ledger import storage_key, tensor_parts
+from graphfp8.modules.base import FP8Module
 
-__all__ = ["STATE_CATEGORIES", "TrainingState", "training_state"]
+__all__ = ["STATE_CATEGORIES", "TrainingState", "sharded_at", "training_state"]
 
 WEIGHTS, FP8_CASTS, GRADS = "weights", "FP8 weight casts", "grads"
 MASTERS, MASTER_GRADS, OPTIMIZER = "fp32 masters", "master grads", "optimizer state"
@@ -52,7 +54,15 @@ class TrainingState:
 def _fp8_casts(model: nn.Module):
     """The FP8 weight workspaces of graphfp8 layers (the casts of high-precision weights)."""
     for module in model.modules():
-        yield from getattr(module, "_weight_fp8", {}).values()
+        if isinstance(module, FP8Module):
+            yield from module.weight_cache.workspaces.values()
+
+
+def _grads(model: nn.Module):
+    """The parameters' .grad and a graphed run's persistent .grad buffers."""
+    for p in model.parameters():
+        yield p.grad
+        yield getattr(p, "_graphfp8_grad", None)
 
 
 def _master_tensors(masters):
@@ -83,7 +93,7 @@ def training_state(model: nn.Module, optimizer=None, masters=None) -> TrainingSt
     sources = (
         (WEIGHTS, model.parameters()),
         (FP8_CASTS, _fp8_casts(model)),
-        (GRADS, (p.grad for p in model.parameters())),
+        (GRADS, _grads(model)),
         (MASTERS, master_values),
         (MASTER_GRADS, master_grads),
         (OPTIMIZER, optimizer_state),
@@ -98,4 +108,25 @@ def training_state(model: nn.Module, optimizer=None, masters=None) -> TrainingSt
                     continue
                 seen.add(key)
                 out.bytes[category] += part.untyped_storage().nbytes()
+    return out
+
+
+def sharded_at(state: TrainingState, masters, world: int) -> TrainingState:
+    """The state of the rank holding the most at another group size: what `state` (measured
+    with sharded `masters`) would be with `world` ranks. Weights, FP8 weight casts and grads are
+    replicated (as measured, the flat buffers' padding for `world` ranks); the fp32 masters and
+    their gradients are the padded slices (4 bytes per element each); the optimizer state scales
+    with the elements of the rank's pieces (AdamW: two fp32 moments; its step counts, one per
+    piece, are counted as measured)."""
+    named = list(zip(masters.names, masters.params, strict=True))
+    layouts = [ShardLayout(named, world, r, masters.bucket_bytes) for r in range(world)]
+    slices = sum(b.shard for b in layouts[0].buckets)
+    local = max(layout.local_numel() for layout in layouts)
+    measured = masters.layout.local_numel()
+    out = TrainingState(dict(state.bytes), state.parameters)
+    for now, then in zip(masters.layout.buckets, layouts[0].buckets, strict=True):
+        size = 1 if now.fp8_dtype is not None else now.dtype.itemsize  # FP8 flats hold bytes
+        out.bytes[WEIGHTS] += (then.padded(world) - now.padded(masters.world)) * size
+    out.bytes[MASTERS] = out.bytes[MASTER_GRADS] = 4 * slices
+    out.bytes[OPTIMIZER] = round(state.bytes[OPTIMIZER] * local / measured)
     return out

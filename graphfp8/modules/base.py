@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from graphfp8.fp8 import scaling
-from graphfp8.fp8.primary import quantize_weight
+from graphfp8.fp8.primary import INIT, quantize_weight
 from graphfp8.fp8.recipe import Recipe, recipe_to_dict
 from graphfp8.fp8.slots import BwdRole, FwdRole, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
@@ -71,6 +71,9 @@ class FP8Module(nn.Module):
         super().__init__()
         prepare_for_compile(type(self))
         self.fp8_meta: FP8Meta | None = None
+        # Built inside fp8_model_init: its GEMM weights are FP8 (MasterWeights checks that they
+        # still are: graphfp8.fp8.master.check_fp8_weights_kept).
+        self._fp8_primary = INIT.enabled
         # The FP8 weight workspaces and whether they hold the current weights (eager: cast with
         # is_first_microbatch True or None; graphs decide with their device flag instead).
         self.weight_cache = WeightCache()

@@ -61,12 +61,12 @@ class Unsharded:
     """Data parallel without sharding: allreduce_gradients, then an unsharded MasterWeights (FP8
     weights) or the plain parameters stepping the same fused AdamW."""
 
-    def __init__(self, model, device, group):
+    def __init__(self, model, device, group, **optimizer_kw):
         self.model, self.group = model, group
         fp8 = any(isinstance(p, Float8Tensor) for p in model.parameters())
         self.masters = g8.MasterWeights(model) if fp8 else None
         params = self.masters.parameters() if fp8 else list(model.parameters())
-        self.opt = adamw(params, device)
+        self.opt = adamw(params, device, **optimizer_kw)
         self.params = params
 
     def step(self, data, recipe, max_grad_norm=None):
@@ -87,10 +87,10 @@ class Unsharded:
 class Sharded:
     """The same training with MasterWeights(model, shard_group=group)."""
 
-    def __init__(self, model, device, group, shard_group=None, **options):
+    def __init__(self, model, device, group, shard_group=None, optimizer_kw=None, **options):
         self.model, self.group = model, group
         self.masters = g8.MasterWeights(model, shard_group=shard_group or group, **options)
-        self.opt = adamw(self.masters.parameters(), device)
+        self.opt = adamw(self.masters.parameters(), device, **(optimizer_kw or {}))
 
     def step(self, data, recipe, max_grad_norm=None):
         loss = microbatches(self.model, data, self.group, recipe)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from graphfp8.memory import sharded_at, training_state
 from graphfp8.testing import assert_bitwise_equal
 from tests.rank_pool import run_on_ranks
 from tests.sharding.common import (
@@ -78,6 +79,15 @@ def _bf16_masters_do_not_depend_on_n(rank, device):
         assert_bitwise_equal(loss, loss_ref, f"rank {rank} step {s}: loss")
         compare_models(model, ref_model, f"rank {rank} step {s}")
     assert ref.masters.layout.local_numel() > sharded.masters.layout.local_numel()
+    # graphfp8.memory.sharded_at: what one rank's state says of 2 ranks, against the 2 ranks.
+    at_two = sharded_at(training_state(ref.model, ref.opt, ref.masters), ref.masters, 2)
+    mine = training_state(model, sharded.opt, sharded.masters).bytes
+    every = [None, None]
+    dist.all_gather_object(every, mine)
+    for key in ("weights", "grads", "fp32 masters", "master grads"):
+        assert at_two.bytes[key] == max(b[key] for b in every), key
+    opt = max(b["optimizer state"] for b in every)
+    assert abs(at_two.bytes["optimizer state"] - opt) <= 8 * 16, (at_two.bytes, opt)  # the steps
 
 
 def test_bf16_parameters_shard_the_same_at_any_n():

@@ -1,0 +1,43 @@
+"""Sharded masters on one GPU with NCCL (a process group of one rank, tests/rank_pool.py; the
+H200 run of issue 31, `GPU_STEPS=shard`): the whole sharded step captured in a CUDA graph - the
+NCCL reduce-scatter, the norm's all-reduce, the amax all-reduce and the all-gathers as graph
+nodes - equal bit for bit to the eager sharded step, and sharding at N=1 equal to unsharded
+MasterWeights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.rank_pool import run_on_ranks
+from tests.sharding.common import RECIPES, Sharded, Unsharded, batch, build_lm, compare_models
+from tests.sharding.test_sharded_step_graph import _graphed_equals_eager
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("scaling", sorted(RECIPES))
+def test_sharded_step_graph_equals_eager_with_nccl(scaling):
+    run_on_ranks("nccl", _graphed_equals_eager, scaling, world=1)
+
+
+def _one_rank_equals_unsharded(rank, device):
+    """One AdamW implementation on both sides (torch picks foreach for plain CUDA tensors and
+    the for-loop for the masters' subclasses: 1 ulp apart on the H200)."""
+    group, recipe = dist.group.WORLD, RECIPES["delayed"]
+    ref = Unsharded(build_lm(device), device, group, foreach=False)
+    model = build_lm(device)
+    sharded = Sharded(model, device, group, optimizer_kw={"foreach": False})
+    for s in range(3):
+        data = batch(s, device)
+        ref.step(data, recipe)
+        sharded.step(data, recipe)
+        compare_models(model, ref.model, f"step {s}")
+
+
+def test_one_rank_of_nccl_equals_unsharded():
+    run_on_ranks("nccl", _one_rank_equals_unsharded, world=1)
