@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from graphfp8.bench import census
+from graphfp8.bench.opcount import kernels
+from graphfp8.ops.switches import kernel_switch
 
 # What one more TransformerLayer adds to each microbatch of the 100m GPT's FP8 step graph, as
 # CUDA kernels counted from the captured ops (a graphfp8 op that launches two kernels counts 2).
@@ -38,3 +40,11 @@ def test_the_step_graph_launches_what_the_census_says_per_layer(fp8_layer):
 
 def test_no_layer_copies_or_fills_in_the_step_graph(fp8_layer):
     assert fp8_layer["memops"] == {"first": {}, "cached": {}}
+
+
+def test_the_in_kernel_dbias_takes_one_kernel_per_dbias(fp8_layer):
+    """Under DBIAS_IN_KERNEL each fused dbias is one launch: 4 kernels fewer per layer."""
+    ops = ["graphfp8::cast_transpose_dbias"] * 3 + ["graphfp8::dgelu_cast_transpose_dbias"]
+    with kernel_switch("DBIAS_IN_KERNEL", True):
+        assert sum(kernels(ops).values()) == 4
+    assert sum(kernels(ops).values()) == 8
