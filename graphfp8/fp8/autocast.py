@@ -25,6 +25,8 @@ __all__ = [
     "STATE",
     "CaptureState",
     "check_is_first_microbatch",
+    "fp8_enabled",
+    "in_fp8_region",
     "queue_backward_update",
     "reset_state",
 ]
@@ -89,6 +91,17 @@ def reset_state() -> None:
     around FP8 attention must be dropped first: it may replay kernels of the cuDNN plans this
     frees."""
     global_state.reset_all()
+
+
+def in_fp8_region() -> bool:
+    """Whether an fp8_autocast region (enabled or not) or a graphfp8 capture is open: a model that
+    carries its recipe (graphfp8.modules.carry) then leaves the choice to it."""
+    return STATE.recipe is not None or STATE.capture is not None
+
+
+def fp8_enabled() -> bool:
+    """Whether graphfp8 layers called now run in FP8."""
+    return STATE.enabled
 
 
 def check_is_first_microbatch(is_first_microbatch) -> None:
