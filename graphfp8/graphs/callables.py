@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from graphfp8.fp8.recipe import DelayedScaling, Recipe
+from graphfp8.fp8.weight_cache import DeviceFlag
 from graphfp8.graphs.callable_phases import (
     Sample,
     capture_backwards,
@@ -33,7 +34,6 @@ from graphfp8.graphs.runner import GraphedRunner, InputSpec, storages_of
 from graphfp8.graphs.schedule import Layout
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.torch_autocast import AutocastState
-from graphfp8.graphs.weight_flag import WeightCacheFlag
 from graphfp8.modules.base import FP8Module
 
 __all__ = ["make_graphed_callables"]
@@ -121,9 +121,7 @@ def make_graphed_callables(
     samples, device = prepare(funcs, sample_args, sample_kwargs)
     check_grad_mode(_NAME, any(t.requires_grad for s in samples for t in s.grad_inputs()))
     autocast = AutocastState(device)
-    caching = fp8_enabled and fp8_weight_caching
-    flag = WeightCacheFlag(torch.zeros(1, device=device) if caching else None, fp8_enabled,
-                           fp8_weight_caching, _NAME, "graphed callable")  # fmt: skip
+    flag = DeviceFlag(device, fp8_enabled, fp8_weight_caching, _NAME, "graphed callable")
     graphs = CapturedGraphs(layout, [s.name for s in samples], fp8_enabled, recipe, fp8_group,
                             device)  # fmt: skip
     chunks = [fp8_modules_in([m for j in layout.units[(c, 0)].runners for m in _trees(samples[j])])
@@ -133,7 +131,7 @@ def make_graphed_callables(
     with session, undone_on_failure(unique(m for c in chunks for m in c), samples, callables):
         session.init_fp8(chunks)
         warmup(samples, num_warmup_iters, allow_unused_input, session)
-        session.freeze_arenas()
+        session.freeze_arenas({k: a for s in samples for k, a in s.arenas.items()})
         built = _capture_units(samples, layout, session, allow_unused_input, chain)
         chained = _followers(layout) if chain else set()
         runners = [_runner(s, *built[s.index], graphs, flag, autocast, s.index in chained)
@@ -191,13 +189,13 @@ def _capture_units(samples, layout: Layout, session: CaptureSession, allow_unuse
         for kind, unit in layout.steps:
             unit_samples = [samples[j] for j in unit.runners]
             used = {k: a for s in unit_samples for k, a in s.arenas.items()}
-            arenas = sorted(used.values(), key=lambda a: a.serial)
+            points = session.update_points(used.values())
             if kind == "forward":
-                fwds = capture_forwards(unit_samples, arenas, session, chain)
+                fwds = capture_forwards(unit_samples, points, session, chain)
                 forwards.update(zip(unit.runners, fwds, strict=True))
             else:
                 fwds = [forwards[j] for j in unit.runners]
-                bwds = capture_backwards(unit_samples, fwds, arenas, session, allow_unused, chain)
+                bwds = capture_backwards(unit_samples, fwds, points, session, allow_unused, chain)
                 built.update({j: (forwards[j], b) for j, b in zip(unit.runners, bwds, strict=True)})
     return built
 
@@ -235,7 +233,8 @@ def _runner(s: Sample, fwd, bwd, graphs, flag, autocast: AutocastState,
         static_inputs=s.static_inputs, copies=spec.copies,
         storages=storages_of(s.static_inputs), chained=chained,
         params=tuple(s.params), param_names=tuple(s.param_names), fwd_graph=fwd.graph,
-        bwd_graph=bwd.graph, static_outputs=fwd.outputs, out_spec=fwd.out_spec,
+        bwd_graph=bwd.graph, fwd_updates=fwd.updates, bwd_updates=bwd.updates,
+        static_outputs=fwd.outputs, out_spec=fwd.out_spec,
         read_back=[t for _, t in read_back], read_back_names=tuple(n for n, _ in read_back),
         static_grad_outputs=bwd.grad_outputs, static_grad_inputs=bwd.grad_inputs,
         accumulator=bwd.accumulator, expects_grad=expects, grad_anchor=anchor, anchor_node=node,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from graphfp8 import global_state
-from graphfp8.fp8.autocast import STATE
+from graphfp8.fp8 import context
 from graphfp8.graphs.schedule import Layout, Schedule
 
 __all__ = ["CapturedGraphs", "check_not_captured", "undone_on_failure"]
@@ -66,22 +66,22 @@ class CapturedGraphs:
         """Inside fp8_autocast (not a capture), a runner with FP8 modules must have been captured
         with the region's FP8 settings: the graph cannot follow another recipe, group or
         enabled flag, and eager calls in that region would."""
-        if STATE.recipe is None or STATE.capture is not None or not runner.uses_fp8:
+        ctx = context.current()
+        if ctx.recipe is None or ctx.capturing or not runner.uses_fp8:
             return
-        if not STATE.enabled and not self.fp8_enabled:
+        if not ctx.enabled and not self.fp8_enabled:
             return
-        if STATE.enabled and self.fp8_enabled:
-            if STATE.recipe == self.recipe and STATE.group is self.group:
+        if ctx.enabled and self.fp8_enabled:
+            if ctx.recipe == self.recipe and ctx.group is self.group:
                 return
             what = (
-                f"fp8_recipe={self.recipe}, called inside fp8_autocast(recipe={STATE.recipe})"
-                if STATE.recipe != self.recipe
+                f"fp8_recipe={self.recipe}, called inside fp8_autocast(recipe={ctx.recipe})"
+                if ctx.recipe != self.recipe
                 else "another fp8_group than the fp8_autocast region it is called in"
             )
         else:
             what = (
-                f"fp8_enabled={self.fp8_enabled}, called inside "
-                f"fp8_autocast(enabled={STATE.enabled})"
+                f"fp8_enabled={self.fp8_enabled}, called inside fp8_autocast(enabled={ctx.enabled})"
             )
         raise RuntimeError(
             f"{runner.name}: captured with {what}; the graph carries its own FP8 settings. "
@@ -172,14 +172,14 @@ def undone_on_failure(fp8_modules, samples, callables):
             on failure (with the parameters found by then).
         callables: the callables given.
     """
-    fp8_saved = [(m, m.fp8_meta, dict(m._weight_fp8), m._weight_cache_valid) for m in fp8_modules]
+    fp8_saved = [(m, m.fp8_snapshot()) for m in fp8_modules]
     attrs = [(c, set(vars(c))) for c in callables if isinstance(c, nn.Module)]
     had_buffer = {id(p) for r in samples for p in r.params if hasattr(p, "_graphfp8_grad")}
     try:
         yield
     except BaseException:
-        for m, meta, workspaces, valid in fp8_saved:
-            m.fp8_meta, m._weight_fp8, m._weight_cache_valid = meta, workspaces, valid
+        for m, snap in fp8_saved:
+            m.restore_fp8(snap)
         for p in {id(p): p for r in samples for p in r.params}.values():
             if id(p) not in had_buffer and hasattr(p, "_graphfp8_grad"):
                 del p._graphfp8_grad

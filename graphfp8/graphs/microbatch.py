@@ -17,8 +17,9 @@ import contextlib
 
 import torch
 
-from graphfp8.fp8 import scaling
 from graphfp8.fp8.recipe import DelayedScaling, Recipe
+from graphfp8.fp8.scale_schedule import SCHEDULE
+from graphfp8.fp8.weight_cache import DeviceFlag
 from graphfp8.graphs.capture_checks import check_options
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
@@ -26,7 +27,6 @@ from graphfp8.graphs.grads import GradFold
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_optim import TrainingSnapshot
 from graphfp8.graphs.train_body import StaticBatch, TrainBody
-from graphfp8.graphs.weight_flag import WeightCacheFlag
 from graphfp8.profiling import nvtx_range
 
 __all__ = ["GraphedMicrobatch", "make_graphed_microbatch"]
@@ -91,35 +91,27 @@ def make_graphed_microbatch(
     batch = StaticBatch(sample_microbatch, None, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
     device = body.device
-    caching = fp8_enabled and fp8_weight_caching
-    flag = WeightCacheFlag(torch.zeros(1, device=device) if caching else None, fp8_enabled,
-                           fp8_weight_caching, _NAME, "graphed microbatch")  # fmt: skip
+    flag = DeviceFlag(device, fp8_enabled, fp8_weight_caching, _NAME, "graphed microbatch")
     # The snapshot: buffers that the forward updates (batch norm statistics).
     session = CaptureSession(device, fp8_enabled=fp8_enabled, recipe=recipe, fp8_group=fp8_group,
                              weight_cache_flag=flag.tensor, pool=pool,
                              snapshot=TrainingSnapshot(model))  # fmt: skip
     with session:
         session.init_fp8([fp8_modules_in([model])])
-        with session.warmup():
+        with session.warmup() as found:
             for _ in range(num_warmup_iters):
-                body.microbatch(None, [], [], None)
-        arenas = session.freeze_arenas()
+                body.microbatch(None)
+        points = session.update_points(session.freeze_arenas(found.arenas))
         graph = session.new_graph()
         fold = GradFold(body.grad_params, device)  # .grad inside the graph (graphs/grads.py)
         with session.capture_phase():
-            with session.recording(), fold.hooked(), graph.capture(session.pool):
-                loss, grads = body.microbatch(None, *_by_direction(arenas), fp8_group)
+            with fold.hooked(), session.capture_into(graph) as captured:
+                loss, grads = body.microbatch(None, points)
                 fold.finish()
             del grads  # the parameters' stand-ins
             accumulator = fold.accumulator(session.pool)
     guard = body.replay_guard("capture the microbatch again (make_graphed_microbatch)")
-    return GraphedMicrobatch(body, graph, accumulator, flag, loss, guard)
-
-
-def _by_direction(arenas) -> tuple[list, list]:
-    """(forward arenas, backward arenas)."""
-    return ([a for a in arenas if a.direction == scaling.FORWARD],
-            [a for a in arenas if a.direction == scaling.BACKWARD])  # fmt: skip
+    return GraphedMicrobatch(body, graph, accumulator, flag, loss, guard, tuple(captured.updates))
 
 
 class GraphedMicrobatch:
@@ -130,9 +122,10 @@ class GraphedMicrobatch:
         params: the parameters that get a gradient, in the model's order.
     """
 
-    def __init__(self, body: TrainBody, graph, accumulator, flag: WeightCacheFlag, loss, guard):
+    def __init__(self, body: TrainBody, graph, accumulator, flag: DeviceFlag, loss, guard,
+                 updates: tuple):  # fmt: skip
         self._body, self._graph, self._accumulator, self._flag = body, graph, accumulator, flag
-        self._guard = guard
+        self._guard, self._updates = guard, updates
         self._tape = body.device.type == "cpu"
         self.loss = loss
         self.params = body.grad_params
@@ -155,6 +148,7 @@ class GraphedMicrobatch:
             self._accumulator.before_replay()
             self._graph.replay()
             self._accumulator.after_replay()
+        SCHEDULE.replayed(self._updates)
         return self.loss
 
     @property

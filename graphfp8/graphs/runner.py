@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.graphs.capture_checks import inside_ddp_forward
 from graphfp8.profiling import nvtx_range
 
@@ -94,6 +95,7 @@ class GraphedRunner:
             module's own and those its outputs were found to depend on (graphs/discover.py).
         param_names: a name per parameter, for messages.
         fwd_graph, bwd_graph: the two graphs (graphs/backends.py).
+        fwd_updates, bwd_updates: the scale updates each holds (graphfp8/fp8/scale_schedule.py).
         static_outputs: flat output tensors the forward graph writes; out_spec rebuilds them.
         read_back: the static outputs and inputs that the captured backward reads (saved for
             backward at capture), with their names: a write into one between a call and its
@@ -123,6 +125,8 @@ class GraphedRunner:
     param_names: tuple[str, ...]
     fwd_graph: object
     bwd_graph: object
+    fwd_updates: tuple
+    bwd_updates: tuple
     static_outputs: list[torch.Tensor]
     out_spec: object
     read_back: list[torch.Tensor]
@@ -229,6 +233,7 @@ class GraphedRunner:
             copy_inputs(pairs, self.storages)
         with nvtx_range("replay-forward"):
             self.fwd_graph.replay()
+        SCHEDULE.replayed(self.fwd_updates)
 
     def versions(self) -> tuple[int, ...]:
         """The version counters of read_back, as a forward replay leaves them."""
@@ -263,6 +268,7 @@ class GraphedRunner:
                 acc.after_replay()
             else:  # torch.autograd.grad(loss, x), backward(inputs=[x]): .grad stays as it was
                 acc.replay_leaving_grads(self.bwd_graph)
+        SCHEDULE.replayed(self.bwd_updates)
         # Returned without detach(): the runner keeps a reference, so AccumulateGrad clones
         # them into a leaf input's .grad instead of stealing a static buffer that the next
         # replay overwrites.

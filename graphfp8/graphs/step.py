@@ -31,10 +31,11 @@ import torch
 
 from graphfp8 import _C
 from graphfp8.distributed import allreduce_gradients
-from graphfp8.fp8 import scaling
 from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.recipe import DelayedScaling, Recipe
+from graphfp8.fp8.scale_schedule import NONE, SCHEDULE, UpdatePoints
 from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.fp8.weight_cache import constant_flags
 from graphfp8.graphs.capture_checks import check_options
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
@@ -147,13 +148,14 @@ def make_graphed_step(
     try:
         with session:
             session.init_fp8([fp8_modules_in([model])])
-            graph, loss, grad_norm = _warmup_and_capture(run, session, num_warmup_iters)
+            graph, loss, grad_norm, updates = _warmup_and_capture(run, session, num_warmup_iters)
     except BaseException:
         for p, g in zip(body.params, old_grads, strict=True):
             p.grad = g
         raise
     guard = body.replay_guard("capture the step again (make_graphed_step)")
-    return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
+    return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm,
+                       updates)  # fmt: skip
 
 
 def _optimized_params(params: list[torch.Tensor], masters: MasterWeights | None) -> list:
@@ -175,16 +177,14 @@ def _warmup_and_capture(run: StepBody, session: CaptureSession, iters: int):
     with warnings.catch_warnings():
         # Eager steps of a capturable optimizer make torch warn that capturable costs speed.
         warnings.filterwarnings("ignore", message="This instance was constructed with capt")
-        with session.warmup():
+        with session.warmup() as found:
             for _ in range(iters):
-                run([], [], None)
-    arenas = session.freeze_arenas()
-    fwd = [a for a in arenas if a.direction == scaling.FORWARD]
-    bwd = [a for a in arenas if a.direction == scaling.BACKWARD]
+                run(NONE)
+    points = session.update_points(session.freeze_arenas(found.arenas))
     graph = session.new_graph()
-    with session.capture_phase(), session.recording(), graph.capture(session.pool):
-        loss, grad_norm = run(fwd, bwd, session.fp8_group)
-    return graph, loss, grad_norm
+    with session.capture_phase(), session.capture_into(graph) as captured:
+        loss, grad_norm = run(points)
+    return graph, loss, grad_norm, tuple(captured.updates)
 
 
 class StepBody:
@@ -196,21 +196,20 @@ class StepBody:
                  session: CaptureSession):  # fmt: skip
         self.body, self.optimizer, self.masters = body, optimizer, masters
         self.max_grad_norm, self.process_group, self.keep = max_grad_norm, process_group, keep
-        self.capture = session.capture  # its weight_cache_flag is set per microbatch
-        n, dev = body.num_microbatches, body.device
-        # Constant flags, one per microbatch: 0 = cast the weights, 1 = reuse the cache.
-        cast, reuse = torch.zeros(1, device=dev), torch.ones(1, device=dev)
-        self.flags = [cast] + [reuse] * (n - 1) if caching else [None] * n
+        self.session = session
+        # Constant weight-cache flags, one per microbatch: microbatch 0 casts, the others reuse.
+        self.flags = constant_flags(body.num_microbatches, body.device, caching)
         self.grads: list[torch.Tensor] | None = None
         self.grads_before_clipping: list[torch.Tensor] | None = None
 
-    def __call__(self, fwd_arenas, bwd_arenas, fp8_group):
-        """Runs the step; returns (loss, grad_norm or None)."""
+    def __call__(self, points: UpdatePoints):
+        """Runs the step between the update points of each microbatch (NONE while warming up);
+        returns (loss, grad_norm or None)."""
         body = self.body
         total = torch.zeros((), dtype=torch.float32, device=body.device)
         for i in range(body.num_microbatches):
-            self.capture.weight_cache_flag = self.flags[i]
-            loss, grads = body.microbatch(i, fwd_arenas, bwd_arenas, fp8_group)
+            with self.session.weight_flag(self.flags[i]):
+                loss, grads = body.microbatch(i, points)
             self._accumulate(i, grads)
             total += loss
             del loss, grads  # microbatch i's memory is free for microbatch i + 1
@@ -261,8 +260,8 @@ class GraphedStep:
     """
 
     def __init__(self, run: StepBody, graph, guard, optimizer_guard: OptimizerGuard, loss,
-                 grad_norm):  # fmt: skip
-        self._run, self._graph = run, graph
+                 grad_norm, updates: tuple):  # fmt: skip
+        self._run, self._graph, self._updates = run, graph, updates
         self._guard, self._optimizer_guard = guard, optimizer_guard
         self._body = run.body
         self._tape = run.body.device.type == "cpu"
@@ -298,6 +297,7 @@ class GraphedStep:
         # The CPU tape re-runs ops in place on leaf tensors and views of them: no grad mode.
         with torch.no_grad() if self._tape else contextlib.nullcontext():
             self._graph.replay()
+        SCHEDULE.replayed(self._updates)
 
     @property
     def static_batch(self):
@@ -312,3 +312,8 @@ class GraphedStep:
     def captured_kernels(self) -> list[str]:
         """What the graph replays: CUDA kernel nodes on the GPU, tape ops on the CPU."""
         return self._graph.kernels()
+
+    def captured_nodes(self) -> list[tuple[str, str]]:
+        """(node type, name) of what the graph replays: ("KERNEL", name), ("MEMSET", ""), ...
+        on the GPU, ("OP", name) for each tape op on the CPU."""
+        return self._graph.nodes()

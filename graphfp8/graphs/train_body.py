@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphfp8.fp8 import scaling
-from graphfp8.fp8.autocast import STATE
+from graphfp8.fp8 import context
+from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
 from graphfp8.graphs.capture_checks import (
     check_grad_mode,
     check_no_data_parallel,
@@ -182,7 +182,8 @@ class TrainBody:
     def check_call(self) -> None:
         """Outside fp8_autocast (the graph carries its own FP8 state), with grad enabled, in the
         captured mode and torch.autocast state."""
-        if STATE.enabled and STATE.capture is None:
+        ctx = context.current()
+        if ctx.enabled and not ctx.capturing:
             raise RuntimeError(
                 f"{self.name}: the graph carries its own FP8 state and scale updates; call it "
                 "outside fp8_autocast (its fp8_enabled / fp8_recipe / fp8_group are fixed at "
@@ -221,17 +222,17 @@ class TrainBody:
             )
         return loss / self.num_microbatches
 
-    def microbatch(self, i: int | None, fwd_arenas, bwd_arenas, fp8_group):
-        """Runs microbatch i with the arena updates around it (none when the lists are empty).
+    def microbatch(self, i: int | None, points: UpdatePoints = NONE):
+        """Runs microbatch i between the capture's two update points (NONE while warming up).
 
         Returns:
             (loss / num_microbatches, detached 0-d tensor; the gradients of the parameters
             that get one, in parameter order).
         """
-        scaling.update_(fwd_arenas, fp8_group)
+        points.at_forward()
         loss = self.loss(i)
         grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-        scaling.update_(bwd_arenas, fp8_group)
+        points.at_backward()
         has_grad = [g is not None for g in grads]
         if self.has_grad is None:
             if not any(has_grad):

@@ -177,7 +177,7 @@ def _claim_model(model: torch.nn.Module, ledger: Ledger) -> None:
     for mname, m in model.named_modules():
         if not isinstance(m, FP8Module):
             continue
-        for key, ws in m._weight_fp8.items():
+        for key, ws in m.weight_cache.workspaces.items():
             ledger.claim(ws, FP8_WEIGHTS, f"{mname}.{key}" if mname else key)
         if m.fp8_meta is not None:
             for block in (m.fp8_meta.fwd, m.fp8_meta.bwd):

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from graphfp8.fp8 import scaling
-from graphfp8.fp8.autocast import fp8_autocast, fp8_enabled, in_fp8_region
+from graphfp8.fp8.autocast import fp8_autocast
 from graphfp8.fp8.recipe import Recipe, check_recipe
+from graphfp8.modules._context import fp8_enabled, in_fp8_region
 from graphfp8.modules.base import FP8Module
 
 __all__ = ["FP8Carry", "WeightVersions", "init_fp8_state"]
