@@ -22,20 +22,17 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from graphfp8.fp8.scale_schedule import UpdatePoints
-from graphfp8.graphs.capture_checks import (
-    check_inputs_alias,
-    check_no_data_parallel,
-    check_no_hooks,
-)
+from graphfp8.graphs.capture_checks import check_capturable, check_inputs_alias
 from graphfp8.graphs.compiled import compile_set_aside
 from graphfp8.graphs.contexts import saved_storages
 from graphfp8.graphs.discover import adopt_outside_leaves, closure_modules, next_sequence_nr
 from graphfp8.graphs.grads import GradAccumulator, GradFold
-from graphfp8.graphs.lifecycle import check_not_captured
 from graphfp8.graphs.session import CaptureSession
 
 __all__ = ["Backward", "Forward", "Sample", "capture_backwards", "capture_forwards", "prepare",
            "warmup"]  # fmt: skip
+
+_NAME = "make_graphed_callables"
 
 
 @dataclass
@@ -125,8 +122,8 @@ class Backward:
 
 def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.device]:
     """One Sample per (funcs[j], sample_args[j]) pair, after checking that its inputs are tensors
-    that a graph can read and its modules can be captured (none replays another capture, none
-    has hooks); returns them and the device."""
+    that a graph can read and that it can be captured (capture_checks.check_capturable); returns
+    them and the device."""
     samples, devices = [], set()
     for j, (func, args, kwargs) in enumerate(zip(funcs, sample_args, sample_kwargs, strict=True)):
         name = f"graphed callable {j} ({type(func).__name__})"
@@ -138,15 +135,11 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
                 raise TypeError(f"{name}: sample args and kwargs must be tensors, got {type(t)}")
         modules, named, closure = [], [], []
         if isinstance(func, nn.Module):
-            modules = list(func.modules())
-            check_not_captured(name, modules)
-            check_no_data_parallel(name, modules)
-            named = list(func.named_parameters())
-            check_no_hooks(name, modules, [p for _, p in named], [n for n, _ in named])
+            modules, named = list(func.modules()), list(func.named_parameters())
+            check_capturable(_NAME, name, func, modules, named, index=j)
         else:
             closure = closure_modules(func)
-            check_not_captured(name, [m for c in closure for m in c.modules()])
-            check_no_data_parallel(name, [m for c in closure for m in c.modules()])
+            check_capturable(_NAME, name, func, [m for c in closure for m in c.modules()], index=j)
         alias_of = check_inputs_alias(name, flat)
         flat = _leaf_aliases(flat, alias_of)
         samples.append(Sample(j, name, func, flat, list(kwargs), alias_of, [p for _, p in named],
@@ -154,12 +147,10 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
         devices.update(t.device for t in flat)
         devices.update(p.device for _, p in named)
     if len(devices) != 1:
-        raise ValueError(
-            f"make_graphed_callables: all tensors must be on one device, got {devices}"
-        )
+        raise ValueError(f"{_NAME}: all tensors must be on one device, got {devices}")
     device = devices.pop()
     if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"make_graphed_callables: unsupported device {device}")
+        raise ValueError(f"{_NAME}: unsupported device {device}")
     return samples, device
 
 

@@ -41,32 +41,32 @@ from graphfp8.graphs.contexts import (
     side_stream,
 )
 from graphfp8.graphs.fp8_init import freeze_arenas, init_fp8_modules
+from graphfp8.graphs.options import CaptureOptions
 from graphfp8.profiling import nvtx_range
 
 __all__ = ["CaptureSession"]
 
 
 class CaptureSession:
-    """One capture's FP8 settings, weight-cache policy, memory pool and the arenas it froze.
+    """One capture's options, weight-cache policy, memory pool and the arenas it froze.
 
     Args:
         device: the device of every tensor the capture reads.
-        fp8_enabled, recipe, fp8_group: the FP8 settings the graphs are captured with (recipe
-            None without FP8).
+        options: the entry point's CaptureOptions (graphs/options.py): FP8 settings (recipe
+            None without FP8), warmup count, pool (None: a new one on CUDA).
         weight_cache_flag: (1,) float32 device flag the weight casts read while warming up and
             capturing (None: they cast on every replay; the step graph pushes one per
             microbatch: weight_flag()).
-        pool: a memory pool handle to share, or None for a new one (CUDA).
         snapshot: an object whose restore() undoes what a warmup or a CPU capture (which runs
             what it records) changed in the model or optimizer; None: nothing to undo.
     """
 
-    def __init__(self, device: torch.device, *, fp8_enabled: bool, recipe, fp8_group,
-                 weight_cache_flag=None, pool=None, snapshot=None):  # fmt: skip
-        self.device, self.fp8_enabled, self.recipe = device, fp8_enabled, recipe
-        self.fp8_group, self.snapshot = fp8_group, snapshot
+    def __init__(self, device: torch.device, options: CaptureOptions, *, weight_cache_flag=None,
+                 snapshot=None):  # fmt: skip
+        self.device, self.options, self.snapshot = device, options, snapshot
+        self.fp8_enabled, self.recipe = options.fp8_enabled, options.recipe
+        self.fp8_group, self.pool = options.fp8_group, options.pool
         self.weight_cache = GraphCasts(weight_cache_flag)
-        self.pool = pool
         self.frozen: list = []
 
     def __enter__(self) -> CaptureSession:

@@ -32,13 +32,13 @@ import torch
 from graphfp8 import _C
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.master import MasterWeights
-from graphfp8.fp8.recipe import DelayedScaling, Recipe
+from graphfp8.fp8.recipe import Recipe
 from graphfp8.fp8.scale_schedule import NONE, SCHEDULE, UpdatePoints
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.fp8.weight_cache import constant_flags
-from graphfp8.graphs.capture_checks import check_options
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
+from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_optim import OptimizerGuard, TrainingSnapshot, check_optimizer
 from graphfp8.graphs.train_body import StaticBatch, TrainBody
@@ -100,7 +100,9 @@ def make_graphed_step(
         num_microbatches: N, the gradient-accumulation steps per optimizer step.
         fp8_enabled: run graphfp8 modules in FP8.
         fp8_recipe: a DelayedScaling or Float8CurrentScaling (DelayedScaling() when None).
-        fp8_weight_caching: cast the FP8 weights on microbatch 0 only (False: every microbatch).
+        fp8_weight_caching: cast the FP8 weights on microbatch 0 only (False: every microbatch);
+            True by default, unlike the other entry points: the graph knows which microbatch is
+            first (graphs/options.py).
         max_grad_norm: clip the gradients to this global L2 norm; None: no clipping.
         fp8_group: torch.distributed group whose ranks MAX-reduce amaxes with every scale update.
         process_group: torch.distributed group over which gradients are averaged once per step
@@ -119,36 +121,30 @@ def make_graphed_step(
         A GraphedStep: `step(batch)` replays the graph and returns the loss (0-d float32 device
         tensor, the sum of loss_i; reading it is the only host sync).
 
-    The rules after capture, each checked before anything runs (docs/after-capture.md):
-
-    .. warning:: The loss, grad_norm and .grad buffers are static: the next step overwrites them.
-    .. warning:: Batches keep the captured structure, shapes, dtypes and device.
-    .. warning:: The model keeps its parameters, buffers, storage, requires_grad; no hooks.
-    .. warning:: The model stays in the training mode it was captured in.
-    .. warning:: Call it in the torch.autocast state it was captured in, with grad enabled.
-    .. warning:: The optimizer keeps its state and hyperparameters (tensor learning rates: fill_).
-    .. warning:: Call it outside fp8_autocast: it carries its own FP8 settings.
-    .. warning:: Capture holds a copy of the parameters, buffers and optimizer state.
+    .. warning:: A graph replays what its capture ran: the loss, grad_norm and .grad buffers
+        are static, and batches, model, mode, optimizer, FP8 and torch.autocast state stay as
+        captured (outside fp8_autocast, with grad enabled; tensor learning rates change with
+        fill_); the capture holds a copy of the parameters, buffers and optimizer state. The
+        rules, each checked before anything runs, are in docs/after-capture.md.
     """
-    check_options(_NAME, num_warmup_iters, fp8_enabled, fp8_recipe, minimum=1)
+    options = CaptureOptions(_NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
+                             num_warmup_iters, pool, min_warmup=1)  # fmt: skip
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"{_NAME}: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-    recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     batch = StaticBatch(sample_batch, num_microbatches, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
     check_optimizer(_NAME, optimizer, _optimized_params(body.params, master_weights),
                     body.device)  # fmt: skip
     extra = master_weights.tensors() if master_weights is not None else ()
-    session = CaptureSession(body.device, fp8_enabled=fp8_enabled, recipe=recipe,
-                             fp8_group=fp8_group, pool=pool,
+    session = CaptureSession(body.device, options,
                              snapshot=TrainingSnapshot(model, optimizer, extra))  # fmt: skip
     run = StepBody(body, optimizer, max_grad_norm, process_group, keep_grads_before_clipping,
-                   fp8_enabled and fp8_weight_caching, master_weights, session)  # fmt: skip
+                   options.caching, master_weights, session)  # fmt: skip
     old_grads = [p.grad for p in body.params]
     try:
         with session:
             session.init_fp8([fp8_modules_in([model])])
-            graph, loss, grad_norm, updates = _warmup_and_capture(run, session, num_warmup_iters)
+            graph, loss, grad_norm, updates = _warmup_and_capture(run, session)
     except BaseException:
         for p, g in zip(body.params, old_grads, strict=True):
             p.grad = g
@@ -173,12 +169,12 @@ def _optimized_params(params: list[torch.Tensor], masters: MasterWeights | None)
     return [*masters.masters, *(p for p in params if not isinstance(p, Float8Tensor))]
 
 
-def _warmup_and_capture(run: StepBody, session: CaptureSession, iters: int):
+def _warmup_and_capture(run: StepBody, session: CaptureSession):
     with warnings.catch_warnings():
         # Eager steps of a capturable optimizer make torch warn that capturable costs speed.
         warnings.filterwarnings("ignore", message="This instance was constructed with capt")
         with session.warmup() as found:
-            for _ in range(iters):
+            for _ in range(session.options.num_warmup_iters):
                 run(NONE)
     points = session.update_points(session.freeze_arenas(found.arenas))
     graph = session.new_graph()

@@ -197,11 +197,14 @@ def _claim_model(model: torch.nn.Module, ledger: Ledger) -> None:
 
 
 def _runner_of(graphed):
-    return getattr(graphed, "graphed_runner", None) or getattr(graphed, "runner", None)
+    """The graph pair of a graphed callable (graphs/runner.py GraphPair), or None."""
+    runner = getattr(graphed, "graphed_runner", None) or getattr(graphed, "runner", None)
+    return None if runner is None else runner.pair
 
 
 def _graphs_of(runner) -> list:
-    """Every backend graph of a runner (forward, backward, gradient folds), found by type."""
+    """Every backend graph of a graph pair (forward, backward, gradient folds), found by
+    type."""
     holders = [runner] + [v for v in vars(runner).values() if hasattr(v, "__dict__")]
     found = []
     for holder in holders:

@@ -83,7 +83,8 @@ def explicit_attention(layer, qkv: torch.Tensor, position_ids, attn_mask, kv_cac
     if kv_cache is not None:
         k, v = kv_cache(k, v)
     mask = _mask(attn_mask, b, s, k.shape[2], qkv.device)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                         scale=layer.core_attention.softmax_scale,
+    core = layer.core_attention
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=core.softmax_scale,
+                                         dropout_p=core.attention_dropout if core.training else 0.0,
                                          enable_gqa=g != h)  # fmt: skip
     return out.transpose(1, 2).reshape(b, s, h * d)
