@@ -17,7 +17,7 @@ from graphfp8.modules._attention import (
     fp8_attention_qkv,
     prepare_attention,
 )
-from graphfp8.modules._context import fp8_recipe
+from graphfp8.modules._context import fp8_recipe, fp8_state
 from graphfp8.modules._rope import RopeQKV
 from graphfp8.modules.base import FP8Module
 from graphfp8.ops.segments import segment_mask
@@ -96,7 +96,7 @@ class DotProductAttention(FP8Module):
         self._check_fp8_dropout()
         prepare_attention(q_shape, kv_shape, device, recipe, self.attn_scale, causal, training,
                           segment_ids is not None)  # fmt: skip
-        meta, bwd_update = self._fp8_forward_state(device)  # state changes only after the checks
+        meta, bwd_update = fp8_state(self, device)  # state changes only after the checks
         return AttentionConfig(meta.fwd, meta.bwd, self.attn_scale, causal, recipe.fp8_mha,
                                bwd_update, segment_ids)  # fmt: skip
 
