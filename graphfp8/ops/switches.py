@@ -26,8 +26,13 @@ from graphfp8.ops._lib import _C
 
 __all__ = ["SWITCHES", "kernel_switch", "switch_on"]
 
-SWITCHES = ("NORM_BWD_BATCHED", "PAIRED_QUANTIZE", "DBIAS_IN_KERNEL", "NORM_BWD_PIPELINED",
-            "ROPE_PARTS_BWD")
+SWITCHES = (
+    "NORM_BWD_BATCHED",
+    "PAIRED_QUANTIZE",
+    "DBIAS_IN_KERNEL",
+    "NORM_BWD_PIPELINED",
+    "ROPE_PARTS_BWD",
+)
 
 
 def switch_on(name: str) -> bool:
