@@ -156,6 +156,17 @@ def check_fp8_weights_kept(model: nn.Module, what: str) -> None:
         )
 
 
+def clear_grads(tensors, set_to_none: bool) -> None:
+    """Sets each tensor's .grad to None, or zeroes it in place."""
+    for t in tensors:
+        if t.grad is None:
+            continue
+        if set_to_none:
+            t.grad = None
+        else:
+            t.grad.zero_()
+
+
 class MasterWeights:
     """fp32 masters of every FP8 primary weight of `model`; other parameters are used as they are.
     With `shard_group`, a ShardedMasterWeights (graphfp8.fp8.shard) instead; for a model under
@@ -265,13 +276,7 @@ class MasterWeights:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the grads of the FP8 weights, the masters and the other parameters."""
-        for t in (*self.masters, *self.others, *self.fp8_params):
-            if t.grad is None:
-                continue
-            if set_to_none:
-                t.grad = None
-            else:
-                t.grad.zero_()
+        clear_grads((*self.masters, *self.others, *self.fp8_params), set_to_none)
 
     def state_dict(self) -> dict:
         """{"masters": {name: fp32 master}}; the optimizer's state_dict is saved separately."""

@@ -43,7 +43,7 @@ from torch import nn
 from graphfp8.collectives import all_gather_, reduce_scatter_
 from graphfp8.distributed import check_gradient_layout, check_same_settings, mark_sharded
 from graphfp8.fp8.group_quantize import GroupQuantizer
-from graphfp8.fp8.master import MasterWeights, check_fp8_weights_kept, claim
+from graphfp8.fp8.master import MasterWeights, check_fp8_weights_kept, claim, clear_grads
 from graphfp8.fp8.shard_layout import ShardLayout
 from graphfp8.fp8.shard_state import check_loadable, full_state, shard_state
 from graphfp8.fp8.tensor import Float8Tensor
@@ -166,7 +166,8 @@ class ShardedMasterWeights(MasterWeights):
                 with torch.no_grad():
                     if e.fp8_dtype is not None:
                         view.view(e.fp8_dtype).copy_(p._data.reshape(-1))
-                        p._data = view.view(e.fp8_dtype).view(e.shape)
+                        old, p._data = p._data, view.view(e.fp8_dtype).view(e.shape)
+                        old.set_()  # freed; a graph captured before sees it moved and raises
                         self.weight_index[e.name] = len(self.weight_index)
                     else:
                         view.copy_(p.detach().reshape(-1))
@@ -184,7 +185,8 @@ class ShardedMasterWeights(MasterWeights):
         self.amax, self.scale = self.quantizer.amax, self.quantizer.scale
         for i, p in enumerate(weights):
             self.quantizer.scale_inv[i] = p._scale_inv
-            p._scale_inv = self.quantizer.scale_inv[i : i + 1]
+            old, p._scale_inv = p._scale_inv, self.quantizer.scale_inv[i : i + 1]
+            old.set_()  # as the data (_build_buffers)
 
     def _build_pieces(self) -> None:
         """masters: one leaf fp32 tensor per piece (a view of the master slice), what the
@@ -321,13 +323,7 @@ class ShardedMasterWeights(MasterWeights):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the model's gradients (the pieces' are rewritten by the next reduction)."""
-        for t in self.params:
-            if t.grad is None:
-                continue
-            if set_to_none:
-                t.grad = None
-            else:
-                t.grad.zero_()
+        clear_grads(self.params, set_to_none)
         self._reduced = False
 
     # Checkpoints (graphfp8.fp8.shard_state) -----------------------------------------------------

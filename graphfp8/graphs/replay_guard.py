@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
+from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.graphs.watch import CHANGES, MODULE_HOOKS, watch_modules
 from graphfp8.ops import TensorWatch
 
@@ -102,6 +103,9 @@ class ReplayGuard:
             self.tensors.append(t)
             self.tensor_names.append(label)
             self.is_param.append(is_param)
+            if isinstance(t, Float8Tensor):  # its bytes and scale_inv are what graphs read
+                self._add(t._data, f"{label} data", False, seen)
+                self._add(t._scale_inv, f"{label} scale_inv", False, seen)
 
     def check(self) -> None:
         """Raises RuntimeError naming what changed since capture; nothing has run yet."""

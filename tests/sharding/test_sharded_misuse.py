@@ -1,8 +1,9 @@
 """Misuse of sharded masters (2 gloo ranks): each raises before any state changes - all-reducing
 gradients that the masters reduce-scatter, torch's clip_grad_norm_ of the slices (this rank's norm
 only), a step graph with a gradient all-reduce too, an optimizer without the slices, a parameter
-without a gradient, a second MasterWeights over the same model. And clipping: the global norm,
-which equals unsharded clipping within the last bit of the norm."""
+without a gradient, a second MasterWeights over the same model, masters built after a capture
+(the replay raised nothing when the model had no high-precision parameter). And clipping: the
+global norm, which equals unsharded clipping within the last bit of the norm."""
 
 from __future__ import annotations
 
@@ -70,6 +71,14 @@ def _misuse(rank, device):
     run.model.gain.grad = None
     with pytest.raises(RuntimeError, match=r"\['gain'\] have no gradient"):
         run.masters.step(run.opt)
+    # Masters built after a capture move the FP8 bytes the graphs read: the replay raises.
+    with g8.fp8_model_init():
+        layer = g8.Linear(32, 32, bias=False, params_dtype=torch.float32)
+    x = torch.randn(48, 32, requires_grad=True)
+    graphed = g8.make_graphed_callables(layer, (x,), fp8_enabled=True, num_warmup_iters=1)
+    g8.MasterWeights(layer, shard_group=group)
+    with pytest.raises(RuntimeError, match=r"storage of \['weight data', 'weight scale_inv'\]"):
+        graphed(x)
 
 
 def test_misuse_raises_before_any_state_changes():
