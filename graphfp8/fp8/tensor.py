@@ -171,7 +171,9 @@ class Float8Tensor(torch.Tensor):
         if func is torch.ops.aten.copy_.default:
             return _copy_(args[0], args[1])
         if func in tensor_fsdp.SHARD_OPS:  # views FSDP2 takes of a parameter stay FP8
-            return tensor_fsdp.SHARD_OPS[func](func, args, kwargs)
+            out = tensor_fsdp.SHARD_OPS[func](func, args, kwargs)
+            if out is not NotImplemented:
+                return out
         if func._schema.is_mutable:
             raise NotImplementedError(
                 f"Float8Tensor does not support the in-place op {func}; dequantize() first (FP8 "

@@ -5,7 +5,8 @@ fully_shard cuts each parameter into row chunks on dim 0: `torch.chunk` (aten.sp
 `new_zeros`, `narrow` (aten.slice), `copy_` and `view(-1)` of the parameter; any op Float8Tensor
 does not know runs on the dequantized values, so before these ops were handled here every FP8
 weight became a plain high-precision shard. Each of them is a view of (or, new_zeros, a new)
-FP8 data with the same per-tensor scale_inv, which is what they return.
+FP8 data with the same per-tensor scale_inv, which is what they return when the view is
+contiguous (a column slice still gives the dequantized values, as before).
 
 The all-gather (FSDP2's extension hooks): fsdp_pre_all_gather hands over the shard's FP8 bytes as
 uint8 (padded to FSDP's shard size) and its scale_inv; fsdp_post_all_gather wraps the gathered
@@ -29,9 +30,14 @@ def _wrap(data: torch.Tensor, like) -> object:
 
 
 def _rows_view(func, args, kwargs):
-    """split / split_with_sizes / slice / view / as_strided of the FP8 data, same scale_inv."""
+    """split / split_with_sizes / slice / view / as_strided of the FP8 data, same scale_inv;
+    NotImplemented (the dequantized values, as for any other op) when a view is not contiguous:
+    graphfp8's kernels read FP8 data row-major."""
     src, *rest = args
     out = func(src._data, *rest, **kwargs)
+    views = out if isinstance(out, (list, tuple)) else [out]
+    if not all(t.is_contiguous() for t in views):
+        return NotImplemented
     if isinstance(out, (list, tuple)):
         return [_wrap(t, src) for t in out]
     result = _wrap(out, src)

@@ -138,3 +138,23 @@ def _misuse(rank, device):
 
 def test_misuse_is_refused():
     run_on_ranks("gloo", _misuse)
+
+
+def test_row_views_of_an_fp8_weight_stay_fp8():
+    """What fully_shard takes of a parameter: row chunks, narrow, view(-1), new_zeros - FP8,
+    sharing the data and scale_inv (new_zeros: a copy of it); a column slice is not contiguous
+    and stays the dequantized values."""
+    from graphfp8.fp8.primary import quantize_weight
+
+    w = quantize_weight(torch.randn(8, 32))
+    rows = [w[:3], w.narrow(0, 3, 5), *torch.chunk(w, 2), w.view(-1)]
+    for r in rows:
+        assert isinstance(r, Float8Tensor) and r._scale_inv is w._scale_inv
+        assert r._data.untyped_storage().data_ptr() == w._data.untyped_storage().data_ptr()
+    assert_bitwise_equal(rows[1].dequantize(), w.dequantize()[3:], "narrow")
+    zeros = w.new_zeros((4, 32))
+    assert isinstance(zeros, Float8Tensor) and not zeros._data.view(torch.uint8).any()
+    assert zeros._scale_inv is not w._scale_inv and torch.equal(zeros._scale_inv, w._scale_inv)
+    cols = w[:, :4]
+    assert type(cols) is torch.Tensor
+    assert_bitwise_equal(cols, w.dequantize()[:, :4], "column slice")

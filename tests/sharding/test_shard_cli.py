@@ -81,6 +81,7 @@ def _save_resume(rank, device, tmp):
     code, _, err = _main([*ARGS, "--steps", "6", "--stop-at", "3", "--save", ckpt, "--out",
                           f"{tmp}/half"])  # fmt: skip
     assert code == 0, err
+    dist.barrier()
     files = sorted(p.name for p in Path(tmp).glob("ckpt.pt*"))
     assert len(files) == 3 and files[0] == "ckpt.pt", files  # the manifest and 2 shards
     # A save that fails on rank 1 (a full disk) leaves the checkpoint above whole.
@@ -93,6 +94,7 @@ def _save_resume(rank, device, tmp):
     finally:
         shard_checkpoint._write = write
     assert code == 2 and "rank 1: OSError: [Errno 28] No space left on device" in err, err
+    dist.barrier()  # rank 0 has removed the shard it wrote
     assert sorted(p.name for p in Path(tmp).glob("ckpt.pt*")) == files
     code, _, err = _main([*ARGS, "--steps", "6", "--resume", ckpt, "--out", f"{tmp}/resumed"])
     assert code == 0, err
