@@ -318,20 +318,26 @@ bool smem_limit_set(int device, int bytes) {
   return true;
 }
 
-// Blocks that may wait for the others: half of what fits on the device, at most kMaxReducers,
-// at most the grid and the column blocks; 0 when the query fails (then a second kernel sums).
+// Blocks that may wait for the others: half of what fits on the device at the largest ring
+// (queried once per device), at most kMaxReducers, the grid and the column blocks; 0 when the
+// query fails (then a second kernel sums).
 template <typename T, int V>
-int reducers_for(int grid, int64_t hidden, size_t bytes) {
-  int device = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, norm_bwd_staged_kernel<T, V>,
-                                                    kThreads, bytes) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
+int reducers_for(int device, int grid, int64_t hidden, int max_bytes) {
+  static std::atomic<int> fits[64] = {};
+  int n = fits[device & 63].load();
+  if (n == 0) {
+    int sms = 0, per_sm = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, norm_bwd_staged_kernel<T, V>,
+                                                      kThreads, max_bytes) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    n = sms * per_sm;
+    fits[device & 63].store(n);
   }
   const int64_t col_blocks = cuda::ceil_div(hidden, kStage2Cols);
-  return static_cast<int>(std::min<int64_t>({sms * per_sm / 2, kMaxReducers, grid, col_blocks}));
+  return static_cast<int>(std::min<int64_t>({n / 2, kMaxReducers, grid, col_blocks}));
 }
 
 }  // namespace
@@ -359,7 +365,7 @@ Status norm_bwd_staged(const NormBwdParams& p, RowLayout layout, int grid, bool*
     cudaGetLastError();
     return Status{};
   }
-  a.reducers = p.param_grad_in_kernel ? reducers_for<T, V>(grid, p.hidden, bytes) : 0;
+  a.reducers = p.param_grad_in_kernel ? reducers_for<T, V>(device, grid, p.hidden, kMaxBytes) : 0;
   a.counters = a.reducers > 0 ? cuda::dbias_counters(stream, 2) : nullptr;
   norm_bwd_staged_kernel<T, V><<<grid, kThreads, bytes, stream>>>(a);
   *launched = true;
