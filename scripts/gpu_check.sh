@@ -54,6 +54,19 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
   nvcc --version | tail -1
 } > "$RES/summary.md" 2>&1
 
+# The CUDA suite passed with the default kernel switches (no GRAPHFP8_ override): write the set
+# for tests/data/gpu_verified_switches.json (scripts/switch_defaults.py; copy it there to land a
+# changed default).
+record_switches() {
+  local names overrides
+  names=$($PY -c "from graphfp8.ops import switches as s; print('|'.join([*s.SWITCHES, *s.ENV_DEFAULTS]))")
+  overrides=$(env | grep -E "^GRAPHFP8_($names)=" | tr '\n' ' ')
+  echo "switch defaults: $($PY scripts/switch_defaults.py)${overrides:+ (overridden: $overrides)}" >> "$RES/summary.md"
+  if [ "$1" -eq 0 ] && [ -z "$overrides" ]; then
+    $PY scripts/switch_defaults.py --record "$RES/gpu_verified_switches.json" --note "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1): $2" >> "$RES/summary.md"
+  fi
+}
+
 pack() {  # at most 8 files come back from the device machine: summary.md + one archive
   cp "$RES/summary.md" "$OUT/summary.md"
   tar czf "$OUT/results.tgz.tmp" -C "$RES" . && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
@@ -87,6 +100,7 @@ for step in $STEPS; do
       timeout "${TESTS_TIMEOUT_S:-420}" $PY -m pytest -q -m cuda -p no:cacheprovider --durations=15 \
         ${PYTEST_ARGS:-} tests > "$RES/tests_gpu.log" 2>&1
       rc=$?; tail -25 "$RES/tests_gpu.log"; tail -1 "$RES/tests_gpu.log" >> "$RES/summary.md"
+      record_switches $rc "$(tail -1 "$RES/tests_gpu.log")"
       [ $rc -eq 0 ] || status=1 ;;
     tests-switched)  # issue 22: the CUDA suite again with every new kernel switched on
       env $SWITCHES timeout "${TESTS_TIMEOUT_S:-420}" $PY -m pytest -q -m cuda -p no:cacheprovider \

@@ -12,16 +12,16 @@ softmax statistics are (token, head)-major; the forward and backward ops share t
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from graphfp8.ops.switches import env_switch
 
 __all__ = ["ENABLED", "SLOTS_PER_ROW", "check_enabled", "declare", "layout", "pack", "slots",
            "stats_desc"]  # fmt: skip
 
 # Off until it runs on a GPU: its first H200 run (2026-12-01) stopped with "an illegal
 # instruction was encountered" inside the ragged FP8 forward. GRAPHFP8_CUDNN_RAGGED=1 turns it on.
-ENABLED = os.environ.get("GRAPHFP8_CUDNN_RAGGED", "0") == "1"
+ENABLED = env_switch("CUDNN_RAGGED")
 
 
 def check_enabled(what: str) -> None:
