@@ -79,7 +79,7 @@ class AttentionConfig:
 
 def prepare_attention(
     q_shape, kv_shape, device, recipe, attn_scale: float, causal: bool, training: bool,
-    segments: bool = False,
+    segments: bool = False, deterministic: bool | None = None,
 ) -> None:  # fmt: skip
     """Checks an FP8 attention call and, on the GPU, builds its cuDNN graphs (cached): raises
     before any kernel or state change of the call, and keeps graph building out of CUDA-graph
@@ -92,6 +92,8 @@ def prepare_attention(
         attn_scale, causal: the softmax scale and mask.
         training: the backward will run too (its graph is built now as well).
         segments: the call has segment_ids.
+        deterministic: build the deterministic backward; None: whether torch's deterministic
+            algorithms are on (what the backward call will ask for).
     """
     ops.check_sdpa_fp8(q_shape, kv_shape, kv_shape, causal, "graphfp8 FP8 attention")
     device = torch.device(device)
@@ -113,6 +115,7 @@ def prepare_attention(
         float(attn_scale),
         bool(causal),
         bool(segments),
+        torch.are_deterministic_algorithms_enabled() if deterministic is None else deterministic,
     )
     cudnn_sdpa.prepare(key, backward=training)
 
