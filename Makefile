@@ -5,6 +5,8 @@ TORCH_CPU_VERSION ?= 2.13.0
 export MAX_JOBS ?= $(shell nproc)
 export TORCH_CUDA_ARCH_LIST ?= 9.0
 OUT ?= build/out
+# The framework packages the CPU tests use; the torch pin in `setup` keeps pip off torch.
+HF_PACKAGES ?= "transformers>=4.48" accelerate==1.15.0 peft==0.21.0 lightning==2.6.6
 
 # The extension is rebuilt only when a C++/CUDA source or the build files changed.
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h')
@@ -16,7 +18,7 @@ EXT := build/.ext-built
 
 help:
 	@echo "setup      install torch $(TORCH_CPU_VERSION) (CPU) if torch is missing, plus nvtx/pytest/ruff/matplotlib"
-	@echo "           and transformers (the Hugging Face conversion's tests)"
+	@echo "           and transformers, accelerate, peft, lightning (the framework tests), never changing torch"
 	@echo "install    setup + editable install of graphfp8; rebuilds graphfp8._C when csrc/ changed"
 	@echo "build      (re)build graphfp8._C in place, unconditionally"
 	@echo "test       CPU test suite (what CI runs)"
@@ -31,7 +33,10 @@ setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_CPU_VERSION)
 	@$(PYTHON) -c "import nvtx, pytest, ruff, matplotlib" 2>/dev/null || \
 		$(PIP) install -q nvtx pytest ruff matplotlib
-	@$(PYTHON) -c "import transformers" 2>/dev/null || $(PIP) install -q "transformers>=4.48"
+	@$(PYTHON) -c "import transformers, accelerate, peft, lightning" 2>/dev/null || { \
+		echo "== installing transformers, accelerate, peft, lightning (the framework tests; a minute)"; \
+		$(PIP) install -q $(HF_PACKAGES) \
+			"torch==$$($(PYTHON) -c 'import torch; print(torch.__version__.split("+")[0])')"; }
 
 # First install (editable; builds the extension), again only when the build files change.
 $(INSTALLED): $(BUILD_FILES)
