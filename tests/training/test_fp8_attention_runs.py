@@ -14,11 +14,14 @@ from graphfp8 import train
 from tests.training.test_pack import folder  # noqa: F401 - the packed-documents fixture
 
 SMALL = ["--batch", "2", "--seq-len", "32", "--microbatches", "2", "--data", "synthetic",
-         "--val-batches", "1", "--steps", "3", "--log-every", "3", "--device", "cpu"]  # fmt: skip
+         "--val-batches", "1", "--steps", "3", "--log-every", "3"]  # fmt: skip
+# FP8 attention's shape per device: on the GPU cuDNN trains head_dim 128 (Hopper's only one).
+MODEL = {"cpu": ["--preset", "tiny"],
+         "cuda": ["--preset", "small", "--heads", "2", "--seq-len", "128"]}  # fmt: skip
 
 
-def _runs(tmp_path, *args) -> dict:
-    assert train.main([*SMALL, "--out", str(tmp_path), *args]) == 0
+def _runs(tmp_path, *args, device="cpu") -> dict:
+    assert train.main([*SMALL, "--device", device, "--out", str(tmp_path), *args]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     return {r["name"]: r for r in summary["runs"]}
 
@@ -49,13 +52,19 @@ def test_packed_batches_keep_bf16_attention(folder, tmp_path):  # noqa: F811
     assert losses["fp8-attn-eager-pack"] == plain["fp8-eager-pack"]["losses"]
 
 
-def test_deterministic_runs_repeat_and_restore_torch(tmp_path):
-    """--deterministic: two runs give the same losses, the summary says so, and torch's
-    settings are as before afterwards (the CLI runs in-process here)."""
+@pytest.mark.parametrize("attention", ["--fp8-attention", "--no-fp8-attention"])
+def test_deterministic_runs_repeat_and_restore_torch(device, attention, tmp_path):
+    """--deterministic: two runs give the same losses and validation losses, graphed and eager,
+    with FP8 and bf16 attention; the summary says so, and torch's settings are as before
+    afterwards (the CLI runs in-process here)."""
     before = torch.are_deterministic_algorithms_enabled()
-    a = _runs(tmp_path / "a", "--fp8-attention", "--deterministic", "--compare", "fp8:step")
-    b = _runs(tmp_path / "b", "--fp8-attention", "--deterministic", "--compare", "fp8:step")
-    assert a["fp8-attn-step"]["losses"] == b["fp8-attn-step"]["losses"]
+    argv = [*MODEL[device], attention, "--deterministic", "--compare", "fp8:step,fp8:eager"]
+    a = _runs(tmp_path / "a", *argv, device=device)
+    b = _runs(tmp_path / "b", *argv, device=device)
+    for name, run in a.items():
+        assert run["losses"] == b[name]["losses"] and run["val_losses"] == b[name]["val_losses"]
+        assert run["deterministic"] is True
+        assert run["fp8_attention"] is (attention == "--fp8-attention")
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["deterministic"] is True
     assert torch.are_deterministic_algorithms_enabled() is before
 
