@@ -4,7 +4,7 @@ Imports flow one way: recipe -> slots -> (ops) -> tensor -> primary -> master, a
 arena_check -> scaling -> current -> autocast.
 """
 
-from graphfp8.fp8.autocast import fp8_autocast, reset_state
+from graphfp8.fp8.autocast import autocast, fp8_autocast, reset_state
 from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.primary import fp8_model_init
 from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format, fp8_max
@@ -12,6 +12,7 @@ from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, BwdRole, FwdRole
 from graphfp8.fp8.tensor import Float8Tensor
 
 __all__ = [
+    "autocast",
     "AttnBwdRole",
     "AttnFwdRole",
     "BwdRole",

@@ -21,6 +21,7 @@ from graphfp8.fp8 import observe, scaling
 from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
 
 __all__ = [
+    "autocast",
     "fp8_autocast",
     "STATE",
     "CaptureState",
@@ -100,7 +101,8 @@ def check_is_first_microbatch(is_first_microbatch) -> None:
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, fp8_group=None):
+def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, fp8_group=None, *,
+                 fp8_recipe: Recipe | None = None):  # fmt: skip
     """Runs graphfp8 modules inside the region in FP8 (delayed or current scaling).
 
     Each outermost enabled region is one scale-update step for the forward arenas it uses, as
@@ -113,7 +115,13 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, fp8_group=N
         fp8_group: torch.distributed group whose ranks MAX-reduce their amaxes before every
             scale update (the forward arena's in this region, the backward arena's at the end of
             its backward pass); see graphfp8.distributed.
+        fp8_recipe: `recipe` under TransformerEngine's name (as TransformerEngine, Lightning and
+            accelerate spell it); giving both raises.
     """
+    if fp8_recipe is not None:
+        if recipe is not None:
+            raise TypeError("fp8_autocast: give recipe or fp8_recipe (the same argument), not both")
+        recipe = fp8_recipe
     if recipe is None:
         recipe = DelayedScaling()
     check_recipe(recipe, "fp8_autocast")
@@ -132,6 +140,19 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, fp8_group=N
         yield
     finally:
         STATE.enabled, STATE.recipe, STATE.group = prev
+
+
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Recipe | None = None,
+             amax_reduction_group=None):  # fmt: skip
+    """fp8_autocast under TransformerEngine 2.x's name and argument names (its positional order
+    too): `recipe`, `amax_reduction_group` (fp8_autocast's fp8_group). calibrating=True
+    (TransformerEngine's statistics-only mode) is not supported and raises."""
+    if calibrating:
+        raise NotImplementedError(
+            "autocast: calibrating=True (collecting FP8 statistics without FP8 compute) is not "
+            "supported by graphfp8; graphfp8.numerics.FP8Stats records the casts of an FP8 run"
+        )
+    return fp8_autocast(enabled, recipe, amax_reduction_group)
 
 
 @contextlib.contextmanager
