@@ -206,12 +206,12 @@ def record_stats(args, data: Dataset, out: Path) -> None:
     print(f"wrote {plot_stats(rows, out / 'fp8_stats.png')}")
     print(f"{'role':18} {'casts':>6} {'sat mean':>9} {'sat max':>9} {'unf mean':>9} "
           f"{'sqnr mean':>9} {'sqnr min':>9} {'amax !=':>8}")  # fmt: skip
-    for key, d in role_digest(rows).items():
-        sqnr_mean, sqnr_min = (math.nan if v is None else v
-                               for v in (d["sqnr_mean_db"], d["sqnr_min_db"]))  # fmt: skip
-        print(f"{key:18} {d['casts']:6d} {d['saturated_mean']:9.2e} {d['saturated_max']:9.2e} "
-              f"{d['underflow_mean']:9.2e} {sqnr_mean:9.2f} {sqnr_min:9.2f} "
+    for key, d in role_digest(rows).items():  # None (a scale-and-amax role) prints as nan
+        v = {k: math.nan if x is None else x for k, x in d.items()}
+        print(f"{key:18} {d['casts']:6d} {v['saturated_mean']:9.2e} {v['saturated_max']:9.2e} "
+              f"{v['underflow_mean']:9.2e} {v['sqnr_mean_db']:9.2f} {v['sqnr_min_db']:9.2f} "
               f"{d['amax_mismatches']:8d}")  # fmt: skip
+    rows = [r for r in rows if r["sqnr_db"] is not None]
     worst = sorted(rows, key=lambda r: r["sqnr_db"])[:15]
     print("worst casts (lowest SQNR):")
     for r in worst:

@@ -23,6 +23,7 @@ import torch
 
 from graphfp8 import ops
 from graphfp8.fp8.autocast import queue_backward_update
+from graphfp8.fp8.observe import StatsSource, observe_cast
 from graphfp8.fp8.scaling import SlotBlock
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, Quantizer, slot_index, slot_range
 from graphfp8.fp8.tensor import Float8Tensor
@@ -70,6 +71,13 @@ class AttentionConfig:
 
     def amax(self, role: AttnFwdRole | AttnBwdRole) -> torch.Tensor:
         return self.quantizer(role).amax
+
+    def observe(self, role: AttnFwdRole | AttnBwdRole, x: torch.Tensor, mode: str) -> None:
+        """Reports the cast into `role`'s slot to the numerics observer (graphfp8.numerics):
+        mode "identity" with the high-precision x that was cast, or "recorded" with the FP8
+        result of a cast whose input never exists."""
+        block = self.fwd if isinstance(role, AttnFwdRole) else self.bwd
+        observe_cast(block, slot_index(role, 0), role.name.lower(), StatsSource(mode, x))
 
     def scales(self, first, last) -> torch.Tensor:
         """The consecutive scales of roles first..last, one (n,) view of the arena."""
@@ -147,6 +155,7 @@ def _forward_core(ctx, qkv_fp8, qkv_scale_inv, cfg: AttentionConfig, needs_grad:
         cfg.causal,
         cfg.segment_ids,
     )
+    cfg.observe(AttnFwdRole.O, o, "recorded")
     if needs_grad:
         scale_s = s_o[0:1].clone()  # the pair P was quantized with, for the backward
         ctx.save_for_backward(q, k, v, o, stats, *qkv_scale_inv, inv, scale_s)
@@ -162,6 +171,7 @@ def _backward_core(ctx, grad: torch.Tensor):
     if not d_o.is_contiguous():
         d_o = d_o.contiguous()
     do_fp8, do_si = ops.cast_to_fp8(d_o, *cfg.quantizer(AttnBwdRole.DO))
+    cfg.observe(AttnBwdRole.DO, d_o, "identity")
     bwd = cfg.scales(AttnBwdRole.DP, AttnBwdRole.DV)  # (scale_dP, scale_dQ, scale_dK, scale_dV)
     bwd_inv = torch.reciprocal(bwd)
     scales = dict(
@@ -182,6 +192,8 @@ def _backward_core(ctx, grad: torch.Tensor):
     grads = ops.sdpa_fp8_backward(
         q, k, v, o, do_fp8, stats, scales, amaxes, cfg.attn_scale, cfg.causal, cfg.segment_ids
     )
+    for role, g in zip((AttnBwdRole.DQ, AttnBwdRole.DK, AttnBwdRole.DV), grads, strict=True):
+        cfg.observe(role, g, "recorded")
     if cfg.backward_update is not None:
         queue_backward_update(*cfg.backward_update)
     return list(grads), [bwd_inv[1:2], bwd_inv[2:3], bwd_inv[3:4]]
@@ -200,6 +212,8 @@ class _FP8AttentionQKV(torch.autograd.Function):
     def forward(ctx, qkv, cos, sin, heads: tuple, cfg: AttentionConfig, needs_grad: bool):
         quantizers = [cfg.quantizer(r) for r in (AttnFwdRole.Q, AttnFwdRole.K, AttnFwdRole.V)]
         parts, scale_inv = ops.rope_fp8(qkv, cos, sin, heads[0], quantizers, heads[1])
+        for role, part in zip((AttnFwdRole.Q, AttnFwdRole.K, AttnFwdRole.V), parts, strict=True):
+            cfg.observe(role, part, "recorded")  # rotated in registers: never in memory
         o, o_scale_inv = _forward_core(ctx, parts, scale_inv, cfg, needs_grad)
         ctx.tables, ctx.dtype = (cos, sin), qkv.dtype
         return _output(o, o_scale_inv, cfg, qkv.dtype)
@@ -215,10 +229,10 @@ class _FP8Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: AttentionConfig, needs_grad: bool):
         roles = (AttnFwdRole.Q, AttnFwdRole.K, AttnFwdRole.V)
-        casts = [
-            ops.cast_to_fp8(x.contiguous(), *cfg.quantizer(r))
-            for x, r in zip((q, k, v), roles, strict=True)
-        ]
+        inputs = [x.contiguous() for x in (q, k, v)]
+        casts = [ops.cast_to_fp8(x, *cfg.quantizer(r)) for x, r in zip(inputs, roles, strict=True)]
+        for x, r in zip(inputs, roles, strict=True):
+            cfg.observe(r, x, "identity")
         o, o_scale_inv = _forward_core(
             ctx, [c[0] for c in casts], [c[1] for c in casts], cfg, needs_grad
         )
