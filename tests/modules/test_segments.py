@@ -18,6 +18,7 @@ from graphfp8.ops.segments import (
     segment_mask,
 )
 from graphfp8.testing import assert_bitwise_equal, sqnr
+from graphfp8.training.determinism import deterministic
 from tests.helpers import CUDA_PARAM, DEVICES
 from tests.modules.attention_common import DPA, MHA, layer_and_input
 from tests.ops.attention_data import backward_scales, forward_case, quantized
@@ -214,9 +215,10 @@ def test_packed_batches_take_bf16_attention_while_ragged_is_off(device, recipe, 
     outs = []
     for m, r in ((layer, recipe), (plain, g8.DelayedScaling(amax_history_len=4))):
         x = sample.clone().requires_grad_()
-        with g8.fp8_autocast(recipe=r):
+        # on the GPU torch's masked SDPA backward repeats its bits only when asked to
+        with deterministic(device != "cpu"), g8.fp8_autocast(recipe=r):
             y = m(x, segment_ids=ids)
-        y.float().square().sum().backward()
+            y.float().square().sum().backward()
         outs.append((y, x.grad))
     assert_bitwise_equal(outs[0][0], outs[1][0], "output")
     assert_bitwise_equal(outs[0][1], outs[1][1], "dgrad")
