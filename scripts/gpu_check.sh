@@ -18,7 +18,8 @@
 #              train-scaling-fused (delayed vs current scaling on the fused path); issue 23's: glu
 #              (SwiGLU LayerNormMLP vs bf16 and TE), train-llama (the llama-100m preset, bf16 vs
 #              FP8 graphed; LLAMA_ARGS adds e.g. --pack), hf (a 100M HF Llama: FP8 + graphs via
-#              g8.from_hf vs HF bf16 eager / compile))
+#              g8.from_hf vs HF bf16 eager / compile); issue 33's: ncu (Nsight Compute counters of
+#              the norm backward, GELU/GLU casts and amax passes: scripts/ncu_kernels.py))
 #   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
 #   WITH_TE    1 (default): install TransformerEngine from a carried .te/ (a copy of
 #              ../shared/te: docs/benchmarking.md, "TransformerEngine") for the benchmarks' TE
@@ -243,7 +244,18 @@ for step in $STEPS; do
       GRAPHFP8_GRAPH_DEBUG=0 $PY -m graphfp8.bench step --json "$RES/bench_step_nodebug.json" \
         > /tmp/bench_step_nodebug.log 2>&1 || { status=1; tail -30 /tmp/bench_step_nodebug.log; }
       grep -v '^wrote' /tmp/bench_step_nodebug.log >> "$RES/summary.md" ;;
-    kernels|variants|opcount|eager|block|attention|step|host|stack|hf)  # hf: issue 23's Llama
+    ncu)  # issue 33: Nsight Compute counters of the kernels it names (scripts/ncu_kernels.py);
+      # NCU_ENV: an environment for the profiled run (e.g. a kernel switch), NCU_SECTIONS: sections
+      NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      if [ -z "$NCU" ]; then echo "ncu not found" | tee -a "$RES/summary.md"; status=1; else
+        secs=""; for s in ${NCU_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis Occupancy LaunchStats SchedulerStats WarpStateStats}; do secs="$secs --section $s"; done
+        env ${NCU_ENV:-} timeout 240 "$NCU" --profile-from-start off --clock-control none $secs --csv --page details \
+          $PY scripts/ncu_kernels.py run > "$RES/ncu_details.csv" 2> "$RES/ncu_run.log" || status=1
+        grep "^call\|^switches" "$RES/ncu_run.log" | tee -a "$RES/summary.md"
+        $PY scripts/ncu_kernels.py summary "$RES/ncu_details.csv" > "$RES/ncu_summary.md" 2>&1 || status=1
+        tee -a "$RES/summary.md" < "$RES/ncu_summary.md"; tail -5 "$RES/ncu_run.log"
+      fi ;;
+    kernels|variants|opcount|census|eager|block|attention|step|host|stack|hf)  # hf: issue 23's Llama
       with_te $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;

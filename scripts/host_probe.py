@@ -41,7 +41,7 @@ for layers in (1, 8):
     xin = torch.randn(2048, 1024, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     dy = torch.randn_like(xin)
     gr = g8.make_graphed_callables(m, (xin,), fp8_enabled=True, fp8_weight_caching=True)
-    r = m.graphed_runner
+    r = m.graphed_runner.pair
     gr(xin, is_first_microbatch=True).backward(dy)
 
     def fwd(gr=gr, xin=xin):

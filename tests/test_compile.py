@@ -196,11 +196,13 @@ def _workspaces(model: nn.Module) -> list[tuple[str, object]]:
     """Every FP8 weight workspace's buffers and the eager weight-cache flag, named."""
     out = []
     for name, mod in model.named_modules():
-        for key, ws in getattr(mod, "_weight_fp8", {}).items():
+        cache = getattr(mod, "weight_cache", None)
+        if cache is None:
+            continue
+        for key, ws in cache.workspaces.items():
             out += [(f"{name}.{key}.data", ws._data), (f"{name}.{key}.t", ws._transpose),
                     (f"{name}.{key}.scale_inv", ws._scale_inv)]  # fmt: skip
-        if hasattr(mod, "_weight_cache_valid"):
-            out.append((f"{name}.cache_valid", mod._weight_cache_valid))
+        out.append((f"{name}.cache_valid", cache.valid))
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 import graphfp8 as g8
 from graphfp8 import global_state
 from graphfp8.fp8 import observe
+from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.graphs import backends
 from graphfp8.ops import cudnn_sdpa
 from graphfp8.profiling import enable_ranges
@@ -20,6 +21,12 @@ def _autocast_left_open():
     ctx = g8.fp8_autocast(recipe=g8.DelayedScaling(amax_history_len=2))
     ctx.__enter__()  # a region that never ended (an exception between enter and exit)
     return ctx  # alive: a collected generator would run its exit
+
+
+def _log_left_open():
+    ctx = SCHEDULE.logged()
+    ctx.__enter__()  # a log that never closed
+    return ctx
 
 
 def _eager_fp8_layer():
@@ -35,7 +42,8 @@ def _live_capture():
 
 
 DIRTY = {
-    "fp8_autocast state (fp8/autocast.py STATE)": _autocast_left_open,
+    "the FP8 context stack (fp8/context.py)": _autocast_left_open,
+    "scale schedule: queued backward updates, log (fp8/scale_schedule.py)": _log_left_open,
     "FP8 arena registry (fp8/scaling.py REGISTRY)": _eager_fp8_layer,
     "numerics observer (fp8/observe.py)": lambda: observe.install(object()),
     "live captures (graphs/lifecycle.py)": _live_capture,

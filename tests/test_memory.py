@@ -230,4 +230,4 @@ def test_uncached_weight_transposes_graphed_equals_eager(monkeypatch):
     monkeypatch.setattr(g8.FP8Module, "cache_weight_transpose", False)
     recipe = g8.DelayedScaling(amax_history_len=4)
     eager, graphed = train_side_by_side("TransformerLayer", recipe, True, "cpu", steps=2, mbs=2)
-    assert all(ws._transpose is None for ws in graphed.mlp._weight_fp8.values())
+    assert all(ws._transpose is None for ws in graphed.mlp.weight_cache.workspaces.values())

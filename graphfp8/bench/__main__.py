@@ -1,5 +1,5 @@
-"""`python -m graphfp8.bench {kernels,variants,opcount,eager,block,attention,step,host,memory,
-stack,glu,hf} [--device D]
+"""`python -m graphfp8.bench {kernels,variants,opcount,census,eager,block,attention,step,host,
+memory,stack,glu,hf} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ SUITES = {
     "kernels": "graphfp8.bench.kernels",
     "variants": "graphfp8.bench.variants",
     "opcount": "graphfp8.bench.opcount",
+    "census": "graphfp8.bench.census",
     "eager": "graphfp8.bench.eager",
     "block": "graphfp8.bench.block",
     "stack": "graphfp8.bench.stack",

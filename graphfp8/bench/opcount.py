@@ -23,8 +23,8 @@ from graphfp8.fp8 import current
 NO_KERNEL = {"aten::detach", "aten::empty", "aten::empty_like", "aten::empty_strided",
              "aten::view", "aten::_unsafe_view", "aten::t", "aten::transpose", "aten::unbind",
              "aten::reshape", "aten::as_strided", "aten::expand", "aten::permute", "aten::select",
-             "aten::slice", "aten::split", "aten::unsqueeze", "aten::squeeze", "aten::alias",
-             "aten::lift_fresh", "aten::set_"}  # fmt: skip
+             "aten::slice", "aten::split", "aten::split_with_sizes", "aten::unsqueeze",
+             "aten::squeeze", "aten::alias", "aten::lift_fresh", "aten::set_"}  # fmt: skip
 # graphfp8 ops that launch two CUDA kernels.
 TWO_KERNELS = {"graphfp8::cast_transpose_dbias", "graphfp8::dgelu_cast_transpose_dbias",
                "graphfp8::layernorm_bwd", "graphfp8::rmsnorm_bwd"}  # fmt: skip

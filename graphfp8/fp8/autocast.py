@@ -1,81 +1,47 @@
-"""fp8_autocast and the small global FP8 state that modules and the graph capturer read.
+"""fp8_autocast: pushes one FP8 context (graphfp8/fp8/context.py) per region, and
+graphfp8.reset_state().
 
-Where the scale updates run (docs/fp8.md): once per fp8_autocast region, each forward arena is
-updated before the first cast that uses it (the first FP8 forward of one of its modules in the
-region: nothing touches FP8 state between the region's entry and that point, so this is the
-region-entry update of docs/fp8.md, restricted to the arenas the region uses); each backward arena
-at the end of every backward pass that ran its modules (an autograd engine callback). Inside a
-graph capture neither happens implicitly: the capturer records the two updates at the matching
-points of its graphs.
+Each outermost enabled region gets a new region number (the forward scale updates run once per
+region: graphfp8/fp8/scale_schedule.py) and a new init group for the arenas of modules that get
+their slots in it (graphfp8/fp8/scaling.py). Inside a capture neither happens: the capture's
+context says where the updates go, and a region there only switches FP8 on or off.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-
-import torch
+import dataclasses
+import itertools
 
 from graphfp8 import global_state
-from graphfp8.fp8 import observe, scaling
+from graphfp8.fp8 import context, observe, scaling
 from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
+from graphfp8.fp8.weight_cache import check_is_first_microbatch
 
-__all__ = [
-    "autocast",
-    "fp8_autocast",
-    "STATE",
-    "CaptureState",
-    "check_is_first_microbatch",
-    "queue_backward_update",
-    "reset_state",
-]
+__all__ = ["autocast", "fp8_autocast", "check_is_first_microbatch", "reset_state"]
 
 
-@dataclass
-class CaptureState:
-    """Set by graphs/ during warmup and capture: FP8 bookkeeping is recorded into the graphs.
+class _ContextView:
+    """Deprecated, read-only: the old process-global FP8 state as a view of the current FP8
+    context, for code written before graphfp8/fp8/context.py (read context.current())."""
 
-    Attributes:
-        weight_cache_flag: (1,) float32 device flag read by the weight cast-transpose kernels
-            (1: the cached FP8 weight is valid, the cast writes nothing); None casts weights on
-            every replay.
-        arenas: the arenas that the captured modules use, filled while warming up.
-    """
-
-    weight_cache_flag: torch.Tensor | None
-    arenas: dict[int, scaling.Arena] = field(default_factory=dict)
+    enabled = property(lambda self: context.current().enabled)
+    recipe = property(lambda self: context.current().recipe)
+    group = property(lambda self: context.current().group)
+    capture = property(lambda self: context.current().recorder)
 
 
-class _State:
-    """The process's FP8 state: what the innermost fp8_autocast (or capture) says."""
+STATE = _ContextView()
 
-    def __init__(self) -> None:
-        # Counts outermost enabled fp8_autocast regions. Never reset: arenas remember the region
-        # that last updated them, so a reused number would skip an update.
-        self.region = 0
-        self.reset()
-
-    def reset(self) -> None:
-        self.enabled = False
-        self.recipe: Recipe | None = None
-        self.group = None
-        self.capture: CaptureState | None = None
-        self.queued_backward: dict[int, tuple] = {}
-
-    def is_fresh(self) -> bool:
-        return (not self.enabled and self.recipe is None and self.group is None
-                and self.capture is None and not self.queued_backward)  # fmt: skip
-
-
-STATE = _State()
-global_state.register("fp8_autocast state (fp8/autocast.py STATE)", STATE.reset, STATE.is_fresh,
-                      layer=global_state.FP8)  # fmt: skip
-# The observer lives in fp8/observe.py, below this module; registered here, where fp8_autocast's
-# state is, so that observe.py stays free of the registry.
+# Numbers outermost enabled fp8_autocast regions. Never reset: arenas remember the region that
+# last updated them, so a reused number would skip an update.
+_REGIONS = itertools.count(1)
+# The observer lives in fp8/observe.py, below this module; registered here, where fp8_autocast
+# is, so that observe.py stays free of the registry.
 global_state.register("numerics observer (fp8/observe.py)", lambda: observe.install(None),
                       lambda: observe.observer() is None, layer=global_state.FP8)  # fmt: skip
 global_state.register_kept(
-    "fp8_autocast region counter (STATE.region)",
+    "fp8_autocast region counter (fp8/autocast.py _REGIONS)",
     "arenas remember the region that last updated them: a reused number would skip an update",
 )
 
@@ -90,14 +56,6 @@ def reset_state() -> None:
     around FP8 attention must be dropped first: it may replay kernels of the cuDNN plans this
     frees."""
     global_state.reset_all()
-
-
-def check_is_first_microbatch(is_first_microbatch) -> None:
-    """Eager modules and graphed callables take None, True or False, nothing else."""
-    if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
-        raise TypeError(
-            f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}"
-        )
 
 
 @contextlib.contextmanager
@@ -125,21 +83,20 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, fp8_group=N
     if recipe is None:
         recipe = DelayedScaling()
     check_recipe(recipe, "fp8_autocast")
-    prev = (STATE.enabled, STATE.recipe, STATE.group)
-    capture = STATE.capture
-    if capture is not None and enabled and STATE.recipe is not None and recipe != STATE.recipe:
+    outer = context.current()
+    if outer.capturing and enabled and outer.recipe is not None and recipe != outer.recipe:
         raise RuntimeError(
             "fp8_autocast inside a graph capture must use the recipe given to "
-            f"make_graphed_callables ({STATE.recipe}), got {recipe}"
+            f"make_graphed_callables ({outer.recipe}), got {recipe}"
         )
-    if enabled and not prev[0] and capture is None:
-        STATE.region += 1
+    region = outer.region
+    if enabled and not outer.enabled and not outer.capturing:
+        region = next(_REGIONS)
         scaling.new_init_group()
-    STATE.enabled, STATE.recipe, STATE.group = bool(enabled), recipe, fp8_group
-    try:
+    ctx = dataclasses.replace(outer, enabled=bool(enabled), recipe=recipe, group=fp8_group,
+                              region=region)  # fmt: skip
+    with context.pushed(ctx):
         yield
-    finally:
-        STATE.enabled, STATE.recipe, STATE.group = prev
 
 
 def autocast(enabled: bool = True, calibrating: bool = False, recipe: Recipe | None = None,
@@ -153,32 +110,3 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Recipe | N
             "supported by graphfp8; graphfp8.numerics.FP8Stats records the casts of an FP8 run"
         )
     return fp8_autocast(enabled, recipe, amax_reduction_group)
-
-
-@contextlib.contextmanager
-def capture_state(fp8_enabled: bool, recipe: Recipe | None, group, capture: CaptureState):
-    """Internal: the FP8 state that warmup and capture run under (no implicit updates)."""
-    prev = (STATE.enabled, STATE.recipe, STATE.group, STATE.capture)
-    STATE.enabled, STATE.recipe, STATE.group = fp8_enabled, recipe, group
-    STATE.capture = capture
-    try:
-        yield
-    finally:
-        STATE.enabled, STATE.recipe, STATE.group, STATE.capture = prev
-
-
-def queue_backward_update(arena: scaling.Arena, group) -> None:
-    """Schedules the update of a backward arena for the end of the running backward pass (once
-    per pass, however many of its modules ask). Only valid while autograd runs a backward."""
-    if id(arena) in STATE.queued_backward:
-        return
-    if not STATE.queued_backward:
-        torch.autograd.Variable._execution_engine.queue_callback(_run_backward_updates)
-    STATE.queued_backward[id(arena)] = (arena, group)
-
-
-def _run_backward_updates() -> None:
-    queued = list(STATE.queued_backward.values())
-    STATE.queued_backward.clear()
-    for arena, group in queued:
-        arena.update_(group)

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from graphfp8.fp8.autocast import STATE
+from graphfp8.fp8 import context
 from graphfp8.fp8.primary import WeightQuantizer
 from graphfp8.fp8.tensor import Float8Tensor
 
@@ -53,7 +53,7 @@ class _Mode:
     def moves(self) -> bool:
         """Whether reading a master's .grad moves its FP8 weight's pending grad in (eagerly);
         a capture or a step graph copies the grads itself, into buffers that must stay."""
-        return not self.in_graph and STATE.capture is None
+        return not self.in_graph and not context.current().capturing
 
 
 class _Master(torch.Tensor):
@@ -185,7 +185,7 @@ class MasterWeights:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """copy_grads_, optimizer.step(), write_back_."""
         self._check_optimizer(optimizer)
-        if STATE.capture is not None:  # a step graph's warmup or capture: it copies from now on
+        if context.current().capturing:  # a step graph's warmup or capture: it copies from now on
             self._mode.in_graph = True
         self.copy_grads_()
         optimizer.step()

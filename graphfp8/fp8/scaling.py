@@ -17,8 +17,8 @@ state), from the current *init group*, and a fresh group starts at every outermo
 region and every capture. So the layers of one model, initialised in its first region, share
 one arena per direction, while two models initialised in different regions (a model and its
 copy resumed from a checkpoint, an eager model and a graphed one) never share: one model's
-scale updates cannot touch the other's state. Eager mode updates an arena at its first use in
-each region (`update_once`), graphs at the start of their first forward.
+scale updates cannot touch the other's state. When an arena updates is
+graphfp8/fp8/scale_schedule.py's business.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ __all__ = [
     "allocate",
     "live_arenas",
     "new_init_group",
-    "update_",
 ]
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -68,7 +67,7 @@ class Arena:
         self.amax_sink = torch.zeros(1, dtype=torch.float32, device=self.device)
         self.version = 0
         self.frozen = False
-        self.updated_in = -1  # the fp8_autocast region that last updated it (eager mode)
+        self.updated_in = -1  # the fp8_autocast region that last updated it (scale_schedule.py)
         # {group: version} of the groups whose ranks were found to hold a matching arena
         # (arena_check); weak, so that a destroyed group is not kept alive here.
         self.checked_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -116,12 +115,6 @@ class Arena:
             self.scaled_max,
             self.recipe.amax_compute_algo == "most_recent",
         )
-
-    def update_once(self, region: int, group=None) -> None:
-        """Eager mode: updates the arena if it has not been updated in this region yet."""
-        if self.updated_in != region:
-            self.updated_in = region
-            self.update_(group)
 
     def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         return self.num_slots, self.amax_history.clone(), self.scale.clone()
@@ -225,9 +218,3 @@ def live_arenas(recipe: Recipe) -> list[Arena]:
     """Live arenas of one recipe, both directions, in creation order."""
     arenas = (a for a in list(REGISTRY.arenas) if a.recipe == recipe)
     return sorted(arenas, key=lambda a: a.serial)
-
-
-def update_(arenas, group=None) -> None:
-    """Runs the delayed-scaling update of each arena (one fused launch per arena)."""
-    for arena in arenas:
-        arena.update_(group)

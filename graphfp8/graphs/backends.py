@@ -33,6 +33,8 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 _KERNEL_NODE = re.compile(r"\{KERNEL\s*\|\s*\{ID \|[^|]*\|\s*([^\\}|]+)")
+# The type of every node of a debug dump's record labels (KERNEL, MEMSET, MEMCPY, EMPTY, ...).
+_NODE_TYPE = re.compile(r'label="\{\s*([A-Z_]+)\s*\|')
 
 
 class _TapeReplays:
@@ -76,6 +78,10 @@ class TapeGraph:
     def kernels(self) -> list[str]:
         return self.tape.op_names()
 
+    def nodes(self) -> list[tuple[str, str]]:
+        """("OP", name) for every recorded op."""
+        return [("OP", name) for name in self.tape.op_names()]
+
     def release(self) -> None:
         """Drops the recorded ops and the tensors they hold."""
         self.tape = ReplayTape()
@@ -118,8 +124,7 @@ class CudaGraph:
         self.graph.reset()
         self.released = True
 
-    def kernels(self) -> list[str]:
-        """Kernel nodes of the graph, in dump order (demangled when c++filt is available)."""
+    def _dump(self) -> str:
         if not self.debug:
             raise RuntimeError(
                 "graphfp8: this graph was captured with GRAPHFP8_GRAPH_DEBUG=0 (no debug mode), so "
@@ -129,13 +134,29 @@ class CudaGraph:
             path = os.path.join(tmp, "graph.dot")
             self.graph.debug_dump(path)
             with open(path) as f:
-                names = [m.group(1).strip() for m in _KERNEL_NODE.finditer(f.read())]
-        cxxfilt = shutil.which("c++filt")
-        if cxxfilt and names:
-            out = subprocess.run([cxxfilt], input="\n".join(names), capture_output=True, text=True)
-            if out.returncode == 0:
-                names = out.stdout.splitlines()
-        return names
+                return f.read()
+
+    def kernels(self) -> list[str]:
+        """Kernel nodes of the graph, in dump order (demangled when c++filt is available)."""
+        return _demangle([m.group(1).strip() for m in _KERNEL_NODE.finditer(self._dump())])
+
+    def nodes(self) -> list[tuple[str, str]]:
+        """(type, name) of every node: ("KERNEL", kernel name), ("MEMSET", ""), ("MEMCPY", ""),
+        ...; kernel names as kernels() gives them."""
+        dump = self._dump()
+        types = [m.group(1) for m in _NODE_TYPE.finditer(dump)]
+        names = iter(_demangle([m.group(1).strip() for m in _KERNEL_NODE.finditer(dump)]))
+        return [(t, next(names, "?") if t == "KERNEL" else "") for t in types]
+
+
+def _demangle(names: list[str]) -> list[str]:
+    """The names demangled when c++filt is available."""
+    cxxfilt = shutil.which("c++filt")
+    if cxxfilt and names:
+        out = subprocess.run([cxxfilt], input="\n".join(names), capture_output=True, text=True)
+        if out.returncode == 0:
+            names = out.stdout.splitlines()
+    return names
 
 
 def new_graph(device: torch.device):

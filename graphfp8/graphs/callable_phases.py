@@ -5,7 +5,8 @@ phase returns what it built (Forward, Backward); graphs/callables.py assembles t
 What runs where on every microbatch (one forward replay and one backward replay per graph):
 
     first forward graph of a unit:  the fused scale update of the forward arenas its modules use
-                                    (after the MAX all-reduce of the amaxes over fp8_group)
+                                    (after the MAX all-reduce of the amaxes over fp8_group; the
+                                    update points: graphfp8/fp8/scale_schedule.py)
     forward graphs:                 weight cast-transpose guarded by the device weight-cache flag,
                                     activation casts with amax, GEMMs
     backward graphs:                grad casts with amax, GEMMs, the fold into .grad
@@ -20,21 +21,18 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from graphfp8.fp8 import scaling
-from graphfp8.graphs.capture_checks import (
-    check_inputs_alias,
-    check_no_data_parallel,
-    check_no_hooks,
-)
+from graphfp8.fp8.scale_schedule import UpdatePoints
+from graphfp8.graphs.capture_checks import check_capturable, check_inputs_alias
 from graphfp8.graphs.compiled import compile_set_aside
 from graphfp8.graphs.contexts import saved_storages
 from graphfp8.graphs.discover import adopt_outside_leaves, closure_modules, next_sequence_nr
 from graphfp8.graphs.grads import GradAccumulator, GradFold
-from graphfp8.graphs.lifecycle import check_not_captured
 from graphfp8.graphs.session import CaptureSession
 
 __all__ = ["Backward", "Forward", "Sample", "capture_backwards", "capture_forwards", "prepare",
            "warmup"]  # fmt: skip
+
+_NAME = "make_graphed_callables"
 
 
 @dataclass
@@ -47,7 +45,8 @@ class Sample:
             given at several positions is one static tensor (alias_of says where).
         params, param_names: the callable's parameters (a module's own, then adopted ones).
         modules: a module callable's tree; closure: the modules a plain function closes over.
-        arenas: {id: arena} of the FP8 arenas its modules used while warming up.
+        arenas: {id: arena} of the FP8 arenas its modules used while warming up (what its
+            warmup recordings returned).
     """
 
     index: int
@@ -94,24 +93,28 @@ class Sample:
 
 @dataclass
 class Forward:
-    """A captured forward: its graph, the static outputs it writes, and the storages of the
-    tensors it saved for its backward (contexts.saved_storages)."""
+    """A captured forward: its graph, the static outputs it writes, the storages of the
+    tensors it saved for its backward (contexts.saved_storages), and the scale updates it
+    holds (graphfp8/fp8/scale_schedule.py)."""
 
     graph: object
     outputs: list[torch.Tensor]
     out_spec: object
     saved: set[int]
+    updates: tuple
 
 
 @dataclass
 class Backward:
     """A captured backward: its graph, its static grad outputs (one per output that requires
-    grad), the gradient per input position, and the fold of the parameter gradients."""
+    grad), the gradient per input position, the fold of the parameter gradients, and the scale
+    updates it holds."""
 
     graph: object
     grad_outputs: list[torch.Tensor | None]
     grad_inputs: list[torch.Tensor | None]
     accumulator: GradAccumulator | None
+    updates: tuple
 
 
 # Phase 0: the samples ---------------------------------------------------------------------------
@@ -119,8 +122,8 @@ class Backward:
 
 def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.device]:
     """One Sample per (funcs[j], sample_args[j]) pair, after checking that its inputs are tensors
-    that a graph can read and its modules can be captured (none replays another capture, none
-    has hooks); returns them and the device."""
+    that a graph can read and that it can be captured (capture_checks.check_capturable); returns
+    them and the device."""
     samples, devices = [], set()
     for j, (func, args, kwargs) in enumerate(zip(funcs, sample_args, sample_kwargs, strict=True)):
         name = f"graphed callable {j} ({type(func).__name__})"
@@ -132,15 +135,11 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
                 raise TypeError(f"{name}: sample args and kwargs must be tensors, got {type(t)}")
         modules, named, closure = [], [], []
         if isinstance(func, nn.Module):
-            modules = list(func.modules())
-            check_not_captured(name, modules)
-            check_no_data_parallel(name, modules)
-            named = list(func.named_parameters())
-            check_no_hooks(name, modules, [p for _, p in named], [n for n, _ in named])
+            modules, named = list(func.modules()), list(func.named_parameters())
+            check_capturable(_NAME, name, func, modules, named, index=j)
         else:
             closure = closure_modules(func)
-            check_not_captured(name, [m for c in closure for m in c.modules()])
-            check_no_data_parallel(name, [m for c in closure for m in c.modules()])
+            check_capturable(_NAME, name, func, [m for c in closure for m in c.modules()], index=j)
         alias_of = check_inputs_alias(name, flat)
         flat = _leaf_aliases(flat, alias_of)
         samples.append(Sample(j, name, func, flat, list(kwargs), alias_of, [p for _, p in named],
@@ -148,12 +147,10 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
         devices.update(t.device for t in flat)
         devices.update(p.device for _, p in named)
     if len(devices) != 1:
-        raise ValueError(
-            f"make_graphed_callables: all tensors must be on one device, got {devices}"
-        )
+        raise ValueError(f"{_NAME}: all tensors must be on one device, got {devices}")
     device = devices.pop()
     if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"make_graphed_callables: unsupported device {device}")
+        raise ValueError(f"{_NAME}: unsupported device {device}")
     return samples, device
 
 
@@ -163,51 +160,48 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
 def warmup(samples: list[Sample], iters: int, allow_unused: bool, session: CaptureSession) -> None:
     """Runs each callable forward and backward `iters` times. The first iteration finds the
     tensors requiring grad that the outputs depend on beyond the callable's own (adopted as its
-    parameters); every one records the FP8 arenas each callable uses in sample.arenas."""
-    capture = session.capture
+    parameters); every one adds the FP8 arenas each callable used to sample.arenas."""
     with session.warmup():
         for it in range(iters):
             for s in samples:
-                capture.arenas = s.arenas
-                since = next_sequence_nr() if it == 0 else 0
-                flat, _ = s.call()
-                if it == 0:
-                    adopt_outside_leaves(s, flat, since)
-                outs, inputs = [o for o in flat if o.requires_grad], s.grad_inputs()
-                if outs and inputs:
-                    torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs],
-                                        allow_unused=allow_unused)  # fmt: skip
-                del flat, outs
-    capture.arenas = {k: a for s in samples for k, a in s.arenas.items()}
+                with session.recording() as found:
+                    since = next_sequence_nr() if it == 0 else 0
+                    flat, _ = s.call()
+                    if it == 0:
+                        adopt_outside_leaves(s, flat, since)
+                    outs, inputs = [o for o in flat if o.requires_grad], s.grad_inputs()
+                    if outs and inputs:
+                        torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs],
+                                            allow_unused=allow_unused)  # fmt: skip
+                    del flat, outs
+                s.arenas.update(found.arenas)
 
 
 # Phase 2: capture the forwards in order -------------------------------------------------------
 
 
-def capture_forwards(samples: list[Sample], arenas, session: CaptureSession,
+def capture_forwards(samples: list[Sample], points: UpdatePoints, session: CaptureSession,
                      chain: bool) -> list[Forward]:  # fmt: skip
-    """Captures one unit's forwards in order; the first graph opens with the forward update of
-    `arenas` (the unit's). With chain, each callable after the first reads the previous one's
-    static output 0 as its input 0 (no copy between them)."""
-    fwd_arenas = [a for a in arenas if a.direction == scaling.FORWARD]
-    capture, forwards = session.capture, []
+    """Captures one unit's forwards in order; the first graph opens with the unit's forward
+    update point. With chain, each callable after the first reads the previous one's static
+    output 0 as its input 0 (no copy between them)."""
+    forwards = []
     for i, s in enumerate(samples):
         if chain and i > 0:
             s.static_inputs[0] = _chained_input(samples[i - 1], forwards[-1], s)
         graph = session.new_graph()
-        capture.arenas = used = {}
         since = next_sequence_nr()
-        with session.recording(), graph.capture(session.pool), saved_storages() as saved:
-            if i == 0 and session.fp8_enabled:
-                scaling.update_(fwd_arenas, session.fp8_group)
+        with session.capture_into(graph) as found, saved_storages() as saved:
+            if i == 0:
+                points.at_forward()
             outputs, out_spec = s.call()
-        if used.keys() - s.arenas.keys():
+        if found.arenas.keys() - s.arenas.keys():
             raise RuntimeError(
                 f"{s.name}: FP8 modules ran in the capture that did not run while warming up; "
                 "a callable must run the same modules every time"
             )
         adopt_outside_leaves(s, outputs, since)
-        forwards.append(Forward(graph, outputs, out_spec, saved))
+        forwards.append(Forward(graph, outputs, out_spec, saved, tuple(found.updates)))
     return forwards
 
 
@@ -246,12 +240,12 @@ def _chained_input(prev: Sample, prev_fwd: Forward, s: Sample) -> torch.Tensor:
 # Phase 3: capture the backwards in reverse order ----------------------------------------------
 
 
-def capture_backwards(samples: list[Sample], forwards: list[Forward], arenas,
+def capture_backwards(samples: list[Sample], forwards: list[Forward], points: UpdatePoints,
                       session: CaptureSession, allow_unused: bool,
                       chain: bool) -> list[Backward]:  # fmt: skip
-    """Captures a unit's backwards in reverse; the last (samples[0]'s) updates the arenas. With
-    chain, each callable but the last reads the next one's input gradient as its grad output."""
-    bwd_arenas = [a for a in arenas if a.direction == scaling.BACKWARD]
+    """Captures a unit's backwards in reverse; the last (samples[0]'s) ends with the unit's
+    backward update point. With chain, each callable but the last reads the next one's input
+    gradient as its grad output."""
     backwards: list[Backward | None] = [None] * len(samples)
     for i in reversed(range(len(samples))):
         s, fwd = samples[i], forwards[i]
@@ -264,16 +258,18 @@ def capture_backwards(samples: list[Sample], forwards: list[Forward], arenas,
         inputs = s.grad_inputs()
         graph = session.new_graph()
         fold = GradFold(s.params, session.device)
-        with session.recording(), fold.hooked(), graph.capture(session.pool):
+        with fold.hooked(), session.capture_into(graph) as found:
             grads = ()
             if outs and inputs:
                 given = [g for g in grad_outputs if g is not None]
                 grads = torch.autograd.grad(outs, inputs, given, allow_unused=allow_unused)
             fold.finish()
-            if i == 0 and session.fp8_enabled:
-                scaling.update_(bwd_arenas, session.fp8_group)
+            if i == 0:
+                points.at_backward()
         # The inputs' gradients, then the parameters' stand-ins (dropped).
         grad_inputs = s.per_position(grads)
         del grads
-        backwards[i] = Backward(graph, grad_outputs, grad_inputs, fold.accumulator(session.pool))
+        backwards[i] = Backward(
+            graph, grad_outputs, grad_inputs, fold.accumulator(session.pool), tuple(found.updates)
+        )
     return backwards

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphfp8.fp8.recipe import DelayedScaling, Recipe
+from graphfp8.fp8.recipe import Recipe
+from graphfp8.fp8.weight_cache import DeviceFlag
 from graphfp8.graphs.callable_phases import (
     Sample,
     capture_backwards,
@@ -18,22 +19,17 @@ from graphfp8.graphs.callable_phases import (
     prepare,
     warmup,
 )
-from graphfp8.graphs.capture_checks import (
-    check_distinct,
-    check_grad_mode,
-    check_no_hooks,
-    check_options,
-)
-from graphfp8.graphs.compiled import check_not_compiled, opaque_to_dynamo
+from graphfp8.graphs.capture_checks import check_distinct, check_grad_mode, check_no_hooks
+from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in, unique
 from graphfp8.graphs.function import GraphedFunction
 from graphfp8.graphs.lifecycle import CapturedGraphs, refuse_deepcopy, undone_on_failure
+from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names, owner_modules
-from graphfp8.graphs.runner import GraphedRunner, InputSpec, storages_of
+from graphfp8.graphs.runner import CallContract, GraphedRunner, GraphPair, InputSpec, storages_of
 from graphfp8.graphs.schedule import Layout
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.torch_autocast import AutocastState
-from graphfp8.graphs.weight_flag import WeightCacheFlag
 from graphfp8.modules.base import FP8Module
 
 __all__ = ["make_graphed_callables"]
@@ -72,7 +68,8 @@ def make_graphed_callables(
         fp8_enabled: run graphfp8 modules in FP8 inside the graphs.
         fp8_recipe: a DelayedScaling or Float8CurrentScaling (DelayedScaling() when None).
         fp8_weight_caching: guard the weight casts with a device flag driven by the
-            is_first_microbatch argument of each call (True/None cast, False reuses the cache).
+            is_first_microbatch argument of each call (True/None cast, False reuses the cache);
+            False, TransformerEngine's default (graphs/options.py says why the step differs).
         fp8_group: torch.distributed group whose ranks MAX-reduce amaxes inside the graphs,
             with every scale update (once per microbatch per direction). Every rank of the
             group must call make_graphed_callables with the same modules and recipe: the ranks
@@ -95,49 +92,34 @@ def make_graphed_callables(
         `captured_ops()`, `captured_kernels()` and `reset()`, which frees the graphs of the
         whole capture and gives the modules their eager forward back.
 
-    The rules after capture, each checked before anything runs (docs/after-capture.md):
-
-    .. warning:: Outputs are static buffers that the next replay overwrites: clone to keep.
-    .. warning:: Calls follow the captured order: forwards in turn, backwards in reverse.
-    .. warning:: Inputs keep the captured shapes, dtypes, devices, requires_grad, aliasing.
-    .. warning:: Modules keep their parameters, buffers, storage, requires_grad; no hooks.
-    .. warning:: Inside fp8_autocast, only with the capture's recipe, fp8_group, enabled flag.
-    .. warning:: With fp8_weight_caching, is_first_microbatch=True after every optimizer step.
-    .. warning:: Another training mode than captured runs the module eagerly (torch's rule).
-    .. warning:: Call it in the torch.autocast state it was captured in.
-    .. warning:: No in-place writes into an output its backward reads; no checkpoint around it.
-    .. warning:: Capture first, then torch.compile around the graphed callables.
+    .. warning:: A graph replays what its capture ran: outputs are static buffers, and inputs,
+        modules, call order, FP8 and torch.autocast state stay as captured. The rules, each
+        checked before anything runs, are in docs/after-capture.md.
     """
     just_one, callables, sample_args, sample_kwargs = _normalize(callables, sample_args,
                                                                  sample_kwargs, order)  # fmt: skip
     layout = Layout(len(callables), len(sample_args), order)
     if chain and layout.explicit:
         raise ValueError(f"{_NAME}: chain=True chains the layers of one unit; not with order=")
-    check_not_compiled(callables)
-    check_options(_NAME, num_warmup_iters, fp8_enabled, fp8_recipe)
+    options = CaptureOptions(_NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
+                             num_warmup_iters, pool)  # fmt: skip
     check_distinct(callables)
-    recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     funcs = [callables[i] for i in layout.callable_of]
     samples, device = prepare(funcs, sample_args, sample_kwargs)
     check_grad_mode(_NAME, any(t.requires_grad for s in samples for t in s.grad_inputs()))
-    autocast = AutocastState(device)
-    caching = fp8_enabled and fp8_weight_caching
-    flag = WeightCacheFlag(torch.zeros(1, device=device) if caching else None, fp8_enabled,
-                           fp8_weight_caching, _NAME, "graphed callable")  # fmt: skip
-    graphs = CapturedGraphs(layout, [s.name for s in samples], fp8_enabled, recipe, fp8_group,
-                            device)  # fmt: skip
+    flag = DeviceFlag(device, fp8_enabled, fp8_weight_caching, _NAME, "graphed callable")
+    graphs = CapturedGraphs(layout, [s.name for s in samples], options, device, flag,
+                            AutocastState(device))  # fmt: skip
     chunks = [fp8_modules_in([m for j in layout.units[(c, 0)].runners for m in _trees(samples[j])])
               for c in range(layout.num_chunks)]  # fmt: skip
-    session = CaptureSession(device, fp8_enabled=fp8_enabled, recipe=recipe, fp8_group=fp8_group,
-                             weight_cache_flag=flag.tensor, pool=pool)  # fmt: skip
+    session = CaptureSession(device, options, weight_cache_flag=flag.tensor)
     with session, undone_on_failure(unique(m for c in chunks for m in c), samples, callables):
         session.init_fp8(chunks)
         warmup(samples, num_warmup_iters, allow_unused_input, session)
-        session.freeze_arenas()
+        session.freeze_arenas({k: a for s in samples for k, a in s.arenas.items()})
         built = _capture_units(samples, layout, session, allow_unused_input, chain)
         chained = _followers(layout) if chain else set()
-        runners = [_runner(s, *built[s.index], graphs, flag, autocast, s.index in chained)
-                   for s in samples]  # fmt: skip
+        runners = [_runner(s, *built[s.index], graphs, s.index in chained) for s in samples]
     wrapped = [
         _wrap(f, r, replace_forward=not layout.explicit)
         for f, r in zip(funcs, runners, strict=True)
@@ -191,13 +173,13 @@ def _capture_units(samples, layout: Layout, session: CaptureSession, allow_unuse
         for kind, unit in layout.steps:
             unit_samples = [samples[j] for j in unit.runners]
             used = {k: a for s in unit_samples for k, a in s.arenas.items()}
-            arenas = sorted(used.values(), key=lambda a: a.serial)
+            points = session.update_points(used.values())
             if kind == "forward":
-                fwds = capture_forwards(unit_samples, arenas, session, chain)
+                fwds = capture_forwards(unit_samples, points, session, chain)
                 forwards.update(zip(unit.runners, fwds, strict=True))
             else:
                 fwds = [forwards[j] for j in unit.runners]
-                bwds = capture_backwards(unit_samples, fwds, arenas, session, allow_unused, chain)
+                bwds = capture_backwards(unit_samples, fwds, points, session, allow_unused, chain)
                 built.update({j: (forwards[j], b) for j, b in zip(unit.runners, bwds, strict=True)})
     return built
 
@@ -217,9 +199,8 @@ def _guard(s: Sample) -> ReplayGuard:
     return ReplayGuard(s.name, modules, module_names(roots), outside, _RECAPTURE)
 
 
-def _runner(s: Sample, fwd, bwd, graphs, flag, autocast: AutocastState,
-            chained: bool) -> GraphedRunner:  # fmt: skip
-    """The frozen runner of a captured sample."""
+def _runner(s: Sample, fwd, bwd, graphs: CapturedGraphs, chained: bool) -> GraphedRunner:
+    """The frozen runner of a captured sample: its call contract and graph pair."""
     anchor = torch.empty(0, requires_grad=any(p.requires_grad for p in s.params))
     # Its AccumulateGrad node: a backward that will not run it asks for a subset of gradients.
     node = anchor.view_as(anchor).grad_fn.next_functions[0][0] if anchor.requires_grad else None
@@ -228,18 +209,20 @@ def _runner(s: Sample, fwd, bwd, graphs, flag, autocast: AutocastState,
     expects = any(g is not None for g in bwd.grad_outputs) and (
         anchor.requires_grad or any(t.requires_grad for t in s.static_inputs)
     )
-    return GraphedRunner(
-        name=s.name, index=s.index, graphs=graphs, weight_cache_flag=flag, guard=_guard(s),
-        autocast=autocast,
+    contract = CallContract(
+        name=s.name, index=s.index, guard=_guard(s),
         uses_fp8=bool(s.arenas) or any(isinstance(m, FP8Module) for m in s.modules), spec=spec,
-        static_inputs=s.static_inputs, copies=spec.copies,
-        storages=storages_of(s.static_inputs), chained=chained,
-        params=tuple(s.params), param_names=tuple(s.param_names), fwd_graph=fwd.graph,
-        bwd_graph=bwd.graph, static_outputs=fwd.outputs, out_spec=fwd.out_spec,
+        chained=chained, expects_grad=expects,
+    )  # fmt: skip
+    pair = GraphPair(
+        fwd_graph=fwd.graph, bwd_graph=bwd.graph, fwd_updates=fwd.updates,
+        bwd_updates=bwd.updates, static_inputs=s.static_inputs, copies=spec.copies,
+        storages=storages_of(s.static_inputs), static_outputs=fwd.outputs, out_spec=fwd.out_spec,
         read_back=[t for _, t in read_back], read_back_names=tuple(n for n, _ in read_back),
         static_grad_outputs=bwd.grad_outputs, static_grad_inputs=bwd.grad_inputs,
-        accumulator=bwd.accumulator, expects_grad=expects, grad_anchor=anchor, anchor_node=node,
+        accumulator=bwd.accumulator, grad_anchor=anchor, anchor_node=node,
     )  # fmt: skip
+    return GraphedRunner(contract, pair, graphs)
 
 
 def _read_back(s: Sample, fwd, spec: InputSpec) -> list[tuple[str, torch.Tensor]]:
@@ -258,20 +241,21 @@ def _wrap(func, runner: GraphedRunner, replace_forward: bool = True):
     @opaque_to_dynamo
     def graphed(*args, is_first_microbatch=None, **kwargs):
         flat = runner.check_call(args, kwargs, is_first_microbatch)
-        expects_backward = runner.expects_grad and torch.is_grad_enabled()
-        outs = GraphedFunction.apply(runner, expects_backward, runner.grad_anchor, *flat)
-        return runner.outputs(outs)
+        expects_backward = runner.contract.expects_grad and torch.is_grad_enabled()
+        outs = GraphedFunction.apply(runner, expects_backward, pair.grad_anchor, *flat)
+        return pair.outputs(outs)
 
     def captured_ops() -> dict[str, list[str]]:
         """The dispatcher ops each graph recorded: {'forward': [...], 'backward': [...]}."""
-        return {"forward": runner.fwd_graph.op_names, "backward": runner.bwd_graph.op_names}
+        return {"forward": pair.fwd_graph.op_names, "backward": pair.bwd_graph.op_names}
 
     def captured_kernels() -> dict[str, list[str]]:
         """What each graph replays: CUDA kernel nodes on the GPU, tape ops on the CPU."""
-        return {"forward": runner.fwd_graph.kernels(), "backward": runner.bwd_graph.kernels()}
+        return {"forward": pair.fwd_graph.kernels(), "backward": pair.bwd_graph.kernels()}
 
+    pair = runner.pair
     extras = dict(captured_ops=captured_ops, captured_kernels=captured_kernels,
-                  reset=runner.graphs.reset)  # fmt: skip
+                  reset=runner.capture.reset)  # fmt: skip
     if not isinstance(func, nn.Module):
         vars(graphed).update(extras, runner=runner)
         return graphed, None

@@ -1,17 +1,20 @@
-"""Capture-time checks, run before anything runs: the options every entry point shares (warmup
-count, recipe), and what makes a callable, a model or a set of sample inputs uncapturable (hooks,
-a module given twice, inputs that alias in ways a graph cannot follow)."""
+"""Capture-time checks, run before anything runs: the one rule set of what makes a callable or a
+model uncapturable (check_capturable: compiled code, a module of a live capture, DDP/FSDP,
+hooks), and the checks on what the entry points are given (a module given twice, a backward
+under no_grad, sample inputs that alias in ways a graph cannot follow). The options are checked
+when graphs/options.py's CaptureOptions is built."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from graphfp8.fp8.recipe import check_recipe
+from graphfp8.graphs.compiled import compiled_part
+from graphfp8.graphs.lifecycle import live_owner
 from graphfp8.graphs.replay_guard import hook_dicts, tensor_hooks
 
-__all__ = ["check_distinct", "check_grad_mode", "check_inputs_alias", "check_no_data_parallel",
-           "check_no_hooks", "check_options", "distinct_buffers", "inside_ddp_forward"]  # fmt: skip
+__all__ = ["check_capturable", "check_distinct", "check_grad_mode", "check_inputs_alias",
+           "check_no_hooks", "distinct_buffers", "inside_ddp_forward"]  # fmt: skip
 
 _DDP_ADVICE = (
     "a graph folds the gradients into .grad inside itself, so DDP's (or FSDP's) gradient hooks "
@@ -20,24 +23,62 @@ _DDP_ADVICE = (
 )
 
 
-def check_options(name: str, num_warmup_iters, fp8_enabled: bool, fp8_recipe,
-                  minimum: int = 0) -> None:  # fmt: skip
-    """Raises for a warmup count or recipe that the entry point `name` cannot honour.
+_ORDER = (
+    "capture the plain module and compile around the graphed callable instead: "
+    "graphed = make_graphed_callables(module, ...), then torch.compile the model or function "
+    "that calls it (dynamo runs the graph replay as one opaque call)"
+)
+
+
+def check_capturable(entry: str, name: str, func, modules, named_params=None,
+                     index: int | None = None) -> None:  # fmt: skip
+    """The rules what an entry point captures must meet, checked in this order, before anything
+    runs (all three entry points):
+
+        1. it is not, and holds no, torch.compile'd code: capture first, compile around
+           (graphs/compiled.py)
+        2. none of its modules replays the graphs of a live capture (graphs/lifecycle.py): its
+           capture would record a replay inside another capture
+        3. none is a DistributedDataParallel or FSDP wrapper (their gradient hooks never run)
+        4. no module hook, global module hook or parameter tensor hook: Python a graph does not
+           run (a plain function's parameters are checked once found: check_no_hooks)
 
     Args:
-        minimum: the fewest warmup iterations the entry point needs without FP8 (FP8 needs one:
-            the warmup finds the arenas whose scale updates the graphs hold).
+        entry: the entry point.
+        name: what is captured, for messages ("graphed callable 0 (Block)", "the model").
+        func: the callable or model given.
+        modules: its modules (a module's tree, the modules a plain function closes over).
+        named_params: its (name, parameter) pairs whose hooks are checked; None: not yet.
+        index: a graphed callable's place among the callables (None: the model, and the
+            messages of rules 3 and 4 start with `entry`, not `name`).
     """
-    iters = num_warmup_iters
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < minimum:
-        raise ValueError(f"{name}: num_warmup_iters must be an int >= {minimum}, got {iters!r}")
-    if fp8_enabled and iters < 1:
-        raise ValueError(
-            f"{name}: fp8_enabled needs num_warmup_iters >= 1: the warmup finds the FP8 arenas "
-            "whose scale updates the graphs hold (without it they held none, and every scale "
-            "stayed 1.0)"
+    what = compiled_part(func)
+    if what is not None:
+        if index is not None:
+            raise TypeError(f"{entry}: graphed callable {index} is {what}; graphing compiled "
+                            f"code is not supported: {_ORDER}")  # fmt: skip
+        raise TypeError(
+            f"{entry}: the model is {what}; graphing compiled code is not supported: capture "
+            "the plain model, and torch.compile the code around the graph's call if you like "
+            "(dynamo runs the call as one opaque call)"
         )
-    check_recipe(fp8_recipe, f"{name}: fp8_recipe")
+    modules, prefix = list(modules), name if index is not None else entry
+    for m in modules:
+        owner = live_owner(m)
+        if owner is not None:
+            raise RuntimeError(
+                f"{entry}: {name} contains {type(m).__name__}, which an earlier "
+                "make_graphed_callables already captured (its forward replays that capture's "
+                "graphs). Call reset() on the earlier graphed callable to give it its eager "
+                "forward back, or capture a copy made before the first capture"
+            )
+    kinds = _data_parallel_types()
+    found = sorted({type(m).__name__ for m in modules if isinstance(m, kinds)})
+    if found:
+        raise RuntimeError(f"{prefix}: cannot capture {found[0]}: {_DDP_ADVICE}")
+    if named_params is not None:
+        named = list(named_params)
+        check_no_hooks(prefix, modules, [p for _, p in named], [n for n, _ in named])
 
 
 def check_grad_mode(name: str, needs_backward: bool) -> None:
@@ -59,14 +100,6 @@ def _data_parallel_types() -> tuple[type, ...]:
 
         kinds += [FullyShardedDataParallel, FSDPModule]
     return tuple(kinds)
-
-
-def check_no_data_parallel(name: str, modules) -> None:
-    """Raises if a module to capture is (or holds) a DistributedDataParallel or FSDP wrapper."""
-    kinds = _data_parallel_types()
-    found = sorted({type(m).__name__ for m in modules if isinstance(m, kinds)})
-    if found:
-        raise RuntimeError(f"{name}: cannot capture {found[0]}: {_DDP_ADVICE}")
 
 
 def inside_ddp_forward(name: str) -> None:

@@ -2,11 +2,11 @@
 
 Supported order: capture first, compile around. A graphed callable replays its graphs as one
 opaque call that dynamo never traces, so `torch.compile` of a model that calls graphed blocks
-compiles the code around them. The other order is refused: a graph holds the kernels that ran
-while it was captured, so capturing a compiled callable would either record inductor's kernels
-behind the capturer's back (the CPU replay tape sees only dispatcher ops) or silently set the
-compile aside. Compiled code that hides inside a plain function is run eagerly while capturing,
-so whatever a graph records is what eager mode computes.
+compiles the code around them. The other order is refused (graphs/capture_checks.py): a graph
+holds the kernels that ran while it was captured, so capturing a compiled callable would either
+record inductor's kernels behind the capturer's back (the CPU replay tape sees only dispatcher
+ops) or silently set the compile aside. Compiled code that hides inside a plain function is run
+eagerly while capturing, so whatever a graph records is what eager mode computes.
 """
 
 from __future__ import annotations
@@ -19,18 +19,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["check_model_not_compiled", "check_not_compiled", "compile_set_aside",
-           "opaque_to_dynamo"]  # fmt: skip
-
-_ORDER = (
-    "capture the plain module and compile around the graphed callable instead: "
-    "graphed = make_graphed_callables(module, ...), then torch.compile the model or function "
-    "that calls it (dynamo runs the graph replay as one opaque call)"
-)
+__all__ = ["compile_set_aside", "compiled_part", "opaque_to_dynamo"]
 
 
-def _compiled_part(func) -> str | None:
-    """What about `func` is torch.compile'd, or None."""
+def compiled_part(func) -> str | None:
+    """What about `func` is torch.compile'd, or None (capture_checks.check_capturable refuses
+    it)."""
     if not _dynamo_loaded():  # nothing can be compiled
         return None
     from torch._dynamo.eval_frame import OptimizedModule
@@ -47,33 +41,6 @@ def _compiled_part(func) -> str | None:
             if getattr(module, "_compiled_call_impl", None) is not None:
                 return f"a module with a part compiled by Module.compile() ({where})"
     return None
-
-
-def check_not_compiled(callables) -> None:
-    """Raises TypeError, before anything runs, if a callable is (or holds) torch.compile'd code.
-
-    Args:
-        callables: the callables given to make_graphed_callables.
-    """
-    for i, func in enumerate(callables):
-        what = _compiled_part(func)
-        if what is not None:
-            raise TypeError(
-                f"make_graphed_callables: graphed callable {i} is {what}; graphing compiled code "
-                f"is not supported: {_ORDER}"
-            )
-
-
-def check_model_not_compiled(name: str, model: nn.Module) -> None:
-    """make_graphed_microbatch / make_graphed_step: the same rule for the model (their capture
-    would replay eager ops on the CPU tape, inductor's kernels in a CUDA graph)."""
-    what = _compiled_part(model)
-    if what is not None:
-        raise TypeError(
-            f"{name}: the model is {what}; graphing compiled code is not supported: capture "
-            "the plain model, and torch.compile the code around the graph's call if you like "
-            "(dynamo runs the call as one opaque call)"
-        )
 
 
 @contextlib.contextmanager

@@ -10,7 +10,8 @@ __all__ = ["GraphedFunction"]
 
 
 class GraphedFunction(torch.autograd.Function):
-    """Replays a GraphedRunner's forward graph in forward and its backward graph in backward.
+    """Replays a GraphedRunner's forward graph in forward and its backward graph in backward
+    (graphs/runner.py: its contract, graph pair and capture).
 
     Inputs: the runner, whether this call leaves a backward to run, the grad anchor (an empty
     tensor that requires grad when the parameters do, so the outputs require grad even if no
@@ -23,12 +24,14 @@ class GraphedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner, expects_backward: bool, anchor, *inputs):
         ctx.runner = runner
-        runner.replay_forward(inputs)
-        ctx.versions = runner.versions()
-        runner.graphs.schedule.forward_done(runner.index, ctx if expects_backward else None)
-        outs = tuple(o.detach() for o in runner.static_outputs)
+        pair = runner.pair
+        pair.replay_forward(inputs)
+        ctx.versions = pair.versions()
+        runner.capture.schedule.forward_done(runner.contract.index,
+                                             ctx if expects_backward else None)  # fmt: skip
+        outs = tuple(o.detach() for o in pair.static_outputs)
         ctx.mark_non_differentiable(
-            *[o for o, g in zip(outs, runner.static_grad_outputs, strict=True) if g is None]
+            *[o for o, g in zip(outs, pair.static_grad_outputs, strict=True) if g is None]
         )
         return outs
 
@@ -36,12 +39,13 @@ class GraphedFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads):
         runner = ctx.runner
-        if runner.graphs.closed:
+        name, index, schedule = runner.contract.name, runner.contract.index, runner.capture.schedule
+        if runner.capture.closed:
             raise RuntimeError(
-                f"{runner.name}: backward through outputs made before reset() released the graphs"
+                f"{name}: backward through outputs made before reset() released the graphs"
             )
-        runner.graphs.schedule.check_backward(runner.index, ctx)
-        runner.check_versions(ctx.versions)
-        grad_inputs = runner.replay_backward(grads)
-        runner.graphs.schedule.backward_done(runner.index)
+        schedule.check_backward(index, ctx)
+        runner.pair.check_versions(name, ctx.versions)
+        grad_inputs = runner.pair.replay_backward(grads)
+        schedule.backward_done(index)
         return (None, None, None, *grad_inputs)

@@ -1,7 +1,8 @@
 """A capture's life: the graphs of one make_graphed_callables call (CapturedGraphs: schedule, FP8
 settings, reset()), which modules have their forward replaced by graphs (so that capturing one
 again, or a model containing one, or deep-copying one, raises a clear error), and undoing a
-capture that failed halfway.
+capture that failed halfway. Also where graphs/ reads the FP8 context after capture: a replay
+checks the fp8_autocast region it is called in (check_fp8_region, check_outside_fp8_region).
 
 A submodule of a graphed module keeps its eager forward and may be captured on its own. The live
 captures are global state: graphfp8.reset_state() resets every one of them (graphfp8/
@@ -17,10 +18,11 @@ import torch
 from torch import nn
 
 from graphfp8 import global_state
-from graphfp8.fp8.autocast import STATE
+from graphfp8.fp8 import context
 from graphfp8.graphs.schedule import Layout, Schedule
 
-__all__ = ["CapturedGraphs", "check_not_captured", "undone_on_failure"]
+__all__ = ["CapturedGraphs", "check_outside_fp8_region", "live_owner", "refuse_deepcopy",
+           "undone_on_failure"]  # fmt: skip
 
 # Every module whose forward replays a live capture -> a weak reference to its CapturedGraphs.
 # Weak both ways: the graphs refer to the module (its forward is theirs), so a strong value would
@@ -43,48 +45,51 @@ global_state.register(
 
 
 class CapturedGraphs:
-    """The graphs of one make_graphed_callables call.
+    """The graphs of one make_graphed_callables call, and what its runners share: held once.
 
     Attributes:
         runners: one GraphedRunner per graph pair, in schedule.Layout order (register()).
         schedule: the replay-order check.
         fp8_enabled, recipe, group: the FP8 settings the graphs were captured with.
+        flag: the is_first_microbatch device flag (graphfp8/fp8/weight_cache.py DeviceFlag).
+        autocast: the torch.autocast state of the capture (graphs/torch_autocast.py).
         closed: reset() has run.
     """
 
-    def __init__(self, layout: Layout, names: list[str], fp8_enabled: bool, recipe, group,
-                 device):  # fmt: skip
+    def __init__(self, layout: Layout, names: list[str], options, device, flag,
+                 autocast):  # fmt: skip
         self.runners: list = []
         self.schedule = Schedule(layout, names)
-        self.fp8_enabled, self.recipe, self.group = fp8_enabled, recipe, group
-        self.device = device
+        self.fp8_enabled, self.recipe = options.fp8_enabled, options.recipe
+        self.group = options.fp8_group
+        self.device, self.flag, self.autocast = device, flag, autocast
         self.closed = False
         self.modules: list[weakref.ref] = []
         self._undo: list = []  # what reset() puts back on the user's modules
 
-    def check_fp8_region(self, runner) -> None:
-        """Inside fp8_autocast (not a capture), a runner with FP8 modules must have been captured
-        with the region's FP8 settings: the graph cannot follow another recipe, group or
-        enabled flag, and eager calls in that region would."""
-        if STATE.recipe is None or STATE.capture is not None or not runner.uses_fp8:
+    def check_fp8_region(self, contract) -> None:
+        """Inside fp8_autocast (not a capture), a callable with FP8 modules (its runner's
+        CallContract) must have been captured with the region's FP8 settings: the graph cannot
+        follow another recipe, group or enabled flag, and eager calls in that region would."""
+        ctx = context.current()
+        if ctx.recipe is None or ctx.capturing or not contract.uses_fp8:
             return
-        if not STATE.enabled and not self.fp8_enabled:
+        if not ctx.enabled and not self.fp8_enabled:
             return
-        if STATE.enabled and self.fp8_enabled:
-            if STATE.recipe == self.recipe and STATE.group is self.group:
+        if ctx.enabled and self.fp8_enabled:
+            if ctx.recipe == self.recipe and ctx.group is self.group:
                 return
             what = (
-                f"fp8_recipe={self.recipe}, called inside fp8_autocast(recipe={STATE.recipe})"
-                if STATE.recipe != self.recipe
+                f"fp8_recipe={self.recipe}, called inside fp8_autocast(recipe={ctx.recipe})"
+                if ctx.recipe != self.recipe
                 else "another fp8_group than the fp8_autocast region it is called in"
             )
         else:
             what = (
-                f"fp8_enabled={self.fp8_enabled}, called inside "
-                f"fp8_autocast(enabled={STATE.enabled})"
+                f"fp8_enabled={self.fp8_enabled}, called inside fp8_autocast(enabled={ctx.enabled})"
             )
         raise RuntimeError(
-            f"{runner.name}: captured with {what}; the graph carries its own FP8 settings. "
+            f"{contract.name}: captured with {what}; the graph carries its own FP8 settings. "
             "Call it outside that region, or capture it with the region's settings"
         )
 
@@ -111,7 +116,7 @@ class CapturedGraphs:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for runner in self.runners:
-            runner.release()
+            runner.pair.release()
         for undo in self._undo:
             undo()
         for ref in self.modules:
@@ -122,29 +127,28 @@ class CapturedGraphs:
         _LIVE.discard(self)
 
 
+def check_outside_fp8_region(name: str) -> None:
+    """A microbatch or step graph is called outside fp8_autocast: it carries its own FP8
+    settings (graphed callables compare theirs: CapturedGraphs.check_fp8_region)."""
+    ctx = context.current()
+    if ctx.enabled and not ctx.capturing:
+        raise RuntimeError(
+            f"{name}: the graph carries its own FP8 state and scale updates; call it "
+            "outside fp8_autocast (its fp8_enabled / fp8_recipe / fp8_group are fixed at "
+            "capture)"
+        )
+
+
 def _owner(module: nn.Module) -> CapturedGraphs | None:
     ref = _CAPTURED.get(module)
     return None if ref is None else ref()
 
 
-def check_not_captured(name: str, modules, entry: str = "make_graphed_callables") -> None:
-    """Raises if one of `modules` replays the graphs of a live capture: capturing it would
-    record a replay inside another capture.
-
-    Args:
-        name: what is captured, for the message ("graphed callable 0 (Block)", "the model").
-        modules: its modules.
-        entry: the entry point that captures it.
-    """
-    for m in modules:
-        owner = _owner(m)
-        if owner is not None and not owner.closed:
-            raise RuntimeError(
-                f"{entry}: {name} contains {type(m).__name__}, which an earlier "
-                "make_graphed_callables already captured (its forward replays that capture's "
-                "graphs). Call reset() on the earlier graphed callable to give it its eager "
-                "forward back, or capture a copy made before the first capture"
-            )
+def live_owner(module: nn.Module) -> CapturedGraphs | None:
+    """The live capture whose graphs `module`'s forward replays, or None (capturing it again
+    is refused: graphs/capture_checks.py)."""
+    owner = _owner(module)
+    return owner if owner is not None and not owner.closed else None
 
 
 def refuse_deepcopy(module: nn.Module):
@@ -172,14 +176,14 @@ def undone_on_failure(fp8_modules, samples, callables):
             on failure (with the parameters found by then).
         callables: the callables given.
     """
-    fp8_saved = [(m, m.fp8_meta, dict(m._weight_fp8), m._weight_cache_valid) for m in fp8_modules]
+    fp8_saved = [(m, m.fp8_snapshot()) for m in fp8_modules]
     attrs = [(c, set(vars(c))) for c in callables if isinstance(c, nn.Module)]
     had_buffer = {id(p) for r in samples for p in r.params if hasattr(p, "_graphfp8_grad")}
     try:
         yield
     except BaseException:
-        for m, meta, workspaces, valid in fp8_saved:
-            m.fp8_meta, m._weight_fp8, m._weight_cache_valid = meta, workspaces, valid
+        for m, snap in fp8_saved:
+            m.restore_fp8(snap)
         for p in {id(p): p for r in samples for p in r.params}.values():
             if id(p) not in had_buffer and hasattr(p, "_graphfp8_grad"):
                 del p._graphfp8_grad

@@ -17,16 +17,16 @@ import contextlib
 
 import torch
 
-from graphfp8.fp8 import scaling
-from graphfp8.fp8.recipe import DelayedScaling, Recipe
-from graphfp8.graphs.capture_checks import check_options
+from graphfp8.fp8.recipe import Recipe
+from graphfp8.fp8.scale_schedule import SCHEDULE
+from graphfp8.fp8.weight_cache import DeviceFlag
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
 from graphfp8.graphs.grads import GradFold
+from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_optim import TrainingSnapshot
 from graphfp8.graphs.train_body import StaticBatch, TrainBody
-from graphfp8.graphs.weight_flag import WeightCacheFlag
 from graphfp8.profiling import nvtx_range
 
 __all__ = ["GraphedMicrobatch", "make_graphed_microbatch"]
@@ -65,7 +65,8 @@ def make_graphed_microbatch(
         num_microbatches: the loss is divided by it before the backward.
         fp8_enabled, fp8_recipe, fp8_group: as for make_graphed_callables.
         fp8_weight_caching: guard the weight casts with a device flag driven by
-            is_first_microbatch (True/None cast, False reuses the cache).
+            is_first_microbatch (True/None cast, False reuses the cache); False by default, as
+            for make_graphed_callables (graphs/options.py says why the step differs).
         num_warmup_iters: eager microbatches before capture (at least 1); their effects on
             buffers, FP8 state and RNG are undone.
         pool: a memory pool handle shared with other graphs (CUDA).
@@ -74,52 +75,37 @@ def make_graphed_microbatch(
         A GraphedMicrobatch; calling it returns loss / num_microbatches (static 0-d device
         tensor, overwritten by the next call).
 
-    The rules after capture, each checked before anything runs (docs/after-capture.md):
-
-    .. warning:: The loss is a static buffer that the next call overwrites: clone to keep it.
-    .. warning:: Batches keep the captured structure, shapes, dtypes and device.
-    .. warning:: The model keeps its parameters, buffers, storage, requires_grad; no hooks.
-    .. warning:: The model stays in the training mode it was captured in.
-    .. warning:: Call it in the torch.autocast state it was captured in, with grad enabled.
-    .. warning:: Call it outside fp8_autocast: it carries its own FP8 settings.
-    .. warning:: With fp8_weight_caching, is_first_microbatch=True after every optimizer step.
-    .. warning:: Gradients are folded into .grad inside the graph: parameter hooks (DDP's) never
-        run; reduce gradients with distributed.allreduce_gradients.
+    .. warning:: A graph replays what its capture ran: the loss is a static buffer, and
+        batches, model, mode, FP8 and torch.autocast state stay as captured (outside
+        fp8_autocast, with grad enabled, is_first_microbatch=True after every optimizer step);
+        gradients are folded into .grad inside the graph, so parameter hooks never run. The
+        rules, each checked before anything runs, are in docs/after-capture.md.
     """
-    check_options(_NAME, num_warmup_iters, fp8_enabled, fp8_recipe, minimum=1)
-    recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
+    options = CaptureOptions(_NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
+                             num_warmup_iters, pool, min_warmup=1)  # fmt: skip
     batch = StaticBatch(sample_microbatch, None, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
     device = body.device
-    caching = fp8_enabled and fp8_weight_caching
-    flag = WeightCacheFlag(torch.zeros(1, device=device) if caching else None, fp8_enabled,
-                           fp8_weight_caching, _NAME, "graphed microbatch")  # fmt: skip
+    flag = DeviceFlag(device, fp8_enabled, fp8_weight_caching, _NAME, "graphed microbatch")
     # The snapshot: buffers that the forward updates (batch norm statistics).
-    session = CaptureSession(device, fp8_enabled=fp8_enabled, recipe=recipe, fp8_group=fp8_group,
-                             weight_cache_flag=flag.tensor, pool=pool,
+    session = CaptureSession(device, options, weight_cache_flag=flag.tensor,
                              snapshot=TrainingSnapshot(model))  # fmt: skip
     with session:
         session.init_fp8([fp8_modules_in([model])])
-        with session.warmup():
+        with session.warmup() as found:
             for _ in range(num_warmup_iters):
-                body.microbatch(None, [], [], None)
-        arenas = session.freeze_arenas()
+                body.microbatch(None)
+        points = session.update_points(session.freeze_arenas(found.arenas))
         graph = session.new_graph()
         fold = GradFold(body.grad_params, device)  # .grad inside the graph (graphs/grads.py)
         with session.capture_phase():
-            with session.recording(), fold.hooked(), graph.capture(session.pool):
-                loss, grads = body.microbatch(None, *_by_direction(arenas), fp8_group)
+            with fold.hooked(), session.capture_into(graph) as captured:
+                loss, grads = body.microbatch(None, points)
                 fold.finish()
             del grads  # the parameters' stand-ins
             accumulator = fold.accumulator(session.pool)
     guard = body.replay_guard("capture the microbatch again (make_graphed_microbatch)")
-    return GraphedMicrobatch(body, graph, accumulator, flag, loss, guard)
-
-
-def _by_direction(arenas) -> tuple[list, list]:
-    """(forward arenas, backward arenas)."""
-    return ([a for a in arenas if a.direction == scaling.FORWARD],
-            [a for a in arenas if a.direction == scaling.BACKWARD])  # fmt: skip
+    return GraphedMicrobatch(body, graph, accumulator, flag, loss, guard, tuple(captured.updates))
 
 
 class GraphedMicrobatch:
@@ -130,9 +116,10 @@ class GraphedMicrobatch:
         params: the parameters that get a gradient, in the model's order.
     """
 
-    def __init__(self, body: TrainBody, graph, accumulator, flag: WeightCacheFlag, loss, guard):
+    def __init__(self, body: TrainBody, graph, accumulator, flag: DeviceFlag, loss, guard,
+                 updates: tuple):  # fmt: skip
         self._body, self._graph, self._accumulator, self._flag = body, graph, accumulator, flag
-        self._guard = guard
+        self._guard, self._updates = guard, updates
         self._tape = body.device.type == "cpu"
         self.loss = loss
         self.params = body.grad_params
@@ -155,6 +142,7 @@ class GraphedMicrobatch:
             self._accumulator.before_replay()
             self._graph.replay()
             self._accumulator.after_replay()
+        SCHEDULE.replayed(self._updates)
         return self.loss
 
     @property

@@ -1,6 +1,9 @@
-"""One captured callable as its replays see it (GraphedRunner): built once at the end of
-make_graphed_callables and frozen, with the checks made before every replay and the replays of
-its two graphs (the autograd.Function that calls them: graphs/function.py)."""
+"""One captured callable as its replays see it: the call contract (CallContract: what every call
+must pass, checked before anything runs) and the graph pair (GraphPair: the two graphs, their
+static buffers and replays), joined with their capture's CapturedGraphs (graphs/lifecycle.py: the
+schedule, the FP8 settings, the weight-cache flag and torch.autocast state, held once per
+capture) in a GraphedRunner. Built once at the end of make_graphed_callables and frozen; the
+autograd.Function that replays a pair is graphs/function.py."""
 
 from __future__ import annotations
 
@@ -9,10 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.graphs.capture_checks import inside_ddp_forward
 from graphfp8.profiling import nvtx_range
 
-__all__ = ["GraphedRunner", "InputSpec", "copy_inputs", "storages_of"]
+__all__ = ["CallContract", "GraphPair", "GraphedRunner", "InputSpec", "copy_inputs", "needs_copy",
+           "storages_of"]  # fmt: skip
 
 
 def storages_of(tensors) -> frozenset[int]:
@@ -65,6 +70,11 @@ class InputSpec:
                    tuple(t.dtype for t in static_inputs), tuple(t.device for t in static_inputs),
                    tuple(t.requires_grad for t in static_inputs), tuple(alias_of))  # fmt: skip
 
+    def text(self, i: int) -> str:
+        """Input i as the messages describe a tensor."""
+        return (f"{tuple(self.shapes[i])} {self.dtypes[i]} on {self.devices[i]}, "
+                f"requires_grad={self.requires_grad[i]}")  # fmt: skip
+
     @property
     def copies(self) -> tuple[int, ...]:
         """The positions a replay copies into (one per distinct static input)."""
@@ -72,88 +82,29 @@ class InputSpec:
 
 
 @dataclass(frozen=True, eq=False, repr=False)
-class GraphedRunner:
-    """One captured callable: its graphs, static buffers and checks (frozen: nothing writes it
-    after capture; reset() releases what it holds).
+class CallContract:
+    """What every call of one graphed callable must pass (frozen at capture).
 
     Attributes:
         name: "graphed callable j (Type)", for messages.
         index: its place in its capture's schedule (the runner index of schedule.Layout).
-        graphs: the CapturedGraphs of its capture (schedule, FP8 settings, reset).
-        weight_cache_flag: the is_first_microbatch device flag of its capture.
         guard: what it assumes about its modules (graphs/replay_guard.py).
-        autocast: the torch.autocast state of its capture (graphs/torch_autocast.py).
         uses_fp8: it runs FP8 modules (inside fp8_autocast it must match the region).
-        spec: what every call must pass.
-        static_inputs: the flat tensors the forward graph reads (args, then kwargs; positions
-            that held one sample tensor hold one static tensor).
-        copies: the positions replay_forward copies into (spec.copies).
-        storages: those of the static inputs (copy_inputs).
-        chained: static input 0 is the previous callable's static output 0 (chain=True).
-        params: the parameters whose gradients go through `accumulator`, not autograd: the
-            module's own and those its outputs were found to depend on (graphs/discover.py).
-        param_names: a name per parameter, for messages.
-        fwd_graph, bwd_graph: the two graphs (graphs/backends.py).
-        static_outputs: flat output tensors the forward graph writes; out_spec rebuilds them.
-        read_back: the static outputs and inputs that the captured backward reads (saved for
-            backward at capture), with their names: a write into one between a call and its
-            backward is refused, as eager autograd refuses it.
-        static_grad_outputs: one buffer per output that requires grad (None otherwise).
-        static_grad_inputs: one gradient per input position; None where there is none.
-        accumulator: the parameter gradients' fold into .grad (graphs/grads.py), or None.
+        spec: the inputs every call must pass.
+        chained: its input 0 is the previous callable's static output 0 (chain=True).
         expects_grad: a forward with grad enabled leaves a backward to run.
-        grad_anchor: makes the outputs require grad when only parameters do.
-        anchor_node: grad_anchor's AccumulateGrad node (None when it does not require grad): a
-            backward that will not run it asks for a subset of the gradients.
     """
 
     name: str
     index: int
-    graphs: object
-    weight_cache_flag: object
     guard: object
-    autocast: object
     uses_fp8: bool
     spec: InputSpec
-    static_inputs: list[torch.Tensor]
-    copies: tuple[int, ...]
-    storages: frozenset[int]
     chained: bool
-    params: tuple[torch.Tensor, ...]
-    param_names: tuple[str, ...]
-    fwd_graph: object
-    bwd_graph: object
-    static_outputs: list[torch.Tensor]
-    out_spec: object
-    read_back: list[torch.Tensor]
-    read_back_names: tuple[str, ...]
-    static_grad_outputs: list[torch.Tensor | None]
-    static_grad_inputs: list[torch.Tensor | None]
-    accumulator: object
     expects_grad: bool
-    grad_anchor: torch.Tensor
-    anchor_node: object
 
-    def __repr__(self) -> str:
-        return f"GraphedRunner({self.name!r})"
-
-    def check_call(self, args, kwargs, is_first_microbatch) -> list:
-        """Validates a call before anything runs; returns the flat user tensors."""
-        if self.graphs.closed:
-            raise RuntimeError(
-                f"{self.name}: reset() released its graphs; call make_graphed_callables again"
-            )
-        if torch._C._current_graph_task_id() != -1:
-            raise RuntimeError(
-                f"{self.name}: called inside a backward pass (the recompute of activation "
-                "checkpointing, torch.utils.checkpoint, or a hook). A graph keeps its activations "
-                "in its static buffers, so checkpointing it saves no memory, and the recompute "
-                "would replay its forward (with its FP8 scale update) a second time for one "
-                "backward. Call the graphed callable outside checkpoint"
-            )
-        self.graphs.check_fp8_region(self)
-        self.autocast.check(self.name)
-        inside_ddp_forward(self.name)
+    def flat_inputs(self, args, kwargs) -> list:
+        """The call's tensors in the order of the static inputs, checked against the spec."""
         spec = self.spec
         if kwargs or spec.kwarg_names:
             if sorted(kwargs) != sorted(spec.kwarg_names):
@@ -177,16 +128,10 @@ class GraphedRunner:
                     or a.device != spec.devices[i]):  # fmt: skip
                 raise ValueError(
                     f"{self.name}: argument {i} is {_tensor_text(a)}, but the graph was captured "
-                    f"for {_tensor_text(self.static_inputs[i])}; capture another graph for "
-                    "other inputs"
+                    f"for {spec.text(i)}; capture another graph for other inputs"
                 )
         if len(flat) > 1:
             self._check_aliasing(flat)
-        if self.chained and needs_copy(flat[0], self.static_inputs[0]):
-            self._check_chain_input()
-        self.guard.check()
-        self.graphs.schedule.check_forward(self.index)
-        self.weight_cache_flag.set(is_first_microbatch)
         return flat
 
     def _check_aliasing(self, flat) -> None:
@@ -210,16 +155,47 @@ class GraphedRunner:
                     "positions (sample_args=(s, s, ...)) to get eager's gradient"
                 )
 
-    def _check_chain_input(self) -> None:
-        """chain=True: static input 0 is the previous callable's output buffer. Another tensor is
-        copied into it, which is safe only while no backward still needs that output."""
-        if self.graphs.schedule.is_pending(self.index - 1):
-            raise ValueError(
-                f"{self.name}: captured with chain=True, it reads the previous callable's output "
-                "buffer; pass it that output (or capture without chain=True for inputs from "
-                "elsewhere): copying another tensor there would overwrite what the previous "
-                "callable's pending backward may read"
-            )
+
+@dataclass(frozen=True, eq=False, repr=False)
+class GraphPair:
+    """One callable's two graphs, their static buffers and their replays (frozen at capture;
+    release() empties it).
+
+    Attributes:
+        fwd_graph, bwd_graph: the two graphs (graphs/backends.py).
+        fwd_updates, bwd_updates: the scale updates each holds (graphfp8/fp8/scale_schedule.py).
+        static_inputs: the flat tensors the forward graph reads (args, then kwargs; positions
+            that held one sample tensor hold one static tensor).
+        copies: the positions replay_forward copies into (InputSpec.copies).
+        storages: those of the static inputs (copy_inputs).
+        static_outputs: flat output tensors the forward graph writes; out_spec rebuilds them.
+        read_back: the static outputs and inputs that the captured backward reads (saved for
+            backward at capture), with their names: a write into one between a call and its
+            backward is refused, as eager autograd refuses it.
+        static_grad_outputs: one buffer per output that requires grad (None otherwise).
+        static_grad_inputs: one gradient per input position; None where there is none.
+        accumulator: the parameter gradients' fold into .grad (graphs/grads.py), or None.
+        grad_anchor: makes the outputs require grad when only parameters do.
+        anchor_node: grad_anchor's AccumulateGrad node (None when it does not require grad): a
+            backward that will not run it asks for a subset of the gradients.
+    """
+
+    fwd_graph: object
+    bwd_graph: object
+    fwd_updates: tuple
+    bwd_updates: tuple
+    static_inputs: list[torch.Tensor]
+    copies: tuple[int, ...]
+    storages: frozenset[int]
+    static_outputs: list[torch.Tensor]
+    out_spec: object
+    read_back: list[torch.Tensor]
+    read_back_names: tuple[str, ...]
+    static_grad_outputs: list[torch.Tensor | None]
+    static_grad_inputs: list[torch.Tensor | None]
+    accumulator: object
+    grad_anchor: torch.Tensor
+    anchor_node: object
 
     def replay_forward(self, flat_inputs) -> None:
         static = self.static_inputs
@@ -229,12 +205,13 @@ class GraphedRunner:
             copy_inputs(pairs, self.storages)
         with nvtx_range("replay-forward"):
             self.fwd_graph.replay()
+        SCHEDULE.replayed(self.fwd_updates)
 
     def versions(self) -> tuple[int, ...]:
         """The version counters of read_back, as a forward replay leaves them."""
         return tuple(t._version for t in self.read_back)
 
-    def check_versions(self, versions: tuple[int, ...]) -> None:
+    def check_versions(self, name: str, versions: tuple[int, ...]) -> None:
         """Raises before a backward replay if the caller wrote into a static tensor that it
         reads since the forward (`out.mul_(2)` of an output the backward reads)."""
         now = self.versions()
@@ -242,7 +219,7 @@ class GraphedRunner:
             return
         names = [n for n, a, b in zip(self.read_back_names, versions, now, strict=True) if a != b]
         raise RuntimeError(
-            f"{self.name}: {', '.join(names)} of the call was modified by an in-place operation "
+            f"{name}: {', '.join(names)} of the call was modified by an in-place operation "
             "before its backward, and the captured backward reads it (eager autograd refuses "
             "this backward too: 'one of the variables needed for gradient computation has been "
             "modified by an inplace operation'). Modify a clone (out = out.clone()), or run the "
@@ -263,19 +240,74 @@ class GraphedRunner:
                 acc.after_replay()
             else:  # torch.autograd.grad(loss, x), backward(inputs=[x]): .grad stays as it was
                 acc.replay_leaving_grads(self.bwd_graph)
-        # Returned without detach(): the runner keeps a reference, so AccumulateGrad clones
-        # them into a leaf input's .grad instead of stealing a static buffer that the next
-        # replay overwrites.
+        SCHEDULE.replayed(self.bwd_updates)
+        # Returned without detach(): the pair keeps a reference, so AccumulateGrad clones them
+        # into a leaf input's .grad instead of stealing a static buffer that the next replay
+        # overwrites.
         return tuple(self.static_grad_inputs)
 
     def outputs(self, flat):
         return tree_unflatten(list(flat), self.out_spec)
 
     def release(self) -> None:
-        """Drops the graphs and static buffers (reset()); the runner stays, empty."""
+        """Drops the graphs and static buffers (reset()); the pair stays, empty."""
         for g in (self.fwd_graph, self.bwd_graph, getattr(self.accumulator, "reset_graph", None)):
             if g is not None:
                 g.release()
         for buffers in (self.static_inputs, self.static_outputs, self.static_grad_outputs,
                         self.static_grad_inputs, self.read_back):  # fmt: skip
             buffers.clear()
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class GraphedRunner:
+    """One captured callable: its call contract, its graph pair, and its capture (the
+    CapturedGraphs of graphs/lifecycle.py, shared by every runner of the capture)."""
+
+    contract: CallContract
+    pair: GraphPair
+    capture: object
+
+    def __repr__(self) -> str:
+        return f"GraphedRunner({self.contract.name!r})"
+
+    @property
+    def name(self) -> str:
+        return self.contract.name
+
+    def check_call(self, args, kwargs, is_first_microbatch) -> list:
+        """Validates a call before anything runs; returns the flat user tensors."""
+        contract, capture = self.contract, self.capture
+        if capture.closed:
+            raise RuntimeError(
+                f"{contract.name}: reset() released its graphs; call make_graphed_callables again"
+            )
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                f"{contract.name}: called inside a backward pass (the recompute of activation "
+                "checkpointing, torch.utils.checkpoint, or a hook). A graph keeps its activations "
+                "in its static buffers, so checkpointing it saves no memory, and the recompute "
+                "would replay its forward (with its FP8 scale update) a second time for one "
+                "backward. Call the graphed callable outside checkpoint"
+            )
+        capture.check_fp8_region(contract)
+        capture.autocast.check(contract.name)
+        inside_ddp_forward(contract.name)
+        flat = contract.flat_inputs(args, kwargs)
+        if contract.chained and needs_copy(flat[0], self.pair.static_inputs[0]):
+            self._check_chain_input()
+        contract.guard.check()
+        capture.schedule.check_forward(contract.index)
+        capture.flag.set(is_first_microbatch)
+        return flat
+
+    def _check_chain_input(self) -> None:
+        """chain=True: static input 0 is the previous callable's output buffer. Another tensor is
+        copied into it, which is safe only while no backward still needs that output."""
+        if self.capture.schedule.is_pending(self.contract.index - 1):
+            raise ValueError(
+                f"{self.contract.name}: captured with chain=True, it reads the previous "
+                "callable's output buffer; pass it that output (or capture without chain=True "
+                "for inputs from elsewhere): copying another tensor there would overwrite what "
+                "the previous callable's pending backward may read"
+            )

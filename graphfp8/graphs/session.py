@@ -3,14 +3,20 @@ make_graphed_step run their own bodies in (docs/architecture.md, "Capture").
 
     with CaptureSession(device, ...) as session:     argument checks done (capture_checks.py)
         session.init_fp8(chunks)                     slots in fresh arenas, checked across ranks
-        with session.warmup(): ...                   side stream, FP8 capture state, no autocast
-                                                     cache; FP8 state, RNG (and the snapshot,
-                                                     when given) put back
-        session.freeze_arenas()                      the arenas warmup reached: checked, frozen
+        with session.warmup() as found: ...          side stream, the capture's FP8 context, no
+                                                     autocast cache; FP8 state, RNG (and the
+                                                     snapshot, when given) put back; `found`
+                                                     records the arenas the modules used
+        arenas = session.freeze_arenas(found.arenas) checked across ranks, frozen
+        points = session.update_points(arenas)       the scale updates the graphs hold
         with session.capture_phase():                FP8 state, RNG, snapshot put back after; no
-            with session.recording(), graph.capture(session.pool):  garbage collection or
-                                                     autocast cache inside
-                ...
+            with session.capture_into(graph) as rec:  garbage collection or autocast cache inside
+                points.at_forward(); ...; points.at_backward()
+            rec.updates: the updates this graph holds (its replays report them to the schedule)
+
+The FP8 context of warmup and capture (graphfp8/fp8/context.py) is a value the session pushes:
+the capture's recipe and group, the weight-cache policy of its graphs and a fresh ArenaRecorder
+per recording, whose arenas and updates are the recording's result.
 
 On failure (any exception inside `with session:`) the arenas it froze are unfrozen; what else a
 capture changes is the entry point's to undo (graphs/lifecycle.py for the callables).
@@ -19,10 +25,14 @@ capture changes is the entry point's to undo (graphs/lifecycle.py for the callab
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
-from graphfp8.fp8.autocast import CaptureState, capture_state
+from graphfp8.fp8 import context
+from graphfp8.fp8.context import ArenaRecorder, FP8Context
+from graphfp8.fp8.scale_schedule import UpdatePoints
+from graphfp8.fp8.weight_cache import GraphCasts
 from graphfp8.graphs.backends import new_graph
 from graphfp8.graphs.contexts import (
     autocast_cache_off,
@@ -31,32 +41,32 @@ from graphfp8.graphs.contexts import (
     side_stream,
 )
 from graphfp8.graphs.fp8_init import freeze_arenas, init_fp8_modules
+from graphfp8.graphs.options import CaptureOptions
 from graphfp8.profiling import nvtx_range
 
 __all__ = ["CaptureSession"]
 
 
 class CaptureSession:
-    """One capture's FP8 settings, capture state, memory pool and the arenas it froze.
+    """One capture's options, weight-cache policy, memory pool and the arenas it froze.
 
     Args:
         device: the device of every tensor the capture reads.
-        fp8_enabled, recipe, fp8_group: the FP8 settings the graphs are captured with (recipe
-            None without FP8).
+        options: the entry point's CaptureOptions (graphs/options.py): FP8 settings (recipe
+            None without FP8), warmup count, pool (None: a new one on CUDA).
         weight_cache_flag: (1,) float32 device flag the weight casts read while warming up and
-            capturing (None: they cast on every replay; the step graph sets one per microbatch
-            through `self.capture.weight_cache_flag`).
-        pool: a memory pool handle to share, or None for a new one (CUDA).
+            capturing (None: they cast on every replay; the step graph pushes one per
+            microbatch: weight_flag()).
         snapshot: an object whose restore() undoes what a warmup or a CPU capture (which runs
             what it records) changed in the model or optimizer; None: nothing to undo.
     """
 
-    def __init__(self, device: torch.device, *, fp8_enabled: bool, recipe, fp8_group,
-                 weight_cache_flag=None, pool=None, snapshot=None):  # fmt: skip
-        self.device, self.fp8_enabled, self.recipe = device, fp8_enabled, recipe
-        self.fp8_group, self.snapshot = fp8_group, snapshot
-        self.capture = CaptureState(weight_cache_flag=weight_cache_flag)
-        self.pool = pool
+    def __init__(self, device: torch.device, options: CaptureOptions, *, weight_cache_flag=None,
+                 snapshot=None):  # fmt: skip
+        self.device, self.options, self.snapshot = device, options, snapshot
+        self.fp8_enabled, self.recipe = options.fp8_enabled, options.recipe
+        self.fp8_group, self.pool = options.fp8_group, options.pool
+        self.weight_cache = GraphCasts(weight_cache_flag)
         self.frozen: list = []
 
     def __enter__(self) -> CaptureSession:
@@ -73,28 +83,47 @@ class CaptureSession:
         if self.fp8_enabled:
             init_fp8_modules(chunks, self.recipe, self.device, self.fp8_group)
 
+    @contextlib.contextmanager
     def recording(self):
-        """The FP8 state that warmup and capture run under: graphs/ records the scale updates,
-        nothing runs them implicitly."""
-        return capture_state(self.fp8_enabled, self.recipe, self.fp8_group, self.capture)
+        """Runs the block under the capture's FP8 context (graphs/ records the scale updates,
+        nothing runs them implicitly); yields its ArenaRecorder: the arenas the block's modules
+        used and the updates it recorded."""
+        ctx = FP8Context(enabled=self.fp8_enabled, recipe=self.recipe, group=self.fp8_group,
+                         region=context.current().region, weight_cache=self.weight_cache,
+                         recorder=ArenaRecorder())  # fmt: skip
+        with context.pushed(ctx):
+            yield ctx.recorder
+
+    def weight_flag(self, flag: torch.Tensor | None):
+        """Inside a recording: the weight casts of the block read `flag` (the step graph's
+        per-microbatch constants, graphfp8/fp8/weight_cache.py)."""
+        ctx = context.current()
+        return context.pushed(dataclasses.replace(ctx, weight_cache=GraphCasts(flag)))
 
     @contextlib.contextmanager
     def warmup(self):
-        """Eager iterations on the capture stream; their FP8, RNG and snapshot effects undone."""
+        """Eager iterations on the capture stream, their FP8, RNG and snapshot effects undone;
+        yields the ArenaRecorder of the whole warmup."""
         try:
             with fp8_and_rng_preserved(self.recipe, self.device), nvtx_range("warmup"):
-                with side_stream(self.device), self.recording(), autocast_cache_off():
-                    yield
+                with side_stream(self.device), self.recording() as found, autocast_cache_off():
+                    yield found
         finally:
             if self.snapshot is not None:
                 self.snapshot.restore()
 
-    def freeze_arenas(self) -> list:
-        """The arenas warmup reached (capture.arenas), checked across ranks and frozen, in
-        creation order."""
-        arenas = sorted(self.capture.arenas.values(), key=lambda a: a.serial)
+    def freeze_arenas(self, arenas) -> list:
+        """The arenas warmup reached ({id: arena} or a list), checked across ranks and frozen,
+        in creation order."""
+        arenas = sorted(dict(arenas).values() if isinstance(arenas, dict) else arenas,
+                        key=lambda a: a.serial)  # fmt: skip
         self.frozen += freeze_arenas(arenas, self.fp8_group)
         return arenas
+
+    def update_points(self, arenas) -> UpdatePoints:
+        """The scale updates a graph over `arenas` (those its modules used) records: split by
+        direction, reduced over fp8_group."""
+        return UpdatePoints.of(arenas, self.fp8_group)
 
     @contextlib.contextmanager
     def capture_phase(self):
@@ -115,3 +144,10 @@ class CaptureSession:
     def new_graph(self):
         """An empty graph of the session's backend (CUDA graph or CPU tape)."""
         return new_graph(self.device)
+
+    @contextlib.contextmanager
+    def capture_into(self, graph):
+        """Captures the block into `graph` under the capture's FP8 context; yields the
+        recording's ArenaRecorder."""
+        with self.recording() as rec, graph.capture(self.pool):
+            yield rec

@@ -31,13 +31,14 @@ import torch
 
 from graphfp8 import _C
 from graphfp8.distributed import allreduce_gradients
-from graphfp8.fp8 import scaling
 from graphfp8.fp8.master import MasterWeights
-from graphfp8.fp8.recipe import DelayedScaling, Recipe
+from graphfp8.fp8.recipe import Recipe
+from graphfp8.fp8.scale_schedule import NONE, SCHEDULE, UpdatePoints
 from graphfp8.fp8.tensor import Float8Tensor
-from graphfp8.graphs.capture_checks import check_options
+from graphfp8.fp8.weight_cache import constant_flags
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
+from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_optim import OptimizerGuard, TrainingSnapshot, check_optimizer
 from graphfp8.graphs.train_body import StaticBatch, TrainBody
@@ -99,7 +100,9 @@ def make_graphed_step(
         num_microbatches: N, the gradient-accumulation steps per optimizer step.
         fp8_enabled: run graphfp8 modules in FP8.
         fp8_recipe: a DelayedScaling or Float8CurrentScaling (DelayedScaling() when None).
-        fp8_weight_caching: cast the FP8 weights on microbatch 0 only (False: every microbatch).
+        fp8_weight_caching: cast the FP8 weights on microbatch 0 only (False: every microbatch);
+            True by default, unlike the other entry points: the graph knows which microbatch is
+            first (graphs/options.py).
         max_grad_norm: clip the gradients to this global L2 norm; None: no clipping.
         fp8_group: torch.distributed group whose ranks MAX-reduce amaxes with every scale update.
         process_group: torch.distributed group over which gradients are averaged once per step
@@ -118,42 +121,37 @@ def make_graphed_step(
         A GraphedStep: `step(batch)` replays the graph and returns the loss (0-d float32 device
         tensor, the sum of loss_i; reading it is the only host sync).
 
-    The rules after capture, each checked before anything runs (docs/after-capture.md):
-
-    .. warning:: The loss, grad_norm and .grad buffers are static: the next step overwrites them.
-    .. warning:: Batches keep the captured structure, shapes, dtypes and device.
-    .. warning:: The model keeps its parameters, buffers, storage, requires_grad; no hooks.
-    .. warning:: The model stays in the training mode it was captured in.
-    .. warning:: Call it in the torch.autocast state it was captured in, with grad enabled.
-    .. warning:: The optimizer keeps its state and hyperparameters (tensor learning rates: fill_).
-    .. warning:: Call it outside fp8_autocast: it carries its own FP8 settings.
-    .. warning:: Capture holds a copy of the parameters, buffers and optimizer state.
+    .. warning:: A graph replays what its capture ran: the loss, grad_norm and .grad buffers
+        are static, and batches, model, mode, optimizer, FP8 and torch.autocast state stay as
+        captured (outside fp8_autocast, with grad enabled; tensor learning rates change with
+        fill_); the capture holds a copy of the parameters, buffers and optimizer state. The
+        rules, each checked before anything runs, are in docs/after-capture.md.
     """
-    check_options(_NAME, num_warmup_iters, fp8_enabled, fp8_recipe, minimum=1)
+    options = CaptureOptions(_NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
+                             num_warmup_iters, pool, min_warmup=1)  # fmt: skip
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"{_NAME}: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-    recipe = (fp8_recipe or DelayedScaling()) if fp8_enabled else None
     batch = StaticBatch(sample_batch, num_microbatches, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
     check_optimizer(_NAME, optimizer, _optimized_params(body.params, master_weights),
                     body.device)  # fmt: skip
     extra = master_weights.tensors() if master_weights is not None else ()
-    session = CaptureSession(body.device, fp8_enabled=fp8_enabled, recipe=recipe,
-                             fp8_group=fp8_group, pool=pool,
+    session = CaptureSession(body.device, options,
                              snapshot=TrainingSnapshot(model, optimizer, extra))  # fmt: skip
     run = StepBody(body, optimizer, max_grad_norm, process_group, keep_grads_before_clipping,
-                   fp8_enabled and fp8_weight_caching, master_weights, session)  # fmt: skip
+                   options.caching, master_weights, session)  # fmt: skip
     old_grads = [p.grad for p in body.params]
     try:
         with session:
             session.init_fp8([fp8_modules_in([model])])
-            graph, loss, grad_norm = _warmup_and_capture(run, session, num_warmup_iters)
+            graph, loss, grad_norm, updates = _warmup_and_capture(run, session)
     except BaseException:
         for p, g in zip(body.params, old_grads, strict=True):
             p.grad = g
         raise
     guard = body.replay_guard("capture the step again (make_graphed_step)")
-    return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
+    return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm,
+                       updates)  # fmt: skip
 
 
 def _optimized_params(params: list[torch.Tensor], masters: MasterWeights | None) -> list:
@@ -171,20 +169,18 @@ def _optimized_params(params: list[torch.Tensor], masters: MasterWeights | None)
     return [*masters.masters, *(p for p in params if not isinstance(p, Float8Tensor))]
 
 
-def _warmup_and_capture(run: StepBody, session: CaptureSession, iters: int):
+def _warmup_and_capture(run: StepBody, session: CaptureSession):
     with warnings.catch_warnings():
         # Eager steps of a capturable optimizer make torch warn that capturable costs speed.
         warnings.filterwarnings("ignore", message="This instance was constructed with capt")
-        with session.warmup():
-            for _ in range(iters):
-                run([], [], None)
-    arenas = session.freeze_arenas()
-    fwd = [a for a in arenas if a.direction == scaling.FORWARD]
-    bwd = [a for a in arenas if a.direction == scaling.BACKWARD]
+        with session.warmup() as found:
+            for _ in range(session.options.num_warmup_iters):
+                run(NONE)
+    points = session.update_points(session.freeze_arenas(found.arenas))
     graph = session.new_graph()
-    with session.capture_phase(), session.recording(), graph.capture(session.pool):
-        loss, grad_norm = run(fwd, bwd, session.fp8_group)
-    return graph, loss, grad_norm
+    with session.capture_phase(), session.capture_into(graph) as captured:
+        loss, grad_norm = run(points)
+    return graph, loss, grad_norm, tuple(captured.updates)
 
 
 class StepBody:
@@ -196,21 +192,20 @@ class StepBody:
                  session: CaptureSession):  # fmt: skip
         self.body, self.optimizer, self.masters = body, optimizer, masters
         self.max_grad_norm, self.process_group, self.keep = max_grad_norm, process_group, keep
-        self.capture = session.capture  # its weight_cache_flag is set per microbatch
-        n, dev = body.num_microbatches, body.device
-        # Constant flags, one per microbatch: 0 = cast the weights, 1 = reuse the cache.
-        cast, reuse = torch.zeros(1, device=dev), torch.ones(1, device=dev)
-        self.flags = [cast] + [reuse] * (n - 1) if caching else [None] * n
+        self.session = session
+        # Constant weight-cache flags, one per microbatch: microbatch 0 casts, the others reuse.
+        self.flags = constant_flags(body.num_microbatches, body.device, caching)
         self.grads: list[torch.Tensor] | None = None
         self.grads_before_clipping: list[torch.Tensor] | None = None
 
-    def __call__(self, fwd_arenas, bwd_arenas, fp8_group):
-        """Runs the step; returns (loss, grad_norm or None)."""
+    def __call__(self, points: UpdatePoints):
+        """Runs the step between the update points of each microbatch (NONE while warming up);
+        returns (loss, grad_norm or None)."""
         body = self.body
         total = torch.zeros((), dtype=torch.float32, device=body.device)
         for i in range(body.num_microbatches):
-            self.capture.weight_cache_flag = self.flags[i]
-            loss, grads = body.microbatch(i, fwd_arenas, bwd_arenas, fp8_group)
+            with self.session.weight_flag(self.flags[i]):
+                loss, grads = body.microbatch(i, points)
             self._accumulate(i, grads)
             total += loss
             del loss, grads  # microbatch i's memory is free for microbatch i + 1
@@ -261,8 +256,8 @@ class GraphedStep:
     """
 
     def __init__(self, run: StepBody, graph, guard, optimizer_guard: OptimizerGuard, loss,
-                 grad_norm):  # fmt: skip
-        self._run, self._graph = run, graph
+                 grad_norm, updates: tuple):  # fmt: skip
+        self._run, self._graph, self._updates = run, graph, updates
         self._guard, self._optimizer_guard = guard, optimizer_guard
         self._body = run.body
         self._tape = run.body.device.type == "cpu"
@@ -298,6 +293,7 @@ class GraphedStep:
         # The CPU tape re-runs ops in place on leaf tensors and views of them: no grad mode.
         with torch.no_grad() if self._tape else contextlib.nullcontext():
             self._graph.replay()
+        SCHEDULE.replayed(self._updates)
 
     @property
     def static_batch(self):
@@ -312,3 +308,8 @@ class GraphedStep:
     def captured_kernels(self) -> list[str]:
         """What the graph replays: CUDA kernel nodes on the GPU, tape ops on the CPU."""
         return self._graph.kernels()
+
+    def captured_nodes(self) -> list[tuple[str, str]]:
+        """(node type, name) of what the graph replays: ("KERNEL", name), ("MEMSET", ""), ...
+        on the GPU, ("OP", name) for each tape op on the CPU."""
+        return self._graph.nodes()

@@ -16,16 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphfp8.fp8 import scaling
-from graphfp8.fp8.autocast import STATE
-from graphfp8.graphs.capture_checks import (
-    check_grad_mode,
-    check_no_data_parallel,
-    check_no_hooks,
-    distinct_buffers,
-)
-from graphfp8.graphs.compiled import check_model_not_compiled
-from graphfp8.graphs.lifecycle import check_not_captured
+from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
+from graphfp8.graphs.capture_checks import check_capturable, check_grad_mode, distinct_buffers
+from graphfp8.graphs.lifecycle import check_outside_fp8_region
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names
 from graphfp8.graphs.runner import copy_inputs, needs_copy, storages_of
 from graphfp8.graphs.torch_autocast import AutocastState
@@ -162,11 +155,7 @@ class TrainBody:
         self.device = devices.pop()
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"{name}: unsupported device {self.device}")
-        named = list(model.named_parameters())
-        check_no_hooks(name, list(model.modules()), [p for _, p in named], [n for n, _ in named])
-        check_not_captured("the model", model.modules(), name)
-        check_model_not_compiled(name, model)
-        check_no_data_parallel(name, model.modules())
+        check_capturable(name, "the model", model, model.modules(), model.named_parameters())
         check_grad_mode(name, True)
         self.training = model.training  # the mode the graph is captured in
         self.autocast = AutocastState(self.device)  # and the torch.autocast state
@@ -182,12 +171,7 @@ class TrainBody:
     def check_call(self) -> None:
         """Outside fp8_autocast (the graph carries its own FP8 state), with grad enabled, in the
         captured mode and torch.autocast state."""
-        if STATE.enabled and STATE.capture is None:
-            raise RuntimeError(
-                f"{self.name}: the graph carries its own FP8 state and scale updates; call it "
-                "outside fp8_autocast (its fp8_enabled / fp8_recipe / fp8_group are fixed at "
-                "capture)"
-            )
+        check_outside_fp8_region(self.name)
         if not torch.is_grad_enabled():
             raise RuntimeError(
                 f"{self.name}: called under torch.no_grad() or torch.inference_mode(); the graph "
@@ -221,17 +205,17 @@ class TrainBody:
             )
         return loss / self.num_microbatches
 
-    def microbatch(self, i: int | None, fwd_arenas, bwd_arenas, fp8_group):
-        """Runs microbatch i with the arena updates around it (none when the lists are empty).
+    def microbatch(self, i: int | None, points: UpdatePoints = NONE):
+        """Runs microbatch i between the capture's two update points (NONE while warming up).
 
         Returns:
             (loss / num_microbatches, detached 0-d tensor; the gradients of the parameters
             that get one, in parameter order).
         """
-        scaling.update_(fwd_arenas, fp8_group)
+        points.at_forward()
         loss = self.loss(i)
         grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-        scaling.update_(bwd_arenas, fp8_group)
+        points.at_backward()
         has_grad = [g is not None for g in grads]
         if self.has_grad is None:
             if not any(has_grad):

@@ -177,7 +177,7 @@ def _claim_model(model: torch.nn.Module, ledger: Ledger) -> None:
     for mname, m in model.named_modules():
         if not isinstance(m, FP8Module):
             continue
-        for key, ws in m._weight_fp8.items():
+        for key, ws in m.weight_cache.workspaces.items():
             ledger.claim(ws, FP8_WEIGHTS, f"{mname}.{key}" if mname else key)
         if m.fp8_meta is not None:
             for block in (m.fp8_meta.fwd, m.fp8_meta.bwd):
@@ -197,11 +197,14 @@ def _claim_model(model: torch.nn.Module, ledger: Ledger) -> None:
 
 
 def _runner_of(graphed):
-    return getattr(graphed, "graphed_runner", None) or getattr(graphed, "runner", None)
+    """The graph pair of a graphed callable (graphs/runner.py GraphPair), or None."""
+    runner = getattr(graphed, "graphed_runner", None) or getattr(graphed, "runner", None)
+    return None if runner is None else runner.pair
 
 
 def _graphs_of(runner) -> list:
-    """Every backend graph of a runner (forward, backward, gradient folds), found by type."""
+    """Every backend graph of a graph pair (forward, backward, gradient folds), found by
+    type."""
     holders = [runner] + [v for v in vars(runner).values() if hasattr(v, "__dict__")]
     found = []
     for holder in holders:

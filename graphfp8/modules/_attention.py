@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from graphfp8 import ops
-from graphfp8.fp8.autocast import queue_backward_update
 from graphfp8.fp8.observe import StatsSource, observe_cast
+from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.fp8.scaling import SlotBlock
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, Quantizer, slot_index, slot_range
 from graphfp8.fp8.tensor import Float8Tensor
@@ -194,8 +194,7 @@ def _backward_core(ctx, grad: torch.Tensor):
     )
     for role, g in zip((AttnBwdRole.DQ, AttnBwdRole.DK, AttnBwdRole.DV), grads, strict=True):
         cfg.observe(role, g, "recorded")
-    if cfg.backward_update is not None:
-        queue_backward_update(*cfg.backward_update)
+    SCHEDULE.after_backward(cfg.backward_update)
     return list(grads), [bwd_inv[1:2], bwd_inv[2:3], bwd_inv[3:4]]
 
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from graphfp8.fp8.autocast import STATE
 from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.modules._context import fp8_recipe
 
 __all__ = ["honour_autocast"]
 
@@ -49,7 +49,8 @@ def _under_autocast(module, forward: Callable, args, kwargs, device_type: str):
         return forward(module, *args, **kwargs)
     args = _cast(args, param.dtype)
     kwargs = {k: _cast(v, param.dtype) for k, v in kwargs.items()}
-    if not (STATE.enabled and module.uses_fp8(STATE.recipe)):
+    recipe = fp8_recipe()
+    if recipe is None or not module.uses_fp8(recipe):
         return forward(module, *args, **kwargs)
     with torch.autocast(device_type, enabled=False):
         out = forward(module, *args, **kwargs)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from graphfp8.fp8.autocast import STATE
+from graphfp8.modules._context import fp8_enabled
 
 __all__ = ["eager_under_fp8", "prepare_for_compile"]
 
@@ -46,7 +46,7 @@ def eager_under_fp8(forward: Callable, layer: str) -> Callable:
 
     @functools.wraps(forward)
     def wrapped(self, *args, **kwargs):
-        if STATE.enabled and torch.compiler.is_compiling():
+        if fp8_enabled() and torch.compiler.is_compiling():
             if not opaque:  # a layer made without __init__ (unpickled): a plain graph break
                 return torch.compiler.disable(forward, reason=reason)(self, *args, **kwargs)
             return opaque[0](self, *args, **kwargs)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from graphfp8 import ops
-from graphfp8.fp8.autocast import queue_backward_update
 from graphfp8.fp8.current import AmaxPass, amax_of, slot_quantizer
 from graphfp8.fp8.observe import StatsSource, observe_cast
+from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.fp8.scaling import SlotBlock
 from graphfp8.fp8.slots import BwdRole, FwdRole, Quantizer, slot_index
 from graphfp8.fp8.tensor import Float8Tensor
@@ -230,8 +230,7 @@ class _FP8Linear(torch.autograd.Function):
         dy_fp8 = None  # freed before the wgrad output is allocated
         if ctx.needs_wgrad:
             dw = wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, dy.dtype)
-        if cfg.backward_update is not None:
-            queue_backward_update(*cfg.backward_update)
+        SCHEDULE.after_backward(cfg.backward_update)
         return dx, dw, dbias, None, None, None
 
 

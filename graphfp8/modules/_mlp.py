@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from graphfp8 import ops
-from graphfp8.fp8.autocast import queue_backward_update
 from graphfp8.fp8.current import amax_of, dgelu_amax_of, gelu_amax_of
 from graphfp8.fp8.observe import StatsSource
+from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.fp8.slots import BwdRole, FwdRole
 from graphfp8.modules._functional import (
     GemmConfig,
@@ -116,8 +116,7 @@ class _FP8FusedMLP(torch.autograd.Function):
         cfg1, cfg2 = ctx.cfgs
         needs_dgrad, needs_wgrad1, needs_wgrad2 = ctx.needs
         x_t_fp8, x_scale_inv, h, a_t_fp8, a_scale_inv = ctx.saved_tensors
-        if cfg1.backward_update is not None:
-            queue_backward_update(*cfg1.backward_update)
+        SCHEDULE.after_backward(cfg1.backward_update)
         needs_db1 = ctx.has_bias[0] and ctx.needs_input_grad[2]
         needs_db2 = ctx.has_bias[1] and ctx.needs_input_grad[4]
         needs_fc1 = needs_dgrad or needs_wgrad1 or needs_db1

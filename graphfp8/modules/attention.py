@@ -16,7 +16,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from graphfp8.fp8.autocast import STATE
 from graphfp8.fp8.recipe import DelayedScaling
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole
 from graphfp8.fp8.tensor import Float8Tensor
@@ -26,6 +25,7 @@ from graphfp8.modules._attention import (
     fp8_attention_qkv,
     prepare_attention,
 )
+from graphfp8.modules._context import fp8_recipe
 from graphfp8.modules._rope import RopeQKV
 from graphfp8.modules.base import FP8Module
 from graphfp8.ops import cudnn_ragged
@@ -95,12 +95,13 @@ class DotProductAttention(FP8Module):
         """Whether a call (with those segment_ids) now runs in FP8: fp8_autocast with a recipe
         that sets fp8_dpa, and no segment ids unless GRAPHFP8_CUDNN_RAGGED=1 (the module
         docstring says why)."""
-        fp8 = STATE.enabled and STATE.recipe is not None and STATE.recipe.fp8_dpa
+        recipe = fp8_recipe()
+        fp8 = recipe is not None and recipe.fp8_dpa
         return fp8 and (segment_ids is None or cudnn_ragged.ENABLED)
 
     def _fp8_config(self, q_shape, kv_shape, device, training: bool,
                     segment_ids=None) -> AttentionConfig:  # fmt: skip
-        recipe, causal = STATE.recipe, self.attn_mask_type == "causal"
+        recipe, causal = fp8_recipe(), self.attn_mask_type == "causal"
         prepare_attention(q_shape, kv_shape, device, recipe, self.attn_scale, causal, training,
                           segment_ids is not None)  # fmt: skip
         meta, bwd_update = self._fp8_forward_state(device)  # state changes only after the checks
@@ -116,7 +117,7 @@ class DotProductAttention(FP8Module):
         if self.fp8_active(segment_ids):
             h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
             causal = self.attn_mask_type == "causal"
-            prepare_attention((batch, seq, h, d), (batch, seq, g, d), device, STATE.recipe,
+            prepare_attention((batch, seq, h, d), (batch, seq, g, d), device, fp8_recipe(),
                               self.attn_scale, causal, torch.is_grad_enabled(),
                               segment_ids is not None)  # fmt: skip
 

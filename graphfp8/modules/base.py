@@ -9,14 +9,15 @@ import torch
 from torch import nn
 
 from graphfp8.fp8 import scaling
-from graphfp8.fp8.autocast import STATE, check_is_first_microbatch
 from graphfp8.fp8.primary import quantize_weight
-from graphfp8.fp8.recipe import Recipe, is_current_scaling, recipe_to_dict
+from graphfp8.fp8.recipe import Recipe, recipe_to_dict
 from graphfp8.fp8.slots import BwdRole, FwdRole, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.fp8.weight_cache import WeightCache, check_is_first_microbatch
 from graphfp8.modules._autocast import honour_autocast
 from graphfp8.modules._checkpoint import EXTRA_STATE_VERSION, check_extra_state, shape_errors
 from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
+from graphfp8.modules._context import fp8_enabled, fp8_state, gemm_configs
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
 
@@ -47,20 +48,6 @@ class FP8Meta:
             mine.scales().copy_(theirs.scales())
 
 
-class FrozenSlots:
-    """A SlotBlock whose casts read its scales but fold their amaxes into the arena's sink: an
-    FP8 call that leaves the delayed-scaling state as it was (FP8Module._frozen_call)."""
-
-    def __init__(self, block: scaling.SlotBlock):
-        self.block, self.arena, self.start = block, block.arena, block.start
-
-    def scale(self, i: int) -> torch.Tensor:
-        return self.block.scale(i)
-
-    def amax(self, i: int) -> torch.Tensor:
-        return self.arena.amax_sink
-
-
 class FP8Module(nn.Module):
     """Base of the graphfp8 layers. A subclass sets `num_gemms`, and its forward calls
     `_fp8_forward_configs`, which checks the input and returns the GEMM configs under
@@ -83,10 +70,9 @@ class FP8Module(nn.Module):
         super().__init__()
         prepare_for_compile(type(self))
         self.fp8_meta: FP8Meta | None = None
-        self._weight_fp8: dict[str, Float8Tensor] = {}
-        # Eager weight cache: the FP8 workspaces hold the current weights (cast with
-        # is_first_microbatch True or None). Graphs use their device weight-cache flag instead.
-        self._weight_cache_valid = False
+        # The FP8 weight workspaces and whether they hold the current weights (eager: cast with
+        # is_first_microbatch True or None; graphs decide with their device flag instead).
+        self.weight_cache = WeightCache()
 
     # The forward preamble ----------------------------------------------------------------------
 
@@ -112,7 +98,7 @@ class FP8Module(nn.Module):
         """
         self._check_input(inp, features, weights[0][1], high_precision_input)
         check_is_first_microbatch(is_first_microbatch)
-        if not STATE.enabled:
+        if not fp8_enabled():
             if any(isinstance(w, Float8Tensor) for _, w in weights):
                 raise RuntimeError(
                     f"{type(self).__name__} holds FP8 primary weights (created inside "
@@ -121,7 +107,7 @@ class FP8Module(nn.Module):
                 )
             return None
         self._check_fp8_dims(inp, [w for _, w in weights])
-        return self._gemm_configs(weights, is_first_microbatch, fp8_output)
+        return gemm_configs(self, weights, is_first_microbatch, fp8_output)
 
     # FP8 state -------------------------------------------------------------------------------
 
@@ -160,115 +146,20 @@ class FP8Module(nn.Module):
         self.fp8_meta = new
         return new
 
-    def _weight_workspace(self, key: str, weight: torch.Tensor, fp8_dtype) -> Float8Tensor:
-        if isinstance(weight, Float8Tensor):  # an FP8 primary weight is its own workspace
-            if weight.fp8_dtype != fp8_dtype:
-                raise TypeError(
-                    f"{type(self).__name__}: FP8 primary weight {key} is {weight.fp8_dtype}, the "
-                    f"recipe's forward format is {fp8_dtype}"
-                )
-            if not self.cache_weight_transpose:  # the backward transposes the data instead
-                weight._transpose, weight._transpose_valid = None, False
-            elif weight._transpose is None:
-                rows, cols = weight._data.shape
-                weight._transpose = torch.empty(cols, rows, dtype=fp8_dtype, device=weight.device)
-            return weight
-        ws = self._weight_fp8.get(key)
-        with_t = self.cache_weight_transpose
-        if (
-            ws is None
-            or ws._data.shape != weight.shape
-            or ws.device != weight.device
-            or ws.dtype != weight.dtype
-            or ws.fp8_dtype != fp8_dtype
-            or (ws._transpose is not None) != with_t
-        ):
-            shape, device = tuple(weight.shape), weight.device
-            if with_t:
-                ws = Float8Tensor.empty(shape, fp8_dtype, weight.dtype, device)
-            else:
-                data = torch.empty(shape, dtype=fp8_dtype, device=device)
-                ws = Float8Tensor(data, torch.ones(1, device=device), weight.dtype)
-            self._weight_fp8[key] = ws
-            self._weight_cache_valid = False
-        return ws
-
-    def _frozen_call(self, is_first_microbatch: bool | None) -> bool:
-        """An eval-mode call with is_first_microbatch=False (an eval pass between a step's
-        training microbatches, eager or a graphed module's eager fallback): it reuses the
-        cached FP8 weights and leaves the delayed-scaling state alone (current scales, no amax
-        recorded, no update), so the next training microbatch is the one it would have been."""
-        return (
-            is_first_microbatch is False
-            and not self.training
-            and STATE.capture is None
-            and not is_current_scaling(STATE.recipe)  # no state carries from cast to cast
-        )
-
-    def _eager_weight_cast(self, is_first_microbatch: bool | None) -> bool:
-        """None: cast every call. True: cast and cache. False: reuse the cache."""
-        if is_first_microbatch is None or is_first_microbatch:
-            self._weight_cache_valid = True
-            return True
-        if not self._weight_cache_valid:
-            raise RuntimeError(
-                f"{type(self).__name__}: is_first_microbatch=False before any "
-                "is_first_microbatch=True: there is no cached FP8 weight to reuse"
-            )
-        return False
-
     def _fp8_forward_state(self, device, frozen: bool = False) -> tuple[FP8Meta, tuple | None]:
-        """This module's slots for an FP8 forward under the current recipe, and the (backward
-        arena, group) whose update must run at the end of the backward pass (eager), or None
-        (in a capture, which places both updates itself and learns the arenas here; or a
-        `frozen` call, which updates nothing). Eager mode updates the forward arena once per
-        fp8_autocast region, before its first use."""
-        meta = self.fp8_init(STATE.recipe, device)
-        capture = STATE.capture
-        if capture is not None:
-            capture.arenas[id(meta.fwd.arena)] = meta.fwd.arena
-            capture.arenas[id(meta.bwd.arena)] = meta.bwd.arena
-            # The workspaces now hold what the graph casts (its device flag decides): an eager
-            # call with is_first_microbatch=False after a replay reuses them.
-            self._weight_cache_valid = True
-            return meta, None
-        if frozen:
-            return meta, None
-        meta.fwd.arena.update_once(STATE.region, STATE.group)
-        return meta, (meta.bwd.arena, STATE.group)
+        """This module's slots for an FP8 forward and its eager backward update
+        (modules/_context.py fp8_state)."""
+        return fp8_state(self, device, frozen)
 
-    def _gemm_configs(
-        self,
-        weights: list[tuple[str, torch.Tensor]],
-        is_first_microbatch: bool | None,
-        fp8_output: bool,
-    ) -> list[GemmConfig]:
-        """One GemmConfig per (workspace key, weight) for this FP8 forward."""
-        frozen = self._frozen_call(is_first_microbatch)
-        meta, bwd_update = self._fp8_forward_state(weights[0][1].device, frozen)
-        fwd, bwd = map(FrozenSlots, (meta.fwd, meta.bwd)) if frozen else (meta.fwd, meta.bwd)
-        fp8_dtype = meta.fwd.arena.fp8_dtype
-        workspaces = [self._weight_workspace(key, w, fp8_dtype) for key, w in weights]
-        if STATE.capture is not None:  # the graph decides through its device flag
-            casts, flag = [True] * len(weights), STATE.capture.weight_cache_flag
-        else:  # an FP8 primary weight rewritten since its last transpose needs a new one
-            cast, flag = self._eager_weight_cast(is_first_microbatch), None
-            casts = [cast or (ws is w and not ws._transpose_valid)
-                     for ws, (_, w) in zip(workspaces, weights, strict=True)]  # fmt: skip
-        last = len(weights) - 1
-        return [
-            GemmConfig(
-                fwd,
-                bwd,
-                g,
-                ws,
-                casts[g],
-                flag,
-                fp8_output=fp8_output and g == last,
-                backward_update=bwd_update,
-            )  # fmt: skip
-            for g, ws in enumerate(workspaces)
-        ]
+    def fp8_snapshot(self) -> tuple:
+        """This module's FP8 slots and weight cache, for restore_fp8() (a capture that fails
+        puts them back)."""
+        return self.fp8_meta, self.weight_cache.snapshot()
+
+    def restore_fp8(self, snap: tuple) -> None:
+        meta, cache = snap
+        self.fp8_meta = meta
+        self.weight_cache.restore(cache)
 
     # Checks --------------------------------------------------------------------------------------
 
@@ -289,7 +180,7 @@ class FP8Module(nn.Module):
         if isinstance(inp, Float8Tensor):
             if high_precision:
                 raise TypeError(f"{name}: the normalization needs a high-precision input")
-            if not STATE.enabled:
+            if not fp8_enabled():
                 raise TypeError(f"{name}: a Float8Tensor input needs fp8_autocast(enabled=True)")
 
     def _check_fp8_dims(self, inp: torch.Tensor, weights: list[torch.Tensor]) -> None:
@@ -350,7 +241,7 @@ class FP8Module(nn.Module):
                 state_dict[prefix + name] = quantize_weight(hp, p.fp8_dtype)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)  # fmt: skip
-        self._weight_cache_valid = False
+        self.weight_cache.invalidate()
 
     def get_extra_state(self):
         meta = self.fp8_meta
@@ -373,7 +264,7 @@ class FP8Module(nn.Module):
                 for block in (self.fp8_meta.fwd, self.fp8_meta.bwd):
                     block.history().zero_()
                     block.scales().fill_(1.0)
-            self._weight_cache_valid = False
+            self.weight_cache.invalidate()
             return
         state = check_extra_state(self, state, type(self).__name__)
         device = next(itertools.chain(self.parameters(), self.buffers())).device
@@ -381,7 +272,7 @@ class FP8Module(nn.Module):
         for key, block in (("fwd", meta.fwd), ("bwd", meta.bwd)):
             block.history().copy_(state[f"{key}_amax_history"])
             block.scales().copy_(state[f"{key}_scale"])
-        self._weight_cache_valid = False
+        self.weight_cache.invalidate()
 
 
 def cache_weight_transposes(module: nn.Module, enabled: bool) -> None:

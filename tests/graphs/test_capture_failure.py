@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import graphfp8 as g8
-from graphfp8.fp8 import scaling
-from graphfp8.fp8.autocast import STATE
+from graphfp8.fp8 import context, scaling
 from graphfp8.graphs import callables as capture_module
 from graphfp8.graphs.grads import GradFold
 from graphfp8.graphs.replay_guard import hook_dicts
@@ -120,7 +119,7 @@ def test_failed_capture_leaves_the_process_as_it_was(device, where, monkeypatch)
                                   fp8_weight_caching=True, num_warmup_iters=WARMUP)  # fmt: skip
     monkeypatch.undo()
     assert gc.isenabled()
-    assert STATE.capture is None and not STATE.enabled and STATE.recipe is None
+    assert context.current() is context.OFF, "no FP8 context left pushed"
     assert not any(hook_dicts(list(model.modules())))
     assert torch.equal(torch.get_rng_state(), rng)
     if cuda_rng is not None:

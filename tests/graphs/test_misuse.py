@@ -200,7 +200,7 @@ def test_reset_frees_the_graphs_and_allows_a_new_capture(device):
     g = g8.make_graphed_callables(m, (_x(device),), fp8_enabled=True, fp8_recipe=RECIPE)
     y = g(_x(device))
     y.float().sum().backward()
-    static = weakref.ref(m.graphed_runner.static_outputs[0])
+    static = weakref.ref(m.graphed_runner.pair.static_outputs[0])
     runner = m.graphed_runner
     if device == "cuda":
         torch.cuda.synchronize()
@@ -210,7 +210,7 @@ def test_reset_frees_the_graphs_and_allows_a_new_capture(device):
     gc.collect()
     assert static() is None, "the static outputs are freed"
     assert "forward" not in vars(m) and not hasattr(m, "graphed_runner")
-    assert runner.fwd_graph.released and runner.bwd_graph.released
+    assert runner.pair.fwd_graph.released and runner.pair.bwd_graph.released
     if device == "cuda":
         assert torch.cuda.memory_allocated() < allocated
     with g8.fp8_autocast(recipe=RECIPE):

@@ -28,7 +28,7 @@ def test_is_first_microbatch_semantics(device):
     x = torch.randn(T, H, dtype=torch.bfloat16, device=device)
     with pytest.raises(RuntimeError, match="is_first_microbatch=False before any"):
         _step(m, x, False)
-    ws = lambda: m._weight_fp8["weight"]._data.clone()  # noqa: E731
+    ws = lambda: m.weight_cache.workspaces["weight"]._data.clone()  # noqa: E731
     _step(m, x, True)
     cached = ws()
     with torch.no_grad():
@@ -56,7 +56,7 @@ def test_cached_weight_keeps_its_scale_inv_while_scales_move(device):
     for mb in range(5):
         x = torch.randn(T, H, dtype=torch.bfloat16, device=device) * 10.0 ** (2 - mb)
         y = _step(m, x, mb == 0, recipe)
-        w_fp8 = m._weight_fp8["weight"]
+        w_fp8 = m.weight_cache.workspaces["weight"]
         meta_scales.append(m.fp8_meta.fwd.scales().clone())
         deq = w_fp8.dequantize(torch.float32)
         assert sqnr(m.weight.float(), deq) > 25.0, "cached weight dequantizes to the weight"

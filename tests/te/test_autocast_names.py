@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import graphfp8 as g8
-from graphfp8.fp8.autocast import STATE
+from graphfp8.fp8 import context
 
 
 def _run(enter) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,11 +37,11 @@ def test_fp8_recipe_and_autocast_spell_the_same_region():
 def test_the_recipe_reaches_the_state():
     recipe = g8.Float8CurrentScaling()
     with g8.fp8_autocast(fp8_recipe=recipe):
-        assert STATE.enabled and STATE.recipe is recipe
+        assert context.current().enabled and context.current().recipe is recipe
     with g8.autocast(True, False, recipe):  # TE's positional order
-        assert STATE.enabled and STATE.recipe is recipe
+        assert context.current().enabled and context.current().recipe is recipe
     with g8.autocast(enabled=False):
-        assert not STATE.enabled
+        assert not context.current().enabled
 
 
 def test_misspellings_raise():
@@ -54,4 +54,4 @@ def test_misspellings_raise():
     with pytest.raises(TypeError, match="recipe"):
         with g8.autocast(recipe="hybrid"):
             pass
-    assert STATE.is_fresh()
+    assert context.current() is context.OFF, "no region left open"

@@ -1,0 +1,202 @@
+"""The weight-cache rule (`is_first_microbatch`) and its three drivers.
+
+The rule, TransformerEngine's: a forward with is_first_microbatch None or True casts the FP8
+weights (and leaves them cached), one with False reuses the cached FP8 weights; False before any
+cast raises (there is nothing to reuse). CacheState.reuses() is the rule, written once.
+
+Its drivers:
+
+    eager            a module's FP8 weight workspaces (WeightCache) and its host bool: the
+                     forward casts or not (policy EAGER)
+    device flag      a graph's weight casts read a (1,) float32 device flag (1 = reuse: the cast
+                     writes nothing; the kernels call it `noop`). Graphed callables and microbatch
+                     graphs fill it between replays, only when its value changes (DeviceFlag)
+    per microbatch   a step graph's constant flags, one per microbatch: microbatch 0 casts, the
+                     others reuse (constant_flags), so no fill runs between its replays
+
+The policy a context carries (graphfp8/fp8/context.py) says which decides: EAGER, or
+GraphCasts(flag) - inside a capture, where every weight cast is recorded and the flag decides
+on the device (None: the graphs cast on every replay).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphfp8.fp8.tensor import Float8Tensor
+
+__all__ = ["EAGER", "CacheState", "DeviceFlag", "EagerCasts", "GraphCasts", "WeightCache",
+           "WeightCachePolicy", "check_is_first_microbatch", "constant_flags"]  # fmt: skip
+
+
+def check_is_first_microbatch(is_first_microbatch) -> None:
+    """Eager modules and graphed callables take None, True or False, nothing else."""
+    if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+        raise TypeError(
+            f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}"
+        )
+
+
+class CacheState:
+    """Whether cached FP8 weights exist to reuse."""
+
+    def __init__(self) -> None:
+        self.valid = False
+
+    def reuses(self, is_first_microbatch: bool | None, error: str) -> bool:
+        """The rule: True when this call reuses the cached weights; a call that casts leaves
+        them valid. Raises RuntimeError(error) for False with nothing cached."""
+        if is_first_microbatch is None or is_first_microbatch:
+            self.valid = True
+            return False
+        if not self.valid:
+            raise RuntimeError(error)
+        return True
+
+
+def flag_value(reuse: bool) -> float:
+    """The device flag's value: 1 reuses the cache (the cast writes nothing), 0 casts."""
+    return 1.0 if reuse else 0.0
+
+
+class WeightCache(CacheState):
+    """One module's FP8 weight workspaces ({key: Float8Tensor}) and whether they hold its
+    current weights. Only the module and its context reader use it; captures save and restore
+    it through snapshot() / restore()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.workspaces: dict[str, Float8Tensor] = {}
+
+    def invalidate(self) -> None:
+        """The weights changed behind the cache (a checkpoint load): the next False raises."""
+        self.valid = False
+
+    def snapshot(self) -> tuple:
+        return dict(self.workspaces), self.valid
+
+    def restore(self, snap: tuple) -> None:
+        workspaces, self.valid = snap
+        self.workspaces = dict(workspaces)
+
+    def workspace(self, key: str, weight: torch.Tensor, fp8_dtype, with_t: bool,
+                  owner: str) -> Float8Tensor:  # fmt: skip
+        """The FP8 workspace of weight `key` (N, K), (re)allocated when its shape, device,
+        dtypes or transpose cache no longer match (then the cache is stale). An FP8 primary
+        weight is its own workspace: only its transpose buffer is kept or dropped here."""
+        if isinstance(weight, Float8Tensor):
+            if weight.fp8_dtype != fp8_dtype:
+                raise TypeError(
+                    f"{owner}: FP8 primary weight {key} is {weight.fp8_dtype}, the recipe's "
+                    f"forward format is {fp8_dtype}"
+                )
+            if not with_t:  # the backward transposes the data instead
+                weight._transpose, weight._transpose_valid = None, False
+            elif weight._transpose is None:
+                rows, cols = weight._data.shape
+                weight._transpose = torch.empty(cols, rows, dtype=fp8_dtype, device=weight.device)
+            return weight
+        ws = self.workspaces.get(key)
+        if (
+            ws is None
+            or ws._data.shape != weight.shape
+            or ws.device != weight.device
+            or ws.dtype != weight.dtype
+            or ws.fp8_dtype != fp8_dtype
+            or (ws._transpose is not None) != with_t
+        ):
+            shape, device = tuple(weight.shape), weight.device
+            if with_t:
+                ws = Float8Tensor.empty(shape, fp8_dtype, weight.dtype, device)
+            else:
+                data = torch.empty(shape, dtype=fp8_dtype, device=device)
+                ws = Float8Tensor(data, torch.ones(1, device=device), weight.dtype)
+            self.workspaces[key] = ws
+            self.valid = False
+        return ws
+
+
+@dataclass(frozen=True)
+class EagerCasts:
+    """The module's is_first_microbatch decides on the host, per call."""
+
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str):
+        """(cast the weights now, the device flag the casts read: None)."""
+        error = (f"{owner}: is_first_microbatch=False before any is_first_microbatch=True: "
+                 "there is no cached FP8 weight to reuse")  # fmt: skip
+        return not cache.reuses(is_first_microbatch, error), None
+
+
+@dataclass(frozen=True, eq=False)
+class GraphCasts:
+    """Inside a capture: every weight cast is recorded, and `flag` ((1,) float32 device tensor,
+    or None: cast on every replay) decides on the device."""
+
+    flag: torch.Tensor | None
+
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str):
+        # The workspaces now hold what the graph casts (its flag decides): an eager call with
+        # is_first_microbatch=False after a replay reuses them.
+        cache.valid = True
+        return True, self.flag
+
+
+WeightCachePolicy = EagerCasts | GraphCasts
+EAGER = EagerCasts()
+
+
+class DeviceFlag:
+    """The device flag of a graphed callable or microbatch graph, filled from each call's
+    is_first_microbatch: an eager fill_ enqueued before the replay, only when its value changes
+    (with N microbatches per step, 2 fills per step: True -> 0, then False -> 1). A
+    stream-ordered device write cannot race with the replays around it, unlike a pinned host
+    value read by a memcpy node of the graph.
+
+    Args:
+        device: where the flag lives.
+        fp8_enabled, caching: the capture's fp8_enabled and fp8_weight_caching (no flag
+            without both: the graphs cast on every replay, and only None is accepted).
+        name: the entry point ("make_graphed_microbatch"); what: what it returned, as the
+            messages call it ("graphed microbatch").
+    """
+
+    def __init__(self, device, fp8_enabled: bool, caching: bool, name: str, what: str):
+        self.name, self.what, self.fp8_enabled = name, what, fp8_enabled
+        self.tensor = torch.zeros(1, device=device) if fp8_enabled and caching else None
+        self.state = CacheState()
+        self.value = 0.0
+
+    @property
+    def policy(self) -> GraphCasts:
+        return GraphCasts(self.tensor)
+
+    def set(self, is_first_microbatch) -> None:
+        check_is_first_microbatch(is_first_microbatch)
+        if self.tensor is None:
+            if self.fp8_enabled and is_first_microbatch is not None:
+                raise ValueError(
+                    f"{self.name}(fp8_weight_caching=False) casts the weights on every replay; "
+                    f"call the {self.what} with is_first_microbatch=None, or capture with "
+                    "fp8_weight_caching=True"
+                )
+            return
+        error = (f"{self.name}: the {self.what} was called with is_first_microbatch=False "
+                 "before any call with is_first_microbatch=True: there is no cached FP8 "
+                 "weight to reuse")  # fmt: skip
+        value = flag_value(self.state.reuses(is_first_microbatch, error))
+        if value != self.value:
+            self.tensor.fill_(value)
+            self.value = value
+
+
+def constant_flags(n: int, device, caching: bool) -> list[torch.Tensor | None]:
+    """A step graph's flag per microbatch: the rule with is_first_microbatch = (i == 0) (two
+    constant device tensors), or None each without caching."""
+    if not caching:
+        return [None] * n
+    state, error = CacheState(), "unreachable: microbatch 0 casts"
+    values = [flag_value(state.reuses(i == 0, error)) for i in range(n)]
+    tensors = {v: torch.full((1,), v, device=device) for v in dict.fromkeys(values)}
+    return [tensors[v] for v in values]

@@ -1,0 +1,111 @@
+"""The one place modules read the FP8 context (graphfp8/fp8/context.py): whether a call runs in
+FP8 and under which recipe, and for an FP8 forward its slots, the updates the scale schedule
+places around it and the GEMM configs that carry them. Nothing here writes into the context.
+
+    ctx = context.current()
+    eager:    forward update of the module's forward arena, once per region (scale_schedule.py);
+              its backward arena's update handed to the configs for the end of the backward
+              pass; weight casts decided by is_first_microbatch (weight_cache.py, EAGER)
+    capture:  the module's arenas recorded (ctx.recorder); no update (the graphs place them);
+              every weight cast recorded, the graph's device flag deciding (GraphCasts)
+    frozen:   an eval call with is_first_microbatch=False: current scales, no amax, no update
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphfp8.fp8 import context, scaling
+from graphfp8.fp8.recipe import Recipe, is_current_scaling
+from graphfp8.fp8.scale_schedule import SCHEDULE
+from graphfp8.modules._functional import GemmConfig
+
+if TYPE_CHECKING:
+    from graphfp8.modules.base import FP8Meta, FP8Module
+
+__all__ = ["FrozenSlots", "fp8_enabled", "fp8_recipe", "fp8_state", "gemm_configs"]
+
+
+def fp8_enabled() -> bool:
+    """Whether graphfp8 modules run in FP8 now (dynamo guards on it: modules/_compile.py)."""
+    return context.current().enabled
+
+
+def fp8_recipe() -> Recipe | None:
+    """The recipe FP8 modules run under now, or None when FP8 is off."""
+    ctx = context.current()
+    return ctx.recipe if ctx.enabled else None
+
+
+class FrozenSlots:
+    """A SlotBlock whose casts read its scales but fold their amaxes into the arena's sink: an
+    FP8 call that leaves the delayed-scaling state as it was (a frozen call)."""
+
+    def __init__(self, block: scaling.SlotBlock):
+        self.block, self.arena, self.start = block, block.arena, block.start
+
+    def scale(self, i: int) -> torch.Tensor:
+        return self.block.scale(i)
+
+    def amax(self, i: int) -> torch.Tensor:
+        return self.arena.amax_sink
+
+
+def _frozen_call(module: FP8Module, ctx: context.FP8Context, is_first_microbatch) -> bool:
+    """An eval-mode call with is_first_microbatch=False (an eval pass between a step's
+    training microbatches, eager or a graphed module's eager fallback): it reuses the cached FP8
+    weights and leaves the delayed-scaling state alone (current scales, no amax recorded, no
+    update), so the next training microbatch is the one it would have been."""
+    return (
+        is_first_microbatch is False
+        and not module.training
+        and not ctx.capturing
+        and not is_current_scaling(ctx.recipe)  # no state carries from cast to cast
+    )
+
+
+def fp8_state(module: FP8Module, device, frozen: bool = False,
+              ctx: context.FP8Context | None = None) -> tuple[FP8Meta, tuple | None]:  # fmt: skip
+    """The module's slots for an FP8 forward under the context's recipe, and the (backward
+    arena, group) whose update must run at the end of the backward pass (eager), or None (in
+    a capture, which records the arenas and places both updates itself; or a `frozen` call,
+    which updates nothing). Eager mode runs the forward update point here."""
+    ctx = ctx or context.current()
+    meta = module.fp8_init(ctx.recipe, device)
+    if ctx.recorder is not None:
+        ctx.recorder.record(meta.fwd.arena, meta.bwd.arena)
+        return meta, None
+    if frozen:
+        return meta, None
+    SCHEDULE.forward_in_region(meta.fwd.arena, ctx.region, ctx.group)
+    return meta, (meta.bwd.arena, ctx.group)
+
+
+def gemm_configs(
+    module: FP8Module,
+    weights: list[tuple[str, torch.Tensor]],
+    is_first_microbatch: bool | None,
+    fp8_output: bool,
+) -> list[GemmConfig]:
+    """One GemmConfig per (workspace key, weight (N, K)) for this FP8 forward of `module`."""
+    ctx = context.current()
+    frozen = _frozen_call(module, ctx, is_first_microbatch)
+    meta, bwd_update = fp8_state(module, weights[0][1].device, frozen, ctx)
+    fwd, bwd = map(FrozenSlots, (meta.fwd, meta.bwd)) if frozen else (meta.fwd, meta.bwd)
+    fp8_dtype, owner = meta.fwd.arena.fp8_dtype, type(module).__name__
+    cache = module.weight_cache
+    workspaces = [cache.workspace(key, w, fp8_dtype, module.cache_weight_transpose, owner)
+                  for key, w in weights]  # fmt: skip
+    cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner)
+    # An FP8 primary weight rewritten since its last transpose needs a new one.
+    casts = [cast or (ws is w and not ws._transpose_valid)
+             for ws, (_, w) in zip(workspaces, weights, strict=True)]  # fmt: skip
+    last = len(weights) - 1
+    configs = []
+    for g, ws in enumerate(workspaces):
+        configs.append(GemmConfig(fwd, bwd, g, ws, casts[g], flag,
+                                  fp8_output=fp8_output and g == last,
+                                  backward_update=bwd_update))  # fmt: skip
+    return configs

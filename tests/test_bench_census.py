@@ -1,0 +1,40 @@
+"""The step graph's work per TransformerLayer per microbatch (graphfp8.bench.census), pinned op by
+op so that a change in what a layer launches shows here (issue 33: at most 30 graph nodes per
+layer; notes/PERF.md has the census and what each entry is)."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphfp8.bench import census
+
+# What one more TransformerLayer adds to each microbatch of the 100m GPT's FP8 step graph, as
+# CUDA kernels counted from the captured ops (a graphfp8 op that launches two kernels counts 2).
+FP8_LAYER = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": 1,  # cuDNN's forward on the GPU
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": 1,
+    "aten::_scaled_mm": 12,  # 4 linears x (forward, dgrad, wgrad)
+    "aten::cat": 1,  # the backward of q, k, v split from the QKV output
+    "graphfp8::cast_transpose": 5,  # 4 weights (a no-op when cached) + the attention output
+    "graphfp8::cast_transpose_dbias": 6,  # 3 grads with a bias: tile kernel + dbias_reduce
+    "graphfp8::dgelu_cast_transpose_dbias": 2,
+    "graphfp8::gelu_cast_transpose": 1,
+    "graphfp8::layernorm_bwd": 4,  # 2 norms: rows + the parameter-gradient reduction
+    "graphfp8::layernorm_fp8": 4,  # 2 norms: the FP8 rows + their transpose
+    "graphfp8::rope_qkv": 2,  # forward and backward
+}
+
+
+@pytest.fixture(scope="module")
+def fp8_layer():
+    return census.layer_ops(census.model_config("cpu", quick=True), True, "cpu")
+
+
+def test_the_step_graph_launches_what_the_census_says_per_layer(fp8_layer):
+    assert fp8_layer["kernels"]["first"] == FP8_LAYER
+    assert fp8_layer["kernels"]["cached"] == FP8_LAYER
+    assert census.totals(fp8_layer) == (39, 39)
+
+
+def test_no_layer_copies_or_fills_in_the_step_graph(fp8_layer):
+    assert fp8_layer["memops"] == {"first": {}, "cached": {}}
