@@ -19,7 +19,9 @@
 #              (SwiGLU LayerNormMLP vs bf16 and TE), train-llama (the llama-100m preset, bf16 vs
 #              FP8 graphed; LLAMA_ARGS adds e.g. --pack), hf (a 100M HF Llama: FP8 + graphs via
 #              g8.from_hf vs HF bf16 eager / compile); issue 33's: ncu (Nsight Compute counters of
-#              the norm backward, GELU/GLU casts and amax passes: scripts/ncu_kernels.py))
+#              the norm backward, GELU/GLU casts and amax passes: scripts/ncu_kernels.py); issue
+#              32's: te (TransformerEngine's documentation examples on graphfp8.te, tests/te's
+#              CUDA tests))
 #   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
 #   WITH_TE    1 (default): install TransformerEngine from a carried .te/ (a copy of
 #              ../shared/te: docs/benchmarking.md, "TransformerEngine") for the benchmarks' TE
@@ -259,6 +261,13 @@ for step in $STEPS; do
       with_te $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;
+    te)  # issue 32: TE's documentation examples on graphfp8.te at TE's sizes (only the imports
+         # changed: tests/te/te_examples.py), then the CUDA variants of tests/te
+      $PY -m tests.te.te_examples --device cuda --json "$RES/te_examples.json" \
+        > "$RES/te_examples.log" 2>&1 || status=1
+      grep "^te example" "$RES/te_examples.log" | tee -a "$RES/summary.md"
+      $PY -m pytest -q -m cuda -p no:cacheprovider tests/te > "$RES/te_tests.log" 2>&1 || status=1
+      tail -1 "$RES/te_tests.log" | tee -a "$RES/summary.md" ;;
     *)
       echo "unknown step $step"; status=1 ;;
   esac

@@ -25,7 +25,7 @@ from graphfp8.modules._attention import (
     fp8_attention_qkv,
     prepare_attention,
 )
-from graphfp8.modules._context import fp8_recipe
+from graphfp8.modules._context import fp8_recipe, fp8_state
 from graphfp8.modules._rope import RopeQKV
 from graphfp8.modules.base import FP8Module
 from graphfp8.ops import cudnn_ragged
@@ -52,7 +52,9 @@ class DotProductAttention(FP8Module):
         attn_mask_type: "causal" (default) or "no_mask" (not in FP8).
         qkv_format: "bshd", the only layout: (batch, seq, heads, head_dim).
         softmax_scale: default 1 / sqrt(D).
-        attention_dropout: 0 (dropout is not supported).
+        attention_dropout: dropout probability on the attention weights while training
+            (torch's SDPA draws it from torch's generator, which graphs replay graph-safely:
+            graphed == eager bit for bit); not in FP8 attention, which raises.
         device: where the FP8 state lives (the layer has no parameters; .to() moves it).
     """
 
@@ -77,6 +79,7 @@ class DotProductAttention(FP8Module):
         self.num_attention_heads, self.kv_channels = num_attention_heads, kv_channels
         self.num_gqa_groups, self.attn_mask_type = groups, attn_mask_type
         self.qkv_format, self.softmax_scale = qkv_format, softmax_scale
+        self.attention_dropout = float(attention_dropout)
         # torch's SDPA computes its default scale as 1 / sqrt(D) in double; so does FP8.
         self.attn_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
@@ -102,9 +105,10 @@ class DotProductAttention(FP8Module):
     def _fp8_config(self, q_shape, kv_shape, device, training: bool,
                     segment_ids=None) -> AttentionConfig:  # fmt: skip
         recipe, causal = fp8_recipe(), self.attn_mask_type == "causal"
+        self._check_fp8_dropout()
         prepare_attention(q_shape, kv_shape, device, recipe, self.attn_scale, causal, training,
                           segment_ids is not None)  # fmt: skip
-        meta, bwd_update = self._fp8_forward_state(device)  # state changes only after the checks
+        meta, bwd_update = fp8_state(self, device)  # state changes only after the checks
         return AttentionConfig(meta.fwd, meta.bwd, self.attn_scale, causal, recipe.fp8_mha,
                                bwd_update, segment_ids)  # fmt: skip
 
@@ -115,11 +119,20 @@ class DotProductAttention(FP8Module):
         segment_ids in any precision; otherwise a no-op outside FP8 attention."""
         _check_segments(segment_ids, batch, seq, device)
         if self.fp8_active(segment_ids):
+            self._check_fp8_dropout()
             h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
             causal = self.attn_mask_type == "causal"
             prepare_attention((batch, seq, h, d), (batch, seq, g, d), device, fp8_recipe(),
                               self.attn_scale, causal, torch.is_grad_enabled(),
                               segment_ids is not None)  # fmt: skip
+
+    def _check_fp8_dropout(self) -> None:
+        if self.attention_dropout and self.training:
+            raise ValueError(
+                f"DotProductAttention: attention_dropout={self.attention_dropout} in training "
+                "mode, but FP8 attention (a recipe with fp8_dpa) has no dropout: use dropout 0, "
+                "eval mode or a recipe without fp8_dpa"
+            )
 
     # Forward -----------------------------------------------------------------------------------
 
@@ -181,6 +194,7 @@ class DotProductAttention(FP8Module):
             k.transpose(1, 2),
             v.transpose(1, 2),
             attn_mask=mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
             is_causal=causal and mask is None,
             scale=self.softmax_scale,
             enable_gqa=self.num_gqa_groups != h,
@@ -214,7 +228,8 @@ class DotProductAttention(FP8Module):
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_attention_heads}, head_dim={self.kv_channels}, "
-            f"gqa_groups={self.num_gqa_groups}, mask={self.attn_mask_type}"
+            f"gqa_groups={self.num_gqa_groups}, mask={self.attn_mask_type}, "
+            f"dropout={self.attention_dropout}"
         )
 
 
@@ -261,5 +276,5 @@ def _check_config(heads, head_dim, groups, mask, layout, dropout) -> None:
         raise ValueError(
             f"{name}: qkv_format must be 'bshd' (batch, seq, heads, head_dim), got {layout!r}"
         )
-    if dropout != 0.0:
-        raise ValueError(f"{name}: attention_dropout is not supported, got {dropout}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"{name}: attention_dropout must be a number in [0, 1), got {dropout!r}")

@@ -1,5 +1,6 @@
-"""FP8 module plumbing shared by every graphfp8 layer: slots, weight workspaces, the
-is_first_microbatch weight-cache policy, input checks and checkpointed FP8 state."""
+"""FP8 module plumbing shared by every graphfp8 layer: slots, the weight cache
+(graphfp8/fp8/weight_cache.py), input checks and checkpointed FP8 state. The FP8 context is
+read in modules/_context.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from graphfp8.fp8.weight_cache import WeightCache, check_is_first_microbatch
 from graphfp8.modules._autocast import honour_autocast
 from graphfp8.modules._checkpoint import EXTRA_STATE_VERSION, check_extra_state, shape_errors
 from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
-from graphfp8.modules._context import fp8_enabled, fp8_state, gemm_configs
+from graphfp8.modules._context import fp8_enabled, gemm_configs
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
 
@@ -145,11 +146,6 @@ class FP8Module(nn.Module):
             new.copy_from_(meta)
         self.fp8_meta = new
         return new
-
-    def _fp8_forward_state(self, device, frozen: bool = False) -> tuple[FP8Meta, tuple | None]:
-        """This module's slots for an FP8 forward and its eager backward update
-        (modules/_context.py fp8_state)."""
-        return fp8_state(self, device, frozen)
 
     def fp8_snapshot(self) -> tuple:
         """This module's FP8 slots and weight cache, for restore_fp8() (a capture that fails

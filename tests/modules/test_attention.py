@@ -51,6 +51,33 @@ def test_bf16_by_default_equals_torch_sdpa(device):
         assert m.fp8_meta is None
 
 
+def test_attention_dropout_is_torch_sdpas_while_training(device):
+    """attention_dropout: torch's SDPA dropout (the same draws for the same seed) in training
+    mode, none in eval mode; FP8 attention has no dropout and raises before any state changes
+    (in eval mode it runs)."""
+    b, s, h, d = shape_for(device)
+    m = g8.DotProductAttention(h, d, attention_dropout=0.25, device=device)
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device=device) for _ in "qkv")
+
+    def sdpa(p):
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                             dropout_p=p, is_causal=True)  # fmt: skip
+        return out.transpose(1, 2).reshape(b, s, h * d)
+
+    torch.manual_seed(7)
+    got = m(q, k, v)
+    torch.manual_seed(7)
+    assert_bitwise_equal(got, sdpa(0.25))
+    assert not torch.equal(got, sdpa(0.0))
+    m.eval()
+    assert_bitwise_equal(m(q, k, v), sdpa(0.0))
+    m.train()
+    with pytest.raises(ValueError, match="FP8 attention .* has no dropout"):
+        with g8.fp8_autocast(recipe=DPA):
+            m(q, k, v)
+    assert m.fp8_meta is None
+
+
 def _sqnrs(m, recipe, batches):
     """SQNR of m's FP8 output and grads against a float32 copy, over several batches."""
     runs = []
@@ -238,7 +265,7 @@ def test_attention_slots_only_with_fp8_attention(device):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(attention_dropout=0.1), "attention_dropout is not supported"),
+        (dict(attention_dropout=1.0), r"attention_dropout must be a number in \[0, 1\)"),
         (dict(qkv_format="sbhd"), "qkv_format must be 'bshd'"),
         (dict(attn_mask_type="padding"), "attn_mask_type must be one of"),
         (dict(num_gqa_groups=3), "multiple of num_gqa_groups"),

@@ -1,0 +1,89 @@
+"""graphfp8.te.recipe: TransformerEngine's recipe module (transformer_engine.common.recipe) over
+graphfp8's recipes.
+
+`DelayedScaling(...)` and `Float8CurrentScaling(...)` take TE's arguments and return graphfp8's
+own frozen recipe (graphfp8.DelayedScaling / graphfp8.Float8CurrentScaling), so a recipe made
+either way is the same value: equal, checkpointed and captured alike. `isinstance(r,
+te.recipe.DelayedScaling)` holds for graphfp8's recipe. A TE recipe argument graphfp8 does not
+implement raises unless it has TE's default; TE's other recipes (MXFP8, block scaling, NVFP4,
+custom) are not here.
+"""
+
+from __future__ import annotations
+
+import graphfp8 as _g8
+from graphfp8.te._args import FIXED, check_te_args
+
+Format = _g8.Format
+
+__all__ = ["DelayedScaling", "Float8CurrentScaling", "Format", "Recipe"]
+
+Recipe = _g8.DelayedScaling | _g8.Float8CurrentScaling
+_QUANT_AND_GEMM_PARAMS = (
+    "fp8_quant_fwd_inp",
+    "fp8_quant_fwd_weight",
+    "fp8_quant_bwd_grad",
+    "fp8_gemm_fprop",
+    "fp8_gemm_dgrad",
+    "fp8_gemm_wgrad",
+)
+
+
+class _MakesGraphfp8Recipe(type):
+    """isinstance against the TE-named class checks for the graphfp8 recipe it returns."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, cls.graphfp8_class)
+
+
+class DelayedScaling(metaclass=_MakesGraphfp8Recipe):
+    """TE's DelayedScaling(margin, fp8_format, amax_history_len, amax_compute_algo, ...), as a
+    graphfp8.DelayedScaling (see its docstring for each field).
+
+    Not supported (raise unless TE's default): scaling_factor_compute_algo (a callable),
+    a callable amax_compute_algo, backward_override.
+    """
+
+    graphfp8_class = _g8.DelayedScaling
+
+    def __new__(cls, margin: int = 0, fp8_format: Format = Format.HYBRID,
+                amax_history_len: int = 1024, amax_compute_algo: str = "max",
+                scaling_factor_compute_algo=None, reduce_amax: bool = True,
+                fp8_dpa: bool = False, fp8_mha: bool = False,
+                backward_override=None):  # fmt: skip
+        check_te_args(
+            "recipe.DelayedScaling",
+            dict(scaling_factor_compute_algo=scaling_factor_compute_algo,
+                 backward_override=backward_override),
+            dict(scaling_factor_compute_algo=None, backward_override=None),
+        )  # fmt: skip
+        return _g8.DelayedScaling(margin=margin, fp8_format=fp8_format,
+                                  amax_history_len=amax_history_len,
+                                  amax_compute_algo=amax_compute_algo, reduce_amax=reduce_amax,
+                                  fp8_dpa=fp8_dpa, fp8_mha=fp8_mha)  # fmt: skip
+
+
+class Float8CurrentScaling(metaclass=_MakesGraphfp8Recipe):
+    """TE's Float8CurrentScaling(fp8_format=...), as a graphfp8.Float8CurrentScaling.
+
+    Not supported (raise unless TE's default): use_power_2_scales, the per-tensor QParams
+    (fp8_quant_fwd_inp, fp8_quant_fwd_weight, fp8_quant_bwd_grad) and GEMM MMParams
+    (fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad), fp8_dpa, fp8_mha (FP8 attention is
+    DelayedScaling only in graphfp8), backward_override.
+    """
+
+    graphfp8_class = _g8.Float8CurrentScaling
+
+    def __new__(cls, fp8_format: Format = Format.HYBRID, **te_only):
+        check_te_args(
+            "recipe.Float8CurrentScaling",
+            te_only,
+            dict(
+                use_power_2_scales=False,
+                fp8_dpa=False,
+                fp8_mha=False,
+                backward_override=None,
+                **dict.fromkeys(_QUANT_AND_GEMM_PARAMS, FIXED),
+            ),
+        )
+        return _g8.Float8CurrentScaling(fp8_format=fp8_format)
