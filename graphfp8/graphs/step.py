@@ -29,7 +29,6 @@ import warnings
 
 import torch
 
-from graphfp8 import _C
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.recipe import Recipe
@@ -42,6 +41,7 @@ from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_optim import OptimizerGuard, TrainingSnapshot, check_optimizer
 from graphfp8.graphs.train_body import StaticBatch, TrainBody
+from graphfp8.ops import GradWatch
 from graphfp8.profiling import nvtx_range
 
 __all__ = ["GraphedStep", "make_graphed_step"]
@@ -265,7 +265,7 @@ class GraphedStep:
         self.params = run.body.grad_params
         self.grads, self.grads_before_clipping = run.grads, run.grads_before_clipping
         # Where the parameters' .grad stand, in one C++ pass (graphs/grads.py).
-        self._grads_attached = _C.GradWatch(self.params, self.grads).state
+        self._grads_attached = GradWatch(self.params, self.grads).state
 
     @opaque_to_dynamo  # one opaque call inside torch.compile'd code, as a graphed callable
     def __call__(self, batch) -> torch.Tensor:
