@@ -1,6 +1,6 @@
 """Switches between CUDA kernel variants (csrc/ops/switches.h): a new kernel lands off until it
-has run on a GPU; the two below ran on the H200 on 2026-12-01 and are on by default. ENV_DEFAULTS
-holds the switches that Python modules read once from the environment instead.
+has run on a GPU; the first two below ran on the H200 on 2026-12-01 and are on by default.
+ENV_DEFAULTS holds the switches that Python modules read once from the environment instead.
 
 Each switch starts from its environment variable (GRAPHFP8_<NAME>=0 turns it off, read once when
 the extension loads) and can be flipped at run time, which is how the CUDA tests compare a new
@@ -10,6 +10,10 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
                        fixed-order parameter-gradient reduction (bit-identical results)
     PAIRED_QUANTIZE    the cast-transposes' FP8 conversion two values per instruction and
                        word-wide transposed stores (bit-identical results)
+    DBIAS_IN_KERNEL    (off) the fused dbias's column sums by the last block of each column of
+                       tiles, not a second kernel: one launch fewer (bit-identical results)
+    NORM_BWD_PIPELINED (off) the batched norm backward with the next rows' loads in flight
+                       during the current rows' sums and stores (bit-identical results)
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from graphfp8.ops._lib import _C
 
 __all__ = ["ENV_DEFAULTS", "SWITCHES", "env_switch", "kernel_switch", "switch_on"]
 
-SWITCHES = ("NORM_BWD_BATCHED", "PAIRED_QUANTIZE")
+SWITCHES = ("NORM_BWD_BATCHED", "PAIRED_QUANTIZE", "DBIAS_IN_KERNEL", "NORM_BWD_PIPELINED")
 
 # The switches read from GRAPHFP8_<NAME> by the module that owns them, with their defaults:
 #   CURRENT_FUSED  current scaling's fused casts on CUDA (graphfp8.fp8.current)

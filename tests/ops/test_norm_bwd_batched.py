@@ -2,7 +2,9 @@
 against the kernel it replaces: dx, dgamma and dbeta bit for bit, on every path its layout
 takes (1, 2 or 4 lanes per thread, several row slots per block, rows in batches with a ragged
 tail, fewer rows than blocks, unvectorised hidden sizes, every dtype, dresidual, RMSNorm,
-zero-centred gamma), and bit for bit on repeat. GPU only: the CPU has one backward."""
+zero-centred gamma), and bit for bit on repeat; the pipelined variant of it (kernel switch
+NORM_BWD_PIPELINED: the next rows' loads in flight during the current rows' work) against the
+batched kernel the same way. GPU only: the CPU has one backward."""
 
 from __future__ import annotations
 
@@ -66,6 +68,23 @@ def test_batched_backward_equals_the_old_kernel(device, shape, dtype, rms, dresi
         again = _backward(args, rms, zero_centered)
     for name, g, a, w in zip(("dx", "dgamma", "dbeta"), got, again, want, strict=False):
         assert_bitwise_equal(g, w, f"{name} vs the old kernel")
+        assert_bitwise_equal(a, g, f"{name} on repeat")
+
+
+@pytest.mark.parametrize("device", [CUDA_PARAM])
+@pytest.mark.parametrize("shape, dtype", SHAPES)
+@pytest.mark.parametrize("rms, dresidual, zero_centered", OPTIONS)
+def test_pipelined_backward_equals_the_batched_kernel(device, shape, dtype, rms, dresidual,
+                                                      zero_centered):  # fmt: skip
+    args = _inputs(shape, dtype, rms, dresidual, zero_centered)
+    with kernel_switch("NORM_BWD_BATCHED", True):
+        with kernel_switch("NORM_BWD_PIPELINED", False):
+            want = _backward(args, rms, zero_centered)
+        with kernel_switch("NORM_BWD_PIPELINED", True):
+            got = _backward(args, rms, zero_centered)
+            again = _backward(args, rms, zero_centered)
+    for name, g, a, w in zip(("dx", "dgamma", "dbeta"), got, again, want, strict=False):
+        assert_bitwise_equal(g, w, f"{name} vs the batched kernel")
         assert_bitwise_equal(a, g, f"{name} on repeat")
 
 
