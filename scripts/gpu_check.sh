@@ -20,7 +20,8 @@
 #              FP8 graphed; LLAMA_ARGS adds e.g. --pack), hf (a 100M HF Llama: FP8 + graphs via
 #              g8.from_hf vs HF bf16 eager / compile); issue 33's: ncu (Nsight Compute counters of
 #              the norm backward, GELU/GLU casts and amax passes: scripts/ncu_kernels.py), kern-ab
-#              (the DBIAS_IN_KERNEL / NORM_BWD_PIPELINED switches: tests, variants, census, step);
+#              (the DBIAS_IN_KERNEL / NORM_BWD_PIPELINED / ROPE_PARTS_BWD switches: tests, variants,
+#              census, step);
 #              issue 32's: te (TransformerEngine's documentation examples on graphfp8.te, tests/te's
 #              CUDA tests))
 #   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
@@ -249,7 +250,7 @@ for step in $STEPS; do
       grep -v '^wrote' /tmp/bench_step_nodebug.log >> "$RES/summary.md" ;;
     kern-ab)  # issue 33 (kern): the new kernel switches' CUDA tests, each off/on on the kernels,
       # the step graph's nodes per layer (census), and bench step off / on
-      KERN_SW="GRAPHFP8_DBIAS_IN_KERNEL=1 GRAPHFP8_NORM_BWD_PIPELINED=1"
+      KERN_SW="GRAPHFP8_DBIAS_IN_KERNEL=1 GRAPHFP8_NORM_BWD_PIPELINED=1 GRAPHFP8_ROPE_PARTS_BWD=1"
       timeout 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_dbias_in_kernel.py \
         tests/ops/test_norm_bwd_batched.py tests/ops/test_rope_fp8.py \
         > "$RES/kern_tests.log" 2>&1 || status=1

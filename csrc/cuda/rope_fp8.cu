@@ -87,6 +87,20 @@ __device__ __forceinline__ void fold(float (&amax)[3], int part, float a) {
   amax[2] = part == 2 ? fmaxf(amax[2], a) : amax[2];
 }
 
+// The lo and hi halves of a high-precision head vector chunk at src (half elements apart) as
+// floats: one 16-byte load each (kVec), or one element each.
+template <typename T, bool kVec, int M>
+__device__ __forceinline__ void load_halves(const T* src, int64_t half, float (&lo)[M],
+                                            float (&hi)[M]) {
+  if constexpr (kVec) {
+    cuda::load_vec(src, lo);
+    cuda::load_vec(src + half, hi);
+  } else {
+    lo[0] = cuda::to_float(src[0]);
+    hi[0] = cuda::to_float(src[half]);
+  }
+}
+
 template <typename T, bool kE4M3, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     rope_fp8_kernel(const T* __restrict__ qkv, RopeFp8Params p, Shape sh, int64_t work) {
@@ -101,15 +115,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = c / per_row;
     const int64_t i0 = (c - r * per_row) * N;
     const RopeRow at = rope_row(r, sh.seq, sh.heads, sh.kv_heads, sh.head_dim);
-    const T* src = qkv + r * sh.head_dim + i0;
     float lo[N], hi[N];
-    if constexpr (kVec) {
-      cuda::load_vec(src, lo);
-      cuda::load_vec(src + half, hi);
-    } else {
-      lo[0] = cuda::to_float(src[0]);
-      hi[0] = cuda::to_float(src[half]);
-    }
+    load_halves<T, kVec>(qkv + r * sh.head_dim + i0, half, lo, hi);
     if (at.part < 2 && p.cos != nullptr) {
       const float* cs = p.cos + at.s * sh.head_dim + i0;
       const float* sn = p.sin + at.s * sh.head_dim + i0;
@@ -176,14 +183,7 @@ __device__ __forceinline__ void load_grad(const void* grad, int64_t at, int64_t 
                                           const float* scale_inv_ptr, float (&lo)[M],
                                           float (&hi)[M]) {
   if constexpr (kKind == kGradHp) {
-    const OutT* src = static_cast<const OutT*>(grad) + at;
-    if constexpr (kVec) {
-      cuda::load_vec(src, lo);
-      cuda::load_vec(src + half, hi);
-    } else {
-      lo[0] = cuda::to_float(src[0]);
-      hi[0] = cuda::to_float(src[half]);
-    }
+    load_halves<OutT, kVec>(static_cast<const OutT*>(grad) + at, half, lo, hi);
   } else {
     constexpr bool kE4M3 = kKind == kGradE4M3;
     const auto* src = static_cast<const uint8_t*>(grad) + at;

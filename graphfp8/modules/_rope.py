@@ -6,8 +6,15 @@ from __future__ import annotations
 import torch
 
 from graphfp8 import ops
+from graphfp8.ops.switches import switch_on
 
-__all__ = ["RopeQKV", "RopeQKVParts", "rope_tables"]
+__all__ = ["RopeQKV", "RopeQKVParts", "rope_parts_backward", "rope_tables"]
+
+
+def rope_parts_backward(device: torch.device) -> bool:
+    """Whether RoPE's backward on `device` reads dq, dk, dv in one kernel (RopeQKVParts): always
+    on the CPU, on CUDA under the kernel switch ROPE_PARTS_BWD (off until it has run on a GPU)."""
+    return device.type == "cpu" or switch_on("ROPE_PARTS_BWD")
 
 
 def rope_tables(max_seq_len: int, head_dim: int, base: float, dtype, device):

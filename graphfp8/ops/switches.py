@@ -14,6 +14,8 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
                        tiles, not a second kernel: one launch fewer (bit-identical results)
     NORM_BWD_PIPELINED (off) the batched norm backward with the next rows' loads in flight
                        during the current rows' sums and stores (bit-identical results)
+    ROPE_PARTS_BWD     (off) the bf16 attention path's RoPE backward reads dq, dk, dv in one
+                       kernel instead of a cat and rope_qkv (bit-identical; the CPU always does)
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from graphfp8.ops._lib import _C
 
 __all__ = ["ENV_DEFAULTS", "SWITCHES", "env_switch", "kernel_switch", "switch_on"]
 
-SWITCHES = ("NORM_BWD_BATCHED", "PAIRED_QUANTIZE", "DBIAS_IN_KERNEL", "NORM_BWD_PIPELINED")
+SWITCHES = (
+    "NORM_BWD_BATCHED",
+    "PAIRED_QUANTIZE",
+    "DBIAS_IN_KERNEL",
+    "NORM_BWD_PIPELINED",
+    "ROPE_PARTS_BWD",
+)
 
 # The switches read from GRAPHFP8_<NAME> by the module that owns them, with their defaults:
 #   CURRENT_FUSED  current scaling's fused casts on CUDA (graphfp8.fp8.current)

@@ -229,3 +229,31 @@ def test_high_precision_backward_refuses_scales_or_another_dtype(device):
         torch.ops.graphfp8.rope_fp8_backward(g, ones, None, None, 2, out, 2)
     with pytest.raises(RuntimeError, match="must have out's dtype"):
         torch.ops.graphfp8.rope_fp8_backward([t.float() for t in g], [], None, None, 2, out, 2)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_rope_parts_function_equals_rope_then_split(device, kv_heads):
+    """modules/_rope.RopeQKVParts (the bf16 attention path under ROPE_PARTS_BWD, always on the
+    CPU) against RopeQKV and a split of its output (whose backward cats dq, dk, dv): the same
+    q, k, v and the same qkv gradient through torch's attention, bit for bit."""
+    from graphfp8.modules._rope import RopeQKV, RopeQKVParts  # noqa: PLC0415
+
+    b, s, h, d = 2, 16, 4, 32
+    qkv = torch.randn(b, s, (h + 2 * kv_heads) * d, device=device, dtype=torch.bfloat16)
+    cos, sin = rope_tables(s, d, 500.0, torch.float32, device)
+
+    def run(parts: bool):
+        x = qkv.clone().requires_grad_(True)
+        if parts:
+            q, k, v = RopeQKVParts.apply(x, cos, sin, h, kv_heads)
+        else:
+            rotated = RopeQKV.apply(x, cos, sin, h, kv_heads)
+            q, k, v = rotated.view(b, s, -1, d).split([h, kv_heads, kv_heads], dim=2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=kv_heads != h)  # fmt: skip
+        out.float().square().sum().backward()
+        return [q, k, v, x.grad]
+
+    for i, (got, want) in enumerate(zip(run(True), run(False), strict=True)):
+        assert_bitwise_equal(got, want, f"output {i}")
