@@ -1,6 +1,6 @@
 // Params structs and launchers of the rotary embedding fused with the FP8 casts of q, k and v (the
-// front of FP8 attention) and of its backward. No torch headers (see common.h). A token's row of the
-// fused QKV tensor holds heads q heads, then kv_heads k and kv_heads v heads (common.h's RopeParams).
+// front of FP8 attention) and of its backward. No torch headers (see common.h). The rows of the
+// fused QKV tensor and of the parts' own tensors: rope_layout.h.
 //
 // Forward, for each part p of a fused QKV tensor (q, k, v) and each element:
 //   r = rotate(x) for q and k (common.h's RopeParams math, fp32, every product and sum rounded on
@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "rope_layout.h"
 
 namespace graphfp8 {
 
@@ -49,22 +50,6 @@ struct RopeFp8BwdParams {
   int64_t kv_heads;          // 1 <= kv_heads <= heads
   int64_t head_dim;          // even
 };
-
-// Where head row j (< heads + 2 * kv_heads) of a token lives: its part (0 q, 1 k, 2 v), its head
-// in that part, and the part's head count.
-struct RopeRow {
-  int part;
-  int64_t head, part_heads;
-};
-
-#ifdef __CUDACC__
-__host__ __device__
-#endif
-inline RopeRow rope_row(int64_t j, int64_t heads, int64_t kv_heads) {
-  if (j < heads) return {0, j, heads};
-  if (j < heads + kv_heads) return {1, j - heads, kv_heads};
-  return {2, j - heads - kv_heads, kv_heads};
-}
 
 // Launchers assume csrc/ops/'s checks passed; a failed Status reports a launch error.
 Status rope_fp8_cpu(const RopeFp8Params& p);

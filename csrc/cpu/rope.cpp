@@ -3,6 +3,7 @@
 // builds with -ffp-contract=off), bit-identical to graphfp8/reference.py's rope_qkv.
 #include "../common.h"
 #include "../dtype_switch.h"
+#include "../rope_layout.h"
 
 namespace graphfp8 {
 namespace {
@@ -12,14 +13,13 @@ void rope_loop(const RopeParams& p) {
   const auto* x = static_cast<const T*>(p.x);
   auto* y = static_cast<T*>(p.out);
   const int64_t half = p.head_dim / 2;
-  const int64_t per_token = p.heads + 2 * p.kv_heads;  // q, k, v head rows of one token
-  const int64_t rows = p.batch * p.seq * per_token;     // one row per (b, s, head row)
+  const int64_t rows = p.batch * p.seq * (p.heads + 2 * p.kv_heads);  // rope_layout.h's rows
   for (int64_t r = 0; r < rows; ++r) {
-    const bool rotated = r % per_token < p.heads + p.kv_heads;  // q or k, not v
-    const int64_t s = (r / per_token) % p.seq;
+    const RopeRow at = rope_row(r, p.seq, p.heads, p.kv_heads, p.head_dim);
+    const bool rotated = at.rotated;
     const int64_t base = r * p.head_dim;
-    const float* c = p.cos + s * p.head_dim;
-    const float* n = p.sin + s * p.head_dim;
+    const float* c = p.cos + at.s * p.head_dim;
+    const float* n = p.sin + at.s * p.head_dim;
     for (int64_t i = 0; i < half; ++i) {
       const float lo = static_cast<float>(x[base + i]);
       const float hi = static_cast<float>(x[base + i + half]);

@@ -29,15 +29,13 @@ void rope_fp8_loop(const RopeFp8Params& p) {
   const int64_t half = p.head_dim / 2;
   float scale[3], amax[3] = {0.0f, 0.0f, 0.0f};
   for (int part = 0; part < 3; ++part) scale[part] = *p.scale[part];
-  const int64_t per_token = p.heads + 2 * p.kv_heads;
-  const int64_t rows = p.batch * p.seq * per_token;  // one row per (b, s, head row)
+  const int64_t rows = p.batch * p.seq * (p.heads + 2 * p.kv_heads);  // rope_layout.h's rows
   for (int64_t r = 0; r < rows; ++r) {
-    const RopeRow row = rope_row(r % per_token, p.heads, p.kv_heads);
-    const int part = row.part;
-    const int64_t token = r / per_token;  // b * seq + s
-    const int64_t s = token % p.seq;
+    const RopeRow at = rope_row(r, p.seq, p.heads, p.kv_heads, p.head_dim);
+    const int part = at.part;
+    const int64_t s = at.s;
     const int64_t in_base = r * p.head_dim;
-    const int64_t out_base = (token * row.part_heads + row.head) * p.head_dim;
+    const int64_t out_base = at.part_offset;
     auto* out = static_cast<uint8_t*>(p.out[part]);
     for (int64_t i = 0; i < half; ++i) {
       float lo = static_cast<float>(qkv[in_base + i]);
@@ -64,14 +62,12 @@ void rope_fp8_bwd_loop(const RopeFp8BwdParams& p) {
   const int64_t half = p.head_dim / 2;
   float scale_inv[3];
   for (int part = 0; part < 3; ++part) scale_inv[part] = *p.scale_inv[part];
-  const int64_t per_token = p.heads + 2 * p.kv_heads;
-  const int64_t rows = p.batch * p.seq * per_token;
+  const int64_t rows = p.batch * p.seq * (p.heads + 2 * p.kv_heads);  // rope_layout.h's rows
   for (int64_t r = 0; r < rows; ++r) {
-    const RopeRow row = rope_row(r % per_token, p.heads, p.kv_heads);
-    const int part = row.part;
-    const int64_t token = r / per_token;
-    const int64_t s = token % p.seq;
-    const int64_t in_base = (token * row.part_heads + row.head) * p.head_dim;
+    const RopeRow at = rope_row(r, p.seq, p.heads, p.kv_heads, p.head_dim);
+    const int part = at.part;
+    const int64_t s = at.s;
+    const int64_t in_base = at.part_offset;
     const int64_t out_base = r * p.head_dim;
     const auto* grad = static_cast<const uint8_t*>(p.grad[part]);
     for (int64_t i = 0; i < half; ++i) {

@@ -5,14 +5,16 @@
 // grid-stride loop over chunks, a chunk being N consecutive (lo, hi) pairs of one row (one
 // (batch, seq, part, head) vector). A thread loads its chunk's lo and hi halves with one 16-byte
 // load each, rotates them in fp32 and stores them with one 16-byte store each; consecutive
-// threads take consecutive chunks, so a warp moves whole rows. The row's position and part are
-// worked out once per chunk. Other shapes take a scalar loop, one pair per iteration.
+// threads take consecutive chunks, so a warp moves whole rows. The row's position and part
+// (rope_layout.h) are worked out once per chunk. Other shapes take a scalar loop, one pair per
+// iteration.
 //
 // The arithmetic uses explicitly rounded fp32 operations (no fused multiply-add), like the CPU
 // kernel (built with -ffp-contract=off) and the PyTorch twin, so all three agree bit for bit; it
 // is rope_math.cuh's, shared with rope_fp8.cu.
 #include "../common.h"
 #include "../dtype_switch.h"
+#include "../rope_layout.h"
 #include "fp8_util.cuh"
 #include "rope_math.cuh"
 #include "vec.cuh"
@@ -33,14 +35,6 @@ struct RowInfo {
   int64_t seq, heads, kv_heads, head_dim;
 };
 
-// Whether row r holds q or k (rotated) rather than v (copied), and its position s. A token has
-// heads q rows, then kv_heads k rows and kv_heads v rows.
-__device__ __forceinline__ bool row_position(int64_t r, const RowInfo& info, int64_t& s) {
-  const int64_t per_token = info.heads + 2 * info.kv_heads;
-  s = (r / per_token) % info.seq;
-  return r % per_token < info.heads + info.kv_heads;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     rope_vec_kernel(const T* __restrict__ x, T* __restrict__ out, const float* __restrict__ cos_t,
@@ -57,10 +51,10 @@ __global__ void __launch_bounds__(kThreads)
     float lo[N], hi[N];
     cuda::load_vec(x + lo_at, lo);
     cuda::load_vec(x + lo_at + half, hi);
-    int64_t s = 0;
-    if (row_position(r, info, s)) {
-      const float* cs = cos_t + s * info.head_dim + i0;
-      const float* sn = sin_t + s * info.head_dim + i0;
+    const RopeRow at = rope_row(r, info.seq, info.heads, info.kv_heads, info.head_dim);
+    if (at.rotated) {
+      const float* cs = cos_t + at.s * info.head_dim + i0;
+      const float* sn = sin_t + at.s * info.head_dim + i0;
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         const RopePair o = rotate(lo[k], hi[k], __ldg(cs + k), __ldg(cs + half + k),
@@ -93,10 +87,10 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t i = p - r * half;
     const int64_t lo_at = r * info.head_dim + i;
     float lo = cuda::to_float(x[lo_at]), hi = cuda::to_float(x[lo_at + half]);
-    int64_t s = 0;
-    if (row_position(r, info, s)) {
-      const float* cs = cos_t + s * info.head_dim;
-      const float* sn = sin_t + s * info.head_dim;
+    const RopeRow at = rope_row(r, info.seq, info.heads, info.kv_heads, info.head_dim);
+    if (at.rotated) {
+      const float* cs = cos_t + at.s * info.head_dim;
+      const float* sn = sin_t + at.s * info.head_dim;
       const RopePair o = rotate(lo, hi, cs[i], cs[i + half], sn[i], sn[i + half], inverse);
       lo = o.lo;
       hi = o.hi;

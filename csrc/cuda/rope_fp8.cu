@@ -2,7 +2,7 @@
 // its backward: dequantize, rotate dq and dk back, write the fused dQKV (rope_fp8.h has the math).
 //
 // Forward grid: a grid-stride loop over chunks, a chunk being N = 16 / sizeof(T) consecutive
-// (lo, hi) pairs of one input row (one (batch, seq, part, head) vector of head_dim elements).
+// (lo, hi) pairs of one input row (rope_layout.h: where a row lives, in the input and the output).
 // A thread loads the chunk's lo and hi halves with one 16-byte load each, rotates in fp32, rounds
 // to T, quantizes, and writes N FP8 bytes per half into its part's (batch, seq, heads, head_dim)
 // output with one store each; consecutive threads take consecutive chunks. Each thread keeps one
@@ -32,22 +32,6 @@ using Pair = RopePair;
 __device__ __forceinline__ Pair rotate(float lo, float hi, float c_lo, float c_hi, float n_lo,
                                        float n_hi, bool inverse) {
   return rope_rotate(lo, hi, c_lo, c_hi, n_lo, n_hi, inverse);
-}
-
-// Where row r of the fused QKV tensor lives: its part (0 q, 1 k, 2 v), its position s, and the
-// offset of its vector in the part's (batch, seq, heads, head_dim) tensor.
-struct RowPlace {
-  int part;
-  int64_t s;
-  int64_t part_offset;
-};
-
-__device__ __forceinline__ RowPlace place(int64_t r, int64_t seq, int64_t heads, int64_t kv_heads,
-                                          int64_t head_dim) {
-  const int64_t per_token = heads + 2 * kv_heads;
-  const int64_t token = r / per_token;
-  const RopeRow row = rope_row(r % per_token, heads, kv_heads);
-  return {row.part, token % seq, (token * row.part_heads + row.head) * head_dim};
 }
 
 template <typename T>
@@ -114,7 +98,7 @@ __global__ void __launch_bounds__(kThreads)
        c += stride) {
     const int64_t r = c / per_row;
     const int64_t i0 = (c - r * per_row) * N;
-    const RowPlace at = place(r, sh.seq, sh.heads, sh.kv_heads, sh.head_dim);
+    const RopeRow at = rope_row(r, sh.seq, sh.heads, sh.kv_heads, sh.head_dim);
     const T* src = qkv + r * sh.head_dim + i0;
     float lo[N], hi[N];
     if constexpr (kVec) {
@@ -191,7 +175,7 @@ __global__ void __launch_bounds__(kThreads)
        c += stride) {
     const int64_t r = c / per_row;
     const int64_t i0 = (c - r * per_row) * M;
-    const RowPlace at = place(r, sh.seq, sh.heads, sh.kv_heads, sh.head_dim);
+    const RopeRow at = rope_row(r, sh.seq, sh.heads, sh.kv_heads, sh.head_dim);
     const auto* src = static_cast<const uint8_t*>(p.grad[at.part]) + at.part_offset + i0;
     const float scale_inv = *p.scale_inv[at.part];
     float lo[M], hi[M];
