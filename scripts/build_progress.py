@@ -11,8 +11,8 @@ import re
 import sys
 from collections import deque
 
-# ninja's "[3/16] c++ ... -c /path/csrc/cpu/rope.cpp -o ..." (nvcc lines alike)
-STEP = re.compile(r"^\s*\[(\d+)/(\d+)\]\s.*?\s-c\s+(\S+)")
+# ninja's "[3/16] c++ ... -c -c /path/csrc/cpu/rope.cpp -o ..." (nvcc lines alike)
+STEP = re.compile(r"^\s*\[(\d+)/(\d+)\]\s.*\s(\S+\.(?:cpp|cu))\s+-o\s")
 SUCCESS = "Successfully installed graphfp8"
 
 
