@@ -36,6 +36,8 @@ LAYERS = [
 TEST_ONLY = ("graphfp8.reference", "graphfp8.testing")
 # graphs/ knows only the module base class, never a concrete layer.
 GRAPHS_MAY_IMPORT = ("graphfp8.modules.base",)
+# The compiled extension is loaded by graphfp8.ops (its loader, ops/_lib.py) and reached through it.
+EXTENSION, EXTENSION_LOADER = "graphfp8._C", "graphfp8.ops"
 
 
 def module_name(path: Path) -> str:
@@ -132,7 +134,7 @@ def _is_package_of(importer: str, imported: str) -> bool:
 
 def violations(edges: dict[str, set[str]]) -> list[str]:
     """Human-readable problems: cycles, upward imports, test-only imports, concrete layers
-    imported by graphs/."""
+    imported by graphs/, the extension imported around its loader."""
     out = []
     # Package __init__ files import their children: leave those edges out of the cycle search.
     plain = {m: {i for i in deps if not _is_package_of(m, i)} for m, deps in edges.items()}
@@ -150,6 +152,8 @@ def violations(edges: dict[str, set[str]]) -> list[str]:
             runtime = layer_of(mod) < len(LAYERS) - 1
             if runtime and dep.startswith(TEST_ONLY):
                 out.append(f"{mod} (runtime) imports test-only {dep}")
+            if dep == EXTENSION and not mod.startswith(EXTENSION_LOADER):
+                out.append(f"{mod} imports {dep} directly, not through {EXTENSION_LOADER}")
             if mod.startswith("graphfp8.graphs") and dep.startswith("graphfp8.modules"):
                 if dep not in GRAPHS_MAY_IMPORT:
                     out.append(f"{mod} imports the concrete layer module {dep}")

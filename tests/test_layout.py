@@ -29,16 +29,22 @@ def test_imports_follow_the_layers_without_cycles(layers):
     assert layers.violations(layers.graph()) == []
 
 
-def test_the_layer_check_catches_cycles_and_upward_imports(layers):
+def test_the_layer_check_catches_cycles_upward_imports_and_the_extension_around_ops(layers):
     edges = {
         "graphfp8.fp8.a": {"graphfp8.fp8.b"},
         "graphfp8.fp8.b": {"graphfp8.fp8.a", "graphfp8.graphs.capture"},
-        "graphfp8.graphs.capture": {"graphfp8.modules.linear", "graphfp8.modules.base"},
+        "graphfp8.graphs.capture": {
+            "graphfp8.modules.linear",
+            "graphfp8.modules.base",
+            "graphfp8._C",
+        },
         "graphfp8.modules.base": {"graphfp8.reference"},
+        "graphfp8.ops._lib": {"graphfp8._C"},
     }
     assert layers.violations(edges) == [
         "import cycle: graphfp8.fp8.a -> graphfp8.fp8.b -> graphfp8.fp8.a",
         "graphfp8.fp8.b (layer fp8) imports graphfp8.graphs.capture (layer graphs, higher)",
+        "graphfp8.graphs.capture imports graphfp8._C directly, not through graphfp8.ops",
         "graphfp8.graphs.capture imports the concrete layer module graphfp8.modules.linear",
         "graphfp8.modules.base (layer modules) imports graphfp8.reference (layer top, higher)",
         "graphfp8.modules.base (runtime) imports test-only graphfp8.reference",

@@ -1,7 +1,9 @@
-"""The FP8 state layer: recipes, slot roles, arenas, Float8Tensor and fp8_autocast.
+"""The FP8 state layer: recipes, slot roles, arenas, Float8Tensor, the FP8 context and
+fp8_autocast.
 
 Imports flow one way: recipe -> slots -> (ops) -> tensor -> primary -> master, and tensor ->
-arena_check -> scaling -> current -> autocast.
+arena_check -> scaling -> current; tensor -> weight_cache -> context -> (master, scale_schedule,
+autocast), scaling -> scale_schedule.
 """
 
 from graphfp8.fp8.autocast import autocast, fp8_autocast, reset_state

@@ -16,22 +16,8 @@ import itertools
 from graphfp8 import global_state
 from graphfp8.fp8 import context, observe, scaling
 from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
-from graphfp8.fp8.weight_cache import check_is_first_microbatch
 
-__all__ = ["autocast", "fp8_autocast", "check_is_first_microbatch", "reset_state"]
-
-
-class _ContextView:
-    """Deprecated, read-only: the old process-global FP8 state as a view of the current FP8
-    context, for code written before graphfp8/fp8/context.py (read context.current())."""
-
-    enabled = property(lambda self: context.current().enabled)
-    recipe = property(lambda self: context.current().recipe)
-    group = property(lambda self: context.current().group)
-    capture = property(lambda self: context.current().recorder)
-
-
-STATE = _ContextView()
+__all__ = ["autocast", "fp8_autocast", "reset_state"]
 
 # Numbers outermost enabled fp8_autocast regions. Never reset: arenas remember the region that
 # last updated them, so a reused number would skip an update.

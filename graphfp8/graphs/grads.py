@@ -9,9 +9,9 @@ import operator
 
 import torch
 
-from graphfp8 import _C
 from graphfp8.graphs.backends import new_graph
 from graphfp8.graphs.tape import CaptureError
+from graphfp8.ops import GradWatch
 
 __all__ = ["FOLD_AT_ONCE", "GradAccumulator", "GradFold", "grad_buffer"]
 
@@ -42,7 +42,7 @@ class GradAccumulator:
         self._nones = [None] * len(params)
         self._attach = None
         # Where every .grad stands, in one C++ pass (graphs/replay_guard.py says why C++).
-        self._where = _C.GradWatch(params, buffers).state
+        self._where = GradWatch(params, buffers).state
 
     def before_replay(self) -> None:
         where = self._where()

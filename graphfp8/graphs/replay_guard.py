@@ -11,7 +11,7 @@ hook on a module, globally or on a parameter (never run).
 
 Cost per call, flat in model size: one int compared (the modules' dicts count their writes,
 graphs/watch.py), four global hook dicts tested for emptiness, and one C++ loop over the tensors
-(`graphfp8._C.TensorWatch`, ~10 ns a tensor: storage pointer, requires_grad, tensor hooks). Only
+(`graphfp8.ops.TensorWatch`, ~10 ns a tensor: storage pointer, requires_grad, tensor hooks). Only
 when one of those moved does the Python path below look at everything, to word the error or, when
 nothing the graph depends on changed (a hook added and removed, another model's module changed),
 to remember the new count.
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from graphfp8 import _C
 from graphfp8.graphs.watch import CHANGES, MODULE_HOOKS, watch_modules
+from graphfp8.ops import TensorWatch
 
 __all__ = ["GLOBAL_HOOKS", "ReplayGuard", "hook_dicts", "tensor_hooks"]
 
@@ -93,7 +93,7 @@ class ReplayGuard:
             self._add(p, label, True, seen)
         self.requires_grad = [t.requires_grad for t in self.tensors]
         self.data_ptrs = [t.data_ptr() for t in self.tensors]
-        self._watch = _C.TensorWatch(self.tensors, self.is_param)
+        self._watch = TensorWatch(self.tensors, self.is_param)
         self._seen = CHANGES.value
 
     def _add(self, t: torch.Tensor, label: str, is_param: bool, seen: set[int]) -> None:

@@ -10,22 +10,27 @@ HF one). GPT-2's Conv1D weights, stored (in, out), are transposed once the same 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
+from graphfp8.fp8.primary import INIT
+from graphfp8.fp8.recipe import Recipe
 from graphfp8.hf.layouts import (
     Entry,
-    Layout,
+    check_exact,
     layer_kwargs,
     layout_for,
     max_positions,
     rope_tables,
     sliding_window,
+    softmax_scales,
 )
-from graphfp8.hf.model import CausalLM
+from graphfp8.modules.carry import FP8Carry, init_fp8_state
 from graphfp8.modules.transformer import TransformerLayer
 
-__all__ = ["from_hf", "to_hf"]
+__all__ = ["from_hf"]
 
 
 def _parent(root: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -66,28 +71,62 @@ def _check_moved(layer: nn.Module, i: int) -> None:
             raise RuntimeError(f"graphfp8.from_hf: layer {i} {name} was not converted")
 
 
-def from_hf(model: nn.Module, max_seq_len: int | None = None) -> CausalLM:
+def _check_convertible(model: nn.Module) -> None:
+    if INIT.enabled:
+        raise RuntimeError(
+            "graphfp8.from_hf moves the Hugging Face model's own (high-precision) weights, so "
+            "inside fp8_model_init it would make no FP8 primary weights: call it outside, or "
+            "build graphfp8 layers inside fp8_model_init and load_state_dict the HF weights"
+        )
+    if getattr(model, "_graphfp8_converted", False):
+        raise ValueError(
+            "graphfp8.from_hf: this Hugging Face model was converted already and shares its "
+            "weights with that CausalLM (a second conversion would make the HF model follow the "
+            "new, separate copy): keep using the first CausalLM, or convert a fresh HF model"
+        )
+
+
+def from_hf(model: nn.Module, max_seq_len: int | None = None, recipe: Recipe | None = None,
+            fp8_group=None, eval_fp8: bool = True, weight_cache: bool = True):  # fmt: skip
     """A Hugging Face LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
-    GPT2LMHeadModel as graphfp8 TransformerLayers: FP8 GEMMs under fp8_autocast, graphable.
+    GPT2LMHeadModel as graphfp8 TransformerLayers: FP8 GEMMs, graphable, Hugging Face's forward
+    arguments and outputs (graphfp8.hf.model.CausalLM).
 
     Args:
         model: the HF model, on its device and in its dtype (bf16 for training); it keeps
-            working, sharing every weight with the result (module docstring).
+            working, sharing every weight with the result (module docstring). A model can be
+            converted once.
         max_seq_len: longest sequence (RoPE tables); default min(max_position_embeddings, 4096).
+        recipe: the FP8 recipe the model carries (graphfp8.modules.carry): it then runs in FP8
+            by itself, with no fp8_autocast in the training loop. None: FP8 only inside the
+            caller's fp8_autocast.
+        fp8_group, eval_fp8, weight_cache: the carried settings (FP8Carry); need a recipe.
 
     Returns:
-        CausalLM: input_ids (B, S) -> logits (B, S, vocab).
+        CausalLM: input_ids (B, S) -> CausalLMOutputWithPast (loss with labels, logits (B, S,
+        vocab)).
+
+    Raises:
+        ValueError: before anything changes, for a model or configuration it would not convert
+            exactly (unsupported architecture or settings, dropout, a second conversion).
     """
+    from graphfp8.hf.model import CausalLM
+
+    _check_convertible(model)
+    carry = FP8Carry(recipe, fp8_group, eval_fp8, weight_cache) if recipe is not None else None
     config = model.config
     layout = layout_for(config)
-    hf_layers = model.get_submodule(layout.layers_path)
-    ref = next(model.parameters())
+    check_exact(config, layout)
     kw = layer_kwargs(config, layout)
+    hf_layers = model.get_submodule(layout.layers_path)
+    scales = softmax_scales(config, layout, len(hf_layers))
+    ref = next(model.parameters())
     seq = min(max_seq_len or 4096, max_positions(config))
     tables = rope_tables(model, config, seq, kw["hidden_size"] // kw["num_heads"], ref.device)
     layers = []
     for i in range(len(hf_layers)):
-        layer = TransformerLayer(**kw, max_seq_len=seq, params_dtype=ref.dtype, device="meta")
+        layer = TransformerLayer(**kw, max_seq_len=seq, params_dtype=ref.dtype, device="meta",
+                                 softmax_scale=scales[i])  # fmt: skip
         for entry in layout.layer_entries:
             _move(model, f"{layout.layers_path}.{i}.", layer, entry)
         layer.core_attention._device_anchor = torch.empty(0, device=ref.device)
@@ -95,58 +134,11 @@ def from_hf(model: nn.Module, max_seq_len: int | None = None) -> CausalLM:
             layer.rope_cos, layer.rope_sin = tables
         _check_moved(layer, i)
         layers.append(layer)
+    model._graphfp8_converted = True
     pos = model.get_submodule(layout.pos_embed_path) if layout.pos_embed_path else None
-    return CausalLM(layout.name, config, model.get_submodule(layout.embed_path), layers,
-                    model.get_submodule(layout.norm_path), model.get_submodule("lm_head"), pos,
-                    sliding_window(config))  # fmt: skip
-
-
-def _to_hf_entry(state: dict, ours: str, prefix: str, entry: Entry, sizes) -> dict:
-    if ours not in state:
-        return {}
-    t = state[ours]
-    if len(entry.theirs) == 1:
-        return {prefix + entry.theirs[0]: t.t() if entry.transposed else t}
-    return {prefix + name: part for name, part in zip(entry.theirs, t.split(sizes), strict=True)}
-
-
-def _split_sizes(config, layout: Layout, entry: Entry) -> list[int] | None:
-    if len(entry.theirs) == 1:
-        return None
-    kw = layer_kwargs(config, layout)
-    if entry.ours.startswith("mlp."):
-        return [kw["ffn_hidden_size"]] * 2
-    d = kw["hidden_size"] // kw["num_heads"]
-    return [kw["num_heads"] * d, kw["num_gqa_groups"] * d, kw["num_gqa_groups"] * d]
-
-
-def to_hf(model_or_state, config=None) -> dict[str, torch.Tensor]:
-    """The Hugging Face state dict (q/k/v and gate/up split again, GPT-2's Conv1D weights
-    transposed back) of a converted model or of its state_dict (a checkpoint).
-
-    Args:
-        model_or_state: a CausalLM, or a CausalLM state_dict (FP8 state entries are dropped).
-        config: the HF config; needed with a state dict.
-
-    Returns:
-        {HF name: tensor} for `HFModelClass(config).load_state_dict(...)` (views where no copy
-        is needed; tied embeddings give the same tensor twice, as HF's own state dict does).
-    """
-    if isinstance(model_or_state, CausalLM):
-        config = model_or_state.config
-        state = model_or_state.state_dict()
-    else:
-        state = model_or_state
-        if config is None:
-            raise ValueError("graphfp8.to_hf: a state dict needs the model's HF config")
-    layout = layout_for(config)
-    n = getattr(config, "num_hidden_layers", None) or config.n_layer
-    out = {}
-    for entry in layout.top_entries:
-        out.update(_to_hf_entry(state, entry.ours, "", entry, None))
-    for i in range(n):
-        for entry in layout.layer_entries:
-            sizes = _split_sizes(config, layout, entry)
-            out.update(_to_hf_entry(state, f"layers.{i}.{entry.ours}",
-                                    f"{layout.layers_path}.{i}.", entry, sizes))  # fmt: skip
-    return out
+    lm = CausalLM(layout.name, copy.deepcopy(config), model.get_submodule(layout.embed_path),
+                  layers, model.get_submodule(layout.norm_path), model.get_submodule("lm_head"),
+                  pos, sliding_window(config), type(model), carry)  # fmt: skip
+    if carry is not None:
+        init_fp8_state(lm, carry.recipe, ref.device)
+    return lm

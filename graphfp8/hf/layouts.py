@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Entry", "Layout", "layout_for"]
+__all__ = ["Entry", "Layout", "check_exact", "layout_for", "softmax_scales"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,43 @@ def layout_for(config) -> Layout:
             "GPT2LMHeadModel)"
         )
     return _FAMILY[kind]
+
+
+def check_exact(config, layout: Layout) -> None:
+    """Raises for a configuration that graphfp8's layers would not compute exactly: dropout (the
+    layers have none), GPT-2's float32 attention and cross-attention."""
+    if layout.name == "gpt2":
+        drops = {k: getattr(config, k, 0.0) for k in ("embd_pdrop", "resid_pdrop", "attn_pdrop")}
+        fixes = {"reorder_and_upcast_attn": False, "add_cross_attention": False}
+    else:
+        drops = {"attention_dropout": getattr(config, "attention_dropout", 0.0)}
+        fixes = {"pretraining_tp": 1}
+    drops = {k: v for k, v in drops.items() if v}
+    if drops:
+        args = ", ".join(f"{k}=0.0" for k in drops)
+        raise ValueError(
+            f"graphfp8.from_hf: the model has dropout {drops}, which graphfp8's layers do not run "
+            f"(its training would silently lose it): load or build the model with {args} "
+            f"(from_pretrained(name, {args}) or its config)"
+        )
+    wrong = {k: getattr(config, k) for k, v in fixes.items() if getattr(config, k, v) != v}
+    if wrong:
+        raise ValueError(f"graphfp8.from_hf: {wrong} is not converted; supported: "
+                         f"{ {k: fixes[k] for k in wrong} }")  # fmt: skip
+
+
+def softmax_scales(config, layout: Layout, num_layers: int) -> list[float | None]:
+    """Each layer's attention scale, as the HF model computes it (None: 1 / sqrt(head_dim), the
+    layers' default). GPT-2 can drop it (scale_attn_weights=False) and divide it by the layer
+    number (scale_attn_by_inverse_layer_idx)."""
+    if layout.name != "gpt2":
+        return [None] * num_layers
+    weights = getattr(config, "scale_attn_weights", True)
+    by_layer = getattr(config, "scale_attn_by_inverse_layer_idx", False)
+    if weights and not by_layer:
+        return [None] * num_layers
+    base = (config.n_embd // config.n_head) ** -0.5 if weights else 1.0
+    return [base / float(i + 1) if by_layer else base for i in range(num_layers)]
 
 
 def layer_kwargs(config, layout: Layout) -> dict:

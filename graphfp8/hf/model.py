@@ -1,53 +1,66 @@
-"""graphfp8's form of a Hugging Face decoder-only language model: the HF embedding, final norm
-and LM head modules themselves around graphfp8 TransformerLayers.
+"""graphfp8's form of a Hugging Face decoder-only language model, shaped like one: the HF
+embedding, final norm and LM head modules themselves around graphfp8 TransformerLayers, with
+Hugging Face's forward arguments and outputs, generate(), config and save_pretrained().
 
     input_ids (B, S) -> embed (+ learned positions, GPT-2) -> TransformerLayers -> norm -> lm_head
 
-Each TransformerLayer can be graphed on its own (make_graphed_callables on the tuple of
-`layers`: the loop below then calls the graphs), or the whole model with make_graphed_step.
+A `transformers.PreTrainedModel` (and GenerationMixin), so Trainer, accelerate and generate()
+treat it as one of theirs. Each TransformerLayer can be graphed on its own (make_graphed_callables
+on the tuple of `layers`: the loop below then calls the graphs), or the whole model with
+make_graphed_step. Importing this module imports transformers (graphfp8.hf loads it lazily).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
-__all__ = ["CausalLM", "causal_lm_loss"]
+from graphfp8.hf import checkpoints
+from graphfp8.hf.inputs import attention_inputs, gpt2_positions
+from graphfp8.modules.carry import FP8Carry, WeightVersions
 
-IGNORE = -100  # Hugging Face's and F.cross_entropy's ignored target
+__all__ = ["CausalLM"]
 
-
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy in float32.
-
-    Args:
-        logits: (B, S, V), any float dtype.
-        targets: (B, S) int64, the token that follows each input token (-100: not counted).
-            Hugging Face's `labels` are the inputs themselves: targets = labels[:, 1:] against
-            logits[:, :-1].
-    """
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+# transformers 5.24 names the cache `cache`, earlier 5.x `past_key_values`.
+_CACHE_FIELD = (
+    "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+)
 
 
-class CausalLM(nn.Module):
+class CausalLM(PreTrainedModel, GenerationMixin):
     """A converted model (graphfp8.from_hf builds it; graphfp8.to_hf writes it back).
 
     Attributes:
         arch: "llama" (Llama, Mistral, Qwen2) or "gpt2".
-        config: the Hugging Face config it was converted from.
+        config: a copy of the Hugging Face config it was converted from.
+        hf_class: the Hugging Face model class (what save_pretrained writes).
         embed, norm, lm_head: the HF model's own modules (shared, not copied; tied embeddings
             stay tied).
         layers: nn.ModuleList of graphfp8.TransformerLayer.
         pos_embed: GPT-2's learned position embedding (the HF module), else None.
         sliding_window: attention window (Mistral); longer inputs raise.
+        fp8: the carried FP8Carry (graphfp8.modules.carry), or None: FP8 only inside the
+            caller's fp8_autocast.
     """
+
+    config_class = PretrainedConfig
+    base_model_prefix = "graphfp8"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+    _no_split_modules = ["TransformerLayer"]
 
     def __init__(self, arch: str, config, embed: nn.Module, layers: list[nn.Module],
                  norm: nn.Module, lm_head: nn.Module, pos_embed: nn.Module | None = None,
-                 sliding_window: int | None = None):  # fmt: skip
-        super().__init__()
-        self.arch, self.config, self.sliding_window = arch, config, sliding_window
+                 sliding_window: int | None = None, hf_class: type | None = None,
+                 fp8: FP8Carry | None = None):  # fmt: skip
+        super().__init__(config)
+        self.arch, self.sliding_window, self.hf_class = arch, sliding_window, hf_class
         self.embed, self.layers, self.norm, self.lm_head = (
             embed,
             nn.ModuleList(layers),
@@ -55,25 +68,132 @@ class CausalLM(nn.Module):
             lm_head,
         )
         self.pos_embed = pos_embed
+        self.fp8 = fp8
+        self._weight_versions = WeightVersions()
+        self.all_tied_weights_keys = {}  # PreTrainedModel.post_init's; the HF modules keep ties
+        self.register_load_state_dict_pre_hook(checkpoints.from_hf_names_hook)
 
-    def forward(self, input_ids: torch.Tensor, segment_ids: torch.Tensor | None = None,
-                is_first_microbatch: bool | None = None) -> torch.Tensor:  # fmt: skip
-        """input_ids: (B, S) int64; segment_ids: optional (B, S) packed documents or padding
-        (graphfp8.ops.segments). Returns logits (B, S, vocab) in the parameters' dtype."""
-        seq = input_ids.shape[1]
-        if self.sliding_window is not None and seq > self.sliding_window:
+    # Hugging Face's interface -------------------------------------------------------------------
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def tie_weights(self, *args, **kwargs) -> None:
+        """The embeddings are the HF model's modules, tied (or not) as they were."""
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """Writes a directory that AutoModelForCausalLM.from_pretrained loads (graphfp8.hf.
+        save_pretrained, whose keyword arguments it takes)."""
+        checkpoints.save_pretrained(self, save_directory, *args, **kwargs)
+
+    def gradient_checkpointing_enable(self, *args, **kwargs):
+        raise NotImplementedError(
+            "graphfp8.hf: gradient (activation) checkpointing is not supported: a recomputed "
+            "FP8 forward would run outside its fp8_autocast region and record its amaxes twice. "
+            "Train without it (TrainingArguments(gradient_checkpointing=False), the default); "
+            "graphfp8's layers save FP8 activations, not high-precision ones"
+        )
+
+    activation_checkpointing_enable = gradient_checkpointing_enable
+
+    # Forward ------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask=None,
+                position_ids=None, past_key_values=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache: bool | None = None, return_dict: bool | None = None,
+                logits_to_keep: int = 0, segment_ids=None,
+                is_first_microbatch: bool | None = None, **kwargs):  # fmt: skip
+        """Hugging Face's causal-LM forward.
+
+        Args:
+            input_ids: (B, S) int64 (or inputs_embeds (B, S, H)).
+            attention_mask: (B, T) 0/1 padding mask over the cached and new tokens.
+            position_ids: (B, S) int64 positions (packed documents restart them).
+            past_key_values / cache: a transformers Cache (generate() passes one); use_cache
+                without one starts a DynamicCache.
+            labels: (B, S) int64, the inputs themselves (-100: not counted); `.loss` is
+                Hugging Face's shifted mean cross entropy (num_items_in_batch from Trainer).
+            return_dict: False returns a tuple (loss first when labels are given).
+            logits_to_keep: compute logits for the last this many tokens only (0: all).
+            segment_ids: graphfp8's (B, S) packed documents (graphfp8.ops.segments).
+            is_first_microbatch: as for graphfp8.Linear; None with a carried recipe: cast the
+                FP8 weights only when they changed (graphfp8.modules.carry).
+            **kwargs: num_items_in_batch; others Hugging Face passes are ignored;
+                output_attentions / output_hidden_states raise.
+
+        Returns:
+            CausalLMOutputWithPast (loss, logits (B, S', vocab) in the parameters' dtype, the
+            cache), or its tuple.
+        """
+        for name in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(name):
+                raise NotImplementedError(f"graphfp8.hf: {name}=True is not supported")
+        cache = cache if cache is not None else past_key_values
+        if cache is None and use_cache:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.config)
+        carry = self.fp8
+        region = carry.region(self.training) if carry is not None else contextlib.nullcontext()
+        with region:
+            if is_first_microbatch is None and carry is not None:
+                is_first_microbatch = self._weight_versions.is_first_microbatch(
+                    self._fp8_weights(), carry
+                )
+            x = self._hidden(input_ids, inputs_embeds, attention_mask, position_ids, cache,
+                             segment_ids, is_first_microbatch)  # fmt: skip
+            if logits_to_keep:
+                x = x[:, -logits_to_keep:]
+            logits = self.lm_head(self.norm(x))
+        loss = None
+        if labels is not None:
+            loss = ForCausalLMLoss(logits, labels, self.config.vocab_size,
+                                   num_items_in_batch=kwargs.get("num_items_in_batch"))  # fmt: skip
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
+        return out if return_dict is not False else out.to_tuple()
+
+    def _hidden(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, segment_ids,
+                is_first_microbatch) -> torch.Tensor:  # fmt: skip
+        """The last layer's output (B, S, H)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("graphfp8.hf: give exactly one of input_ids and inputs_embeds")
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        b, s = x.shape[:2]
+        past = cache.get_seq_length() if cache is not None else 0
+        self._check_length(past + s, position_ids)
+        inputs = attention_inputs(self.arch != "gpt2", b, s, past, cache is not None,
+                                  attention_mask, position_ids, segment_ids)  # fmt: skip
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(gpt2_positions(b, s, past, position_ids, segment_ids, x.device))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, is_first_microbatch=is_first_microbatch, **inputs.layer_kwargs(cache, i))
+        return x
+
+    def _check_length(self, total: int, position_ids) -> None:
+        """A sliding window or GPT-2's learned positions limit the length (raises before any
+        work)."""
+        if self.sliding_window is not None and total > self.sliding_window:
             raise ValueError(
-                f"graphfp8.hf: {seq} tokens exceed the model's attention window "
+                f"graphfp8.hf: {total} tokens exceed the model's attention window "
                 f"{self.sliding_window} (sliding-window attention is not converted)"
             )
-        x = self.embed(input_ids)
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(seq, device=input_ids.device))
-        # Only when given: a layer graphed without segment_ids takes no such argument.
-        kw = {} if segment_ids is None else {"segment_ids": segment_ids}
-        for layer in self.layers:
-            x = layer(x, is_first_microbatch=is_first_microbatch, **kw)
-        return self.lm_head(self.norm(x))
+        if self.pos_embed is None:
+            return
+        limit = self.pos_embed.num_embeddings
+        last = total if position_ids is None else int(position_ids.max()) + 1
+        if last > limit:
+            raise ValueError(
+                f"graphfp8.hf: GPT-2 has learned positions for {limit} tokens (n_positions), got "
+                f"{'a position_id of ' + str(last - 1) if position_ids is not None else last}"
+                f"{' tokens' if position_ids is None else ''}"
+            )
+
+    def _fp8_weights(self) -> list[torch.Tensor]:
+        return [p for layer in self.layers for p in layer.parameters()]
 
     def extra_repr(self) -> str:
-        return f"arch={self.arch}, model_type={self.config.model_type}"
+        fp8 = "" if self.fp8 is None else f", carried recipe={self.fp8.recipe}"
+        return f"arch={self.arch}, model_type={self.config.model_type}{fp8}"

@@ -10,28 +10,32 @@ from torch import nn
 
 from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Recipe, recipe_from_dict
 from graphfp8.fp8.slots import BwdRole, slot_index
+from graphfp8.modules import _state_tensor
 
 __all__ = ["EXTRA_STATE_VERSION", "check_extra_state", "shape_errors"]
 
-# _extra_state layout: 0 (no "version" key) held 2 backward slots per GEMM (grad_output and an
-# unused grad_input); 1 holds the slots of graphfp8.fp8.slots.
-EXTRA_STATE_VERSION = 1
+# _extra_state layout: 0 (a dict without a "version" key) held 2 backward slots per GEMM
+# (grad_output and an unused grad_input); 1 (a dict) holds the slots of graphfp8.fp8.slots; 2 is
+# the same as one float32 tensor (modules/_state_tensor.py), which every checkpoint format takes.
+EXTRA_STATE_VERSION = _state_tensor.TENSOR_VERSION
 _EXTRA_KEYS = ("recipe", "fwd_amax_history", "fwd_scale", "bwd_amax_history", "bwd_scale")
 _TENSOR_KEYS = _EXTRA_KEYS[1:]
 
 
 def _upgrade(state, where: str, num_gemms: int) -> dict:
-    """Validates the layout of a checkpoint's FP8 state and brings it to EXTRA_STATE_VERSION: a
-    dict whose "recipe" is a recipe object. Version 0 had a second backward slot per GEMM,
+    """Validates the layout of a checkpoint's FP8 state and brings it to EXTRA_STATE_VERSION's
+    dict form, whose "recipe" is a recipe object. Version 0 had a second backward slot per GEMM,
     dropped here."""
+    if torch.is_tensor(state):
+        return _state_tensor.decode(state, where)
     if not isinstance(state, dict) or any(k not in state for k in _EXTRA_KEYS):
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(
-            f"{where} is not one that graphfp8 wrote: expected a dict with keys "
-            f"{list(_EXTRA_KEYS)}, got {found}"
+            f"{where} is not one that graphfp8 wrote: expected a float32 tensor or a dict with "
+            f"keys {list(_EXTRA_KEYS)}, got {found}"
         )
     version = state.get("version", 0)
-    if version not in (0, EXTRA_STATE_VERSION):
+    if version not in range(EXTRA_STATE_VERSION + 1):
         raise ValueError(
             f"{where} has version {version!r}; this graphfp8 reads versions 0 to "
             f"{EXTRA_STATE_VERSION}"

@@ -25,12 +25,19 @@ from graphfp8.modules._functional import GemmConfig
 if TYPE_CHECKING:
     from graphfp8.modules.base import FP8Meta, FP8Module
 
-__all__ = ["FrozenSlots", "fp8_enabled", "fp8_recipe", "fp8_state", "gemm_configs"]
+__all__ = ["FrozenSlots", "fp8_enabled", "fp8_recipe", "fp8_state", "gemm_configs",
+           "in_fp8_region"]  # fmt: skip
 
 
 def fp8_enabled() -> bool:
     """Whether graphfp8 modules run in FP8 now (dynamo guards on it: modules/_compile.py)."""
     return context.current().enabled
+
+
+def in_fp8_region() -> bool:
+    """Whether an fp8_autocast region (enabled or not) or a capture is open: a model carrying
+    its recipe (modules/carry.py) then leaves the choice to it."""
+    return context.current() is not context.OFF
 
 
 def fp8_recipe() -> Recipe | None:

@@ -17,8 +17,8 @@ from graphfp8.modules._attention import (
     fp8_attention_qkv,
     prepare_attention,
 )
-from graphfp8.modules._context import fp8_recipe
-from graphfp8.modules._rope import RopeQKV
+from graphfp8.modules._context import fp8_recipe, fp8_state
+from graphfp8.modules._rope import RopeQKV, RopeQKVParts, rope_parts_backward
 from graphfp8.modules.base import FP8Module
 from graphfp8.ops.segments import segment_mask
 
@@ -96,7 +96,7 @@ class DotProductAttention(FP8Module):
         self._check_fp8_dropout()
         prepare_attention(q_shape, kv_shape, device, recipe, self.attn_scale, causal, training,
                           segment_ids is not None)  # fmt: skip
-        meta, bwd_update = self._fp8_forward_state(device)  # state changes only after the checks
+        meta, bwd_update = fp8_state(self, device)  # state changes only after the checks
         return AttentionConfig(meta.fwd, meta.bwd, self.attn_scale, causal, recipe.fp8_mha,
                                bwd_update, segment_ids)  # fmt: skip
 
@@ -168,6 +168,10 @@ class DotProductAttention(FP8Module):
             training = torch.is_grad_enabled() and qkv.requires_grad
             cfg = self._fp8_config((b, s, h, d), (b, s, g, d), qkv.device, training, segment_ids)
             return fp8_attention_qkv(qkv, rope_tables, h, cfg, g)
+        if rope_tables is not None and rope_parts_backward(qkv.device):
+            # the backward writes dqkv from dq, dk, dv in one kernel (no cat of the three)
+            q, k, v = RopeQKVParts.apply(qkv.contiguous(), *rope_tables, h, g)
+            return self._sdpa(q, k, v, segment_ids)
         if rope_tables is not None:
             qkv = RopeQKV.apply(qkv.contiguous(), *rope_tables, h, g)
         q, k, v = qkv.view(b, s, h + 2 * g, d).split([h, g, g], dim=2)

@@ -1,5 +1,6 @@
-"""FP8 module plumbing shared by every graphfp8 layer: slots, weight workspaces, the
-is_first_microbatch weight-cache policy, input checks and checkpointed FP8 state."""
+"""FP8 module plumbing shared by every graphfp8 layer: slots, the weight cache
+(graphfp8/fp8/weight_cache.py), input checks and checkpointed FP8 state. The FP8 context is
+read in modules/_context.py."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ from torch import nn
 
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.primary import quantize_weight
-from graphfp8.fp8.recipe import Recipe, recipe_to_dict
+from graphfp8.fp8.recipe import Recipe
 from graphfp8.fp8.slots import BwdRole, FwdRole, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.fp8.weight_cache import WeightCache, check_is_first_microbatch
+from graphfp8.modules import _state_tensor
 from graphfp8.modules._autocast import honour_autocast
-from graphfp8.modules._checkpoint import EXTRA_STATE_VERSION, check_extra_state, shape_errors
+from graphfp8.modules._checkpoint import check_extra_state, shape_errors
 from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
-from graphfp8.modules._context import fp8_enabled, fp8_state, gemm_configs
+from graphfp8.modules._context import fp8_enabled, gemm_configs
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
 
@@ -146,11 +148,6 @@ class FP8Module(nn.Module):
         self.fp8_meta = new
         return new
 
-    def _fp8_forward_state(self, device, frozen: bool = False) -> tuple[FP8Meta, tuple | None]:
-        """This module's slots for an FP8 forward and its eager backward update
-        (modules/_context.py fp8_state)."""
-        return fp8_state(self, device, frozen)
-
     def fp8_snapshot(self) -> tuple:
         """This module's FP8 slots and weight cache, for restore_fp8() (a capture that fails
         puts them back)."""
@@ -220,11 +217,15 @@ class FP8Module(nn.Module):
                               unexpected_keys, error_msgs):  # fmt: skip
         """Checks this module's whole entry first - FP8 state, recipe, history length, shapes -
         so a checkpoint it cannot take changes nothing of it (an FP8 state error raises, a
-        shape is reported as torch reports it). A high-precision checkpoint entry for an FP8
+        shape is reported as torch reports it). Its weights without FP8 state (a high-precision
+        checkpoint) load as fresh FP8 state. A high-precision checkpoint entry for an FP8
         primary weight is quantized (its scale from its own amax, as fp8_model_init does); FP8
         entries copy bit for bit. The cached FP8 weights are stale afterwards."""
-        extra = state_dict.get(prefix + "_extra_state")
-        if extra is not None:
+        key = prefix + "_extra_state"
+        if key not in state_dict and any(prefix + n in state_dict for n in self._parameters):
+            state_dict[key] = None  # this module's weights without FP8 state: fresh FP8 state
+        extra = state_dict.get(key)
+        if not _state_tensor.is_empty(extra):
             check_extra_state(self, extra, f"{type(self).__name__} {prefix[:-1]}".rstrip())
         errors = shape_errors(self, state_dict, prefix)
         if errors:
@@ -243,23 +244,18 @@ class FP8Module(nn.Module):
                                       unexpected_keys, error_msgs)  # fmt: skip
         self.weight_cache.invalidate()
 
-    def get_extra_state(self):
+    def get_extra_state(self) -> torch.Tensor:
+        """This module's FP8 state as one float32 tensor (modules/_state_tensor.py)."""
         meta = self.fp8_meta
         if meta is None:
-            return None
-        return {
-            "version": EXTRA_STATE_VERSION,
-            "recipe": recipe_to_dict(meta.recipe),
-            "fwd_amax_history": meta.fwd.history().detach().clone(),
-            "fwd_scale": meta.fwd.scales().detach().clone(),
-            "bwd_amax_history": meta.bwd.history().detach().clone(),
-            "bwd_scale": meta.bwd.scales().detach().clone(),
-        }
+            return _state_tensor.none()
+        return _state_tensor.encode(meta.recipe, meta.fwd.history(), meta.fwd.scales(),
+                                    meta.bwd.history(), meta.bwd.scales())  # fmt: skip
 
     def set_extra_state(self, state) -> None:
-        """Loads a checkpoint's FP8 state (checked first: check_extra_state). None (the module
-        had not run in FP8) resets this module's slots, as a fresh module holds them."""
-        if state is None:
+        """Loads a checkpoint's FP8 state (checked first: check_extra_state), a tensor or an older
+        graphfp8's dict. No state resets this module's slots, as a fresh module holds them."""
+        if _state_tensor.is_empty(state):
             if self.fp8_meta is not None:
                 for block in (self.fp8_meta.fwd, self.fp8_meta.bwd):
                     block.history().zero_()

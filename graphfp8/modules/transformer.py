@@ -32,12 +32,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphfp8.modules._explicit_attention import KVCache, explicit_attention
 from graphfp8.modules._rope import RopeQKV as _RopeQKV  # noqa: F401 - kept importable here
 from graphfp8.modules._rope import rope_tables
 from graphfp8.modules.attention import DotProductAttention
 from graphfp8.modules.layernorm_linear import LayerNormLinear
 from graphfp8.modules.layernorm_mlp import LayerNormMLP
 from graphfp8.modules.linear import InitMethod, Linear
+from graphfp8.ops.segments import segment_mask
 
 __all__ = ["TransformerLayer", "rope_tables"]
 
@@ -63,6 +65,7 @@ class TransformerLayer(nn.Module):
             must be a multiple of it.
         qkv_bias, mlp_bias: biases of the QKV projection and of the MLP when they differ from
             `bias` (which then covers the output projection): Qwen2 biases q, k, v only.
+        softmax_scale: the attention's scale of q.k (default 1 / sqrt(head_dim)).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, rope: bool = True,
@@ -72,7 +75,7 @@ class TransformerLayer(nn.Module):
                  device=None, init_method: InitMethod | None = None,
                  output_layer_init_method: InitMethod | None = None,
                  num_gqa_groups: int | None = None, qkv_bias: bool | None = None,
-                 mlp_bias: bool | None = None):  # fmt: skip
+                 mlp_bias: bool | None = None, softmax_scale: float | None = None):  # fmt: skip
         super().__init__()
         if num_heads < 1 or hidden_size % num_heads:
             raise ValueError(
@@ -100,6 +103,7 @@ class TransformerLayer(nn.Module):
         self.qkv = LayerNormLinear(hidden_size, (num_heads + 2 * groups) * head_dim, bias=qkv_bias,
                                    init_method=init_method, **kw)  # fmt: skip
         self.core_attention = DotProductAttention(num_heads, head_dim, num_gqa_groups=groups,
+                                                  softmax_scale=softmax_scale,
                                                   device=device)  # fmt: skip
         self.proj = Linear(hidden_size, hidden_size, bias=bias, params_dtype=dtype, device=device,
                            init_method=out_init)  # fmt: skip
@@ -121,12 +125,18 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None,
                 residual: torch.Tensor | None = None, defer_residual: bool = False,
-                segment_ids: torch.Tensor | None = None):  # fmt: skip
+                segment_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None):  # fmt: skip
         """x: (B, S, H) in params_dtype, S <= max_seq_len. Returns (B, S, H).
         is_first_microbatch: as for Linear (all four weights).
         segment_ids: optional (B, S) integer tensor on x's device: packed documents (or padding
         in a segment of its own), attention staying within each token's segment
         (graphfp8.ops.segments; a device tensor, so graphs replay it with each call's ids).
+        position_ids, attn_mask, kv_cache: generation and explicit positions
+        (modules/_explicit_attention.py): (B, S) int64 RoPE positions, a (B, 1, S, T) bool mask
+        ANDed with causality, a KVCache holding the earlier tokens' keys and values; attention
+        then runs as torch ops in the activations' dtype (not in FP8, not in a graph).
 
         Consecutive layers can hand the second residual add on (training/model.py's Blocks):
         defer_residual returns (h, y) instead of h + y, and the next layer given residual=y
@@ -136,19 +146,55 @@ class TransformerLayer(nn.Module):
             raise ValueError(
                 f"TransformerLayer: expected input (batch, seq, {self.hidden_size}), got {shape}"
             )
-        if self.rope and x.shape[1] > self.max_seq_len:
-            raise ValueError(
-                f"TransformerLayer: sequence length {x.shape[1]} exceeds max_seq_len "
-                f"{self.max_seq_len} of the rotary tables"
-            )
-        self.core_attention.check_fused(x.shape[0], x.shape[1], x.device, segment_ids)
+        explicit = not (position_ids is None and attn_mask is None and kv_cache is None)
+        self._check_positions(x, position_ids, kv_cache)
+        if explicit:
+            self._check_explicit(segment_ids, kv_cache)
+        else:
+            self.core_attention.check_fused(x.shape[0], x.shape[1], x.device, segment_ids)
         if residual is None:
             qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
         else:
             x, qkv = self.qkv(x, is_first_microbatch=is_first_microbatch, residual=residual)
-        attn = self.proj(self.attention(qkv, segment_ids), is_first_microbatch=is_first_microbatch)
+        if explicit:
+            if segment_ids is not None:
+                same = segment_mask(segment_ids, causal=False)
+                attn_mask = same if attn_mask is None else attn_mask & same
+            core = explicit_attention(self, qkv, position_ids, attn_mask, kv_cache)
+        else:
+            core = self.attention(qkv, segment_ids)
+        attn = self.proj(core, is_first_microbatch=is_first_microbatch)
         h, y = self.mlp(x, is_first_microbatch=is_first_microbatch, residual=attn)
         return (h, y) if defer_residual else h + y
+
+    def _check_positions(self, x: torch.Tensor, position_ids, kv_cache) -> None:
+        """Every position must have a row of the rotary tables (reads position_ids' maximum)."""
+        if not self.rope:
+            return
+        cached = kv_cache.length() if kv_cache is not None else 0
+        last, what = x.shape[1] + cached, "sequence length"
+        if cached:
+            what = f"sequence length ({cached} cached tokens and {x.shape[1]} new)"
+        if position_ids is not None:
+            last, what = int(position_ids.max()) + 1, "largest position_id + 1"
+        if last > self.max_seq_len:
+            raise ValueError(
+                f"TransformerLayer: {what} {last} exceeds max_seq_len {self.max_seq_len} of the "
+                "rotary tables"
+            )
+
+    def _check_explicit(self, segment_ids, kv_cache) -> None:
+        if self.core_attention.fp8_active():
+            raise ValueError(
+                "TransformerLayer: position_ids, attn_mask and kv_cache run attention in high "
+                "precision; FP8 attention (a recipe with fp8_dpa) has no such path: use a recipe "
+                "without fp8_dpa"
+            )
+        if segment_ids is not None and kv_cache is not None:
+            raise ValueError(
+                "TransformerLayer: segment_ids with a kv_cache: pass the mask over the cached "
+                "tokens as attn_mask instead"
+            )
 
     def extra_repr(self) -> str:
         return (

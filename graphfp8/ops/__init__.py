@@ -1,6 +1,6 @@
 """Thin typed wrappers over the graphfp8 kernels (torch.ops.graphfp8.*) and the FP8 GEMM."""
 
-from graphfp8.ops._lib import built_with_cuda
+from graphfp8.ops._lib import GradWatch, TensorWatch, built_with_cuda
 from graphfp8.ops.amax import amax_, dgelu_amax_, gelu_amax_, layernorm_amax_, rmsnorm_amax_
 from graphfp8.ops.cast import cast_to_fp8, cast_transpose
 from graphfp8.ops.cast_fused import (
@@ -20,6 +20,7 @@ from graphfp8.ops.stats import cast_stats, reduce_cast_stats, stats_partials
 from graphfp8.ops.transpose import fp8_transpose
 
 __all__ = [
+    "GradWatch",
     "NormFP8",
     "amax_",
     "built_with_cuda",
@@ -51,5 +52,6 @@ __all__ = [
     "scale_update_",
     "sdpa_fp8_backward",
     "sdpa_fp8_forward",
+    "TensorWatch",
     "stats_partials",
 ]

@@ -20,6 +20,12 @@ def built_with_cuda() -> bool:
     return bool(_C.built_with_cuda())
 
 
+# The per-call guard of the graphs (csrc/ops/guard_ops.cpp; graphs/replay_guard.py, grads.py):
+# graphs/ reaches the extension through this loader too.
+TensorWatch = _C.TensorWatch
+GradWatch = _C.GradWatch
+
+
 # Every op only writes into tensors it is given, so the fake (meta) kernels have nothing to do.
 @torch.library.register_fake("graphfp8::cast_to_fp8")
 def _cast_fake(x, scale, out, scale_inv, amax, noop=None, scaled_max=None):

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import graphfp8 as g8
+from graphfp8.fp8.recipe import recipe_to_dict
 from graphfp8.testing import assert_bitwise_equal
-from tests.modules.common import H, T, build, fp8_state
+from tests.modules.common import H, T, build, extra_state, fp8_state
 
 
 def _ran(recipe, seed: int, kind: str = "Linear"):
@@ -36,8 +37,9 @@ H4, H16 = g8.DelayedScaling(amax_history_len=4), g8.DelayedScaling(amax_history_
 
 
 def _mangled(key: str, value):
-    def apply(state):
-        state["_extra_state"] = {**state["_extra_state"], key: value}
+    def apply(state):  # through the dict form that older graphfp8 versions wrote
+        old = extra_state(state["_extra_state"])
+        state["_extra_state"] = {**old, "recipe": recipe_to_dict(old["recipe"]), key: value}
         return state
 
     return apply
@@ -107,15 +109,30 @@ def test_a_captured_module_refuses_another_recipe_before_writing():
 
 
 def test_a_checkpoint_without_fp8_state_resets_it():
-    """A module that never ran in FP8 saved _extra_state None: loading it gives the FP8 state a
-    fresh module loading it holds (it kept the old histories and scales)."""
+    """A module that never ran in FP8 saves an empty _extra_state (versions 0 and 1: None), a
+    high-precision checkpoint none: loading either gives the FP8 state a fresh module loading it
+    holds (it kept the old histories and scales; strict=True failed on the missing key)."""
+    for checkpoint in (build("Linear").state_dict(), {"_extra_state": None}, "no key"):
+        m = _ran(H4, 1)
+        if checkpoint == "no key":
+            checkpoint = build("Linear").state_dict()
+            del checkpoint["_extra_state"]
+        elif "weight" not in checkpoint:
+            checkpoint = {**build("Linear").state_dict(), **checkpoint}
+        m.load_state_dict(checkpoint)
+        for name, t in fp8_state(m):
+            want = torch.ones_like(t) if name.endswith("scale") else torch.zeros_like(t)
+            assert_bitwise_equal(t, want, name)
+
+
+def test_a_partial_checkpoint_leaves_the_fp8_state_alone():
+    """A state dict without this module's weights (adapters, another part of the model) is not a
+    checkpoint of it: its FP8 state stays, and the key is reported missing as torch does."""
     m = _ran(H4, 1)
-    checkpoint = build("Linear").state_dict()
-    assert checkpoint["_extra_state"] is None
-    m.load_state_dict(checkpoint)
-    for name, t in fp8_state(m):
-        want = torch.ones_like(t) if name.endswith("scale") else torch.zeros_like(t)
-        assert_bitwise_equal(t, want, name)
+    before = _everything(m)
+    result = m.load_state_dict({}, strict=False)
+    assert "_extra_state" in result.missing_keys
+    _assert_unchanged(m, before, "partial load")
 
 
 def test_loaded_weights_invalidate_the_weight_cache():

@@ -14,6 +14,7 @@ import torch
 import graphfp8 as g8
 from graphfp8.fp8.primary import quantize_weight
 from graphfp8.memory import memory_report
+from tests.modules.common import extra_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +51,8 @@ def test_a_checkpoint_may_hold_a_recipe_object():
     with g8.fp8_autocast(recipe=recipe):
         m(torch.randn(16, 32))
     state = m.state_dict()
-    state["_extra_state"]["recipe"] = recipe
+    state["_extra_state"] = extra_state(state["_extra_state"])  # the dict form, a recipe object
+    assert state["_extra_state"]["recipe"] == recipe
     other = g8.Linear(32, 32)
     other.load_state_dict(state)
     assert other.fp8_meta.recipe == recipe

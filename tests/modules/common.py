@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphfp8 as g8
+from graphfp8.modules._state_tensor import decode
 from graphfp8.modules.layernorm_mlp import ACTIVATIONS
 
 H = 32  # hidden size: a multiple of 16
@@ -128,3 +129,8 @@ def fp8_state(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
                 (f"{name}.bwd_scale", meta.bwd.scales()),
             ]
     return out
+
+
+def extra_state(state: torch.Tensor) -> dict:
+    """The dict form of a module's `_extra_state` tensor (its recipe as a recipe object)."""
+    return decode(state, "test")

@@ -167,7 +167,7 @@ def test_checkpoint_history_length_mismatch():
     c.load_state_dict(a.state_dict())  # a fresh module takes the checkpoint's recipe
     with pytest.raises(ValueError, match="amax_history_len=16, the recipe asks for 4"):
         _step(c, torch.randn(T, H, dtype=torch.bfloat16), True, RECIPE)
-    assert build("Linear").state_dict()["_extra_state"] is None
+    assert build("Linear").state_dict()["_extra_state"].numel() == 2  # no FP8 state
 
 
 def test_convert_swaps_layers_and_keeps_weights():

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import graphfp8 as g8
+from graphfp8.fp8.recipe import recipe_to_dict
 from graphfp8.ops import gemm as gemm_module
 from graphfp8.testing import assert_bitwise_equal
+from tests.modules.common import extra_state
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 RECIPE = g8.DelayedScaling(amax_history_len=4)
@@ -103,7 +105,8 @@ def test_version_0_checkpoint_loads_and_computes_as_before():
         if not key.endswith("_extra_state"):
             continue
         before = expected["state_after"][key]
-        assert state["version"] == 1
+        state = extra_state(state)
+        assert state["version"] == 2
         module = key.split(".")[0]
         _assert_as_before(state["fwd_amax_history"], before["fwd_amax_history"],
                           f"{module}.fwd_amax_history")  # fmt: skip
@@ -118,15 +121,13 @@ def test_current_checkpoint_round_trips():
     x = torch.randn(16, 32, requires_grad=True)
     _microbatch(model, x, first=True)
     state = model.state_dict()
-    assert state["2._extra_state"]["bwd_scale"].shape == (1,), "one backward slot per GEMM"
-    assert state["1._extra_state"]["bwd_scale"].shape == (2,)
+    assert extra_state(state["2._extra_state"])["bwd_scale"].shape == (1,), "one slot per GEMM"
+    assert extra_state(state["1._extra_state"])["bwd_scale"].shape == (2,)
     fresh = _model()
     fresh.load_state_dict(state)
     for key, value in fresh.state_dict().items():
         if key.endswith("_extra_state"):
-            for name, t in value.items():
-                if isinstance(t, torch.Tensor):
-                    assert_bitwise_equal(t, state[key][name], f"{key}.{name}")
+            assert_bitwise_equal(value, state[key], key)
 
 
 @pytest.mark.parametrize(
@@ -137,19 +138,34 @@ def test_current_checkpoint_round_trips():
         ("version", "has version 7"),
         ("recipe", "invalid recipe"),
         ("v0 shape", "had 2 slots"),
+        (
+            "tensor version",
+            "written in checkpoint format version 3; this graphfp8 reads versions "
+            "0 to 2 \\(a newer graphfp8 wrote it",
+        ),
+        ("tensor size", "its header .* says"),
+        ("tensor magic", "not one that graphfp8 wrote"),
     ],
 )
 def test_foreign_extra_state_raises_clearly(bad, match):
     good = _model()[2]
     with g8.fp8_autocast(recipe=RECIPE):
         good(torch.randn(16, 32), is_first_microbatch=True)
-    state = good.get_extra_state()
+    state = extra_state(good.get_extra_state())
+    state["recipe"] = recipe_to_dict(state["recipe"])
     if bad == "version":
         state["version"] = 7
     elif bad == "recipe":
         state["recipe"] = {**state["recipe"], "margin": -1}
     elif bad == "v0 shape":
         del state["version"]
+    elif bad == "tensor version":
+        state = good.get_extra_state()
+        state[1] = 3
+    elif bad == "tensor size":
+        state = good.get_extra_state()[:-1]
+    elif bad == "tensor magic":
+        state = torch.ones(40)
     else:
         state = bad
     with pytest.raises(ValueError, match=match):

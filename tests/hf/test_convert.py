@@ -14,46 +14,9 @@ import graphfp8 as g8
 from graphfp8.hf import causal_lm_loss
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.step_common import adamw, compare_step, compare_training_state, eager_step
-
-transformers = pytest.importorskip("transformers")
-
-VOCAB, B, S = 128, 2, 32
-RECIPE = g8.DelayedScaling(amax_history_len=4)
-
-
-def _config(kind: str):
-    common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    if kind == "llama":
-        return transformers.LlamaConfig(**common)
-    if kind == "mistral":
-        return transformers.MistralConfig(**common, sliding_window=48)
-    if kind == "qwen2":  # q, k, v biases; tied embeddings
-        return transformers.Qwen2Config(**common, tie_word_embeddings=True)
-    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
-                                   n_positions=64)  # fmt: skip
-
-
-CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-           "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}  # fmt: skip
-KINDS = list(CLASSES)
-
-
-def _hf(kind: str, seed: int = 0, device="cpu"):
-    torch.manual_seed(seed)
-    model = getattr(transformers, CLASSES[kind])(_config(kind)).to(device, torch.bfloat16)
-    with torch.no_grad():  # biases and norms away from their 0 / 1 initial values
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or ".ln_" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
-
-
-def _ids(seed: int = 1, device="cpu") -> torch.Tensor:
-    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
-    return ids.to(device)
+from tests.hf.common import KINDS, RECIPE, B, S, hf_view, transformers
+from tests.hf.common import hf_model as _hf
+from tests.hf.common import ids as _ids
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -63,7 +26,7 @@ def test_logits_equal_the_original_with_fp8_off(kind):
     with torch.no_grad():
         want = hf(ids).logits
         lm = g8.from_hf(hf)
-        got = lm(ids)
+        got = lm(ids).logits
         again = hf(ids).logits
     assert_bitwise_equal(again, want, "the HF model after conversion")
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
@@ -107,14 +70,7 @@ def test_checkpoint_loads_back_into_hugging_face(kind):
     assert not result.unexpected_keys
     assert all(k.endswith((".attn.bias", ".attn.masked_bias")) for k in result.missing_keys)
     with torch.no_grad():
-        assert_bitwise_equal(fresh(ids).logits, _hf_view(lm)(ids).logits)
-
-
-def _hf_view(lm):
-    """An HF model holding exactly lm's weights (to_hf of the model itself)."""
-    hf = getattr(transformers, CLASSES[lm.config.model_type])(lm.config).to(torch.bfloat16)
-    hf.load_state_dict(g8.to_hf(lm), strict=False)
-    return hf.eval()
+        assert_bitwise_equal(fresh(ids).logits, hf_view(lm)(ids).logits)
 
 
 def _pair(kind: str = "llama", device="cpu"):

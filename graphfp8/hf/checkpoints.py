@@ -1,0 +1,58 @@
+"""A converted model's checkpoints in Hugging Face's layout: save_pretrained writes a directory that
+AutoModelForCausalLM.from_pretrained loads, and a converted model loads Hugging Face state dicts.
+
+    g8.hf.save_pretrained(model, "out")        # config.json, generation_config.json,
+                                               # model.safetensors in HF names
+    model.load_state_dict(hf_model.state_dict())   # HF names: q/k/v fused again, strict=True
+
+The FP8 state (each layer's `_extra_state` tensor, modules/_state_tensor.py) is saved beside the
+weights as `graphfp8.<layer>._extra_state` unless fp8_state=False, so Trainer's checkpoints
+resume bit for bit; from_pretrained lists these keys as UNEXPECTED and ignores them. A state
+dict without them loads as fresh FP8 state.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from graphfp8.hf.names import FP8_PREFIX, from_hf_names, to_hf
+
+__all__ = ["from_hf_names_hook", "save_pretrained"]
+
+
+def save_pretrained(model, save_directory, state_dict: dict | None = None,
+                    fp8_state: bool = True, **kwargs) -> None:  # fmt: skip
+    """Writes `model` (a CausalLM from graphfp8.from_hf) as its Hugging Face class would.
+
+    Args:
+        model: the converted model.
+        save_directory: the directory (created).
+        state_dict: the model's own state dict to write (Trainer passes one under some
+            set-ups); default model.state_dict().
+        fp8_state: also write the FP8 state (module docstring).
+        **kwargs: the Hugging Face class's save_pretrained arguments (safe_serialization,
+            max_shard_size, is_main_process, push_to_hub, ...).
+    """
+    if model.hf_class is None:
+        raise ValueError("graphfp8.hf.save_pretrained: the model does not know its Hugging Face "
+                         "class (build it with graphfp8.from_hf)")  # fmt: skip
+    ours = model.state_dict() if state_dict is None else state_dict
+    memo: dict[int, torch.Tensor] = {}  # one copy per tensor: tied embeddings stay one tensor
+    hf_state = {k: memo.setdefault(id(t), t.detach().clone()) for k, t in
+                to_hf(ours, model.config).items()}  # fmt: skip
+    if fp8_state:
+        hf_state.update({FP8_PREFIX + k: t.detach() for k, t in ours.items()
+                         if k.endswith("_extra_state")})  # fmt: skip
+    config = copy.deepcopy(model.config)
+    config.architectures = [model.hf_class.__name__]
+    with torch.device("meta"):
+        shell = model.hf_class(config).to(model.embed.weight.dtype)
+    shell.generation_config = copy.deepcopy(model.generation_config)
+    shell.save_pretrained(save_directory, state_dict=hf_state, **kwargs)
+
+
+def from_hf_names_hook(module, state_dict, prefix, *args) -> None:
+    """CausalLM's load_state_dict pre-hook: loads Hugging Face state dicts (from_hf_names)."""
+    from_hf_names(state_dict, module.config, prefix)
