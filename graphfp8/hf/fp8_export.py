@@ -30,7 +30,7 @@ from torch import nn
 from graphfp8.fp8.recipe import fp8_max
 from graphfp8.fp8.slots import FwdRole, slot_index
 from graphfp8.fp8.tensor import Float8Tensor
-from graphfp8.hf.convert import to_hf
+from graphfp8.hf.names import to_hf
 from graphfp8.hf.layouts import layout_for
 
 __all__ = ["LAYOUTS", "fp8_checkpoint", "quantize_per_tensor"]
