@@ -29,7 +29,8 @@ def test_the_readme_runs_as_written(tmp_path, monkeypatch):
         exec(code, namespace)
     # What the blocks say they do, done: training ran in FP8 and wrote what it says.
     assert math.isfinite(float(namespace["loss"]))
-    for name in ("fp8_stats.csv", "hf_state.pt"):
+    for name in ("fp8_stats.csv", "hf_state.pt", "llama-fp8/model.safetensors"):
         assert (tmp_path / name).stat().st_size > 0, name
+    assert type(namespace["served"]).__name__ == "LlamaForCausalLM"
     assert namespace["layer"].fp8_meta is not None and namespace["te_layer"].training
     torch.compiler.reset()

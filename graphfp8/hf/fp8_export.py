@@ -17,9 +17,8 @@ misuse in vLLM fails loudly on the unknown key).
 
 The GEMM weights are the HF tensors of graphfp8's FP8 GEMMs (q/k/v/o and gate/up/down
 projections). Each gets its own scale from its amax (fp8_max / amax, graphfp8's scale rule), so
-nothing saturates; a weight trained as an FP8 parameter (fp8_model_init) keeps its bytes and
-scale. "static" takes each GEMM's input scale from the delayed-scaling state of training (the
-scale of the INPUT slot), shared by the projections that read the same input.
+nothing saturates. "static" takes each GEMM's input scale from the delayed-scaling state of
+training (the scale of the INPUT slot), shared by the projections that read the same input.
 """
 
 from __future__ import annotations
@@ -29,9 +28,8 @@ from torch import nn
 
 from graphfp8.fp8.recipe import fp8_max
 from graphfp8.fp8.slots import FwdRole, slot_index
-from graphfp8.fp8.tensor import Float8Tensor
-from graphfp8.hf.names import to_hf
 from graphfp8.hf.layouts import layout_for
+from graphfp8.hf.names import to_hf
 
 __all__ = ["LAYOUTS", "fp8_checkpoint", "quantize_per_tensor"]
 
@@ -72,19 +70,6 @@ def _layer_gemms(config, layout, i: int) -> list[tuple[str, str, tuple[str, ...]
     """(our weight name, HF prefix, HF names) of layer i's FP8 GEMM weights."""
     prefix = f"{layout.layers_path}.{i}."
     return [(e.ours, prefix, e.theirs) for e in layout.layer_entries if e.ours in _GEMMS]
-
-
-def _quantized(layer: nn.Module, ours: str, state: dict, keys: list[str]):
-    """(E4M3 weight, scale_inv) per HF tensor of one GEMM weight: an FP8 parameter's own bytes
-    and scale (split as the HF tensors are), else each HF tensor quantized on its own amax."""
-    param = getattr(getattr(layer, _GEMMS[ours][0]), ours.split(".")[-1])
-    if not isinstance(param, Float8Tensor):
-        return [quantize_per_tensor(state[key]) for key in keys]
-    if param.fp8_dtype != E4M3:
-        raise ValueError(f"FP8 export: an FP8 weight of {param.fp8_dtype} is not E4M3")
-    rows = [state[key].shape[0] for key in keys]
-    scale_inv = param._scale_inv.float().reshape(())
-    return [(part.clone(), scale_inv.clone()) for part in param._data.split(rows)]
 
 
 def _input_scale_inv(layer: nn.Module, ours: str) -> torch.Tensor:
@@ -136,10 +121,9 @@ def fp8_checkpoint(model: nn.Module, layout: str = "transformers",
         for ours, prefix, theirs in _layer_gemms(config, arch, i):
             keys = [prefix + name for name in theirs]
             x_scale = _input_scale_inv(layer, ours) if activation_scheme == "static" else None
-            pairs = _quantized(layer, ours, state, keys)
-            for key, (w_fp8, scale_inv) in zip(keys, pairs, strict=True):
+            for key in keys:
                 module = key[: -len("weight")]
-                state[key], state[module + weight_key] = w_fp8, scale_inv
+                state[key], state[module + weight_key] = quantize_per_tensor(state[key])
                 if x_scale is not None:
                     state[module + input_key] = x_scale.clone()
     quant = {

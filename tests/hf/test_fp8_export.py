@@ -5,18 +5,22 @@ unchanged, and FP8 parameters (fp8_model_init) exported byte for byte."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import graphfp8 as g8
 from graphfp8.fp8.slots import FwdRole, slot_index
 from graphfp8.hf.fp8_export import LAYOUTS, fp8_checkpoint, quantize_per_tensor
-from graphfp8.testing import assert_bitwise_equal
+from graphfp8.testing import assert_bitwise_equal, sqnr
 
 transformers = pytest.importorskip("transformers")
+load_file = pytest.importorskip("safetensors.torch").load_file
 
 VOCAB, B, S = 128, 2, 32
 RECIPE = g8.DelayedScaling(amax_history_len=4)
+BF16 = torch.bfloat16
 GEMM_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -97,3 +101,42 @@ def test_static_input_scales_come_from_training():
         assert_bitwise_equal(got, want.reshape(()))
     with pytest.raises(ValueError, match="never ran in FP8"):
         fp8_checkpoint(_trained_llama(train=False), activation_scheme="static")
+
+
+def test_save_pretrained_fp8_loads_in_transformers(tmp_path):
+    """save_pretrained(fp8=True): transformers' layout; AutoModelForCausalLM loads it (on a CPU
+    it dequantizes: weight * weight_scale_inv, rounded once to the model's dtype), and
+    its logits follow the trained model's within FP8 rounding."""
+    model = _trained_llama()
+    model.save_pretrained(tmp_path, fp8=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    saved = load_file(tmp_path / "model.safetensors")
+    assert not any(k.startswith("graphfp8.") for k in saved)  # no training state for serving
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    hf_params = dict(loaded.named_parameters())
+    for key in (k for k in saved if _is_gemm(k)):
+        scale_inv = saved[key[: -len("weight")] + "weight_scale_inv"]
+        got = hf_params[key].detach()
+        assert_bitwise_equal(got, (saved[key].float() * scale_inv).to(got.dtype), key)
+    ids = torch.randint(0, VOCAB, (B, S))
+    with torch.no_grad():
+        ours, theirs = model(ids).logits.float(), loaded(ids).logits.float()
+    assert sqnr(ours, theirs) > 20
+
+
+def test_save_pretrained_fp8_vllm_layout(tmp_path):
+    model = _trained_llama()
+    g8.hf.save_pretrained(model, tmp_path, fp8="vllm", activation_scheme="static")
+    quant = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert quant == {"quant_method": "fp8", "activation_scheme": "static",
+                     "weight_block_size": None, "ignored_layers": ["lm_head"]}  # fmt: skip
+    saved = load_file(tmp_path / "model.safetensors")
+    prefix = "model.layers.0.self_attn.q_proj."
+    assert saved[prefix + "weight"].dtype == torch.float8_e4m3fn
+    assert {prefix + "weight_scale", prefix + "input_scale"} <= set(saved)
+    assert not any("scale_inv" in k or "activation_scale" in k for k in saved)
+    with pytest.raises(NotImplementedError, match="Conv1D"):
+        fp8_checkpoint(g8.from_hf(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, embd_pdrop=0.0, resid_pdrop=0.0,
+            attn_pdrop=0.0)).to(BF16)))  # fmt: skip
