@@ -281,11 +281,12 @@ for step in $STEPS; do
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;
     te)  # issue 32: TE's documentation examples on graphfp8.te at TE's sizes (only the imports
-         # changed: tests/te/te_examples.py), then the CUDA variants of tests/te
+         # changed: tests/te/te_examples.py), then the CUDA variants of tests/te and of LoRA
       $PY -m tests.te.te_examples --device cuda --json "$RES/te_examples.json" \
         > "$RES/te_examples.log" 2>&1 || status=1
       grep "^te example" "$RES/te_examples.log" | tee -a "$RES/summary.md"
-      $PY -m pytest -q -m cuda -p no:cacheprovider tests/te > "$RES/te_tests.log" 2>&1 || status=1
+      $PY -m pytest -q -m cuda -p no:cacheprovider tests/te tests/test_lora.py \
+        > "$RES/te_tests.log" 2>&1 || status=1
       tail -1 "$RES/te_tests.log" | tee -a "$RES/summary.md" ;;
     *)
       echo "unknown step $step"; status=1 ;;
