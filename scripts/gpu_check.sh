@@ -21,7 +21,8 @@
 #              g8.from_hf vs HF bf16 eager / compile); issue 33's: ncu (Nsight Compute counters of
 #              the norm backward, GELU/GLU casts and amax passes: scripts/ncu_kernels.py), kern-ab
 #              (the DBIAS_IN_KERNEL / NORM_BWD_PIPELINED / ROPE_PARTS_BWD switches: tests, variants,
-#              census, step);
+#              census, step); kern-ab2 (< 3 min: every kern switch's CUDA tests, their variants
+#              rows, census and bench step off / on, ncu of the norm backward with them on);
 #              issue 32's: te (TransformerEngine's documentation examples on graphfp8.te, tests/te's
 #              CUDA tests))
 #   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
@@ -265,6 +266,33 @@ for step in $STEPS; do
         grep -v '^wrote' /tmp/kern_census_$sw.log | grep -E "^#|^\| (op|---|total|KERNEL|MEMSET|MEMCPY|Memset|Memcpy)" >> "$RES/summary.md"
         grep -v '^wrote' /tmp/kern_step_$sw.log | head -30 >> "$RES/summary.md"
       done ;;
+    kern-ab2)  # issue 33 (kern2): the CUDA tests of every kern switch (DBIAS_IN_KERNEL,
+      # NORM_BWD_STAGED, NORM_BWD_PARAM_IN_KERNEL, ROPE_PARTS_BWD), their variants rows, census and
+      # bench step with them off / on, ncu of the norm backward with them on; each under a limit
+      KERN_SW="GRAPHFP8_DBIAS_IN_KERNEL=1 GRAPHFP8_NORM_BWD_STAGED=1 GRAPHFP8_NORM_BWD_PARAM_IN_KERNEL=1 GRAPHFP8_ROPE_PARTS_BWD=1"
+      timeout 120 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_dbias_in_kernel.py \
+        tests/ops/test_norm_bwd_batched.py tests/ops/test_rope_fp8.py > "$RES/kern2_tests.log" 2>&1 || status=1
+      grep -E "^FAILED|passed|failed|Timeout" "$RES/kern2_tests.log" | tail -12 | tee -a "$RES/summary.md"
+      timeout 150 $PY -m graphfp8.bench variants --json "$RES/kern2_variants.json" 2>&1 \
+        | grep -v '^wrote' | grep -E "^#|^\| (switch|---|DBIAS|NORM_BWD_(STAGED|PARAM))" >> "$RES/summary.md" || status=1
+      # ws1: switches on and cuBLASLt's workspace at 1 KiB (no split-K): are _scaled_mm's memsets
+      # cuBLASLt's split-K workspace zeroing (notes/PERF.md), and what do they cost?
+      for sw in off on ws1; do
+        e=""; [ $sw = on ] && e=$KERN_SW; [ $sw = ws1 ] && e="$KERN_SW CUBLASLT_WORKSPACE_SIZE=1"
+        env $e timeout 90 $PY -m graphfp8.bench census --json "$RES/kern2_census_$sw.json" > /tmp/kern2_census_$sw.log 2>&1 || status=1
+        env $e timeout 90 $PY -m graphfp8.bench step --json "$RES/kern2_step_$sw.json" > /tmp/kern2_step_$sw.log 2>&1 || status=1
+        echo "-- switches $sw" >> "$RES/summary.md"
+        grep -v '^wrote' /tmp/kern2_census_$sw.log | grep -E "^#|^\| (op|---|total|KERNEL|MEMSET|MEMCPY|Memset)" >> "$RES/summary.md"
+        grep -E "^\| (peer|---|fp8 step|bf16 step)" /tmp/kern2_step_$sw.log | head -6 >> "$RES/summary.md"
+      done
+      NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      if [ -n "$NCU" ]; then
+        secs=""; for s in SpeedOfLight Occupancy LaunchStats SchedulerStats WarpStateStats; do secs="$secs --section $s"; done
+        env $KERN_SW timeout 90 "$NCU" --profile-from-start off --clock-control none $secs --csv --page details \
+          $PY scripts/ncu_kernels.py run --only layernorm_bwd > /tmp/kern2_ncu.csv 2> "$RES/kern2_ncu_run.log" || status=1
+        $PY scripts/ncu_kernels.py summary /tmp/kern2_ncu.csv > "$RES/kern2_ncu_summary.md" 2>&1 || status=1
+        tee -a "$RES/summary.md" < "$RES/kern2_ncu_summary.md"
+      fi ;;
     ncu)  # issue 33: Nsight Compute counters of the kernels it names (scripts/ncu_kernels.py);
       # NCU_ENV: an environment for the profiled run (e.g. a kernel switch), NCU_SECTIONS: sections
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

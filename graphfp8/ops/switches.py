@@ -12,8 +12,10 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
                        word-wide transposed stores (bit-identical results)
     DBIAS_IN_KERNEL    (off) the fused dbias's column sums by the last block of each column of
                        tiles, not a second kernel: one launch fewer (bit-identical results)
-    NORM_BWD_PIPELINED (off) the batched norm backward with the next rows' loads in flight
-                       during the current rows' sums and stores (bit-identical results)
+    NORM_BWD_STAGED    (off) the batched norm backward with each thread's next rows staged in
+                       shared memory by cp.async (bit-identical results)
+    NORM_BWD_PARAM_IN_KERNEL (off) with NORM_BWD_STAGED: dgamma, dbeta summed by the staged
+                       kernel's last blocks, not a second kernel (bit-identical results)
     ROPE_PARTS_BWD     (off) the bf16 attention path's RoPE backward reads dq, dk, dv in one
                        kernel instead of a cat and rope_qkv (bit-identical; the CPU always does)
 """
@@ -32,7 +34,8 @@ SWITCHES = (
     "NORM_BWD_BATCHED",
     "PAIRED_QUANTIZE",
     "DBIAS_IN_KERNEL",
-    "NORM_BWD_PIPELINED",
+    "NORM_BWD_STAGED",
+    "NORM_BWD_PARAM_IN_KERNEL",
     "ROPE_PARTS_BWD",
 )
 
