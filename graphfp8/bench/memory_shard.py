@@ -41,6 +41,10 @@ def _one_rank_group(device: torch.device):
     when there is none)."""
     started = not dist.is_initialized()
     if started:
+        if device.type == "cuda":  # NCCL wants the device, with its index
+            device = torch.device("cuda", torch.cuda.current_device() if device.index is None
+                                  else device.index)  # fmt: skip
+            torch.cuda.set_device(device)
         store = dist.FileStore(tempfile.mkstemp(prefix="graphfp8_bench_")[1], 1)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=0, world_size=1,
