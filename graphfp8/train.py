@@ -171,8 +171,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None:
     """FP8 options given for runs that do not use them, and settings no run can combine."""
-    given = [o for o in ("--fp8-weights", "--scaling", "--fp8-format", "--amax-history-len")
-             if any(a == o or a.startswith(o + "=") for a in argv)]  # fmt: skip
+    options = ("--fp8-weights", "--scaling", "--fp8-format", "--amax-history-len", "--fp8-stats")
+    given = [o for o in options if any(a == o or a.startswith(o + "=") for a in argv)]
     if given and all(precision != "fp8" for precision, _ in args.runs):
         p.error(f"{', '.join(given)}: no run trains in FP8 (--precision fp8, or fp8 in --compare)")
     if args.scaling == "current" and "--amax-history-len" in given:

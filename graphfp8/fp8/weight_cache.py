@@ -13,10 +13,14 @@ Its drivers:
                      graphs fill it between replays, only when its value changes (DeviceFlag)
     per microbatch   a step graph's constant flags, one per microbatch: microbatch 0 casts, the
                      others reuse (constant_flags), so no fill runs between its replays
+    weight versions  a model that carries its recipe (graphfp8/modules/carry.py): a call given
+                     no is_first_microbatch casts only when its weights changed since its last
+                     cast (VersionCasts): True on an optimizer step's first microbatch, False
+                     on the others, whatever loop runs them
 
 The policy a context carries (graphfp8/fp8/context.py) says which decides: EAGER, or
 GraphCasts(flag) - inside a capture, where every weight cast is recorded and the flag decides
-on the device (None: the graphs cast on every replay).
+on the device (None: the graphs cast on every replay) - or VersionCasts.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import torch
 
 from graphfp8.fp8.tensor import Float8Tensor
 
-__all__ = ["EAGER", "CacheState", "DeviceFlag", "EagerCasts", "GraphCasts", "WeightCache",
-           "WeightCachePolicy", "check_is_first_microbatch", "constant_flags"]  # fmt: skip
+__all__ = ["EAGER", "CacheState", "DeviceFlag", "EagerCasts", "GraphCasts", "VersionCasts",
+           "WeightCache", "WeightCachePolicy", "check_is_first_microbatch",
+           "constant_flags"]  # fmt: skip
 
 
 def check_is_first_microbatch(is_first_microbatch) -> None:
@@ -69,6 +74,7 @@ class WeightCache(CacheState):
     def __init__(self) -> None:
         super().__init__()
         self.workspaces: dict[str, Float8Tensor] = {}
+        self.versions: tuple | None = None  # what the weights were at the last cast (VersionCasts)
 
     def invalidate(self) -> None:
         """The weights changed behind the cache (a checkpoint load): the next False raises."""
@@ -122,7 +128,7 @@ class WeightCache(CacheState):
 class EagerCasts:
     """The module's is_first_microbatch decides on the host, per call."""
 
-    def casts(self, cache: WeightCache, is_first_microbatch, owner: str):
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
         """(cast the weights now, the device flag the casts read: None)."""
         error = (f"{owner}: is_first_microbatch=False before any is_first_microbatch=True: "
                  "there is no cached FP8 weight to reuse")  # fmt: skip
@@ -136,14 +142,34 @@ class GraphCasts:
 
     flag: torch.Tensor | None
 
-    def casts(self, cache: WeightCache, is_first_microbatch, owner: str):
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
         # The workspaces now hold what the graph casts (its flag decides): an eager call with
         # is_first_microbatch=False after a replay reuses them.
         cache.valid = True
         return True, self.flag
 
 
-WeightCachePolicy = EagerCasts | GraphCasts
+@dataclass(frozen=True)
+class VersionCasts:
+    """A call without is_first_microbatch casts only when a weight changed since the module's
+    last cast: its version counter (every in-place write through torch bumps it: optimizer
+    steps, load_state_dict, copy_), its storage, or the tensor itself. A write through
+    `weight.data` is not seen (its loop passes is_first_microbatch). A call with
+    is_first_microbatch follows it (EagerCasts)."""
+
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
+        if is_first_microbatch is not None:
+            return EAGER.casts(cache, is_first_microbatch, owner)
+        data = [w._data if isinstance(w, Float8Tensor) else w for w in weights]
+        versions = tuple(
+            (id(w), d.data_ptr(), d._version) for w, d in zip(weights, data, strict=True)
+        )
+        reuse = cache.valid and cache.versions == versions
+        cache.valid, cache.versions = True, versions
+        return not reuse, None
+
+
+WeightCachePolicy = EagerCasts | GraphCasts | VersionCasts
 EAGER = EagerCasts()
 
 
