@@ -115,6 +115,7 @@ struct FusedCastTransposeParams {
   const void* act_in;   // (rows, cols), cast.x_dtype: the GELU input (kDgelu only), else nullptr
   void* dbias;          // (cols,), cast.x_dtype, or nullptr
   float* workspace;     // CUDA with dbias: (ceil(rows / kDbiasPartialRows), cols) fp32 scratch
+  bool dbias_in_kernel;  // CUDA: the kernel switch DBIAS_IN_KERNEL (the same sums, one launch)
 };
 
 // Rotary position embedding of the q and k parts of a fused QKV tensor; the v part is copied. A
@@ -203,6 +204,7 @@ struct NormBwdParams {
   int64_t rows;
   int64_t hidden;
   bool batched;              // CUDA: cuda/norm_bwd_batched.cu (kernel switch NORM_BWD_BATCHED)
+  bool pipelined;            // CUDA, batched: next rows' loads in flight (NORM_BWD_PIPELINED)
 };
 
 constexpr int64_t kNormBwdMaxBlocks = 256;

@@ -30,6 +30,7 @@ struct GluParams {
   float* amax;         // (1,): receives max(amax, max |value|), NaN ignored
   void* dbias;         // backward: (2 * cols,), dtype, or nullptr
   float* workspace;    // CUDA with dbias: (ceil(rows / kDbiasPartialRows), 2 * cols) fp32
+  bool dbias_in_kernel;  // CUDA: the kernel switch DBIAS_IN_KERNEL (the same sums, one launch)
   GluAct act;
   int64_t rows;
   int64_t cols;        // F: the width of a, half the width of h

@@ -10,6 +10,8 @@
 // Backward, for each part p of the FP8 gradients (dq, dk, dv):
 //   g = fp8_value * scale_inv[p] in fp32; dq and dk are rotated back (RopeParams' inverse
 //   rotation), dv is not; the result is rounded once to the output dtype.
+//   High-precision gradients (grad_dtype == out_dtype, no scale_inv: the bf16 attention path)
+//   are read as they are: the result is rope_qkv's inverse of their concatenation, bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -38,8 +40,8 @@ struct RopeFp8Params {
 
 struct RopeFp8BwdParams {
   const void* grad[3];       // dq (batch, seq, heads, head_dim), dk and dv (.., kv_heads, ..)
-  DType grad_dtype;          // E4M3 or E5M2
-  const float* scale_inv[3]; // (1,) each
+  DType grad_dtype;          // E4M3 or E5M2, or out_dtype (high precision)
+  const float* scale_inv[3]; // (1,) each (FP8 gradients only)
   const float* cos;          // (>= seq, head_dim) float32, or nullptr: no rotation
   const float* sin;
   void* out;                 // dqkv: (batch, seq, heads + 2 * kv_heads, head_dim), out_dtype

@@ -388,9 +388,11 @@ def rope_fp8(qkv, cos, sin, num_heads, scale, out, scale_inv, amax, num_kv_heads
 
 
 def rope_fp8_backward(grads, scale_inv, cos, sin, num_heads, out, num_kv_heads=0) -> None:
-    """Twin of torch.ops.graphfp8.rope_fp8_backward: each part dequantized in float32, rope_qkv's
-    inverse rotation in float32 on the packed gradient, one rounding to out's dtype."""
+    """Twin of torch.ops.graphfp8.rope_fp8_backward: each part dequantized in float32 (high
+    precision parts: scale_inv [], read as they are), rope_qkv's inverse rotation in float32 on
+    the packed gradient, one rounding to out's dtype."""
     b, s, width = out.shape
+    scale_inv = scale_inv or [torch.ones(1, device=out.device)] * 3  # [] for high precision
     parts = [g.float() * si.reshape(()) for g, si in zip(grads, scale_inv, strict=True)]
     packed = torch.cat(parts, dim=2).reshape(b, s, width)
     rotated = packed.clone()

@@ -16,8 +16,10 @@
 #              (SwiGLU LayerNormMLP vs bf16 and TE), train-llama (the llama-100m preset, bf16 vs
 #              FP8 graphed; LLAMA_ARGS adds e.g. --pack), hf (a 100M HF Llama: FP8 + graphs via
 #              g8.from_hf vs HF bf16 eager / compile); issue 33's: ncu (Nsight Compute counters of
-#              the norm backward, GELU/GLU casts and amax passes: scripts/ncu_kernels.py); issue
-#              32's: te (TransformerEngine's documentation examples on graphfp8.te, tests/te's
+#              the norm backward, GELU/GLU casts and amax passes: scripts/ncu_kernels.py), kern-ab
+#              (the DBIAS_IN_KERNEL / NORM_BWD_PIPELINED / ROPE_PARTS_BWD switches: tests, variants,
+#              census, step);
+#              issue 32's: te (TransformerEngine's documentation examples on graphfp8.te, tests/te's
 #              CUDA tests))
 #   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
 #   WITH_TE    1 (default): install TransformerEngine from a carried .te/ (a copy of
@@ -202,6 +204,23 @@ for step in $STEPS; do
       GRAPHFP8_GRAPH_DEBUG=0 $PY -m graphfp8.bench step --json "$RES/bench_step_nodebug.json" \
         > /tmp/bench_step_nodebug.log 2>&1 || { status=1; tail -30 /tmp/bench_step_nodebug.log; }
       grep -v '^wrote' /tmp/bench_step_nodebug.log >> "$RES/summary.md" ;;
+    kern-ab)  # issue 33 (kern): the new kernel switches' CUDA tests, each off/on on the kernels,
+      # the step graph's nodes per layer (census), and bench step off / on
+      KERN_SW="GRAPHFP8_DBIAS_IN_KERNEL=1 GRAPHFP8_NORM_BWD_PIPELINED=1 GRAPHFP8_ROPE_PARTS_BWD=1"
+      timeout 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_dbias_in_kernel.py \
+        tests/ops/test_norm_bwd_batched.py tests/ops/test_rope_fp8.py \
+        > "$RES/kern_tests.log" 2>&1 || status=1
+      tail -1 "$RES/kern_tests.log" | tee -a "$RES/summary.md"
+      $PY -m graphfp8.bench variants --json "$RES/kern_variants.json" 2>&1 \
+        | grep -v '^wrote' | grep -E "^#|^\| (switch|---|DBIAS|NORM_BWD_PIPE)" >> "$RES/summary.md" || status=1
+      for sw in off on; do
+        e=""; [ $sw = on ] && e=$KERN_SW
+        env $e $PY -m graphfp8.bench census --json "$RES/kern_census_$sw.json" > /tmp/kern_census_$sw.log 2>&1 || status=1
+        env $e $PY -m graphfp8.bench step --json "$RES/kern_step_$sw.json" > /tmp/kern_step_$sw.log 2>&1 || status=1
+        echo "-- switches $sw" >> "$RES/summary.md"
+        grep -v '^wrote' /tmp/kern_census_$sw.log | grep -E "^#|^\| (op|---|total|KERNEL|MEMSET|MEMCPY|Memset|Memcpy)" >> "$RES/summary.md"
+        grep -v '^wrote' /tmp/kern_step_$sw.log | head -30 >> "$RES/summary.md"
+      done ;;
     ncu)  # issue 33: Nsight Compute counters of the kernels it names (scripts/ncu_kernels.py);
       # NCU_ENV: an environment for the profiled run (e.g. a kernel switch), NCU_SECTIONS: sections
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

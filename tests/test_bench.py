@@ -40,8 +40,11 @@ def test_variants_quick(tmp_path, capsys):
     result = json.loads(path.read_text())
     assert [(r["switch"], r["op"]) for r in result["switches"]] == [
         ("PAIRED_QUANTIZE", "cast_transpose"), ("PAIRED_QUANTIZE", "cast_transpose_dbias"),
-        ("PAIRED_QUANTIZE", "gelu_cast_transpose"),
-        ("PAIRED_QUANTIZE", "dgelu_cast_transpose_dbias"), ("NORM_BWD_BATCHED", "layernorm_bwd"),
+        ("DBIAS_IN_KERNEL", "cast_transpose_dbias"), ("PAIRED_QUANTIZE", "gelu_cast_transpose"),
+        ("PAIRED_QUANTIZE", "dgelu_cast_transpose_dbias"),
+        ("DBIAS_IN_KERNEL", "dgelu_cast_transpose_dbias"), ("NORM_BWD_BATCHED", "layernorm_bwd"),
+        ("NORM_BWD_PIPELINED", "layernorm_bwd"),
+        ("NORM_BWD_PIPELINED", "layernorm_bwd + dresidual"),
     ]  # fmt: skip
     assert [r["op"] for r in result["current"]] == ["cast_transpose", "gelu_cast_transpose"]
     numbers = _numbers(result["switches"] + result["current"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from graphfp8.bench import census
+from graphfp8.bench.opcount import kernels
+from graphfp8.ops.switches import kernel_switch
 
 # What one more TransformerLayer adds to each microbatch of the 100m GPT's FP8 step graph, as
 # CUDA kernels counted from the captured ops (a graphfp8 op that launches two kernels counts 2).
@@ -14,14 +16,16 @@ FP8_LAYER = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": 1,  # cuDNN's forward on the GPU
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": 1,
     "aten::_scaled_mm": 12,  # 4 linears x (forward, dgrad, wgrad)
-    "aten::cat": 1,  # the backward of q, k, v split from the QKV output
-    "graphfp8::cast_transpose": 5,  # 4 weights (a no-op when cached) + the attention output
+    "graphfp8::cast_transpose": 5,  # 4 weights (first microbatch only) + the attention output
     "graphfp8::cast_transpose_dbias": 6,  # 3 grads with a bias: tile kernel + dbias_reduce
     "graphfp8::dgelu_cast_transpose_dbias": 2,
     "graphfp8::gelu_cast_transpose": 1,
     "graphfp8::layernorm_bwd": 4,  # 2 norms: rows + the parameter-gradient reduction
     "graphfp8::layernorm_fp8": 4,  # 2 norms: the FP8 rows + their transpose
-    "graphfp8::rope_qkv": 2,  # forward and backward
+    "graphfp8::rope_qkv": 1,  # forward
+    # backward: dq, dk, dv (where attention left them) rotated back into dqkv in one kernel: no
+    # aten::cat of the three before a rope_qkv (issue 33)
+    "graphfp8::rope_fp8_backward": 1,
 }
 
 
@@ -31,10 +35,20 @@ def fp8_layer():
 
 
 def test_the_step_graph_launches_what_the_census_says_per_layer(fp8_layer):
+    """The first microbatch of a step casts the 4 weights; the others record no weight cast
+    (issue 33: before, 4 no-op cast nodes per layer on every cached microbatch)."""
     assert fp8_layer["kernels"]["first"] == FP8_LAYER
-    assert fp8_layer["kernels"]["cached"] == FP8_LAYER
-    assert census.totals(fp8_layer) == (39, 39)
+    assert fp8_layer["kernels"]["cached"] == {**FP8_LAYER, "graphfp8::cast_transpose": 1}
+    assert census.totals(fp8_layer) == (38, 34)
 
 
 def test_no_layer_copies_or_fills_in_the_step_graph(fp8_layer):
     assert fp8_layer["memops"] == {"first": {}, "cached": {}}
+
+
+def test_the_in_kernel_dbias_takes_one_kernel_per_dbias(fp8_layer):
+    """Under DBIAS_IN_KERNEL each fused dbias is one launch: 4 kernels fewer per layer."""
+    ops = ["graphfp8::cast_transpose_dbias"] * 3 + ["graphfp8::dgelu_cast_transpose_dbias"]
+    with kernel_switch("DBIAS_IN_KERNEL", True):
+        assert sum(kernels(ops).values()) == 4
+    assert sum(kernels(ops).values()) == 8

@@ -18,11 +18,12 @@
 // the tile, writes the row-major FP8 bytes and the shared tile; after a barrier the block writes
 // the tile's transpose.
 //
-// dbias: no atomics, so the sums are deterministic (graphed and eager runs agree bit for bit).
-// Each thread sums its own rows per column in registers in row order; the block adds those
+// dbias: no atomics in the sums, so they are deterministic (graphed and eager runs agree bit for
+// bit). Each thread sums its own rows per column in registers in row order; the block adds those
 // partials in a fixed order in shared memory and writes row tile_r of an fp32 workspace
-// (row tiles, cols); a second kernel sums the workspace rows of each column in order and rounds to
-// dbias's dtype.
+// (row tiles, cols); the workspace rows of each column are then summed in order and rounded to
+// dbias's dtype by a second kernel, or (kernel switch DBIAS_IN_KERNEL) by the last block of each
+// column of tiles (dbias.cuh).
 #include "../common.h"
 #include "../dtype_switch.h"
 #include "current_scale.cuh"
@@ -48,6 +49,8 @@ struct TileArgs {
   float* amax;
   const float* noop;               // (1,), read only by the kNoop variant
   float* workspace;                // (row tiles, cols) fp32 column partials (kDbias)
+  InT* dbias;                      // (cols,) (kDbias)
+  int* counters;                   // (column tiles,) zeros: reduce in-kernel (kDbias), or nullptr
   int64_t rows;
   int64_t cols;
   CurrentScale current;            // read only by the kCurrent variants
@@ -158,38 +161,49 @@ __global__ void __launch_bounds__(kTileThreads)
     }
   }
   cuda::cast_epilogue<kCurrent>(amax, a.amax, a.scale_inv, scale);
+  if constexpr (kDbias) {
+    if (a.counters != nullptr) {
+      const int64_t c0 = t.c0, cols = a.cols;
+      cuda::dbias_finish(a.workspace, a.dbias, a.counters + t.c0 / S::kCols,
+                         cuda::ceil_div(a.rows, S::kRows), a.cols, S::kCols,
+                         [=](int i) { return c0 + i < cols ? c0 + i : int64_t{-1}; });
+    }
+  }
 }
 
 template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop, bool kVec,
           bool kCurrent, bool kPaired>
-Status launch_shape(const TileArgs<InT>& a, void* dbias, cudaStream_t stream) {
+Status launch_shape(TileArgs<InT> a, bool dbias_in_kernel, cudaStream_t stream) {
   using S = cuda::TileShape<InT, kVec>;
+  const cuda::TileGrid<S> grid(a.rows, a.cols);
+  a.counters = kDbias && dbias_in_kernel ? cuda::dbias_counters(stream, grid.tiles_c) : nullptr;
   const Status st = cuda::launch_tiles(
-      cuda::TileGrid<S>(a.rows, a.cols).num_tiles, "cast_transpose_kernel",
-      [&](int blocks, int64_t first) {
+      grid.num_tiles, "cast_transpose_kernel", [&](int blocks, int64_t first) {
         cast_transpose_kernel<InT, kE4M3, kAct, kDbias, kNoop, kVec, kCurrent, kPaired>
             <<<blocks, kTileThreads, 0, stream>>>(a, first);
       });
-  if (!kDbias || !st.ok()) return st;
-  return cuda::launch_dbias_reduce<InT>(a.workspace, dbias, cuda::ceil_div(a.rows, S::kRows),
+  if (!kDbias || !st.ok() || a.counters != nullptr) return st;
+  return cuda::launch_dbias_reduce<InT>(a.workspace, a.dbias, cuda::ceil_div(a.rows, S::kRows),
                                         a.cols, stream);
 }
 
 // The tile shape and the kernel variant: kCurrent (CurrentScale), kPaired (the kernel switch
 // PAIRED_QUANTIZE, vector tiles only).
 template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop>
-Status launch(const TileArgs<InT>& a, bool paired, void* dbias, cudaStream_t stream) {
+Status launch(const TileArgs<InT>& a, const CastParams& cp, bool dbias_in_kernel,
+              cudaStream_t stream) {
   const bool vec = cuda::vec_tiles_ok(a.rows, a.cols, a.x, a.act_in, a.out, a.out_t);
-  GRAPHFP8_SWITCH_BOOL(a.current.on(), kCurrent,
+  const bool in_kernel = dbias_in_kernel;
+  GRAPHFP8_SWITCH_BOOL(cp.current.on(), kCurrent,
     if (!vec) {
-      return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, false, kCurrent, false>(a, dbias,
+      return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, false, kCurrent, false>(a, in_kernel,
                                                                                    stream);
     }
-    if (paired) {
-      return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, true, kCurrent, true>(a, dbias,
+    if (cp.paired_quantize) {
+      return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, true, kCurrent, true>(a, in_kernel,
                                                                                  stream);
     }
-    return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, true, kCurrent, false>(a, dbias,
+    return launch_shape<InT, kE4M3, kAct, kDbias, kNoop, true, kCurrent, false>(a, in_kernel,
                                                                                 stream);)
 }
 
@@ -199,23 +213,24 @@ Status dispatch_variant(const FusedCastTransposeParams& p, cudaStream_t stream) 
   const CastParams& cp = p.cast;
   const TileArgs<InT> a{static_cast<const InT*>(cp.x), static_cast<const InT*>(p.act_in),
                         static_cast<uint8_t*>(cp.out), static_cast<uint8_t*>(cp.out_t),
-                        cp.scale, cp.scale_inv, cp.amax, cp.noop, p.workspace, cp.rows, cp.cols,
-                        cp.current};
+                        cp.scale, cp.scale_inv, cp.amax, cp.noop, p.workspace,
+                        static_cast<InT*>(p.dbias), nullptr, cp.rows, cp.cols, cp.current};
   const bool dbias = p.dbias != nullptr;
   const bool noop = cp.noop != nullptr;
+  const bool ik = p.dbias_in_kernel;
   if (p.act == FusedAct::kNone && !dbias) {
-    if (noop) return launch<InT, kE4M3, FusedAct::kNone, false, true>(a, cp.paired_quantize, nullptr, stream);
-    return launch<InT, kE4M3, FusedAct::kNone, false, false>(a, cp.paired_quantize, nullptr, stream);
+    if (noop) return launch<InT, kE4M3, FusedAct::kNone, false, true>(a, cp, false, stream);
+    return launch<InT, kE4M3, FusedAct::kNone, false, false>(a, cp, false, stream);
   }
   if (noop) return Status{"cast_transpose", "a noop flag only goes with the plain cast"};
   if (p.act == FusedAct::kNone && dbias) {
-    return launch<InT, kE4M3, FusedAct::kNone, true, false>(a, cp.paired_quantize, p.dbias, stream);
+    return launch<InT, kE4M3, FusedAct::kNone, true, false>(a, cp, ik, stream);
   }
   if (p.act == FusedAct::kGelu && !dbias) {
-    return launch<InT, kE4M3, FusedAct::kGelu, false, false>(a, cp.paired_quantize, nullptr, stream);
+    return launch<InT, kE4M3, FusedAct::kGelu, false, false>(a, cp, false, stream);
   }
   if (p.act == FusedAct::kDgelu && dbias) {
-    return launch<InT, kE4M3, FusedAct::kDgelu, true, false>(a, cp.paired_quantize, p.dbias, stream);
+    return launch<InT, kE4M3, FusedAct::kDgelu, true, false>(a, cp, ik, stream);
   }
   return Status{"cast_transpose", "unsupported (activation, dbias) variant"};
 }
@@ -235,7 +250,7 @@ Status cast_transpose_fused_cuda(const FusedCastTransposeParams& p, void* stream
 
 Status cast_transpose_cuda(const CastParams& p, void* stream) {
   return cast_transpose_fused_cuda(FusedCastTransposeParams{p, FusedAct::kNone, nullptr, nullptr,
-                                                            nullptr},
+                                                            nullptr, false},
                                    stream);
 }
 

@@ -14,7 +14,8 @@
 // writes one FP8 tile and, through a shared tile, its transpose; the backward writes dg's tile at
 // columns c0.. and du's at F + c0.. of dh, and both transposes through two shared tiles.
 // dbias: per-thread column sums in registers, added per block in a fixed order in shared memory
-// into one row of an fp32 workspace per row of tiles, then summed by dbias.cuh's kernel.
+// into one row of an fp32 workspace per row of tiles, then summed by dbias.cuh's kernel or (kernel
+// switch DBIAS_IN_KERNEL) by the last block of each column of tiles.
 #include "../dtype_switch.h"
 #include "../glu.h"
 #include "dbias.cuh"
@@ -37,6 +38,8 @@ struct GluArgs {
   float* scale_inv;
   float* amax;
   float* workspace;  // (row tiles, 2 * cols) fp32, backward with dbias
+  T* dbias;          // (2 * cols,), backward with dbias
+  int* counters;     // (column tiles,) zeros: reduce in-kernel, or nullptr
   int64_t rows;
   int64_t cols;  // F
 };
@@ -176,6 +179,16 @@ __global__ void __launch_bounds__(kTileThreads) glu_bwd_kernel(GluArgs<T> a, int
   cuda::store_transposed(tile_g, a.out_t, g, t);
   cuda::store_transposed(tile_u, a.out_t + a.cols * a.rows, g, t);
   cuda::amax_epilogue(amax, a.amax, a.scale_inv, scale);
+  if constexpr (kDbias) {
+    if (a.counters != nullptr) {  // dg's columns c0.. then du's F + c0..
+      const int64_t c0 = t.c0, f = a.cols;
+      cuda::dbias_finish(a.workspace, a.dbias, a.counters + t.c0 / S::kCols,
+                         cuda::ceil_div(a.rows, S::kRows), 2 * a.cols, 2 * S::kCols, [=](int i) {
+                           const int64_t col = c0 + i % S::kCols;
+                           return col < f ? col + (i < S::kCols ? 0 : f) : int64_t{-1};
+                         });
+    }
+  }
 }
 
 template <typename T, bool kE4M3, GluAct kAct, bool kVec>
@@ -189,15 +202,16 @@ Status launch_fwd(const GluArgs<T>& a, cudaStream_t stream) {
 }
 
 template <typename T, bool kE4M3, GluAct kAct, bool kDbias, bool kVec>
-Status launch_bwd(const GluArgs<T>& a, void* dbias, cudaStream_t stream) {
+Status launch_bwd(GluArgs<T> a, bool dbias_in_kernel, cudaStream_t stream) {
   using S = cuda::TileShape<T, kVec>;
+  const cuda::TileGrid<S> grid(a.rows, a.cols);
+  a.counters = kDbias && dbias_in_kernel ? cuda::dbias_counters(stream, grid.tiles_c) : nullptr;
   const Status st = cuda::launch_tiles(
-      cuda::TileGrid<S>(a.rows, a.cols).num_tiles, "glu_bwd_kernel",
-      [&](int blocks, int64_t first) {
+      grid.num_tiles, "glu_bwd_kernel", [&](int blocks, int64_t first) {
         glu_bwd_kernel<T, kE4M3, kAct, kDbias, kVec><<<blocks, kTileThreads, 0, stream>>>(a, first);
       });
-  if (!kDbias || !st.ok()) return st;
-  return cuda::launch_dbias_reduce<T>(a.workspace, dbias, cuda::ceil_div(a.rows, S::kRows),
+  if (!kDbias || !st.ok() || a.counters != nullptr) return st;
+  return cuda::launch_dbias_reduce<T>(a.workspace, a.dbias, cuda::ceil_div(a.rows, S::kRows),
                                       2 * a.cols, stream);
 }
 
@@ -205,7 +219,8 @@ template <typename T, bool kE4M3, GluAct kAct>
 Status dispatch(const GluParams& p, bool backward, cudaStream_t stream) {
   const GluArgs<T> a{static_cast<const T*>(p.x), static_cast<const T*>(p.dy),
                      static_cast<uint8_t*>(p.out), static_cast<uint8_t*>(p.out_t), p.scale,
-                     p.scale_inv, p.amax, p.workspace, p.rows, p.cols};
+                     p.scale_inv, p.amax, p.workspace, static_cast<T*>(p.dbias), nullptr,
+                     p.rows, p.cols};
   const bool vec = cuda::vec_tiles_ok(p.rows, p.cols, p.x, p.dy, p.out, p.out_t);
   if (!backward) {
     GRAPHFP8_SWITCH_BOOL(vec, kVec, return launch_fwd<T, kE4M3, kAct, kVec>(a, stream);)
@@ -213,7 +228,7 @@ Status dispatch(const GluParams& p, bool backward, cudaStream_t stream) {
   const bool dbias = p.dbias != nullptr;
   GRAPHFP8_SWITCH_BOOL(vec, kVec,
     GRAPHFP8_SWITCH_BOOL(dbias, kDbias,
-      return launch_bwd<T, kE4M3, kAct, kDbias, kVec>(a, p.dbias, stream);))
+      return launch_bwd<T, kE4M3, kAct, kDbias, kVec>(a, p.dbias_in_kernel, stream);))
   return Status{};
 }
 

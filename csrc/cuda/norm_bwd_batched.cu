@@ -20,113 +20,18 @@
 #include "../dtype_switch.h"
 #include "fp8_util.cuh"
 #include "norm.cuh"
+#include "norm_bwd_rows.cuh"
 #include "vec.cuh"
 
 namespace graphfp8 {
 namespace {
 
+using namespace norm_bwd;  // NOLINT: the row machinery (norm_bwd_rows.cuh)
 using cuda::norm::bwd_loads;
-using cuda::norm::bwd_terms;
 using cuda::norm::Elems;
-using cuda::norm::row_layout;
 using cuda::norm::RowLayout;
-
-constexpr int kThreads = 256;
-constexpr int kStage2Cols = 16;  // columns per block of the second kernel
-
-// Rows per slot in flight: what fits ~128 registers a thread (two blocks per SM).
-template <bool kVec, int V>
-constexpr int rows_in_flight() {
-  return kVec ? (V >= 4 ? 1 : 4 / V) : (V >= 2 ? 1 : 2);
-}
-
-// norm.cuh's row_sums over virtual lanes: v[j][k] is value k of lane t + j P. The same tree:
-// each warp of lanes by butterfly, then the warps of the row in order from shared memory.
-template <int V, int K>
-__device__ __forceinline__ void row_sums_virtual(float (&v)[V][K], int tpr, int P,
-                                                 float (*scratch)[32]) {
-  const int width = tpr < cuda::kWarpSize ? tpr : cuda::kWarpSize;
-  for (int off = width / 2; off > 0; off /= 2) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        v[j][k] = __fadd_rn(v[j][k], __shfl_xor_sync(0xffffffffu, v[j][k], off));
-      }
-    }
-  }
-  if (tpr <= cuda::kWarpSize) return;
-  const int pwarp = threadIdx.x / cuda::kWarpSize;
-  const int warps_per_row = tpr / cuda::kWarpSize;
-  if (threadIdx.x % cuda::kWarpSize == 0) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) scratch[k][pwarp + j * (P / cuda::kWarpSize)] = v[j][k];
-    }
-  }
-  __syncthreads();
-  // V > 1 only with one row slot per block (tpr >= 512), whose warps start at 0.
-  const int first = V == 1 ? (pwarp / warps_per_row) * warps_per_row : 0;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    float s = 0.0f;
-    for (int w = 0; w < warps_per_row; ++w) s = __fadd_rn(s, scratch[k][first + w]);
-#pragma unroll
-    for (int j = 0; j < V; ++j) v[j][k] = s;
-  }
-  __syncthreads();  // scratch is reused by the next batch
-}
-
-// norm_bwd.cu's store_column_sums over virtual lanes (several slots only with V == 1).
-template <int V, int kLoads, int N, int kCols = kLoads * N>
-__device__ __forceinline__ void store_column_sums(const NormBwdParams& p, RowLayout layout, int P,
-                                                  int64_t loads, float (&dgamma)[V][kCols],
-                                                  float (&dbeta)[V][kCols]) {
-  __shared__ float slots[2][V == 1 ? kThreads * kCols : 1];
-  const int slot = threadIdx.x / P;
-  const int t = threadIdx.x % P;
-  if constexpr (V == 1) {
-    if (layout.rows_per_block > 1) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        slots[0][threadIdx.x * kCols + c] = dgamma[0][c];
-        slots[1][threadIdx.x * kCols + c] = dbeta[0][c];
-      }
-      __syncthreads();
-      if (slot != 0) return;
-      for (int o = 1; o < layout.rows_per_block; ++o) {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          dgamma[0][c] = __fadd_rn(dgamma[0][c], slots[0][(o * P + t) * kCols + c]);
-          dbeta[0][c] = __fadd_rn(dbeta[0][c], slots[1][(o * P + t) * kCols + c]);
-        }
-      }
-    }
-  }
-  float* ws_gamma = p.workspace + static_cast<int64_t>(blockIdx.x) * p.hidden;
-  float* ws_beta = ws_gamma + kNormBwdMaxBlocks * p.hidden;
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-#pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
-      const int64_t v = t + j * P + static_cast<int64_t>(k) * layout.tpr;
-      if (v >= loads) continue;
-#pragma unroll
-      for (int e = 0; e < N; ++e) {
-        ws_gamma[v * N + e] = dgamma[j][k * N + e];
-        ws_beta[v * N + e] = dbeta[j][k * N + e];
-      }
-    }
-  }
-}
-
-// Two blocks per SM (<= 128 registers) where that costs no more than a small spill (16-bit
-// vector loads); the wide unvectorised and fp32 variants take all the registers they need.
-template <typename T, bool kVec, int V>
-constexpr int min_blocks() {
-  return (kVec && sizeof(T) == 2) || V == 1 ? 2 : 1;
-}
+using cuda::norm::row_layout;
+using cuda::norm::bwd_terms;
 
 template <typename T, bool kVec, int V>
 __global__ void __launch_bounds__(kThreads, (min_blocks<T, kVec, V>()))
@@ -229,6 +134,43 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<T, kVec, V>()))
   store_column_sums<V, kLoads, E::N>(p, layout, P, loads, dgamma, dbeta);
 }
 
+// The kernel switch NORM_BWD_PIPELINED: norm_bwd_batched_kernel with half its rows per batch and
+// the next batch's loads issued before this batch's row sums and stores, so that loads are in
+// flight all along instead of once per batch. Each slot still takes its rows in order (row0 +
+// slot + k step, k = 0, 1, ..., whatever the batch), so every sum is the same, bit for bit.
+// (load_batch and process_batch are norm_bwd_batched_kernel's loop body, which keeps its own
+// copy until this variant has run on a GPU: its registers and spills stay as measured.)
+template <typename T, bool kVec, int V>
+__global__ void __launch_bounds__(kThreads, (min_blocks<T, kVec, V>()))
+    norm_bwd_pipelined_kernel(NormBwdParams p, RowLayout layout) {
+  using E = Elems<T, kVec>;
+  constexpr int kCols = bwd_loads<T, kVec>() * E::N;  // columns per lane
+  constexpr int kRows = rows_in_flight<kVec, V>();
+  constexpr int R = kRows > 1 ? kRows / 2 : 1;
+  __shared__ float scratch[2 * R][32];
+  const int P = layout.tpr / V;
+  const Lanes l{layout.tpr, P, static_cast<int>(threadIdx.x) / P, static_cast<int>(threadIdx.x) % P,
+                p.hidden / E::N, static_cast<int64_t>(gridDim.x) * layout.rows_per_block};
+  float dgamma[V][kCols], dbeta[V][kCols];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) dgamma[j][c] = dbeta[j][c] = 0.0f;
+  }
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * layout.rows_per_block;
+  const int64_t batch = R * l.step;  // the same for every thread of the block: uniform loops
+  RowBatch<T, kVec, V, R> b0, b1;  // named, not indexed, so that both stay in registers
+  if (first < p.rows) load_batch(p, l, first, b0);
+  for (int64_t row0 = first; row0 < p.rows; row0 += 2 * batch) {
+    if (row0 + batch < p.rows) load_batch(p, l, row0 + batch, b1);
+    process_batch(p, l, row0, b0, dgamma, dbeta, scratch);
+    if (row0 + batch >= p.rows) break;
+    if (row0 + 2 * batch < p.rows) load_batch(p, l, row0 + 2 * batch, b0);
+    process_batch(p, l, row0 + batch, b1, dgamma, dbeta, scratch);
+  }
+  store_column_sums<V, bwd_loads<T, kVec>(), E::N>(p, layout, P, l.loads, dgamma, dbeta);
+}
+
 // dgamma[c] (and dbeta[c]) = the workspace rows of column c summed in order, as norm_bwd.cu's
 // norm_param_grad_kernel sums them. A block takes kStage2Cols columns: its 256 threads stage
 // all partial rows of them in shared memory at once (every load in flight together, rows read as
@@ -269,7 +211,14 @@ template <typename T, bool kVec, int V>
 Status launch_v(const NormBwdParams& p, RowLayout layout, cudaStream_t stream) {
   const int64_t groups = cuda::ceil_div(p.rows, layout.rows_per_block);
   const int grid = static_cast<int>(groups < kNormBwdMaxBlocks ? groups : kNormBwdMaxBlocks);
-  norm_bwd_batched_kernel<T, kVec, V><<<grid, kThreads, 0, stream>>>(p, layout);
+  // Pipelined where two batches fit the registers of two blocks per SM (V <= 2).
+  bool pipelined = false;
+  if constexpr (V <= 2) pipelined = p.pipelined;
+  if (pipelined) {
+    norm_bwd_pipelined_kernel<T, kVec, (V <= 2 ? V : 2)><<<grid, kThreads, 0, stream>>>(p, layout);
+  } else {
+    norm_bwd_batched_kernel<T, kVec, V><<<grid, kThreads, 0, stream>>>(p, layout);
+  }
   const Status st = cuda::check_launch("norm_bwd_batched_kernel");
   if (!st.ok()) return st;
   param_grad_batched_kernel<T>

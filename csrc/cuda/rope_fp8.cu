@@ -1,5 +1,7 @@
 // CUDA: rotary embedding fused with the FP8 casts of q, k and v (the front of FP8 attention), and
-// its backward: dequantize, rotate dq and dk back, write the fused dQKV (rope_fp8.h has the math).
+// its backward: dequantize, rotate dq and dk back, write the fused dQKV (rope_fp8.h has the math);
+// the backward also takes high-precision dq, dk, dv (the bf16 attention path: the cat of the
+// three and rope_qkv's inverse in one pass).
 //
 // Forward grid: a grid-stride loop over chunks, a chunk being N = 16 / sizeof(T) consecutive
 // (lo, hi) pairs of one input row (rope_layout.h: where a row lives, in the input and the output).
@@ -85,6 +87,20 @@ __device__ __forceinline__ void fold(float (&amax)[3], int part, float a) {
   amax[2] = part == 2 ? fmaxf(amax[2], a) : amax[2];
 }
 
+// The lo and hi halves of a high-precision head vector chunk at src (half elements apart) as
+// floats: one 16-byte load each (kVec), or one element each.
+template <typename T, bool kVec, int M>
+__device__ __forceinline__ void load_halves(const T* src, int64_t half, float (&lo)[M],
+                                            float (&hi)[M]) {
+  if constexpr (kVec) {
+    cuda::load_vec(src, lo);
+    cuda::load_vec(src + half, hi);
+  } else {
+    lo[0] = cuda::to_float(src[0]);
+    hi[0] = cuda::to_float(src[half]);
+  }
+}
+
 template <typename T, bool kE4M3, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     rope_fp8_kernel(const T* __restrict__ qkv, RopeFp8Params p, Shape sh, int64_t work) {
@@ -99,15 +115,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = c / per_row;
     const int64_t i0 = (c - r * per_row) * N;
     const RopeRow at = rope_row(r, sh.seq, sh.heads, sh.kv_heads, sh.head_dim);
-    const T* src = qkv + r * sh.head_dim + i0;
     float lo[N], hi[N];
-    if constexpr (kVec) {
-      cuda::load_vec(src, lo);
-      cuda::load_vec(src + half, hi);
-    } else {
-      lo[0] = cuda::to_float(src[0]);
-      hi[0] = cuda::to_float(src[half]);
-    }
+    load_halves<T, kVec>(qkv + r * sh.head_dim + i0, half, lo, hi);
     if (at.part < 2 && p.cos != nullptr) {
       const float* cs = p.cos + at.s * sh.head_dim + i0;
       const float* sn = p.sin + at.s * sh.head_dim + i0;
@@ -164,7 +173,32 @@ __device__ __forceinline__ void load_fp8(const uint8_t* src, float scale_inv, fl
   }
 }
 
-template <typename OutT, bool kE4M3, bool kVec>
+// Where the backward's gradients come from: FP8 (E5M2, E4M3), dequantized, or high precision
+// (out's dtype, read as they are: the bf16 attention path).
+enum GradKind : int { kGradE5M2, kGradE4M3, kGradHp };
+
+// The lo and hi halves (M elements each) of a gradient vector at element `at` of its part.
+template <typename OutT, int kKind, bool kVec, int M>
+__device__ __forceinline__ void load_grad(const void* grad, int64_t at, int64_t half,
+                                          const float* scale_inv_ptr, float (&lo)[M],
+                                          float (&hi)[M]) {
+  if constexpr (kKind == kGradHp) {
+    load_halves<OutT, kVec>(static_cast<const OutT*>(grad) + at, half, lo, hi);
+  } else {
+    constexpr bool kE4M3 = kKind == kGradE4M3;
+    const auto* src = static_cast<const uint8_t*>(grad) + at;
+    const float scale_inv = *scale_inv_ptr;
+    if constexpr (kVec) {
+      load_fp8<kE4M3, M>(src, scale_inv, lo);
+      load_fp8<kE4M3, M>(src + half, scale_inv, hi);
+    } else {
+      lo[0] = cuda::fp8_to_float<kE4M3>(src[0]) * scale_inv;
+      hi[0] = cuda::fp8_to_float<kE4M3>(src[half]) * scale_inv;
+    }
+  }
+}
+
+template <typename OutT, int kKind, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     rope_fp8_bwd_kernel(OutT* __restrict__ out, RopeFp8BwdParams p, Shape sh, int64_t work) {
   constexpr int M = kVec ? cuda::Vec<OutT>::N : 1;
@@ -176,16 +210,9 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = c / per_row;
     const int64_t i0 = (c - r * per_row) * M;
     const RopeRow at = rope_row(r, sh.seq, sh.heads, sh.kv_heads, sh.head_dim);
-    const auto* src = static_cast<const uint8_t*>(p.grad[at.part]) + at.part_offset + i0;
-    const float scale_inv = *p.scale_inv[at.part];
     float lo[M], hi[M];
-    if constexpr (kVec) {
-      load_fp8<kE4M3, M>(src, scale_inv, lo);
-      load_fp8<kE4M3, M>(src + half, scale_inv, hi);
-    } else {
-      lo[0] = cuda::fp8_to_float<kE4M3>(src[0]) * scale_inv;
-      hi[0] = cuda::fp8_to_float<kE4M3>(src[half]) * scale_inv;
-    }
+    load_grad<OutT, kKind, kVec, M>(p.grad[at.part], at.part_offset + i0, half,
+                                    p.scale_inv[at.part], lo, hi);
     if (at.part < 2 && p.cos != nullptr) {
       const float* cs = p.cos + at.s * sh.head_dim + i0;
       const float* sn = p.sin + at.s * sh.head_dim + i0;
@@ -232,7 +259,7 @@ Status launch_fwd(const RopeFp8Params& p, cudaStream_t stream) {
   return cuda::check_launch("rope_fp8_kernel");
 }
 
-template <typename OutT, bool kE4M3>
+template <typename OutT, int kKind>
 Status launch_bwd(const RopeFp8BwdParams& p, cudaStream_t stream) {
   constexpr int M = cuda::Vec<OutT>::N;
   const Shape sh{p.seq, p.heads, p.kv_heads, p.head_dim};
@@ -244,7 +271,7 @@ Status launch_bwd(const RopeFp8BwdParams& p, cudaStream_t stream) {
   const int64_t work = vec ? rows * (half / M) : rows * half;
   const int grid = cuda::grid_size(cuda::ceil_div(work, kThreads), 8);
   GRAPHFP8_SWITCH_BOOL(vec, kVec,
-                       rope_fp8_bwd_kernel<OutT, kE4M3, kVec><<<grid, kThreads, 0, stream>>>(
+                       rope_fp8_bwd_kernel<OutT, kKind, kVec><<<grid, kThreads, 0, stream>>>(
                            out, p, sh, work);)
   return cuda::check_launch("rope_fp8_bwd_kernel");
 }
@@ -261,9 +288,11 @@ Status rope_fp8_cuda(const RopeFp8Params& p, void* stream) {
 
 Status rope_fp8_bwd_cuda(const RopeFp8BwdParams& p, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
+  const bool hp = p.grad_dtype == p.out_dtype;
   GRAPHFP8_SWITCH_HP(p.out_dtype, "rope_fp8_bwd_cuda", OutT,
-                     GRAPHFP8_SWITCH_FP8(p.grad_dtype, "rope_fp8_bwd_cuda", kE4M3,
-                                         return launch_bwd<OutT, kE4M3>(p, s);))
+    if (hp) return launch_bwd<OutT, kGradHp>(p, s);
+    GRAPHFP8_SWITCH_FP8(p.grad_dtype, "rope_fp8_bwd_cuda", kE4M3,
+                        return launch_bwd<OutT, kE4M3 ? kGradE4M3 : kGradE5M2>(p, s);))
   return Status{};
 }
 

@@ -203,6 +203,7 @@ void fused_impl(const char* op, FusedAct act, const at::Tensor& x, const at::Ten
       const int64_t partial_rows = (x.size(0) + kDbiasPartialRows - 1) / kDbiasPartialRows;
       workspace = at::empty({partial_rows, x.size(1)}, x.options().dtype(at::kFloat));
       p.workspace = workspace.data_ptr<float>();
+      p.dbias_in_kernel = switch_on("DBIAS_IN_KERNEL");
     }
   }
   if (x.numel() == 0) {

@@ -4,6 +4,7 @@
 
 #include "../glu.h"
 #include "ops.h"
+#include "switches.h"
 
 namespace graphfp8 {
 namespace {
@@ -91,6 +92,7 @@ void dglu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x,
       const int64_t partial_rows = (p.rows + kDbiasPartialRows - 1) / kDbiasPartialRows;
       workspace = at::empty({partial_rows, 2 * p.cols}, x.options().dtype(at::kFloat));
       p.workspace = workspace.data_ptr<float>();
+      p.dbias_in_kernel = switch_on("DBIAS_IN_KERNEL");
     }
   }
   if (x.numel() == 0) {

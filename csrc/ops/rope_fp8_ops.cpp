@@ -97,9 +97,16 @@ void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
                        int64_t num_heads, const at::Tensor& out, int64_t num_kv_heads) {
   const char* op = "graphfp8.rope_fp8_backward";
   check_three(op, "grads", grads);
-  check_three(op, "scale_inv", scale_inv);
   TORCH_CHECK(is_hp(out.scalar_type()), op,
               ": argument 'out' must be float32, bfloat16 or float16, got ", out.scalar_type());
+  // High-precision gradients (the bf16 attention path): out's dtype, no scale_inv.
+  const bool hp = is_hp(grads[0].scalar_type());
+  if (hp) {
+    TORCH_CHECK(scale_inv.empty(), op, ": high-precision 'grads' take no 'scale_inv', got ",
+                fmt(static_cast<int64_t>(scale_inv.size())), " tensors");
+  } else {
+    check_three(op, "scale_inv", scale_inv);
+  }
   TORCH_CHECK(out.dim() == 3 && out.is_contiguous(), op,
               ": argument 'out' must be a contiguous (batch, seq, 3 * hidden) tensor");
   int64_t kv_heads = num_kv_heads;
@@ -109,12 +116,22 @@ void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
   for (int i = 0; i < 3; ++i) {
     const std::vector<int64_t> part_shape{out.size(0), out.size(1), i == 0 ? num_heads : kv_heads,
                                           head_dim};
-    check_fp8_out(op, "grads", grads[i], out, part_shape);
-    TORCH_CHECK(grads[i].scalar_type() == grads[0].scalar_type(), op,
-                ": the three 'grads' tensors must have one FP8 dtype");
-    check_scalar_f32(op, "scale_inv", scale_inv[i], out);
+    if (hp) {
+      check_common(op, "grads", grads[i], out);
+      TORCH_CHECK(grads[i].scalar_type() == out.scalar_type(), op,
+                  ": high-precision 'grads' must have out's dtype ", out.scalar_type(), ", got ",
+                  grads[i].scalar_type());
+      TORCH_CHECK(grads[i].sizes() == at::IntArrayRef(part_shape), op,
+                  ": argument 'grads' must have shape ", fmt(at::IntArrayRef(part_shape)),
+                  ", got ", fmt(grads[i].sizes()));
+    } else {
+      check_fp8_out(op, "grads", grads[i], out, part_shape);
+      TORCH_CHECK(grads[i].scalar_type() == grads[0].scalar_type(), op,
+                  ": the three 'grads' tensors must have one FP8 dtype");
+      check_scalar_f32(op, "scale_inv", scale_inv[i], out);
+      p.scale_inv[i] = scale_inv[i].data_ptr<float>();
+    }
     p.grad[i] = grads[i].data_ptr();
-    p.scale_inv[i] = scale_inv[i].data_ptr<float>();
   }
   p.grad_dtype = to_dtype(grads[0].scalar_type());
   p.cos = cos.has_value() ? cos->data_ptr<float>() : nullptr;

@@ -18,6 +18,7 @@ import torch
 import graphfp8 as g8
 from graphfp8.bench.common import environment, print_table
 from graphfp8.fp8 import current
+from graphfp8.ops.switches import switch_on
 
 # Dispatcher ops that launch no kernel (views, allocation, metadata).
 NO_KERNEL = {"aten::detach", "aten::empty", "aten::empty_like", "aten::empty_strided",
@@ -34,13 +35,20 @@ TWO_KERNELS = {"graphfp8::cast_transpose_dbias", "graphfp8::dgelu_cast_transpose
 NORM_WITH_TRANSPOSE = {"graphfp8::layernorm_fp8", "graphfp8::rmsnorm_fp8"}
 
 
+# The fused dbias ops, one kernel under the kernel switch DBIAS_IN_KERNEL.
+DBIAS_OPS = {"graphfp8::cast_transpose_dbias", "graphfp8::dgelu_cast_transpose_dbias"}
+
+
 def kernels(names: list[str]) -> collections.Counter:
-    """{op: CUDA kernels} of a captured op list."""
+    """{op: CUDA kernels} of a captured op list, under the kernel switches now in force."""
+    two = TWO_KERNELS | NORM_WITH_TRANSPOSE
+    if switch_on("DBIAS_IN_KERNEL"):
+        two = two - DBIAS_OPS
     out: collections.Counter = collections.Counter()
     for name in names:
         if name in NO_KERNEL:
             continue
-        out[name] += 2 if name in TWO_KERNELS or name in NORM_WITH_TRANSPOSE else 1
+        out[name] += 2 if name in two else 1
     return out
 
 

@@ -61,6 +61,11 @@ def _norm_bwd(dy, x, g, mu, rsigma):
     return ops.layernorm_bwd(dy, x, mu, rsigma, g)
 
 
+def _norm_bwd_res(dy, x, g, mu, rsigma):
+    """As in a TransformerLayer: the residual's gradient added (x stands in for it: 2 B more)."""
+    return ops.layernorm_bwd(dy, x, mu, rsigma, g, dresidual=x)
+
+
 def _norm_sets(m: int, n: int, device):
     def make():
         x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -128,6 +133,9 @@ def run(device, quick: bool = False) -> dict:
         for op, (nbytes, fn) in _cast_cases(device).items():
             switches.append(_switch_row("PAIRED_QUANTIZE", op, shape, nbytes, fn, sets,
                                         copy_gbs, device))  # fmt: skip
+            if "dbias" in op:  # issue 33: the dbias sums without a second launch
+                switches.append(_switch_row("DBIAS_IN_KERNEL", op, shape, nbytes, fn, sets,
+                                            copy_gbs, device))  # fmt: skip
         cur += [_current_row(op, shape, sets, device)
                 for op in ("cast_transpose", "gelu_cast_transpose")]  # fmt: skip
     for shape in norm_shapes:
@@ -135,6 +143,12 @@ def run(device, quick: bool = False) -> dict:
         copy_gbs = _copy_gbs(sets, device)
         switches.append(_switch_row("NORM_BWD_BATCHED", "layernorm_bwd", shape, 6, _norm_bwd,
                                     sets, copy_gbs, device))  # fmt: skip
+        with kernel_switch("NORM_BWD_BATCHED", True):  # issue 33: its pipelined variant
+            switches.append(_switch_row("NORM_BWD_PIPELINED", "layernorm_bwd", shape, 6,
+                                        _norm_bwd, sets, copy_gbs, device))  # fmt: skip
+            switches.append(_switch_row("NORM_BWD_PIPELINED", "layernorm_bwd + dresidual",
+                                        shape, 8, _norm_bwd_res, sets, copy_gbs,
+                                        device))  # fmt: skip
     text = print_table(
         f"kernel switches off / on, bf16 (same run; ratios to a bf16 copy), {device}",
         ["switch", "op", "shape", "off ms", "on ms", "off / copy", "on / copy", "speedup"],

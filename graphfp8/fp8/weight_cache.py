@@ -11,16 +11,18 @@ Its drivers:
     device flag      a graph's weight casts read a (1,) float32 device flag (1 = reuse: the cast
                      writes nothing; the kernels call it `noop`). Graphed callables and microbatch
                      graphs fill it between replays, only when its value changes (DeviceFlag)
-    per microbatch   a step graph's constant flags, one per microbatch: microbatch 0 casts, the
-                     others reuse (constant_flags), so no fill runs between its replays
+    per microbatch   a step graph knows at capture which microbatch it records: microbatch 0
+                     records the casts, the others none at all (step_casts: no no-op cast nodes
+                     on the cached microbatches, no flag, no fill between replays)
     weight versions  a model that carries its recipe (graphfp8/modules/carry.py): a call given
                      no is_first_microbatch casts only when its weights changed since its last
                      cast (VersionCasts): True on an optimizer step's first microbatch, False
                      on the others, whatever loop runs them
 
-The policy a context carries (graphfp8/fp8/context.py) says which decides: EAGER, or
+The policy a context carries (graphfp8/fp8/context.py) says which decides: EAGER,
 GraphCasts(flag) - inside a capture, where every weight cast is recorded and the flag decides
-on the device (None: the graphs cast on every replay) - or VersionCasts.
+on the device (None: the graphs cast on every replay) - or StaticCasts(cast) - inside a capture
+that decides on the host - or VersionCasts.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ import torch
 
 from graphfp8.fp8.tensor import Float8Tensor
 
-__all__ = ["EAGER", "CacheState", "DeviceFlag", "EagerCasts", "GraphCasts", "VersionCasts",
-           "WeightCache", "WeightCachePolicy", "check_is_first_microbatch",
-           "constant_flags"]  # fmt: skip
+__all__ = ["EAGER", "CacheState", "DeviceFlag", "EagerCasts", "GraphCasts", "StaticCasts",
+           "VersionCasts", "WeightCache", "WeightCachePolicy", "check_is_first_microbatch",
+           "step_casts"]  # fmt: skip
 
 
 def check_is_first_microbatch(is_first_microbatch) -> None:
@@ -150,6 +152,24 @@ class GraphCasts:
 
 
 @dataclass(frozen=True)
+class StaticCasts:
+    """Inside a capture that knows whether this microbatch casts (a step graph): `cast` records
+    the weight casts unconditionally; otherwise none is recorded, and the forward reads the
+    workspaces that an earlier microbatch of the same graph cast (issue 33: 4 graph nodes fewer
+    per layer on each cached microbatch)."""
+
+    cast: bool
+
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
+        """(cast the weights now, no device flag)."""
+        if not (self.cast or cache.valid):
+            raise RuntimeError(f"{owner}: a step graph's microbatch reuses FP8 weights that no "
+                               "earlier microbatch cast")  # fmt: skip
+        cache.valid = True
+        return self.cast, None
+
+
+@dataclass(frozen=True)
 class VersionCasts:
     """A call without is_first_microbatch casts only when a weight changed since the module's
     last cast: its version counter (every in-place write through torch bumps it: optimizer
@@ -169,7 +189,7 @@ class VersionCasts:
         return not reuse, None
 
 
-WeightCachePolicy = EagerCasts | GraphCasts | VersionCasts
+WeightCachePolicy = EagerCasts | GraphCasts | StaticCasts | VersionCasts
 EAGER = EagerCasts()
 
 
@@ -217,12 +237,10 @@ class DeviceFlag:
             self.value = value
 
 
-def constant_flags(n: int, device, caching: bool) -> list[torch.Tensor | None]:
-    """A step graph's flag per microbatch: the rule with is_first_microbatch = (i == 0) (two
-    constant device tensors), or None each without caching."""
+def step_casts(n: int, caching: bool) -> list[WeightCachePolicy]:
+    """A step graph's policy per microbatch: the rule with is_first_microbatch = (i == 0) decided
+    at capture (StaticCasts), or GraphCasts(None) each without caching (cast every time)."""
     if not caching:
-        return [None] * n
+        return [GraphCasts(None)] * n
     state, error = CacheState(), "unreachable: microbatch 0 casts"
-    values = [flag_value(state.reuses(i == 0, error)) for i in range(n)]
-    tensors = {v: torch.full((1,), v, device=device) for v in dict.fromkeys(values)}
-    return [tensors[v] for v in values]
+    return [StaticCasts(not state.reuses(i == 0, error)) for i in range(n)]

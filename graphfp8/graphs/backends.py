@@ -145,7 +145,11 @@ class CudaGraph:
         ...; kernel names as kernels() gives them."""
         dump = self._dump()
         types = [m.group(1) for m in _NODE_TYPE.finditer(dump)]
-        names = iter(_demangle([m.group(1).strip() for m in _KERNEL_NODE.finditer(dump)]))
+        kernels = _demangle([m.group(1).strip() for m in _KERNEL_NODE.finditer(dump)])
+        if types.count("KERNEL") != len(kernels):  # another label layout: count the type words
+            types = ["KERNEL"] * len(kernels) + [t for t in ("MEMSET", "MEMCPY")
+                                                 for _ in range(dump.count("{" + t))]  # fmt: skip
+        names = iter(kernels)
         return [(t, next(names, "?") if t == "KERNEL" else "") for t in types]
 
 

@@ -32,7 +32,7 @@ import torch
 from graphfp8.fp8 import context
 from graphfp8.fp8.context import ArenaRecorder, FP8Context
 from graphfp8.fp8.scale_schedule import UpdatePoints
-from graphfp8.fp8.weight_cache import GraphCasts
+from graphfp8.fp8.weight_cache import GraphCasts, WeightCachePolicy
 from graphfp8.graphs.backends import new_graph
 from graphfp8.graphs.contexts import (
     autocast_cache_off,
@@ -56,7 +56,7 @@ class CaptureSession:
             None without FP8), warmup count, pool (None: a new one on CUDA).
         weight_cache_flag: (1,) float32 device flag the weight casts read while warming up and
             capturing (None: they cast on every replay; the step graph pushes one per
-            microbatch: weight_flag()).
+            microbatch: weight_policy()).
         snapshot: an object whose restore() undoes what a warmup or a CPU capture (which runs
             what it records) changed in the model or optimizer; None: nothing to undo.
     """
@@ -94,11 +94,11 @@ class CaptureSession:
         with context.pushed(ctx):
             yield ctx.recorder
 
-    def weight_flag(self, flag: torch.Tensor | None):
-        """Inside a recording: the weight casts of the block read `flag` (the step graph's
-        per-microbatch constants, graphfp8/fp8/weight_cache.py)."""
+    def weight_policy(self, policy: WeightCachePolicy):
+        """Inside a recording: the block's weight casts follow `policy` (the step graph's
+        per-microbatch StaticCasts, graphfp8/fp8/weight_cache.py)."""
         ctx = context.current()
-        return context.pushed(dataclasses.replace(ctx, weight_cache=GraphCasts(flag)))
+        return context.pushed(dataclasses.replace(ctx, weight_cache=policy))
 
     @contextlib.contextmanager
     def warmup(self):

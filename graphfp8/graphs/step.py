@@ -5,7 +5,7 @@ accumulation, the data-parallel gradient all-reduce, clipping and the optimizer 
 What one replay runs, in order:
 
     for each microbatch i of the N:
-        weight-cache flag = 0 for i == 0 (the FP8 weights are cast), 1 after (the cache is reused)
+        FP8 weight casts for i == 0 only (the later microbatches reuse them: no cast recorded)
         update of every forward arena          (after the amax MAX all-reduce over fp8_group)
         loss_i = loss_fn(model(*inputs[i]), *targets[i]) / N
         grads = torch.autograd.grad(loss_i, parameters)     (captured once, replayed as kernels)
@@ -16,10 +16,10 @@ What one replay runs, in order:
     grad_norm = clip_grad_norm_(parameters, max_grad_norm)  (when given)
     optimizer.step()
 
-The weight-cache flags are two constant device tensors chosen per microbatch at capture, so the
-graph decides "microbatch 0 casts, the others reuse" by itself: nothing is written between
-replays but the batch (when the caller passes other tensors) and whatever the caller changes
-(an LR schedule's fill_ of the learning rate).
+The capture decides "microbatch 0 casts, the others reuse" (graphfp8/fp8/weight_cache.py's
+step_casts): the later microbatches hold no weight-cast node at all, and nothing is written
+between replays but the batch (when the caller passes other tensors) and whatever the caller
+changes (an LR schedule's fill_ of the learning rate).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.recipe import Recipe
 from graphfp8.fp8.scale_schedule import NONE, SCHEDULE, UpdatePoints
 from graphfp8.fp8.tensor import Float8Tensor
-from graphfp8.fp8.weight_cache import constant_flags
+from graphfp8.fp8.weight_cache import step_casts
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
 from graphfp8.graphs.options import CaptureOptions
@@ -193,8 +193,8 @@ class StepBody:
         self.body, self.optimizer, self.masters = body, optimizer, masters
         self.max_grad_norm, self.process_group, self.keep = max_grad_norm, process_group, keep
         self.session = session
-        # Constant weight-cache flags, one per microbatch: microbatch 0 casts, the others reuse.
-        self.flags = constant_flags(body.num_microbatches, body.device, caching)
+        # Microbatch 0 records the weight casts, the others record none (they reuse its casts).
+        self.weight_casts = step_casts(body.num_microbatches, caching)
         self.grads: list[torch.Tensor] | None = None
         self.grads_before_clipping: list[torch.Tensor] | None = None
 
@@ -204,7 +204,7 @@ class StepBody:
         body = self.body
         total = torch.zeros((), dtype=torch.float32, device=body.device)
         for i in range(body.num_microbatches):
-            with self.session.weight_flag(self.flags[i]):
+            with self.session.weight_policy(self.weight_casts[i]):
                 loss, grads = body.microbatch(i, points)
             self._accumulate(i, grads)
             total += loss

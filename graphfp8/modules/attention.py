@@ -18,7 +18,7 @@ from graphfp8.modules._attention import (
     prepare_attention,
 )
 from graphfp8.modules._context import fp8_recipe, fp8_state
-from graphfp8.modules._rope import RopeQKV
+from graphfp8.modules._rope import RopeQKV, RopeQKVParts, rope_parts_backward
 from graphfp8.modules.base import FP8Module
 from graphfp8.ops.segments import segment_mask
 
@@ -168,6 +168,10 @@ class DotProductAttention(FP8Module):
             training = torch.is_grad_enabled() and qkv.requires_grad
             cfg = self._fp8_config((b, s, h, d), (b, s, g, d), qkv.device, training, segment_ids)
             return fp8_attention_qkv(qkv, rope_tables, h, cfg, g)
+        if rope_tables is not None and rope_parts_backward(qkv.device):
+            # the backward writes dqkv from dq, dk, dv in one kernel (no cat of the three)
+            q, k, v = RopeQKVParts.apply(qkv.contiguous(), *rope_tables, h, g)
+            return self._sdpa(q, k, v, segment_ids)
         if rope_tables is not None:
             qkv = RopeQKV.apply(qkv.contiguous(), *rope_tables, h, g)
         q, k, v = qkv.view(b, s, h + 2 * g, d).split([h, g, g], dim=2)

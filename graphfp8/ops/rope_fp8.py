@@ -116,18 +116,20 @@ def rope_fp8(
 
 def rope_fp8_backward(
     grads: list[torch.Tensor],
-    scale_inv: list[torch.Tensor],
+    scale_inv: list[torch.Tensor] | None,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The fused QKV gradient from the FP8 gradients of q, k and v: dequantized in fp32, dq and
-    dk rotated back (rope_qkv's inverse rotation), rounded once to `dtype`.
+    """The fused QKV gradient from the gradients of q, k and v: dequantized in fp32 (FP8) or
+    read as they are (high precision), dq and dk rotated back (rope_qkv's inverse rotation),
+    rounded once to `dtype`. With high-precision gradients this is rope_qkv(cat(grads), inverse)
+    in one pass, bit for bit (the bf16 attention path's backward: modules/_rope.RopeQKVParts).
 
     Args:
         grads: [dq (batch, seq, heads, head_dim), dk, dv (batch, seq, kv_heads, head_dim)], FP8
-            of one dtype, contiguous.
-        scale_inv: their (1,) float32 scale_inv.
+            of one dtype, or all of `dtype`; contiguous.
+        scale_inv: the FP8 gradients' (1,) float32 scale_inv; None for high-precision ones.
         cos, sin: the forward's rotary tables, or both None.
         dtype: float32, bfloat16 or float16.
 
@@ -135,21 +137,24 @@ def rope_fp8_backward(
         (batch, seq, (heads + 2 * kv_heads) * head_dim) tensor of `dtype`.
     """
     name = "graphfp8.rope_fp8_backward"
-    if len(grads) != 3 or len(scale_inv) != 3:
-        raise ValueError(f"{name}: need 3 gradients and 3 scale_inv tensors")
+    if len(grads) != 3 or (scale_inv is not None and len(scale_inv) != 3):
+        raise ValueError(f"{name}: need 3 gradients and 3 scale_inv tensors (None: high precision)")
     g, kv = grads[0], grads[1]
     same = lambda t, ref: t.dim() == 4 and t.shape == ref.shape and t.dtype == g.dtype  # noqa: E731
     if not (g.dim() == 4 and same(kv, kv) and same(grads[2], kv)
             and (kv.shape[:2], kv.shape[3]) == (g.shape[:2], g.shape[3])):  # fmt: skip
         raise ValueError(
             f"{name}: the gradients must be dq (batch, seq, heads, head_dim) and dk, dv "
-            f"(batch, seq, kv_heads, head_dim) of one FP8 dtype, got "
+            f"(batch, seq, kv_heads, head_dim) of one dtype, got "
             f"{[tuple(t.shape) for t in grads]}"
         )
-    if g.dtype not in _FP8:
-        raise TypeError(f"{name}: the gradients must be FP8, got {g.dtype}")
     if dtype not in _HP:
         raise TypeError(f"{name}: dtype must be float32, bfloat16 or float16, got {dtype}")
+    if (g.dtype in _FP8) != (scale_inv is not None) or (g.dtype not in _FP8 and g.dtype != dtype):
+        raise TypeError(
+            f"{name}: the gradients must be FP8 with scale_inv, or of dtype {dtype} without; got "
+            f"{g.dtype} with scale_inv {'given' if scale_inv is not None else 'None'}"
+        )
     batch, seq, heads, head_dim = g.shape
     kv_heads = kv.shape[2]
     _head_dim(name, (heads + 2 * kv_heads) * head_dim, heads, kv_heads)
@@ -157,5 +162,5 @@ def rope_fp8_backward(
         raise ValueError(f"{name}: head_dim must be even, got {head_dim}")
     _check_tables(name, cos, sin, seq, head_dim, g.device)
     out = torch.empty(batch, seq, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=g.device)
-    ops.rope_fp8_backward(grads, scale_inv, cos, sin, heads, out, kv_heads)
+    ops.rope_fp8_backward(grads, scale_inv or [], cos, sin, heads, out, kv_heads)
     return out

@@ -2,9 +2,13 @@
 against the kernel it replaces: dx, dgamma and dbeta bit for bit, on every path its layout
 takes (1, 2 or 4 lanes per thread, several row slots per block, rows in batches with a ragged
 tail, fewer rows than blocks, unvectorised hidden sizes, every dtype, dresidual, RMSNorm,
-zero-centred gamma), and bit for bit on repeat. GPU only: the CPU has one backward."""
+zero-centred gamma), and bit for bit on repeat; the pipelined variant of it (kernel switch
+NORM_BWD_PIPELINED: the next rows' loads in flight during the current rows' work) against the
+batched kernel the same way. GPU only: the CPU has one backward."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -53,20 +57,45 @@ def _backward(args, rms, zero_centered):
 OPTIONS = [(False, False, False), (True, True, True), (False, True, False)]
 
 
+def _switched(settings: dict[str, bool]):
+    stack = contextlib.ExitStack()
+    for name, on in settings.items():
+        stack.enter_context(kernel_switch(name, on))
+    return stack
+
+
+def _assert_variant_equals(args, rms, zero_centered, base: dict, variant: dict, what: str):
+    """dx, dgamma, dbeta under the switch settings `variant` against `base`, bit for bit, and
+    again on repeat."""
+    with _switched(base):
+        want = _backward(args, rms, zero_centered)
+    with _switched(variant):
+        got = _backward(args, rms, zero_centered)
+        again = _backward(args, rms, zero_centered)
+    for name, g, a, w in zip(("dx", "dgamma", "dbeta"), got, again, want, strict=False):
+        assert_bitwise_equal(g, w, f"{name} vs {what}")
+        assert_bitwise_equal(a, g, f"{name} on repeat")
+
+
 @pytest.mark.parametrize("device", [CUDA_PARAM])
 @pytest.mark.parametrize("shape, dtype", SHAPES)
 @pytest.mark.parametrize("rms, dresidual, zero_centered", OPTIONS)
 def test_batched_backward_equals_the_old_kernel(device, shape, dtype, rms, dresidual,
                                                 zero_centered):  # fmt: skip
     args = _inputs(shape, dtype, rms, dresidual, zero_centered)
-    with kernel_switch("NORM_BWD_BATCHED", False):
-        want = _backward(args, rms, zero_centered)
-    with kernel_switch("NORM_BWD_BATCHED", True):
-        got = _backward(args, rms, zero_centered)
-        again = _backward(args, rms, zero_centered)
-    for name, g, a, w in zip(("dx", "dgamma", "dbeta"), got, again, want, strict=False):
-        assert_bitwise_equal(g, w, f"{name} vs the old kernel")
-        assert_bitwise_equal(a, g, f"{name} on repeat")
+    _assert_variant_equals(args, rms, zero_centered, {"NORM_BWD_BATCHED": False},
+                           {"NORM_BWD_BATCHED": True}, "the old kernel")  # fmt: skip
+
+
+@pytest.mark.parametrize("device", [CUDA_PARAM])
+@pytest.mark.parametrize("shape, dtype", SHAPES)
+@pytest.mark.parametrize("rms, dresidual, zero_centered", OPTIONS)
+def test_pipelined_backward_equals_the_batched_kernel(device, shape, dtype, rms, dresidual,
+                                                      zero_centered):  # fmt: skip
+    args = _inputs(shape, dtype, rms, dresidual, zero_centered)
+    batched = {"NORM_BWD_BATCHED": True, "NORM_BWD_PIPELINED": False}
+    pipelined = {**batched, "NORM_BWD_PIPELINED": True}
+    _assert_variant_equals(args, rms, zero_centered, batched, pipelined, "the batched kernel")
 
 
 def test_switch_sets_and_restores():

@@ -191,3 +191,69 @@ def test_op_checks_too(device):
     dqkv = torch.empty_like(qkv)
     with pytest.raises(RuntimeError, match="given together"):
         torch.ops.graphfp8.rope_fp8_backward(out, one, cos, None, 2, dqkv)
+
+
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tables", [True, False])
+def test_high_precision_backward_is_the_cat_and_rope_qkv(device, dtype, shape, tables):
+    """dq, dk, dv of the bf16 attention path: rope_fp8_backward without scale_inv equals
+    rope_qkv(cat(dq, dk, dv), inverse) (and the twin) bit for bit: one kernel for the two. (A NaN
+    gradient stays NaN; its payload bits are the float conversion's, which the cat kept.)"""
+    batch, seq, heads, head_dim, kv = shape
+    grads = [fp8_test_data((batch, seq, h, head_dim), dtype, device=device)
+             for h in (heads, kv, kv)]  # fmt: skip
+    cos, sin = rope_tables(seq + 2, head_dim, 500.0, torch.float32, device)
+    packed = torch.cat(grads, dim=2).reshape(batch, seq, -1)
+    if tables:
+        want = ops.rope_qkv(packed, cos, sin, heads, inverse=True, num_kv_heads=kv)
+    else:
+        cos = sin = None
+        want = packed
+    twin = torch.empty_like(want)
+    reference.rope_fp8_backward(grads, [], cos, sin, heads, twin, kv)
+    got = ops.rope_fp8_backward(grads, None, cos, sin, dtype)
+    assert_bitwise_equal(got, want, "vs the cat and rope_qkv")
+    assert_bitwise_equal(got, twin, "vs the twin")
+
+
+def test_high_precision_backward_refuses_scales_or_another_dtype(device):
+    g = [torch.randn(1, 4, 2, 8, device=device, dtype=torch.bfloat16) for _ in range(3)]
+    ones = [torch.ones(1, device=device)] * 3
+    with pytest.raises(TypeError, match="without"):
+        ops.rope_fp8_backward(g, ones, None, None, torch.bfloat16)
+    with pytest.raises(TypeError, match="of dtype torch.float32"):
+        ops.rope_fp8_backward(g, None, None, None, torch.float32)
+    out = torch.empty(1, 4, 48, device=device, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="take no 'scale_inv'"):
+        torch.ops.graphfp8.rope_fp8_backward(g, ones, None, None, 2, out, 2)
+    with pytest.raises(RuntimeError, match="must have out's dtype"):
+        torch.ops.graphfp8.rope_fp8_backward([t.float() for t in g], [], None, None, 2, out, 2)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_rope_parts_function_equals_rope_then_split(device, kv_heads):
+    """modules/_rope.RopeQKVParts (the bf16 attention path under ROPE_PARTS_BWD, always on the
+    CPU) against RopeQKV and a split of its output (whose backward cats dq, dk, dv): the same
+    q, k, v and the same qkv gradient through torch's attention, bit for bit."""
+    from graphfp8.modules._rope import RopeQKV, RopeQKVParts  # noqa: PLC0415
+
+    b, s, h, d = 2, 16, 4, 32
+    qkv = torch.randn(b, s, (h + 2 * kv_heads) * d, device=device, dtype=torch.bfloat16)
+    cos, sin = rope_tables(s, d, 500.0, torch.float32, device)
+
+    def run(parts: bool):
+        x = qkv.clone().requires_grad_(True)
+        if parts:
+            q, k, v = RopeQKVParts.apply(x, cos, sin, h, kv_heads)
+        else:
+            rotated = RopeQKV.apply(x, cos, sin, h, kv_heads)
+            q, k, v = rotated.view(b, s, -1, d).split([h, kv_heads, kv_heads], dim=2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=kv_heads != h)  # fmt: skip
+        out.float().square().sum().backward()
+        return [q, k, v, x.grad]
+
+    for i, (got, want) in enumerate(zip(run(True), run(False), strict=True)):
+        assert_bitwise_equal(got, want, f"output {i}")
