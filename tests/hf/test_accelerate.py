@@ -68,8 +68,14 @@ def test_an_accelerate_loop_trains_in_fp8_as_the_explicit_loop():
 
 
 def _ddp_against_graphfp8(rank, device):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")  # fmt: skip
+    env = dict(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29511",
+    )  # what a launcher sets: accelerate reads it
+    os.environ.update(env)
     group = dist.group.WORLD
     try:
         acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
@@ -83,6 +89,8 @@ def _ddp_against_graphfp8(rank, device):
         _fsdp_is_refused(group)
     finally:
         accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+        for key in env:  # the rank process serves other tests next
+            os.environ.pop(key, None)
 
 
 def _fsdp_is_refused(group) -> None:
