@@ -75,11 +75,27 @@ void cast_to_fp8(const at::Tensor& x, const at::Tensor& scale, const at::Tensor&
   cast_impl("graphfp8.cast_to_fp8", x, scale, out, nullptr, scale_inv, amax, noop, scaled_max);
 }
 
+// scaled_max given (current scaling, CurrentScale in common.h): the cast computes its scale from
+// amax, rewrites `scale` and resets `amax`, hence the (s!) on every cast's scale.
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "cast_to_fp8(Tensor x, Tensor(s!) scale, Tensor(a!) out, Tensor(b!) scale_inv, "
+         "Tensor(c!) amax, Tensor? noop=None, Tensor? scaled_max=None) -> ()",
+         cast_to_fp8);
+}
+
 void cast_transpose(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
                     const at::Tensor& out_t, const at::Tensor& scale_inv, const at::Tensor& amax,
                     const c10::optional<at::Tensor>& noop,
                     const c10::optional<at::Tensor>& scaled_max) {
   cast_impl("graphfp8.cast_transpose", x, scale, out, &out_t, scale_inv, amax, noop, scaled_max);
+}
+
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "cast_transpose(Tensor x, Tensor(s!) scale, Tensor(a!) out, Tensor(b!) out_t, "
+         "Tensor(c!) scale_inv, Tensor(d!) amax, Tensor? noop=None, Tensor? scaled_max=None) -> ()",
+         cast_transpose);
 }
 
 namespace {
@@ -106,12 +122,24 @@ void amax(const at::Tensor& x, const at::Tensor& amax, const c10::optional<at::T
   amax_impl("graphfp8.amax", FusedAct::kNone, x, nullptr, amax, noop);
 }
 
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m, "amax(Tensor x, Tensor(a!) amax, Tensor? noop=None) -> ()", amax);
+}
+
 void gelu_amax(const at::Tensor& x, const at::Tensor& amax) {
   amax_impl("graphfp8.gelu_amax", FusedAct::kGelu, x, nullptr, amax, c10::nullopt);
 }
 
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m, "gelu_amax(Tensor x, Tensor(a!) amax) -> ()", gelu_amax);
+}
+
 void dgelu_amax(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& amax) {
   amax_impl("graphfp8.dgelu_amax", FusedAct::kDgelu, dy, &x, amax, c10::nullopt);
+}
+
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m, "dgelu_amax(Tensor dy, Tensor x, Tensor(a!) amax) -> ()", dgelu_amax);
 }
 
 void fp8_transpose(const at::Tensor& x, const at::Tensor& out_t,
@@ -135,6 +163,10 @@ void fp8_transpose(const at::Tensor& x, const at::Tensor& out_t,
          [](const TransposeParams& q, void* s) { return transpose_cuda(q, s); });
 }
 
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m, "fp8_transpose(Tensor x, Tensor(a!) out_t, Tensor? noop=None) -> ()", fp8_transpose);
+}
+
 void dequantize(const at::Tensor& x, const at::Tensor& scale_inv, const at::Tensor& out) {
   const char* op = "graphfp8.dequantize";
   TORCH_CHECK(is_fp8(x.scalar_type()), op, ": argument 'x' must be float8_e4m3fn or float8_e5m2, got ",
@@ -156,6 +188,10 @@ void dequantize(const at::Tensor& x, const at::Tensor& scale_inv, const at::Tens
   if (x.numel() == 0) return;
   launch(op, x, p, dequantize_cpu,
          [](const DequantizeParams& q, void* s) { return dequantize_cuda(q, s); });
+}
+
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m, "dequantize(Tensor x, Tensor scale_inv, Tensor(a!) out) -> ()", dequantize);
 }
 
 namespace {
@@ -230,11 +266,25 @@ void cast_transpose_dbias(const at::Tensor& x, const at::Tensor& scale, const at
              scale_inv, amax, &dbias, scaled_max);
 }
 
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "cast_transpose_dbias(Tensor x, Tensor(s!) scale, Tensor(a!) out, Tensor(b!) out_t, "
+         "Tensor(c!) scale_inv, Tensor(d!) amax, Tensor(e!) dbias, Tensor? scaled_max=None) -> ()",
+         cast_transpose_dbias);
+}
+
 void gelu_cast_transpose(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
                          const at::Tensor& out_t, const at::Tensor& scale_inv,
                          const at::Tensor& amax, const c10::optional<at::Tensor>& scaled_max) {
   fused_impl("graphfp8.gelu_cast_transpose", FusedAct::kGelu, x, nullptr, scale, out, out_t,
              scale_inv, amax, nullptr, scaled_max);
+}
+
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "gelu_cast_transpose(Tensor x, Tensor(s!) scale, Tensor(a!) out, Tensor(b!) out_t, "
+         "Tensor(c!) scale_inv, Tensor(d!) amax, Tensor? scaled_max=None) -> ()",
+         gelu_cast_transpose);
 }
 
 void dgelu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale,
@@ -244,6 +294,14 @@ void dgelu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x, const
                                 const c10::optional<at::Tensor>& scaled_max) {
   fused_impl("graphfp8.dgelu_cast_transpose_dbias", FusedAct::kDgelu, dy, &x, scale, out, out_t,
              scale_inv, amax, &dbias, scaled_max);
+}
+
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "dgelu_cast_transpose_dbias(Tensor dy, Tensor x, Tensor(s!) scale, Tensor(a!) out, "
+         "Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax, Tensor(e!) dbias, "
+         "Tensor? scaled_max=None) -> ()",
+         dgelu_cast_transpose_dbias);
 }
 
 }  // namespace graphfp8

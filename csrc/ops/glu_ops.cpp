@@ -64,6 +64,13 @@ void glu_cast_transpose(const at::Tensor& x, c10::string_view activation, const 
   launch(op, x, p, glu_fwd_cpu, [](const GluParams& q, void* s) { return glu_fwd_cuda(q, s); });
 }
 
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "glu_cast_transpose(Tensor x, str activation, Tensor scale, Tensor(a!) out, "
+         "Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax) -> ()",
+         glu_cast_transpose);
+}
+
 void dglu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x,
                                c10::string_view activation, const at::Tensor& scale,
                                const at::Tensor& out, const at::Tensor& out_t,
@@ -100,6 +107,14 @@ void dglu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x,
     return;
   }
   launch(op, x, p, glu_bwd_cpu, [](const GluParams& q, void* s) { return glu_bwd_cuda(q, s); });
+}
+
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "dglu_cast_transpose_dbias(Tensor dy, Tensor x, str activation, Tensor scale, "
+         "Tensor(a!) out, Tensor(b!) out_t, Tensor(c!) scale_inv, Tensor(d!) amax, "
+         "Tensor(e!)? dbias=None) -> ()",
+         dglu_cast_transpose_dbias);
 }
 
 }  // namespace graphfp8

@@ -35,6 +35,13 @@ void scale_update(const at::Tensor& amax_history, const at::Tensor& scale,
          [](const ScaleUpdateParams& q, void* s) { return scale_update_cuda(q, s); });
 }
 
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "scale_update(Tensor(a!) amax_history, Tensor(b!) scale, Tensor scaled_max, "
+         "bool most_recent) -> ()",
+         scale_update);
+}
+
 namespace {
 
 // rope_qkv's checks raise TypeError (dtypes) and ValueError (shapes, layout, devices): the
@@ -95,6 +102,13 @@ void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
   p.inverse = inverse;
   if (qkv.numel() == 0) return;
   launch(op, qkv, p, rope_cpu, [](const RopeParams& q, void* s) { return rope_cuda(q, s); });
+}
+
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int num_heads, bool inverse, "
+         "Tensor(a!) out, int num_kv_heads=0) -> ()",
+         rope_qkv);
 }
 
 }  // namespace graphfp8

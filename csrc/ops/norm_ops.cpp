@@ -173,7 +173,8 @@ void norm_bwd(const char* op, const at::Tensor& dy, const at::Tensor& x, const a
   p.rows = x.size(0);
   p.hidden = x.size(1);
   p.batched = switch_on("NORM_BWD_BATCHED");
-  p.pipelined = switch_on("NORM_BWD_PIPELINED");
+  p.staged = switch_on("NORM_BWD_STAGED");
+  p.param_grad_in_kernel = switch_on("NORM_BWD_PARAM_IN_KERNEL");
   if (p.rows == 0) {  // sums over no rows are zero, as torch's
     dgamma.zero_();
     if (dbeta != nullptr) dbeta->zero_();
@@ -205,6 +206,15 @@ void layernorm_fp8(const at::Tensor& x, const at::Tensor& gamma, const at::Tenso
             &mu, rsigma, opt(out_hp), opt(residual), opt(residual_out), opt(scaled_max)});
 }
 
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "layernorm_fp8(Tensor x, Tensor gamma, Tensor beta, float eps, bool zero_centered_gamma, "
+         "Tensor(s!) scale, Tensor(a!) out, Tensor(b!)? out_t, Tensor(c!) scale_inv, "
+         "Tensor(d!) amax, Tensor(e!) mu, Tensor(f!) rsigma, Tensor(g!)? out_hp=None, "
+         "Tensor? residual=None, Tensor(h!)? residual_out=None, Tensor? scaled_max=None) -> ()",
+         layernorm_fp8);
+}
+
 void rmsnorm_fp8(const at::Tensor& x, const at::Tensor& gamma, double eps,
                  bool zero_centered_gamma, const at::Tensor& scale, const at::Tensor& out,
                  const c10::optional<at::Tensor>& out_t, const at::Tensor& scale_inv,
@@ -218,6 +228,15 @@ void rmsnorm_fp8(const at::Tensor& x, const at::Tensor& gamma, double eps,
             nullptr, rsigma, opt(out_hp), opt(residual), opt(residual_out), opt(scaled_max)});
 }
 
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "rmsnorm_fp8(Tensor x, Tensor gamma, float eps, bool zero_centered_gamma, "
+         "Tensor(s!) scale, Tensor(a!) out, Tensor(b!)? out_t, Tensor(c!) scale_inv, "
+         "Tensor(d!) amax, Tensor(e!) rsigma, Tensor(f!)? out_hp=None, Tensor? residual=None, "
+         "Tensor(g!)? residual_out=None, Tensor? scaled_max=None) -> ()",
+         rmsnorm_fp8);
+}
+
 void layernorm_amax(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
                     double eps, bool zero_centered_gamma, const at::Tensor& amax,
                     const c10::optional<at::Tensor>& residual) {
@@ -225,11 +244,25 @@ void layernorm_amax(const at::Tensor& x, const at::Tensor& gamma, const at::Tens
             opt(residual));
 }
 
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "layernorm_amax(Tensor x, Tensor gamma, Tensor beta, float eps, "
+         "bool zero_centered_gamma, Tensor(a!) amax, Tensor? residual=None) -> ()",
+         layernorm_amax);
+}
+
 void rmsnorm_amax(const at::Tensor& x, const at::Tensor& gamma, double eps,
                   bool zero_centered_gamma, const at::Tensor& amax,
                   const c10::optional<at::Tensor>& residual) {
   norm_amax("graphfp8.rmsnorm_amax", x, gamma, nullptr, eps, zero_centered_gamma, amax,
             opt(residual));
+}
+
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "rmsnorm_amax(Tensor x, Tensor gamma, float eps, bool zero_centered_gamma, "
+         "Tensor(a!) amax, Tensor? residual=None) -> ()",
+         rmsnorm_amax);
 }
 
 void layernorm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
@@ -240,11 +273,26 @@ void layernorm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
            &dbeta, opt(dresidual));
 }
 
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "layernorm_bwd(Tensor dy, Tensor x, Tensor mu, Tensor rsigma, Tensor gamma, "
+         "bool zero_centered_gamma, Tensor(a!) dx, Tensor(b!) dgamma, Tensor(c!) dbeta, "
+         "Tensor? dresidual=None) -> ()",
+         layernorm_bwd);
+}
+
 void rmsnorm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& rsigma,
                  const at::Tensor& gamma, bool zero_centered_gamma, const at::Tensor& dx,
                  const at::Tensor& dgamma, const c10::optional<at::Tensor>& dresidual) {
   norm_bwd("graphfp8.rmsnorm_bwd", dy, x, nullptr, rsigma, gamma, zero_centered_gamma, dx,
            dgamma, nullptr, opt(dresidual));
+}
+
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "rmsnorm_bwd(Tensor dy, Tensor x, Tensor rsigma, Tensor gamma, bool zero_centered_gamma, "
+         "Tensor(a!) dx, Tensor(b!) dgamma, Tensor? dresidual=None) -> ()",
+         rmsnorm_bwd);
 }
 
 }  // namespace graphfp8

@@ -1,12 +1,13 @@
 // Shared pieces of the torch-aware layer (csrc/ops/): argument checks, message formatting, the
-// device dispatch of a launcher, and the op entry points that register.cpp registers.
+// device dispatch of a launcher, and def_op, which declares an op beside its entry point.
 //
 // csrc/ops/ is the only torch-aware C++ of graphfp8: tensor checks -> Params -> launcher. It is
 // one folder of a few files rather than one ops.cpp because the checks of all ops together ran
 // past ~400 lines: cast_ops.cpp (casts, transposes, dequantize, the fused cast-transposes),
 // norm_ops.cpp (the norms), misc_ops.cpp (scale update, RoPE), rope_fp8_ops.cpp (RoPE fused with
-// the FP8 casts of q, k, v), glu_ops.cpp (SwiGLU / GeGLU fused with the FP8 cast-transposes) and
-// register.cpp (the schemas).
+// the FP8 casts of q, k, v), glu_ops.cpp (SwiGLU / GeGLU fused with the FP8 cast-transposes),
+// stats_ops.cpp (the FP8 cast statistics); each declares its ops' schemas beside their entry
+// points. module.cpp is the Python module (kernel switches, the graphs' guard of guard_ops.cpp).
 //
 // Every op writes into tensors the caller passes in (graph-friendly: nothing is allocated here
 // but fp32 workspaces), and every value that changes between steps (scale, amax, noop flag) is
@@ -20,7 +21,9 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
+#include <torch/library.h>
 
+#include <cstring>
 #include <string>
 
 #include "../common.h"
@@ -115,87 +118,19 @@ void launch(const char* op, const at::Tensor& ref, const Params& p, CpuFn cpu_fn
   TORCH_CHECK(status.ok(), op, ": ", status.where, " failed: ", status.reason);
 }
 
-// Entry points, one per op (schemas in register.cpp).
-void cast_stats(const at::Tensor& x, const c10::optional<at::Tensor>& act_in,
-                const c10::optional<at::Tensor>& mu, const c10::optional<at::Tensor>& rsigma,
-                const c10::optional<at::Tensor>& gamma, const c10::optional<at::Tensor>& beta,
-                int64_t mode, bool zero_centered_gamma, const at::Tensor& scale,
-                const at::Tensor& recorded_amax, bool e4m3,
-                const c10::optional<at::Tensor>& enabled, const c10::optional<at::Tensor>& skip,
-                const at::Tensor& out);
-void cast_to_fp8(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
-                 const at::Tensor& scale_inv, const at::Tensor& amax,
-                 const c10::optional<at::Tensor>& noop,
-                 const c10::optional<at::Tensor>& scaled_max);
-void cast_transpose(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
-                    const at::Tensor& out_t, const at::Tensor& scale_inv, const at::Tensor& amax,
-                    const c10::optional<at::Tensor>& noop,
-                    const c10::optional<at::Tensor>& scaled_max);
-void amax(const at::Tensor& x, const at::Tensor& amax, const c10::optional<at::Tensor>& noop);
-void gelu_amax(const at::Tensor& x, const at::Tensor& amax);
-void dgelu_amax(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& amax);
-void fp8_transpose(const at::Tensor& x, const at::Tensor& out_t,
-                   const c10::optional<at::Tensor>& noop);
-void dequantize(const at::Tensor& x, const at::Tensor& scale_inv, const at::Tensor& out);
-void cast_transpose_dbias(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
-                          const at::Tensor& out_t, const at::Tensor& scale_inv,
-                          const at::Tensor& amax, const at::Tensor& dbias,
-                          const c10::optional<at::Tensor>& scaled_max);
-void gelu_cast_transpose(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& out,
-                         const at::Tensor& out_t, const at::Tensor& scale_inv,
-                         const at::Tensor& amax, const c10::optional<at::Tensor>& scaled_max);
-void dgelu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale,
-                                const at::Tensor& out, const at::Tensor& out_t,
-                                const at::Tensor& scale_inv, const at::Tensor& amax,
-                                const at::Tensor& dbias,
-                                const c10::optional<at::Tensor>& scaled_max);
-void scale_update(const at::Tensor& amax_history, const at::Tensor& scale,
-                  const at::Tensor& scaled_max, bool most_recent);
-void rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-              int64_t num_heads, bool inverse, const at::Tensor& out, int64_t num_kv_heads);
-void rope_fp8(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos,
-              const c10::optional<at::Tensor>& sin, int64_t num_heads, at::TensorList scale,
-              at::TensorList out, at::TensorList scale_inv, at::TensorList amax,
-              int64_t num_kv_heads);
-void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
-                       const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
-                       int64_t num_heads, const at::Tensor& out, int64_t num_kv_heads);
-void layernorm_fp8(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
-                   double eps, bool zero_centered_gamma, const at::Tensor& scale,
-                   const at::Tensor& out, const c10::optional<at::Tensor>& out_t,
-                   const at::Tensor& scale_inv, const at::Tensor& amax, const at::Tensor& mu,
-                   const at::Tensor& rsigma, const c10::optional<at::Tensor>& out_hp,
-                   const c10::optional<at::Tensor>& residual,
-                   const c10::optional<at::Tensor>& residual_out,
-                   const c10::optional<at::Tensor>& scaled_max);
-void rmsnorm_fp8(const at::Tensor& x, const at::Tensor& gamma, double eps,
-                 bool zero_centered_gamma, const at::Tensor& scale, const at::Tensor& out,
-                 const c10::optional<at::Tensor>& out_t, const at::Tensor& scale_inv,
-                 const at::Tensor& amax, const at::Tensor& rsigma,
-                 const c10::optional<at::Tensor>& out_hp,
-                 const c10::optional<at::Tensor>& residual,
-                 const c10::optional<at::Tensor>& residual_out,
-                 const c10::optional<at::Tensor>& scaled_max);
-void layernorm_amax(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
-                    double eps, bool zero_centered_gamma, const at::Tensor& amax,
-                    const c10::optional<at::Tensor>& residual);
-void rmsnorm_amax(const at::Tensor& x, const at::Tensor& gamma, double eps,
-                  bool zero_centered_gamma, const at::Tensor& amax,
-                  const c10::optional<at::Tensor>& residual);
-void layernorm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
-                   const at::Tensor& rsigma, const at::Tensor& gamma, bool zero_centered_gamma,
-                   const at::Tensor& dx, const at::Tensor& dgamma, const at::Tensor& dbeta,
-                   const c10::optional<at::Tensor>& dresidual);
-void rmsnorm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& rsigma,
-                 const at::Tensor& gamma, bool zero_centered_gamma, const at::Tensor& dx,
-                 const at::Tensor& dgamma, const c10::optional<at::Tensor>& dresidual);
-void glu_cast_transpose(const at::Tensor& x, c10::string_view activation, const at::Tensor& scale,
-                        const at::Tensor& out, const at::Tensor& out_t,
-                        const at::Tensor& scale_inv, const at::Tensor& amax);
-void dglu_cast_transpose_dbias(const at::Tensor& dy, const at::Tensor& x,
-                               c10::string_view activation, const at::Tensor& scale,
-                               const at::Tensor& out, const at::Tensor& out_t,
-                               const at::Tensor& scale_inv, const at::Tensor& amax,
-                               const c10::optional<at::Tensor>& dbias);
+// Declares the op `schema` in torch.ops.graphfp8 and registers `fn`, its checked entry point, as
+// its CPU and (built with CUDA) CUDA kernel; the entry point picks its launcher by device (launch
+// above). Each *_ops.cpp calls it in a TORCH_LIBRARY_FRAGMENT beside the entry point, so an op's
+// C++ signature and schema are written side by side, and the dispatcher checks at load that the
+// two agree in types.
+template <typename Fn>
+void def_op(torch::Library& m, const char* schema, Fn* fn) {
+  m.def(schema);
+  const std::string name(schema, std::strchr(schema, '('));
+  m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::CPU, fn));
+#ifdef GRAPHFP8_WITH_CUDA
+  m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::CUDA, fn));
+#endif
+}
 
 }  // namespace graphfp8

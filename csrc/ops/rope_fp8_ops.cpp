@@ -92,6 +92,13 @@ void rope_fp8(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos,
          [](const RopeFp8Params& q, void* s) { return rope_fp8_cuda(q, s); });
 }
 
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "rope_fp8(Tensor qkv, Tensor? cos, Tensor? sin, int num_heads, Tensor[] scale, "
+         "Tensor(a!)[] out, Tensor(b!)[] scale_inv, Tensor(c!)[] amax, int num_kv_heads=0) -> ()",
+         rope_fp8);
+}
+
 void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
                        const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
                        int64_t num_heads, const at::Tensor& out, int64_t num_kv_heads) {
@@ -146,6 +153,13 @@ void rope_fp8_backward(at::TensorList grads, at::TensorList scale_inv,
   if (out.numel() == 0) return;
   launch(op, out, p, rope_fp8_bwd_cpu,
          [](const RopeFp8BwdParams& q, void* s) { return rope_fp8_bwd_cuda(q, s); });
+}
+
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "rope_fp8_backward(Tensor[] grads, Tensor[] scale_inv, Tensor? cos, Tensor? sin, "
+         "int num_heads, Tensor(a!) out, int num_kv_heads=0) -> ()",
+         rope_fp8_backward);
 }
 
 }  // namespace graphfp8

@@ -69,4 +69,12 @@ void cast_stats(const at::Tensor& x, const c10::optional<at::Tensor>& act_in,
          [](const CastStatsParams& q, void* s) { return cast_stats_cuda(q, s); });
 }
 
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "cast_stats(Tensor x, Tensor? act_in, Tensor? mu, Tensor? rsigma, Tensor? gamma, "
+         "Tensor? beta, int mode, bool zero_centered_gamma, Tensor scale, Tensor recorded_amax, "
+         "bool e4m3, Tensor? enabled, Tensor? skip, Tensor(a!) out) -> ()",
+         cast_stats);
+}
+
 }  // namespace graphfp8
