@@ -29,10 +29,17 @@ help:
 	@echo "profile    a few graphed training steps under nsys or torch.profiler -> profiles/"
 	@echo "lint       ruff check + format check"
 
+# Each step says what it installs; pip shows the download progress of the large ones.
 setup:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_CPU_VERSION)
-	@$(PYTHON) -c "import nvtx, pytest, ruff, matplotlib" 2>/dev/null || \
-		$(PIP) install -q nvtx pytest ruff matplotlib
+	@$(PYTHON) -c "import torch" 2>/dev/null || { \
+		echo "== installing torch $(TORCH_CPU_VERSION), the CPU build (about 200 MB; minutes on a fresh machine)"; \
+		$(PIP) install --progress-bar on torch==$(TORCH_CPU_VERSION); }
+	@$(PYTHON) -c "import wheel" 2>/dev/null || { \
+		echo "== installing wheel (the editable build of graphfp8 needs it with setuptools < 70.1)"; \
+		$(PIP) install -q wheel; }
+	@$(PYTHON) -c "import nvtx, pytest, ruff, matplotlib" 2>/dev/null || { \
+		echo "== installing nvtx, pytest, ruff, matplotlib (seconds)"; \
+		$(PIP) install -q nvtx pytest ruff matplotlib; }
 	@$(PYTHON) -c "import transformers, accelerate, peft, lightning" 2>/dev/null || { \
 		echo "== installing transformers, accelerate, peft, lightning (the framework tests; a minute)"; \
 		$(PIP) install -q $(HF_PACKAGES) \
@@ -41,8 +48,8 @@ setup:
 # First install (editable; builds the extension), again only when the build files change.
 $(INSTALLED): $(BUILD_FILES)
 	@echo "== installing graphfp8 (editable) and building graphfp8._C: the C++ CPU kernels, and the"
-	@echo "   CUDA kernels when torch has CUDA and nvcc exists (a minute or more; pip is silent meanwhile)"
-	$(PIP) install --no-build-isolation --no-deps -e .
+	@echo "   CUDA kernels when torch has CUDA and nvcc exists (about 2.5 min of CPU time for the CPU kernels)"
+	@$(PIP) install --no-build-isolation --no-deps -v -e . 2>&1 | $(PYTHON) scripts/build_progress.py
 	@mkdir -p build && touch $@ $(EXT)
 
 # Rebuild when a source changed since the last build; the compiler lines show the progress.

@@ -204,7 +204,8 @@ struct NormBwdParams {
   int64_t rows;
   int64_t hidden;
   bool batched;              // CUDA: cuda/norm_bwd_batched.cu (kernel switch NORM_BWD_BATCHED)
-  bool pipelined;            // CUDA, batched: next rows' loads in flight (NORM_BWD_PIPELINED)
+  bool staged;               // CUDA, batched: rows staged by cp.async (NORM_BWD_STAGED)
+  bool param_grad_in_kernel;  // CUDA, staged: dgamma, dbeta summed in it (NORM_BWD_PARAM_IN_KERNEL)
 };
 
 constexpr int64_t kNormBwdMaxBlocks = 256;

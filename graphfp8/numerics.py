@@ -20,10 +20,17 @@ SQNR in dB. A fused cast (norm, GELU, dGELU) never writes its high-precision ten
 statistics kernel recomputes it from the fused kernel's inputs in that kernel's arithmetic, so
 the true amax of a correct kernel equals the recorded one exactly.
 
+FP8 attention (fp8_dpa; layer "...core_attention", GEMM "attention"): dO's cast ("grad_output")
+and, with separate q, k, v inputs, the casts of q, k and v ("q", "k", "v") as any other; the
+casts that happen inside kernels whose high-precision tensor never exists - q and k rotated by
+the RoPE + FP8 kernel (and v beside them), O, dQ, dK, dV inside cuDNN - give their scale and
+recorded amax only (true amax, saturation, underflow and SQNR empty). S and dP, quantized inside
+cuDNN, are not reported.
+
 Cost: while disabled, one empty kernel launch per cast (a node of the graph); while enabled, one
 read of each cast's input. Each slot keeps the statistics of its latest cast: collect after every
 microbatch (with make_graphed_step, after the step: the last microbatch's activations and
-gradients, microbatch 0's weights). Attention's FP8 roles (fp8_dpa) are not observed.
+gradients, microbatch 0's weights).
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ from graphfp8.fp8 import observe
 from graphfp8.fp8.observe import StatsSource
 from graphfp8.fp8.recipe import fp8_max, is_current_scaling
 from graphfp8.fp8.scaling import SlotBlock
-from graphfp8.fp8.slots import BwdRole, FwdRole, slots_per_gemm
+from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, BwdRole, FwdRole, slots_per_gemm
+from graphfp8.modules.attention import DotProductAttention
 
 __all__ = ["FIELDS", "FP8Stats", "plot_stats", "role_digest"]
 
@@ -61,6 +69,7 @@ class _Slot:
     role: str
     numel: int
     current: bool  # the recipe is Float8CurrentScaling: recorded amax = scaled_max / scale
+    recorded_only: bool  # only scale and recorded amax ("recorded" sources)
     scaled_max: float
     out: torch.Tensor  # (partials, 8) float64 view into a chunk: the latest cast's statistics
     chunk: int  # which chunk of its device, and where in it
@@ -95,6 +104,7 @@ class FP8Stats:
         self._names: dict[int, tuple[str, nn.Module]] = {}
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._flags: dict[torch.device, torch.Tensor] = {}
+        self._zeros: dict[torch.device, torch.Tensor] = {}  # the x of "recorded" casts
         self._enabled = False
         self._chunks: dict[torch.device, list[torch.Tensor]] = {}  # (_CHUNK, partials, 8) each
         self._collected: list[tuple[int, int, list[_Slot], torch.Tensor]] = []
@@ -169,12 +179,20 @@ class FP8Stats:
             if owner is None:
                 return  # a module of another model
             slot = self._new_slot(owner, block, i, role, source)
+        if source.mode == "recorded":  # a constant zero: the kernel writes scale and amax only
+            source = StatsSource("identity", self._zero(source.x.device))
         ops.cast_stats(
             source.x, block.scale(i), block.amax(i), arena.fp8_dtype, mode=source.mode,
             act_in=source.act_in, mu=source.mu, rsigma=source.rsigma, gamma=source.gamma,
             beta=source.beta, zero_centered_gamma=source.zero_centered_gamma,
             enabled=self._flag(source.x.device), skip=source.skip, out=slot.out,
         )  # fmt: skip
+
+    def _zero(self, device: torch.device) -> torch.Tensor:
+        zero = self._zeros.get(device)
+        if zero is None:
+            zero = self._zeros[device] = torch.zeros(1, device=device)
+        return zero
 
     def _flag(self, device: torch.device) -> torch.Tensor:
         flag = self._flags.get(device)
@@ -189,6 +207,8 @@ class FP8Stats:
         backward = block is module.fp8_meta.bwd
         names = getattr(module, "gemm_names", ())
         per = slots_per_gemm(BwdRole if backward else FwdRole)
+        if isinstance(module, DotProductAttention):  # one unit of AttnFwdRole / AttnBwdRole
+            names, per = ("attention",), slots_per_gemm(AttnBwdRole if backward else AttnFwdRole)
         device = source.x.device
         chunks = self._chunks.setdefault(device, [])
         taken = sum(1 for s in self._slots.values() if s.out.device == device)
@@ -200,6 +220,7 @@ class FP8Stats:
         slot = _Slot(
             layer=name, gemm=names[i // per] if names else "", role=role,
             numel=source.x.numel(), current=is_current_scaling(arena.recipe),
+            recorded_only=source.mode == "recorded",
             scaled_max=fp8_max(arena.fp8_dtype) * 2.0**-arena.recipe.margin,  # as Arena.grow
             out=chunks[c][j], chunk=c, index=j,
         )  # fmt: skip
@@ -246,6 +267,11 @@ def _row(step: int, mb: int, slot: _Slot, v: list[float]) -> dict:
         sqnr = 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf
     else:
         sqnr = math.inf
+    if slot.recorded_only:
+        return {"step": step, "microbatch": mb, "layer": slot.layer, "gemm": slot.gemm,
+                "role": slot.role, "scale": scale, "recorded_amax": recorded, "true_amax": None,
+                "saturated_frac": None, "underflow_frac": None, "sqnr_db": None,
+                "numel": slot.numel}  # fmt: skip
     return {
         "step": step, "microbatch": mb, "layer": slot.layer, "gemm": slot.gemm, "role": slot.role,
         "scale": scale, "recorded_amax": recorded, "true_amax": amax,
@@ -262,21 +288,25 @@ def _role(r: dict) -> str:
 
 def role_digest(rows: list[dict]) -> dict[str, dict]:
     """Per role (over layers, steps and microbatches): casts, mean and max saturated fraction,
-    mean underflow fraction, mean and min SQNR over the finite ones (None without any), and how
-    many casts recorded an amax other than the true one (0 for correct kernels)."""
+    mean underflow fraction, mean and min SQNR over the finite ones (None without any), how
+    many casts recorded an amax other than the true one (0 for correct kernels), and the max
+    recorded amax. A role of scale-and-amax rows only has None for the statistics it lacks."""
     by_role: dict[str, list[dict]] = {}
     for r in rows:
         by_role.setdefault(_role(r), []).append(r)
     digest = {}
     for key, rs in sorted(by_role.items()):
-        sat = [r["saturated_frac"] for r in rs]
-        sqnr = [r["sqnr_db"] for r in rs if math.isfinite(r["sqnr_db"])]
+        full = [r for r in rs if r["true_amax"] is not None]
+        sat = [r["saturated_frac"] for r in full]
+        sqnr = [r["sqnr_db"] for r in full if math.isfinite(r["sqnr_db"])]
         digest[key] = {
-            "casts": len(rs), "saturated_mean": sum(sat) / len(sat), "saturated_max": max(sat),
-            "underflow_mean": sum(r["underflow_frac"] for r in rs) / len(rs),
+            "casts": len(rs), "saturated_mean": sum(sat) / len(sat) if sat else None,
+            "saturated_max": max(sat) if sat else None,
+            "underflow_mean": sum(r["underflow_frac"] for r in full) / len(full) if full else None,
             "sqnr_mean_db": sum(sqnr) / len(sqnr) if sqnr else None,
             "sqnr_min_db": min(sqnr) if sqnr else None,
-            "amax_mismatches": sum(r["recorded_amax"] != r["true_amax"] for r in rs),
+            "amax_mismatches": sum(r["recorded_amax"] != r["true_amax"] for r in full),
+            "recorded_amax_max": max(r["recorded_amax"] for r in rs),
         }  # fmt: skip
     return digest
 
@@ -300,7 +330,8 @@ def plot_stats(rows: list[dict], path) -> Path | None:
     for key, by_step in sorted(series.items()):
         steps = sorted(by_step)
         for ax, (field, _) in zip(axes, panels, strict=True):
-            finite = [[r[field] for r in by_step[s] if math.isfinite(r[field])] for s in steps]
+            finite = [[r[field] for r in by_step[s] if r[field] is not None and
+                       math.isfinite(r[field])] for s in steps]  # fmt: skip
             vals = [sum(f) / len(f) if f else math.nan for f in finite]
             ax.plot(steps, vals, label=key)
     for ax, (field, title) in zip(axes, panels, strict=True):

@@ -11,6 +11,8 @@
     graphfp8-train --steps 300 --stop-at 100 --save ckpt.pt   # then: ... --resume ckpt.pt
     graphfp8-train --compile                      # torch.compile around the graphed blocks
     graphfp8-train --preset llama-100m --pack     # Llama blocks on packed documents
+    graphfp8-train --heads 8 --fp8-attention      # FP8 attention (head_dim 128 on Hopper)
+    graphfp8-train --deterministic                # the same bits run to run
     torchrun --nproc_per_node=2 -m graphfp8.train --ddp
 
 Writes <out>/<run>.csv (one row per step), <out>/summary.json and, with --compare, <out>/loss.png
@@ -22,7 +24,6 @@ checked writable before training. Ctrl-C stops after the step in flight and writ
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import os
 import platform
@@ -35,7 +36,9 @@ import torch
 
 from graphfp8.distributed import SettingsMismatchError, check_same_settings
 from graphfp8.training.checkpoint import CheckpointError
+from graphfp8.training.cli_checks import check_device, check_fp8_options, check_model, model_config
 from graphfp8.training.data import Dataset
+from graphfp8.training.determinism import deterministic
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.outputs import OutputError, check_outputs, fresh_out
@@ -91,6 +94,11 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-weights", action="store_true",
                    help="FP8 primary weights (fp8_model_init) trained through fp32 MasterWeights "
                    "in fp8 runs (default: off)")  # fmt: skip
+    p.add_argument("--fp8-attention", action=argparse.BooleanOptionalAction, default=False,
+                   help="FP8 attention in fp8 runs: RoPE fused into the FP8 casts of q, k, v, "
+                   "cuDNN's FP8 attention, its FP8 output into the projection; on Hopper cuDNN "
+                   "trains it at head_dim 128 only (--heads); packed batches (--pack) keep bf16 "
+                   "attention")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "preset's)")  # fmt: skip
     p.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: the "
                    "preset's)")  # fmt: skip
+    p.add_argument("--heads", type=_positive, help="attention heads (head_dim = hidden / heads; "
+                   "the preset's key/value heads stay) (default: the preset's)")  # fmt: skip
     _add_data_options(p)
     p.add_argument("--compare", nargs="?", const="bf16,fp8", metavar="RUNS",
                    help="train several runs side by side and plot their losses: comma-separated "
@@ -136,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end after this step; the LR schedule still spans --steps; with --save "
                         "to resume later (default: run all --steps)")  # fmt: skip
     p.add_argument("--ddp", action="store_true", help="data parallel over torchrun's processes")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the same bits run to run: torch.use_deterministic_algorithms(True), "
+                   "cuBLAS's deterministic workspace, deterministic attention backward (README: "
+                   "its cost) (default: off)")  # fmt: skip
     return p
 
 
@@ -165,37 +179,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     _check(p, args)
-    _check_fp8_options(p, args, sys.argv[1:] if argv is None else list(argv))
+    check_fp8_options(p, args, sys.argv[1:] if argv is None else list(argv))
+    check_model(p, args)
     return args
 
 
-def _check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None:
-    """FP8 options given for runs that do not use them, and settings no run can combine."""
-    given = [o for o in ("--fp8-weights", "--scaling", "--fp8-format", "--amax-history-len")
-             if any(a == o or a.startswith(o + "=") for a in argv)]  # fmt: skip
-    if given and all(precision != "fp8" for precision, _ in args.runs):
-        p.error(f"{', '.join(given)}: no run trains in FP8 (--precision fp8, or fp8 in --compare)")
-    if args.scaling == "current" and "--amax-history-len" in given:
-        p.error("--amax-history-len is for delayed scaling: --scaling current keeps no history")
-    if args.compile and any(mode == "step" for _, mode in args.runs):
-        p.error("--compile with --graphs step: the step graph holds the embedding and the loss "
-                "that --compile would take; use --graphs layers or none")  # fmt: skip
-
-
-def _check_device(p: argparse.ArgumentParser, device: str) -> None:
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        p.error(f"--device {device}: graphfp8-train runs on cpu or cuda[:N]")
-    if kind == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: torch sees no CUDA GPU (this torch build: "
-                f"{torch.__version__}); use --device cpu")  # fmt: skip
-
-
 def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    _check_device(p, args.device)
+    check_device(p, args.device)
     if args.preset is None:
         args.preset = "100m" if args.device.startswith("cuda") else "tiny"
     if args.steps is None:
@@ -239,14 +229,14 @@ def _parse_runs(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tu
 
 
 def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
-    overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len)) if v}
-    model = dataclasses.replace(PRESETS[args.preset], vocab=vocab, **overrides)
+    model = model_config(args, vocab)
     return RunSpec(preset=args.preset, model=model, precision=precision, graphs=graphs,
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
                    amax_history_len=args.amax_history_len, compile=args.compile,
                    fp8_format=args.fp8_format, scaling=args.scaling,
                    fp8_weights=args.fp8_weights and precision == "fp8",
-                   pack=args.pack)  # fmt: skip
+                   pack=args.pack,
+                   fp8_attention=args.fp8_attention and precision == "fp8")  # fmt: skip
 
 
 def _environment(device: str) -> dict:
@@ -268,7 +258,8 @@ def main(argv=None) -> int:
         group = torch.distributed.group.WORLD
     where = f" (rank {rank})" if world > 1 else ""
     try:
-        return _train_all(args, group, rank, world, argv)
+        with deterministic(args.deterministic):
+            return _train_all(args, group, rank, world, argv)
     except (DataError, CheckpointError, SettingsMismatchError, OutputError) as exc:  # at start
         print(f"graphfp8-train: error{where}: {exc}", file=sys.stderr)
         return 2
@@ -348,6 +339,7 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
                "microbatches": args.microbatches, "world_size": world, "data": data.describe(),
                "eval_every": opts.every, "val_batches": args.val_batches,
                "environment": _environment(args.device), "runs": results,
+               "deterministic": args.deterministic,
                "interrupted": interrupted}  # fmt: skip
     print(f"wrote {write_summary(out, summary)}")
     if interrupted:

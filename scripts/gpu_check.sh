@@ -12,13 +12,17 @@
 #              microbatch from the captured ops), variants (each kernel switch off and on
 #              in one run), tests-switched (the CUDA suite with every switch on), block-switched,
 #              stack-switched, step-switched (those benchmarks with every switch on),
+#              issue 33's: train-attn (FP8 attention's validation loss against bf16 and FP8,
+#              ATTN_SEEDS, ATTN_STEPS, ATTN_MICROBATCHES, ATTN_PRESETS, ATTN_HEADS), deterministic
+#              (--deterministic run twice: same bits, and its tokens/s cost; DET_STEPS),
 #              train-scaling-fused (delayed vs current scaling on the fused path); issue 23's: glu
 #              (SwiGLU LayerNormMLP vs bf16 and TE), train-llama (the llama-100m preset, bf16 vs
 #              FP8 graphed; LLAMA_ARGS adds e.g. --pack), hf (a 100M HF Llama: FP8 + graphs via
 #              g8.from_hf vs HF bf16 eager / compile); issue 33's: ncu (Nsight Compute counters of
 #              the norm backward, GELU/GLU casts and amax passes: scripts/ncu_kernels.py), kern-ab
 #              (the DBIAS_IN_KERNEL / NORM_BWD_PIPELINED / ROPE_PARTS_BWD switches: tests, variants,
-#              census, step);
+#              census, step); kern-ab2 (< 3 min: every kern switch's CUDA tests, their variants
+#              rows, census and bench step off / on, ncu of the norm backward with them on);
 #              issue 32's: te (TransformerEngine's documentation examples on graphfp8.te, tests/te's
 #              CUDA tests))
 #   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
@@ -59,6 +63,19 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
   nvcc --version | tail -1
 } > "$RES/summary.md" 2>&1
 
+# The CUDA suite passed with the default kernel switches (no GRAPHFP8_ override): write the set
+# for tests/data/gpu_verified_switches.json (scripts/switch_defaults.py; copy it there to land a
+# changed default).
+record_switches() {
+  local names overrides
+  names=$($PY -c "from graphfp8.ops import switches as s; print('|'.join([*s.SWITCHES, *s.ENV_DEFAULTS]))")
+  overrides=$(env | grep -E "^GRAPHFP8_($names)=" | tr '\n' ' ')
+  echo "switch defaults: $($PY scripts/switch_defaults.py)${overrides:+ (overridden: $overrides)}" >> "$RES/summary.md"
+  if [ "$1" -eq 0 ] && [ -z "$overrides" ]; then
+    $PY scripts/switch_defaults.py --record "$RES/gpu_verified_switches.json" --note "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1): $2" >> "$RES/summary.md"
+  fi
+}
+
 pack() {  # at most 8 files come back from the device machine: summary.md + one archive
   cp "$RES/summary.md" "$OUT/summary.md"
   tar czf "$OUT/results.tgz.tmp" -C "$RES" . && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
@@ -92,6 +109,7 @@ for step in $STEPS; do
       timeout "${TESTS_TIMEOUT_S:-420}" $PY -m pytest -q -m cuda -p no:cacheprovider --durations=15 \
         ${PYTEST_ARGS:-} tests > "$RES/tests_gpu.log" 2>&1
       rc=$?; tail -25 "$RES/tests_gpu.log"; tail -1 "$RES/tests_gpu.log" >> "$RES/summary.md"
+      record_switches $rc "$(tail -1 "$RES/tests_gpu.log")"
       [ $rc -eq 0 ] || status=1 ;;
     tests-switched)  # issue 22: the CUDA suite again with every new kernel switched on
       env $SWITCHES timeout "${TESTS_TIMEOUT_S:-420}" $PY -m pytest -q -m cuda -p no:cacheprovider \
@@ -144,6 +162,33 @@ for step in $STEPS; do
         --stats-steps ${GAP_STATS_STEPS:-20} > "$RES/train_gap.log" 2>&1 || status=1
       rm -rf "$RES"/train_gap/*/
       sed -n '/validation loss against/,/^worst/p' "$RES/train_gap.log" | tee -a "$RES/summary.md" ;;
+    train-attn)  # issue 33: FP8 attention's training quality, paired over seeds: bf16, FP8, FP8 +
+      # FP8 attention (validation loss and tokens/s; --heads 8: cuDNN's FP8 backward on Hopper takes
+      # head_dim 128 only). Default 1000 steps x 1 microbatch, 2 seeds, both presets: ~4-5 min
+      for preset in ${ATTN_PRESETS:-100m llama-100m}; do
+        $PY scripts/train_gap.py --out "$RES/train_attn_$preset" --variants bf16,delayed,fp8_attn \
+          --seeds ${ATTN_SEEDS:-0,1} --steps ${ATTN_STEPS:-1000} --microbatches ${ATTN_MICROBATCHES:-1} \
+          --val-batches ${ATTN_VAL_BATCHES:-16} --preset "$preset" --heads ${ATTN_HEADS:-8} ${ATTN_ARGS:-} > "$RES/train_attn_$preset.log" 2>&1 \
+          || { status=1; tail -20 "$RES/train_attn_$preset.log"; }
+        rm -rf "$RES"/train_attn_"$preset"/*/
+        echo "-- $preset" | tee -a "$RES/summary.md"
+        sed -n '/validation loss against/,$p' "$RES/train_attn_$preset.log" | tee -a "$RES/summary.md"
+      done ;;
+    deterministic)  # issue 33: --deterministic twice gives the same bits (graphs and eager; bf16
+      # attention at the preset's heads, FP8 attention at --heads 8), and its cost in tokens/s
+      for attn in off on; do
+        flag=""; [ $attn = on ] && flag="--fp8-attention --heads ${ATTN_HEADS:-8}"
+        args="--compare fp8:graphs,fp8:eager --preset ${DET_PRESET:-100m} --steps ${DET_STEPS:-50}
+          --eval-every 25 --val-batches 8 $flag"
+        for run in det1 det2 base; do
+          det="--deterministic"; [ $run = base ] && det=""
+          $PY -m graphfp8.train $args $det --out "$RES/det_${attn}_$run" > "$RES/det_${attn}_$run.log" 2>&1 \
+            || { status=1; tail -20 "$RES/det_${attn}_$run.log"; }
+        done
+        echo "-- FP8 attention $attn: --deterministic run twice" | tee -a "$RES/summary.md"
+        $PY scripts/same_bits.py "$RES/det_${attn}_det1/summary.json" "$RES/det_${attn}_det2/summary.json" \
+          --baseline "$RES/det_${attn}_base/summary.json" 2>&1 | tee -a "$RES/summary.md" || status=1
+      done ;;
     train-e4m3)  # the train step's FP8 run with E4M3 gradients too (against HYBRID's E5M2)
       $PY -m graphfp8.train --compare fp8:graphs --fp8-format E4M3 --preset ${TRAIN_PRESET:-100m} \
         --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} --out "$RES/train_e4m3" \
@@ -221,6 +266,33 @@ for step in $STEPS; do
         grep -v '^wrote' /tmp/kern_census_$sw.log | grep -E "^#|^\| (op|---|total|KERNEL|MEMSET|MEMCPY|Memset|Memcpy)" >> "$RES/summary.md"
         grep -v '^wrote' /tmp/kern_step_$sw.log | head -30 >> "$RES/summary.md"
       done ;;
+    kern-ab2)  # issue 33 (kern2): the CUDA tests of every kern switch (DBIAS_IN_KERNEL,
+      # NORM_BWD_STAGED, NORM_BWD_PARAM_IN_KERNEL, ROPE_PARTS_BWD), their variants rows, census and
+      # bench step with them off / on, ncu of the norm backward with them on; each under a limit
+      KERN_SW="GRAPHFP8_DBIAS_IN_KERNEL=1 GRAPHFP8_NORM_BWD_STAGED=1 GRAPHFP8_NORM_BWD_PARAM_IN_KERNEL=1 GRAPHFP8_ROPE_PARTS_BWD=1"
+      timeout 120 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_dbias_in_kernel.py \
+        tests/ops/test_norm_bwd_batched.py tests/ops/test_rope_fp8.py > "$RES/kern2_tests.log" 2>&1 || status=1
+      grep -E "^FAILED|passed|failed|Timeout" "$RES/kern2_tests.log" | tail -12 | tee -a "$RES/summary.md"
+      timeout 150 $PY -m graphfp8.bench variants --json "$RES/kern2_variants.json" 2>&1 \
+        | grep -v '^wrote' | grep -E "^#|^\| (switch|---|DBIAS|NORM_BWD_(STAGED|PARAM))" >> "$RES/summary.md" || status=1
+      # ws1: switches on and cuBLASLt's workspace at 1 KiB (no split-K): are _scaled_mm's memsets
+      # cuBLASLt's split-K workspace zeroing (notes/PERF.md), and what do they cost?
+      for sw in off on ws1; do
+        e=""; [ $sw = on ] && e=$KERN_SW; [ $sw = ws1 ] && e="$KERN_SW CUBLASLT_WORKSPACE_SIZE=1"
+        env $e timeout 90 $PY -m graphfp8.bench census --json "$RES/kern2_census_$sw.json" > /tmp/kern2_census_$sw.log 2>&1 || status=1
+        env $e timeout 90 $PY -m graphfp8.bench step --json "$RES/kern2_step_$sw.json" > /tmp/kern2_step_$sw.log 2>&1 || status=1
+        echo "-- switches $sw" >> "$RES/summary.md"
+        grep -v '^wrote' /tmp/kern2_census_$sw.log | grep -E "^#|^\| (op|---|total|KERNEL|MEMSET|MEMCPY|Memset)" >> "$RES/summary.md"
+        grep -E "^\| (peer|---|fp8 step|bf16 step)" /tmp/kern2_step_$sw.log | head -6 >> "$RES/summary.md"
+      done
+      NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      if [ -n "$NCU" ]; then
+        secs=""; for s in SpeedOfLight Occupancy LaunchStats SchedulerStats WarpStateStats; do secs="$secs --section $s"; done
+        env $KERN_SW timeout 90 "$NCU" --profile-from-start off --clock-control none $secs --csv --page details \
+          $PY scripts/ncu_kernels.py run --only layernorm_bwd > /tmp/kern2_ncu.csv 2> "$RES/kern2_ncu_run.log" || status=1
+        $PY scripts/ncu_kernels.py summary /tmp/kern2_ncu.csv > "$RES/kern2_ncu_summary.md" 2>&1 || status=1
+        tee -a "$RES/summary.md" < "$RES/kern2_ncu_summary.md"
+      fi ;;
     ncu)  # issue 33: Nsight Compute counters of the kernels it names (scripts/ncu_kernels.py);
       # NCU_ENV: an environment for the profiled run (e.g. a kernel switch), NCU_SECTIONS: sections
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -237,11 +309,12 @@ for step in $STEPS; do
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;
     te)  # issue 32: TE's documentation examples on graphfp8.te at TE's sizes (only the imports
-         # changed: tests/te/te_examples.py), then the CUDA variants of tests/te
+         # changed: tests/te/te_examples.py), then the CUDA variants of tests/te and of LoRA
       $PY -m tests.te.te_examples --device cuda --json "$RES/te_examples.json" \
         > "$RES/te_examples.log" 2>&1 || status=1
       grep "^te example" "$RES/te_examples.log" | tee -a "$RES/summary.md"
-      $PY -m pytest -q -m cuda -p no:cacheprovider tests/te > "$RES/te_tests.log" 2>&1 || status=1
+      $PY -m pytest -q -m cuda -p no:cacheprovider tests/te tests/test_lora.py \
+        > "$RES/te_tests.log" 2>&1 || status=1
       tail -1 "$RES/te_tests.log" | tee -a "$RES/summary.md" ;;
     *)
       echo "unknown step $step"; status=1 ;;

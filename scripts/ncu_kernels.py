@@ -104,14 +104,14 @@ def _cases(device) -> list[tuple[str, object]]:
     return cases
 
 
-def run(device: str = "cuda") -> None:
+def run(device: str = "cuda", only: str = "") -> None:
     """Warms every case up, then launches each once between cudaProfilerStart and Stop (on the
-    CPU: once each, a smoke run)."""
+    CPU: once each, a smoke run); only: the cases whose label contains it."""
     from graphfp8.ops.switches import SWITCHES, switch_on  # noqa: PLC0415
 
     device = torch.device(device)
     cuda = device.type == "cuda"
-    cases = _cases(device)
+    cases = [case for case in _cases(device) if only in case[0]]
     for _, call in cases:  # warm up: module loading, first-launch costs, allocator
         call()
     if cuda:
@@ -167,11 +167,12 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="what", required=True)
     r = sub.add_parser("run", help="launch the kernels (under ncu --profile-from-start off)")
     r.add_argument("--device", default="cuda", help="cpu: a smoke run of the same calls")
+    r.add_argument("--only", default="", help="the cases whose label contains this")
     s = sub.add_parser("summary", help="one line per kernel of ncu's --csv --page details")
     s.add_argument("csv")
     args = p.parse_args(argv)
     if args.what == "run":
-        run(args.device)
+        run(args.device, args.only)
     else:
         summary(args.csv)
 

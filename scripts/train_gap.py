@@ -9,6 +9,7 @@ one seed moved by as much as that (notes/NUMERICS.md). Variants:
     bf16          the baseline                   delayed      FP8 DelayedScaling as shipped
     current       Float8CurrentScaling           e4m3         DelayedScaling, Format.E4M3
     stats         delayed with --fp8-stats 10 (its tokens/s against delayed's: the report's cost)
+    fp8_attn      delayed with FP8 attention (--fp8-attention; also against delayed)
     bwd_current   gradients current-scaled       fwd_current  forward tensors current-scaled
     w_current     only weights current-scaled    in_current   only GEMM inputs current-scaled
     no_fast       forward GEMMs without fast accumulation
@@ -16,7 +17,7 @@ one seed moved by as much as that (notes/NUMERICS.md). Variants:
     uniform_bf16, uniform_delayed   torch.nn.Linear's initialisation (the preset's before 12-01)
 
     python scripts/train_gap.py --out DIR [--variants bf16,delayed,current] [--seeds 0,1,2]
-        [--steps 300] [--preset 100m] [--stats-steps K]
+        [--steps 300] [--preset 100m] [--stats-steps K] [--heads N] [--deterministic]
 
 `--stats-steps K` then records the first K steps of an eager FP8 run with graphfp8.numerics.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -37,6 +39,7 @@ from graphfp8.modules import _functional
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.numerics import FP8Stats, plot_stats, role_digest
 from graphfp8.training.data import Dataset
+from graphfp8.training.determinism import deterministic
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.run import Run, RunSpec
@@ -136,6 +139,7 @@ VARIANTS = {
     "uniform_bf16": (dict(precision="bf16"), uniform_init),
     "uniform_delayed": ({}, uniform_init),
     "delayed": ({}, contextlib.nullcontext),
+    "fp8_attn": (dict(fp8_attention=True), contextlib.nullcontext),
     "stats": ({}, contextlib.nullcontext),
     "bf16": (dict(precision="bf16"), contextlib.nullcontext),
     "current": (dict(scaling="current"), contextlib.nullcontext),
@@ -153,19 +157,21 @@ VARIANTS = {
 def spec_for(name: str, seed: int, args) -> RunSpec:
     overrides, _ = VARIANTS[name]
     cfg = PRESETS[args.preset]
+    if args.heads:
+        cfg = dataclasses.replace(cfg, heads=args.heads)
     kw = dict(preset=args.preset, model=cfg, precision="fp8", graphs=args.graphs,
               microbatches=args.microbatches, device=args.device, seed=seed)  # fmt: skip
     kw.update(overrides)
     return RunSpec(**kw)
 
 
-def paired_table(results: dict, seeds: list[int]) -> list[str]:
-    """Each variant's validation loss against bf16 of the same seed (uniform_* against
-    uniform_bf16), per seed and mean; and its tokens/s against bf16's."""
+def paired_table(results: dict, seeds: list[int], against: str = "bf16") -> list[str]:
+    """Each variant's validation loss against `against` of the same seed (bf16: uniform_*
+    against uniform_bf16), per seed and mean; and its tokens/s against the reference's."""
     lines = [f"{'variant':16} " + " ".join(f"{'seed ' + str(s):>9}" for s in seeds)
-             + f" {'mean':>8} {'val loss':>9} {'tok/s':>8} {'vs bf16':>8}"]  # fmt: skip
+             + f" {'mean':>8} {'val loss':>9} {'tok/s':>8} {'vs ' + against:>8}"]  # fmt: skip
     for name in dict.fromkeys(n for n, _ in results):
-        ref = "uniform_bf16" if name.startswith("uniform_") else "bf16"
+        ref = "uniform_bf16" if name.startswith("uniform_") and against == "bf16" else against
         diffs, vals, rates = [], [], []
         for s in seeds:
             r, b = results.get((name, s)), results.get((ref, s))
@@ -200,12 +206,12 @@ def record_stats(args, data: Dataset, out: Path) -> None:
     print(f"wrote {plot_stats(rows, out / 'fp8_stats.png')}")
     print(f"{'role':18} {'casts':>6} {'sat mean':>9} {'sat max':>9} {'unf mean':>9} "
           f"{'sqnr mean':>9} {'sqnr min':>9} {'amax !=':>8}")  # fmt: skip
-    for key, d in role_digest(rows).items():
-        sqnr_mean, sqnr_min = (math.nan if v is None else v
-                               for v in (d["sqnr_mean_db"], d["sqnr_min_db"]))  # fmt: skip
-        print(f"{key:18} {d['casts']:6d} {d['saturated_mean']:9.2e} {d['saturated_max']:9.2e} "
-              f"{d['underflow_mean']:9.2e} {sqnr_mean:9.2f} {sqnr_min:9.2f} "
+    for key, d in role_digest(rows).items():  # None (a scale-and-amax role) prints as nan
+        v = {k: math.nan if x is None else x for k, x in d.items()}
+        print(f"{key:18} {d['casts']:6d} {v['saturated_mean']:9.2e} {v['saturated_max']:9.2e} "
+              f"{v['underflow_mean']:9.2e} {v['sqnr_mean_db']:9.2f} {v['sqnr_min_db']:9.2f} "
               f"{d['amax_mismatches']:8d}")  # fmt: skip
+    rows = [r for r in rows if r["sqnr_db"] is not None]
     worst = sorted(rows, key=lambda r: r["sqnr_db"])[:15]
     print("worst casts (lowest SQNR):")
     for r in worst:
@@ -227,7 +233,18 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--stats-steps", type=int, default=0)
     p.add_argument("--data", default="stdlib")
+    p.add_argument("--val-batches", type=int, default=4, help="validation microbatches")
+    p.add_argument(
+        "--heads", type=int, help="the preset's attention heads replaced (every variant)"
+    )
+    p.add_argument("--deterministic", action="store_true", help="graphfp8-train --deterministic")
     args = p.parse_args()
+    with deterministic(args.deterministic):
+        train_all(args)
+
+
+def train_all(args) -> None:
+    """Every (variant, seed) in turn, then the paired tables (and --stats-steps' report)."""
     args.out.mkdir(parents=True, exist_ok=True)
     data = Dataset(open_stream(args.data), 0.01)
     seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -237,7 +254,8 @@ def main() -> None:
             spec = spec_for(name, seed, args)
             t0 = time.perf_counter()
             opts = RunOptions(steps=args.steps, out=args.out / f"{name}_s{seed}", data=data,
-                              log_every=10, fp8_stats=10 if name == "stats" else 0)  # fmt: skip
+                              log_every=10, fp8_stats=10 if name == "stats" else 0,
+                              val_batches=args.val_batches)  # fmt: skip
             with VARIANTS[name][1]():
                 r = train_run(spec, opts)
             r.pop("model_state", None)
@@ -252,9 +270,15 @@ def main() -> None:
     dump = {f"{n}_s{s}": r for (n, s), r in results.items()}
     (args.out / "train_gap.json").write_text(json.dumps(dump, indent=1))
     table = paired_table(results, seeds)
+    heads = f", --heads {args.heads}" if args.heads else ""
+    title = (f"{args.preset}{heads}, {args.steps} steps x {args.microbatches} microbatches, "
+             f"--data {args.data}, deterministic {args.deterministic}: validation loss "
+             "against")  # fmt: skip
+    if ("delayed", seeds[0]) in results and ("fp8_attn", seeds[0]) in results:
+        attn = {k: v for k, v in results.items() if k[0] in ("delayed", "fp8_attn")}
+        table += ["", f"{title} FP8 without FP8 attention", *paired_table(attn, seeds, "delayed")]
     (args.out / "train_gap.md").write_text("\n".join(table) + "\n")
-    print(f"\n{args.preset}, {args.steps} steps, --data {args.data}: validation loss against "
-          "bf16 of the same seed")  # fmt: skip
+    print(f"\n{title} bf16 of the same seed")
     print("\n".join(table))
     if args.stats_steps:
         record_stats(args, data, args.out)

@@ -43,8 +43,8 @@ def test_variants_quick(tmp_path, capsys):
         ("DBIAS_IN_KERNEL", "cast_transpose_dbias"), ("PAIRED_QUANTIZE", "gelu_cast_transpose"),
         ("PAIRED_QUANTIZE", "dgelu_cast_transpose_dbias"),
         ("DBIAS_IN_KERNEL", "dgelu_cast_transpose_dbias"), ("NORM_BWD_BATCHED", "layernorm_bwd"),
-        ("NORM_BWD_PIPELINED", "layernorm_bwd"),
-        ("NORM_BWD_PIPELINED", "layernorm_bwd + dresidual"),
+        ("NORM_BWD_STAGED", "layernorm_bwd"), ("NORM_BWD_STAGED", "layernorm_bwd + dresidual"),
+        ("NORM_BWD_PARAM_IN_KERNEL", "layernorm_bwd"),
     ]  # fmt: skip
     assert [r["op"] for r in result["current"]] == ["cast_transpose", "gelu_cast_transpose"]
     numbers = _numbers(result["switches"] + result["current"])

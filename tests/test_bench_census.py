@@ -52,3 +52,13 @@ def test_the_in_kernel_dbias_takes_one_kernel_per_dbias(fp8_layer):
     with kernel_switch("DBIAS_IN_KERNEL", True):
         assert sum(kernels(ops).values()) == 4
     assert sum(kernels(ops).values()) == 8
+
+
+def test_the_staged_norm_backward_sums_its_parameter_gradients_in_one_kernel():
+    """Under NORM_BWD_STAGED + NORM_BWD_PARAM_IN_KERNEL each norm backward is one launch: 2
+    kernels fewer per layer (the parameter-gradient reduction in the staged kernel's tail)."""
+    ops = ["graphfp8::layernorm_bwd", "graphfp8::rmsnorm_bwd"]
+    with kernel_switch("NORM_BWD_BATCHED", True), kernel_switch("NORM_BWD_STAGED", True):
+        assert sum(kernels(ops).values()) == 4
+        with kernel_switch("NORM_BWD_PARAM_IN_KERNEL", True):
+            assert sum(kernels(ops).values()) == 2

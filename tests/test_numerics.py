@@ -3,7 +3,9 @@ eager runs and in captured graphs (the same rows bit for bit), with the training
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 import graphfp8 as g8
 from graphfp8 import ops, reference
 from graphfp8.fp8 import observe
-from graphfp8.numerics import FIELDS, FP8Stats, plot_stats
+from graphfp8.numerics import FIELDS, FP8Stats, plot_stats, role_digest
 from graphfp8.ops.stats import STATS_MODES
 from graphfp8.testing import assert_bitwise_equal
 from tests.helpers import FP8_DTYPES, HP_DTYPES
@@ -180,3 +182,41 @@ def test_csv_and_plot(tmp_path):
     assert len(path.read_text().splitlines()) == len(rows) + 1
     png = plot_stats(rows, tmp_path / "s.png")
     assert png is None or png.stat().st_size > 1000
+
+
+def test_fp8_attention_roles(device):
+    """FP8 attention's casts in the report (graphfp8.numerics, "FP8 attention"): dO exact like a
+    GEMM's gradient; q, k, v (rotated inside the RoPE + FP8 kernel), O, dQ, dK, dV with scale and
+    recorded amax only; graphed rows equal eager rows."""
+    from tests.modules.attention_common import MHA, layer_and_input
+
+    def run(graphed: bool):
+        layer, sample = layer_and_input(device)
+        g = torch.Generator().manual_seed(5)
+        with FP8Stats(layer) as stats:
+            stats.enable(True)
+            call = layer
+            if graphed:
+                call = g8.make_graphed_callables(layer, (sample.clone().requires_grad_(),),
+                                                 fp8_enabled=True, fp8_recipe=MHA)  # fmt: skip
+            for step in range(2):
+                x = torch.randn(sample.shape, generator=g).to(sample).requires_grad_()
+                with contextlib.nullcontext() if graphed else g8.fp8_autocast(recipe=MHA):
+                    y = call(x)
+                y.float().square().mean().backward()
+                stats.collect(step)
+            return stats.rows()
+
+    rows = run(False)
+    attn = {r["role"]: r for r in rows if r["gemm"] == "attention"}
+    assert set(attn) == {"q", "k", "v", "o", "do", "dq", "dk", "dv"}
+    assert all(r["layer"] == "core_attention" for r in attn.values())
+    assert attn["do"]["recorded_amax"] == attn["do"]["true_amax"] > 0
+    assert math.isfinite(attn["do"]["sqnr_db"])
+    for role in ("q", "k", "v", "o", "dq", "dk", "dv"):
+        r = attn[role]
+        assert r["true_amax"] is None and r["sqnr_db"] is None and r["recorded_amax"] > 0, role
+    digest = role_digest(rows)
+    assert digest["attention.o"]["saturated_mean"] is None
+    assert digest["attention.do"]["amax_mismatches"] == 0
+    assert run(True) == rows, "graphed statistics equal eager ones"

@@ -16,6 +16,8 @@
 //     all of them in shared memory first (every load in flight together, hidden / 16 blocks),
 //     instead of one thread per column walking 256 rows on a few SMs (46 us for 2 MB at
 //     8192 x 1024 on the H200).
+// Kernel switch NORM_BWD_STAGED hands vectorised rows of up to two pieces per thread to
+// norm_bwd_staged.cu (the same sums again, the next rows staged in shared memory).
 #include "../common.h"
 #include "../dtype_switch.h"
 #include "fp8_util.cuh"
@@ -134,93 +136,33 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<T, kVec, V>()))
   store_column_sums<V, kLoads, E::N>(p, layout, P, loads, dgamma, dbeta);
 }
 
-// The kernel switch NORM_BWD_PIPELINED: norm_bwd_batched_kernel with half its rows per batch and
-// the next batch's loads issued before this batch's row sums and stores, so that loads are in
-// flight all along instead of once per batch. Each slot still takes its rows in order (row0 +
-// slot + k step, k = 0, 1, ..., whatever the batch), so every sum is the same, bit for bit.
-// (load_batch and process_batch are norm_bwd_batched_kernel's loop body, which keeps its own
-// copy until this variant has run on a GPU: its registers and spills stay as measured.)
-template <typename T, bool kVec, int V>
-__global__ void __launch_bounds__(kThreads, (min_blocks<T, kVec, V>()))
-    norm_bwd_pipelined_kernel(NormBwdParams p, RowLayout layout) {
-  using E = Elems<T, kVec>;
-  constexpr int kCols = bwd_loads<T, kVec>() * E::N;  // columns per lane
-  constexpr int kRows = rows_in_flight<kVec, V>();
-  constexpr int R = kRows > 1 ? kRows / 2 : 1;
-  __shared__ float scratch[2 * R][32];
-  const int P = layout.tpr / V;
-  const Lanes l{layout.tpr, P, static_cast<int>(threadIdx.x) / P, static_cast<int>(threadIdx.x) % P,
-                p.hidden / E::N, static_cast<int64_t>(gridDim.x) * layout.rows_per_block};
-  float dgamma[V][kCols], dbeta[V][kCols];
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) dgamma[j][c] = dbeta[j][c] = 0.0f;
-  }
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * layout.rows_per_block;
-  const int64_t batch = R * l.step;  // the same for every thread of the block: uniform loops
-  RowBatch<T, kVec, V, R> b0, b1;  // named, not indexed, so that both stay in registers
-  if (first < p.rows) load_batch(p, l, first, b0);
-  for (int64_t row0 = first; row0 < p.rows; row0 += 2 * batch) {
-    if (row0 + batch < p.rows) load_batch(p, l, row0 + batch, b1);
-    process_batch(p, l, row0, b0, dgamma, dbeta, scratch);
-    if (row0 + batch >= p.rows) break;
-    if (row0 + 2 * batch < p.rows) load_batch(p, l, row0 + 2 * batch, b0);
-    process_batch(p, l, row0 + batch, b1, dgamma, dbeta, scratch);
-  }
-  store_column_sums<V, bwd_loads<T, kVec>(), E::N>(p, layout, P, l.loads, dgamma, dbeta);
-}
-
-// dgamma[c] (and dbeta[c]) = the workspace rows of column c summed in order, as norm_bwd.cu's
-// norm_param_grad_kernel sums them. A block takes kStage2Cols columns: its 256 threads stage
-// all partial rows of them in shared memory at once (every load in flight together, rows read as
-// 64-byte segments), then one thread per column and array adds them up in row order.
+// The parameter gradients from the workspace (norm_bwd_rows.cuh's param_grad_columns): a block
+// per kStage2Cols columns.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     param_grad_batched_kernel(const float* __restrict__ workspace, T* __restrict__ dgamma,
                               T* __restrict__ dbeta, int64_t partial_rows, int64_t hidden) {
   __shared__ float tile[2][kNormBwdMaxBlocks][kStage2Cols];
-  const int c = threadIdx.x % kStage2Cols;
-  const int group = threadIdx.x / kStage2Cols;
-  constexpr int kGroups = kThreads / kStage2Cols;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kStage2Cols + c;
-  const int arrays = dbeta != nullptr ? 2 : 1;
-  constexpr int kPerThread = kNormBwdMaxBlocks / kGroups;
-  if (col < hidden) {
-    for (int a = 0; a < arrays; ++a) {
-      const float* w = workspace + a * kNormBwdMaxBlocks * hidden + col;
-      float v[kPerThread];
-#pragma unroll
-      for (int i = 0; i < kPerThread; ++i) {  // all loads first: kPerThread in flight
-        const int64_t r = group + i * kGroups;
-        v[i] = r < partial_rows ? w[r * hidden] : 0.0f;
-      }
-#pragma unroll
-      for (int i = 0; i < kPerThread; ++i) tile[a][group + i * kGroups][c] = v[i];
-    }
-  }
-  __syncthreads();
-  const int a = threadIdx.x / kStage2Cols;  // threads 0..15 sum dgamma, 16..31 dbeta
-  if (a >= arrays || col >= hidden) return;
-  float s = 0.0f;
-  for (int64_t r = 0; r < partial_rows; ++r) s = __fadd_rn(s, tile[a][r][c]);
-  (a == 0 ? dgamma : dbeta)[col] = cuda::from_float<T>(s);
+  param_grad_columns<T>(workspace, dgamma, dbeta, partial_rows, hidden,
+                        static_cast<int64_t>(blockIdx.x) * kStage2Cols, tile);
 }
 
 template <typename T, bool kVec, int V>
 Status launch_v(const NormBwdParams& p, RowLayout layout, cudaStream_t stream) {
   const int64_t groups = cuda::ceil_div(p.rows, layout.rows_per_block);
   const int grid = static_cast<int>(groups < kNormBwdMaxBlocks ? groups : kNormBwdMaxBlocks);
-  // Pipelined where two batches fit the registers of two blocks per SM (V <= 2).
-  bool pipelined = false;
-  if constexpr (V <= 2) pipelined = p.pipelined;
-  if (pipelined) {
-    norm_bwd_pipelined_kernel<T, kVec, (V <= 2 ? V : 2)><<<grid, kThreads, 0, stream>>>(p, layout);
-  } else {
-    norm_bwd_batched_kernel<T, kVec, V><<<grid, kThreads, 0, stream>>>(p, layout);
+  bool launched = false, param_grads_done = false;
+  if constexpr (kVec && V * bwd_loads<T, kVec>() <= kStagedMaxPieces) {
+    if (p.staged) {  // norm_bwd_staged.cu
+      const Status st = norm_bwd_staged<T, V>(p, layout, grid, &launched, &param_grads_done, stream);
+      if (!st.ok() || param_grads_done) return st;
+    }
   }
-  const Status st = cuda::check_launch("norm_bwd_batched_kernel");
-  if (!st.ok()) return st;
+  if (!launched) {
+    norm_bwd_batched_kernel<T, kVec, V><<<grid, kThreads, 0, stream>>>(p, layout);
+    const Status st = cuda::check_launch("norm_bwd_batched_kernel");
+    if (!st.ok()) return st;
+  }
   param_grad_batched_kernel<T>
       <<<static_cast<int>(cuda::ceil_div(p.hidden, kStage2Cols)), kThreads, 0, stream>>>(
           p.workspace, static_cast<T*>(p.dgamma), static_cast<T*>(p.dbeta), grid, p.hidden);

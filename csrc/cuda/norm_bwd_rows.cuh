@@ -1,7 +1,6 @@
-// The row machinery of the batched norm backward (norm_bwd_batched.cu), shared by its two
-// kernels: rows in flight per slot, the row sums over virtual lanes, the per-block column sums,
-// and (for the pipelined kernel) one batch of rows loaded and processed as norm_bwd_batched.cu's
-// loop body does it.
+// The row machinery of the batched norm backward, shared by its kernels (norm_bwd_batched.cu,
+// norm_bwd_staged.cu): rows in flight per slot, the row sums over virtual lanes, the per-block
+// column sums, and the column sums of the per-block partial rows (the parameter gradients).
 #pragma once
 
 #include "../common.h"
@@ -107,6 +106,16 @@ __device__ __forceinline__ void store_column_sums(const NormBwdParams& p, RowLay
   }
 }
 
+// The staged kernel (norm_bwd_staged.cu, kernel switch NORM_BWD_STAGED): norm_bwd_batched_kernel's
+// sums with its layout and grid, for vectorised rows of at most kStagedMaxPieces 16-byte pieces
+// per thread and array (hidden sizes to 4096 in 16 bits, 1024 in fp32). *launched false: it could
+// not run here (its shared memory), nothing was launched; *param_grads_done false: dgamma and
+// dbeta still need param_grad_batched_kernel.
+constexpr int kStagedMaxPieces = 2;
+template <typename T, int V>
+Status norm_bwd_staged(const NormBwdParams& p, RowLayout layout, int grid, bool* launched,
+                       bool* param_grads_done, cudaStream_t stream);
+
 // Two blocks per SM (<= 128 registers) where that costs no more than a small spill (16-bit
 // vector loads); the wide unvectorised and fp32 variants take all the registers they need.
 template <typename T, bool kVec, int V>
@@ -114,109 +123,53 @@ constexpr int min_blocks() {
   return (kVec && sizeof(T) == 2) || V == 1 ? 2 : 1;
 }
 
-// R rows of a slot in registers: dy and x (and, prefetched, dresidual) as loaded, mu, rsigma.
-template <typename T, bool kVec, int V, int R>
-struct RowBatch {
-  using E = Elems<T, kVec>;
-  static constexpr int kLoads = bwd_loads<T, kVec>();
-  typename E::Frag dy[R][V][kLoads], x[R][V][kLoads];
-  float mu[R], rsigma[R];
-};
-
-// Where a thread's rows and lanes lie (one per kernel launch).
-struct Lanes {
-  int tpr, P, slot, t;
-  int64_t loads, step;
-};
-
-// Issues every load of the batch's rows r = row0 + slot + i step, i < R.
-template <typename T, bool kVec, int V, int R>
-__device__ __forceinline__ void load_batch(const NormBwdParams& p, const Lanes& l, int64_t row0,
-                                           RowBatch<T, kVec, V, R>& b) {
-  using B = RowBatch<T, kVec, V, R>;
+// dgamma[c] (and dbeta[c]) for the kStage2Cols columns from col0: the workspace rows of each
+// column summed in order, as norm_bwd.cu's norm_param_grad_kernel sums them. Every thread of the
+// block calls it: its 256 threads stage all partial rows of those columns in `tile` (every load
+// in flight together; from L2, as other blocks may have just written them), then one thread per
+// column and array adds them up in row order, 8 loads from shared memory ahead of the adds.
+template <typename T>
+__device__ __forceinline__ void param_grad_columns(const float* __restrict__ workspace,
+                                                   T* __restrict__ dgamma, T* __restrict__ dbeta,
+                                                   int64_t partial_rows, int64_t hidden,
+                                                   int64_t col0,
+                                                   float (*tile)[kNormBwdMaxBlocks][kStage2Cols]) {
+  const int c = threadIdx.x % kStage2Cols;
+  const int group = threadIdx.x / kStage2Cols;
+  constexpr int kGroups = kThreads / kStage2Cols;
+  constexpr int kPerThread = kNormBwdMaxBlocks / kGroups;
+  const int64_t col = col0 + c;
+  const int arrays = dbeta != nullptr ? 2 : 1;
+  if (col < hidden) {
+    for (int a = 0; a < arrays; ++a) {
+      const float* w = workspace + a * kNormBwdMaxBlocks * hidden + col;
+      float v[kPerThread];
 #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    const int64_t r = row0 + l.slot + i * l.step;
-    const bool valid = r < p.rows;
-    b.mu[i] = valid && !p.rms ? p.mu[r] : 0.0f;
-    b.rsigma[i] = valid ? p.rsigma[r] : 0.0f;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-#pragma unroll
-      for (int k = 0; k < B::kLoads; ++k) {
-        const int64_t v = l.t + j * l.P + static_cast<int64_t>(k) * l.tpr;
-        if (!valid || v >= l.loads) continue;
-        b.dy[i][j][k] = B::E::load(static_cast<const T*>(p.dy) + r * p.hidden + v * B::E::N);
-        b.x[i][j][k] = B::E::load(static_cast<const T*>(p.x) + r * p.hidden + v * B::E::N);
+      for (int i = 0; i < kPerThread; ++i) {  // all loads first: kPerThread in flight
+        const int64_t r = group + i * kGroups;
+        v[i] = r < partial_rows ? __ldcg(w + r * hidden) : 0.0f;
       }
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) tile[a][group + i * kGroups][c] = v[i];
     }
   }
-}
-
-// The batch's row sums, dx and its column sums (rows in order), from its loaded values.
-template <typename T, bool kVec, int V, int R, int kCols>
-__device__ __forceinline__ void process_batch(const NormBwdParams& p, const Lanes& l,
-                                              int64_t row0, const RowBatch<T, kVec, V, R>& b,
-                                              float (&dgamma)[V][kCols], float (&dbeta)[V][kCols],
-                                              float (*scratch)[32]) {
-  using E = Elems<T, kVec>;
-  constexpr int kLoads = RowBatch<T, kVec, V, R>::kLoads;
-  const float h = static_cast<float>(p.hidden);
-  float s[V][2 * R];  // per lane and row: sum of dyg xhat, sum of dyg
+  __syncthreads();
+  const int a = threadIdx.x / kStage2Cols;  // threads 0..15 sum dgamma, 16..31 dbeta
+  if (a < arrays && col < hidden) {
+    constexpr int kAhead = 8;
+    float s = 0.0f;
+    int64_t r = 0;
+    for (; r + kAhead <= partial_rows; r += kAhead) {
+      float v[kAhead];
 #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    const bool valid = row0 + l.slot + i * l.step < p.rows;
+      for (int k = 0; k < kAhead; ++k) v[k] = tile[a][r + k][c];
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      s[j][2 * i] = s[j][2 * i + 1] = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
-        const int64_t v = l.t + j * l.P + static_cast<int64_t>(k) * l.tpr;
-        if (!valid || v >= l.loads) continue;
-        float xhat[E::N], dy[E::N], dyg[E::N];
-        bwd_terms<T, kVec>(p, v, b.x[i][j][k], b.dy[i][j][k], b.mu[i], b.rsigma[i], xhat, dy,
-                           dyg);
-#pragma unroll
-        for (int e = 0; e < E::N; ++e) {
-          s[j][2 * i] = __fadd_rn(s[j][2 * i], __fmul_rn(dyg[e], xhat[e]));
-          s[j][2 * i + 1] = __fadd_rn(s[j][2 * i + 1], dyg[e]);
-        }
-      }
+      for (int k = 0; k < kAhead; ++k) s = __fadd_rn(s, v[k]);
     }
+    for (; r < partial_rows; ++r) s = __fadd_rn(s, tile[a][r][c]);
+    (a == 0 ? dgamma : dbeta)[col] = cuda::from_float<T>(s);
   }
-  row_sums_virtual<V, 2 * R>(s, l.tpr, l.P, scratch);
-#pragma unroll
-  for (int i = 0; i < R; ++i) {  // the rows in order: the column sums take them so
-    const int64_t r = row0 + l.slot + i * l.step;
-    if (r >= p.rows) continue;
-    const float c1 = __fdiv_rn(s[0][2 * i], h);
-    const float c2 = p.rms ? 0.0f : __fdiv_rn(s[0][2 * i + 1], h);
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-#pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
-        const int64_t v = l.t + j * l.P + static_cast<int64_t>(k) * l.tpr;
-        if (v >= l.loads) continue;
-        const int64_t at = r * p.hidden + v * E::N;
-        float xhat[E::N], dy[E::N], dyg[E::N], dx[E::N], dres[E::N];
-        bwd_terms<T, kVec>(p, v, b.x[i][j][k], b.dy[i][j][k], b.mu[i], b.rsigma[i], xhat, dy,
-                           dyg);
-        if (p.dresidual != nullptr) {
-          E::to_floats(E::load(static_cast<const T*>(p.dresidual) + at), dres);
-        }
-#pragma unroll
-        for (int e = 0; e < E::N; ++e) {
-          const float tc = __fmul_rn(xhat[e], c1);
-          const float g = p.rms ? __fsub_rn(dyg[e], tc) : __fsub_rn(__fsub_rn(dyg[e], c2), tc);
-          dx[e] = __fmul_rn(g, b.rsigma[i]);
-          if (p.dresidual != nullptr) dx[e] = __fadd_rn(dx[e], dres[e]);
-          dgamma[j][k * E::N + e] = __fadd_rn(dgamma[j][k * E::N + e], __fmul_rn(dy[e], xhat[e]));
-          dbeta[j][k * E::N + e] = __fadd_rn(dbeta[j][k * E::N + e], dy[e]);
-        }
-        E::store(static_cast<T*>(p.dx) + at, E::from_floats(dx));
-      }
-    }
-  }
+  __syncthreads();  // the tile is reused by the caller's next columns
 }
 
 }  // namespace graphfp8::norm_bwd

@@ -173,7 +173,8 @@ void norm_bwd(const char* op, const at::Tensor& dy, const at::Tensor& x, const a
   p.rows = x.size(0);
   p.hidden = x.size(1);
   p.batched = switch_on("NORM_BWD_BATCHED");
-  p.pipelined = switch_on("NORM_BWD_PIPELINED");
+  p.staged = switch_on("NORM_BWD_STAGED");
+  p.param_grad_in_kernel = switch_on("NORM_BWD_PARAM_IN_KERNEL");
   if (p.rows == 0) {  // sums over no rows are zero, as torch's
     dgamma.zero_();
     if (dbeta != nullptr) dbeta->zero_();

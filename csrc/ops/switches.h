@@ -23,8 +23,10 @@ struct KernelSwitch {
 // saturating convert, and word-wide transposed stores (cuda/tile.cuh).
 // GRAPHFP8_DBIAS_IN_KERNEL (off until it has run on a GPU): the fused dbias's column sums by the
 // last block of each column of tiles instead of a second kernel (cuda/dbias.cuh; the same sums).
-// GRAPHFP8_NORM_BWD_PIPELINED (off until it has run on a GPU): the batched norm backward with the
-// next rows' loads issued before the current rows' sums and stores (cuda/norm_bwd_batched.cu).
+// GRAPHFP8_NORM_BWD_STAGED (off until it has run on a GPU): the batched norm backward with each
+// thread's next rows staged in shared memory by cp.async (cuda/norm_bwd_staged.cu; the same sums).
+// GRAPHFP8_NORM_BWD_PARAM_IN_KERNEL (off until it has run on a GPU): with NORM_BWD_STAGED, dgamma
+// and dbeta summed by the staged kernel's last blocks instead of a second kernel (the same sums).
 // GRAPHFP8_ROPE_PARTS_BWD (off until it has run on a GPU): the bf16 attention path's RoPE
 // backward from dq, dk, dv in one kernel (rope_fp8_backward's high-precision form) instead of a
 // cat and rope_qkv (graphfp8/modules/_rope.py; the CPU always takes it).
@@ -32,7 +34,8 @@ inline KernelSwitch* kernel_switches(int* count) {
   static KernelSwitch switches[] = {{"NORM_BWD_BATCHED", {true}},
                                     {"PAIRED_QUANTIZE", {true}},
                                     {"DBIAS_IN_KERNEL", {false}},
-                                    {"NORM_BWD_PIPELINED", {false}},
+                                    {"NORM_BWD_STAGED", {false}},
+                                    {"NORM_BWD_PARAM_IN_KERNEL", {false}},
                                     {"ROPE_PARTS_BWD", {false}}};
   static const bool from_env = [] {
     for (auto& s : switches) {

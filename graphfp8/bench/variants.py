@@ -143,12 +143,15 @@ def run(device, quick: bool = False) -> dict:
         copy_gbs = _copy_gbs(sets, device)
         switches.append(_switch_row("NORM_BWD_BATCHED", "layernorm_bwd", shape, 6, _norm_bwd,
                                     sets, copy_gbs, device))  # fmt: skip
-        with kernel_switch("NORM_BWD_BATCHED", True):  # issue 33: its pipelined variant
-            switches.append(_switch_row("NORM_BWD_PIPELINED", "layernorm_bwd", shape, 6,
+        with kernel_switch("NORM_BWD_BATCHED", True):  # issue 33: its staged variant
+            switches.append(_switch_row("NORM_BWD_STAGED", "layernorm_bwd", shape, 6,
                                         _norm_bwd, sets, copy_gbs, device))  # fmt: skip
-            switches.append(_switch_row("NORM_BWD_PIPELINED", "layernorm_bwd + dresidual",
+            switches.append(_switch_row("NORM_BWD_STAGED", "layernorm_bwd + dresidual",
                                         shape, 8, _norm_bwd_res, sets, copy_gbs,
                                         device))  # fmt: skip
+            with kernel_switch("NORM_BWD_STAGED", True):
+                switches.append(_switch_row("NORM_BWD_PARAM_IN_KERNEL", "layernorm_bwd", shape,
+                                            6, _norm_bwd, sets, copy_gbs, device))  # fmt: skip
     text = print_table(
         f"kernel switches off / on, bf16 (same run; ratios to a bf16 copy), {device}",
         ["switch", "op", "shape", "off ms", "on ms", "off / copy", "on / copy", "speedup"],

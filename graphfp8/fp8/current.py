@@ -25,7 +25,6 @@ tests use to compare the two paths.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -35,6 +34,7 @@ from graphfp8 import ops
 from graphfp8.fp8.recipe import is_current_scaling
 from graphfp8.fp8.scaling import SlotBlock
 from graphfp8.fp8.slots import Quantizer
+from graphfp8.ops.switches import env_switch
 
 __all__ = [
     "AmaxPass",
@@ -51,7 +51,7 @@ __all__ = [
 # Runs a cast's amax pass into the given quantizer: only the amax it folds matters.
 AmaxPass = Callable[[Quantizer], object]
 
-FUSED_ON_CUDA = os.environ.get("GRAPHFP8_CURRENT_FUSED", "1") != "0"
+FUSED_ON_CUDA = env_switch("CURRENT_FUSED")
 FUSED_ON_CPU = True
 
 

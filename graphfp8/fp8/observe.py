@@ -23,7 +23,10 @@ class StatsSource(NamedTuple):
 
     mode: "identity" (x itself), "gelu" (gelu(x)), "dgelu" (dy = x, GELU input act_in),
     "layernorm" / "rmsnorm" (z = x (rows, hidden) with the kernel's mu / rsigma and the norm's
-    gamma / beta). skip: a weight cast's (1,) noop flag (1: nothing was cast).
+    gamma / beta), or "recorded": a cast inside a kernel whose high-precision tensor never
+    exists and is not recomputed (RoPE fused into the casts of q and k, cuDNN's FP8 attention
+    output and gradients): only the slot's scale and recorded amax, x being the FP8 result.
+    skip: a weight cast's (1,) noop flag (1: nothing was cast).
     """
 
     mode: str

@@ -8,7 +8,8 @@ AutoModelForCausalLM.from_pretrained loads, and a converted model loads Hugging 
 The FP8 state (each layer's `_extra_state` tensor, modules/_state_tensor.py) is saved beside the
 weights as `graphfp8.<layer>._extra_state` unless fp8_state=False, so Trainer's checkpoints
 resume bit for bit; from_pretrained lists these keys as UNEXPECTED and ignores them. A state
-dict without them loads as fresh FP8 state.
+dict without them loads as fresh FP8 state. save_pretrained(fp8=...) writes the FP8 checkpoint
+for serving of graphfp8/hf/fp8_export.py instead.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import copy
 
 import torch
 
+from graphfp8.hf.fp8_export import fp8_checkpoint
 from graphfp8.hf.names import FP8_PREFIX, from_hf_names, to_hf
 
 __all__ = ["from_hf_names_hook", "save_pretrained"]
 
 
 def save_pretrained(model, save_directory, state_dict: dict | None = None,
-                    fp8_state: bool = True, **kwargs) -> None:  # fmt: skip
+                    fp8_state: bool = True, fp8: bool | str = False,
+                    activation_scheme: str = "dynamic", **kwargs) -> None:  # fmt: skip
     """Writes `model` (a CausalLM from graphfp8.from_hf) as its Hugging Face class would.
 
     Args:
@@ -32,6 +35,10 @@ def save_pretrained(model, save_directory, state_dict: dict | None = None,
         state_dict: the model's own state dict to write (Trainer passes one under some
             set-ups); default model.state_dict().
         fp8_state: also write the FP8 state (module docstring).
+        fp8: write an FP8 checkpoint for serving instead (graphfp8/hf/fp8_export.py): E4M3
+            GEMM weights with per-tensor scales and a quantization_config, in the layout of
+            "transformers" (True: AutoModelForCausalLM loads it) or "vllm"; no FP8 state.
+        activation_scheme: with fp8, "dynamic" or "static" (input scales from training).
         **kwargs: the Hugging Face class's save_pretrained arguments (safe_serialization,
             max_shard_size, is_main_process, push_to_hub, ...).
     """
@@ -42,7 +49,11 @@ def save_pretrained(model, save_directory, state_dict: dict | None = None,
     memo: dict[int, torch.Tensor] = {}  # one copy per tensor: tied embeddings stay one tensor
     hf_state = {k: memo.setdefault(id(t), t.detach().clone()) for k, t in
                 to_hf(ours, model.config).items()}  # fmt: skip
-    if fp8_state:
+    quantization = None
+    if fp8:
+        hf_state, quantization = fp8_checkpoint(model, "transformers" if fp8 is True else fp8,
+                                                activation_scheme, hf_state)  # fmt: skip
+    elif fp8_state:
         hf_state.update({FP8_PREFIX + k: t.detach() for k, t in ours.items()
                          if k.endswith("_extra_state")})  # fmt: skip
     config = copy.deepcopy(model.config)
@@ -50,6 +61,8 @@ def save_pretrained(model, save_directory, state_dict: dict | None = None,
     with torch.device("meta"):
         shell = model.hf_class(config).to(model.embed.weight.dtype)
     shell.generation_config = copy.deepcopy(model.generation_config)
+    if quantization is not None:
+        shell.config.quantization_config = quantization
     shell.save_pretrained(save_directory, state_dict=hf_state, **kwargs)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from graphfp8 import ops
+from graphfp8.fp8.observe import StatsSource, observe_cast
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.fp8.scaling import SlotBlock
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, Quantizer, slot_index, slot_range
@@ -71,6 +72,13 @@ class AttentionConfig:
     def amax(self, role: AttnFwdRole | AttnBwdRole) -> torch.Tensor:
         return self.quantizer(role).amax
 
+    def observe(self, role: AttnFwdRole | AttnBwdRole, x: torch.Tensor, mode: str) -> None:
+        """Reports the cast into `role`'s slot to the numerics observer (graphfp8.numerics):
+        mode "identity" with the high-precision x that was cast, or "recorded" with the FP8
+        result of a cast whose input never exists."""
+        block = self.fwd if isinstance(role, AttnFwdRole) else self.bwd
+        observe_cast(block, slot_index(role, 0), role.name.lower(), StatsSource(mode, x))
+
     def scales(self, first, last) -> torch.Tensor:
         """The consecutive scales of roles first..last, one (n,) view of the arena."""
         block = self.fwd if isinstance(first, AttnFwdRole) else self.bwd
@@ -79,7 +87,7 @@ class AttentionConfig:
 
 def prepare_attention(
     q_shape, kv_shape, device, recipe, attn_scale: float, causal: bool, training: bool,
-    segments: bool = False,
+    segments: bool = False, deterministic: bool | None = None,
 ) -> None:  # fmt: skip
     """Checks an FP8 attention call and, on the GPU, builds its cuDNN graphs (cached): raises
     before any kernel or state change of the call, and keeps graph building out of CUDA-graph
@@ -92,6 +100,8 @@ def prepare_attention(
         attn_scale, causal: the softmax scale and mask.
         training: the backward will run too (its graph is built now as well).
         segments: the call has segment_ids.
+        deterministic: build the deterministic backward; None: whether torch's deterministic
+            algorithms are on (what the backward call will ask for).
     """
     ops.check_sdpa_fp8(q_shape, kv_shape, kv_shape, causal, "graphfp8 FP8 attention")
     device = torch.device(device)
@@ -113,6 +123,7 @@ def prepare_attention(
         float(attn_scale),
         bool(causal),
         bool(segments),
+        torch.are_deterministic_algorithms_enabled() if deterministic is None else deterministic,
     )
     cudnn_sdpa.prepare(key, backward=training)
 
@@ -144,6 +155,7 @@ def _forward_core(ctx, qkv_fp8, qkv_scale_inv, cfg: AttentionConfig, needs_grad:
         cfg.causal,
         cfg.segment_ids,
     )
+    cfg.observe(AttnFwdRole.O, o, "recorded")
     if needs_grad:
         scale_s = s_o[0:1].clone()  # the pair P was quantized with, for the backward
         ctx.save_for_backward(q, k, v, o, stats, *qkv_scale_inv, inv, scale_s)
@@ -159,6 +171,7 @@ def _backward_core(ctx, grad: torch.Tensor):
     if not d_o.is_contiguous():
         d_o = d_o.contiguous()
     do_fp8, do_si = ops.cast_to_fp8(d_o, *cfg.quantizer(AttnBwdRole.DO))
+    cfg.observe(AttnBwdRole.DO, d_o, "identity")
     bwd = cfg.scales(AttnBwdRole.DP, AttnBwdRole.DV)  # (scale_dP, scale_dQ, scale_dK, scale_dV)
     bwd_inv = torch.reciprocal(bwd)
     scales = dict(
@@ -179,6 +192,8 @@ def _backward_core(ctx, grad: torch.Tensor):
     grads = ops.sdpa_fp8_backward(
         q, k, v, o, do_fp8, stats, scales, amaxes, cfg.attn_scale, cfg.causal, cfg.segment_ids
     )
+    for role, g in zip((AttnBwdRole.DQ, AttnBwdRole.DK, AttnBwdRole.DV), grads, strict=True):
+        cfg.observe(role, g, "recorded")
     SCHEDULE.after_backward(cfg.backward_update)
     return list(grads), [bwd_inv[1:2], bwd_inv[2:3], bwd_inv[3:4]]
 
@@ -196,6 +211,8 @@ class _FP8AttentionQKV(torch.autograd.Function):
     def forward(ctx, qkv, cos, sin, heads: tuple, cfg: AttentionConfig, needs_grad: bool):
         quantizers = [cfg.quantizer(r) for r in (AttnFwdRole.Q, AttnFwdRole.K, AttnFwdRole.V)]
         parts, scale_inv = ops.rope_fp8(qkv, cos, sin, heads[0], quantizers, heads[1])
+        for role, part in zip((AttnFwdRole.Q, AttnFwdRole.K, AttnFwdRole.V), parts, strict=True):
+            cfg.observe(role, part, "recorded")  # rotated in registers: never in memory
         o, o_scale_inv = _forward_core(ctx, parts, scale_inv, cfg, needs_grad)
         ctx.tables, ctx.dtype = (cos, sin), qkv.dtype
         return _output(o, o_scale_inv, cfg, qkv.dtype)
@@ -211,10 +228,10 @@ class _FP8Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: AttentionConfig, needs_grad: bool):
         roles = (AttnFwdRole.Q, AttnFwdRole.K, AttnFwdRole.V)
-        casts = [
-            ops.cast_to_fp8(x.contiguous(), *cfg.quantizer(r))
-            for x, r in zip((q, k, v), roles, strict=True)
-        ]
+        inputs = [x.contiguous() for x in (q, k, v)]
+        casts = [ops.cast_to_fp8(x, *cfg.quantizer(r)) for x, r in zip(inputs, roles, strict=True)]
+        for x, r in zip(inputs, roles, strict=True):
+            cfg.observe(r, x, "identity")
         o, o_scale_inv = _forward_core(
             ctx, [c[0] for c in casts], [c[1] for c in casts], cfg, needs_grad
         )

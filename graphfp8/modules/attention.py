@@ -1,5 +1,13 @@
 """graphfp8.DotProductAttention: scaled dot-product attention, in FP8 through cuDNN under a recipe
-with fp8_dpa (graphfp8.modules._attention), else torch's SDPA in the inputs' dtype."""
+with fp8_dpa (graphfp8.modules._attention), else torch's SDPA in the inputs' dtype.
+
+Packed batches (segment_ids) run torch's SDPA with the segment mask even under fp8_dpa, on every
+device: cuDNN's FP8 attention over packed sequences (the ragged "thd" layout,
+graphfp8.ops.cudnn_ragged) has no backward on Hopper (the cuDNN frontend refuses it since 1.22:
+"sdpa fp8 backward with THD is not supported on Hopper architecture"), and its forward stopped
+with an illegal instruction on the H200. GRAPHFP8_CUDNN_RAGGED=1 runs them in FP8 instead (the
+CPU emulation, cuDNN's ragged graphs on the GPU) where cuDNN supports it. The rule is the same on
+the CPU, so CPU tests cover what a GPU runs."""
 
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from graphfp8.modules._attention import (
 from graphfp8.modules._context import fp8_recipe, fp8_state
 from graphfp8.modules._rope import RopeQKV, RopeQKVParts, rope_parts_backward
 from graphfp8.modules.base import FP8Module
+from graphfp8.ops import cudnn_ragged
 from graphfp8.ops.segments import segment_mask
 
 __all__ = ["DotProductAttention"]
@@ -85,10 +94,13 @@ class DotProductAttention(FP8Module):
     def _slot_counts(self) -> tuple[int, int]:
         return len(AttnFwdRole), len(AttnBwdRole)
 
-    def fp8_active(self) -> bool:
-        """Whether a call now runs in FP8 (fp8_autocast with a recipe that sets fp8_dpa)."""
+    def fp8_active(self, segment_ids=None) -> bool:
+        """Whether a call (with those segment_ids) now runs in FP8: fp8_autocast with a recipe
+        that sets fp8_dpa, and no segment ids unless GRAPHFP8_CUDNN_RAGGED=1 (the module
+        docstring says why)."""
         recipe = fp8_recipe()
-        return recipe is not None and recipe.fp8_dpa
+        fp8 = recipe is not None and recipe.fp8_dpa
+        return fp8 and (segment_ids is None or cudnn_ragged.ENABLED)
 
     def _fp8_config(self, q_shape, kv_shape, device, training: bool,
                     segment_ids=None) -> AttentionConfig:  # fmt: skip
@@ -106,7 +118,7 @@ class DotProductAttention(FP8Module):
         builds its cuDNN graphs), so the layer fails before any of its state changes. Checks
         segment_ids in any precision; otherwise a no-op outside FP8 attention."""
         _check_segments(segment_ids, batch, seq, device)
-        if self.fp8_active():
+        if self.fp8_active(segment_ids):
             self._check_fp8_dropout()
             h, g, d = self.num_attention_heads, self.num_gqa_groups, self.kv_channels
             causal = self.attn_mask_type == "causal"
@@ -135,7 +147,7 @@ class DotProductAttention(FP8Module):
         """
         self._check_qkv(query, key, value)
         _check_segments(segment_ids, query.shape[0], query.shape[1], query.device)
-        if self.fp8_active():
+        if self.fp8_active(segment_ids):
             training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
             cfg = self._fp8_config(query.shape, key.shape, query.device, training, segment_ids)
             return fp8_attention(query, key, value, cfg)
@@ -164,7 +176,7 @@ class DotProductAttention(FP8Module):
         _check_tensor("qkv", qkv)
         b, s, _ = qkv.shape
         _check_segments(segment_ids, b, s, qkv.device)
-        if self.fp8_active():
+        if self.fp8_active(segment_ids):
             training = torch.is_grad_enabled() and qkv.requires_grad
             cfg = self._fp8_config((b, s, h, d), (b, s, g, d), qkv.device, training, segment_ids)
             return fp8_attention_qkv(qkv, rope_tables, h, cfg, g)

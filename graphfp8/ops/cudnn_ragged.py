@@ -12,16 +12,17 @@ softmax statistics are (token, head)-major; the forward and backward ops share t
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from graphfp8.ops.switches import env_switch
 
 __all__ = ["ENABLED", "SLOTS_PER_ROW", "check_enabled", "declare", "layout", "pack", "slots",
            "stats_desc"]  # fmt: skip
 
-# Off until it runs on a GPU: its first H200 run (2026-12-01) stopped with "an illegal
-# instruction was encountered" inside the ragged FP8 forward. GRAPHFP8_CUDNN_RAGGED=1 turns it on.
-ENABLED = os.environ.get("GRAPHFP8_CUDNN_RAGGED", "0") == "1"
+# Off: its first H200 run (2026-12-01) stopped with "an illegal instruction was encountered"
+# inside the ragged FP8 forward, and the cuDNN frontend (1.22 on) refuses a ragged FP8 backward on
+# Hopper. GRAPHFP8_CUDNN_RAGGED=1 turns it on (graphfp8.modules.attention routes packed batches).
+ENABLED = env_switch("CUDNN_RAGGED")
 
 
 def check_enabled(what: str) -> None:
@@ -29,11 +30,11 @@ def check_enabled(what: str) -> None:
     GPU): before any kernel, so nothing has changed."""
     if not ENABLED:
         raise NotImplementedError(
-            f"{what}: FP8 attention (fp8_dpa) with segment_ids (packed sequences or padding) "
-            "on the GPU needs cuDNN's ragged graph, which is switched off until it is verified "
-            "(its first H200 run stopped with an illegal instruction): run the attention in "
-            "bf16 (DelayedScaling(fp8_dpa=False), the default) with segment_ids, or set "
-            "GRAPHFP8_CUDNN_RAGGED=1 to try it"
+            f"{what}: FP8 attention with segment_ids (packed sequences or padding) on the GPU "
+            "needs cuDNN's ragged graph, which is switched off: cuDNN has no ragged FP8 "
+            "attention backward on Hopper, and its forward stopped with an illegal instruction "
+            "on the H200 (graphfp8's layers run such calls with bf16 attention); set "
+            "GRAPHFP8_CUDNN_RAGGED=1 to try it on a GPU where cuDNN supports it"
         )
 
 

@@ -14,6 +14,8 @@ seq, head_dim) over BSHD memory (strides (seq * heads * d, d, heads * d, 1)); st
 heads, seq, 1) float32; every scalar and every amax (1, 1, 1, 1) float32. An output declared
 without a data type takes the graph's FP8 I/O type, so each one names its type. With segment ids
 (packed documents, padding) the graphs are ragged: graphfp8.ops.cudnn_ragged has the layout.
+Under torch.use_deterministic_algorithms(True) (warn_only too) the backward graph is cuDNN's
+deterministic one (the forward has no order-dependent sums: its amaxes are maxima).
 """
 
 from __future__ import annotations
@@ -30,20 +32,8 @@ __all__ = ["BWD_SCALES", "FWD_SCALES", "SdpaKey", "backward", "cudnn_module", "f
 
 # The order of the sdpa_fp8 ops' `scales` lists.
 FWD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
-BWD_SCALES = (
-    "descale_q",
-    "descale_k",
-    "descale_v",
-    "descale_o",
-    "descale_do",
-    "descale_s",
-    "descale_dp",
-    "scale_s",
-    "scale_dp",
-    "scale_dq",
-    "scale_dk",
-    "scale_dv",
-)
+BWD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_do", "descale_s",
+              "descale_dp", "scale_s", "scale_dp", "scale_dq", "scale_dk", "scale_dv")  # fmt: skip
 
 INSTALL_HINT = (
     "FP8 attention on the GPU runs cuDNN's FP8 attention through the optional dependency "
@@ -96,6 +86,9 @@ class SdpaKey(NamedTuple):
     attn_scale: float
     causal: bool
     segments: bool = False  # segment ids: a ragged graph (cudnn_ragged)
+    # the backward's deterministic algorithm (torch.are_deterministic_algorithms_enabled() when
+    # the graph is built or called); False in every forward key
+    deterministic: bool = False
 
     @property
     def graph_batch(self) -> int:
@@ -270,6 +263,7 @@ def _build_backward(cudnn, key: SdpaKey):
         scale_dV=sc["scale_dv"],
         scale_dP=sc["scale_dp"],
         attn_scale=key.attn_scale,
+        use_deterministic_algorithm=key.deterministic,
         name="sdpa_fp8_backward",
         **_mask_kwargs(cudnn, key),
         **padding,
@@ -295,7 +289,7 @@ def prepare(key: SdpaKey, backward: bool) -> None:
     """Builds (once) the forward graph of `key`, and its backward graph (for key.bwd_dtype)
     when `backward`; raises ValueError with cuDNN's reason when cuDNN does not support the
     shape, and RuntimeError when a graph would have to be built inside a CUDA-graph capture."""
-    fwd_key = key._replace(bwd_dtype=None)
+    fwd_key = key._replace(bwd_dtype=None, deterministic=False)
     need_fwd, need_bwd = fwd_key not in _FORWARD, backward and key not in _BACKWARD
     if not (need_fwd or need_bwd):
         return
@@ -327,18 +321,20 @@ def _build_or_explain(cudnn, key: SdpaKey, which: str, build):
         raise ValueError(
             f"graphfp8: cuDNN does not support FP8 attention ({which}) for batch={key.batch}, "
             f"seq={key.seq}, heads={key.heads}, kv_heads={key.kv_heads}, "
-            f"head_dim={key.head_dim}, causal={key.causal}, segments={key.segments} on this "
-            "GPU and cuDNN "
+            f"head_dim={key.head_dim}, causal={key.causal}, segments={key.segments}, "
+            f"deterministic={key.deterministic} on this GPU and cuDNN "
             f"{cudnn.backend_version_string()}{hint}: {exc}"
         ) from exc
 
 
 def key_for(q: torch.Tensor, k: torch.Tensor, bwd_dtype, attn_scale, causal,
             segments: bool = False) -> SdpaKey:  # fmt: skip
-    """The key of a call on q (batch, seq, heads, d) and k (batch, seq, kv_heads, d)."""
+    """The key of a call on q (batch, seq, heads, d) and k (batch, seq, kv_heads, d); a backward
+    key (bwd_dtype given) is deterministic while torch's deterministic algorithms are on."""
     b, s, h, d = q.shape
+    det = bwd_dtype is not None and torch.are_deterministic_algorithms_enabled()
     return SdpaKey(q.device.index, b, s, h, k.shape[2], d, q.dtype, bwd_dtype, float(attn_scale),
-                   bool(causal), segments)  # fmt: skip
+                   bool(causal), segments, det)  # fmt: skip
 
 
 # The variant packs' uids as plain ints, in the order the ops pass their tensors (no enum

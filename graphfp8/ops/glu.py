@@ -16,11 +16,11 @@ transcendentals' last bits. On the CPU the fused kernels always run.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from graphfp8.ops._lib import ops, wraps_op
+from graphfp8.ops.switches import env_switch
 
 __all__ = [
     "CUDA_KERNELS",
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 GLU_ACTIVATIONS = ("swiglu", "geglu")
-CUDA_KERNELS = os.environ.get("GRAPHFP8_CUDA_GLU", "1") != "0"
+CUDA_KERNELS = env_switch("CUDA_GLU")
 
 # gelu_math.h's constants, as the float32 values the kernels use.
 _F32 = torch.float32

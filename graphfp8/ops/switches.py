@@ -1,5 +1,6 @@
 """Switches between CUDA kernel variants (csrc/ops/switches.h): a new kernel lands off until it
 has run on a GPU; the first two below ran on the H200 on 2026-12-01 and are on by default.
+ENV_DEFAULTS holds the switches that Python modules read once from the environment instead.
 
 Each switch starts from its environment variable (GRAPHFP8_<NAME>=0 turns it off, read once when
 the extension loads) and can be flipped at run time, which is how the CUDA tests compare a new
@@ -11,8 +12,10 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
                        word-wide transposed stores (bit-identical results)
     DBIAS_IN_KERNEL    (off) the fused dbias's column sums by the last block of each column of
                        tiles, not a second kernel: one launch fewer (bit-identical results)
-    NORM_BWD_PIPELINED (off) the batched norm backward with the next rows' loads in flight
-                       during the current rows' sums and stores (bit-identical results)
+    NORM_BWD_STAGED    (off) the batched norm backward with each thread's next rows staged in
+                       shared memory by cp.async (bit-identical results)
+    NORM_BWD_PARAM_IN_KERNEL (off) with NORM_BWD_STAGED: dgamma, dbeta summed by the staged
+                       kernel's last blocks, not a second kernel (bit-identical results)
     ROPE_PARTS_BWD     (off) the bf16 attention path's RoPE backward reads dq, dk, dv in one
                        kernel instead of a cat and rope_qkv (bit-identical; the CPU always does)
 """
@@ -20,19 +23,36 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 from graphfp8.ops._lib import _C
 
-__all__ = ["SWITCHES", "kernel_switch", "switch_on"]
+__all__ = ["ENV_DEFAULTS", "SWITCHES", "env_switch", "kernel_switch", "switch_on"]
 
 SWITCHES = (
     "NORM_BWD_BATCHED",
     "PAIRED_QUANTIZE",
     "DBIAS_IN_KERNEL",
-    "NORM_BWD_PIPELINED",
+    "NORM_BWD_STAGED",
+    "NORM_BWD_PARAM_IN_KERNEL",
     "ROPE_PARTS_BWD",
 )
+
+# The switches read from GRAPHFP8_<NAME> by the module that owns them, with their defaults:
+#   CURRENT_FUSED  current scaling's fused casts on CUDA (graphfp8.fp8.current)
+#   CUDA_GLU       the fused SwiGLU / GeGLU kernels on CUDA (graphfp8.ops.glu)
+#   CUDNN_RAGGED   cuDNN's ragged FP8 attention for segment ids on the GPU (ops/cudnn_ragged.py)
+# Every default, here and in csrc/ops/switches.h, is one the CUDA suite passed with on a GPU:
+# tests/test_switch_defaults.py compares them with tests/data/gpu_verified_switches.json.
+ENV_DEFAULTS = {"CURRENT_FUSED": True, "CUDA_GLU": True, "CUDNN_RAGGED": False}
+
+
+def env_switch(name: str) -> bool:
+    """The switch `name` of ENV_DEFAULTS as the environment sets it: GRAPHFP8_<name>=0 off, any
+    other value on, unset its default."""
+    value = os.environ.get("GRAPHFP8_" + name)
+    return ENV_DEFAULTS[name] if value is None else value != "0"
 
 
 def switch_on(name: str) -> bool:

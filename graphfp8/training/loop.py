@@ -248,6 +248,8 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         "name": spec.name,
         "precision": spec.precision,
         "graphs": spec.graphs,
+        "fp8_attention": spec.fp8_attention,  # packed batches excepted (bf16 attention)
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
         "parameters": count_parameters(run.model),
         "first_step": first,
         "steps": run.step,

@@ -4,7 +4,6 @@ a summary of where the time goes, written into profiles/<device>-<date>/."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from graphfp8.profiling import enable_ranges
+from graphfp8.training.cli_checks import model_config
 from graphfp8.training.data import Dataset
 from graphfp8.training.loop import sync
 from graphfp8.training.model import PRESETS
@@ -45,6 +45,8 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--batch", type=int, help="sequences per microbatch (default: the preset's)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--heads", type=int, help="attention heads (default: the preset's)")
+    p.add_argument("--fp8-attention", action="store_true", help="as graphfp8-train's")
     p.add_argument("--steps", type=int, default=3, help="profiled optimizer steps")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps before profiling")
     p.add_argument("--tool", choices=("auto", "nsys", "torch"), default="auto")
@@ -182,6 +184,7 @@ def main(argv=None) -> int:
         graphs=args.graphs,
         microbatches=args.microbatches,
         device=args.device,
+        fp8_attention=args.fp8_attention and args.precision == "fp8",
     )
     run = Run(spec, data)
     run.prepare()
@@ -215,8 +218,7 @@ def main(argv=None) -> int:
 
 
 def _model(args, vocab: int):
-    overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len)) if v}
-    return dataclasses.replace(PRESETS[args.preset], vocab=vocab, **overrides)
+    return model_config(args, vocab)
 
 
 def _device_name(device: str) -> str:

@@ -55,12 +55,19 @@ class RunSpec:
     scaling: str = "delayed"  # one of SCALINGS: the FP8 recipe
     fp8_weights: bool = False  # FP8 primary weights (fp8_model_init) with fp32 MasterWeights
     pack: bool = False  # packed documents: attention and targets within each document
+    # FP8 attention: RoPE fused into the casts of q, k, v, cuDNN's FP8 attention, its FP8 output
+    # straight into the projection (DelayedScaling(fp8_dpa=True, fp8_mha=True)); packed batches
+    # keep bf16 attention (graphfp8.modules.attention says why)
+    fp8_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
         if self.fp8_weights and self.precision != "fp8":
             raise ValueError("fp8_weights needs precision fp8")
+        if self.fp8_attention and (self.precision != "fp8" or self.scaling != "delayed"):
+            raise ValueError("fp8_attention needs precision fp8 with delayed scaling (FP8 "
+                             "attention is DelayedScaling only)")  # fmt: skip
         if isinstance(self.graphs, bool):
             object.__setattr__(self, "graphs", "layers" if self.graphs else "none")
         if self.graphs not in GRAPH_MODES:
@@ -79,6 +86,7 @@ class RunSpec:
         suffix = "-compile" if self.compile else ""
         fmt += "-current" if self.precision == "fp8" and self.scaling == "current" else ""
         fmt += "-fp8w" if self.fp8_weights else ""
+        fmt += "-attn" if self.fp8_attention else ""
         suffix += "-pack" if self.pack else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
 
@@ -89,7 +97,7 @@ class RunSpec:
 
 # Settings that checkpoints written before they existed trained with.
 OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False,
-                  "pack": False}  # fmt: skip
+                  "pack": False, "fp8_attention": False}  # fmt: skip
 
 
 def run_settings(spec: RunSpec) -> dict:
@@ -105,6 +113,7 @@ def run_settings(spec: RunSpec) -> dict:
         "scaling": spec.scaling,
         "fp8_weights": spec.fp8_weights,
         "pack": spec.pack,
+        "fp8_attention": spec.fp8_attention,
     }
 
 
@@ -145,7 +154,9 @@ class Run:
             self.recipe = Float8CurrentScaling(fp8_format=Format[spec.fp8_format])
         else:
             self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len,
-                                         fp8_format=Format[spec.fp8_format])  # fmt: skip
+                                         fp8_format=Format[spec.fp8_format],
+                                         fp8_dpa=spec.fp8_attention,
+                                         fp8_mha=spec.fp8_attention)  # fmt: skip
         self.step = 0
         self.fp8_stats = None  # graphfp8.numerics.FP8Stats while the run records FP8 statistics
         self.blocks = None  # the callable that runs the blocks, set by prepare()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import graphfp8 as g8
+from graphfp8.ops.switches import switch_on
 from graphfp8.testing import assert_bitwise_equal
 from tests.modules.common import H, Stack, T, build
 
@@ -96,7 +97,9 @@ def test_captured_graphs_hold_the_fp8_kernels(device):
     assert "cast_transpose" in fwd and "cast_transpose" in bwd
     gpu = device == "cuda"
     assert ("norm_fwd_kernel" if gpu else "layernorm_fp8") in fwd
-    assert ("norm_bwd_kernel" if gpu else "layernorm_bwd") in bwd
+    # The norm backward's CUDA kernel follows its switch (on by default since 2026-12-01).
+    norm_bwd = "norm_bwd_batched_kernel" if switch_on("NORM_BWD_BATCHED") else "norm_bwd_kernel"
+    assert (norm_bwd if gpu else "layernorm_bwd") in bwd
 
 
 def test_many_replays_back_to_back_follow_is_first_microbatch(device):

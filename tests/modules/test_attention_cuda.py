@@ -93,3 +93,60 @@ def test_gqa_bf16_and_fp8_agree_on_the_cpu():
     o_floor, grad_floor = FLOORS[g8.Format.HYBRID]
     for name, want, got in zip(("O", "dQ", "dK", "dV"), outs["bf16"], outs["fp8"], strict=True):
         assert sqnr(want, got) >= (o_floor if name == "O" else grad_floor), name
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA_PARAM])
+def test_deterministic_backward_repeats_bit_for_bit(device):
+    """Under torch.use_deterministic_algorithms(True) the FP8 attention backward gives the same
+    bits on every call (on the GPU cuDNN's deterministic graph, cached under its own key; its
+    default backward sums dQ in any order). Prints whether the default one repeated too."""
+    from graphfp8.ops import cudnn_sdpa
+    from tests.ops.attention_data import backward_scales, quantized
+
+    shape = SHAPES[device]
+    q, k, v, scales, attn_scale = forward_case(shape, torch.float8_e4m3fn, device)
+    amax = [torch.zeros(1, device=device) for _ in range(2)]
+    o, stats = g8.ops.sdpa_fp8_forward(q, k, v, scales, *amax, attn_scale)
+    d_o, descale_do = quantized(
+        o.shape, torch.float8_e5m2, device, torch.Generator().manual_seed(1)
+    )
+    bwd = backward_scales(q, k, v, o, d_o, stats, scales, attn_scale, torch.float8_e5m2, descale_do)
+
+    def grads():
+        amaxes = [torch.zeros(1, device=device) for _ in range(4)]
+        out = g8.ops.sdpa_fp8_backward(q, k, v, o, d_o, stats, bwd, amaxes, attn_scale)
+        return [t.view(torch.uint8).clone() for t in out] + [a.clone() for a in amaxes]
+
+    default = [grads() for _ in range(3)]
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [grads() for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run, strict=True):
+            assert torch.equal(a, b)
+    same = all(torch.equal(a, b) for r in default[1:] for a, b in zip(default[0], r, strict=True))
+    print(f"\n{device}: the default backward repeated bit for bit: {same}")
+    if device == "cuda":
+        assert any(key.deterministic for key in cudnn_sdpa._BACKWARD)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_main_job_checks_fp8_attention_on_this_gpu(capsys):
+    """graphfp8-train --fp8-attention builds cuDNN's graphs before training: on Hopper the
+    100m preset (head_dim 64) is refused with the way out (--heads 8: head_dim 128), which
+    then passes."""
+    from graphfp8 import train
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the head_dim 128 rule of cuDNN's FP8 backward is Hopper's")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--device", "cuda", "--preset", "100m", "--fp8-attention"])
+    err = capsys.readouterr().err
+    assert "cuDNN does not support FP8 attention (backward)" in err and "--heads 8" in err, err
+    args = train.parse_args(["--device", "cuda", "--preset", "100m", "--fp8-attention",
+                             "--heads", "8"])  # fmt: skip
+    assert args.fp8_attention and args.heads == 8

@@ -18,8 +18,9 @@ from graphfp8.ops.segments import (
     segment_mask,
 )
 from graphfp8.testing import assert_bitwise_equal, sqnr
-from tests.helpers import CUDA_PARAM
-from tests.modules.attention_common import DPA, layer_and_input
+from graphfp8.training.determinism import deterministic
+from tests.helpers import CUDA_PARAM, DEVICES
+from tests.modules.attention_common import DPA, MHA, layer_and_input
 from tests.ops.attention_data import backward_scales, forward_case, quantized
 
 BOUNDS = [(0, 5), (5, 11), (11, 16)]  # three documents in a row of 16
@@ -97,8 +98,15 @@ def test_fp8_emulation_matches_twin_with_segments():
         assert sqnr(want[name].float(), got.float()) >= 30.0, name
 
 
+@pytest.fixture
+def ragged_on(monkeypatch):
+    """FP8 attention with segment ids (the emulation on the CPU, cuDNN's ragged graph on a GPU)
+    instead of the bf16 attention packed batches take by default."""
+    monkeypatch.setattr(cudnn_ragged, "ENABLED", True)
+
+
 @pytest.mark.parametrize("recipe", [None, DPA], ids=["bf16", "fp8 attention"])
-def test_transformer_layer_documents_are_independent(recipe):
+def test_transformer_layer_documents_are_independent(recipe, ragged_on):
     """With packed documents, each document's output is the layer's output on that document
     alone: bit for bit in bf16 except for RoPE's rounding at other absolute positions (the
     scores depend only on relative positions), so to tolerance; in FP8 the scales come from
@@ -129,11 +137,13 @@ class _Packed(torch.nn.Module):
         return self.layer(x, is_first_microbatch=is_first_microbatch, segment_ids=segment_ids)
 
 
-@pytest.mark.parametrize("recipe", [g8.DelayedScaling(amax_history_len=4), DPA],
-                         ids=["fp8 gemms", "fp8 attention"])  # fmt: skip
-def test_graphed_equals_eager_with_changing_segments(recipe):
+@pytest.mark.parametrize("recipe, ragged", [(g8.DelayedScaling(amax_history_len=4), False),
+                                            (DPA, True), (MHA, False)],
+                         ids=["fp8 gemms", "fp8 attention", "fp8 mha, packed in bf16"])  # fmt: skip
+def test_graphed_equals_eager_with_changing_segments(recipe, ragged, monkeypatch):
     """The ids are a graph input: each replay must use the call's own ids (a frozen copy of the
     sample's would give another result)."""
+    monkeypatch.setattr(cudnn_ragged, "ENABLED", ragged)
     layer, sample = layer_and_input("cpu")
     eager = _Packed(layer)
     ids = _segments(sample.shape[0], sample.shape[1], "cpu")
@@ -192,15 +202,34 @@ def test_cuda_fp8_attention_with_segments_matches_twin(device):
     assert torch.isfinite(x.grad).all()
 
 
-@pytest.mark.parametrize("device", [CUDA_PARAM])
-def test_cuda_fp8_attention_with_segments_raises_while_switched_off(device, monkeypatch):
-    """Until the ragged cuDNN graph is verified, FP8 attention with segment ids on the GPU
-    raises before anything runs (the layer's FP8 state and the input untouched)."""
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", [DPA, MHA], ids=["dpa", "mha"])
+def test_packed_batches_take_bf16_attention_while_ragged_is_off(device, recipe, monkeypatch):
+    """With the ragged switch off (the default), a packed batch under fp8_dpa computes exactly
+    what the layer computes without fp8_dpa - bf16 attention with the segment mask, FP8 GEMMs -
+    and the attention's FP8 state is never allocated."""
     monkeypatch.setattr(cudnn_ragged, "ENABLED", False)
     layer, sample = layer_and_input(device, groups=1)
+    plain = copy.deepcopy(layer)
     ids = _segments(*sample.shape[:2], device)
-    with g8.fp8_autocast(recipe=DPA), pytest.raises(NotImplementedError, match="RAGGED=1"):
-        layer(sample, segment_ids=ids)
+    outs = []
+    for m, r in ((layer, recipe), (plain, g8.DelayedScaling(amax_history_len=4))):
+        x = sample.clone().requires_grad_()
+        # on the GPU torch's masked SDPA backward repeats its bits only when asked to
+        with deterministic(device != "cpu"), g8.fp8_autocast(recipe=r):
+            y = m(x, segment_ids=ids)
+            y.float().square().sum().backward()
+        outs.append((y, x.grad))
+    assert_bitwise_equal(outs[0][0], outs[1][0], "output")
+    assert_bitwise_equal(outs[0][1], outs[1][1], "dgrad")
+    assert layer.core_attention.fp8_meta is None
+
+
+@pytest.mark.parametrize("device", [CUDA_PARAM])
+def test_cuda_fp8_attention_op_with_segments_raises_while_switched_off(device, monkeypatch):
+    """Called directly, the FP8 attention op with segment ids on the GPU raises before anything
+    runs while the ragged switch is off."""
+    monkeypatch.setattr(cudnn_ragged, "ENABLED", False)
     q, k, v, scales, attn_scale = forward_case((2, 128, 2, 1, 128), torch.float8_e4m3fn, device)
     amax = [torch.zeros(1, device=device), torch.zeros(1, device=device)]
     with pytest.raises(NotImplementedError, match="switched off"):
@@ -212,7 +241,7 @@ def test_cuda_fp8_attention_with_segments_raises_while_switched_off(device, monk
 
 def test_ragged_switch_message(monkeypatch):
     monkeypatch.setattr(cudnn_ragged, "ENABLED", False)
-    with pytest.raises(NotImplementedError, match=r"fp8_dpa=False.*GRAPHFP8_CUDNN_RAGGED=1"):
+    with pytest.raises(NotImplementedError, match=r"bf16 attention.*GRAPHFP8_CUDNN_RAGGED=1"):
         cudnn_ragged.check_enabled("x")
     monkeypatch.setattr(cudnn_ragged, "ENABLED", True)
     cudnn_ragged.check_enabled("x")

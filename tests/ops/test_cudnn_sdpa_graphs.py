@@ -173,6 +173,29 @@ def test_backward_declarations_match_the_bound_tensors(fake_cudnn, grad_dtype):
     assert {"descale_dO", "descale_dP", "scale_dQ", "scale_dK", "scale_dV", "scale_dP"} <= set(kw)
 
 
+def test_deterministic_algorithms_build_the_deterministic_backward(fake_cudnn):
+    """Under torch.use_deterministic_algorithms(True) the backward is another cached graph,
+    built with cuDNN's deterministic algorithm; the forward graph is shared."""
+    q, k, v, _, o, stats, _ = _forward_operands()
+    d_o = torch.zeros(o.shape, dtype=E5M2)
+    grads = [torch.empty(t.shape, dtype=E5M2) for t in (q, k, v)]
+    scales = [torch.ones(1) for _ in cudnn_sdpa.BWD_SCALES]
+    args = (q, k, v, o, d_o, stats, scales, *grads, [torch.zeros(1)] * 4, 0.125, True)
+    cudnn_sdpa.backward(*args)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        cudnn_sdpa.backward(*args)
+        cudnn_sdpa.backward(*args)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    names = [g.op[0] for g in _Graph.built]
+    assert names == ["sdpa_fp8", "sdpa_fp8_backward", "sdpa_fp8_backward"]
+    bwd = _Graph.built[1:]
+    assert [g.op[1]["use_deterministic_algorithm"] for g in bwd] == [False, True]
+    assert [call[0] for call in fake_cudnn] == [bwd[0], bwd[1], bwd[1]]
+
+
 def test_ragged_declarations_with_segments(fake_cudnn):
     """With segment ids the graphs are ragged (graphfp8.ops.cudnn_ragged): one sequence slot per
     run of a row, BSHD strides, each operand displaced by its ragged offset, the padding mask on

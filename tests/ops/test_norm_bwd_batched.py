@@ -2,9 +2,11 @@
 against the kernel it replaces: dx, dgamma and dbeta bit for bit, on every path its layout
 takes (1, 2 or 4 lanes per thread, several row slots per block, rows in batches with a ragged
 tail, fewer rows than blocks, unvectorised hidden sizes, every dtype, dresidual, RMSNorm,
-zero-centred gamma), and bit for bit on repeat; the pipelined variant of it (kernel switch
-NORM_BWD_PIPELINED: the next rows' loads in flight during the current rows' work) against the
-batched kernel the same way. GPU only: the CPU has one backward."""
+zero-centred gamma), and bit for bit on repeat; its staged variant (kernel switch
+NORM_BWD_STAGED: each thread's next rows copied into shared memory by cp.async) against the
+batched kernel the same way, alone and with dgamma and dbeta summed by its last blocks (kernel
+switch NORM_BWD_PARAM_IN_KERNEL: per-stream counters, left zero for the next call), also in CUDA
+graphs. GPU only: the CPU has one backward."""
 
 from __future__ import annotations
 
@@ -28,7 +30,10 @@ SHAPES = [
     ((513, 8190), torch.bfloat16),  # unvectorised, 4 lanes per thread
     ((100, 64), torch.bfloat16),  # fewer rows than blocks, lanes narrower than a warp
     ((37, 53), torch.float32),
+    ((1100, 4096), torch.bfloat16),  # staged: 2 lanes per thread, a ragged last batch
+    ((3001, 1024), torch.float16),  # staged: the slots of a block with unequal rows
 ]
+STAGED = {"NORM_BWD_BATCHED": True, "NORM_BWD_STAGED": True, "NORM_BWD_PARAM_IN_KERNEL": False}
 
 
 def _inputs(shape, dtype, rms, dresidual, zero_centered):
@@ -90,12 +95,56 @@ def test_batched_backward_equals_the_old_kernel(device, shape, dtype, rms, dresi
 @pytest.mark.parametrize("device", [CUDA_PARAM])
 @pytest.mark.parametrize("shape, dtype", SHAPES)
 @pytest.mark.parametrize("rms, dresidual, zero_centered", OPTIONS)
-def test_pipelined_backward_equals_the_batched_kernel(device, shape, dtype, rms, dresidual,
-                                                      zero_centered):  # fmt: skip
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["param-kernel", "param-in-kernel"])
+def test_staged_backward_equals_the_batched_kernel(device, shape, dtype, rms, dresidual,
+                                                   zero_centered, in_kernel):  # fmt: skip
     args = _inputs(shape, dtype, rms, dresidual, zero_centered)
-    batched = {"NORM_BWD_BATCHED": True, "NORM_BWD_PIPELINED": False}
-    pipelined = {**batched, "NORM_BWD_PIPELINED": True}
-    _assert_variant_equals(args, rms, zero_centered, batched, pipelined, "the batched kernel")
+    batched = {**STAGED, "NORM_BWD_STAGED": False}
+    staged = {**STAGED, "NORM_BWD_PARAM_IN_KERNEL": in_kernel}
+    _assert_variant_equals(args, rms, zero_centered, batched, staged, "the batched kernel")
+
+
+@pytest.mark.parametrize("device", [CUDA_PARAM])
+def test_staged_widths_in_turn_share_the_stream_counters(device):
+    """Calls of other widths one after another on one stream: each finds the counters zero."""
+    cases = [_inputs(shape, dtype, False, False, False) for shape, dtype in SHAPES]
+    with _switched({**STAGED, "NORM_BWD_STAGED": False}):
+        want = [_backward(args, False, False) for args in cases]
+    with _switched({**STAGED, "NORM_BWD_PARAM_IN_KERNEL": True}):
+        got = [_backward(args, False, False) for args in cases]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        for name, a, b in zip(("dx", "dgamma", "dbeta"), g, w, strict=True):
+            assert_bitwise_equal(a, b, f"call {i}: {name}")
+
+
+@pytest.mark.parametrize("device", [CUDA_PARAM])
+@pytest.mark.parametrize("warm", [True, False], ids=["eager-use-first", "capture-first"])
+def test_staged_backward_in_a_cuda_graph(device, warm):
+    """warm: an eager call on the capture stream first, so the graph holds the in-kernel
+    parameter sums; else the capture is the stream's first use and takes the second kernel.
+    Every replay equals the batched kernel's eager result on new data."""
+    shape, dtype = (8192, 1024), torch.bfloat16
+    args = _inputs(shape, dtype, False, True, False)
+    stream = torch.cuda.Stream()
+    with _switched({**STAGED, "NORM_BWD_PARAM_IN_KERNEL": True}):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            if warm:
+                _backward(args, False, False)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outs = _backward(args, False, False)
+        torch.cuda.current_stream().wait_stream(stream)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        new = _inputs(shape, dtype, False, True, False)
+        for dst, src in zip(args, new, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        with _switched({**STAGED, "NORM_BWD_STAGED": False}):
+            want = _backward(args, False, False)
+        for name, g, w in zip(("dx", "dgamma", "dbeta"), outs, want, strict=True):
+            assert_bitwise_equal(g, w, f"replay {seed}: {name}")
 
 
 def test_switch_sets_and_restores():

@@ -1,0 +1,81 @@
+"""graphfp8-train's checks across options, before anything runs: the device, the FP8 options, the
+model's shape (--heads) and whether FP8 attention runs at that shape on this device."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import torch
+
+from graphfp8.fp8.recipe import DelayedScaling, Format
+from graphfp8.modules._attention import prepare_attention
+from graphfp8.training.model import PRESETS, ModelConfig
+
+__all__ = ["check_device", "check_fp8_options", "check_model", "model_config"]
+
+
+def check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None:
+    """FP8 options given for runs that do not use them, and settings no run can combine."""
+    options = (
+        "--fp8-weights",
+        "--scaling",
+        "--fp8-format",
+        "--amax-history-len",
+        "--fp8-attention",
+    )
+    given = [o for o in options if any(a == o or a.startswith(o + "=") for a in argv)]
+    if given and all(precision != "fp8" for precision, _ in args.runs):
+        p.error(f"{', '.join(given)}: no run trains in FP8 (--precision fp8, or fp8 in --compare)")
+    if args.scaling == "current" and "--amax-history-len" in given:
+        p.error("--amax-history-len is for delayed scaling: --scaling current keeps no history")
+    if args.fp8_attention and args.scaling == "current":
+        p.error("--fp8-attention needs --scaling delayed: FP8 attention is DelayedScaling only")
+    if args.compile and any(mode == "step" for _, mode in args.runs):
+        p.error("--compile with --graphs step: the step graph holds the embedding and the loss "
+                "that --compile would take; use --graphs layers or none")  # fmt: skip
+
+
+def check_device(p: argparse.ArgumentParser, device: str) -> None:
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        p.error(f"--device {device}: graphfp8-train runs on cpu or cuda[:N]")
+    if kind == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA GPU (this torch build: "
+                f"{torch.__version__}); use --device cpu")  # fmt: skip
+
+
+def model_config(args, vocab: int) -> ModelConfig:
+    """The preset with the command line's --batch, --seq-len and --heads, and `vocab`."""
+    overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len),
+                                   ("heads", args.heads)) if v}  # fmt: skip
+    return dataclasses.replace(PRESETS[args.preset], vocab=vocab, **overrides)
+
+
+def check_model(p: argparse.ArgumentParser, args) -> None:
+    """--heads against the preset's width and key/value heads, and --fp8-attention against what
+    FP8 attention runs (on the GPU cuDNN's graphs are built now: its refusal is the error)."""
+    cfg = model_config(args, 256)
+    kv = cfg.kv_heads or cfg.heads
+    if cfg.hidden % cfg.heads or (cfg.hidden // cfg.heads) % 2 or cfg.heads % kv:
+        p.error(f"--heads {cfg.heads}: the {args.preset} preset needs heads dividing its width "
+                f"{cfg.hidden} into an even head_dim, and a multiple of its {kv} key/value "
+                "heads")  # fmt: skip
+    if not args.fp8_attention or all(precision != "fp8" for precision, _ in args.runs):
+        return
+    d = cfg.hidden // cfg.heads
+    recipe = DelayedScaling(fp8_format=Format[args.fp8_format], fp8_dpa=True, fp8_mha=True)
+    try:
+        prepare_attention((cfg.batch, cfg.seq_len, cfg.heads, d), (cfg.batch, cfg.seq_len, kv, d),
+                          args.device, recipe, 1.0 / math.sqrt(d), True, True,
+                          deterministic=args.deterministic)  # fmt: skip
+    except (ValueError, ImportError) as exc:
+        hint = ""
+        if torch.device(args.device).type == "cuda" and d != 128 and cfg.hidden % 128 == 0:
+            hint = (f" (on Hopper cuDNN's FP8 attention backward takes head_dim 128 only; "
+                    f"--heads {cfg.hidden // 128} gives it)")  # fmt: skip
+        p.error(f"--fp8-attention: {exc}{hint}")

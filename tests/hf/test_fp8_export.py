@@ -1,0 +1,142 @@
+"""The FP8 export for serving (graphfp8/hf/fp8_export.py) of a converted model trained in FP8: E4M3
+GEMM weights whose dequantization is the trained weight within E4M3 rounding, per-tensor scales
+under each reader's names, static input scales from training's FP8 state, every other tensor
+unchanged, and FP8 parameters (fp8_model_init) exported byte for byte."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import graphfp8 as g8
+from graphfp8.fp8.slots import FwdRole, slot_index
+from graphfp8.hf.fp8_export import LAYOUTS, fp8_checkpoint, quantize_per_tensor
+from graphfp8.testing import assert_bitwise_equal, sqnr
+
+transformers = pytest.importorskip("transformers")
+load_file = pytest.importorskip("safetensors.torch").load_file
+
+VOCAB, B, S = 128, 2, 32
+RECIPE = g8.DelayedScaling(amax_history_len=4)
+BF16 = torch.bfloat16
+GEMM_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _trained_llama(train: bool = True):
+    """A converted 2-layer Llama after 2 FP8 training steps (weights moved, FP8 state set)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = g8.from_hf(hf)
+    if not train:
+        return model
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = torch.randint(0, VOCAB, (B, S + 1))
+    for _ in range(2):
+        with g8.fp8_autocast(recipe=RECIPE):
+            logits = model(ids[:, :-1])
+        g8.hf.causal_lm_loss(logits, ids[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _is_gemm(key: str) -> bool:
+    return key.endswith(".weight") and any(f".{n}." in key for n in GEMM_NAMES)
+
+
+def test_quantize_per_tensor_is_within_e4m3_rounding():
+    w = torch.randn(48, 32, dtype=torch.bfloat16) * 3
+    w[0, 0] = 0.0
+    w_fp8, scale_inv = quantize_per_tensor(w)
+    assert w_fp8.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32
+    assert scale_inv.shape == () and w_fp8.float().abs().max() == 448  # amax -> fp8_max
+    err = (w_fp8.float() * scale_inv - w.float()).abs()
+    # E4M3: 3 mantissa bits (half an ulp is 2**-4 relative), subnormal steps of 2**-9
+    assert (err <= w.float().abs() * 2**-4 + 2**-10 * scale_inv).all()
+    zero, zero_scale = quantize_per_tensor(torch.zeros(16, 16))
+    assert zero_scale == 1 and not zero.float().any()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_export_dequantizes_to_the_trained_weights(layout):
+    model = _trained_llama()
+    hp = {k: v.detach().clone() for k, v in g8.to_hf(model).items()}
+    state, quant = fp8_checkpoint(model, layout=layout)
+    weight_key, input_key, skip_key = LAYOUTS[layout]
+    assert quant == {"quant_method": "fp8", "activation_scheme": "dynamic",
+                     "weight_block_size": None, skip_key: ["lm_head"]}  # fmt: skip
+    gemms = [k for k in hp if _is_gemm(k)]
+    assert len(gemms) == 2 * len(GEMM_NAMES)
+    for key in gemms:
+        module = key[: -len("weight")]
+        w_fp8, scale_inv = state[key], state[module + weight_key]
+        assert w_fp8.dtype == torch.float8_e4m3fn and w_fp8.shape == hp[key].shape
+        w = hp[key].float()
+        err = (w_fp8.float() * scale_inv - w).abs()
+        assert (err <= w.abs() * 2**-4 + 2**-10 * scale_inv).all(), key
+        assert module + input_key not in state
+    for key, value in hp.items():  # embeddings, norms, LM head: as trained
+        if not _is_gemm(key):
+            assert_bitwise_equal(state[key], value, key)
+    assert len(state) == len(hp) + len(gemms)
+
+
+def test_static_input_scales_come_from_training():
+    model = _trained_llama()
+    state, quant = fp8_checkpoint(model, layout="vllm", activation_scheme="static")
+    assert quant["activation_scheme"] == "static"
+    layer = model.layers[1]
+    scales = {"q_proj": (layer.qkv, 0), "v_proj": (layer.qkv, 0), "o_proj": (layer.proj, 0),
+              "up_proj": (layer.mlp, 0), "down_proj": (layer.mlp, 1)}  # fmt: skip
+    for name, (module, gemm) in scales.items():
+        key = f"model.layers.1.{'mlp' if 'p_proj' in name or 'down' in name else 'self_attn'}"
+        got = state[f"{key}.{name}.input_scale"]
+        want = module.fp8_meta.fwd.scales()[slot_index(FwdRole.INPUT, gemm)].reciprocal()
+        assert_bitwise_equal(got, want.reshape(()))
+    with pytest.raises(ValueError, match="never ran in FP8"):
+        fp8_checkpoint(_trained_llama(train=False), activation_scheme="static")
+
+
+def test_save_pretrained_fp8_loads_in_transformers(tmp_path):
+    """save_pretrained(fp8=True): transformers' layout; AutoModelForCausalLM loads it (on a CPU
+    it dequantizes: weight * weight_scale_inv, rounded once to the model's dtype), and
+    its logits follow the trained model's within FP8 rounding."""
+    model = _trained_llama()
+    model.save_pretrained(tmp_path, fp8=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    saved = load_file(tmp_path / "model.safetensors")
+    assert not any(k.startswith("graphfp8.") for k in saved)  # no training state for serving
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    hf_params = dict(loaded.named_parameters())
+    for key in (k for k in saved if _is_gemm(k)):
+        scale_inv = saved[key[: -len("weight")] + "weight_scale_inv"]
+        got = hf_params[key].detach()
+        assert_bitwise_equal(got, (saved[key].float() * scale_inv).to(got.dtype), key)
+    ids = torch.randint(0, VOCAB, (B, S))
+    with torch.no_grad():
+        ours, theirs = model(ids).logits.float(), loaded(ids).logits.float()
+    assert sqnr(ours, theirs) > 20
+
+
+def test_save_pretrained_fp8_vllm_layout(tmp_path):
+    model = _trained_llama()
+    g8.hf.save_pretrained(model, tmp_path, fp8="vllm", activation_scheme="static")
+    quant = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert quant == {"quant_method": "fp8", "activation_scheme": "static",
+                     "weight_block_size": None, "ignored_layers": ["lm_head"]}  # fmt: skip
+    saved = load_file(tmp_path / "model.safetensors")
+    prefix = "model.layers.0.self_attn.q_proj."
+    assert saved[prefix + "weight"].dtype == torch.float8_e4m3fn
+    assert {prefix + "weight_scale", prefix + "input_scale"} <= set(saved)
+    assert not any("scale_inv" in k or "activation_scale" in k for k in saved)
+    with pytest.raises(NotImplementedError, match="Conv1D"):
+        fp8_checkpoint(g8.from_hf(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, embd_pdrop=0.0, resid_pdrop=0.0,
+            attn_pdrop=0.0)).to(BF16)))  # fmt: skip
