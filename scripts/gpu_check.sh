@@ -19,10 +19,10 @@
 #              (SwiGLU LayerNormMLP vs bf16 and TE), train-llama (the llama-100m preset, bf16 vs
 #              FP8 graphed; LLAMA_ARGS adds e.g. --pack), hf (a 100M HF Llama: FP8 + graphs via
 #              g8.from_hf vs HF bf16 eager / compile); issue 33's: ncu (Nsight Compute counters of
-#              the norm backward, GELU/GLU casts and amax passes: scripts/ncu_kernels.py), kern-ab
-#              (the DBIAS_IN_KERNEL / NORM_BWD_PIPELINED / ROPE_PARTS_BWD switches: tests, variants,
-#              census, step); kern-ab2 (< 3 min: every kern switch's CUDA tests, their variants
-#              rows, census and bench step off / on, ncu of the norm backward with them on);
+#              the norm backward, GELU/GLU casts and amax passes: scripts/ncu_kernels.py),
+#              kern-ab2 (= kern-ab; < 3 min: the CUDA tests of the DBIAS_IN_KERNEL, NORM_BWD_STAGED,
+#              NORM_BWD_PARAM_IN_KERNEL and ROPE_PARTS_BWD switches, their variants rows, census and
+#              bench step off / on / on with a 1 KiB cuBLASLt workspace, ncu of the norm backward);
 #              issue 32's: te (TransformerEngine's documentation examples on graphfp8.te, tests/te's
 #              CUDA tests))
 #   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
@@ -249,24 +249,7 @@ for step in $STEPS; do
       GRAPHFP8_GRAPH_DEBUG=0 $PY -m graphfp8.bench step --json "$RES/bench_step_nodebug.json" \
         > /tmp/bench_step_nodebug.log 2>&1 || { status=1; tail -30 /tmp/bench_step_nodebug.log; }
       grep -v '^wrote' /tmp/bench_step_nodebug.log >> "$RES/summary.md" ;;
-    kern-ab)  # issue 33 (kern): the new kernel switches' CUDA tests, each off/on on the kernels,
-      # the step graph's nodes per layer (census), and bench step off / on
-      KERN_SW="GRAPHFP8_DBIAS_IN_KERNEL=1 GRAPHFP8_NORM_BWD_PIPELINED=1 GRAPHFP8_ROPE_PARTS_BWD=1"
-      timeout 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_dbias_in_kernel.py \
-        tests/ops/test_norm_bwd_batched.py tests/ops/test_rope_fp8.py \
-        > "$RES/kern_tests.log" 2>&1 || status=1
-      tail -1 "$RES/kern_tests.log" | tee -a "$RES/summary.md"
-      $PY -m graphfp8.bench variants --json "$RES/kern_variants.json" 2>&1 \
-        | grep -v '^wrote' | grep -E "^#|^\| (switch|---|DBIAS|NORM_BWD_PIPE)" >> "$RES/summary.md" || status=1
-      for sw in off on; do
-        e=""; [ $sw = on ] && e=$KERN_SW
-        env $e $PY -m graphfp8.bench census --json "$RES/kern_census_$sw.json" > /tmp/kern_census_$sw.log 2>&1 || status=1
-        env $e $PY -m graphfp8.bench step --json "$RES/kern_step_$sw.json" > /tmp/kern_step_$sw.log 2>&1 || status=1
-        echo "-- switches $sw" >> "$RES/summary.md"
-        grep -v '^wrote' /tmp/kern_census_$sw.log | grep -E "^#|^\| (op|---|total|KERNEL|MEMSET|MEMCPY|Memset|Memcpy)" >> "$RES/summary.md"
-        grep -v '^wrote' /tmp/kern_step_$sw.log | head -30 >> "$RES/summary.md"
-      done ;;
-    kern-ab2)  # issue 33 (kern2): the CUDA tests of every kern switch (DBIAS_IN_KERNEL,
+    kern-ab|kern-ab2)  # issue 33: the CUDA tests of every kern switch (DBIAS_IN_KERNEL,
       # NORM_BWD_STAGED, NORM_BWD_PARAM_IN_KERNEL, ROPE_PARTS_BWD), their variants rows, census and
       # bench step with them off / on, ncu of the norm backward with them on; each under a limit
       KERN_SW="GRAPHFP8_DBIAS_IN_KERNEL=1 GRAPHFP8_NORM_BWD_STAGED=1 GRAPHFP8_NORM_BWD_PARAM_IN_KERNEL=1 GRAPHFP8_ROPE_PARTS_BWD=1"

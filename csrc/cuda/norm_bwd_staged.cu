@@ -23,6 +23,7 @@
 //     its blocks fit on the GPU at once: the launcher takes at most half of what fits.
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #include "../common.h"
 #include "dbias.cuh"
@@ -48,21 +49,20 @@ struct StagedArgs {
   int reducers;
 };
 
-// cp.async (sm_80 and later; before, plain copies: the same values, nothing in flight).
-__device__ __forceinline__ void copy16(void* dst, const void* src) {
+// cp.async of kBytes (16: around L1, the streamed rows; 4: through it, the row statistics that
+// every thread of a row reads); before sm_80, plain copies: the same values, nothing in flight.
+template <int kBytes>
+__device__ __forceinline__ void copy_async(void* dst, const void* src) {
+  using Word = std::conditional_t<kBytes == 16, uint4, float>;
 #if __CUDA_ARCH__ >= 800
   const auto d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
+  }
 #else
-  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
-#endif
-}
-__device__ __forceinline__ void copy4(void* dst, const void* src) {
-#if __CUDA_ARCH__ >= 800
-  const auto d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
-#else
-  *static_cast<float*>(dst) = *static_cast<const float*>(src);
+  *static_cast<Word*>(dst) = *static_cast<const Word*>(src);
 #endif
 }
 __device__ __forceinline__ void commit() {
@@ -125,8 +125,8 @@ __device__ __forceinline__ void issue_batch(const NormBwdParams& p, const Place<
     for (int i = 0; i < kRows; ++i) {
       const int64_t r = w.row(b, i);
       if (r >= p.rows) continue;
-      if (p.mu != nullptr) copy4(w.stat(s, 0, i), p.mu + r);
-      copy4(w.stat(s, 1, i), p.rsigma + r);
+      if (p.mu != nullptr) copy_async<4>(w.stat(s, 0, i), p.mu + r);
+      copy_async<4>(w.stat(s, 1, i), p.rsigma + r);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
 #pragma unroll
@@ -135,10 +135,10 @@ __device__ __forceinline__ void issue_batch(const NormBwdParams& p, const Place<
           if (v >= w.loads) continue;
           const int64_t at = r * p.hidden + v * E::N;
           const int f = j * kLoads + k;
-          copy16(w.piece(s, 0, i, f), static_cast<const T*>(p.x) + at);
-          copy16(w.piece(s, 1, i, f), static_cast<const T*>(p.dy) + at);
+          copy_async<16>(w.piece(s, 0, i, f), static_cast<const T*>(p.x) + at);
+          copy_async<16>(w.piece(s, 1, i, f), static_cast<const T*>(p.dy) + at);
           if (p.dresidual != nullptr) {
-            copy16(w.piece(s, 2, i, f), static_cast<const T*>(p.dresidual) + at);
+            copy_async<16>(w.piece(s, 2, i, f), static_cast<const T*>(p.dresidual) + at);
           }
         }
       }
@@ -318,20 +318,26 @@ bool smem_limit_set(int device, int bytes) {
   return true;
 }
 
-// Blocks that may wait for the others: half of what fits on the device, at most kMaxReducers,
-// at most the grid and the column blocks; 0 when the query fails (then a second kernel sums).
+// Blocks that may wait for the others: half of what fits on the device at the largest ring
+// (queried once per device), at most kMaxReducers, the grid and the column blocks; 0 when the
+// query fails (then a second kernel sums).
 template <typename T, int V>
-int reducers_for(int grid, int64_t hidden, size_t bytes) {
-  int device = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, norm_bwd_staged_kernel<T, V>,
-                                                    kThreads, bytes) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
+int reducers_for(int device, int grid, int64_t hidden, int max_bytes) {
+  static std::atomic<int> fits[64] = {};
+  int n = fits[device & 63].load();
+  if (n == 0) {
+    int sms = 0, per_sm = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, norm_bwd_staged_kernel<T, V>,
+                                                      kThreads, max_bytes) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    n = sms * per_sm;
+    fits[device & 63].store(n);
   }
   const int64_t col_blocks = cuda::ceil_div(hidden, kStage2Cols);
-  return static_cast<int>(std::min<int64_t>({sms * per_sm / 2, kMaxReducers, grid, col_blocks}));
+  return static_cast<int>(std::min<int64_t>({n / 2, kMaxReducers, grid, col_blocks}));
 }
 
 }  // namespace
@@ -359,7 +365,7 @@ Status norm_bwd_staged(const NormBwdParams& p, RowLayout layout, int grid, bool*
     cudaGetLastError();
     return Status{};
   }
-  a.reducers = p.param_grad_in_kernel ? reducers_for<T, V>(grid, p.hidden, bytes) : 0;
+  a.reducers = p.param_grad_in_kernel ? reducers_for<T, V>(device, grid, p.hidden, kMaxBytes) : 0;
   a.counters = a.reducers > 0 ? cuda::dbias_counters(stream, 2) : nullptr;
   norm_bwd_staged_kernel<T, V><<<grid, kThreads, bytes, stream>>>(a);
   *launched = true;
