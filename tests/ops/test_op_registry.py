@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 
 import graphfp8.ops
 from graphfp8 import ops, reference, reference_attention
+from tests.helpers import HAS_CUDA
 from tests.ops.attention_data import backward_scales, forward_case, quantized
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -186,6 +187,14 @@ def test_op_agrees_wherever_it_is_written(name, first_calls):
         _, args, kwargs = first_calls[qualname]
         problems += fake_problems(op, args, kwargs)
     assert problems == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_every_op_has_a_cuda_kernel():
+    """The CUDA suite's share of the walk above: the build on a GPU machine holds every kernel."""
+    assert ops.built_with_cuda()
+    assert [p for n in op_names() for p in kernel_problems(f"graphfp8::{n}", cuda=True)] == []
 
 
 # The checks fail where they should: scratch ops with a wrong fake and wrong twins -----------------
