@@ -14,11 +14,15 @@ Its drivers:
     per microbatch   a step graph knows at capture which microbatch it records: microbatch 0
                      records the casts, the others none at all (step_casts: no no-op cast nodes
                      on the cached microbatches, no flag, no fill between replays)
+    weight versions  a model that carries its recipe (graphfp8/modules/carry.py): a call given
+                     no is_first_microbatch casts only when its weights changed since its last
+                     cast (VersionCasts): True on an optimizer step's first microbatch, False
+                     on the others, whatever loop runs them
 
 The policy a context carries (graphfp8/fp8/context.py) says which decides: EAGER,
 GraphCasts(flag) - inside a capture, where every weight cast is recorded and the flag decides
 on the device (None: the graphs cast on every replay) - or StaticCasts(cast) - inside a capture
-that decides on the host.
+that decides on the host - or VersionCasts.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 from graphfp8.fp8.tensor import Float8Tensor
 
 __all__ = ["EAGER", "CacheState", "DeviceFlag", "EagerCasts", "GraphCasts", "StaticCasts",
-           "WeightCache", "WeightCachePolicy", "check_is_first_microbatch",
+           "VersionCasts", "WeightCache", "WeightCachePolicy", "check_is_first_microbatch",
            "step_casts"]  # fmt: skip
 
 
@@ -72,6 +76,7 @@ class WeightCache(CacheState):
     def __init__(self) -> None:
         super().__init__()
         self.workspaces: dict[str, Float8Tensor] = {}
+        self.versions: tuple | None = None  # what the weights were at the last cast (VersionCasts)
 
     def invalidate(self) -> None:
         """The weights changed behind the cache (a checkpoint load): the next False raises."""
@@ -125,7 +130,7 @@ class WeightCache(CacheState):
 class EagerCasts:
     """The module's is_first_microbatch decides on the host, per call."""
 
-    def casts(self, cache: WeightCache, is_first_microbatch, owner: str):
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
         """(cast the weights now, the device flag the casts read: None)."""
         error = (f"{owner}: is_first_microbatch=False before any is_first_microbatch=True: "
                  "there is no cached FP8 weight to reuse")  # fmt: skip
@@ -139,7 +144,7 @@ class GraphCasts:
 
     flag: torch.Tensor | None
 
-    def casts(self, cache: WeightCache, is_first_microbatch, owner: str):
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
         # The workspaces now hold what the graph casts (its flag decides): an eager call with
         # is_first_microbatch=False after a replay reuses them.
         cache.valid = True
@@ -155,7 +160,7 @@ class StaticCasts:
 
     cast: bool
 
-    def casts(self, cache: WeightCache, is_first_microbatch, owner: str):
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
         """(cast the weights now, no device flag)."""
         if not (self.cast or cache.valid):
             raise RuntimeError(f"{owner}: a step graph's microbatch reuses FP8 weights that no "
@@ -164,7 +169,27 @@ class StaticCasts:
         return self.cast, None
 
 
-WeightCachePolicy = EagerCasts | GraphCasts | StaticCasts
+@dataclass(frozen=True)
+class VersionCasts:
+    """A call without is_first_microbatch casts only when a weight changed since the module's
+    last cast: its version counter (every in-place write through torch bumps it: optimizer
+    steps, load_state_dict, copy_), its storage, or the tensor itself. A write through
+    `weight.data` is not seen (its loop passes is_first_microbatch). A call with
+    is_first_microbatch follows it (EagerCasts)."""
+
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
+        if is_first_microbatch is not None:
+            return EAGER.casts(cache, is_first_microbatch, owner)
+        data = [w._data if isinstance(w, Float8Tensor) else w for w in weights]
+        versions = tuple(
+            (id(w), d.data_ptr(), d._version) for w, d in zip(weights, data, strict=True)
+        )
+        reuse = cache.valid and cache.versions == versions
+        cache.valid, cache.versions = True, versions
+        return not reuse, None
+
+
+WeightCachePolicy = EagerCasts | GraphCasts | StaticCasts | VersionCasts
 EAGER = EagerCasts()
 
 

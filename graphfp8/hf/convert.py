@@ -17,6 +17,7 @@ from torch import nn
 
 from graphfp8.fp8.primary import INIT
 from graphfp8.fp8.recipe import Recipe
+from graphfp8.hf.layer_graphs import GRAPH_MODES
 from graphfp8.hf.layouts import (
     Entry,
     check_exact,
@@ -87,7 +88,8 @@ def _check_convertible(model: nn.Module) -> None:
 
 
 def from_hf(model: nn.Module, max_seq_len: int | None = None, recipe: Recipe | None = None,
-            fp8_group=None, eval_fp8: bool = True, weight_cache: bool = True):  # fmt: skip
+            fp8_group=None, eval_fp8: bool = True, weight_cache: bool = True,
+            graphs: str | None = None):  # fmt: skip
     """A Hugging Face LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
     GPT2LMHeadModel as graphfp8 TransformerLayers: FP8 GEMMs, graphable, Hugging Face's forward
     arguments and outputs (graphfp8.hf.model.CausalLM).
@@ -101,6 +103,9 @@ def from_hf(model: nn.Module, max_seq_len: int | None = None, recipe: Recipe | N
             by itself, with no fp8_autocast in the training loop. None: FP8 only inside the
             caller's fp8_autocast.
         fp8_group, eval_fp8, weight_cache: the carried settings (FP8Carry); need a recipe.
+        graphs: None (eager), or "layers": every decoder layer a CUDA graph, captured at the
+            first training forward and replayed in any training loop (graphfp8.hf.layer_graphs;
+            fixed-shape batches without attention_mask); needs a recipe.
 
     Returns:
         CausalLM: input_ids (B, S) -> CausalLMOutputWithPast (loss with labels, logits (B, S,
@@ -114,6 +119,9 @@ def from_hf(model: nn.Module, max_seq_len: int | None = None, recipe: Recipe | N
 
     _check_convertible(model)
     carry = FP8Carry(recipe, fp8_group, eval_fp8, weight_cache) if recipe is not None else None
+    if graphs not in GRAPH_MODES or (graphs is not None and carry is None):
+        raise ValueError(f"graphfp8.from_hf: graphs must be one of {GRAPH_MODES} (not None only "
+                         f"with a recipe), got {graphs!r}")  # fmt: skip
     config = model.config
     layout = layout_for(config)
     check_exact(config, layout)
@@ -138,7 +146,7 @@ def from_hf(model: nn.Module, max_seq_len: int | None = None, recipe: Recipe | N
     pos = model.get_submodule(layout.pos_embed_path) if layout.pos_embed_path else None
     lm = CausalLM(layout.name, copy.deepcopy(config), model.get_submodule(layout.embed_path),
                   layers, model.get_submodule(layout.norm_path), model.get_submodule("lm_head"),
-                  pos, sliding_window(config), type(model), carry)  # fmt: skip
+                  pos, sliding_window(config), type(model), carry, graphs)  # fmt: skip
     if carry is not None:
         init_fp8_state(lm, carry.recipe, ref.device)
     return lm

@@ -48,25 +48,21 @@ _GEMMS = {
 }
 
 
-def quantize_per_tensor(w: torch.Tensor, scale_inv: torch.Tensor | None = None):
+def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (out, in), any float dtype -> (E4M3 (out, in), scale_inv float32 ()): w ~ fp8 * scale_inv.
 
-    Without `scale_inv` the scale is fp8_max / amax(w) (1 for an all-zero or non-finite amax),
-    computed in float32 like graphfp8's scale update; values saturate at +-448 (none do then).
+    The scale is fp8_max / amax(w) (1 for an all-zero or non-finite amax), computed in float32
+    like graphfp8's scale update, so no value saturates.
     """
     w32 = w.detach().float()
-    if scale_inv is None:
-        amax = w32.abs().amax()
-        ok = torch.isfinite(amax) & (amax > 0)
-        scale = torch.where(ok, fp8_max(E4M3) / amax, torch.ones_like(amax))
-        scale_inv = scale.reciprocal()
-    else:
-        scale = scale_inv.float().reciprocal()
+    amax = w32.abs().amax()
+    ok = torch.isfinite(amax) & (amax > 0)
+    scale = torch.where(ok, fp8_max(E4M3) / amax, torch.ones_like(amax))
     limit = fp8_max(E4M3)
-    return (w32 * scale).clamp(-limit, limit).to(E4M3), scale_inv.float().reshape(())
+    return (w32 * scale).clamp(-limit, limit).to(E4M3), scale.reciprocal().reshape(())
 
 
-def _layer_gemms(config, layout, i: int) -> list[tuple[str, str, tuple[str, ...]]]:
+def _layer_gemms(layout, i: int) -> list[tuple[str, str, tuple[str, ...]]]:
     """(our weight name, HF prefix, HF names) of layer i's FP8 GEMM weights."""
     prefix = f"{layout.layers_path}.{i}."
     return [(e.ours, prefix, e.theirs) for e in layout.layer_entries if e.ours in _GEMMS]
@@ -118,7 +114,7 @@ def fp8_checkpoint(model: nn.Module, layout: str = "transformers",
     weight_key, input_key, skip_key = LAYOUTS[layout]
     state = dict(to_hf(model) if hf_state is None else hf_state)
     for i, layer in enumerate(model.layers):
-        for ours, prefix, theirs in _layer_gemms(config, arch, i):
+        for ours, prefix, theirs in _layer_gemms(arch, i):
             keys = [prefix + name for name in theirs]
             x_scale = _input_scale_inv(layer, ours) if activation_scheme == "static" else None
             for key in keys:

@@ -22,7 +22,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from graphfp8.hf import checkpoints
 from graphfp8.hf.inputs import attention_inputs, gpt2_positions
-from graphfp8.modules.carry import FP8Carry, WeightVersions
+from graphfp8.hf.layer_graphs import LayerGraphs
+from graphfp8.modules._context import in_fp8_region
+from graphfp8.modules.carry import FP8Carry, check_not_sharded
 
 __all__ = ["CausalLM"]
 
@@ -46,6 +48,7 @@ class CausalLM(PreTrainedModel, GenerationMixin):
         sliding_window: attention window (Mistral); longer inputs raise.
         fp8: the carried FP8Carry (graphfp8.modules.carry), or None: FP8 only inside the
             caller's fp8_autocast.
+        layer_graphs: the per-layer graphs (graphfp8.hf.layer_graphs, graphs="layers"), or None.
     """
 
     config_class = PretrainedConfig
@@ -58,8 +61,9 @@ class CausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, arch: str, config, embed: nn.Module, layers: list[nn.Module],
                  norm: nn.Module, lm_head: nn.Module, pos_embed: nn.Module | None = None,
                  sliding_window: int | None = None, hf_class: type | None = None,
-                 fp8: FP8Carry | None = None):  # fmt: skip
+                 fp8: FP8Carry | None = None, graphs: str | None = None):  # fmt: skip
         super().__init__(config)
+        self.loss_type = "ForCausalLM"  # Trainer counts num_items_in_batch over shifted labels
         self.arch, self.sliding_window, self.hf_class = arch, sliding_window, hf_class
         self.embed, self.layers, self.norm, self.lm_head = (
             embed,
@@ -69,7 +73,7 @@ class CausalLM(PreTrainedModel, GenerationMixin):
         )
         self.pos_embed = pos_embed
         self.fp8 = fp8
-        self._weight_versions = WeightVersions()
+        self.layer_graphs = LayerGraphs() if graphs == "layers" else None
         self.all_tied_weights_keys = {}  # PreTrainedModel.post_init's; the HF modules keep ties
         self.register_load_state_dict_pre_hook(checkpoints.from_hf_names_hook)
 
@@ -137,12 +141,16 @@ class CausalLM(PreTrainedModel, GenerationMixin):
 
             cache = DynamicCache(config=self.config)
         carry = self.fp8
+        if carry is not None:
+            check_not_sharded((self, self.layers[0]), self.layers[0].qkv.weight)
+        graphs, plain = self.layer_graphs, all(
+            a is None for a in (attention_mask, segment_ids, cache, inputs_embeds,
+                                None if self.arch == "gpt2" else position_ids))  # fmt: skip
+        if graphs is not None and graphs.replays(self, input_ids, plain and not in_fp8_region()):
+            if is_first_microbatch is None:
+                is_first_microbatch = graphs.is_first_microbatch(self)
         region = carry.region(self.training) if carry is not None else contextlib.nullcontext()
         with region:
-            if is_first_microbatch is None and carry is not None:
-                is_first_microbatch = self._weight_versions.is_first_microbatch(
-                    self._fp8_weights(), carry
-                )
             x = self._hidden(input_ids, inputs_embeds, attention_mask, position_ids, cache,
                              segment_ids, is_first_microbatch)  # fmt: skip
             if logits_to_keep:
@@ -190,9 +198,6 @@ class CausalLM(PreTrainedModel, GenerationMixin):
                 f"{'a position_id of ' + str(last - 1) if position_ids is not None else last}"
                 f"{' tokens' if position_ids is None else ''}"
             )
-
-    def _fp8_weights(self) -> list[torch.Tensor]:
-        return [p for layer in self.layers for p in layer.parameters()]
 
     def extra_repr(self) -> str:
         fp8 = "" if self.fp8 is None else f", carried recipe={self.fp8.recipe}"

@@ -105,7 +105,8 @@ def gemm_configs(
     cache = module.weight_cache
     workspaces = [cache.workspace(key, w, fp8_dtype, module.cache_weight_transpose, owner)
                   for key, w in weights]  # fmt: skip
-    cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner)
+    cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner,
+                                        [w for _, w in weights])  # fmt: skip
     # An FP8 primary weight rewritten since its last transpose needs a new one.
     casts = [cast or (ws is w and not ws._transpose_valid)
              for ws, (_, w) in zip(workspaces, weights, strict=True)]  # fmt: skip

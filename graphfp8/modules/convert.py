@@ -27,7 +27,9 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
 from graphfp8.fp8.primary import INIT
+from graphfp8.fp8.recipe import Recipe
 from graphfp8.modules.base import FP8_PARAM_DTYPES
+from graphfp8.modules.carry import FP8Carry, carry
 from graphfp8.modules.layernorm_linear import LayerNormLinear
 from graphfp8.modules.linear import Linear
 
@@ -167,9 +169,10 @@ def _plan_children(module: nn.Module, prefix: str, plan: _Plan) -> None:
         i += 1
 
 
-def convert(
-    model: nn.Module, fuse_layernorm: bool = True, module_filter: ModuleFilter | None = None
-) -> nn.Module:
+def convert(model: nn.Module, fuse_layernorm: bool = True,
+            module_filter: ModuleFilter | None = None, *, recipe: Recipe | None = None,
+            fp8_group=None, eval_fp8: bool = True,
+            weight_cache: bool = True) -> nn.Module:  # fmt: skip
     """Replaces nn.Linear (and LayerNorm + Linear pairs of an nn.Sequential) by graphfp8 layers
     in place; the new layers hold the same Parameter objects, so tied weights stay tied.
 
@@ -178,6 +181,10 @@ def convert(
         fuse_layernorm: fuse an nn.LayerNorm with the nn.Linear after it in an nn.Sequential.
         module_filter: module_filter(linear, name) -> False keeps that nn.Linear (name: its
             path in the model, e.g. "blocks.0.fc1") as it is; None converts every one.
+        recipe: the FP8 recipe the model then carries (graphfp8.modules.carry): each call runs
+            in FP8 by itself, with no fp8_autocast in the training loop (forward hooks on the
+            model; graphs refuse them: capture a model converted without a recipe).
+        fp8_group, eval_fp8, weight_cache: the carried settings (FP8Carry); need a recipe.
 
     Returns:
         The model.
@@ -192,6 +199,7 @@ def convert(
             "make FP8 primary weights: build the model from graphfp8 layers inside "
             "fp8_model_init and load_state_dict the high-precision weights (they are quantized)"
         )
+    fp8 = FP8Carry(recipe, fp8_group, eval_fp8, weight_cache) if recipe is not None else None
     plan = _Plan(fuse_layernorm, module_filter)
     single = isinstance(model, nn.Linear)
     if single:
@@ -207,7 +215,10 @@ def convert(
             "name != '...')"
         )
     if single:
-        return _linear(model)
-    for parent, key, new in plan.edits:
-        parent._modules[key] = new
+        model = _linear(model)
+    else:
+        for parent, key, new in plan.edits:
+            parent._modules[key] = new
+    if fp8 is not None:
+        carry(model, fp8)
     return model

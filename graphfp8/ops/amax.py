@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from graphfp8.ops._lib import ops
+from graphfp8.ops._lib import ops, wraps_op
 
 __all__ = ["amax_", "dgelu_amax_", "gelu_amax_", "layernorm_amax_", "rmsnorm_amax_"]
 
 
+@wraps_op("amax")
 def amax_(x: torch.Tensor, amax: torch.Tensor, noop: torch.Tensor | None = None) -> None:
     """amax = max(amax, max |x|) in place.
 
@@ -25,18 +26,21 @@ def amax_(x: torch.Tensor, amax: torch.Tensor, noop: torch.Tensor | None = None)
     ops.amax(x, amax, noop)
 
 
+@wraps_op("gelu_amax")
 def gelu_amax_(x: torch.Tensor, amax: torch.Tensor) -> None:
     """amax = max(amax, max |gelu(x)|), gelu(x) rounded to x.dtype as gelu_cast_transpose casts
     it. x: (...) float32/bfloat16/float16, contiguous; amax: (1,) float32."""
     ops.gelu_amax(x, amax)
 
 
+@wraps_op("dgelu_amax")
 def dgelu_amax_(dy: torch.Tensor, x: torch.Tensor, amax: torch.Tensor) -> None:
     """amax = max(amax, max |dy * gelu'(x)|), as dgelu_cast_transpose_dbias casts it.
     dy, x: (...) of one shape and float dtype, contiguous; amax: (1,) float32."""
     ops.dgelu_amax(dy, x, amax)
 
 
+@wraps_op("layernorm_amax")
 def layernorm_amax_(
     x: torch.Tensor,
     gamma: torch.Tensor,
@@ -56,6 +60,7 @@ def layernorm_amax_(
     ops.layernorm_amax(x, gamma, beta, eps, zero_centered_gamma, amax, residual)
 
 
+@wraps_op("rmsnorm_amax")
 def rmsnorm_amax_(
     x: torch.Tensor,
     gamma: torch.Tensor,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphfp8.ops._lib import ops
+from graphfp8.ops._lib import ops, wraps_op
 
 __all__ = ["cast_to_fp8", "cast_transpose"]
 
@@ -13,6 +13,7 @@ def _scale_inv_buffer(x: torch.Tensor, scale_inv: torch.Tensor | None) -> torch.
     return torch.empty(1, dtype=torch.float32, device=x.device) if scale_inv is None else scale_inv
 
 
+@wraps_op("cast_to_fp8")
 def cast_to_fp8(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -49,6 +50,7 @@ def cast_to_fp8(
     return out, scale_inv
 
 
+@wraps_op("cast_transpose")
 def cast_transpose(
     x: torch.Tensor,
     scale: torch.Tensor,

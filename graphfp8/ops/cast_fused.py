@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphfp8.ops._lib import ops
+from graphfp8.ops._lib import ops, wraps_op
 
 __all__ = ["cast_transpose_dbias", "gelu_cast_transpose", "dgelu_cast_transpose_dbias"]
 
@@ -22,6 +22,7 @@ def _outputs(x: torch.Tensor, fp8_dtype: torch.dtype, what: str) -> CastTranspos
     return out, out_t, torch.empty(1, dtype=torch.float32, device=x.device)
 
 
+@wraps_op("cast_transpose_dbias")
 def cast_transpose_dbias(
     dy: torch.Tensor,
     scale: torch.Tensor,
@@ -49,6 +50,7 @@ def cast_transpose_dbias(
     return out, out_t, scale_inv, dbias
 
 
+@wraps_op("gelu_cast_transpose")
 def gelu_cast_transpose(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -73,6 +75,7 @@ def gelu_cast_transpose(
     return out, out_t, scale_inv
 
 
+@wraps_op("dgelu_cast_transpose_dbias")
 def dgelu_cast_transpose_dbias(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from graphfp8.ops._lib import ops
+from graphfp8.ops._lib import ops, wraps_op
 
 __all__ = ["dequantize"]
 
 
+@wraps_op("dequantize")
 def dequantize(
     x_fp8: torch.Tensor,
     scale_inv: torch.Tensor,

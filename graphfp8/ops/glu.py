@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from graphfp8.ops._lib import ops
+from graphfp8.ops._lib import ops, wraps_op
 from graphfp8.ops.switches import env_switch
 
 __all__ = [
@@ -57,6 +57,7 @@ def _check(h: torch.Tensor, activation: str, what: str) -> int:
     return h.shape[1] // 2
 
 
+@wraps_op("glu_cast_transpose")
 def glu_cast_transpose(
     h: torch.Tensor, activation: str, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,6 +81,7 @@ def glu_cast_transpose(
     return out, out_t, scale_inv
 
 
+@wraps_op("dglu_cast_transpose_dbias")
 def dglu_cast_transpose_dbias(
     da: torch.Tensor,
     h: torch.Tensor,
@@ -160,14 +162,3 @@ def dglu(da: torch.Tensor, h: torch.Tensor, activation: str, precise: bool = Fal
     dg = _gate_grad(d * u, g, activation, precise)
     du = d * _gate(g, activation, precise)
     return torch.cat([dg.to(da.dtype), du.to(da.dtype)], dim=-1)
-
-
-@torch.library.register_fake("graphfp8::glu_cast_transpose")
-def _glu_cast_transpose_fake(x, activation, scale, out, out_t, scale_inv, amax):
-    return None
-
-
-@torch.library.register_fake("graphfp8::dglu_cast_transpose_dbias")
-def _dglu_cast_transpose_dbias_fake(dy, x, activation, scale, out, out_t, scale_inv, amax,
-                                    dbias=None):  # fmt: skip
-    return None

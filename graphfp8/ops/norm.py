@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from graphfp8.ops._lib import ops
+from graphfp8.ops._lib import ops, wraps_op
 
 __all__ = ["NormFP8", "layernorm_fp8", "rmsnorm_fp8", "layernorm_bwd", "rmsnorm_bwd"]
 
@@ -54,6 +54,7 @@ def _outputs(x, fp8_dtype, transpose: bool, hp_out: bool, residual, layernorm: b
     )
 
 
+@wraps_op("layernorm_fp8")
 def layernorm_fp8(
     x: torch.Tensor,
     gamma: torch.Tensor,
@@ -96,6 +97,7 @@ def layernorm_fp8(
     return o
 
 
+@wraps_op("rmsnorm_fp8")
 def rmsnorm_fp8(
     x: torch.Tensor,
     gamma: torch.Tensor,
@@ -118,6 +120,7 @@ def rmsnorm_fp8(
     return o
 
 
+@wraps_op("layernorm_bwd")
 def layernorm_bwd(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -148,6 +151,7 @@ def layernorm_bwd(
     return dx, dgamma, dbeta
 
 
+@wraps_op("rmsnorm_bwd")
 def rmsnorm_bwd(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from graphfp8.ops._lib import ops
+from graphfp8.ops._lib import ops, wraps_op
 
 __all__ = ["rope_qkv"]
 
 
+@wraps_op("rope_qkv")
 def rope_qkv(
     qkv: torch.Tensor,
     cos: torch.Tensor,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from graphfp8.ops._lib import ops
+from graphfp8.ops._lib import ops, wraps_op
 
 __all__ = ["rope_fp8", "rope_fp8_backward"]
 
@@ -50,6 +50,7 @@ def _head_dim(name: str, width: int, num_heads: int, kv_heads: int) -> int:
     return head_dim
 
 
+@wraps_op("rope_fp8")
 def rope_fp8(
     qkv: torch.Tensor,
     cos: torch.Tensor | None,
@@ -114,6 +115,7 @@ def rope_fp8(
     return out, scale_inv
 
 
+@wraps_op("rope_fp8_backward")
 def rope_fp8_backward(
     grads: list[torch.Tensor],
     scale_inv: list[torch.Tensor] | None,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from graphfp8.ops._lib import ops
+from graphfp8.ops._lib import ops, wraps_op
 
 __all__ = ["scale_update_"]
 
 
+@wraps_op("scale_update")
 def scale_update_(
     amax_history: torch.Tensor, scale: torch.Tensor, scaled_max: torch.Tensor, most_recent: bool
 ) -> None:

@@ -32,11 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from graphfp8.ops import (
-    _lib,  # noqa: F401 - loads the extension that defines the namespace
-    cudnn_ragged,
-    cudnn_sdpa,
-)
+from graphfp8.ops import cudnn_ragged, cudnn_sdpa
+from graphfp8.ops._lib import wraps_op
 from graphfp8.ops.cudnn_sdpa import BWD_SCALES, FWD_SCALES
 from graphfp8.ops.segments import segment_mask
 
@@ -121,6 +118,21 @@ def _check_segments(segment_ids, q, what: str) -> None:
         cudnn_ragged.check_enabled(what)
 
 
+# The dispatcher ops (their CPU and CUDA kernels are registered at the end) and their wrappers -----
+
+_LIB = torch.library.Library("graphfp8", "FRAGMENT")
+_LIB.define(
+    "sdpa_fp8_fwd(Tensor q, Tensor k, Tensor v, Tensor[] scales, Tensor(a!) o, Tensor(b!) stats, "
+    "Tensor(c!)[] amax, float attn_scale, bool causal, Tensor? segment_ids=None) -> ()"
+)
+_LIB.define(
+    "sdpa_fp8_bwd(Tensor q, Tensor k, Tensor v, Tensor o, Tensor d_o, Tensor stats, "
+    "Tensor[] scales, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!)[] amax, "
+    "float attn_scale, bool causal, Tensor? segment_ids=None) -> ()"
+)
+
+
+@wraps_op("sdpa_fp8_fwd")
 def sdpa_fp8_forward(q, k, v, scales: dict, amax_s, amax_o, attn_scale: float, causal: bool = True,
                      segment_ids=None):  # fmt: skip
     """FP8 attention forward (this module's docstring has the math).
@@ -159,6 +171,7 @@ def sdpa_fp8_forward(q, k, v, scales: dict, amax_s, amax_o, attn_scale: float, c
     return o, stats
 
 
+@wraps_op("sdpa_fp8_bwd")
 def sdpa_fp8_backward(
     q, k, v, o, d_o, stats, scales: dict, amaxes, attn_scale: float, causal: bool = True,
     segment_ids=None,
@@ -199,20 +212,6 @@ def sdpa_fp8_backward(
         segment_ids,
     )
     return dq, dk, dv
-
-
-# The dispatcher ops -----------------------------------------------------------------------------
-
-_LIB = torch.library.Library("graphfp8", "FRAGMENT")
-_LIB.define(
-    "sdpa_fp8_fwd(Tensor q, Tensor k, Tensor v, Tensor[] scales, Tensor(a!) o, Tensor(b!) stats, "
-    "Tensor(c!)[] amax, float attn_scale, bool causal, Tensor? segment_ids=None) -> ()"
-)
-_LIB.define(
-    "sdpa_fp8_bwd(Tensor q, Tensor k, Tensor v, Tensor o, Tensor d_o, Tensor stats, "
-    "Tensor[] scales, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!)[] amax, "
-    "float attn_scale, bool causal, Tensor? segment_ids=None) -> ()"
-)
 
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -304,14 +303,3 @@ _LIB.impl("sdpa_fp8_fwd", _fwd_cpu, "CPU")
 _LIB.impl("sdpa_fp8_bwd", _bwd_cpu, "CPU")
 _LIB.impl("sdpa_fp8_fwd", cudnn_sdpa.forward, "CUDA")
 _LIB.impl("sdpa_fp8_bwd", cudnn_sdpa.backward, "CUDA")
-
-
-@torch.library.register_fake("graphfp8::sdpa_fp8_fwd")
-def _fwd_fake(q, k, v, scales, o, stats, amax, attn_scale, causal, segment_ids=None):
-    return None
-
-
-@torch.library.register_fake("graphfp8::sdpa_fp8_bwd")
-def _bwd_fake(q, k, v, o, d_o, stats, scales, dq, dk, dv, amax, attn_scale, causal,
-              segment_ids=None):  # fmt: skip
-    return None

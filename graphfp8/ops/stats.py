@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from graphfp8.ops._lib import ops
+from graphfp8.ops._lib import ops, wraps_op
 
 __all__ = ["STATS_COLUMNS", "STATS_MODES", "cast_stats", "reduce_cast_stats", "stats_partials"]
 
@@ -35,6 +35,7 @@ def stats_partials(device) -> int:
     return _cuda_partials(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@wraps_op("cast_stats")
 def cast_stats(
     x: torch.Tensor,
     scale: torch.Tensor,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from graphfp8.ops._lib import ops
+from graphfp8.ops._lib import ops, wraps_op
 
 __all__ = ["fp8_transpose"]
 
 
+@wraps_op("fp8_transpose")
 def fp8_transpose(
     x_fp8: torch.Tensor, *, out_t: torch.Tensor | None = None, noop: torch.Tensor | None = None
 ) -> torch.Tensor:

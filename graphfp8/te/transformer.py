@@ -155,13 +155,13 @@ class TransformerLayer(nn.Module):
         check_te_args("TransformerLayer.forward", te_only, _LAYER_FORWARD_TE_ONLY)
         check_mask("TransformerLayer.forward", attention_mask, self_attn_mask_type,
                    self.self_attn_mask_type)  # fmt: skip
-        sbhd = self.attn_input_format == "sbhd"
-        x = hidden_states.transpose(0, 1).contiguous() if sbhd else hidden_states
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"graphfp8.te.TransformerLayer: expected hidden_states ({self.attn_input_format}"
                 f") with hidden size {self.hidden_size}, got {tuple(hidden_states.shape)}"
             )
+        sbhd = self.attn_input_format == "sbhd"
+        x = hidden_states.transpose(0, 1).contiguous() if sbhd else hidden_states
         # FP8 attention that cannot run raises here, before any module's state changes.
         self.self_attention.core_attention.check_fused(x.shape[0], x.shape[1], x.device)
         attn = self._dropout(self.self_attention(x, is_first_microbatch))

@@ -24,6 +24,7 @@ def check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None
         "--fp8-format",
         "--amax-history-len",
         "--fp8-attention",
+        "--fp8-stats",  # with no FP8 run it wrote nothing and said nothing (issue 32, item 7)
     )
     given = [o for o in options if any(a == o or a.startswith(o + "=") for a in argv)]
     if given and all(precision != "fp8" for precision, _ in args.runs):

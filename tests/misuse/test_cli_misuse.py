@@ -19,6 +19,9 @@ FAST = ["--batch", "2", "--seq-len", "32", "--microbatches", "1", "--device", "c
         (["--precision", "bf16", "--fp8-weights"], "--fp8-weights: no run trains in FP8"),
         (["--compare", "bf16:eager,bf16:graphs", "--scaling", "current"], "--scaling: no run"),
         (["--precision", "bf16", "--fp8-format=E4M3"], "--fp8-format: no run trains in FP8"),
+        # issue 32, item 7: wrote no statistics and said nothing
+        (["--precision", "bf16", "--fp8-stats", "1"], "--fp8-stats: no run trains in FP8"),
+        (["--compare", "bf16:eager,bf16:graphs", "--fp8-stats=2"], "--fp8-stats: no run"),
         (["--scaling", "current", "--amax-history-len", "64"], "keeps no history"),
         (["--compile", "--graphs", "step"], "--compile with --graphs step"),
         (["--compile", "--compare", "fp8:layers,fp8:step"], "--compile with --graphs step"),

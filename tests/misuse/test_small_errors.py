@@ -34,7 +34,25 @@ def test_the_build_says_what_it_builds():
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "graphfp8: building the extension graphfp8._C from" in done.stderr
-    assert "a minute or more" in (ROOT / "Makefile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert "min of CPU time" in makefile and "scripts/build_progress.py" in makefile
+
+
+def test_the_build_progress_filter(tmp_path):
+    """make install pipes pip's verbose build through scripts/build_progress.py: one line per
+    compiled file, and pip's failure (no success line) is the filter's exit status."""
+    ninja = (
+        "  [2/16] c++ -MMD -MF /tmp/b/csrc/cpu/rope.o.d -O3 -c -c /src/csrc/cpu/rope.cpp "
+        "-o /tmp/b/csrc/cpu/rope.o\n"
+    )
+    script = [sys.executable, str(ROOT / "scripts" / "build_progress.py")]
+    ok = subprocess.run(script, input=ninja + "Successfully installed graphfp8-0.1.0\n",
+                        capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert ok.returncode == 0
+    assert "[2/16] compiling csrc/cpu/rope.cpp" in ok.stdout
+    failed = subprocess.run(script, input=ninja + "error: some failure\n", capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert failed.returncode == 1 and "error: some failure" in failed.stdout
 
 
 def test_memory_report_refuses_what_it_cannot_count():

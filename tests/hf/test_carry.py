@@ -1,0 +1,176 @@
+"""A converted model that carries its recipe trains in FP8 with no FP8 code in the loop, exactly as
+the loop written with fp8_autocast and is_first_microbatch trains it (issue 32, item 3): the
+first microbatch of every optimizer step casts the FP8 weights, the others reuse them, whatever
+loop runs them; evaluation runs in the mode chosen; the caller's own region wins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphfp8 as g8
+from graphfp8.fp8 import weight_cache
+from graphfp8.testing import assert_bitwise_equal
+from tests.graphs.step_common import adamw
+from tests.hf.common import (
+    RECIPE,
+    assert_same_training,
+    batch,
+    fp8_model,
+    hf_model,
+    ids,
+    train,
+)
+
+
+def explicit_train(model, opt, steps: int, flags=True) -> list[torch.Tensor]:
+    """The loop written for FP8 by hand: one fp8_autocast per microbatch, is_first_microbatch."""
+    losses = []
+    for step in range(steps):
+        for mb in range(2):
+            x = batch(step, mb)
+            with g8.fp8_autocast(recipe=RECIPE):
+                kw = {"is_first_microbatch": mb == 0} if flags else {}
+                loss = model(x, labels=x, **kw).loss
+            (loss / 2).backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@pytest.fixture
+def cast_log(monkeypatch):
+    """Each weight-cast decision of the carried models: (module, cast)."""
+    log = []
+    original = weight_cache.VersionCasts.casts
+
+    def logged(self, cache, is_first_microbatch, owner, weights=()):
+        cast, flag = original(self, cache, is_first_microbatch, owner, weights)
+        log.append((owner, cast))
+        return cast, flag
+
+    monkeypatch.setattr(weight_cache.VersionCasts, "casts", logged)
+    return log
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_carried_recipe_trains_as_the_explicit_loop(kind, cast_log):
+    carried, opt = fp8_model(kind)
+    plain = g8.from_hf(hf_model(kind).train())
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    got = train(carried, opt, 3)
+    want = explicit_train(plain, plain_opt, 3)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_bitwise_equal(g, w, f"loss {i}")
+    assert_same_training(plain, carried, "after 3 steps")
+    per_mb = len(cast_log) // 6
+    casts = [all(c for _, c in cast_log[i * per_mb : (i + 1) * per_mb]) for i in range(6)]
+    reuses = [not any(c for _, c in cast_log[i * per_mb : (i + 1) * per_mb]) for i in range(6)]
+    assert casts == [True, False] * 3 and reuses == [False, True] * 3
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_per_layer_graphs_behind_one_switch_train_as_the_explicit_loop(kind):
+    """graphs="layers": captured at the first training forward, replayed in a plain loop, bit for
+    bit the eager explicit loop; evaluation runs the layers eagerly."""
+    graphed = g8.from_hf(hf_model(kind).train(), recipe=RECIPE, graphs="layers")
+    opt = torch.optim.AdamW(graphed.parameters(), lr=1e-3)
+    plain = g8.from_hf(hf_model(kind).train())
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    got = train(graphed, opt, 3)
+    want = explicit_train(plain, plain_opt, 3)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_bitwise_equal(g, w, f"loss {i}")
+    assert_same_training(plain, graphed, "after 3 steps")
+    assert graphed.layer_graphs.shape == tuple(batch(0, 0).shape)
+    assert hasattr(graphed.layers[0], "captured_ops"), "the layers replay graphs"
+    graphed.eval()
+    plain.eval()
+    with torch.no_grad(), g8.fp8_autocast(recipe=RECIPE):
+        x = ids(5)
+        assert_bitwise_equal(graphed(x).logits, plain(x).logits, "eval runs eagerly")
+
+
+def test_the_whole_step_of_a_carried_model_as_one_graph():
+    """make_graphed_step on a model carrying its recipe: the capture's settings win."""
+    graphed, _ = fp8_model("llama")
+    opt = adamw(graphed.parameters(), "cpu")  # fused: a step graph takes its tensor state
+    plain = g8.from_hf(hf_model("llama").train())
+    plain_opt = adamw(plain.parameters(), "cpu")
+
+    class WithLabels(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, x):
+            return self.lm(x, labels=x).loss
+
+    def loss_fn(loss, x):  # the step graph divides by the microbatch count
+        return loss
+
+    xs = torch.stack([batch(0, mb) for mb in range(2)])
+    step = g8.make_graphed_step(WithLabels(graphed), loss_fn, opt, ((xs,), (xs,)), 2,
+                                fp8_enabled=True, fp8_recipe=RECIPE,
+                                num_warmup_iters=1)  # fmt: skip
+    for s in range(3):
+        xs = torch.stack([batch(s, mb) for mb in range(2)])
+        step(((xs,), (xs,)))
+    explicit_train(plain, plain_opt, 3)
+    assert_same_training(plain, graphed, "after 3 step replays")
+
+
+def test_a_converted_hugging_face_model_carries_its_recipe(cast_log):
+    """g8.convert(hf_model, recipe=...) in place: the HF model itself runs in FP8 by itself."""
+    model = g8.convert(hf_model("llama").train(), recipe=RECIPE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, 2)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, g8.Linear) and q_proj.fp8_meta is not None
+    assert [c for owner, c in cast_log if owner == "Linear"][:1] == [True]
+    per_mb = len(cast_log) // 4
+    assert not any(c for _, c in cast_log[per_mb : 2 * per_mb]), "microbatch 2 reuses"
+    assert all(c for _, c in cast_log[2 * per_mb : 3 * per_mb]), "after the step it casts"
+
+
+def test_evaluation_runs_in_the_chosen_mode():
+    x = ids()
+    plain = g8.from_hf(hf_model("llama"))
+    with torch.no_grad():
+        bf16 = plain(x).logits
+        with g8.fp8_autocast(recipe=RECIPE):
+            fp8 = plain(x).logits
+    for eval_fp8, want in ((False, bf16), (True, fp8)):
+        lm = g8.from_hf(hf_model("llama"), recipe=RECIPE, eval_fp8=eval_fp8).eval()
+        with torch.no_grad():
+            assert_bitwise_equal(lm(x).logits, want, f"eval_fp8={eval_fp8}")
+
+
+def test_the_callers_region_wins():
+    lm = g8.from_hf(hf_model("llama"), recipe=RECIPE).eval()
+    plain = g8.from_hf(hf_model("llama"))
+    x = ids()
+    with torch.no_grad(), g8.fp8_autocast(enabled=False):
+        assert_bitwise_equal(lm(x).logits, plain(x).logits)
+
+
+def test_weights_written_in_place_are_cast_again(cast_log):
+    """A write through torch (copy_, load_state_dict) bumps the version: the next call casts."""
+    lm, _ = fp8_model("llama")
+    x = ids()
+    with torch.no_grad():
+        lm(x)
+        lm(x)
+        lm.layers[0].qkv.weight.mul_(1.0)
+        lm(x)
+    by_call = [c for owner, c in cast_log if owner == "LayerNormLinear"]
+    assert by_call[0::2] == [True, False, True], "layer 0's QKV: cast, reuse, cast"
+    assert by_call[1::2] == [True, False, False], "layer 1's QKV is unchanged"
+
+
+def test_carried_settings_are_checked():
+    with pytest.raises(TypeError, match="eval_fp8 must be a bool"):
+        g8.from_hf(hf_model("llama"), recipe=RECIPE, eval_fp8=1)
+    with pytest.raises(TypeError, match="recipe must be a graphfp8"):
+        g8.from_hf(hf_model("llama"), recipe="fp8")
