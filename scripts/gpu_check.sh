@@ -25,7 +25,9 @@
 #              NORM_BWD_PARAM_IN_KERNEL and ROPE_PARTS_BWD switches, their variants rows, census and
 #              bench step off / on / on with a 1 KiB cuBLASLt workspace, ncu of the norm backward);
 #              issue 32's: te (TransformerEngine's documentation examples on graphfp8.te, tests/te's
-#              CUDA tests))
+#              CUDA tests), hf-users (the hf step's model under HF Trainer: HF bf16 against
+#              g8.from_hf(recipe=) FP8 eager and graphs="layers", tokens/s; generate() new tokens/s:
+#              HF bf16 against graphfp8's layers in bf16 and FP8; the hf step runs it too))
 #   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
 #   WITH_TE    1 (default): install TransformerEngine from a carried .te/ (a copy of
 #              ../shared/te: docs/benchmarking.md, "TransformerEngine") for the benchmarks' TE
@@ -298,7 +300,7 @@ for step in $STEPS; do
         $PY scripts/ncu_kernels.py summary "$RES/ncu_details.csv" > "$RES/ncu_summary.md" 2>&1 || status=1
         tee -a "$RES/summary.md" < "$RES/ncu_summary.md"; tail -5 "$RES/ncu_run.log"
       fi ;;
-    kernels|variants|opcount|census|eager|block|attention|step|host|stack|hf)  # hf: issue 23's Llama
+    kernels|variants|opcount|census|eager|block|attention|step|host|stack|hf|hf-users)  # hf: issue 23's Llama
       with_te $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;

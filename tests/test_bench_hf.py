@@ -1,5 +1,6 @@
 """`python -m graphfp8.bench hf --quick` runs on the CPU (without torch.compile's peer) when
-transformers is installed."""
+transformers is installed: the training peers, then Trainer's (HF bf16, graphfp8 FP8 eager and
+with layer graphs) and generate()'s (issue 32)."""
 
 from __future__ import annotations
 
@@ -21,4 +22,13 @@ def test_hf_quick(tmp_path, capsys):
     for name, row in peers.items():
         assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0, name
         assert 3.0 < row["final_loss"] < 7.0, name  # ln 256 = 5.5 at the start
-    assert "/ HF bf16 eager" in capsys.readouterr().out
+    out = json.loads(path.read_text())
+    assert list(out["trainer"]) == ["Trainer + HF bf16", "Trainer + graphfp8 FP8 eager",
+                                    "Trainer + graphfp8 FP8 layer graphs"]  # fmt: skip
+    for name, row in out["trainer"].items():  # the same rows, weights and order
+        assert row["tokens_per_s"] > 0 and abs(row["mean_loss"] - 5.55) < 0.05, name
+    assert list(out["generate"]) == ["HF bf16 generate", "graphfp8 bf16 generate",
+                                     "graphfp8 FP8 generate"]  # fmt: skip
+    assert all(r["tokens_per_s"] > 0 for r in out["generate"].values())
+    text = capsys.readouterr().out
+    assert "/ HF bf16 eager" in text and "/ Trainer + HF bf16" in text and "generate()" in text

@@ -1,5 +1,5 @@
 """`python -m graphfp8.bench {kernels,variants,opcount,census,eager,block,attention,step,host,
-memory,stack,glu,hf} [--device D]
+memory,stack,glu,hf,hf-users} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ SUITES = {
     "memory": "graphfp8.bench.memory",
     "glu": "graphfp8.bench.glu",
     "hf": "graphfp8.bench.hf",
+    "hf-users": "graphfp8.bench.hf_users",
 }
 
 

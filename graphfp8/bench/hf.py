@@ -2,8 +2,9 @@
 (random weights, byte vocabulary) training on the standard library's text, the untouched HF
 model in bf16 (eager, and torch.compile) against graphfp8.from_hf of the same weights in FP8 with
 per-decoder-layer graphs and with the whole step as one graph. Tokens/s in steady state (the
-first steps of each peer are warm-up, capture and compilation) and the loss each peer reaches.
-Needs `transformers` (pip install -e .[hf])."""
+first steps of each peer are warm-up, capture and compilation) and the loss each peer reaches;
+then the same model under Hugging Face Trainer and generate() (graphfp8/bench/hf_users.py).
+Needs `transformers` and `accelerate` (pip install -e .[hf])."""
 
 from __future__ import annotations
 
@@ -12,27 +13,14 @@ import time
 import torch
 
 import graphfp8 as g8
+from graphfp8.bench import hf_users
 from graphfp8.bench.common import environment, print_table
+from graphfp8.bench.hf_model import FULL, QUICK, hf_model
 from graphfp8.hf import causal_lm_loss
 from graphfp8.training.data import Dataset
 from graphfp8.training.sources import open_stream
 
 RECIPE = g8.DelayedScaling(amax_history_len=16)
-# (hidden, intermediate, layers, heads, kv heads, batch, seq, microbatches, steps)
-FULL = (1024, 2816, 9, 16, 4, 8, 1024, 4, 30)
-QUICK = (64, 128, 2, 4, 2, 2, 32, 2, 3)
-
-
-def _hf_model(shape, device):
-    import transformers
-
-    hidden, inter, layers, heads, kv, _, seq, _, _ = shape
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=seq,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(device, torch.bfloat16).train()
 
 
 def _adamw(params, device):
@@ -91,20 +79,20 @@ def _g8_whole_step(lm, opt, shape, device, data):
 
 def _peers(shape, device, data) -> dict:
     def hf_eager():
-        model = _hf_model(shape, device)
+        model = hf_model(shape, device)
         return _hf_step(model, _adamw(model.parameters(), device))
 
     def hf_compile():
-        model = _hf_model(shape, device)
+        model = hf_model(shape, device)
         opt = _adamw(model.parameters(), device)
         return _hf_step(torch.compile(model), opt)
 
     def g8_layers():
-        lm = g8.from_hf(_hf_model(shape, device))
+        lm = g8.from_hf(hf_model(shape, device))
         return _g8_layers_step(lm, _adamw(lm.parameters(), device), shape, device)
 
     def g8_step():
-        lm = g8.from_hf(_hf_model(shape, device))
+        lm = g8.from_hf(hf_model(shape, device))
         return _g8_whole_step(lm, _adamw(lm.parameters(), device), shape, device, data)
 
     return {"HF bf16 eager": hf_eager, "HF bf16 compile": hf_compile,
@@ -148,11 +136,18 @@ def run(device, quick: bool = False) -> dict:
             torch.cuda.empty_cache()
     base = rows["HF bf16 eager"]["tokens_per_s"]
     hidden, inter, layers, heads, kv, batch, seq, mbs, steps = shape
-    text = print_table(
+    title = (
         f"Llama (h {hidden}, F {inter}, {layers} layers, {heads} heads / {kv} kv), batch "
-        f"{batch} x seq {seq} x {mbs} microbatches, {steps} steps on stdlib text, {device}",
-        ["peer", "tokens/s", "/ HF bf16 eager", "loss at the last step"],
+        f"{batch} x seq {seq} x {mbs} microbatches, {steps} steps on stdlib text, {device}"
+    )
+    text = print_table(
+        title, ["peer", "tokens/s", "/ HF bf16 eager", "loss at the last step"],
         [[n, r["tokens_per_s"], r["tokens_per_s"] / base, r["final_loss"]]
          for n, r in rows.items()],
     )  # fmt: skip
-    return {"env": environment(device), "shape": list(shape), "peers": rows, "table": text}
+    # Issue 32: the same model trained by HF Trainer, and generate().
+    trainer = hf_users.trainer_rows(shape, device, data)
+    generate = hf_users.generate_rows(shape, device, quick)
+    text += hf_users.tables(trainer, generate, title)
+    return {"env": environment(device), "shape": list(shape), "peers": rows, "trainer": trainer,
+            "generate": generate, "table": text}  # fmt: skip

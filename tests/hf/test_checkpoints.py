@@ -123,3 +123,21 @@ def test_a_hugging_face_state_dict_loads_strictly_as_fresh_fp8_state():
         inplace(ids())
     assert_bitwise_equal(inplace.model.layers[0].self_attn.q_proj.weight,
                          source.model.layers[0].self_attn.q_proj.weight)  # fmt: skip
+
+
+def test_save_pretrained_of_a_model_converted_in_place(tmp_path):
+    """g8.convert(hf_model): Hugging Face's own save_pretrained writes the FP8 state beside the
+    weights (failed before: expected torch.Tensor but received dict); from_pretrained gives the
+    same weights, and the converted model resumes its FP8 state from the directory."""
+    model = g8.convert(hf_model("llama").train(), recipe=g8.DelayedScaling(amax_history_len=4))
+    train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), 1)
+    model.save_pretrained(tmp_path)
+    loaded = hf_model("llama").__class__.from_pretrained(tmp_path)
+    for name, t in model.state_dict().items():
+        if not name.endswith("_extra_state"):
+            assert_bitwise_equal(loaded.state_dict()[name], t, name)
+    again = g8.convert(
+        hf_model("llama", seed=7).train(), recipe=g8.DelayedScaling(amax_history_len=4)
+    )
+    again.load_state_dict(safetensors.torch.load_file(tmp_path / "model.safetensors"))
+    assert_same_training(model, again, "reloaded")

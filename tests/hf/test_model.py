@@ -16,10 +16,10 @@ from tests.hf.common import RECIPE, VOCAB, hf_model, hf_view, ids, transformers,
 CausalLMOutputWithPast = transformers.modeling_outputs.CausalLMOutputWithPast
 
 
-def _pair(kind: str, seed: int = 0):
+def _pair(kind: str, seed: int = 0, device="cpu"):
     """(converted model, an HF model holding the same weights)."""
-    lm = g8.from_hf(hf_model(kind, seed))
-    return lm, hf_view(lm)
+    lm = g8.from_hf(hf_model(kind, seed, device))
+    return lm, hf_view(lm).to(device)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -91,13 +91,13 @@ def test_gpt2_packed_segments_restart_learned_positions():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
-def test_greedy_generate_equals_hugging_face(kind):
+def test_greedy_generate_equals_hugging_face(kind, device):
     """generate() with the KV cache in graphfp8's layers, a left-padded batch (failed before: no
     generate). Logits differ from HF's by bf16 rounding, which can flip an argmax between two
     logits one ulp apart (about one in five of these tiny models has such a tie in 12 tokens):
     these weights have none."""
-    lm, hf = _pair(kind, seed=2)
-    x = ids(seq=10)
+    lm, hf = _pair(kind, seed=2, device=device)
+    x = ids(seq=10, device=device)
     mask = torch.ones_like(x)
     mask[0, :3] = 0
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -135,15 +135,15 @@ def test_cached_decode_equals_a_full_forward():
     assert ulps(torch.cat(steps, dim=1), full) <= 2
 
 
-def test_decode_in_fp8():
+def test_decode_in_fp8(device):
     """A model carrying its recipe generates with FP8 GEMMs (eval in FP8); its first token is the
     argmax of its own FP8 forward."""
-    lm = g8.from_hf(hf_model("llama"), recipe=g8.Float8CurrentScaling()).eval()
-    x = ids(seq=16)
+    lm = g8.from_hf(hf_model("llama", device=device), recipe=g8.Float8CurrentScaling()).eval()
+    x = ids(seq=16, device=device)
     with torch.no_grad():
         out = lm.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0)
         first = lm(x).logits[:, -1].argmax(-1)
-    assert lm.layers[0].qkv.fp8_meta is not None, "ran in FP8"
+    assert lm.layers[0].qkv.weight_cache.workspaces, "its weights were cast to FP8"
     assert_bitwise_equal(out[:, 16], first)
 
 

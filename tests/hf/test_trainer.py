@@ -54,13 +54,14 @@ def _record_inputs(model) -> list[dict]:
 
 
 @pytest.mark.parametrize("graphs", [None, "layers"])
-def test_trainer_trains_in_fp8_as_the_explicit_loop(graphs, tmp_path):
-    lm = g8.from_hf(hf_model("llama").train(), recipe=RECIPE, graphs=graphs)
+def test_trainer_trains_in_fp8_as_the_explicit_loop(graphs, device, tmp_path):
+    lm = g8.from_hf(hf_model("llama", device=device).train(), recipe=RECIPE, graphs=graphs)
     calls = _record_inputs(lm)
-    trainer = transformers.Trainer(model=lm, args=_args(tmp_path), train_dataset=Tokens(16))
+    args = _args(tmp_path, use_cpu=device == "cpu")
+    trainer = transformers.Trainer(model=lm, args=args, train_dataset=Tokens(16))
     trainer.train()
     assert len(calls) == STEPS * MICRO and "num_items_in_batch" in calls[0]
-    plain = g8.from_hf(hf_model("llama").train())
+    plain = g8.from_hf(hf_model("llama", device=device).train())
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.0)
     for i, call in enumerate(calls):
         with g8.fp8_autocast(recipe=RECIPE):
