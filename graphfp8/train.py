@@ -152,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
     p.add_argument("--deterministic", action="store_true",
                    help="the same bits run to run: torch.use_deterministic_algorithms(True), "
-                   "cuBLAS's deterministic workspace, deterministic attention backward (README: "
-                   "its cost) (default: off)")  # fmt: skip
+                   "cuBLAS's deterministic workspace, deterministic attention backward; bf16 "
+                   "attention only on a GPU (README: its cost) (default: off)")  # fmt: skip
     return p
 
 

@@ -14,7 +14,8 @@
 #              stack-switched, step-switched (those benchmarks with every switch on),
 #              issue 33's: train-attn (FP8 attention's validation loss against bf16 and FP8,
 #              ATTN_SEEDS, ATTN_STEPS, ATTN_MICROBATCHES, ATTN_PRESETS, ATTN_HEADS), deterministic
-#              (--deterministic run twice: same bits, and its tokens/s cost; DET_STEPS),
+#              (--deterministic run twice: same bits, and its tokens/s cost, bf16 attention; with
+#              --fp8-attention refused; DET_STEPS),
 #              train-scaling-fused (delayed vs current scaling on the fused path); issue 23's: glu
 #              (SwiGLU LayerNormMLP vs bf16 and TE), train-llama (the llama-100m preset, bf16 vs
 #              FP8 graphed; LLAMA_ARGS adds e.g. --pack), hf (a 100M HF Llama: FP8 + graphs via
@@ -198,8 +199,18 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         sed -n '/validation loss against/,$p' "$RES/train_attn_$preset.log" | tee -a "$RES/summary.md"
       done ;;
     deterministic)  # issue 33: --deterministic twice gives the same bits (graphs and eager; bf16
-      # attention at the preset's heads, FP8 attention at --heads 8), and its cost in tokens/s
-      for attn in off on; do
+      # attention at the preset's heads), and its cost in tokens/s; with FP8 attention (--heads 8)
+      # it must refuse before training (graphfp8/ops/cudnn_determinism.py)
+      $PY -m graphfp8.train --preset ${DET_PRESET:-100m} --fp8-attention --heads ${ATTN_HEADS:-8} \
+        --deterministic --steps 1 --out "$RES/det_refused" > "$RES/det_refused.log" 2>&1
+      rc=$?
+      if [ $rc = 2 ] && grep -q "run to run on the H200" "$RES/det_refused.log"; then
+        echo "--deterministic --fp8-attention: refused before training (ok)" | tee -a "$RES/summary.md"
+      else
+        status=1; echo "--deterministic --fp8-attention: NOT refused (rc $rc)" | tee -a "$RES/summary.md"
+        tail -5 "$RES/det_refused.log"
+      fi
+      for attn in off; do
         flag=""; [ $attn = on ] && flag="--fp8-attention --heads ${ATTN_HEADS:-8}"
         args="--compare fp8:graphs,fp8:eager --preset ${DET_PRESET:-100m} --steps ${DET_STEPS:-50}
           --eval-every 25 --val-batches 8 $flag"

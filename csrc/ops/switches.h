@@ -1,6 +1,7 @@
 // Switches between CUDA kernel variants (docs/benchmarking.md, "Kernel switches"): a new kernel
-// lands off until it has run on a GPU; these two ran on the H200 on 2026-12-01 (bit for bit the
-// kernels they replace, 1.1-2.3x faster) and are on unless their environment variable is "0".
+// lands off until it has run on a GPU. All but NORM_BWD_STAGED ran in the CUDA suite on the H200
+// on 2026-12-01 and are on unless their environment variable is "0" (docs/benchmarking.md has
+// what each measured).
 // Each starts from its environment variable, read once, and can be flipped at run time
 // (graphfp8.ops.switches) so that one process can compare a new kernel with the one it
 // replaces, bit for bit. The CPU kernels ignore them.
@@ -21,22 +22,23 @@ struct KernelSwitch {
 // fast fixed-order parameter-gradient reduction (cuda/norm_bwd_batched.cu).
 // GRAPHFP8_PAIRED_QUANTIZE: the cast-transposes' FP8 conversion two values at a time with one
 // saturating convert, and word-wide transposed stores (cuda/tile.cuh).
-// GRAPHFP8_DBIAS_IN_KERNEL (off until it has run on a GPU): the fused dbias's column sums by the
+// GRAPHFP8_DBIAS_IN_KERNEL: the fused dbias's column sums by the
 // last block of each column of tiles instead of a second kernel (cuda/dbias.cuh; the same sums).
-// GRAPHFP8_NORM_BWD_STAGED (off until it has run on a GPU): the batched norm backward with each
-// thread's next rows staged in shared memory by cp.async (cuda/norm_bwd_staged.cu; the same sums).
-// GRAPHFP8_NORM_BWD_PARAM_IN_KERNEL (off until it has run on a GPU): with NORM_BWD_STAGED, dgamma
-// and dbeta summed by the staged kernel's last blocks instead of a second kernel (the same sums).
-// GRAPHFP8_ROPE_PARTS_BWD (off until it has run on a GPU): the bf16 attention path's RoPE
+// GRAPHFP8_NORM_BWD_STAGED (off: 0.94-1.02x the batched kernel on the H200): the batched norm
+// backward with each thread's next rows staged in shared memory by cp.async
+// (cuda/norm_bwd_staged.cu; the same sums).
+// GRAPHFP8_NORM_BWD_PARAM_IN_KERNEL: only while NORM_BWD_STAGED is on, dgamma and dbeta summed by
+// the staged kernel's last blocks instead of a second kernel (the same sums).
+// GRAPHFP8_ROPE_PARTS_BWD: the bf16 attention path's RoPE
 // backward from dq, dk, dv in one kernel (rope_fp8_backward's high-precision form) instead of a
 // cat and rope_qkv (graphfp8/modules/_rope.py; the CPU always takes it).
 inline KernelSwitch* kernel_switches(int* count) {
   static KernelSwitch switches[] = {{"NORM_BWD_BATCHED", {true}},
                                     {"PAIRED_QUANTIZE", {true}},
-                                    {"DBIAS_IN_KERNEL", {false}},
+                                    {"DBIAS_IN_KERNEL", {true}},
                                     {"NORM_BWD_STAGED", {false}},
-                                    {"NORM_BWD_PARAM_IN_KERNEL", {false}},
-                                    {"ROPE_PARTS_BWD", {false}}};
+                                    {"NORM_BWD_PARAM_IN_KERNEL", {true}},
+                                    {"ROPE_PARTS_BWD", {true}}};
   static const bool from_env = [] {
     for (auto& s : switches) {
       char var[64] = "GRAPHFP8_";

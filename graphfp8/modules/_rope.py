@@ -13,7 +13,7 @@ __all__ = ["RopeQKV", "RopeQKVParts", "rope_parts_backward", "rope_tables"]
 
 def rope_parts_backward(device: torch.device) -> bool:
     """Whether RoPE's backward on `device` reads dq, dk, dv in one kernel (RopeQKVParts): always
-    on the CPU, on CUDA under the kernel switch ROPE_PARTS_BWD (off until it has run on a GPU)."""
+    on the CPU, on CUDA under the kernel switch ROPE_PARTS_BWD (on by default)."""
     return device.type == "cpu" or switch_on("ROPE_PARTS_BWD")
 
 

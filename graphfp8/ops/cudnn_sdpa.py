@@ -14,8 +14,10 @@ seq, head_dim) over BSHD memory (strides (seq * heads * d, d, heads * d, 1)); st
 heads, seq, 1) float32; every scalar and every amax (1, 1, 1, 1) float32. An output declared
 without a data type takes the graph's FP8 I/O type, so each one names its type. With segment ids
 (packed documents, padding) the graphs are ragged: graphfp8.ops.cudnn_ragged has the layout.
-Under torch.use_deterministic_algorithms(True) (warn_only too) the backward graph is cuDNN's
-deterministic one (the forward has no order-dependent sums: its amaxes are maxima).
+Under torch.use_deterministic_algorithms(True) a backward raises before anything is built or
+runs: with cuDNN's deterministic backward graph asked for, training runs still gave different
+bits run to run on the H200 (docs/fp8.md); under warn_only it warns and builds that graph. A
+forward alone runs (no order-dependent sums: its amaxes are maxima).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from graphfp8 import global_state
 from graphfp8.ops import cudnn_ragged
+from graphfp8.ops.cudnn_determinism import check_deterministic
 
 __all__ = ["BWD_SCALES", "FWD_SCALES", "SdpaKey", "backward", "cudnn_module", "forward", "prepare"]
 
@@ -288,7 +291,9 @@ def _build_backward(cudnn, key: SdpaKey):
 def prepare(key: SdpaKey, backward: bool) -> None:
     """Builds (once) the forward graph of `key`, and its backward graph (for key.bwd_dtype)
     when `backward`; raises ValueError with cuDNN's reason when cuDNN does not support the
-    shape, and RuntimeError when a graph would have to be built inside a CUDA-graph capture."""
+    shape, and RuntimeError when a graph would have to be built inside a CUDA-graph capture or
+    a deterministic backward is asked for (graphfp8.ops.cudnn_determinism)."""
+    check_deterministic(key, backward)
     fwd_key = key._replace(bwd_dtype=None, deterministic=False)
     need_fwd, need_bwd = fwd_key not in _FORWARD, backward and key not in _BACKWARD
     if not (need_fwd or need_bwd):

@@ -59,7 +59,8 @@ def model_config(args, vocab: int) -> ModelConfig:
 
 def check_model(p: argparse.ArgumentParser, args) -> None:
     """--heads against the preset's width and key/value heads, and --fp8-attention against what
-    FP8 attention runs (on the GPU cuDNN's graphs are built now: its refusal is the error)."""
+    FP8 attention runs (on the GPU cuDNN's graphs are built now: its refusal is the error; with
+    --deterministic it is refused: graphfp8.ops.cudnn_determinism)."""
     cfg = model_config(args, 256)
     kv = cfg.kv_heads or cfg.heads
     if cfg.hidden % cfg.heads or (cfg.hidden // cfg.heads) % 2 or cfg.heads % kv:
@@ -74,6 +75,8 @@ def check_model(p: argparse.ArgumentParser, args) -> None:
         prepare_attention((cfg.batch, cfg.seq_len, cfg.heads, d), (cfg.batch, cfg.seq_len, kv, d),
                           args.device, recipe, 1.0 / math.sqrt(d), True, True,
                           deterministic=args.deterministic)  # fmt: skip
+    except RuntimeError as exc:  # --deterministic (graphfp8.ops.cudnn_determinism)
+        p.error(f"--deterministic --fp8-attention: {exc}")
     except (ValueError, ImportError) as exc:
         hint = ""
         if torch.device(args.device).type == "cuda" and d != 128 and cfg.hidden % 128 == 0:

@@ -2,8 +2,9 @@
 the GPU too, eager and graphed.
 
 What decides it on a GPU: torch.use_deterministic_algorithms(True) - torch's SDPA then leaves out
-cuDNN's attention (non-deterministic backward) and runs flash attention's deterministic backward,
-and graphfp8's FP8 attention builds cuDNN's deterministic backward graph - and cuBLAS's
+cuDNN's attention (non-deterministic backward) and runs flash attention's deterministic backward
+(graphfp8's FP8 attention refuses to train under it on the GPU: graphfp8.ops.cudnn_determinism
+says why) - and cuBLAS's
 workspace configuration (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS starts). graphfp8's own
 kernels sum without atomics (amax is an order-free atomic max), so they need nothing. Uninitialized
 memory is not filled (torch's default under deterministic algorithms costs a kernel per empty

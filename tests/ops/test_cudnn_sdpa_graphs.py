@@ -173,22 +173,50 @@ def test_backward_declarations_match_the_bound_tensors(fake_cudnn, grad_dtype):
     assert {"descale_dO", "descale_dP", "scale_dQ", "scale_dK", "scale_dV", "scale_dP"} <= set(kw)
 
 
-def test_deterministic_algorithms_build_the_deterministic_backward(fake_cudnn):
-    """Under torch.use_deterministic_algorithms(True) the backward is another cached graph,
-    built with cuDNN's deterministic algorithm; the forward graph is shared."""
+def _backward_args():
     q, k, v, _, o, stats, _ = _forward_operands()
     d_o = torch.zeros(o.shape, dtype=E5M2)
     grads = [torch.empty(t.shape, dtype=E5M2) for t in (q, k, v)]
     scales = [torch.ones(1) for _ in cudnn_sdpa.BWD_SCALES]
-    args = (q, k, v, o, d_o, stats, scales, *grads, [torch.zeros(1)] * 4, 0.125, True)
-    cudnn_sdpa.backward(*args)
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
+    return (q, k, v, o, d_o, stats, scales, *grads, [torch.zeros(1)] * 4, 0.125, True)
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms(warn_only: bool):
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
     try:
-        cudnn_sdpa.backward(*args)
-        cudnn_sdpa.backward(*args)
+        yield
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_deterministic_algorithms_refuse_the_backward(fake_cudnn):
+    """Under torch.use_deterministic_algorithms(True) the backward raises before a graph is built
+    or run (cuDNN's FP8 attention differed run to run on the H200 with its deterministic graph:
+    graphfp8.ops.cudnn_determinism); it used to build and run that graph. A forward still runs."""
+    args = _backward_args()
+    cudnn_sdpa.backward(*args)
+    with _deterministic_algorithms(warn_only=False):
+        with pytest.raises(RuntimeError, match="different bits run to run on the H200"):
+            cudnn_sdpa.backward(*args)
+        q, k, v, scales, o, stats, amax = _forward_operands()
+        cudnn_sdpa.forward(q, k, v, scales, o, stats, amax, 0.125, True)
+    assert [g.op[0] for g in _Graph.built] == ["sdpa_fp8", "sdpa_fp8_backward"]
+    assert not any(key.deterministic for key in cudnn_sdpa._BACKWARD)
+    assert len(fake_cudnn) == 2  # the first backward and the forward
+
+
+def test_warn_only_builds_the_deterministic_backward(fake_cudnn):
+    """Under warn_only the backward warns, then builds cuDNN's deterministic graph (its own
+    cached key; the forward graph is shared) and runs it."""
+    args = _backward_args()
+    cudnn_sdpa.backward(*args)
+    with _deterministic_algorithms(warn_only=True):
+        with pytest.warns(UserWarning, match="not deterministic"):
+            cudnn_sdpa.backward(*args)
+        cudnn_sdpa.backward(*args)
     names = [g.op[0] for g in _Graph.built]
     assert names == ["sdpa_fp8", "sdpa_fp8_backward", "sdpa_fp8_backward"]
     bwd = _Graph.built[1:]

@@ -55,10 +55,17 @@ def test_packed_batches_keep_bf16_attention(folder, tmp_path):  # noqa: F811
 @pytest.mark.parametrize("attention", ["--fp8-attention", "--no-fp8-attention"])
 def test_deterministic_runs_repeat_and_restore_torch(device, attention, tmp_path):
     """--deterministic: two runs give the same losses and validation losses, graphed and eager,
-    with FP8 and bf16 attention; the summary says so, and torch's settings are as before
-    afterwards (the CLI runs in-process here)."""
+    with FP8 and bf16 attention (on the GPU FP8 attention is refused: graphfp8.ops.
+    cudnn_determinism); the summary says so, and torch's settings are as before afterwards
+    (the CLI runs in-process here)."""
     before = torch.are_deterministic_algorithms_enabled()
     argv = [*MODEL[device], attention, "--deterministic", "--compare", "fp8:step,fp8:eager"]
+    if device == "cuda" and attention == "--fp8-attention":
+        with pytest.raises(SystemExit):
+            train.main([*SMALL, "--device", device, "--out", str(tmp_path), *argv])
+        assert not (tmp_path / "summary.json").exists()
+        assert torch.are_deterministic_algorithms_enabled() is before
+        return
     a = _runs(tmp_path / "a", *argv, device=device)
     b = _runs(tmp_path / "b", *argv, device=device)
     for name, run in a.items():
@@ -67,6 +74,24 @@ def test_deterministic_runs_repeat_and_restore_torch(device, attention, tmp_path
         assert run["fp8_attention"] is (attention == "--fp8-attention")
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["deterministic"] is True
     assert torch.are_deterministic_algorithms_enabled() is before
+
+
+def test_deterministic_fp8_attention_on_the_gpu_is_refused(capsys):
+    """--deterministic --fp8-attention on a GPU stops before anything runs, naming why (cuDNN's
+    FP8 attention differed run to run on the H200); checked on the CPU with the GPU device named
+    (the refusal comes before any cuDNN call). It used to train, giving different bits."""
+    import argparse
+
+    from graphfp8.training import cli_checks
+
+    parser = argparse.ArgumentParser(prog="graphfp8-train")
+    args = train.parse_args(["--device", "cpu", "--preset", "tiny", "--fp8-attention",
+                             "--deterministic"])  # fmt: skip
+    args.device = "cuda"
+    with pytest.raises(SystemExit):
+        cli_checks.check_model(parser, args)
+    err = capsys.readouterr().err
+    assert "--deterministic --fp8-attention" in err and "run to run on the H200" in err, err
 
 
 @pytest.mark.parametrize(
