@@ -74,7 +74,7 @@ def test_trainer_trains_in_fp8_as_the_explicit_loop(graphs, device, tmp_path):
     assert lm.layers[0].qkv.fp8_meta.fwd.history().abs().sum() > 0, "trained in FP8"
     assert hasattr(lm.layers[0], "captured_ops") == (graphs == "layers")
     assert not torch.equal(
-        lm.layers[0].qkv.weight, g8.from_hf(hf_model("llama")).layers[0].qkv.weight
+        lm.layers[0].qkv.weight, g8.from_hf(hf_model("llama", device=device)).layers[0].qkv.weight
     )
 
 
