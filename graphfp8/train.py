@@ -43,7 +43,8 @@ from graphfp8.training.determinism import deterministic
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.outputs import OutputError, check_outputs, fresh_out
-from graphfp8.training.report import plot_losses, print_memory, print_table, write_summary
+from graphfp8.training.replicas import ReplicaMismatchError
+from graphfp8.training.report import plot_losses, print_ranks, print_table, write_summary
 from graphfp8.training.run import GRAPH_MODES, PRECISIONS, SCALINGS, RunSpec
 from graphfp8.training.sources import DataError, open_stream
 
@@ -150,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", action="store_true", help="with --ddp: fp32 masters of every "
                    "parameter, gradients and optimizer state sharded over the ranks "
                    "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
+    p.add_argument("--check-replicas", action="store_true",
+                   help="with --ddp: the ranks' weights compared (digests of their bits) after "
+                   "every step; a difference stops every rank with exit status 3 "
+                   "(training/replicas.py) (default: off)")  # fmt: skip
     p.add_argument("--deterministic", action="store_true",
                    help="the same bits run to run: torch.use_deterministic_algorithms(True), "
                    "cuBLAS's deterministic workspace, deterministic attention backward; bf16 "
@@ -209,6 +214,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.shard and not args.ddp:
         p.error("--shard shards over the ranks of --ddp: torchrun --nproc_per_node=N -m "
                 "graphfp8.train --ddp --shard")  # fmt: skip
+    if args.check_replicas and not args.ddp:
+        p.error("--check-replicas compares the ranks of --ddp")
     if args.ddp and "WORLD_SIZE" not in os.environ:
         p.error("--ddp runs under torchrun: torchrun --nproc_per_node=N -m graphfp8.train --ddp")
     if args.resume is not None and not args.resume.is_file():
@@ -271,6 +278,9 @@ def main(argv=None) -> int:
     except (DataError, CheckpointError, SettingsMismatchError, OutputError) as exc:  # at start
         print(f"graphfp8-train: error{where}: {exc}", file=sys.stderr)
         return 2
+    except ReplicaMismatchError as exc:  # --check-replicas: every rank stops at the same step
+        print(f"graphfp8-train: error{where}: {exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:  # before training, or a second Ctrl-C (training/interrupt.py)
         print(f"graphfp8-train: interrupted{where}: stopped without writing a checkpoint or "
               "summary.json", file=sys.stderr)  # fmt: skip
@@ -325,7 +335,8 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
                           eval_every=args.eval_every, val_batches=args.val_batches,
                           save=args.save, resume=args.resume, group=group, world_size=world,
                           is_main=is_main, stop_at=args.stop_at,
-                          fp8_stats=args.fp8_stats or 0)  # fmt: skip
+                          fp8_stats=args.fp8_stats or 0,
+                          check_replicas=args.check_replicas)  # fmt: skip
         results.append(train_run(spec, opts))
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -337,12 +348,7 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
     for r in results:
         r.pop("model_state")
     print_table(results)
-    for r in results:
-        if r["ranks_agree"] is not None:
-            agree = ", ".join(f"{k} {'identical' if v else 'DIFFERENT'}"
-                              for k, v in r["ranks_agree"].items())  # fmt: skip
-            print(f"{r['name']}: across {world} ranks: {agree}")
-    print_memory(results)
+    print_ranks(results, world)
     summary = {"date": stamp, "argv": sys.argv[1:] if argv is None else list(argv),
                "preset": args.preset, "model": specs[0].model.to_dict(),
                "microbatches": args.microbatches, "world_size": world, "data": data.describe(),

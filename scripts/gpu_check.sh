@@ -42,6 +42,9 @@
 #   TESTS_TIMEOUT_S the tests step's limit (default 420 s), so a hang leaves time for the rest
 #   TRAIN_RUNS, TRAIN_PRESET, TRAIN_DATA, TRAIN_STEPS  the train step (default bf16:graphs,fp8:graphs,
 #               100m, stdlib, 300: validation loss of FP8 vs bf16 on held-out text, tokens/s)
+#   step scaling (issue 34): sharded FP8 training on every GPU of the machine (nvidia-h200-x2/x4/x8;
+#               also at 1): scripts/scaling.sh (its SCALING_* settings there; <= SCALING_BUDGET_S,
+#               480 s) -> $RES/scaling.md and scaling.json (docs/sharding.md, "Multi-GPU measurement")
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -333,6 +336,11 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       $PY -m pytest -q -m cuda -p no:cacheprovider tests/te tests/test_lora.py \
         > "$RES/te_tests.log" 2>&1 || status=1
       tail -1 "$RES/te_tests.log" | tee -a "$RES/summary.md" ;;
+    scaling)  # issue 34: scripts/scaling.sh (correctness, speed at N and 1, profile, peers, fit)
+      RES=$RES PY=$PY bash scripts/scaling.sh > "$RES/scaling.log" 2>&1 || status=1
+      grep "^scaling\|: rc \|skipped" "$RES/scaling.log" | tail -20
+      cat "$RES/scaling.md" >> "$RES/summary.md" 2>/dev/null \
+        || { echo "scaling: no tables (scaling.log)" | tee -a "$RES/summary.md"; tail -20 "$RES/scaling.log"; } ;;
     *)
       echo "unknown step $step"; status=1 ;;
   esac

@@ -20,6 +20,7 @@ from graphfp8.training.data import Dataset
 from graphfp8.training.evaluate import validation_loss
 from graphfp8.training.interrupt import StopAtStepBoundary
 from graphfp8.training.model import count_parameters
+from graphfp8.training.replicas import ReplicaCheck
 from graphfp8.training.report import MetricsLog, Progress, final_loss, rank_memory
 from graphfp8.training.run import Run, RunSpec, run_settings
 from graphfp8.training.shard_checkpoint import load_shard, save_sharded
@@ -43,6 +44,7 @@ class RunOptions:
     keep_state: bool = False  # return the final model state_dict (tests)
     stop_at: int | None = None  # end early after this step (e.g. save, resume later)
     fp8_stats: int = 0  # record every FP8 cast's statistics every N steps (0: never)
+    check_replicas: bool = False  # the weights' digests compared across ranks after every step
 
     @property
     def every(self) -> int:
@@ -118,10 +120,11 @@ def _log_interval(run: Run, opts: RunOptions, log, pending, val_losses: dict, la
 
 
 def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, val,
-                 stop: StopAtStepBoundary) -> dict:  # fmt: skip
+                 stop: StopAtStepBoundary, replicas: ReplicaCheck | None) -> dict:  # fmt: skip
     """Steps `run` up to `steps` (after Ctrl-C: to the end of the step in flight, with a group
     to the next log point), validating every opts.every steps and at the end, logging every
-    opts.log_every steps. Returns the losses and the training seconds behind tokens/s."""
+    opts.log_every steps (and comparing the replicas' digests there). Returns the losses and the
+    training seconds behind tokens/s."""
     first = run.step
     steady_from = first + max(1, (steps - first) // 10)
     log = MetricsLog(opts.out / f"{run.spec.name}.csv") if opts.is_main else None
@@ -135,6 +138,8 @@ def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, v
         if run.fp8_stats is not None:
             run.fp8_stats.enable(run.step % opts.fp8_stats == 0)
         pending.append(run.train_step(opts.steps))
+        if replicas is not None:
+            replicas.record(run.step)
         if run.step == steady_from:
             sync(run.spec.device)
             t_steady = clock.train_time()
@@ -149,6 +154,8 @@ def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, v
                 val_losses[run.step] = validation_loss(run, val)
         if not at_log and not stopped:
             continue
+        if replicas is not None:
+            replicas.check()
         now = clock.train_time()
         rate = tokens_per_step * (run.step - last_step) / (now - t_last)
         elapsed = time.perf_counter() - clock.start
@@ -194,12 +201,13 @@ def _write_fp8_stats(run: Run, opts: RunOptions) -> dict | None:
             "roles": role_digest(rows)}  # fmt: skip
 
 
-def _train_and_save(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, val):
+def _train_and_save(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, val,
+                    replicas: ReplicaCheck | None):  # fmt: skip
     """_train_steps, then the checkpoint (--save) and the FP8 statistics' files (--fp8-stats):
     also after a Ctrl-C at a step boundary. Returns (_train_steps' dict, _write_fp8_stats')."""
     try:
         with StopAtStepBoundary() as stop:
-            t = _train_steps(run, opts, steps, tokens_per_step, val, stop)
+            t = _train_steps(run, opts, steps, tokens_per_step, val, stop, replicas)
             path = None
             if opts.save is not None and run.spec.shard:  # every rank writes its own file
                 path = save_sharded(run, opts.save, opts.steps, opts.data.describe(), opts.group)
@@ -211,6 +219,27 @@ def _train_and_save(run: Run, opts: RunOptions, steps: int, tokens_per_step: int
         if run.fp8_stats is not None:
             run.fp8_stats.close()
     return t, _write_fp8_stats(run, opts)
+
+
+def _start_replica_check(run: Run, opts: RunOptions) -> ReplicaCheck | None:
+    """--check-replicas with a group: the check, with the starting weights (step 0 or resumed)
+    recorded."""
+    if not (opts.check_replicas and opts.group is not None):
+        return None
+    replicas = ReplicaCheck(run.model, opts.group)
+    replicas.record(run.step)
+    return replicas
+
+
+def _replicas_summary(replicas: ReplicaCheck | None, losses: list[float], group) -> dict | None:
+    """--check-replicas: the check's summary and every rank's losses (a collective)."""
+    if replicas is None:
+        return None
+    import torch.distributed as dist
+
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, losses, group=group)
+    return {**replicas.summary(), "losses_per_rank": every}
 
 
 def train_run(spec: RunSpec, opts: RunOptions) -> dict:
@@ -247,7 +276,8 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     sync(spec.device)
     capture_s = time.perf_counter() - t0
     tokens_per_step = spec.tokens_per_microbatch * spec.microbatches * opts.world_size
-    t, stats_files = _train_and_save(run, opts, steps, tokens_per_step, val)
+    replicas = _start_replica_check(run, opts)
+    t, stats_files = _train_and_save(run, opts, steps, tokens_per_step, val, replicas)
     steady_tokens = tokens_per_step * t["steady_steps"]
     tokens_per_s = steady_tokens / t["steady_s"] if steady_tokens and t["steady_s"] > 0 else None
     final_val = t["val_losses"][-1][1] if t["val_losses"] else None
@@ -275,6 +305,7 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
             torch.cuda.max_memory_reserved() if spec.device.startswith("cuda") else None
         ),  # fmt: skip
         "ranks_agree": agree,
+        "replicas": _replicas_summary(replicas, t["losses"], opts.group),
         "memory_per_rank": memory,
         "fp8_stats": stats_files,
         "model_state": run.model.state_dict() if opts.keep_state else None,

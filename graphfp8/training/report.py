@@ -16,7 +16,7 @@ import torch.distributed as dist
 from graphfp8.memory.state import training_state
 
 __all__ = ["Progress", "MetricsLog", "write_summary", "plot_losses", "final_loss", "print_table",
-           "print_memory", "rank_memory"]  # fmt: skip
+           "print_memory", "print_ranks", "rank_memory"]  # fmt: skip
 
 
 class Progress:
@@ -114,6 +114,23 @@ def rank_memory(run, group) -> list[dict]:
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
     return every
+
+
+def print_ranks(results: list[dict], world: int) -> None:
+    """Data parallel runs: whether the ranks ended with the same FP8 state, parameters and
+    validation loss, (--check-replicas) at how many checks their weights were identical, and
+    (every run) each rank's memory (print_memory)."""
+    for r in results:
+        if r["ranks_agree"] is not None:
+            agree = ", ".join(f"{k} {'identical' if v else 'DIFFERENT'}"
+                              for k, v in r["ranks_agree"].items())  # fmt: skip
+            print(f"{r['name']}: across {world} ranks: {agree}")
+        if r.get("replicas") is not None:
+            print(
+                f"{r['name']}: --check-replicas: the weights identical on all {world} ranks at "
+                f"{r['replicas']['steps_checked']} checks (the start and every step)"
+            )
+    print_memory(results)
 
 
 def print_memory(results: list[dict]) -> None:
