@@ -1,6 +1,9 @@
 """The summary of scripts/gpu_check.sh's `shard` step (issue 31, world size 1 with NCCL): whether
 the sharded eager and step-graph runs of graphfp8-train trained the same losses bit for bit,
 tokens/s of --shard against the unsharded run (target: within 3%), each run's memory per rank.
+The eager-vs-step comparison shows bits on a GPU only with --deterministic: cuDNN's bf16
+attention backward differs run to run there; its deterministic path gave the same bits run to
+run on the H200 (2026-12-01, profiles/h200-2026-12-01-s4/det_summary.md).
 
     python scripts/shard_report.py RESULTS_DIR   (shard_modes/, shard_speed/, shard_speed--shard/)
 
@@ -39,9 +42,11 @@ def main(results: str) -> int:
         return 1
     same = eager["losses"] == graphed["losses"]
     ratio = sharded["tokens_per_s"] / plain["tokens_per_s"]
+    det = eager.get("deterministic") and graphed.get("deterministic")
+    how = "--deterministic" if det else "not --deterministic: on a GPU this cannot show bits"
     print(
         f"shard: {eager['name']} vs {graphed['name']}, {len(eager['losses'])} steps: graphed "
-        f"== eager bit for bit: {'yes' if same else 'NO'}"
+        f"== eager bit for bit: {'yes' if same else 'NO'} ({how})"
     )
     verdict = "within" if ratio >= TARGET else "MISSED"
     print(

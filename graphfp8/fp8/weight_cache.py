@@ -126,15 +126,23 @@ class WeightCache(CacheState):
         return ws
 
 
+def _nothing_cached(owner: str) -> str:
+    return (f"{owner}: is_first_microbatch=False before any is_first_microbatch=True: there is "
+            "no cached FP8 weight to reuse")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class EagerCasts:
     """The module's is_first_microbatch decides on the host, per call."""
 
+    def check(self, cache: WeightCache, is_first_microbatch, owner: str) -> None:
+        """Raises, before the forward touches any FP8 state, where casts() would."""
+        if is_first_microbatch is False and not cache.valid:
+            raise RuntimeError(_nothing_cached(owner))
+
     def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
         """(cast the weights now, the device flag the casts read: None)."""
-        error = (f"{owner}: is_first_microbatch=False before any is_first_microbatch=True: "
-                 "there is no cached FP8 weight to reuse")  # fmt: skip
-        return not cache.reuses(is_first_microbatch, error), None
+        return not cache.reuses(is_first_microbatch, _nothing_cached(owner)), None
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,6 +151,9 @@ class GraphCasts:
     or None: cast on every replay) decides on the device."""
 
     flag: torch.Tensor | None
+
+    def check(self, cache: WeightCache, is_first_microbatch, owner: str) -> None:
+        """Nothing to check: the graph's device flag decides at replay."""
 
     def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
         # The workspaces now hold what the graph casts (its flag decides): an eager call with
@@ -160,6 +171,9 @@ class StaticCasts:
 
     cast: bool
 
+    def check(self, cache: WeightCache, is_first_microbatch, owner: str) -> None:
+        """Nothing to check before the forward: casts() checks the capture's own order."""
+
     def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
         """(cast the weights now, no device flag)."""
         if not (self.cast or cache.valid):
@@ -176,6 +190,9 @@ class VersionCasts:
     steps, load_state_dict, copy_), its storage, or the tensor itself. A write through
     `weight.data` is not seen (its loop passes is_first_microbatch). A call with
     is_first_microbatch follows it (EagerCasts)."""
+
+    def check(self, cache: WeightCache, is_first_microbatch, owner: str) -> None:
+        EAGER.check(cache, is_first_microbatch, owner)
 
     def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
         if is_first_microbatch is not None:

@@ -98,11 +98,12 @@ def gemm_configs(
 ) -> list[GemmConfig]:
     """One GemmConfig per (workspace key, weight (N, K)) for this FP8 forward of `module`."""
     ctx = context.current()
+    owner, cache = type(module).__name__, module.weight_cache
+    ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before any FP8 state changes
     frozen = _frozen_call(module, ctx, is_first_microbatch)
     meta, bwd_update = fp8_state(module, weights[0][1].device, frozen, ctx)
     fwd, bwd = map(FrozenSlots, (meta.fwd, meta.bwd)) if frozen else (meta.fwd, meta.bwd)
-    fp8_dtype, owner = meta.fwd.arena.fp8_dtype, type(module).__name__
-    cache = module.weight_cache
+    fp8_dtype = meta.fwd.arena.fp8_dtype
     workspaces = [cache.workspace(key, w, fp8_dtype, module.cache_weight_transpose, owner)
                   for key, w in weights]  # fmt: skip
     cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner,
