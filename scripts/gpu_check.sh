@@ -44,7 +44,7 @@
 #               100m, stdlib, 300: validation loss of FP8 vs bf16 on held-out text, tokens/s)
 #   step scaling (issue 34): sharded FP8 training on every GPU of the machine (nvidia-h200-x2/x4/x8;
 #               also at 1): scripts/scaling.sh (its SCALING_* settings there; <= SCALING_BUDGET_S,
-#               480 s) -> $RES/scaling.md and scaling.json (docs/sharding.md, "Multi-GPU measurement")
+#               500 s) -> $RES/scaling.md and scaling.json (docs/sharding.md, "Multi-GPU measurement")
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"

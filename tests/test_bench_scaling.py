@@ -14,6 +14,7 @@ from graphfp8.bench import scaling, scaling_fit
 from graphfp8.bench.overlap import busy_union, collective_summary, nccl_kind, overlap_length
 from graphfp8.training.model import PRESETS
 from tests.rank_pool import run_on_ranks
+from tests.test_layout import _load
 
 ARGS = ["--presets", "tiny", "--steps", "2", "--microbatches", "2", "--batch", "2", "--seq-len",
         "32"]  # fmt: skip
@@ -83,14 +84,34 @@ def test_fit_search(fits_up_to, start, expected):
     assert tried == expected
 
 
+def _speed_json(per_param: float, peak_gib: float) -> dict:
+    """A bench/scaling.py result with one 300m shard-fp8w:step run."""
+    memory = [{"max_allocated_bytes": peak_gib * 2**30,
+               "state_bytes_per_parameter": {"total": per_param}}]  # fmt: skip
+    return {"environment": {"world": 8}, "runs": [
+        {"config": "shard-fp8w", "mode": "step", "preset": "300m", "memory_per_rank": memory,
+         "parameters": scaling_fit.parameters(PRESETS["300m"])}]}  # fmt: skip
+
+
+def test_fit_writes_what_it_tried_and_the_report_reads_it(tmp_path, monkeypatch):
+    speed = tmp_path / "speed_N.json"
+    speed.write_text(json.dumps(_speed_json(6.0, 10.0)))
+    monkeypatch.setattr(scaling_fit, "_attempt", lambda name, args, out: name in ("1b", "2b"))
+    scaling_fit.main([str(speed), "--nproc", "8", "--out", str(tmp_path / "fit"),
+                      "--capacity-gib", "140"])  # fmt: skip
+    fit = json.loads((tmp_path / "fit" / "fit.json").read_text())
+    assert fit["tried"][-1] == ["2b", True] and fit["largest_fitting"] == "2b"
+    assert fit["next_larger_fails"] == "4b"
+    lines, _ = _load("scaling_report")._fit(tmp_path)
+    assert "largest that trains: 2b; next larger: 4b" in "\n".join(lines)
+
+
 def test_fit_prediction_from_a_measured_run():
     """State bytes per parameter times parameters, plus the measured rest scaled by layers x
     hidden: a 300m run at 6 B/param with a 10 GiB peak predicts the 7b shape."""
     ref = scaling_fit.parameters(PRESETS["300m"])
     rest = 10 * 2**30 - 6.0 * ref
-    memory = [{"max_allocated_bytes": 10 * 2**30, "state_bytes_per_parameter": {"total": 6.0}}]
-    speed = {"runs": [{"config": "shard-fp8w", "mode": "step", "preset": "300m", "parameters": ref,
-                       "memory_per_rank": memory}]}  # fmt: skip
+    speed = _speed_json(6.0, 10.0)
     rows = {r["name"]: r for r in scaling_fit.predict(speed, 140 * 2**30)}
     shape = scaling_fit.FIT_SHAPES["7b"]
     expect = 6.0 * rows["7b"]["parameters"] + rest * shape.layers * shape.hidden / (24 * 1024)

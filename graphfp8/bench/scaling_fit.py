@@ -134,6 +134,23 @@ def _attempt(name: str, args, out: Path) -> bool:
     return "error" not in run
 
 
+def _gpu_memory() -> int:
+    """GPU 0's memory in bytes, from nvidia-smi: a CUDA context in this process would take GPU
+    memory from the attempts' rank 0 for as long as they run."""
+    try:
+        query = [
+            "nvidia-smi",
+            "--query-gpu=memory.total",
+            "--format=csv,noheader,nounits",
+            "-i",
+            "0",
+        ]
+        out = subprocess.run(query, capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[0]) * 2**20
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        return torch.cuda.get_device_properties(0).total_memory
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphfp8.bench.scaling_fit")
     p.add_argument("speed", help="a bench/scaling.py JSON with a shard-fp8w:step run")
@@ -146,23 +163,40 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     deadline = time.monotonic() + args.budget_s
     speed = json.loads(Path(args.speed).read_text())
-    capacity = (int(args.capacity_gib * 2**30) if args.capacity_gib
-                else torch.cuda.get_device_properties(0).total_memory)  # fmt: skip
+    capacity = int(args.capacity_gib * 2**30) if args.capacity_gib else _gpu_memory()
     rows = predict(speed, capacity)
     names = [r["name"] for r in rows]
     start = max((i for i, r in enumerate(rows) if r["fits"]), default=-1)
     args.out.mkdir(parents=True, exist_ok=True)
-    tried = search(names, start, lambda name: _attempt(name, args, args.out), deadline)
+    head = {"world": args.nproc, "capacity_bytes": capacity, "headroom": HEADROOM,
+            "microbatches": args.microbatches, "predictions": rows}  # fmt: skip
+    done: list[tuple[str, bool]] = []
+
+    def attempt(name: str) -> bool:  # fit.json rewritten after each: a timeout keeps them
+        done.append((name, _attempt(name, args, args.out)))
+        _write_result(args.out, head, done, names)
+        return done[-1][1]
+
+    _write_result(args.out, head, done, names)
+    tried = search(names, start, attempt, deadline)
+    print(f"fit at N={args.nproc}: tried {tried}; largest that trains: "
+          f"{_largest(tried, names)[0]}")  # fmt: skip
+    return 0
+
+
+def _largest(tried: list[tuple[str, bool]], names: list[str]) -> tuple[str | None, str | None]:
+    """(the largest that trained, the smallest larger one that failed), None where none."""
     fitting = [n for n, ok in tried if ok]
     largest = max(fitting, key=names.index) if fitting else None
-    above = [n for n, ok in tried if not ok and largest and names.index(n) > names.index(largest)]
-    result = {"world": args.nproc, "capacity_bytes": capacity, "headroom": HEADROOM,
-              "microbatches": args.microbatches, "predictions": rows, "tried": tried,
-              "largest_fitting": largest,
-              "next_larger_fails": above[0] if above else None}  # fmt: skip
-    (args.out / "fit.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"fit at N={args.nproc}: tried {tried}; largest that trains: {largest}")
-    return 0
+    above = sorted((n for n, ok in tried if not ok and largest
+                    and names.index(n) > names.index(largest)), key=names.index)  # fmt: skip
+    return largest, above[0] if above else None
+
+
+def _write_result(out: Path, head: dict, tried: list, names: list[str]) -> None:
+    largest, above = _largest(tried, names)
+    result = {**head, "tried": tried, "largest_fitting": largest, "next_larger_fails": above}
+    (out / "fit.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
