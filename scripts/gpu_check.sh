@@ -45,6 +45,8 @@
 #   step scaling (issue 34): sharded FP8 training on every GPU of the machine (nvidia-h200-x2/x4/x8;
 #               also at 1): scripts/scaling.sh (its SCALING_* settings there; <= SCALING_BUDGET_S,
 #               500 s) -> $RES/scaling.md and scaling.json (docs/sharding.md, "Multi-GPU measurement")
+#   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
+#               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -225,6 +227,24 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       echo "-- FP8 attention off: --deterministic run twice" | tee -a "$RES/summary.md"
       $PY scripts/same_bits.py "$RES/det_off_det1/summary.json" "$RES/det_off_det2/summary.json" \
         --baseline "$RES/det_off_base/summary.json" 2>&1 | tee -a "$RES/summary.md" || status=1 ;;
+    rows33)  # issue 33's table, tokens/s: bf16 vs FP8 (layer graphs) per preset in one process,
+      # then 100m FP8 with current scaling and with --fp8-stats 10 (one process each: ratios to
+      # the FP8 run of the first preset's process); synthetic data (tokens/s only), ROWS_STEPS
+      for preset in ${ROWS_PRESETS:-100m llama-100m 300m}; do
+        $PY -m graphfp8.train --compare bf16:graphs,fp8:graphs --preset "$preset" --data synthetic \
+          --val-fraction 0 --steps ${ROWS_STEPS:-100} --out "$RES/rows_$preset" \
+          > "$RES/rows_$preset.log" 2>&1 || { status=1; tail -20 "$RES/rows_$preset.log"; }
+        echo "-- $preset" | tee -a "$RES/summary.md"
+        grep -A3 "^ *run " "$RES/rows_$preset.log" | tee -a "$RES/summary.md"
+      done
+      for v in "--scaling current" "--fp8-stats 10"; do
+        name=$(echo "$v" | tr -d ' -')
+        $PY -m graphfp8.train --compare fp8:graphs $v --preset 100m --data synthetic \
+          --val-fraction 0 --steps ${ROWS_STEPS:-100} --out "$RES/rows_$name" \
+          > "$RES/rows_$name.log" 2>&1 || { status=1; tail -20 "$RES/rows_$name.log"; }
+        echo "-- 100m fp8:graphs $v" | tee -a "$RES/summary.md"
+        grep -A2 "^ *run " "$RES/rows_$name.log" | tee -a "$RES/summary.md"
+      done ;;
     train-e4m3)  # the train step's FP8 run with E4M3 gradients too (against HYBRID's E5M2)
       $PY -m graphfp8.train --compare fp8:graphs --fp8-format E4M3 --preset ${TRAIN_PRESET:-100m} \
         --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} --out "$RES/train_e4m3" \
