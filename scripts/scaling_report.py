@@ -190,13 +190,19 @@ def _profiles(d: Path) -> tuple[list[str], list]:
     return lines, profiles
 
 
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
 def _peers(d: Path, speed: dict) -> tuple[list[str], list]:
     peers = (_load(d / "peers_N.json") or {}).get("runs", [])
     world = speed["world"]
+    head = ("preset", "peer", "tokens/s", "vs graphfp8 shard-fp8w step",
+            "max_allocated GiB per GPU (max rank)", "loss at the end", "host ms / step (enqueue)",
+            "ms / step", "GPU busy (profiled)")  # fmt: skip
     lines = [f"### Peers at N={world}: the same shapes and data (FSDP2 per block, torch.compile'd "
-             "blocks)", "", "| preset | peer | tokens/s | vs graphfp8 shard-fp8w step | "
-             "max_allocated GiB per GPU (max rank) | loss at the end |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "blocks)", "", "| " + " | ".join(head) + " |",
+             "|" + " --- |" * len(head)]  # fmt: skip
     ours = {(r["preset"], r["config"], r["mode"]): r for r in speed["rows"]}
     for preset in sorted({p["preset"] for p in peers}):
         ref = ours.get((preset, "shard-fp8w", "step"))
@@ -206,16 +212,18 @@ def _peers(d: Path, speed: dict) -> tuple[list[str], list]:
                 lines.append(f"| {preset} | graphfp8 {config} step graph | "
                              f"{r['tokens_per_s']:,.0f} | "
                              f"{r['tokens_per_s'] / ref['tokens_per_s'] if ref else 0:.3f} | "
-                             f"{r['max_allocated_gib']:.2f} | |")  # fmt: skip
+                             f"{r['max_allocated_gib']:.2f} | | | | |")  # fmt: skip
         for p in (p for p in peers if p["preset"] == preset):
             if "tokens_per_s" not in p:
                 lines.append(f"| {preset} | {p['peer']} | {p.get('skipped') or p.get('error')} "
-                             "| | | |")  # fmt: skip
+                             "| | | | | | |")  # fmt: skip
                 continue
             vs = f"{p['tokens_per_s'] / ref['tokens_per_s']:.3f}" if ref else "-"
             peak = max(x or 0 for x in p["max_allocated_bytes"]) / GIB
+            busy = (p.get("profile") or {}).get("busy_fraction")
             lines.append(f"| {preset} | {p['peer']} | {p['tokens_per_s']:,.0f} | {vs} | "
-                         f"{peak:.2f} | {p['losses'][-1]:.4f} |")  # fmt: skip
+                         f"{peak:.2f} | {p['losses'][-1]:.4f} | {_num(p.get('host_ms_per_step'))} "
+                         f"| {_num(p.get('ms_per_step'))} | {_num(busy)} |")  # fmt: skip
     return lines, peers
 
 

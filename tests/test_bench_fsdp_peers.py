@@ -28,9 +28,13 @@ def _fsdp2_bf16_runs(rank, device):
     data = Dataset(open_stream("synthetic", None, 1 << 16, 0), val_fraction=0.0)
     cfg = replace(PRESETS["tiny"], batch=2, seq_len=32, vocab=data.vocab_size)
     result = fsdp_peers.measure_peer("fsdp2-bf16", cfg, data, device, steps=2, warmup=1,
-                                     microbatches=2, compile_blocks=False)  # fmt: skip
+                                     microbatches=2, compile_blocks=False,
+                                     profile_steps=1)  # fmt: skip
     assert result["peer"] == "fsdp2-bf16" and result["tokens_per_s"] > 0
     assert len(result["losses"]) == 3 and all(0 < x < 10 for x in result["losses"])
+    assert 0 < result["host_ms_per_step"] <= result["ms_per_step"]
+    # the CPU has no kernels to profile: no busy fraction rather than a made-up one
+    assert result["profile"] == {"steps": 1, "kernels_per_step": 0.0, "busy_fraction": None}
     assert result["max_allocated_bytes"] == [None, None]  # per rank; torch.cuda's on a GPU
     skipped = fsdp_peers.measure_peer("torchao-fp8", cfg, data, device, steps=1, warmup=1,
                                       microbatches=1, compile_blocks=False)  # fmt: skip

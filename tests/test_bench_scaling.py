@@ -117,3 +117,20 @@ def test_fit_prediction_from_a_measured_run():
     expect = 6.0 * rows["7b"]["parameters"] + rest * shape.layers * shape.hidden / (24 * 1024)
     assert rows["7b"]["predicted_bytes"] == int(expect)
     assert rows["7b"]["fits"] and not rows["64b"]["fits"]
+
+
+def test_the_report_puts_the_peers_beside_the_step_graph_rows(tmp_path):
+    """Ratios against graphfp8's sharded FP8-weight step graph, and the peers' host and GPU
+    busy columns (bench/fsdp_peers.py's profile; "-" when a run has none)."""
+    (tmp_path / "peers_N.json").write_text(json.dumps({"runs": [
+        {"preset": "100m", "peer": "fsdp2-bf16", "tokens_per_s": 200.0, "losses": [3.0, 2.5],
+         "max_allocated_bytes": [2 << 30], "host_ms_per_step": 9.5, "ms_per_step": 10.0,
+         "profile": {"steps": 2, "kernels_per_step": 900.0, "busy_fraction": 0.31}},
+        {"preset": "100m", "peer": "torchao-fp8", "skipped": "no torchao"}]}))  # fmt: skip
+    speed = {"world": 2, "rows": [{"preset": "100m", "config": "shard-fp8w", "mode": "step",
+                                   "tokens_per_s": 800.0, "max_allocated_gib": 1.5}]}  # fmt: skip
+    lines, peers = _load("scaling_report")._peers(tmp_path, speed)
+    assert len(peers) == 2
+    assert "| 100m | graphfp8 shard-fp8w step graph | 800 | 1.000 | 1.50 | | | | |" in lines
+    assert "| 100m | fsdp2-bf16 | 200 | 0.250 | 2.00 | 2.5000 | 9.5 | 10 | 0.31 |" in lines
+    assert "| 100m | torchao-fp8 | no torchao | | | | | | |" in lines

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from graphfp8.bench.torch_gpt import TorchGPT
 from graphfp8.training.data import Dataset, split_windows
 from graphfp8.training.model import PRESETS, ModelConfig
+from graphfp8.training.profile_stats import busy_fraction
 from graphfp8.training.sources import open_stream
 
 __all__ = ["PEERS", "measure_peer", "torchao_skip_reason", "main"]
@@ -97,12 +98,15 @@ def _step(model, opt, data: Dataset, cfg: ModelConfig, step: int, microbatches: 
 
 def measure_peer(peer: str, cfg: ModelConfig, data: Dataset, device: torch.device, *,
                  steps: int, warmup: int, microbatches: int, compile_blocks: bool,
-                 seed: int = 0) -> dict:  # fmt: skip
-    """Builds the peer, trains `warmup` steps (compilation) and `steps` timed ones.
+                 seed: int = 0, profile_steps: int = 0) -> dict:  # fmt: skip
+    """Builds the peer, trains `warmup` steps (compilation), `steps` timed ones, then
+    `profile_steps` under torch.profiler.
 
     Returns:
         {"peer", "tokens_per_s" (all ranks), "losses", "build_s", "warmup_s",
-        "max_allocated_bytes" (per rank; None on the CPU)} or {"peer", "skipped": reason}.
+        "max_allocated_bytes" (per rank; None on the CPU), "ms_per_step", "host_ms_per_step"
+        (until the timed steps were enqueued), "profile" (with profile_steps: _profile's)} or
+        {"peer", "skipped": reason}.
     """
     if peer == "torchao-fp8" and (reason := torchao_skip_reason(device)) is not None:
         return {"peer": peer, "skipped": reason}
@@ -123,16 +127,48 @@ def measure_peer(peer: str, cfg: ModelConfig, data: Dataset, device: torch.devic
     t2 = time.perf_counter()
     losses += [_step(*args, warmup + s, microbatches, device, peer == "torchao-fp8")
                for s in range(steps)]  # fmt: skip
+    t_enqueued = time.perf_counter()
     _sync(device)
     t3 = time.perf_counter()
     tokens = steps * microbatches * cfg.batch * cfg.seq_len * dist.get_world_size()
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, peak)
-    return {"peer": peer, "tokens_per_s": tokens / (t3 - t2),
-            "losses": [float(x) for x in torch.stack(losses).tolist()],
-            "build_s": round(t1 - t0, 2), "warmup_s": round(t2 - t1, 2),
-            "max_allocated_bytes": every}  # fmt: skip
+    result = {"peer": peer, "tokens_per_s": tokens / (t3 - t2),
+              "losses": [float(x) for x in torch.stack(losses).tolist()],
+              "build_s": round(t1 - t0, 2), "warmup_s": round(t2 - t1, 2),
+              "max_allocated_bytes": every, "ms_per_step": 1e3 * (t3 - t2) / steps,
+              "host_ms_per_step": 1e3 * (t_enqueued - t2) / steps}  # fmt: skip
+    if profile_steps:
+        first = warmup + steps
+        result["profile"] = _profile(
+            lambda s: _step(*args, first + s, microbatches, device, peer == "torchao-fp8"),
+            profile_steps, device)  # fmt: skip
+    return result
+
+
+def _profile(step, steps: int, device: torch.device) -> dict:
+    """`steps` calls of step(i) under torch.profiler: CUDA kernels per step and the GPU busy
+    fraction (training/profile_stats.py; None on the CPU, which has no kernels). A busy fraction
+    well below 1 with host ms per step near the step's time says the peer waits on the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for s in range(steps):
+            step(s)
+        _sync(device)
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]  # fmt: skip
+    return {
+        "steps": steps,
+        "kernels_per_step": len(kernels) / steps,
+        "busy_fraction": busy_fraction(kernels) if kernels else None,
+    }
 
 
 def _sync(device: torch.device) -> None:
@@ -150,6 +186,12 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help="sequences per microbatch (default: the preset's)")
     p.add_argument("--seq-len", type=int, help="(default: the preset's)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=2,
+        help="steps under torch.profiler after the timed ones: GPU busy (0: none)",
+    )
     p.add_argument("--data", default="synthetic", help="as graphfp8-train's --data")
     p.add_argument("--json", help="write the results here (rank 0)")
     return p.parse_args(argv)
@@ -169,7 +211,8 @@ def main(argv=None) -> int:
             try:
                 r = measure_peer(peer, cfg, data, info.device, steps=args.steps,
                                  warmup=args.warmup, microbatches=args.microbatches,
-                                 compile_blocks=args.compile)  # fmt: skip
+                                 compile_blocks=args.compile,
+                                 profile_steps=args.profile_steps)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - one peer's failure is a result, not the end
                 r = {"peer": peer, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             results.append({"preset": preset, "world": info.world_size, **r})
