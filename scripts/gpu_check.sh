@@ -45,6 +45,8 @@
 #   step scaling (issue 34): sharded FP8 training on every GPU of the machine (nvidia-h200-x2/x4/x8;
 #               also at 1): scripts/scaling.sh (its SCALING_* settings there; <= SCALING_BUDGET_S,
 #               500 s) -> $RES/scaling.md and scaling.json (docs/sharding.md, "Multi-GPU measurement")
+#   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
+#               token and GPU busy (one call under torch.profiler)
 #   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
 set -uo pipefail
@@ -347,6 +349,20 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       with_te $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;
+    generate)  # issue 32's generate() rows alone (bench hf-users without Trainer): new tokens/s,
+      # kernels per new token and GPU busy of one profiled call, HF bf16 / graphfp8 bf16 / FP8
+      $PY -c 'import json, sys
+from graphfp8.bench.hf_model import FULL
+from graphfp8.bench.hf_users import generate_rows
+from graphfp8.bench.common import print_table
+rows = generate_rows(FULL, "cuda", False)
+json.dump(rows, open(sys.argv[1], "w"), indent=1)
+base = rows["HF bf16 generate"]["tokens_per_s"]
+print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF bf16",
+            "kernels per new token", "GPU busy"], [[n, r["tokens_per_s"], r["tokens_per_s"] / base,
+            r["kernels_per_new_token"], r["busy_fraction"]] for n, r in rows.items()])' \
+        "$RES/generate.json" > "$RES/generate.log" 2>&1 || { status=1; tail -20 "$RES/generate.log"; }
+      grep "^|\|^###" "$RES/generate.log" | tee -a "$RES/summary.md" ;;
     te)  # issue 32: TE's documentation examples on graphfp8.te at TE's sizes (only the imports
          # changed: tests/te/te_examples.py), then the CUDA variants of tests/te and of LoRA
       $PY -m tests.te.te_examples --device cuda --json "$RES/te_examples.json" \

@@ -34,7 +34,7 @@ def _fsdp2_bf16_runs(rank, device):
     assert len(result["losses"]) == 3 and all(0 < x < 10 for x in result["losses"])
     assert 0 < result["host_ms_per_step"] <= result["ms_per_step"]
     # the CPU has no kernels to profile: no busy fraction rather than a made-up one
-    assert result["profile"] == {"steps": 1, "kernels_per_step": 0.0, "busy_fraction": None}
+    assert result["profile"] == {"calls": 1, "kernels_per_call": 0.0, "busy_fraction": None}
     assert result["max_allocated_bytes"] == [None, None]  # per rank; torch.cuda's on a GPU
     skipped = fsdp_peers.measure_peer("torchao-fp8", cfg, data, device, steps=1, warmup=1,
                                       microbatches=1, compile_blocks=False)  # fmt: skip

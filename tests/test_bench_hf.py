@@ -30,5 +30,9 @@ def test_hf_quick(tmp_path, capsys):
     assert list(out["generate"]) == ["HF bf16 generate", "graphfp8 bf16 generate",
                                      "graphfp8 FP8 generate"]  # fmt: skip
     assert all(r["tokens_per_s"] > 0 for r in out["generate"].values())
+    # one generate() call profiled: the CPU has no kernels, so no busy fraction is made up
+    assert all(r["kernels_per_new_token"] == 0 and r["busy_fraction"] is None
+               for r in out["generate"].values())  # fmt: skip
     text = capsys.readouterr().out
     assert "/ HF bf16 eager" in text and "/ Trainer + HF bf16" in text and "generate()" in text
+    assert "kernels per new token" in text

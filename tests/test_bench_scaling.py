@@ -125,7 +125,7 @@ def test_the_report_puts_the_peers_beside_the_step_graph_rows(tmp_path):
     (tmp_path / "peers_N.json").write_text(json.dumps({"runs": [
         {"preset": "100m", "peer": "fsdp2-bf16", "tokens_per_s": 200.0, "losses": [3.0, 2.5],
          "max_allocated_bytes": [2 << 30], "host_ms_per_step": 9.5, "ms_per_step": 10.0,
-         "profile": {"steps": 2, "kernels_per_step": 900.0, "busy_fraction": 0.31}},
+         "profile": {"calls": 2, "kernels_per_call": 900.0, "busy_fraction": 0.31}},
         {"preset": "100m", "peer": "torchao-fp8", "skipped": "no torchao"}]}))  # fmt: skip
     speed = {"world": 2, "rows": [{"preset": "100m", "config": "shard-fp8w", "mode": "step",
                                    "tokens_per_s": 800.0, "max_allocated_gib": 1.5}]}  # fmt: skip

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["time_device", "time_host", "environment", "print_table", "write_json", "graph_of"]
+__all__ = ["time_device", "time_host", "gpu_busy", "environment", "print_table", "write_json",
+           "graph_of"]  # fmt: skip
 
 
 def _sync(device: torch.device) -> None:
@@ -65,6 +66,34 @@ def time_host(fn: Callable[[], object], device, *, warmup=3, iters=20, repeats=5
         samples.append(total * 1e3 / iters)
     _sync(device)
     return statistics.median(samples)
+
+
+def gpu_busy(fn: Callable[[int], object], calls: int, device) -> dict:
+    """`calls` calls of fn(i) under torch.profiler: CUDA kernels (and memcpy/memset) per call
+    and the GPU busy fraction over them (training/profile_stats.py's; None on the CPU, which has
+    no kernels). Busy well below 1 says the work waits on the host.
+
+    Returns:
+        {"calls", "kernels_per_call", "busy_fraction"}.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from graphfp8.training.profile_stats import busy_fraction
+
+    device = torch.device(device)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for i in range(calls):
+            fn(i)
+        _sync(device)
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]  # fmt: skip
+    return {"calls": calls, "kernels_per_call": len(kernels) / calls,
+            "busy_fraction": busy_fraction(kernels) if kernels else None}  # fmt: skip
 
 
 def graph_of(fn: Callable[[], object], calls: int) -> Callable[[], None]:

@@ -25,10 +25,10 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from graphfp8.bench.common import gpu_busy
 from graphfp8.bench.torch_gpt import TorchGPT
 from graphfp8.training.data import Dataset, split_windows
 from graphfp8.training.model import PRESETS, ModelConfig
-from graphfp8.training.profile_stats import busy_fraction
 from graphfp8.training.sources import open_stream
 
 __all__ = ["PEERS", "measure_peer", "torchao_skip_reason", "main"]
@@ -105,7 +105,8 @@ def measure_peer(peer: str, cfg: ModelConfig, data: Dataset, device: torch.devic
     Returns:
         {"peer", "tokens_per_s" (all ranks), "losses", "build_s", "warmup_s",
         "max_allocated_bytes" (per rank; None on the CPU), "ms_per_step", "host_ms_per_step"
-        (until the timed steps were enqueued), "profile" (with profile_steps: _profile's)} or
+        (until the timed steps were enqueued), "profile" (with profile_steps: bench/common.py's
+        gpu_busy: kernels per step, GPU busy fraction)} or
         {"peer", "skipped": reason}.
     """
     if peer == "torchao-fp8" and (reason := torchao_skip_reason(device)) is not None:
@@ -141,34 +142,10 @@ def measure_peer(peer: str, cfg: ModelConfig, data: Dataset, device: torch.devic
               "host_ms_per_step": 1e3 * (t_enqueued - t2) / steps}  # fmt: skip
     if profile_steps:
         first = warmup + steps
-        result["profile"] = _profile(
+        result["profile"] = gpu_busy(
             lambda s: _step(*args, first + s, microbatches, device, peer == "torchao-fp8"),
             profile_steps, device)  # fmt: skip
     return result
-
-
-def _profile(step, steps: int, device: torch.device) -> dict:
-    """`steps` calls of step(i) under torch.profiler: CUDA kernels per step and the GPU busy
-    fraction (training/profile_stats.py; None on the CPU, which has no kernels). A busy fraction
-    well below 1 with host ms per step near the step's time says the peer waits on the host."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    _sync(device)
-    with profile(activities=activities) as prof:
-        for s in range(steps):
-            step(s)
-        _sync(device)
-    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA
-               and not getattr(e, "is_user_annotation", False)]  # fmt: skip
-    return {
-        "steps": steps,
-        "kernels_per_step": len(kernels) / steps,
-        "busy_fraction": busy_fraction(kernels) if kernels else None,
-    }
 
 
 def _sync(device: torch.device) -> None:

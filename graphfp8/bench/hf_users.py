@@ -12,7 +12,7 @@ import time
 import torch
 
 import graphfp8 as g8
-from graphfp8.bench.common import environment, print_table
+from graphfp8.bench.common import environment, gpu_busy, print_table
 from graphfp8.bench.hf_model import FULL, QUICK, hf_model
 from graphfp8.training.data import Dataset
 from graphfp8.training.sources import open_stream
@@ -87,7 +87,9 @@ def trainer_rows(shape, device, data: Dataset) -> dict:
     return out
 
 
-def _generate_run(model, prompts, new: int, calls: int, device) -> float:
+def _generate_run(model, prompts, new: int, calls: int, device) -> dict:
+    """New tokens/s of `calls` timed generate() calls, then one under torch.profiler: kernels
+    per new token and the GPU busy fraction (bench/common.py's gpu_busy)."""
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(prompts, **kw)  # warm-up: allocator, cuBLAS handles, FP8 state
@@ -96,12 +98,17 @@ def _generate_run(model, prompts, new: int, calls: int, device) -> float:
         for _ in range(calls):
             model.generate(prompts, **kw)
         _sync(device)
-    return prompts.shape[0] * new * calls / (time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        busy = gpu_busy(lambda _: model.generate(prompts, **kw), 1, device)
+    return {"tokens_per_s": prompts.shape[0] * new * calls / seconds,
+            "kernels_per_new_token": busy["kernels_per_call"] / new,
+            "busy_fraction": busy["busy_fraction"]}  # fmt: skip
 
 
 def generate_rows(shape, device, quick: bool) -> dict:
-    """generate() tokens/s: HF bf16, graphfp8's layers in bf16 and in FP8 (current scaling:
-    no delayed state carries between decode steps' different shapes)."""
+    """generate() new tokens/s, kernels per new token and GPU busy: HF bf16, graphfp8's layers
+    in bf16 and in FP8 (current scaling: no delayed state carries between decode steps'
+    different shapes)."""
     prompts_n, prompt_len, new, calls = GENERATE_QUICK if quick else GENERATE_FULL
     hf = hf_model(shape, device).eval()
     prompts = torch.randint(1, 256, (prompts_n, prompt_len), device=device,
@@ -111,7 +118,7 @@ def generate_rows(shape, device, quick: bool) -> dict:
     out["graphfp8 bf16 generate"] = _generate_run(bf16, prompts, new, calls, device)
     fp8 = g8.from_hf(hf_model(shape, device), recipe=g8.Float8CurrentScaling()).eval()
     out["graphfp8 FP8 generate"] = _generate_run(fp8, prompts, new, calls, device)
-    return {k: {"tokens_per_s": v} for k, v in out.items()}
+    return out
 
 
 def tables(trainer: dict, generate: dict, title: str) -> str:
@@ -121,9 +128,12 @@ def tables(trainer: dict, generate: dict, title: str) -> str:
                        [[n, r["tokens_per_s"], r["tokens_per_s"] / base, r["mean_loss"]]
                         for n, r in trainer.items()])  # fmt: skip
     base = generate["HF bf16 generate"]["tokens_per_s"]
-    text += print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s",
-                        "/ HF bf16"], [[n, r["tokens_per_s"], r["tokens_per_s"] / base]
-                                       for n, r in generate.items()])  # fmt: skip
+    text += print_table("generate() with a KV cache, greedy",
+                        ["peer", "new tokens/s", "/ HF bf16", "kernels per new token",
+                         "GPU busy (one call profiled)"],
+                        [[n, r["tokens_per_s"], r["tokens_per_s"] / base,
+                          r["kernels_per_new_token"], r["busy_fraction"] or "-"]
+                         for n, r in generate.items()])  # fmt: skip
     return text
 
 
