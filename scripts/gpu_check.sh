@@ -350,12 +350,14 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;
     generate)  # issue 32's generate() rows alone (bench hf-users without Trainer): new tokens/s,
-      # kernels per new token and GPU busy of one profiled call, HF bf16 / graphfp8 bf16 / FP8
+      # then kernels per new token and GPU busy of one profiled call of 16 tokens, HF bf16 /
+      # graphfp8 bf16 / FP8 (not yet run on a GPU: its first try profiled 128 tokens with host
+      # op events and ran past 200 s; now CUDA activity only)
       $PY -c 'import json, sys
 from graphfp8.bench.hf_model import FULL
 from graphfp8.bench.hf_users import generate_rows
 from graphfp8.bench.common import print_table
-rows = generate_rows(FULL, "cuda", False)
+rows = generate_rows(FULL, "cuda", False, profile_new=16)
 json.dump(rows, open(sys.argv[1], "w"), indent=1)
 base = rows["HF bf16 generate"]["tokens_per_s"]
 print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF bf16",

@@ -87,37 +87,43 @@ def trainer_rows(shape, device, data: Dataset) -> dict:
     return out
 
 
-def _generate_run(model, prompts, new: int, calls: int, device) -> dict:
-    """New tokens/s of `calls` timed generate() calls, then one under torch.profiler: kernels
-    per new token and the GPU busy fraction (bench/common.py's gpu_busy)."""
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+def _generate_run(model, prompts, new: int, calls: int, device, profile_new: int) -> dict:
+    """New tokens/s of `calls` timed generate() calls; with profile_new, one more call of that
+    many new tokens under torch.profiler: kernels per new token and the GPU busy fraction
+    (bench/common.py's gpu_busy)."""
+    kw = dict(min_new_tokens=new, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        model.generate(prompts, **kw)  # warm-up: allocator, cuBLAS handles, FP8 state
+        model.generate(prompts, max_new_tokens=new, **kw)  # warm-up: allocator, handles, FP8
         _sync(device)
         t0 = time.perf_counter()
         for _ in range(calls):
-            model.generate(prompts, **kw)
+            model.generate(prompts, max_new_tokens=new, **kw)
         _sync(device)
-        seconds = time.perf_counter() - t0
-        busy = gpu_busy(lambda _: model.generate(prompts, **kw), 1, device)
-    return {"tokens_per_s": prompts.shape[0] * new * calls / seconds,
-            "kernels_per_new_token": busy["kernels_per_call"] / new,
-            "busy_fraction": busy["busy_fraction"]}  # fmt: skip
+        out = {"tokens_per_s": prompts.shape[0] * new * calls / (time.perf_counter() - t0)}
+        if profile_new:
+            kw["min_new_tokens"] = profile_new
+            busy = gpu_busy(lambda _: model.generate(prompts, max_new_tokens=profile_new, **kw),
+                            1, device)  # fmt: skip
+            out.update(kernels_per_new_token=busy["kernels_per_call"] / profile_new,
+                       busy_fraction=busy["busy_fraction"])  # fmt: skip
+    return out
 
 
-def generate_rows(shape, device, quick: bool) -> dict:
-    """generate() new tokens/s, kernels per new token and GPU busy: HF bf16, graphfp8's layers
-    in bf16 and in FP8 (current scaling: no delayed state carries between decode steps'
-    different shapes)."""
+def generate_rows(shape, device, quick: bool, profile_new: int = 0) -> dict:
+    """generate() new tokens/s: HF bf16, graphfp8's layers in bf16 and in FP8 (current scaling:
+    no delayed state carries between decode steps' different shapes); with profile_new, kernels
+    per new token and GPU busy of one profiled call of that many tokens (gpu_check's step
+    `generate`; `bench hf-users` leaves it out)."""
     prompts_n, prompt_len, new, calls = GENERATE_QUICK if quick else GENERATE_FULL
     hf = hf_model(shape, device).eval()
     prompts = torch.randint(1, 256, (prompts_n, prompt_len), device=device,
                             generator=torch.Generator(device).manual_seed(0))  # fmt: skip
-    out = {"HF bf16 generate": _generate_run(hf, prompts, new, calls, device)}
+    args = (prompts, new, calls, device, profile_new)
+    out = {"HF bf16 generate": _generate_run(hf, *args)}
     bf16 = g8.from_hf(hf_model(shape, device)).eval()
-    out["graphfp8 bf16 generate"] = _generate_run(bf16, prompts, new, calls, device)
+    out["graphfp8 bf16 generate"] = _generate_run(bf16, *args)
     fp8 = g8.from_hf(hf_model(shape, device), recipe=g8.Float8CurrentScaling()).eval()
-    out["graphfp8 FP8 generate"] = _generate_run(fp8, prompts, new, calls, device)
+    out["graphfp8 FP8 generate"] = _generate_run(fp8, *args)
     return out
 
 
@@ -128,12 +134,9 @@ def tables(trainer: dict, generate: dict, title: str) -> str:
                        [[n, r["tokens_per_s"], r["tokens_per_s"] / base, r["mean_loss"]]
                         for n, r in trainer.items()])  # fmt: skip
     base = generate["HF bf16 generate"]["tokens_per_s"]
-    text += print_table("generate() with a KV cache, greedy",
-                        ["peer", "new tokens/s", "/ HF bf16", "kernels per new token",
-                         "GPU busy (one call profiled)"],
-                        [[n, r["tokens_per_s"], r["tokens_per_s"] / base,
-                          r["kernels_per_new_token"], r["busy_fraction"] or "-"]
-                         for n, r in generate.items()])  # fmt: skip
+    text += print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s",
+                        "/ HF bf16"], [[n, r["tokens_per_s"], r["tokens_per_s"] / base]
+                                       for n, r in generate.items()])  # fmt: skip
     return text
 
 
