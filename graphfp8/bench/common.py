@@ -80,7 +80,7 @@ def gpu_busy(fn: Callable[[int], object], calls: int, device) -> dict:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    from graphfp8.training.profile_stats import busy_fraction
+    from graphfp8.training.profile_stats import busy_fraction, kernel_events
 
     device = torch.device(device)
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
@@ -89,9 +89,7 @@ def gpu_busy(fn: Callable[[int], object], calls: int, device) -> dict:
         for i in range(calls):
             fn(i)
         _sync(device)
-    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA
-               and not getattr(e, "is_user_annotation", False)]  # fmt: skip
+    kernels = [(e.time_range.start, e.time_range.end) for e in kernel_events(prof)]
     return {"calls": calls, "kernels_per_call": len(kernels) / calls,
             "busy_fraction": busy_fraction(kernels) if kernels else None}  # fmt: skip
 

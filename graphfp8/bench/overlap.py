@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from graphfp8.training.profile_stats import busy_length, busy_union
+
 __all__ = ["busy_union", "collective_summary", "nccl_kind", "overlap_length"]
 
 _NCCL = re.compile(r"nccl", re.IGNORECASE)
@@ -18,21 +20,6 @@ def nccl_kind(name: str) -> str | None:
     if not _NCCL.search(name):
         return None
     return next((k for k in _KINDS if k.lower() in name.lower()), "other")
-
-
-def busy_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The intervals merged: sorted, disjoint (start, end) pairs covering the same time."""
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def _length(merged: list[tuple[float, float]]) -> float:
-    return sum(e - s for s, e in merged)
 
 
 def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
@@ -66,10 +53,11 @@ def collective_summary(kernels: list[tuple[str, float, float]]) -> dict:
         return {"span_us": 0.0, "nccl_busy_us": 0.0, "by_kind": {}}
     t0 = min(s for _, s, _ in kernels)
     span = max(e for _, _, e in kernels) - t0
-    nccl = [(n, s, e, nccl_kind(n)) for n, s, e in kernels if nccl_kind(n) is not None]
-    compute = busy_union([(s, e) for n, s, e in kernels if nccl_kind(n) is None])
+    tagged = [(n, s, e, nccl_kind(n)) for n, s, e in kernels]
+    nccl = [k for k in tagged if k[3] is not None]
+    compute = busy_union([(s, e) for _, s, e, kind in tagged if kind is None])
     comm = busy_union([(s, e) for _, s, e, _ in nccl])
-    comm_us, both = _length(comm), overlap_length(comm, compute)
+    comm_us, both = busy_length(comm), overlap_length(comm, compute)
     by_kind: dict[str, dict] = {}
     for _, s, e, kind in nccl:
         entry = by_kind.setdefault(kind, {"kernels": 0, "us": 0.0})
@@ -78,7 +66,7 @@ def collective_summary(kernels: list[tuple[str, float, float]]) -> dict:
     window = None
     if comm:
         window = [round((comm[0][0] - t0) / span, 4), round((comm[-1][1] - t0) / span, 4)]
-    return {"span_us": span, "compute_busy_us": _length(compute), "nccl_busy_us": comm_us,
+    return {"span_us": span, "compute_busy_us": busy_length(compute), "nccl_busy_us": comm_us,
             "nccl_share": comm_us / span if span else 0.0, "overlap_us": both,
             "nccl_overlapped": both / comm_us if comm_us else None,
             "nccl_exposed_us": comm_us - both, "nccl_window": window,

@@ -30,8 +30,10 @@ from graphfp8 import reset_state
 from graphfp8.bench.overlap import collective_summary
 from graphfp8.bench.scaling_fit import FIT_SHAPES
 from graphfp8.training.data import Dataset
-from graphfp8.training.loop import RunOptions, sync, train_run
+from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
+from graphfp8.training.profile import profile_steps, trace_name
+from graphfp8.training.profile_stats import kernel_events
 from graphfp8.training.run import Run, RunSpec
 from graphfp8.training.sources import open_stream
 
@@ -123,30 +125,18 @@ def _config_of(spec: RunSpec) -> str:
 def profile_run(spec: RunSpec, data: Dataset, group, steps: int, trace: Path | None) -> dict:
     """`steps` steps of `spec` (after PROFILE_WARMUP) under torch.profiler. Returns every
     rank's bench/overlap.py collective_summary (rank order), with its kernel count."""
-    from torch.profiler import ProfilerActivity, profile
-
     _release(spec.device)
     run = Run(spec, data, group)
     run.prepare()
     total = PROFILE_WARMUP + steps
     for _ in range(PROFILE_WARMUP):
         run.train_step(total)
-    activities = [ProfilerActivity.CPU]
-    if spec.device.startswith("cuda"):
-        activities.append(ProfilerActivity.CUDA)
-    sync(spec.device)
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            run.train_step(total)
-        sync(spec.device)
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith("graphfp8::")
-               and not getattr(e, "is_user_annotation", False)]  # fmt: skip
+    prof = profile_steps(run, steps, total)
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in kernel_events(prof)]
     mine = {**collective_summary(kernels), "kernels": len(kernels), "steps": steps}
     if trace is not None and dist.get_rank(group) == 0:
         trace.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace / f"trace_{spec.preset}_{spec.name}.json"))
+        prof.export_chrome_trace(str(trace / trace_name(run)))
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
     del run, prof

@@ -21,11 +21,16 @@ from graphfp8.training.cli_checks import model_config
 from graphfp8.training.data import Dataset
 from graphfp8.training.loop import sync
 from graphfp8.training.model import PRESETS
-from graphfp8.training.profile_stats import busy_fraction, nsys_summary, top_kernels
+from graphfp8.training.profile_stats import (
+    busy_fraction,
+    kernel_events,
+    nsys_summary,
+    top_kernels,
+)
 from graphfp8.training.run import GRAPH_MODES, PRECISIONS, Run, RunSpec
 from graphfp8.training.sources import DataError, open_stream
 
-__all__ = ["main"]
+__all__ = ["main", "profile_steps", "trace_name"]
 
 
 def _parse(argv) -> argparse.Namespace:
@@ -97,23 +102,32 @@ def _is_top_level_op(event) -> bool:
     return True
 
 
-def _torch_profile(run: Run, args, total: int) -> dict:
+def profile_steps(run: Run, steps: int, total: int):
+    """`steps` training steps of `run` (of `total` in its schedule) under torch.profiler, host
+    and (on a GPU) device activity. Returns the profiler (kernel_events, export_chrome_trace)."""
     from torch.profiler import ProfilerActivity, profile
 
+    device = run.spec.device
     activities = [ProfilerActivity.CPU]
-    if args.device.startswith("cuda"):
+    if device.startswith("cuda"):
         activities.append(ProfilerActivity.CUDA)
-    sync(args.device)
+    sync(device)
     with profile(activities=activities) as prof:
-        for _ in range(args.steps):
+        for _ in range(steps):
             run.train_step(total)
-        sync(args.device)
-    trace = args.out / f"trace_{run.spec.preset}_{run.spec.name}.json"
+        sync(device)
+    return prof
+
+
+def trace_name(run: Run) -> str:
+    return f"trace_{run.spec.preset}_{run.spec.name}.json"
+
+
+def _torch_profile(run: Run, args, total: int) -> dict:
+    prof = profile_steps(run, args.steps, total)
+    trace = args.out / trace_name(run)
     prof.export_chrome_trace(str(trace))
-    # GPU-side copies of the NVTX/record_function ranges are annotations, not kernels.
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-              and not e.name.startswith("graphfp8::")
-              and not getattr(e, "is_user_annotation", False)]  # fmt: skip
+    events = kernel_events(prof)
     microbatches = args.steps * args.microbatches
     if not events:  # CPU: operators instead of kernels
         ops = [e for e in prof.events() if _is_top_level_op(e)]

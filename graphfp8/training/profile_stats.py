@@ -7,7 +7,24 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["busy_fraction", "top_kernels", "nsys_summary", "parse_gpu_trace"]
+__all__ = ["busy_fraction", "busy_length", "busy_union", "kernel_events", "nsys_summary",
+           "parse_gpu_trace", "top_kernels"]  # fmt: skip
+
+
+def busy_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals merged: sorted, disjoint (start, end) pairs covering the same time."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def busy_length(merged: list[tuple[float, float]]) -> float:
+    """The time a busy_union covers."""
+    return sum(e - s for s, e in merged)
 
 
 def busy_fraction(intervals: list[tuple[float, float]]) -> float:
@@ -19,17 +36,19 @@ def busy_fraction(intervals: list[tuple[float, float]]) -> float:
     """
     if not intervals:
         return 0.0
-    spans = sorted(intervals)
-    busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
-    for start, end in spans[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    total = max(e for _, e in spans) - spans[0][0]
-    return busy / total if total > 0 else 1.0
+    merged = busy_union(intervals)
+    total = merged[-1][1] - merged[0][0]
+    return busy_length(merged) / total if total > 0 else 1.0
+
+
+def kernel_events(prof) -> list:
+    """The GPU kernels (and memcpy / memset) of a torch.profiler run: its CUDA events without
+    the GPU-side copies of NVTX / record_function ranges, which are annotations."""
+    import torch
+
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith("graphfp8::")
+            and not getattr(e, "is_user_annotation", False)]  # fmt: skip
 
 
 def top_kernels(samples: list[tuple[str, float]], n: int = 15) -> list[dict]:
