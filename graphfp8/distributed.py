@@ -38,6 +38,7 @@ __all__ = [
     "check_gradient_layout",
     "check_same_settings",
     "cleanup",
+    "gather_objects",
     "init_distributed",
     "is_distributed",
     "mark_sharded",
@@ -174,8 +175,7 @@ def check_gradient_layout(
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, mine, group=group)
     if any(not torch.equal(r, rows[0]) for r in rows):
-        layouts = [None] * len(rows)
-        dist.all_gather_object(layouts, (layout, settings), group=group)
+        layouts = gather_objects((layout, settings), group)
         raise RuntimeError(
             "graphfp8.allreduce_gradients: the ranks hold different gradients, so their "
             "all-reduce would abort or mix unrelated values (a parameter unused on one rank? "
@@ -220,6 +220,14 @@ class SettingsMismatchError(RuntimeError):
     """The ranks of a data-parallel run were started with different settings."""
 
 
+def gather_objects(value, group=None) -> list:
+    """Every rank's `value` (picklable) in rank order: all_gather_object as a return value. A
+    collective: every rank of `group` must call it."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
 def check_same_settings(settings: dict, group=None) -> None:
     """Checks that every rank of `group` holds the same `settings` (a dict of picklable values
     compared with ==), e.g. a training run's command-line options before it starts. A
@@ -230,8 +238,7 @@ def check_same_settings(settings: dict, group=None) -> None:
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    rows: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(rows, settings, group=group)
+    rows = gather_objects(settings, group)
     diff = []
     for rank, row in enumerate(rows[1:], start=1):
         for k in sorted(set(row) | set(rows[0])):

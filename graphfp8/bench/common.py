@@ -12,11 +12,13 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["time_device", "time_host", "gpu_busy", "environment", "print_table", "write_json",
-           "graph_of"]  # fmt: skip
+__all__ = ["time_device", "time_host", "gpu_busy", "sync", "environment", "print_table",
+           "write_json", "graph_of"]  # fmt: skip
 
 
-def _sync(device: torch.device) -> None:
+def sync(device) -> None:
+    """Waits for `device`'s queued work (a torch.device or its name; a no-op on the CPU)."""
+    device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -27,7 +29,7 @@ def time_device(fn: Callable[[], object], device, *, warmup=3, iters=20, repeats
     device = torch.device(device)
     for _ in range(warmup):
         fn()
-    _sync(device)
+    sync(device)
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -59,12 +61,12 @@ def time_host(fn: Callable[[], object], device, *, warmup=3, iters=20, repeats=5
     for _ in range(repeats):
         total = 0.0
         for _ in range(iters):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             fn()
             total += time.perf_counter() - t0
         samples.append(total * 1e3 / iters)
-    _sync(device)
+    sync(device)
     return statistics.median(samples)
 
 
@@ -84,11 +86,11 @@ def gpu_busy(fn: Callable[[int], object], calls: int, device) -> dict:
 
     device = torch.device(device)
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
-    _sync(device)
+    sync(device)
     with profile(activities=[activity]) as prof:
         for i in range(calls):
             fn(i)
-        _sync(device)
+        sync(device)
     kernels = [(e.time_range.start, e.time_range.end) for e in kernel_events(prof)]
     return {"calls": calls, "kernels_per_call": len(kernels) / calls,
             "busy_fraction": busy_fraction(kernels) if kernels else None}  # fmt: skip

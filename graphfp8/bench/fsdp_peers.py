@@ -25,8 +25,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from graphfp8.bench.common import gpu_busy
+from graphfp8.bench.common import gpu_busy, sync
 from graphfp8.bench.torch_gpt import TorchGPT
+from graphfp8.distributed import gather_objects
 from graphfp8.training.data import Dataset, split_windows
 from graphfp8.training.model import PRESETS, ModelConfig
 from graphfp8.training.sources import open_stream
@@ -124,17 +125,16 @@ def measure_peer(peer: str, cfg: ModelConfig, data: Dataset, device: torch.devic
     t1 = time.perf_counter()
     args = (model, opt, data, cfg)
     losses = [_step(*args, s, microbatches, device, peer == "torchao-fp8") for s in range(warmup)]
-    _sync(device)
+    sync(device)
     t2 = time.perf_counter()
     losses += [_step(*args, warmup + s, microbatches, device, peer == "torchao-fp8")
                for s in range(steps)]  # fmt: skip
     t_enqueued = time.perf_counter()
-    _sync(device)
+    sync(device)
     t3 = time.perf_counter()
     tokens = steps * microbatches * cfg.batch * cfg.seq_len * dist.get_world_size()
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, peak)
+    every = gather_objects(peak)
     result = {"peer": peer, "tokens_per_s": tokens / (t3 - t2),
               "losses": [float(x) for x in torch.stack(losses).tolist()],
               "build_s": round(t1 - t0, 2), "warmup_s": round(t2 - t1, 2),
@@ -146,11 +146,6 @@ def measure_peer(peer: str, cfg: ModelConfig, data: Dataset, device: torch.devic
             lambda s: _step(*args, first + s, microbatches, device, peer == "torchao-fp8"),
             profile_steps, device)  # fmt: skip
     return result
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _parse(argv) -> argparse.Namespace:

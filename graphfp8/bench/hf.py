@@ -14,13 +14,11 @@ import torch
 
 import graphfp8 as g8
 from graphfp8.bench import hf_users
-from graphfp8.bench.common import environment, print_table
-from graphfp8.bench.hf_model import FULL, QUICK, hf_model
+from graphfp8.bench.common import environment, print_table, sync
+from graphfp8.bench.hf_model import FULL, QUICK, RECIPE, hf_model
 from graphfp8.hf import causal_lm_loss
 from graphfp8.training.data import Dataset
 from graphfp8.training.sources import open_stream
-
-RECIPE = g8.DelayedScaling(amax_history_len=16)
 
 
 def _adamw(params, device):
@@ -99,11 +97,6 @@ def _peers(shape, device, data) -> dict:
             "graphfp8 FP8 layer graphs": g8_layers, "graphfp8 FP8 step graph": g8_step}  # fmt: skip
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _run_peer(build, shape, device, data) -> dict:
     *_, batch, seq, mbs, steps = shape
     step = build()
@@ -111,10 +104,10 @@ def _run_peer(build, shape, device, data) -> dict:
     losses = []
     for s in range(steps):
         if s == warmup:
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
         losses.append(step(*_batches(data, shape, device, s)))
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - t0
     tokens = batch * seq * mbs * (steps - warmup)
     return {"tokens_per_s": tokens / seconds, "final_loss": float(losses[-1])}

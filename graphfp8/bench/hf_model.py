@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FULL", "QUICK", "hf_model"]
+import graphfp8 as g8
 
+__all__ = ["FULL", "QUICK", "RECIPE", "hf_model"]
+
+RECIPE = g8.DelayedScaling(amax_history_len=16)  # the FP8 peers' recipe
 # (hidden, intermediate, layers, heads, kv heads, batch, seq, microbatches, steps)
 FULL = (1024, 2816, 9, 16, 4, 8, 1024, 4, 30)
 QUICK = (64, 128, 2, 4, 2, 2, 32, 2, 3)

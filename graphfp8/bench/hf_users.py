@@ -12,19 +12,13 @@ import time
 import torch
 
 import graphfp8 as g8
-from graphfp8.bench.common import environment, gpu_busy, print_table
-from graphfp8.bench.hf_model import FULL, QUICK, hf_model
+from graphfp8.bench.common import environment, gpu_busy, print_table, sync
+from graphfp8.bench.hf_model import FULL, QUICK, RECIPE, hf_model
 from graphfp8.training.data import Dataset
 from graphfp8.training.sources import open_stream
 
-RECIPE = g8.DelayedScaling(amax_history_len=16)
 # generate(): (prompts, prompt tokens, new tokens, timed calls)
 GENERATE_FULL, GENERATE_QUICK = (8, 128, 128, 3), (2, 16, 8, 1)
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _rows(data: Dataset, shape, device) -> list[dict]:
@@ -48,7 +42,7 @@ def _trainer_run(model, rows, shape, device) -> dict:
 
     class Clock(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
-            _sync(device)
+            sync(device)
             marks.append(time.perf_counter())
 
     cuda = torch.device(device).type == "cuda"
@@ -94,11 +88,11 @@ def _generate_run(model, prompts, new: int, calls: int, device, profile_new: int
     kw = dict(min_new_tokens=new, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(prompts, max_new_tokens=new, **kw)  # warm-up: allocator, handles, FP8
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for _ in range(calls):
             model.generate(prompts, max_new_tokens=new, **kw)
-        _sync(device)
+        sync(device)
         out = {"tokens_per_s": prompts.shape[0] * new * calls / (time.perf_counter() - t0)}
         if profile_new:
             kw["min_new_tokens"] = profile_new

@@ -20,15 +20,16 @@ import gc
 import json
 import tempfile
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from graphfp8 import reset_state
+from graphfp8.bench.common import environment
 from graphfp8.bench.overlap import collective_summary
 from graphfp8.bench.scaling_fit import FIT_SHAPES
+from graphfp8.distributed import gather_objects
 from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
@@ -137,8 +138,7 @@ def profile_run(spec: RunSpec, data: Dataset, group, steps: int, trace: Path | N
     if trace is not None and dist.get_rank(group) == 0:
         trace.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace / trace_name(run)))
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
+    every = gather_objects(mine, group)
     del run, prof
     _release(spec.device)
     return {"preset": spec.preset, "config": _config_of(spec), "mode": spec.graphs,
@@ -146,10 +146,9 @@ def profile_run(spec: RunSpec, data: Dataset, group, steps: int, trace: Path | N
 
 
 def _environment(device: str, world: int) -> dict:
-    env = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}", "torch": torch.__version__,
-           "world": world, "device": device}  # fmt: skip
+    """bench/common.py's environment, with the world size and NCCL's version."""
+    env = {**environment(device), "world": world}
     if device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return env
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from graphfp8.distributed import gather_objects
 from graphfp8.numerics import FP8Stats, plot_stats, role_digest
 from graphfp8.training.checkpoint import (
     CheckpointError,
@@ -235,10 +236,8 @@ def _replicas_summary(replicas: ReplicaCheck | None, losses: list[float], group)
     """--check-replicas: the check's summary and every rank's losses (a collective)."""
     if replicas is None:
         return None
-    import torch.distributed as dist
 
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, losses, group=group)
+    every = gather_objects(losses, group)
     return {**replicas.summary(), "losses_per_rank": every}
 
 

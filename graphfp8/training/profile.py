@@ -185,7 +185,8 @@ def main(argv=None) -> int:
     args = _parse(argv)
     try:
         data = Dataset(open_stream(args.data, args.vocab_size), val_fraction=0.0)
-        data.check_seq_len(_model(args, data.vocab_size).seq_len)
+        cfg = model_config(args, data.vocab_size)
+        data.check_seq_len(cfg.seq_len)
     except DataError as exc:
         print(f"python -m graphfp8.training.profile: error: {exc}", file=sys.stderr)
         return 2
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     enable_ranges(True)
     spec = RunSpec(
         preset=args.preset,
-        model=_model(args, data.vocab_size),
+        model=cfg,
         precision=args.precision,
         graphs=args.graphs,
         microbatches=args.microbatches,
@@ -229,10 +230,6 @@ def main(argv=None) -> int:
     print(_markdown(summary))
     print(f"wrote {stem}.md and .json")
     return 0
-
-
-def _model(args, vocab: int):
-    return model_config(args, vocab)
 
 
 def _device_name(device: str) -> str:

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from graphfp8.distributed import gather_objects
 from graphfp8.memory.state import training_state
 
 __all__ = ["Progress", "MetricsLog", "write_summary", "plot_losses", "final_loss", "print_table",
@@ -111,8 +111,7 @@ def rank_memory(run, group) -> list[dict]:
     mine = {"rank": run.rank, "max_allocated_bytes": peak, "state": state}
     if group is None:
         return [mine]
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
+    every = gather_objects(mine, group)
     return every
 
 

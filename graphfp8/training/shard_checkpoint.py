@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from graphfp8.distributed import gather_objects
 from graphfp8.fp8.shard_state import check_loadable
 from graphfp8.training.checkpoint import FORMAT, VERSION, CheckpointError
 from graphfp8.training.run import Run
@@ -58,12 +59,6 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _gather(value, group) -> list:
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
 def _shard_name(path: Path, token: str, rank: int, world: int) -> str:
     return f"{path.name}.{token}.rank{rank}-of-{world}"
 
@@ -77,7 +72,7 @@ def save_sharded(run: Run, path: Path, steps: int, data: dict, group) -> Path:
             checkpoint at `path`, if any, stays whole).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    token = _gather(f"{run.step}-{secrets.token_hex(4)}" if rank == 0 else None, group)[0]
+    token = gather_objects(f"{run.step}-{secrets.token_hex(4)}" if rank == 0 else None, group)[0]
     mine = path.with_name(_shard_name(path, token, rank, world))
     shard = {"format": SHARD_FORMAT, "token": token, "rank": rank, "world": world,
              "masters": run.masters.state_dict(),
@@ -87,7 +82,7 @@ def save_sharded(run: Run, path: Path, steps: int, data: dict, group) -> Path:
         outcome = ("ok", mine.name, *_write(shard, mine))
     except OSError as exc:
         outcome = ("error", f"{type(exc).__name__}: {exc}")
-    outcomes = _gather(outcome, group)
+    outcomes = gather_objects(outcome, group)
     failed = [f"rank {r}: {o[1]}" for r, o in enumerate(outcomes) if o[0] != "ok"]
     if rank == 0 and not failed:
         state = {k: v for k, v in run.state_dict().items() if k not in ("optimizer", "masters")}
@@ -99,7 +94,7 @@ def save_sharded(run: Run, path: Path, steps: int, data: dict, group) -> Path:
             _remove_unnamed(path, {o[1] for o in outcomes})
         except OSError as exc:
             failed.append(f"rank 0 (the manifest): {type(exc).__name__}: {exc}")
-    failed = _gather(failed, group)[0]
+    failed = gather_objects(failed, group)[0]
     if failed:
         mine.unlink(missing_ok=True)
         raise CheckpointError(f"{path} was not written (the previous checkpoint there, if any, "
@@ -151,7 +146,7 @@ def load_shard(manifest: dict, path: Path, run: Run, group) -> dict:
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     shard, problem = _problem(manifest, path, rank, world)
-    problems = [f"rank {r}: {p}" for r, p in enumerate(_gather(problem, group)) if p]
+    problems = [f"rank {r}: {p}" for r, p in enumerate(gather_objects(problem, group)) if p]
     if problems:
         raise CheckpointError(f"cannot resume {path}: " + "; ".join(problems))
     try:
