@@ -103,7 +103,7 @@ def test_time_host_syncs_before_each_timed_call(monkeypatch):
     from graphfp8.bench import common
 
     events = []
-    monkeypatch.setattr(common, "_sync", lambda device: events.append("sync"))
+    monkeypatch.setattr(common, "sync", lambda device: events.append("sync"))
     ms = common.time_host(lambda: events.append("call"), "cpu", warmup=2, iters=3, repeats=2)
     assert ms >= 0.0
     timed = events[2:]  # after the warm-up calls
