@@ -230,6 +230,9 @@ class DeviceFlag:
         self.tensor = torch.zeros(1, device=device) if fp8_enabled and caching else None
         self.state = CacheState()
         self.value = 0.0
+        self._nothing_cached = (f"{name}: the {what} was called with is_first_microbatch=False "
+                                "before any call with is_first_microbatch=True: there is no "
+                                "cached FP8 weight to reuse")  # fmt: skip
 
     @property
     def policy(self) -> GraphCasts:
@@ -245,10 +248,7 @@ class DeviceFlag:
                     "fp8_weight_caching=True"
                 )
             return
-        error = (f"{self.name}: the {self.what} was called with is_first_microbatch=False "
-                 "before any call with is_first_microbatch=True: there is no cached FP8 "
-                 "weight to reuse")  # fmt: skip
-        value = flag_value(self.state.reuses(is_first_microbatch, error))
+        value = flag_value(self.state.reuses(is_first_microbatch, self._nothing_cached))
         if value != self.value:
             self.tensor.fill_(value)
             self.value = value
