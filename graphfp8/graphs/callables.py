@@ -13,6 +13,7 @@ from torch import nn
 from graphfp8.fp8.recipe import Recipe
 from graphfp8.fp8.weight_cache import DeviceFlag
 from graphfp8.graphs.callable_phases import (
+    _NAME,
     Sample,
     capture_backwards,
     capture_forwards,
@@ -34,7 +35,6 @@ from graphfp8.modules.base import FP8Module
 
 __all__ = ["make_graphed_callables"]
 
-_NAME = "make_graphed_callables"
 _RECAPTURE = "call reset() on the graphed callable and capture again"
 
 

@@ -271,10 +271,6 @@ class GraphedRunner:
     def __repr__(self) -> str:
         return f"GraphedRunner({self.contract.name!r})"
 
-    @property
-    def name(self) -> str:
-        return self.contract.name
-
     def check_call(self, args, kwargs, is_first_microbatch) -> list:
         """Validates a call before anything runs; returns the flat user tensors."""
         contract, capture = self.contract, self.capture

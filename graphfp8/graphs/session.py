@@ -112,11 +112,10 @@ class CaptureSession:
             if self.snapshot is not None:
                 self.snapshot.restore()
 
-    def freeze_arenas(self, arenas) -> list:
-        """The arenas warmup reached ({id: arena} or a list), checked across ranks and frozen,
-        in creation order."""
-        arenas = sorted(dict(arenas).values() if isinstance(arenas, dict) else arenas,
-                        key=lambda a: a.serial)  # fmt: skip
+    def freeze_arenas(self, arenas: dict) -> list:
+        """The arenas warmup reached ({id: arena}), checked across ranks and frozen; returns
+        them in creation order."""
+        arenas = sorted(arenas.values(), key=lambda a: a.serial)
         self.frozen += freeze_arenas(arenas, self.fp8_group)
         return arenas
 

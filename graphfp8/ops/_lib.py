@@ -31,22 +31,21 @@ def _writes_only(*args, **kwargs) -> None:
     return None
 
 
-def wraps_op(name: str, fake=None):
+def wraps_op(name: str):
     """Decorator of the Python wrapper of op `name`: registers the op's fake beside the wrapper
     and marks the wrapper (`graphfp8_op`; tests/ops/test_op_registry.py checks one per op).
+    Every graphfp8 op returns nothing and writes only into tensors its caller passes in (schema
+    `-> ()`, each written argument marked `(a!)`): under FakeTensorMode (torch.compile) it has
+    nothing to compute, shapes and dtypes are the caller's, so its fake does nothing.
 
     Args:
         name: the op, in torch.ops.graphfp8.
-        fake: the fake of an op whose schema returns something; None for an op that returns
-            nothing and writes only into tensors its caller passes in (schema `-> ()`, each
-            written argument marked `(a!)`): under FakeTensorMode (torch.compile) that op has
-            nothing to compute, shapes and dtypes are the caller's. Every graphfp8 op is one.
     """
     schema = getattr(ops, name).default._schema
-    if bool(schema.returns) != (fake is not None):
-        raise TypeError(f"graphfp8.ops.wraps_op: {schema.name} returns {schema.returns}: "
-                        "pass a fake exactly when the op returns something")  # fmt: skip
-    torch.library.register_fake(f"graphfp8::{name}")(fake or _writes_only)
+    if schema.returns:
+        raise TypeError(f"graphfp8.ops.wraps_op: {schema.name} returns {schema.returns}: an op "
+                        "that returns something needs a fake of its own")  # fmt: skip
+    torch.library.register_fake(f"graphfp8::{name}")(_writes_only)
 
     def mark(wrapper):
         wrapper.graphfp8_op = name
