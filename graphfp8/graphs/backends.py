@@ -13,6 +13,7 @@ import tempfile
 import torch
 
 from graphfp8 import global_state
+from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.graphs.tape import RecordingMode, ReplayTape
 
 __all__ = ["CudaGraph", "TapeGraph", "capture_stream", "new_graph", "tape_replays_off"]
@@ -62,6 +63,7 @@ class TapeGraph:
     def __init__(self) -> None:
         self.tape = ReplayTape()
         self.op_names: list[str] = []
+        self.updates: tuple = ()  # the scale updates the capture recorded (session.capture_into)
         self.released = False
 
     @contextlib.contextmanager
@@ -74,6 +76,7 @@ class TapeGraph:
     def replay(self) -> None:
         if _TapeReplays.on:
             self.tape.replay()
+        SCHEDULE.replayed(self.updates)
 
     def kernels(self) -> list[str]:
         return self.tape.op_names()
@@ -101,6 +104,7 @@ class CudaGraph:
         if self.debug:
             self.graph.enable_debug_mode()
         self.op_names: list[str] = []
+        self.updates: tuple = ()  # the scale updates the capture recorded (session.capture_into)
         self.released = False
 
     @contextlib.contextmanager
@@ -118,6 +122,7 @@ class CudaGraph:
 
     def replay(self) -> None:
         self.graph.replay()
+        SCHEDULE.replayed(self.updates)
 
     def release(self) -> None:
         """Destroys the CUDA graph; its memory pool is freed once no graph or tensor uses it."""

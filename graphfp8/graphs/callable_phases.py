@@ -93,28 +93,26 @@ class Sample:
 
 @dataclass
 class Forward:
-    """A captured forward: its graph, the static outputs it writes, the storages of the
-    tensors it saved for its backward (contexts.saved_storages), and the scale updates it
-    holds (graphfp8/fp8/scale_schedule.py)."""
+    """A captured forward: its graph (with the scale updates it holds), the static outputs it
+    writes, and the storages of the tensors it saved for its backward
+    (contexts.saved_storages)."""
 
     graph: object
     outputs: list[torch.Tensor]
     out_spec: object
     saved: set[int]
-    updates: tuple
 
 
 @dataclass
 class Backward:
-    """A captured backward: its graph, its static grad outputs (one per output that requires
-    grad), the gradient per input position, the fold of the parameter gradients, and the scale
-    updates it holds."""
+    """A captured backward: its graph (with the scale updates it holds), its static grad
+    outputs (one per output that requires grad), the gradient per input position, and the fold
+    of the parameter gradients."""
 
     graph: object
     grad_outputs: list[torch.Tensor | None]
     grad_inputs: list[torch.Tensor | None]
     accumulator: GradAccumulator | None
-    updates: tuple
 
 
 # Phase 0: the samples ---------------------------------------------------------------------------
@@ -201,7 +199,7 @@ def capture_forwards(samples: list[Sample], points: UpdatePoints, session: Captu
                 "a callable must run the same modules every time"
             )
         adopt_outside_leaves(s, outputs, since)
-        forwards.append(Forward(graph, outputs, out_spec, saved, tuple(found.updates)))
+        forwards.append(Forward(graph, outputs, out_spec, saved))
     return forwards
 
 
@@ -258,7 +256,7 @@ def capture_backwards(samples: list[Sample], forwards: list[Forward], points: Up
         inputs = s.grad_inputs()
         graph = session.new_graph()
         fold = GradFold(s.params, session.device)
-        with fold.hooked(), session.capture_into(graph) as found:
+        with fold.hooked(), session.capture_into(graph):
             grads = ()
             if outs and inputs:
                 given = [g for g in grad_outputs if g is not None]
@@ -269,7 +267,5 @@ def capture_backwards(samples: list[Sample], forwards: list[Forward], points: Up
         # The inputs' gradients, then the parameters' stand-ins (dropped).
         grad_inputs = s.per_position(grads)
         del grads
-        backwards[i] = Backward(
-            graph, grad_outputs, grad_inputs, fold.accumulator(session.pool), tuple(found.updates)
-        )
+        backwards[i] = Backward(graph, grad_outputs, grad_inputs, fold.accumulator(session.pool))
     return backwards

@@ -215,8 +215,7 @@ def _runner(s: Sample, fwd, bwd, graphs: CapturedGraphs, chained: bool) -> Graph
         chained=chained, expects_grad=expects,
     )  # fmt: skip
     pair = GraphPair(
-        fwd_graph=fwd.graph, bwd_graph=bwd.graph, fwd_updates=fwd.updates,
-        bwd_updates=bwd.updates, static_inputs=s.static_inputs, copies=spec.copies,
+        fwd_graph=fwd.graph, bwd_graph=bwd.graph, static_inputs=s.static_inputs, copies=spec.copies,
         storages=storages_of(s.static_inputs), static_outputs=fwd.outputs, out_spec=fwd.out_spec,
         read_back=[t for _, t in read_back], read_back_names=tuple(n for n, _ in read_back),
         static_grad_outputs=bwd.grad_outputs, static_grad_inputs=bwd.grad_inputs,

@@ -18,7 +18,6 @@ import contextlib
 import torch
 
 from graphfp8.fp8.recipe import Recipe
-from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.fp8.weight_cache import DeviceFlag
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
@@ -99,13 +98,13 @@ def make_graphed_microbatch(
         graph = session.new_graph()
         fold = GradFold(body.grad_params, device)  # .grad inside the graph (graphs/grads.py)
         with session.capture_phase():
-            with fold.hooked(), session.capture_into(graph) as captured:
+            with fold.hooked(), session.capture_into(graph):
                 loss, grads = body.microbatch(None, points)
                 fold.finish()
             del grads  # the parameters' stand-ins
             accumulator = fold.accumulator(session.pool)
     guard = body.replay_guard("capture the microbatch again (make_graphed_microbatch)")
-    return GraphedMicrobatch(body, graph, accumulator, flag, loss, guard, tuple(captured.updates))
+    return GraphedMicrobatch(body, graph, accumulator, flag, loss, guard)
 
 
 class GraphedMicrobatch:
@@ -116,10 +115,9 @@ class GraphedMicrobatch:
         params: the parameters that get a gradient, in the model's order.
     """
 
-    def __init__(self, body: TrainBody, graph, accumulator, flag: DeviceFlag, loss, guard,
-                 updates: tuple):  # fmt: skip
+    def __init__(self, body: TrainBody, graph, accumulator, flag: DeviceFlag, loss, guard):
         self._body, self._graph, self._accumulator, self._flag = body, graph, accumulator, flag
-        self._guard, self._updates = guard, updates
+        self._guard = guard
         self._tape = body.device.type == "cpu"
         self.loss = loss
         self.params = body.grad_params
@@ -142,7 +140,6 @@ class GraphedMicrobatch:
             self._accumulator.before_replay()
             self._graph.replay()
             self._accumulator.after_replay()
-        SCHEDULE.replayed(self._updates)
         return self.loss
 
     @property

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.graphs.capture_checks import inside_ddp_forward
 from graphfp8.profiling import nvtx_range
 
@@ -162,8 +161,8 @@ class GraphPair:
     release() empties it).
 
     Attributes:
-        fwd_graph, bwd_graph: the two graphs (graphs/backends.py).
-        fwd_updates, bwd_updates: the scale updates each holds (graphfp8/fp8/scale_schedule.py).
+        fwd_graph, bwd_graph: the two graphs (graphs/backends.py; each replay reports the
+            scale updates its graph holds to graphfp8/fp8/scale_schedule.py).
         static_inputs: the flat tensors the forward graph reads (args, then kwargs; positions
             that held one sample tensor hold one static tensor).
         copies: the positions replay_forward copies into (InputSpec.copies).
@@ -182,8 +181,6 @@ class GraphPair:
 
     fwd_graph: object
     bwd_graph: object
-    fwd_updates: tuple
-    bwd_updates: tuple
     static_inputs: list[torch.Tensor]
     copies: tuple[int, ...]
     storages: frozenset[int]
@@ -205,7 +202,6 @@ class GraphPair:
             copy_inputs(pairs, self.storages)
         with nvtx_range("replay-forward"):
             self.fwd_graph.replay()
-        SCHEDULE.replayed(self.fwd_updates)
 
     def versions(self) -> tuple[int, ...]:
         """The version counters of read_back, as a forward replay leaves them."""
@@ -240,7 +236,6 @@ class GraphPair:
                 acc.after_replay()
             else:  # torch.autograd.grad(loss, x), backward(inputs=[x]): .grad stays as it was
                 acc.replay_leaving_grads(self.bwd_graph)
-        SCHEDULE.replayed(self.bwd_updates)
         # Returned without detach(): the pair keeps a reference, so AccumulateGrad clones them
         # into a leaf input's .grad instead of stealing a static buffer that the next replay
         # overwrites.

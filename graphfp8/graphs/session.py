@@ -12,7 +12,7 @@ make_graphed_step run their own bodies in (docs/architecture.md, "Capture").
         with session.capture_phase():                FP8 state, RNG, snapshot put back after; no
             with session.capture_into(graph) as rec:  garbage collection or autocast cache inside
                 points.at_forward(); ...; points.at_backward()
-            rec.updates: the updates this graph holds (its replays report them to the schedule)
+            graph.updates = rec.updates: what each replay reports to the schedule (backends.py)
 
 The FP8 context of warmup and capture (graphfp8/fp8/context.py) is a value the session pushes:
 the capture's recipe and group, the weight-cache policy of its graphs and a fresh ArenaRecorder
@@ -147,6 +147,8 @@ class CaptureSession:
     @contextlib.contextmanager
     def capture_into(self, graph):
         """Captures the block into `graph` under the capture's FP8 context; yields the
-        recording's ArenaRecorder."""
+        recording's ArenaRecorder. The graph keeps the scale updates it recorded and reports
+        them to the schedule at each replay (graphs/backends.py)."""
         with self.recording() as rec, graph.capture(self.pool):
             yield rec
+        graph.updates = tuple(rec.updates)

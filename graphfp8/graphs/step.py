@@ -32,7 +32,7 @@ import torch
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.recipe import Recipe
-from graphfp8.fp8.scale_schedule import NONE, SCHEDULE, UpdatePoints
+from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.fp8.weight_cache import step_casts
 from graphfp8.graphs.compiled import opaque_to_dynamo
@@ -149,14 +149,13 @@ def make_graphed_step(
     try:
         with session:
             session.init_fp8([fp8_modules_in([model])])
-            graph, loss, grad_norm, updates = _warmup_and_capture(run, session)
+            graph, loss, grad_norm = _warmup_and_capture(run, session)
     except BaseException:
         for p, g in zip(body.params, old_grads, strict=True):
             p.grad = g
         raise
     guard = body.replay_guard("capture the step again (make_graphed_step)")
-    return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm,
-                       updates)  # fmt: skip
+    return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
 
 
 def _check_sharded(masters: MasterWeights | None, process_group, keep: bool) -> None:
@@ -202,9 +201,9 @@ def _warmup_and_capture(run: StepBody, session: CaptureSession):
                 run(NONE)
     points = session.update_points(session.freeze_arenas(found.arenas))
     graph = session.new_graph()
-    with session.capture_phase(), session.capture_into(graph) as captured:
+    with session.capture_phase(), session.capture_into(graph):
         loss, grad_norm = run(points)
-    return graph, loss, grad_norm, tuple(captured.updates)
+    return graph, loss, grad_norm
 
 
 class StepBody:
@@ -291,8 +290,8 @@ class GraphedStep:
     """
 
     def __init__(self, run: StepBody, graph, guard, optimizer_guard: OptimizerGuard, loss,
-                 grad_norm, updates: tuple):  # fmt: skip
-        self._run, self._graph, self._updates = run, graph, updates
+                 grad_norm):  # fmt: skip
+        self._run, self._graph = run, graph
         self._guard, self._optimizer_guard = guard, optimizer_guard
         self._body = run.body
         self._tape = run.body.device.type == "cpu"
@@ -328,7 +327,6 @@ class GraphedStep:
         # The CPU tape re-runs ops in place on leaf tensors and views of them: no grad mode.
         with torch.no_grad() if self._tape else contextlib.nullcontext():
             self._graph.replay()
-        SCHEDULE.replayed(self._updates)
 
     @property
     def static_batch(self):
