@@ -25,8 +25,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from graphfp8.fp8.group_quantize import GroupQuantizer
-from graphfp8.fp8.master import MasterWeights, check_fp8_weights_kept, claim
-from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.fp8.master import (
+    ClaimAnchor,
+    MasterWeights,
+    check_fp8_weights_kept,
+    claim,
+    is_fsdp_fp8,
+)
 
 __all__ = ["FSDPMasterWeights", "fsdp_fp8_weights"]
 
@@ -34,8 +39,7 @@ __all__ = ["FSDPMasterWeights", "fsdp_fp8_weights"]
 def fsdp_fp8_weights(model: nn.Module) -> list[tuple[str, DTensor]]:
     """The (name, parameter) pairs of `model` that FSDP2 shards hold as FP8 (DTensors of
     Float8Tensor shards)."""
-    return [(n, p) for n, p in model.named_parameters()
-            if isinstance(getattr(p, "_local_tensor", None), Float8Tensor)]  # fmt: skip
+    return [(n, p) for n, p in model.named_parameters() if is_fsdp_fp8(p)]
 
 
 class FSDPMasterWeights(MasterWeights):
@@ -59,7 +63,7 @@ class FSDPMasterWeights(MasterWeights):
         fp8_ids = {id(p) for p in self.fp8_params}
         self.others = [p for p in model.parameters() if id(p) not in fp8_ids]
         self.group = self.fp8_params[0].device_mesh.get_group()
-        self._anchor = _Anchor()
+        self._anchor = ClaimAnchor()
         claim(self.names, self.fp8_params, self._anchor)
         self._checked_optimizer = None
         self.masters = [nn.Parameter(_like(p, p._local_tensor.dequantize(torch.float32)),
@@ -122,10 +126,6 @@ class FSDPMasterWeights(MasterWeights):
         for n, m in zip(self.names, self.masters, strict=True):
             m._local_tensor.copy_(saved[n]._local_tensor)
         self.write_back_()
-
-
-class _Anchor:
-    """What the claims on the weights point at (weakly): alive as long as these masters."""
 
 
 def _like(p: DTensor, local: torch.Tensor) -> DTensor:

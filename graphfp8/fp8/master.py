@@ -132,10 +132,19 @@ def _master(value: torch.Tensor, weight: Float8Tensor, mode: _Mode) -> _Master:
     return m
 
 
+def is_fsdp_fp8(p: torch.Tensor) -> bool:
+    """An FSDP2 shard of an FP8 weight (a DTensor of a Float8Tensor)."""
+    return isinstance(getattr(p, "_local_tensor", None), Float8Tensor)
+
+
 def _is_fp8(p: torch.Tensor) -> bool:
-    """An FP8 weight, or an FSDP2 shard of one (a DTensor of a Float8Tensor)."""
-    return isinstance(p, Float8Tensor) or isinstance(getattr(p, "_local_tensor", None),
-                                                     Float8Tensor)  # fmt: skip
+    """An FP8 weight, or an FSDP2 shard of one."""
+    return isinstance(p, Float8Tensor) or is_fsdp_fp8(p)
+
+
+class ClaimAnchor:
+    """What the claims on the weights of sharded or FSDP2 masters point at (weakly): alive as
+    long as those masters."""
 
 
 def check_fp8_weights_kept(model: nn.Module, what: str) -> None:
@@ -188,9 +197,7 @@ class MasterWeights:
     def __new__(cls, model: nn.Module, shard_group=None, **sharded_options):
         if cls is MasterWeights and shard_group is not None:
             return super().__new__(MasterWeights._sharded_class)
-        if cls is MasterWeights and any(
-            isinstance(getattr(p, "_local_tensor", None), Float8Tensor) for p in model.parameters()
-        ):
+        if cls is MasterWeights and any(is_fsdp_fp8(p) for p in model.parameters()):
             return super().__new__(MasterWeights._fsdp_class)  # FP8 shards of fully_shard
         return super().__new__(cls)
 

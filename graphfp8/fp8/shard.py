@@ -43,7 +43,14 @@ from torch import nn
 from graphfp8.collectives import all_gather_, reduce_scatter_
 from graphfp8.distributed import check_gradient_layout, check_same_settings, mark_sharded
 from graphfp8.fp8.group_quantize import GroupQuantizer
-from graphfp8.fp8.master import MasterWeights, check_fp8_weights_kept, claim, clear_grads
+from graphfp8.fp8.master import (
+    _TENSOR_GRAD,
+    ClaimAnchor,
+    MasterWeights,
+    check_fp8_weights_kept,
+    claim,
+    clear_grads,
+)
 from graphfp8.fp8.shard_layout import ShardLayout
 from graphfp8.fp8.shard_state import check_loadable, full_state, shard_state
 from graphfp8.fp8.tensor import Float8Tensor
@@ -69,9 +76,6 @@ class _ShardGrad(torch.Tensor):
             )
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
-
-
-_TENSOR_GRAD = torch._C.TensorBase.grad  # the C-level .grad slot, under _Piece's property
 
 
 class _Piece(torch.Tensor):
@@ -133,7 +137,7 @@ class ShardedMasterWeights(MasterWeights):
         self.params = [p for _, p in named]
         self.fp8_params = [p for p in self.params if isinstance(p, Float8Tensor)]
         self.others = []  # every trainable parameter has a master here
-        self._anchor = _Anchor()
+        self._anchor = ClaimAnchor()
         claim(self.names, self.params, self._anchor)
         self._checked_optimizer = None
         self._reduced = False
@@ -354,15 +358,11 @@ class ShardedMasterWeights(MasterWeights):
 MasterWeights._sharded_class = ShardedMasterWeights  # MasterWeights(shard_group=...) builds one
 
 
-class _Anchor:
-    """What the claims on the weights point at (weakly): alive as long as these masters."""
-
-
 def _check_model(named: list[tuple[str, torch.Tensor]]) -> None:
     if not named:
         raise ValueError("MasterWeights(shard_group=...): the model has no trainable parameter")
     for name, p in named:
-        if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
+        if hasattr(p, "_local_tensor"):  # a DTensor
             raise TypeError(
                 f"MasterWeights(shard_group=...): {name} is a DTensor (a model under "
                 "fully_shard / FSDP2, which shards it already); shard a replicated model with "

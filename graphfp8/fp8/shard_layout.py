@@ -16,6 +16,7 @@ starts off a multiple of the vector width would step some elements unlike the wh
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +42,7 @@ class Entry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def stop(self) -> int:

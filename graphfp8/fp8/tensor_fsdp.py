@@ -17,6 +17,8 @@ transpose buffer that FSDP frees and reallocates with the gathered data.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["SHARD_OPS", "post_all_gather", "pre_all_gather"]
@@ -73,9 +75,7 @@ def pre_all_gather(shard, outer_size: torch.Size, world: int):
     padded = (rows, *outer_size[1:])
     data = shard._data.view(torch.uint8)
     if tuple(data.shape) != padded:
-        numel = 1
-        for s in padded:
-            numel *= s
+        numel = math.prod(padded)
         if data.untyped_storage().nbytes() >= data.storage_offset() + numel:
             data = data.as_strided(padded, torch.empty(padded, device="meta").stride(),
                                    data.storage_offset())  # fmt: skip

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from graphfp8.fp8.master import _TENSOR_GRAD  # .grad without the masters' moving property
 from graphfp8.fp8.shard_layout import ShardLayout
-from graphfp8.memory.ledger import storage_key, tensor_parts
+from graphfp8.memory.ledger import Ledger
 from graphfp8.modules.base import FP8Module
 
 __all__ = ["STATE_CATEGORIES", "TrainingState", "sharded_at", "training_state"]
@@ -21,7 +22,6 @@ __all__ = ["STATE_CATEGORIES", "TrainingState", "sharded_at", "training_state"]
 WEIGHTS, FP8_CASTS, GRADS = "weights", "FP8 weight casts", "grads"
 MASTERS, MASTER_GRADS, OPTIMIZER = "fp32 masters", "master grads", "optimizer state"
 STATE_CATEGORIES = (WEIGHTS, FP8_CASTS, GRADS, MASTERS, MASTER_GRADS, OPTIMIZER)
-_TENSOR_GRAD = torch._C.TensorBase.grad  # read without MasterWeights' moving .grad property
 
 
 @dataclass
@@ -82,9 +82,7 @@ def training_state(model: nn.Module, optimizer=None, masters=None) -> TrainingSt
         optimizer: its torch optimizer (every tensor of optimizer.state), or None.
         masters: its graphfp8.MasterWeights (sharded or not), or None.
     """
-    seen: set = set()
-    out = TrainingState(dict.fromkeys(STATE_CATEGORIES, 0),
-                        sum(p.numel() for p in model.parameters()))  # fmt: skip
+    ledger = Ledger()
     master_values, master_grads = _master_tensors(masters)
     optimizer_state = []
     if optimizer is not None:
@@ -100,15 +98,10 @@ def training_state(model: nn.Module, optimizer=None, masters=None) -> TrainingSt
     )
     for category, tensors in sources:
         for t in tensors:
-            if t is None:
-                continue
-            for _, part in tensor_parts(t):
-                key = storage_key(part)
-                if key is None or key in seen:
-                    continue
-                seen.add(key)
-                out.bytes[category] += part.untyped_storage().nbytes()
-    return out
+            if t is not None:
+                ledger.claim(t, category, category)
+    return TrainingState({c: ledger.bytes[c] for c in STATE_CATEGORIES},
+                         sum(p.numel() for p in model.parameters()))  # fmt: skip
 
 
 def sharded_at(state: TrainingState, masters, world: int) -> TrainingState:
