@@ -267,18 +267,16 @@ def _row(step: int, mb: int, slot: _Slot, v: list[float]) -> dict:
         sqnr = 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf
     else:
         sqnr = math.inf
-    if slot.recorded_only:
-        return {"step": step, "microbatch": mb, "layer": slot.layer, "gemm": slot.gemm,
-                "role": slot.role, "scale": scale, "recorded_amax": recorded, "true_amax": None,
-                "saturated_frac": None, "underflow_frac": None, "sqnr_db": None,
-                "numel": slot.numel}  # fmt: skip
-    return {
+    row = {
         "step": step, "microbatch": mb, "layer": slot.layer, "gemm": slot.gemm, "role": slot.role,
         "scale": scale, "recorded_amax": recorded, "true_amax": amax,
         "saturated_frac": sat / slot.numel if slot.numel else 0.0,
         "underflow_frac": under / nonzero if nonzero else 0.0,
         "sqnr_db": sqnr, "numel": slot.numel,
     }  # fmt: skip
+    if slot.recorded_only:  # the cast's own statistics were not taken
+        row.update(true_amax=None, saturated_frac=None, underflow_frac=None, sqnr_db=None)
+    return row
 
 
 def _role(r: dict) -> str:

@@ -197,13 +197,17 @@ class VersionCasts:
     def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
         if is_first_microbatch is not None:
             return EAGER.casts(cache, is_first_microbatch, owner)
-        data = [w._data if isinstance(w, Float8Tensor) else w for w in weights]
-        versions = tuple(
-            (id(w), d.data_ptr(), d._version) for w, d in zip(weights, data, strict=True)
-        )
+        versions = weight_versions(weights)
         reuse = cache.valid and cache.versions == versions
         cache.valid, cache.versions = True, versions
         return not reuse, None
+
+
+def weight_versions(weights) -> tuple:
+    """What identifies the values of `weights` (an FP8 weight by its bytes): id, data pointer and
+    version counter of each. Equal keys: no weight was written in between."""
+    data = [w._data if isinstance(w, Float8Tensor) else w for w in weights]
+    return tuple((id(w), d.data_ptr(), d._version) for w, d in zip(weights, data, strict=True))
 
 
 WeightCachePolicy = EagerCasts | GraphCasts | StaticCasts | VersionCasts

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from graphfp8.fp8.weight_cache import weight_versions
 from graphfp8.graphs import make_graphed_callables
 
 __all__ = ["LayerGraphs"]
@@ -58,7 +59,7 @@ class LayerGraphs:
 
     def is_first_microbatch(self, model) -> bool:
         """True when a layer weight changed since the last replay (cast), else False (reuse)."""
-        key = tuple((id(p), p.data_ptr(), p._version) for p in model.layers.parameters())
+        key = weight_versions(list(model.layers.parameters()))
         first = key != self._versions
         self._versions = key
         return first

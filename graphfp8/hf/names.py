@@ -58,11 +58,11 @@ def to_hf(model_or_state, config=None) -> dict[str, torch.Tensor]:
     out = {}
     for entry in layout.top_entries:
         out.update(_to_hf_entry(state, entry.ours, "", entry, None))
+    sizes = {e.ours: _split_sizes(config, layout, e) for e in layout.layer_entries}
     for i in range(n):
         for entry in layout.layer_entries:
-            sizes = _split_sizes(config, layout, entry)
-            out.update(_to_hf_entry(state, f"layers.{i}.{entry.ours}",
-                                    f"{layout.layers_path}.{i}.", entry, sizes))  # fmt: skip
+            out.update(_to_hf_entry(state, f"layers.{i}.{entry.ours}", f"{layout.layers_path}.{i}.",
+                                    entry, sizes[entry.ours]))  # fmt: skip
     return out
 
 
