@@ -89,6 +89,14 @@ record_switches() {
   fi
 }
 
+find_ncu() {  # Nsight Compute's command line, or nothing
+  command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1
+}
+
+ncu_sections() {  # --section S for each S given
+  local s; for s in "$@"; do printf -- ' --section %s' "$s"; done
+}
+
 pack() {  # at most 8 files come back from the device machine: summary.md + one archive
   cp "$RES/summary.md" "$OUT/summary.md"
   tar czf "$OUT/results.tgz.tmp" -C "$RES" . && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"
@@ -326,9 +334,9 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         grep -v '^wrote' /tmp/kern2_census_$sw.log | grep -E "^#|^\| (op|---|total|KERNEL|MEMSET|MEMCPY|Memset)" >> "$RES/summary.md"
         grep -E "^\| (peer|---|fp8 step|bf16 step)" /tmp/kern2_step_$sw.log | head -6 >> "$RES/summary.md"
       done
-      NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      NCU=$(find_ncu)
       if [ -n "$NCU" ]; then
-        secs=""; for s in SpeedOfLight Occupancy LaunchStats SchedulerStats WarpStateStats; do secs="$secs --section $s"; done
+        secs=$(ncu_sections SpeedOfLight Occupancy LaunchStats SchedulerStats WarpStateStats)
         env $KERN_SW timeout 90 "$NCU" --profile-from-start off --clock-control none $secs --csv --page details \
           $PY scripts/ncu_kernels.py run --only layernorm_bwd > /tmp/kern2_ncu.csv 2> "$RES/kern2_ncu_run.log" || status=1
         $PY scripts/ncu_kernels.py summary /tmp/kern2_ncu.csv > "$RES/kern2_ncu_summary.md" 2>&1 || status=1
@@ -336,9 +344,9 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       fi ;;
     ncu)  # issue 33: Nsight Compute counters of the kernels it names (scripts/ncu_kernels.py);
       # NCU_ENV: an environment for the profiled run (e.g. a kernel switch), NCU_SECTIONS: sections
-      NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      NCU=$(find_ncu)
       if [ -z "$NCU" ]; then echo "ncu not found" | tee -a "$RES/summary.md"; status=1; else
-        secs=""; for s in ${NCU_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis Occupancy LaunchStats SchedulerStats WarpStateStats}; do secs="$secs --section $s"; done
+        secs=$(ncu_sections ${NCU_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis Occupancy LaunchStats SchedulerStats WarpStateStats})
         env ${NCU_ENV:-} timeout 240 "$NCU" --profile-from-start off --clock-control none $secs --csv --page details \
           $PY scripts/ncu_kernels.py run > "$RES/ncu_details.csv" 2> "$RES/ncu_run.log" || status=1
         grep "^call\|^switches" "$RES/ncu_run.log" | tee -a "$RES/summary.md"

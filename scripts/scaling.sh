@@ -60,6 +60,10 @@ part() {
   return $rc
 }
 
+# bench/scaling.py's runs, at N and on 1 GPU alike
+RUNS=(--presets "${SCALING_PRESETS:-100m,300m}" --configs "${SCALING_CONFIGS:-ddp,shard,shard-fp8w}"
+      --modes "${SCALING_MODES:-layers,step}" --steps "${SCALING_STEPS:-20}")
+
 echo "scaling: N=$N GPU(s), budget ${BUDGET} s" | tee "$D/times.txt"
 for p in ${SCALING_PARTS:-tests correctness speed speed1 peers fit}; do
   case $p in
@@ -76,9 +80,8 @@ for p in ${SCALING_PARTS:-tests correctness speed speed1 peers fit}; do
       done ;;
     speed)
       trace=(); [ "${SCALING_TRACE:-0}" = 1 ] && trace=(--trace "$D/traces")
-      part 240 speed_N $TR "$N" -m graphfp8.bench.scaling --presets "${SCALING_PRESETS:-100m,300m}" \
-        --configs "${SCALING_CONFIGS:-ddp,shard,shard-fp8w}" --modes "${SCALING_MODES:-layers,step}" \
-        --steps "${SCALING_STEPS:-20}" --profile "${SCALING_PROFILE:-ddp:step,shard-fp8w:step}" \
+      part 240 speed_N $TR "$N" -m graphfp8.bench.scaling "${RUNS[@]}" \
+        --profile "${SCALING_PROFILE:-ddp:step,shard-fp8w:step}" \
         ${SCALING_ARGS:-} "${trace[@]}" --json "$D/speed_N.json" ;;
     speed1)  # one process per GPU, side by side: every N-th run each
       [ "$N" -gt 1 ] || continue
@@ -87,9 +90,7 @@ for p in ${SCALING_PARTS:-tests correctness speed speed1 peers fit}; do
       t0=$(date +%s)
       for i in $(seq 0 $(( N - 1 ))); do
         CUDA_VISIBLE_DEVICES=$i timeout --kill-after=15 "$limit" $TR 1 -m graphfp8.bench.scaling \
-          --part "$i/$N" --presets "${SCALING_PRESETS:-100m,300m}" \
-          --configs "${SCALING_CONFIGS:-ddp,shard,shard-fp8w}" --modes "${SCALING_MODES:-layers,step}" \
-          --steps "${SCALING_STEPS:-20}" ${SCALING_ARGS:-} --json "$D/speed_1_part$i.json" \
+          --part "$i/$N" "${RUNS[@]}" ${SCALING_ARGS:-} --json "$D/speed_1_part$i.json" \
           > "$D/speed_1_part$i.log" 2>&1 &
       done
       for pid in $(jobs -p); do wait "$pid" || status=1; done
