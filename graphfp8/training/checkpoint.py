@@ -22,7 +22,8 @@ import torch
 
 from graphfp8.training.run import OLDER_DEFAULTS, Run
 
-__all__ = ["CheckpointError", "check_resumable", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "check_resumable", "checkpoint_state", "load_checkpoint",
+           "save_checkpoint"]  # fmt: skip
 
 FORMAT, VERSION = "graphfp8-train", 1
 _REQUIRED = ("spec", "step", "model", "optimizer")
@@ -43,13 +44,19 @@ def save_checkpoint(run: Run, path: Path, steps: int, data: dict) -> Path:
         steps: the run's length (--steps), which its LR schedule spans.
         data: Dataset.describe() of the data it trains on.
     """
-    state = {"format": FORMAT, "version": VERSION, **run.state_dict(), "steps": steps,
-             "data": data}  # fmt: skip
+    state = checkpoint_state(run.state_dict(), steps, data)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
     return path
+
+
+def checkpoint_state(run_state: dict, steps: int, data: dict) -> dict:
+    """What a checkpoint file holds: format and version, a Run.state_dict(), the run's length
+    and its data (save_checkpoint's file; without the rank's shards, shard_checkpoint's
+    manifest)."""
+    return {"format": FORMAT, "version": VERSION, **run_state, "steps": steps, "data": data}
 
 
 def _reason(exc: Exception) -> str:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from graphfp8.distributed import gather_objects
 from graphfp8.fp8.shard_state import check_loadable
-from graphfp8.training.checkpoint import FORMAT, VERSION, CheckpointError
+from graphfp8.training.checkpoint import CheckpointError, checkpoint_state
 from graphfp8.training.run import Run
 
 __all__ = ["load_shard", "save_sharded"]
@@ -86,7 +86,7 @@ def save_sharded(run: Run, path: Path, steps: int, data: dict, group) -> Path:
     failed = [f"rank {r}: {o[1]}" for r, o in enumerate(outcomes) if o[0] != "ok"]
     if rank == 0 and not failed:
         state = {k: v for k, v in run.state_dict().items() if k not in ("optimizer", "masters")}
-        manifest = {"format": FORMAT, "version": VERSION, **state, "steps": steps, "data": data,
+        manifest = {**checkpoint_state(state, steps, data),
                     "shards": {"world": world, "token": token,
                                "files": [list(o[1:]) for o in outcomes]}}  # fmt: skip
         try:
