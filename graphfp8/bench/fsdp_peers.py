@@ -1,5 +1,5 @@
 """The sharded peers of graphfp8's `--ddp --shard` (issue 34): graphfp8-train's GPT shapes
-(bench/torch_gpt.py) under torch FSDP2 as torchtitan sets it up - fully_shard per block and at the
+(training/torch_model.py) under torch FSDP2 as torchtitan sets it up - fully_shard per block and at the
 root, MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) over fp32 parameters, each
 block torch.compile'd before it is sharded - in bf16, and with torchao's float8 training
 (convert_to_float8_training, Float8LinearConfig(enable_fsdp_float8_all_gather=True), the head
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from graphfp8.bench.common import gpu_busy, sync
-from graphfp8.bench.torch_gpt import TorchGPT
+from graphfp8.training.torch_model import TorchGPT
 from graphfp8.distributed import gather_objects
 from graphfp8.training.data import Dataset, split_windows
 from graphfp8.training.model import PRESETS, ModelConfig

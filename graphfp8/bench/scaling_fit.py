@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from graphfp8.bench.torch_gpt import TorchGPT
+from graphfp8.training.torch_model import TorchGPT
 from graphfp8.training.model import PRESETS, ModelConfig
 
 __all__ = ["FIT_SHAPES", "parameters", "predict", "search"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -15,8 +16,8 @@ import torch
 from graphfp8.distributed import gather_objects
 from graphfp8.memory.state import training_state
 
-__all__ = ["Progress", "MetricsLog", "write_summary", "plot_losses", "final_loss", "print_table",
-           "print_memory", "print_ranks", "rank_memory"]  # fmt: skip
+__all__ = ["environment", "Progress", "MetricsLog", "write_summary", "plot_losses", "final_loss",
+           "print_table", "print_memory", "print_ranks", "rank_memory"]  # fmt: skip
 
 
 class Progress:
@@ -73,6 +74,15 @@ def final_loss(losses: list[float]) -> float:
     """Mean of the last 10% of the steps (at least one): less noisy than the last step."""
     tail = losses[-max(1, len(losses) // 10) :]
     return sum(tail) / len(tail)
+
+
+def environment(device: str) -> dict:
+    """torch, Python, the device and (CUDA) the GPU's name and CUDA version, for summary.json."""
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": device}
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        env["cuda"] = torch.version.cuda
+    return env
 
 
 def write_summary(out: Path, summary: dict) -> Path:

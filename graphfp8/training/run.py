@@ -28,14 +28,18 @@ from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.profiling import nvtx_range
 from graphfp8.training.data import Dataset, split_windows
 from graphfp8.training.model import GPT, ModelConfig
+from graphfp8.training.staging import BatchStager
+from graphfp8.training.torch_model import TorchGPT
 
 __all__ = ["GRAPH_MODES", "RunSpec", "Run", "run_settings"]
 
 PRECISIONS = ("bf16", "fp8")
 SCALINGS = ("delayed", "current")
-# none: eager; layers: the blocks captured (make_graphed_callables); step: the whole step.
-GRAPH_MODES = ("none", "layers", "step")
-_MODE_NAMES = {"none": "eager", "layers": "graphs", "step": "step"}
+# none: eager; layers: the blocks captured (make_graphed_callables); step: the whole step;
+# compile: the fair bf16 baseline - the same model in plain torch modules (training/torch_model.py)
+# compiled whole by torch.compile (forward and backward), not graphed, bf16 only.
+GRAPH_MODES = ("none", "layers", "step", "compile")
+_MODE_NAMES = {"none": "eager", "layers": "graphs", "step": "step", "compile": "torch-compile"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,9 @@ class RunSpec:
     # keep bf16 attention (graphfp8.modules.attention says why)
     fp8_attention: bool = False
     shard: bool = False  # masters, gradients and optimizer state sharded over the group
+    # the next step's microbatches copied to the device while a step runs (training/staging.py);
+    # the same bits, so not a run setting of checkpoints
+    stage_batches: bool = False
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -76,7 +83,10 @@ class RunSpec:
         if self.fp8_format not in Format.__members__:
             raise ValueError(f"fp8_format must be one of {list(Format.__members__)}, got "
                              f"{self.fp8_format!r}")  # fmt: skip
-        if self.compile and self.graphs == "step":
+        if self.graphs == "compile" and (self.precision != "bf16" or self.pack or self.shard):
+            raise ValueError("graphs='compile' is the plain-torch bf16 baseline: precision bf16, "
+                             "without packed documents or sharding")  # fmt: skip
+        if self.compile and self.graphs in ("step", "compile"):
             raise ValueError("compile with graphs='step' is not supported: the step graph holds "
                              "the embedding and the loss that compile would take")  # fmt: skip
 
@@ -133,17 +143,20 @@ class Run:
     def __init__(self, spec: RunSpec, data: Dataset, group=None):
         if spec.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {spec.precision!r}")
-        if data.vocab_size != spec.model.vocab:
-            raise ValueError(f"the data's vocabulary ({data.vocab_size}) is not the model's "
-                             f"({spec.model.vocab})")  # fmt: skip
+        if data.vocab_size > spec.model.vocab:
+            raise ValueError(f"the data's vocabulary ({data.vocab_size}) is larger than the "
+                             f"model's ({spec.model.vocab})")  # fmt: skip
         if data.pack != spec.pack:
             raise ValueError(f"the run packs documents ({spec.pack}), the data not ({data.pack})")
         self.spec, self.data, self.group = spec, data, group
         self.rank = torch.distributed.get_rank(group) if group is not None else 0
         self.world = torch.distributed.get_world_size(group) if group is not None else 1
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
-        with fp8_model_init(enabled=spec.fp8_weights):
-            self.model = GPT(spec.model, torch.bfloat16, spec.device)
+        if spec.graphs == "compile":
+            self.model = TorchGPT(spec.model, torch.bfloat16, spec.device)
+        else:
+            with fp8_model_init(enabled=spec.fp8_weights):
+                self.model = GPT(spec.model, torch.bfloat16, spec.device)
         self.masters = self._masters()
         params = self.masters.parameters() if self.masters else self.model.parameters()
         # Fused, with the learning rate as a device tensor, in every mode: a step graph can
@@ -164,6 +177,8 @@ class Run:
         self.fp8_stats = None  # graphfp8.numerics.FP8Stats while the run records FP8 statistics
         self.blocks = None  # the callable that runs the blocks, set by prepare()
         self.graphed_step = None  # graphs "step": the captured step, set by prepare()
+        self.batches = BatchStager(self._host_microbatch, spec.microbatches, spec.device,
+                                   ahead=spec.stage_batches)  # fmt: skip
 
     @property
     def fp8(self) -> bool:
@@ -189,6 +204,9 @@ class Run:
             return
         if self.spec.graphs == "none":
             self.blocks = self._eager_blocks
+            return
+        if self.spec.graphs == "compile":  # the whole model: (tokens, targets) -> loss
+            self.blocks = torch.compile(self.model)
             return
         cfg = self.spec.model
         sample = torch.randn(cfg.batch, cfg.seq_len, cfg.hidden, dtype=torch.bfloat16,
@@ -229,11 +247,12 @@ class Run:
             num_warmup_iters=3 if torch.device(self.spec.device).type == "cuda" else 1,
         )  # fmt: skip
 
-    def _step_batch(self):
-        """This step's microbatches, stacked straight into the step graph's static batch
-        ((inputs, targets[, segments]), (): the model's output is the loss)."""
+    def _step_batch(self, batches):
+        """This step's microbatches (device tensors of BatchStager.take), stacked straight into
+        the step graph's static batch ((inputs, targets[, segments]), (): the model's output is
+        the loss)."""
         static = self.graphed_step.static_batch
-        parts = [self._microbatch(mb) for mb in range(self.spec.microbatches)]
+        parts = [_split(batch) for batch in batches]
         for i, out in enumerate(static):
             torch.stack([p[i] for p in parts], out=out)
         return tuple(static), ()
@@ -259,17 +278,13 @@ class Run:
         t = (step - warmup) / max(1, total - warmup)
         return self.spec.model.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, t))))
 
-    def _microbatch(self, mb: int) -> tuple[torch.Tensor, ...]:
-        """(inputs, targets) of microbatch mb on the device, packed (inputs, targets,
-        segments)."""
+    def _host_microbatch(self, step: int, mb: int) -> tuple[torch.Tensor, ...]:
+        """This rank's windows of microbatch mb of step `step` on the CPU: (tokens,) or, packed,
+        (tokens, segments), each (b, S + 1) int64."""
         cfg = self.spec.model
-        args = (self.step, mb, cfg.batch, cfg.seq_len, self.spec.seed, self.rank, self.world)
-        tokens = self.data.train_batch(*args).to(self.spec.device, non_blocking=True)
-        segments = None
-        if self.spec.pack:
-            segments = self.data.train_segments(*args).to(self.spec.device, non_blocking=True)
-        inputs, targets, segments = split_windows(tokens, segments)
-        return (inputs, targets) if segments is None else (inputs, targets, segments)
+        args = (step, mb, cfg.batch, cfg.seq_len, self.spec.seed, self.rank, self.world)
+        tokens = self.data.train_batch(*args)
+        return (tokens, self.data.train_segments(*args)) if self.spec.pack else (tokens,)
 
     def train_step(self, total_steps: int) -> torch.Tensor:
         """One optimizer step over `microbatches` microbatches. Returns the step's mean loss as
@@ -280,21 +295,22 @@ class Run:
                 group["lr"].fill_(lr)
             else:  # a checkpoint written before the learning rate became a tensor
                 group["lr"] = lr
+        batches = self.batches.take(self.step)
         if self.graphed_step is not None:
             with nvtx_range("step"):
-                loss = self.graphed_step(self._step_batch()).clone()
+                loss = self.graphed_step(self._step_batch(batches)).clone()
             if self.fp8_stats is not None:  # one graph: each slot's latest cast of the step
                 self.fp8_stats.collect(self.step, self.spec.microbatches - 1)
             self.step += 1
+            if self.step < total_steps:  # the next step's batches, while this one runs
+                self.batches.stage(self.step)
             return loss
-        model, mbs = self.model, self.spec.microbatches
+        mbs = self.spec.microbatches
         total = torch.zeros((), dtype=torch.float32, device=self.spec.device)
-        for mb in range(mbs):
-            inputs, targets, *segments = self._microbatch(mb)
+        for mb, batch in enumerate(batches):
+            inputs, targets, *segments = _split(batch)
             with nvtx_range("forward"):
-                hidden = self.blocks(model.embed(inputs), is_first_microbatch=mb == 0,
-                                     **self._segments_kw(*segments))  # fmt: skip
-                loss = model.loss(hidden, targets) / mbs
+                loss = self._loss(inputs, targets, segments, mb) / mbs
             with nvtx_range("backward"):
                 loss.backward()
             if self.fp8_stats is not None:
@@ -303,7 +319,19 @@ class Run:
         with nvtx_range("optimizer"):
             self._optimizer_step()
         self.step += 1
+        if self.step < total_steps:
+            self.batches.stage(self.step)
         return total
+
+    def _loss(self, inputs, targets, segments: list, mb: int) -> torch.Tensor:
+        """One microbatch's mean loss (float32): the compiled torch model's (graphs "compile"),
+        or graphfp8's GPT - embedding, self.blocks (graphed or eager), norm, head, cross
+        entropy."""
+        if self.spec.graphs == "compile":
+            return self.blocks(inputs, targets)
+        hidden = self.blocks(self.model.embed(inputs), is_first_microbatch=mb == 0,
+                             **self._segments_kw(*segments))  # fmt: skip
+        return self.model.loss(hidden, targets)
 
     def _optimizer_step(self) -> None:
         """After the microbatches of an eager or layers step: the gradient reduction, clipping to
@@ -350,3 +378,9 @@ class Run:
         if self.masters is not None:
             self.masters.load_state_dict(state["masters"])
         self.step = state["step"]
+
+
+def _split(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A device microbatch (tokens[, segments]) as (inputs, targets[, segments])."""
+    inputs, targets, segments = split_windows(*batch)
+    return (inputs, targets) if segments is None else (inputs, targets, segments)
