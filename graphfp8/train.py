@@ -61,6 +61,7 @@ from graphfp8.training.report import (
 )
 from graphfp8.training.run import GRAPH_MODES, PRECISIONS, SCALINGS, RunSpec
 from graphfp8.training.sources import DataError, open_stream
+from graphfp8.training.speed import name_baseline
 
 __all__ = ["main", "parse_args", "build_parser"]
 
@@ -336,8 +337,7 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
         opts = RunOptions(steps=args.steps, out=out, data=data, log_every=args.log_every,
                           eval_every=args.eval_every, val_batches=args.val_batches,
                           save=args.save, resume=args.resume, group=group, world_size=world,
-                          is_main=is_main, stop_at=args.stop_at,
-                          fp8_stats=args.fp8_stats or 0,
+                          is_main=is_main, stop_at=args.stop_at, fp8_stats=args.fp8_stats or 0,
                           check_replicas=args.check_replicas)  # fmt: skip
         results.append(train_run(spec, opts))
         if args.device.startswith("cuda"):
@@ -349,6 +349,7 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
         return 130 if interrupted else 0
     for r in results:
         r.pop("model_state")
+    baseline = name_baseline(results)  # every run's "baseline" and "speedup"
     print_table(results)
     print_ranks(results, world)
     summary = {"date": stamp, "argv": sys.argv[1:] if argv is None else list(argv),
@@ -356,7 +357,7 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
                "microbatches": args.microbatches, "world_size": world, "data": data.describe(),
                "eval_every": opts.every, "val_batches": args.val_batches,
                "environment": environment(args.device), "runs": results,
-               "deterministic": args.deterministic,
+               "deterministic": args.deterministic, "baseline": baseline,
                "interrupted": interrupted}  # fmt: skip
     print(f"wrote {write_summary(out, summary)}")
     if interrupted:
