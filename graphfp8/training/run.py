@@ -100,6 +100,7 @@ class RunSpec:
         fmt += "-attn" if self.fp8_attention else ""
         suffix += "-pack" if self.pack else ""
         suffix += "-shard" if self.shard else ""
+        suffix += "-staged" if self.stage_batches else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
 
     @property
