@@ -61,3 +61,20 @@ def test_kernel_table_attributes_all_time_and_counts_overlap_once():
     assert sum(c["share"] for c in cats.values()) == pytest.approx(1.0)
     assert cats["gemm"]["launches"] == 1.0 and cats[OTHER]["ms"] == pytest.approx(2e-3)
     assert [k["name"] for k in t["kernels"]] == ["nvjet_a", "rope_k", "mystery"]
+
+
+@pytest.mark.cuda
+def test_quick_run_on_a_gpu_calibrates_and_profiles():
+    """On a GPU: the ceilings measured, every kernel of the profiled steps in the table, GPU busy
+    a fraction of the unprofiled wall."""
+    out = speed.run("cuda", quick=True)
+    (row,) = out["rows"]
+    c = row["ceilings"]
+    assert c["source"].startswith("measured on") and min(c["fp8_gemm_tflops"],
+                                                         c["bf16_gemm_tflops"], c["copy_tbps"],
+                                                         c["attention_tflops"]) > 0  # fmt: skip
+    for name, p in row["peers"].items():
+        t = p["kernel_table"]
+        assert t["kernels"] and t["categories"]["gemm"]["launches"] > 0, name
+        assert sum(c["ms"] for c in t["categories"].values()) == pytest.approx(t["kernel_ms"])
+        assert 0 < p["busy"] <= 1.05, name  # the union of kernel time over the unprofiled wall
