@@ -229,6 +229,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.resume is not None and not args.resume.is_file():
         p.error(f"--resume: no checkpoint at {args.resume}")
     args.runs = _parse_runs(p, args)
+    check_compiled_runs(p, args, args.runs)
 
 
 _MODE_ALIASES = {"graphs": "layers", "eager": "none"}
@@ -245,7 +246,6 @@ def _parse_runs(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tu
             p.error(f"--compare: bad run {item!r}; expected precision[:layers|:step|:none|"
                     f":compile] (or :graphs, :eager) with precision in {PRECISIONS}")  # fmt: skip
         runs.append((precision, mode))
-    check_compiled_runs(p, args, runs)
     if len(set(runs)) != len(runs):
         p.error(f"--compare: a run is listed twice in {args.compare!r}")
     return runs

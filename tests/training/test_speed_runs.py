@@ -55,6 +55,7 @@ def test_layers_override_and_llama_vocabulary():
 @pytest.mark.parametrize("argv, message", [
     (["--compare", "fp8:compile"], "plain-torch bf16 baseline"),
     (["--compare", "bf16:compile,fp8:graphs", "--pack"], "leave out --pack"),
+    (["--precision", "fp8", "--graphs", "compile"], "plain-torch bf16 baseline"),
 ])  # fmt: skip
 def test_compiled_baseline_misuse_is_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
