@@ -22,7 +22,7 @@ LAYERS = [
         [
             "graphfp8.ops",
             "graphfp8._C",
-            "graphfp8.profiling",
+            "graphfp8.nvtx_ranges",
             "graphfp8.distributed",
             "graphfp8.collectives",
             "graphfp8.global_state",
@@ -31,7 +31,7 @@ LAYERS = [
     ("fp8", ["graphfp8.fp8"]),
     ("modules", ["graphfp8.modules"]),
     ("graphs", ["graphfp8.graphs"]),
-    ("top", ["graphfp8.training", "graphfp8.train", "graphfp8.bench", "graphfp8"]),
+    ("top", ["graphfp8.training", "graphfp8"]),
 ]
 # Test-only code that runtime layers must never import (benchmarks and the package root may).
 TEST_ONLY = ("graphfp8.reference", "graphfp8.testing")

@@ -7,7 +7,7 @@ import time
 import torch
 
 import graphfp8 as g8
-from graphfp8.bench.peers import G8Stack
+from benchmarks.peers import G8Stack
 
 
 def host_us(fn, iters=200):
