@@ -1,12 +1,13 @@
-"""bench/speed.py (gpu_check's speed41 step) on the CPU with tiny shapes - not speed: that every
-peer runs on the same data with its repeats, ratios against the compiled baseline with their
-range, the floor, and the tables - and training/kernel_table.py's attribution of every kernel."""
+"""benchmarks/speed.py (gpu_check's speed41 step) on the CPU with tiny shapes - not speed: that
+every peer runs on the same data with its repeats, ratios against the compiled baseline with
+their range, the floor, and the tables - and training/kernel_table.py's attribution of every
+kernel."""
 
 from __future__ import annotations
 
 import pytest
 
-from graphfp8.bench import speed
+from benchmarks import speed
 from graphfp8.training.kernel_table import OTHER, category, kernel_table
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from graphfp8.training.profile_stats import busy_length, busy_union
+from graphfp8.training.trace_stats import busy_length, busy_union
 
 __all__ = ["CATEGORIES", "category", "kernel_table"]
 

@@ -2,7 +2,7 @@
 (F.layer_norm / F.rms_norm), RoPE, causal scaled_dot_product_attention with grouped-query heads,
 SwiGLU or GELU - for the peers that need torch modules: graphfp8-train's compiled bf16 baseline
 (`--compare bf16:compile`, training/run.py), torch FSDP2 in bf16 and torchao's float8 training
-(bench/fsdp_peers.py). The same shapes for a ModelConfig (fused q/k/v projection with
+(benchmarks/fsdp_peers.py). The same shapes for a ModelConfig (fused q/k/v projection with
 grouped-query heads, GELU (tanh) or SwiGLU MLP, biases or not, tied embeddings or not), the same
 initialisation (normal(0, 0.02), biases 0), not the same numbers (no FP8, other kernels).
 
