@@ -176,7 +176,7 @@ class Run:
                                          fp8_mha=spec.fp8_attention)  # fmt: skip
         self.step = 0
         self.fp8_stats = None  # graphfp8.numerics.FP8Stats while the run records FP8 statistics
-        self.blocks = None  # the callable that runs the blocks, set by prepare()
+        self.blocks = None  # runs the blocks (graphs "compile": the whole model), set by prepare()
         self.graphed_step = None  # graphs "step": the captured step, set by prepare()
         self.batches = BatchStager(self._host_microbatch, spec.microbatches, spec.device,
                                    ahead=spec.stage_batches)  # fmt: skip

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from graphfp8 import train
 from graphfp8.testing import assert_bitwise_equal
+from graphfp8.training import cli as train
 from graphfp8.training.cli_checks import model_config
 from graphfp8.training.data import Dataset, split_windows
 from graphfp8.training.model import GPT, PRESETS, count_parameters
