@@ -47,7 +47,7 @@
 #               500 s) -> $RES/multi_gpu.md and multi_gpu.json (docs/sharding.md, "Multi-GPU measurement")
 #   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
 #               token and GPU busy (one call under torch.profiler)
-#   step speed41 (issue 41): bench speed - llama-100m, llama-1b (4 layers, B2 x S4096), llama-8b
+#   step speed41 (issue 41): python -m benchmarks speed - llama-100m, llama-1b (4 layers, B2 x S4096), llama-8b
 #               (2 layers, B1 x S8192), whole training steps: bf16 torch.compile (the baseline) vs
 #               graphfp8 bf16 vs FP8 layer graphs, 3 repeats each, ratios with their spread,
 #               model TFLOP/s, the floor fraction (ceilings calibrated first), GPU busy, kernel
