@@ -47,11 +47,12 @@
 #               500 s) -> $RES/multi_gpu.md and multi_gpu.json (docs/sharding.md, "Multi-GPU measurement")
 #   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
 #               token and GPU busy (one call under torch.profiler)
-#   step speed41 (issue 41): python -m benchmarks speed - llama-100m, llama-1b (4 layers, B2 x S4096), llama-8b
-#               (2 layers, B1 x S8192), whole training steps: bf16 torch.compile (the baseline) vs
-#               graphfp8 bf16 vs FP8 layer graphs, 3 repeats each, ratios with their spread,
-#               model TFLOP/s, the floor fraction (ceilings calibrated first), GPU busy, kernel
-#               table; ~3-4 min on one H200 (limit SPEED_TIMEOUT_S, 360 s)
+#   step speed41 (issue 41): python -m benchmarks speed - llama-100m, llama-1b (4 layers,
+#               B2 x S4096), llama-8b (2 layers, B1 x S8192), whole training steps: bf16
+#               torch.compile (the baseline) vs graphfp8 bf16 vs FP8 layer graphs (and FP8 with
+#               --stage-batches at llama-100m), 3 repeats each, ratios with their spread, model
+#               TFLOP/s, the floor fraction (ceilings calibrated first), GPU busy, kernel table;
+#               ~3-4 min on one H200 (limit SPEED_TIMEOUT_S, 360 s)
 #   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
 set -uo pipefail
