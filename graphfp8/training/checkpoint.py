@@ -9,7 +9,7 @@
 Everything in it is a tensor, a number, a string or a container of them, so it loads with
 torch.load(weights_only=True): resuming a checkpoint cannot run code that someone put into it.
 A --shard run's checkpoint is a manifest (no "optimizer": each rank's is in its own file, beside
-it) read by training/shard_checkpoint.py.
+it) read by distributed/sharded_run_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def save_checkpoint(run: Run, path: Path, steps: int, data: dict) -> Path:
 
 def checkpoint_state(run_state: dict, steps: int, data: dict) -> dict:
     """What a checkpoint file holds: format and version, a Run.state_dict(), the run's length
-    and its data (save_checkpoint's file; without the rank's shards, shard_checkpoint's
+    and its data (save_checkpoint's file; without the rank's shards, sharded_run_checkpoint.py's
     manifest)."""
     return {"format": FORMAT, "version": VERSION, **run_state, "steps": steps, "data": data}
 
@@ -92,7 +92,7 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def _is_manifest(state) -> bool:
-    """A --shard checkpoint's manifest (training/shard_checkpoint.py)."""
+    """A --shard checkpoint's manifest (distributed/sharded_run_checkpoint.py)."""
     return isinstance(state, dict) and isinstance(state.get("shards"), dict)
 
 

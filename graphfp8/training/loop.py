@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from graphfp8.distributed import gather_objects
+from graphfp8.distributed.replica_check import ReplicaCheck
+from graphfp8.distributed.sharded_run_checkpoint import load_shard, save_sharded
 from graphfp8.numerics import FP8Stats, plot_stats, role_digest
 from graphfp8.training.checkpoint import (
     CheckpointError,
@@ -21,10 +23,8 @@ from graphfp8.training.data import Dataset
 from graphfp8.training.evaluate import validation_loss
 from graphfp8.training.interrupt import StopAtStepBoundary
 from graphfp8.training.model import count_parameters
-from graphfp8.training.replicas import ReplicaCheck
 from graphfp8.training.report import MetricsLog, Progress, final_loss, rank_memory
 from graphfp8.training.run import Run, RunSpec, run_settings
-from graphfp8.training.shard_checkpoint import load_shard, save_sharded
 
 __all__ = ["RunOptions", "sync", "train_run"]
 

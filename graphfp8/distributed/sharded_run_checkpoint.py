@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from graphfp8.distributed import gather_objects
-from graphfp8.fp8.shard_state import check_loadable
+from graphfp8.distributed.data_parallel import gather_objects
 from graphfp8.training.checkpoint import CheckpointError, checkpoint_state
 from graphfp8.training.run import Run
 
@@ -150,7 +149,7 @@ def load_shard(manifest: dict, path: Path, run: Run, group) -> dict:
     if problems:
         raise CheckpointError(f"cannot resume {path}: " + "; ".join(problems))
     try:
-        check_loadable(run.masters, shard["masters"])  # the layouts, before anything loads
+        run.masters.check_loadable(shard["masters"])  # the layouts, before anything loads
     except ValueError as exc:
         raise CheckpointError(f"cannot resume {path}: {exc}") from None
     return {**manifest, "masters": shard["masters"], "optimizer": shard["optimizer"]}
