@@ -37,7 +37,6 @@ LAYERS = [
             "graphfp8.train",
             "graphfp8.bench",
             "graphfp8",
-            "graphfp8.distributed.sharded_run_checkpoint",  # the training app's files: reads a Run
         ],
     ),
 ]

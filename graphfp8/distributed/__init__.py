@@ -1,10 +1,7 @@
 """Distributed training: data parallelism, the collectives, the one reduce -> clip -> step ->
 write-back protocol, sharded masters (ZeRO-style) and masters of an FSDP2 model, group
-quantization, sharded checkpoints and replica checks (docs/sharding.md, "Where the code lives").
-
-The training app's sharded checkpoint files (sharded_run_checkpoint.py) sit on the top layer
-(they read a training Run) and are not imported here.
-"""
+quantization, sharded checkpoint files and replica checks (docs/sharding.md, "Where the code
+lives")."""
 
 from graphfp8.distributed.data_parallel import (
     DistInfo,
