@@ -154,9 +154,9 @@ def test_make_graphed_callables_spellings():
     sample = (torch.randn(S, H, dtype=BF16, requires_grad=True),)
     with pytest.raises(ValueError, match="deprecated `fp8_recipe` kwarg in favor of `recipe`"):
         te.make_graphed_callables(layer, sample, fp8_recipe=RECIPE, recipe=RECIPE)
-    with pytest.raises(NotImplementedError, match="different enabled flag per callable"):
+    with pytest.raises(ValueError, match="one entry per callable"):
         te.make_graphed_callables((layer, copy.deepcopy(layer)), (sample, sample),
-                                  enabled=(True, False))  # fmt: skip
+                                  enabled=(True, False, True))  # fmt: skip
     with pytest.raises(NotImplementedError, match="retain_graph_in_backward=True"):
         te.make_graphed_callables(layer, sample, retain_graph_in_backward=True)
     with pytest.raises(NotImplementedError, match="calibrating=True"):
@@ -169,6 +169,22 @@ def test_make_graphed_callables_spellings():
         with te.fp8_autocast(fp8_recipe=RECIPE):
             want = eager(x, is_first_microbatch=mb == 0)
         assert_bitwise_equal(graphed(x, is_first_microbatch=mb == 0), want)
+
+
+def test_make_graphed_callables_enabled_per_callable():
+    """TE's per-callable `enabled` tuple: the bf16 layer runs as eagerly outside FP8."""
+    layers = [te.Linear(H, H, params_dtype=BF16, device="cpu") for _ in range(2)]
+    eager = copy.deepcopy(layers)
+    sample = (torch.randn(S, H, dtype=BF16, requires_grad=True),)
+    graphed = te.make_graphed_callables(tuple(layers), (sample, sample), enabled=(False, True),
+                                        recipe=RECIPE)  # fmt: skip
+    for _ in range(2):
+        x = torch.randn(S, H, dtype=BF16, requires_grad=True)
+        with te.autocast(enabled=False):
+            want = eager[0](x)
+        with te.autocast(enabled=True, recipe=RECIPE):
+            want = eager[1](want)
+        assert_bitwise_equal(graphed[1](graphed[0](x)), want)
 
 
 def test_fp8_model_init():
