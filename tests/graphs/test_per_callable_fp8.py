@@ -4,69 +4,15 @@ fp8_autocast region, bit for bit, and a malformed tuple raises before anything i
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import graphfp8 as g8
-from graphfp8.testing import assert_bitwise_equal
-from tests.graphs.common import compare_models
+from tests.graphs.common import train_layers
 from tests.graphs.step_common import TinyLM, adamw, lm_batch, lm_loss
-from tests.modules.common import H, T, build, input_shape
+from tests.modules.common import H, T
 
 DELAYED, CURRENT = g8.DelayedScaling(), g8.Float8CurrentScaling()
-
-
-class Layers(torch.nn.Module):
-    """The layers a graph set captures, one callable each (they are run in order)."""
-
-    def __init__(self, kinds, device):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(_layer(k, device) for k in kinds)
-
-
-def _layer(kind: str, device) -> torch.nn.Module:
-    if kind == "Linear":  # H -> H, so that layers chain
-        return g8.Linear(H, H, params_dtype=torch.bfloat16, device=device)
-    return build(kind, device=device)
-
-
-def _train(kinds, flags, recipes, caching, device, steps=2, mbs=2):
-    """Trains the layers eagerly (layer j inside fp8_autocast(enabled=flags[j],
-    recipe=recipes[j])) and graphed with fp8_enabled=flags, fp8_recipe=recipes; asserts every
-    output, loss, gradient, weight and FP8 state equal. Returns the eager outputs."""
-    eager = Layers(kinds, device)
-    model = copy.deepcopy(eager)
-    shape = input_shape(eager.layers[0])
-    samples = tuple((torch.randn(shape, dtype=torch.bfloat16, device=device,
-                                 requires_grad=True),) for _ in kinds)  # fmt: skip
-    graphed = g8.make_graphed_callables(tuple(model.layers), samples, fp8_enabled=flags,
-                                        fp8_recipe=recipes, fp8_weight_caching=caching)  # fmt: skip
-    opt_e, opt_g = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, model))
-    outputs = []
-    for step in range(steps):
-        for mb in range(mbs):
-            first = (mb == 0) if caching else None
-            x = torch.randn(shape, dtype=torch.bfloat16, device=device) * 10.0 ** (mb - 1)
-            xe, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
-            ye, yg = xe, xg
-            for layer, g, flag, recipe in zip(eager.layers, graphed, flags, recipes, strict=True):
-                with g8.fp8_autocast(enabled=flag, recipe=recipe):
-                    ye = layer(ye, is_first_microbatch=first)
-                yg = g(yg, is_first_microbatch=first)
-            dy = torch.randn_like(ye)
-            (ye.float() * dy).sum().backward()
-            (yg.float() * dy).sum().backward()
-            what = f"{flags} {recipes} step {step} mb {mb}"
-            assert_bitwise_equal(yg, ye, f"{what}: output")
-            assert_bitwise_equal(xg.grad, xe.grad, f"{what}: dgrad")
-            compare_models(eager, model, what)
-            outputs.append(ye.detach())
-        for opt in (opt_e, opt_g):
-            opt.step()
-            opt.zero_grad()
-    return outputs, eager
 
 
 MIXTURES = [(False, True), (True, False), (False, False), (True, True)]
@@ -76,7 +22,7 @@ MIXTURES = [(False, True), (True, False), (False, False), (True, True)]
 @pytest.mark.parametrize("caching", [True, False])
 def test_each_callable_runs_its_own_fp8_setting(device, flags, caching):
     """Fails before the fix for (False, True) and (True, False): every callable ran in FP8."""
-    _train(("Linear", "Linear"), flags, (None, None), caching, device)
+    train_layers(("Linear", "Linear"), flags, (None, None), caching, device)
 
 
 @pytest.mark.parametrize(
@@ -88,7 +34,7 @@ def test_each_callable_runs_its_own_fp8_setting(device, flags, caching):
 )
 def test_first_and_last_layers_in_bf16(device, kinds):
     """Megatron's --first-last-layers-bf16: the outer layers keep no FP8 state at all."""
-    _, eager = _train(kinds, (False, True, False), (None,) * 3, True, device)
+    _, eager = train_layers(kinds, (False, True, False), (None,) * 3, True, device)
     has_state = [any(getattr(m, "fp8_meta", None) is not None for m in layer.modules())
                  for layer in eager.layers]  # fmt: skip
     assert has_state == [False, True, False]
@@ -96,7 +42,7 @@ def test_first_and_last_layers_in_bf16(device, kinds):
 
 def test_a_recipe_per_callable(device):
     """Delayed and current scaling side by side: each recipe's state in its own arena."""
-    _, eager = _train(("Linear", "Linear", "Linear"), (True, True, False),
+    _, eager = train_layers(("Linear", "Linear", "Linear"), (True, True, False),
                       (DELAYED, CURRENT, None), True, device)  # fmt: skip
     metas = [m.fp8_meta for m in eager.layers[:2]]
     assert [m.recipe for m in metas] == [DELAYED, CURRENT]
@@ -104,9 +50,9 @@ def test_a_recipe_per_callable(device):
 
 def test_the_mixture_differs_from_all_fp8(device):
     """The per-callable setting matters: (False, True) is not the all-FP8 run."""
-    mixed, _ = _train(("Linear", "Linear"), (False, True), (None, None), False, device, 1, 1)
+    mixed, _ = train_layers(("Linear", "Linear"), (False, True), (None, None), False, device, 1, 1)
     torch.manual_seed(1234)
-    all_fp8, _ = _train(("Linear", "Linear"), (True, True), (None, None), False, device, 1, 1)
+    all_fp8, _ = train_layers(("Linear", "Linear"), (True, True), (None, None), False, device, 1, 1)
     assert not torch.equal(mixed[0], all_fp8[0])
 
 
