@@ -87,8 +87,9 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-format", choices=("HYBRID", "E4M3"), default="HYBRID",
                    help="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = both")  # fmt: skip
     p.add_argument("--scaling", choices=SCALINGS, default="delayed",
-                   help="FP8 recipe: DelayedScaling (amax history) or Float8CurrentScaling "
-                   "(each tensor's own amax)")  # fmt: skip
+                   help="FP8 recipe: DelayedScaling (amax history), Float8CurrentScaling "
+                   "(each tensor's own amax) or Float8BlockScaling (each 1x128 tile's and "
+                   "128x128 weight block's own amax, E4M3)")  # fmt: skip
     p.add_argument("--fp8-stats", type=_positive, metavar="N",
                    help="record every FP8 cast's statistics (amax, scale, saturation, underflow, "
                    "SQNR) every N steps, inside the graphs: <run>_fp8_stats.csv and .png "

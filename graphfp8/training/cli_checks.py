@@ -29,13 +29,27 @@ def check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None
     given = [o for o in options if any(a == o or a.startswith(o + "=") for a in argv)]
     if given and all(precision != "fp8" for precision, _ in args.runs):
         p.error(f"{', '.join(given)}: no run trains in FP8 (--precision fp8, or fp8 in --compare)")
-    if args.scaling == "current" and "--amax-history-len" in given:
-        p.error("--amax-history-len is for delayed scaling: --scaling current keeps no history")
-    if args.fp8_attention and args.scaling == "current":
+    if args.scaling != "delayed" and "--amax-history-len" in given:
+        p.error(f"--amax-history-len is for delayed scaling: --scaling {args.scaling} keeps no "
+                "history")  # fmt: skip
+    if args.fp8_attention and args.scaling != "delayed":
         p.error("--fp8-attention needs --scaling delayed: FP8 attention is DelayedScaling only")
+    if args.scaling == "blockwise":
+        _check_blockwise(p, args, given)
     if args.compile and any(mode == "step" for _, mode in args.runs):
         p.error("--compile with --graphs step: the step graph holds the embedding and the loss "
                 "that --compile would take; use --graphs layers or none")  # fmt: skip
+
+
+def _check_blockwise(p: argparse.ArgumentParser, args, given: list[str]) -> None:
+    """--scaling blockwise (Float8BlockScaling) is E4M3 everywhere, keeps no FP8 weights and no
+    slots (so no per-slot statistics)."""
+    if "--fp8-format" in given and args.fp8_format != "E4M3":
+        p.error("--scaling blockwise is E4M3 everywhere: drop --fp8-format or give E4M3")
+    for option, why in (("--fp8-weights", "FP8 primary weights are stored per tensor"),
+                        ("--fp8-stats", "the numerics report reads per-tensor slots")):  # fmt: skip
+        if option in given:
+            p.error(f"{option} with --scaling blockwise is not supported yet: {why}")
 
 
 def check_device(p: argparse.ArgumentParser, device: str) -> None:

@@ -36,6 +36,25 @@ def test_recipes_are_graphfp8s():
         Float8CurrentScaling(use_power_2_scales=True)
 
 
+def test_float8_block_scaling(monkeypatch):
+    """TE's Float8BlockScaling: graphfp8's, power-of-2 scales unless TE's environment switch
+    asks for float32 scales; a layer under it runs the blockwise GEMMs."""
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    r = te.recipe.Float8BlockScaling()
+    assert r == g8.Float8BlockScaling() and isinstance(r, te.recipe.Float8BlockScaling)
+    assert not isinstance(r, Float8CurrentScaling)
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    assert te.recipe.Float8BlockScaling() == g8.Float8BlockScaling(power_2_scale=False)
+    with pytest.raises(NotImplementedError, match="fp8_quant_fwd_weight"):
+        te.recipe.Float8BlockScaling(fp8_quant_fwd_weight=object())
+    layer = te.Linear(128, 128, params_dtype=torch.float32, device="cpu")
+    x = torch.randn(16, 128)
+    with te.autocast(recipe=te.recipe.Float8BlockScaling()):
+        y = layer(x)
+    with g8.fp8_autocast(recipe=g8.Float8BlockScaling(power_2_scale=False)):
+        assert_bitwise_equal(y, layer(x))
+
+
 def test_te_defaults():
     """TE's initialisation (N(0, 0.023), zero biases), its device (the CPU without CUDA) and
     parameter names."""
