@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import graphfp8 as g8
-from tests.graphs.common import train_layers, train_side_by_side
+from tests.graphs.common import train_layers, train_pair, train_side_by_side
 from tests.graphs.step_common import (
     TinyLM,
     adamw,
@@ -66,3 +66,17 @@ def test_step_graph_equals_eager(device):
         step(batch)
         compare_step(step, result, f"step {s}")
         compare_training_state(eager, model, opt_e, opt_g, f"step {s}")
+
+
+@pytest.mark.cuda
+def test_cuda_graph_of_the_scaled_mm_path(monkeypatch):
+    """torch's cuBLAS blockwise GEMM inside CUDA graphs (shapes in whole 128-tiles): graphed ==
+    eager bit for bit, a TransformerLayer of Llama's kind."""
+    from graphfp8.ops import blockwise
+
+    monkeypatch.setattr(blockwise, "GEMM_MODE", "scaled_mm")
+    layer = g8.TransformerLayer(256, 4, 512, num_gqa_groups=2, max_seq_len=128,
+                                normalization="RMSNorm", bias=False, activation="swiglu",
+                                params_dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    sample = torch.randn(2, 128, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    train_pair(layer, sample, BLOCK, True, steps=2, mbs=2)
