@@ -13,7 +13,7 @@ from graphfp8.fp8.recipe import DelayedScaling, Format
 from graphfp8.modules._attention import prepare_attention
 from graphfp8.training.model import PRESETS, ModelConfig
 
-__all__ = ["check_device", "check_fp8_options", "check_model", "model_config"]
+__all__ = ["bf16_layer_indices", "check_device", "check_fp8_options", "check_model", "model_config"]
 
 
 def check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None:
@@ -25,6 +25,7 @@ def check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None
         "--amax-history-len",
         "--fp8-attention",
         "--fp8-stats",  # with no FP8 run it wrote nothing and said nothing (issue 32, item 7)
+        "--bf16-layers",
     )
     given = [o for o in options if any(a == o or a.startswith(o + "=") for a in argv)]
     if given and all(precision != "fp8" for precision, _ in args.runs):
@@ -39,6 +40,27 @@ def check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None
     if args.compile and any(mode == "step" for _, mode in args.runs):
         p.error("--compile with --graphs step: the step graph holds the embedding and the loss "
                 "that --compile would take; use --graphs layers or none")  # fmt: skip
+    if args.bf16_layers and args.fp8_weights:
+        p.error("--bf16-layers with --fp8-weights: an FP8 primary weight has no bf16 copy")
+    try:
+        args.bf16_layers = bf16_layer_indices(args.bf16_layers, PRESETS[args.preset].layers)
+    except ValueError as exc:
+        p.error(f"--bf16-layers {args.bf16_layers}: {exc}")
+
+
+def bf16_layer_indices(text: str, layers: int) -> tuple[int, ...]:
+    """--bf16-layers: "first", "last", block indices, comma-separated -> sorted indices."""
+    out = set()
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        index = {"first": 0, "last": layers - 1}.get(item)
+        if index is None:
+            if not item.isdigit():
+                raise ValueError(f"expected first, last or a block index, got {item!r}")
+            index = int(item)
+        if not 0 <= index < layers:
+            raise ValueError(f"the model has blocks 0 to {layers - 1}, got {index}")
+        out.add(index)
+    return tuple(sorted(out))
 
 
 def _check_blockwise(p: argparse.ArgumentParser, args, given: list[str]) -> None:

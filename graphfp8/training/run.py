@@ -60,12 +60,20 @@ class RunSpec:
     # keep bf16 attention (graphfp8.modules.attention says why)
     fp8_attention: bool = False
     shard: bool = False  # masters, gradients and optimizer state sharded over the group
+    # Blocks kept in bf16 in an FP8 run (Megatron's --first-last-layers-bf16): their indices
+    bf16_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
         if self.fp8_weights and self.precision != "fp8":
             raise ValueError("fp8_weights needs precision fp8")
+        if any(not 0 <= i < self.model.layers for i in self.bf16_layers):
+            raise ValueError(f"bf16_layers {self.bf16_layers}: the model has layers 0 to "
+                             f"{self.model.layers - 1}")  # fmt: skip
+        if self.bf16_layers and (self.precision != "fp8" or self.fp8_weights):
+            raise ValueError("bf16_layers needs precision fp8 without fp8_weights (an FP8 "
+                             "primary weight has no bf16 copy)")  # fmt: skip
         if self.fp8_weights and self.scaling == "blockwise":
             raise ValueError("fp8_weights with blockwise scaling is not supported yet (FP8 "
                              "primary weights are stored per tensor)")  # fmt: skip
@@ -92,6 +100,7 @@ class RunSpec:
             fmt += {"current": "-current", "blockwise": "-block"}[self.scaling]
         fmt += "-fp8w" if self.fp8_weights else ""
         fmt += "-attn" if self.fp8_attention else ""
+        fmt += "-bf16L" + "_".join(map(str, self.bf16_layers)) if self.bf16_layers else ""
         suffix += "-pack" if self.pack else ""
         suffix += "-shard" if self.shard else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
@@ -103,7 +112,8 @@ class RunSpec:
 
 # Settings that checkpoints written before they existed trained with.
 OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False,
-                  "pack": False, "shard": False, "fp8_attention": False}  # fmt: skip
+                  "pack": False, "shard": False, "fp8_attention": False,
+                  "bf16_layers": []}  # fmt: skip
 
 
 def run_settings(spec: RunSpec) -> dict:
@@ -121,6 +131,7 @@ def run_settings(spec: RunSpec) -> dict:
         "pack": spec.pack,
         "fp8_attention": spec.fp8_attention,
         "shard": spec.shard,
+        "bf16_layers": list(spec.bf16_layers),
     }
 
 
@@ -147,7 +158,7 @@ class Run:
         self.world = torch.distributed.get_world_size(group) if group is not None else 1
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
         with fp8_model_init(enabled=spec.fp8_weights):
-            self.model = GPT(spec.model, torch.bfloat16, spec.device)
+            self.model = GPT(spec.model, torch.bfloat16, spec.device, frozenset(spec.bf16_layers))
         self.masters = self._masters()
         params = self.masters.parameters() if self.masters else self.model.parameters()
         # Fused, with the learning rate as a device tensor, in every mode: a step graph can
