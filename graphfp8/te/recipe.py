@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import os
 
-import graphfp8 as _g8
+from graphfp8 import fp8 as _fp8
 from graphfp8.te._args import FIXED, check_te_args
 
-Format = _g8.Format
+Format = _fp8.Format
 
 __all__ = ["DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Format", "Recipe"]
 
-Recipe = _g8.DelayedScaling | _g8.Float8CurrentScaling | _g8.Float8BlockScaling
+Recipe = _fp8.DelayedScaling | _fp8.Float8CurrentScaling | _fp8.Float8BlockScaling
 _QUANT_AND_GEMM_PARAMS = (
     "fp8_quant_fwd_inp",
     "fp8_quant_fwd_weight",
@@ -46,7 +46,7 @@ class DelayedScaling(metaclass=_MakesGraphfp8Recipe):
     a callable amax_compute_algo, backward_override.
     """
 
-    graphfp8_class = _g8.DelayedScaling
+    graphfp8_class = _fp8.DelayedScaling
 
     def __new__(cls, margin: int = 0, fp8_format: Format = Format.HYBRID,
                 amax_history_len: int = 1024, amax_compute_algo: str = "max",
@@ -59,7 +59,7 @@ class DelayedScaling(metaclass=_MakesGraphfp8Recipe):
                  backward_override=backward_override),
             dict(scaling_factor_compute_algo=None, backward_override=None),
         )  # fmt: skip
-        return _g8.DelayedScaling(margin=margin, fp8_format=fp8_format,
+        return _fp8.DelayedScaling(margin=margin, fp8_format=fp8_format,
                                   amax_history_len=amax_history_len,
                                   amax_compute_algo=amax_compute_algo, reduce_amax=reduce_amax,
                                   fp8_dpa=fp8_dpa, fp8_mha=fp8_mha)  # fmt: skip
@@ -74,7 +74,7 @@ class Float8CurrentScaling(metaclass=_MakesGraphfp8Recipe):
     DelayedScaling only in graphfp8), backward_override.
     """
 
-    graphfp8_class = _g8.Float8CurrentScaling
+    graphfp8_class = _fp8.Float8CurrentScaling
 
     def __new__(cls, fp8_format: Format = Format.HYBRID, **te_only):
         check_te_args(
@@ -88,7 +88,7 @@ class Float8CurrentScaling(metaclass=_MakesGraphfp8Recipe):
                 **dict.fromkeys(_QUANT_AND_GEMM_PARAMS, FIXED),
             ),
         )
-        return _g8.Float8CurrentScaling(fp8_format=fp8_format)
+        return _fp8.Float8CurrentScaling(fp8_format=fp8_format)
 
 
 class Float8BlockScaling(metaclass=_MakesGraphfp8Recipe):
@@ -102,7 +102,7 @@ class Float8BlockScaling(metaclass=_MakesGraphfp8Recipe):
     float32 per block, TE's forced split accumulator), fp8_dpa, fp8_mha, backward_override.
     """
 
-    graphfp8_class = _g8.Float8BlockScaling
+    graphfp8_class = _fp8.Float8BlockScaling
 
     def __new__(cls, fp8_format: Format = Format.E4M3, x_block_scaling_dim: int = 1,
                 w_block_scaling_dim: int = 2, grad_block_scaling_dim: int = 1,
@@ -114,8 +114,8 @@ class Float8BlockScaling(metaclass=_MakesGraphfp8Recipe):
                  **dict.fromkeys(_QUANT_AND_GEMM_PARAMS, FIXED)),
         )  # fmt: skip
         fp32_scales = os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1"
-        return _g8.Float8BlockScaling(fp8_format=fp8_format,
-                                      x_block_scaling_dim=x_block_scaling_dim,
-                                      w_block_scaling_dim=w_block_scaling_dim,
-                                      grad_block_scaling_dim=grad_block_scaling_dim,
-                                      power_2_scale=not fp32_scales)  # fmt: skip
+        return _fp8.Float8BlockScaling(fp8_format=fp8_format,
+                                       x_block_scaling_dim=x_block_scaling_dim,
+                                       w_block_scaling_dim=w_block_scaling_dim,
+                                       grad_block_scaling_dim=grad_block_scaling_dim,
+                                       power_2_scale=not fp32_scales)  # fmt: skip
