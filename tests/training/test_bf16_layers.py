@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from graphfp8 import train
+from graphfp8.training import cli as train
 from graphfp8.training.cli_checks import bf16_layer_indices
 from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
