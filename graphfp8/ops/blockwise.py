@@ -60,27 +60,37 @@ def scales_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, power_2_scale: 
     return scale, scale.reciprocal()
 
 
-def _tile_amax(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """max |x| over tiles of `rows` x 128 elements: (ceil(R / rows), ceil(C / 128)) float32."""
+def _tiled(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x (R, C) as tiles (ceil(R / rows), rows, ceil(C / 128), 128): a view when R and C fill
+    whole tiles, else a zero-padded copy (zeros leave every amax as it is)."""
     r, c = x.shape
     pr, pc = -r % rows, -c % TILE
-    a = torch.nn.functional.pad(x.float().abs(), (0, pc, 0, pr))  # zeros leave every max
-    a = a.reshape((r + pr) // rows, rows, (c + pc) // TILE, TILE)
-    return a.amax(dim=(1, 3))
+    if pr or pc:
+        x = torch.nn.functional.pad(x, (0, pc, 0, pr))
+    return x.reshape((r + pr) // rows, rows, (c + pc) // TILE, TILE)
 
 
-def _expand(s: torch.Tensor, rows: int, shape) -> torch.Tensor:
-    """Per-tile values (ceil(R / rows), ceil(C / 128)) spread over the (R, C) elements."""
+def _untiled(t: torch.Tensor, shape) -> torch.Tensor:
+    """The (R, C) elements of tiles t, contiguous."""
     r, c = shape
-    return s.repeat_interleave(rows, 0)[:r].repeat_interleave(TILE, 1)[:, :c]
+    full = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+    return full if full.shape == (r, c) else full[:r, :c].contiguous()
 
 
 def _quantize(x, rows: int, fp8_dtype, power_2_scale: bool):
     _check(x, fp8_dtype)
-    scale, scale_inv = scales_from_amax(_tile_amax(x, rows), fp8_dtype, power_2_scale)
+    tiles = _tiled(x, rows)
+    amax = tiles.abs().amax(dim=(1, 3))  # exact in x's dtype: a maximum of its values
+    scale, scale_inv = scales_from_amax(amax, fp8_dtype, power_2_scale)
     limit = _FP8_MAX[fp8_dtype]
-    x_fp8 = (x.float() * _expand(scale, rows, x.shape)).clamp(-limit, limit).to(fp8_dtype)
-    return x_fp8, scale_inv
+    # Each tile times its scale, broadcast (float32 products: x is promoted, never copied).
+    q = (tiles * scale[:, None, :, None]).clamp(-limit, limit).to(fp8_dtype)
+    return _untiled(q, x.shape), scale_inv
+
+
+def _dequantize_tiles(t_fp8: torch.Tensor, scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
+    tiles = _tiled(t_fp8.float(), rows)
+    return _untiled(tiles * scale_inv[:, None, :, None], t_fp8.shape)
 
 
 def quantize_tiles(x: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, power_2_scale: bool = True):
@@ -97,12 +107,12 @@ def quantize_blocks(w: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, power_2_scal
 
 def dequantize_tiles(x_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """(R, C) float32 = x_fp8 * its tile's scale_inv (R, ceil(C / 128))."""
-    return x_fp8.float() * _expand(scale_inv, 1, x_fp8.shape)
+    return _dequantize_tiles(x_fp8, scale_inv, 1)
 
 
 def dequantize_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """(R, C) float32 = w_fp8 * its block's scale_inv (ceil(R / 128), ceil(C / 128))."""
-    return w_fp8.float() * _expand(scale_inv, TILE, w_fp8.shape)
+    return _dequantize_tiles(w_fp8, scale_inv, TILE)
 
 
 def _dequantize(t_fp8, scale_inv) -> torch.Tensor:
