@@ -9,6 +9,7 @@ import torch
 
 import graphfp8 as g8
 from tests.graphs.common import train_layers
+from tests.graphs.schedules import train_schedule
 from tests.graphs.step_common import TinyLM, adamw, lm_batch, lm_loss
 from tests.modules.common import H, T
 
@@ -54,6 +55,12 @@ def test_the_mixture_differs_from_all_fp8(device):
     torch.manual_seed(1234)
     all_fp8, _ = train_layers(("Linear", "Linear"), (True, True), (None, None), False, device, 1, 1)
     assert not torch.equal(mixed[0], all_fp8[0])
+
+
+@pytest.mark.parametrize("flags", [(True, False, False, True), (False, True, True, False)])
+def test_a_pipeline_schedule_with_bf16_layers(device, flags):
+    """With `order` (2 chunks of 2 layers, interleaved 1F1B): one flag per layer, chunk-major."""
+    train_schedule(device, torch.bfloat16, True, layers_per_chunk=2, flags=flags)
 
 
 def _two(device):
