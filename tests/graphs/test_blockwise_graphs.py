@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import graphfp8 as g8
+from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_layers, train_pair, train_side_by_side
 from tests.graphs.step_common import (
     TinyLM,
@@ -80,3 +81,68 @@ def test_cuda_graph_of_the_scaled_mm_path(monkeypatch):
                                 params_dtype=torch.bfloat16, device="cuda")  # fmt: skip
     sample = torch.randn(2, 128, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     train_pair(layer, sample, BLOCK, True, steps=2, mbs=2)
+
+
+class _Mixed(torch.nn.Module):
+    """A blockwise block (its own fp8_autocast region) feeding a layer under the run's recipe."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.block = g8.LayerNormMLP(H, 2 * H, params_dtype=torch.bfloat16, device=device)
+        self.head = g8.Linear(H, H, params_dtype=torch.bfloat16, device=device)
+
+    def forward(self, x, is_first_microbatch=None):
+        with g8.fp8_autocast(recipe=BLOCK):
+            h = self.block(x, is_first_microbatch=is_first_microbatch)
+        return self.head(h, is_first_microbatch=is_first_microbatch)
+
+
+def _mse(y, target):
+    return torch.nn.functional.mse_loss(y.float(), target.float())
+
+
+def _compare_mixed(eager, graphed, what: str) -> None:
+    """Parameters and the head's own delayed-scaling slots (the capture also gave the block
+    slots it never uses, in the same arena: the arenas' layouts differ, their used slots not)."""
+    for (name, pe), (_, pg) in zip(eager.named_parameters(), graphed.named_parameters(),
+                                   strict=True):  # fmt: skip
+        assert_bitwise_equal(pg, pe, f"{what}: {name}")
+    me, mg = eager.head.fp8_meta, graphed.head.fp8_meta
+    for direction in ("fwd", "bwd"):
+        be, bg = getattr(me, direction), getattr(mg, direction)
+        assert_bitwise_equal(bg.history(), be.history(), f"{what}: head {direction} history")
+        assert_bitwise_equal(bg.scales(), be.scales(), f"{what}: head {direction} scales")
+
+
+def test_step_graph_mixing_blockwise_and_delayed(device):
+    """One step graph, delayed scaling with a blockwise region inside (stateless, so it may nest
+    in a capture of another recipe): graphed == eager bit for bit; any other recipe still
+    raises."""
+    n, recipe = 2, g8.DelayedScaling(amax_history_len=4)
+    eager = _Mixed(device)
+    model = copy.deepcopy(eager)
+    opt_e, opt_g = adamw(eager.parameters(), device), adamw(model.parameters(), device)
+
+    def data(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return tuple(torch.randn(n, T, H, generator=gen, dtype=torch.bfloat16).to(device)
+                     for _ in range(2))  # fmt: skip
+
+    step = g8.make_graphed_step(model, _mse, opt_g, data(0), n, fp8_enabled=True,
+                                fp8_recipe=recipe, num_warmup_iters=1,
+                                keep_grads_before_clipping=True)  # fmt: skip
+    for s in range(2):
+        batch = data(s)
+        result = eager_step(eager, _mse, opt_e, batch, n, recipe=recipe)
+        step(batch)
+        compare_step(step, result, f"step {s}")
+        _compare_mixed(eager, model, f"step {s}")
+    layer = g8.Linear(H, H, params_dtype=torch.bfloat16, device=device)
+    sample = torch.randn(T, H, dtype=torch.bfloat16, device=device, requires_grad=True)
+
+    def current_inside(x):
+        with g8.fp8_autocast(recipe=g8.Float8CurrentScaling()):
+            return layer(x)
+
+    with pytest.raises(RuntimeError, match="or a Float8BlockScaling"):
+        g8.make_graphed_callables(current_inside, (sample,), fp8_enabled=True)
