@@ -288,8 +288,8 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       $PY scripts/probe_blockwise_mm.py --out "$RES/blockwise_mm_probe.json" \
         > "$RES/blockwise_probe.log" 2>&1 || status=1
       tail -3 "$RES/blockwise_probe.log" | tee -a "$RES/summary.md"
-      # The small-shape graph tests run the emulation; the scaled_mm tests pick their own path.
-      GRAPHFP8_BLOCKWISE_GEMM=emulate timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider \
+      # The graph tests run the emulation (their fixture); the scaled_mm tests pick their path.
+      timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider \
         tests/ops/test_blockwise.py tests/graphs/test_blockwise_graphs.py \
         > "$RES/tests_blockwise.log" 2>&1 || status=1
       echo "-- blockwise CUDA tests: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import graphfp8 as g8
+from graphfp8.ops import blockwise
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_layers, train_pair, train_side_by_side
 from tests.graphs.step_common import (
@@ -24,6 +25,14 @@ from tests.graphs.step_common import (
 from tests.modules.common import H, T
 
 BLOCK = g8.Float8BlockScaling()
+
+
+@pytest.fixture(autouse=True)
+def _cuda_gemm_path(monkeypatch):
+    """On CUDA these tests run the emulated GEMM unless GRAPHFP8_BLOCKWISE_GEMM chose a path
+    (unset, CUDA refuses until the probe has run); the scaled_mm path has its own test below."""
+    if not blockwise.GEMM_MODE:
+        monkeypatch.setattr(blockwise, "GEMM_MODE", "emulate")
 
 
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "SwiGLUMLP",
@@ -73,8 +82,6 @@ def test_step_graph_equals_eager(device):
 def test_cuda_graph_of_the_scaled_mm_path(monkeypatch):
     """torch's cuBLAS blockwise GEMM inside CUDA graphs (shapes in whole 128-tiles): graphed ==
     eager bit for bit, a TransformerLayer of Llama's kind."""
-    from graphfp8.ops import blockwise
-
     monkeypatch.setattr(blockwise, "GEMM_MODE", "scaled_mm")
     layer = g8.TransformerLayer(256, 4, 512, num_gqa_groups=2, max_seq_len=128,
                                 normalization="RMSNorm", bias=False, activation="swiglu",
