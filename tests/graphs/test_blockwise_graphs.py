@@ -153,3 +153,25 @@ def test_step_graph_mixing_blockwise_and_delayed(device):
 
     with pytest.raises(RuntimeError, match="or a Float8BlockScaling"):
         g8.make_graphed_callables(current_inside, (sample,), fp8_enabled=True)
+
+
+def test_microbatch_graph_equals_eager(device):
+    """make_graphed_microbatch: forward, loss and backward as one graph, two microbatches per
+    step (the weights quantized in each: there is no cache to reuse)."""
+    eager = _Mixed(device)
+    model = copy.deepcopy(eager)
+    gen = torch.Generator().manual_seed(0)
+    batches = [tuple(torch.randn(T, H, generator=gen, dtype=torch.bfloat16).to(device)
+                     for _ in range(2)) for _ in range(4)]  # fmt: skip
+    graphed = g8.make_graphed_microbatch(model, _mse, batches[0], 2, fp8_enabled=True,
+                                         fp8_recipe=BLOCK, fp8_weight_caching=True)  # fmt: skip
+    for i, (x, target) in enumerate(batches):
+        first = i % 2 == 0
+        with g8.fp8_autocast(recipe=BLOCK):
+            out = eager(x, is_first_microbatch=first)
+        loss = _mse(out, target) / 2
+        loss.backward()
+        assert_bitwise_equal(graphed((x, target), is_first_microbatch=first), loss, f"mb {i}")
+        for (name, pe), (_, pg) in zip(eager.named_parameters(), model.named_parameters(),
+                                       strict=True):  # fmt: skip
+            assert_bitwise_equal(pg.grad, pe.grad, f"mb {i}: grad {name}")
