@@ -4,6 +4,7 @@ from graphfp8 import hf, numerics, ops
 from graphfp8.distributed import FSDPMasterWeights, MasterWeights, ShardedMasterWeights
 from graphfp8.fp8 import (
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     Float8Tensor,
     Format,
@@ -33,6 +34,7 @@ __all__ = [
     "CaptureError",
     "DelayedScaling",
     "DotProductAttention",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "FP8Module",
     "Float8Tensor",

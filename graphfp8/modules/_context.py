@@ -17,15 +17,15 @@ import torch
 from torch import nn
 
 from graphfp8.fp8 import context, scaling
-from graphfp8.fp8.recipe import Recipe, is_current_scaling
+from graphfp8.fp8.recipe import Recipe, is_blockwise, is_current_scaling
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.modules._functional import GemmConfig
 
 # The FP8 layers' base class (modules/base.py) imports this module: `module` below is an FP8Module,
 # annotated as the nn.Module it is so that the two stay a one-way import.
 
-__all__ = ["FrozenSlots", "fp8_enabled", "fp8_recipe", "fp8_state", "gemm_configs",
-           "in_fp8_region"]  # fmt: skip
+__all__ = ["FrozenSlots", "blockwise_recipe", "fp8_enabled", "fp8_recipe", "fp8_state",
+           "gemm_configs", "in_fp8_region"]  # fmt: skip
 
 
 def fp8_enabled() -> bool:
@@ -43,6 +43,13 @@ def fp8_recipe() -> Recipe | None:
     """The recipe FP8 modules run under now, or None when FP8 is off."""
     ctx = context.current()
     return ctx.recipe if ctx.enabled else None
+
+
+def blockwise_recipe() -> Recipe | None:
+    """The Float8BlockScaling that FP8 modules run under now, or None (FP8 off or another
+    recipe): their GEMMs then quantize per tile and block, with no slots (modules/_blockwise)."""
+    ctx = context.current()
+    return ctx.recipe if ctx.enabled and is_blockwise(ctx.recipe) else None
 
 
 class FrozenSlots:
