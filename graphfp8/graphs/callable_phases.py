@@ -29,10 +29,10 @@ from graphfp8.graphs.discover import adopt_outside_leaves, closure_modules, next
 from graphfp8.graphs.grads import GradAccumulator, GradFold
 from graphfp8.graphs.session import CaptureSession
 
-__all__ = ["Backward", "Forward", "Sample", "capture_backwards", "capture_forwards", "prepare",
-           "warmup"]  # fmt: skip
+__all__ = ["NAME", "Backward", "Forward", "Sample", "capture_backwards", "capture_forwards",
+           "prepare", "warmup"]  # fmt: skip
 
-_NAME = "make_graphed_callables"
+NAME = "make_graphed_callables"
 
 
 @dataclass
@@ -137,10 +137,10 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
         modules, named, closure = [], [], []
         if isinstance(func, nn.Module):
             modules, named = list(func.modules()), list(func.named_parameters())
-            check_capturable(_NAME, name, func, modules, named, index=j)
+            check_capturable(NAME, name, func, modules, named, index=j)
         else:
             closure = closure_modules(func)
-            check_capturable(_NAME, name, func, [m for c in closure for m in c.modules()], index=j)
+            check_capturable(NAME, name, func, [m for c in closure for m in c.modules()], index=j)
         alias_of = check_inputs_alias(name, flat)
         flat = _leaf_aliases(flat, alias_of)
         samples.append(Sample(j, name, func, flat, list(kwargs), alias_of, [p for _, p in named],
@@ -148,10 +148,10 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
         devices.update(t.device for t in flat)
         devices.update(p.device for _, p in named)
     if len(devices) != 1:
-        raise ValueError(f"{_NAME}: all tensors must be on one device, got {devices}")
+        raise ValueError(f"{NAME}: all tensors must be on one device, got {devices}")
     device = devices.pop()
     if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"{_NAME}: unsupported device {device}")
+        raise ValueError(f"{NAME}: unsupported device {device}")
     return samples, device
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from graphfp8.fp8.recipe import Recipe
 from graphfp8.fp8.weight_cache import DeviceFlag
 from graphfp8.graphs.callable_phases import (
-    _NAME,
+    NAME,
     Sample,
     capture_backwards,
     capture_forwards,
@@ -104,16 +104,16 @@ def make_graphed_callables(
                                                                  sample_kwargs, order)  # fmt: skip
     layout = Layout(len(callables), len(sample_args), order)
     if chain and layout.explicit:
-        raise ValueError(f"{_NAME}: chain=True chains the layers of one unit; not with order=")
-    options = CaptureOptions(_NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
+        raise ValueError(f"{NAME}: chain=True chains the layers of one unit; not with order=")
+    options = CaptureOptions(NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
                              num_warmup_iters, pool, callables=len(callables))  # fmt: skip
     check_distinct(callables)
     funcs = [callables[i] for i in layout.callable_of]
     samples, device = prepare(funcs, sample_args, sample_kwargs)
     for s in samples:
         s.callable_index = layout.callable_of[s.index]
-    check_grad_mode(_NAME, any(t.requires_grad for s in samples for t in s.grad_inputs()))
-    flag = DeviceFlag(device, options.fp8_enabled, fp8_weight_caching, _NAME, "graphed callable")
+    check_grad_mode(NAME, any(t.requires_grad for s in samples for t in s.grad_inputs()))
+    flag = DeviceFlag(device, options.fp8_enabled, fp8_weight_caching, NAME, "graphed callable")
     graphs = CapturedGraphs(layout, [s.name for s in samples], options, device, flag,
                             AutocastState(device))  # fmt: skip
     chunks = [fp8_modules_in([m for j in layout.units[(c, 0)].runners for m in _trees(samples[j])])
@@ -140,14 +140,14 @@ def _normalize(callables, sample_args, sample_kwargs, order):
     just_one = not isinstance(callables, tuple)
     if just_one:
         if order is not None:
-            raise ValueError(f"{_NAME}: order needs a tuple of callables")
+            raise ValueError(f"{NAME}: order needs a tuple of callables")
         callables, sample_args, sample_kwargs = (callables,), (sample_args,), (sample_kwargs,)
     elif sample_kwargs is None:
         sample_kwargs = (None,) * len(sample_args)
     if len(sample_args) != len(sample_kwargs) or (
         order is None and len(callables) != len(sample_args)
     ):
-        raise ValueError(f"{_NAME}: need one sample_args entry per callable")
+        raise ValueError(f"{NAME}: need one sample_args entry per callable")
     return just_one, callables, sample_args, sample_kwargs
 
 

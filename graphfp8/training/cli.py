@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from graphfp8.distributed import SettingsMismatchError, check_same_settings
+from graphfp8.distributed.replica_check import ReplicaMismatchError
 from graphfp8.training.checkpoint import CheckpointError
 from graphfp8.training.cli_checks import check_device, check_fp8_options, check_model, model_config
 from graphfp8.training.data import Dataset
@@ -43,7 +44,6 @@ from graphfp8.training.determinism import deterministic
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.outputs import OutputError, check_outputs, fresh_out
-from graphfp8.training.replicas import ReplicaMismatchError
 from graphfp8.training.report import plot_losses, print_ranks, print_table, write_summary
 from graphfp8.training.run import GRAPH_MODES, PRECISIONS, SCALINGS, RunSpec
 from graphfp8.training.sources import DataError, open_stream
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-replicas", action="store_true",
                    help="with --ddp: the ranks' weights compared (digests of their bits) after "
                    "every step; a difference stops every rank with exit status 3 "
-                   "(training/replicas.py) (default: off)")  # fmt: skip
+                   "(distributed/replica_check.py) (default: off)")  # fmt: skip
     p.add_argument("--deterministic", action="store_true",
                    help="the same bits run to run: torch.use_deterministic_algorithms(True), "
                    "cuBLAS's deterministic workspace, deterministic attention backward; bf16 "

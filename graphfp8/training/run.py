@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from graphfp8.distributed import allreduce_gradients
+from graphfp8.distributed.gradient_update import gradient_update
+from graphfp8.distributed.masters import MasterWeights
 from graphfp8.fp8.autocast import fp8_autocast
-from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.primary import fp8_model_init
 from graphfp8.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
@@ -159,7 +159,11 @@ class Run:
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
         with fp8_model_init(enabled=spec.fp8_weights):
             self.model = GPT(spec.model, torch.bfloat16, spec.device, frozenset(spec.bf16_layers))
-        self.masters = self._masters()
+        self.masters, self.reduce_group = self._masters()
+        # reduce -> clip -> step -> write back, whatever is sharded (gradient_update.py); every rank
+        # trains every parameter: the gradient sets are checked once.
+        self.update = gradient_update(self.model.parameters, self.reduce_group, self.masters,
+                                      name="graphfp8-train", check_every_step=False)  # fmt: skip
         params = self.masters.parameters() if self.masters else self.model.parameters()
         # Fused, with the learning rate as a device tensor, in every mode: a step graph can
         # capture it (capturable on the GPU), and all modes compute the same bits.
@@ -186,15 +190,17 @@ class Run:
     def fp8(self) -> bool:
         return self.spec.precision == "fp8"
 
-    def _masters(self) -> MasterWeights | None:
-        """fp32 masters: sharded over the group (of every parameter) with spec.shard, of the FP8
-        weights with spec.fp8_weights, else none (AdamW steps the bf16 parameters)."""
-        if self.spec.shard:
-            if self.group is None:
-                raise ValueError("shard needs a process group (--ddp under torchrun)")
-            # Every rank trains every parameter: the gradient sets are checked once.
-            return MasterWeights(self.model, shard_group=self.group, check_every_step=False)
-        return MasterWeights(self.model) if self.spec.fp8_weights else None
+    def _masters(self) -> tuple:
+        """(fp32 masters or None, the group whose gradients the step all-reduces or None): with
+        spec.shard, masters of every parameter sharded over the group, which reduce the
+        gradients themselves; with spec.fp8_weights, masters of the FP8 weights; else none
+        (AdamW steps the bf16 parameters)."""
+        if not self.spec.shard:
+            return (MasterWeights(self.model) if self.spec.fp8_weights else None), self.group
+        if self.group is None:
+            raise ValueError("shard needs a process group (--ddp under torchrun)")
+        # Every rank trains every parameter: the gradient sets are checked once.
+        return MasterWeights(self.model, shard_group=self.group, check_every_step=False), None
 
     def prepare(self) -> None:
         """Compiles what the graphs do not hold when the run says so, and captures the blocks,
@@ -242,7 +248,7 @@ class Run:
             self.model, None, self.optimizer, (inputs, ()), mbs,
             fp8_enabled=self.fp8, fp8_recipe=self.recipe, fp8_weight_caching=True,
             max_grad_norm=1.0, fp8_group=self.group,
-            process_group=None if self.spec.shard else self.group, master_weights=self.masters,
+            process_group=self.reduce_group, master_weights=self.masters,
             num_warmup_iters=3 if torch.device(self.spec.device).type == "cuda" else 1,
         )  # fmt: skip
 
@@ -325,21 +331,10 @@ class Run:
     def _optimizer_step(self) -> None:
         """After the microbatches of an eager or layers step: the gradient reduction, clipping to
         1.0 and AdamW (through the masters when there are any), then zero_grad."""
-        if self.spec.shard:  # reduce-scatter, global-norm clip, step on the slices, all-gathers
-            self.masters.clip_grad_norm_(1.0)
-            self.masters.step(self.optimizer)
-            self.masters.zero_grad(set_to_none=True)
-            return
-        params = self.model.parameters
-        if self.group is not None:  # every rank trains every parameter: check once
-            allreduce_gradients(params(), self.group, check_every_step=False)
-        torch.nn.utils.clip_grad_norm_(params(), 1.0)
-        if self.masters is not None:  # fp32 masters, then one cast back into FP8 per weight
-            self.masters.step(self.optimizer)
-            self.masters.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        self.update.reduce_grads_()
+        self.update.clip_grad_norm_(1.0)
+        self.update.step(self.optimizer)
+        self.update.zero_grad(set_to_none=True)
 
     # Checkpoints ---------------------------------------------------------------------------------
 
