@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from graphfp8.distributed import SettingsMismatchError, check_same_settings
+from graphfp8.distributed.replica_check import ReplicaMismatchError
 from graphfp8.training.checkpoint import CheckpointError
 from graphfp8.training.cli_checks import (
     check_compiled_runs,
@@ -51,7 +52,6 @@ from graphfp8.training.determinism import deterministic
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.outputs import OutputError, check_outputs, fresh_out
-from graphfp8.training.replicas import ReplicaMismatchError
 from graphfp8.training.report import (
     environment,
     plot_losses,
@@ -82,8 +82,8 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-format", choices=("HYBRID", "E4M3"), default="HYBRID",
                    help="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = both")  # fmt: skip
     p.add_argument("--scaling", choices=SCALINGS, default="delayed",
-                   help="FP8 recipe: DelayedScaling (amax history) or Float8CurrentScaling "
-                   "(each tensor's own amax)")  # fmt: skip
+                   help="FP8 recipe: DelayedScaling (amax history), Float8CurrentScaling "
+                   "(tensor amax) or Float8BlockScaling (1x128 tiles, 128x128 blocks)")  # fmt: skip
     p.add_argument("--fp8-stats", type=positive, metavar="N",
                    help="record every FP8 cast's statistics (amax, scale, saturation, underflow, "
                    "SQNR) every N steps, inside the graphs: <run>_fp8_stats.csv and .png "
@@ -91,6 +91,7 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-weights", action="store_true",
                    help="FP8 primary weights (fp8_model_init) trained through fp32 MasterWeights "
                    "in fp8 runs (default: off)")  # fmt: skip
+    p.add_argument("--bf16-layers", default="", help="blocks kept in bf16: first,last or indices")
     p.add_argument("--fp8-attention", action=argparse.BooleanOptionalAction, default=False,
                    help="FP8 attention in fp8 runs: RoPE fused into the FP8 casts of q, k, v, "
                    "cuDNN's FP8 attention, its FP8 output into the projection; on Hopper cuDNN "
@@ -119,8 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", nargs="?", const="bf16,fp8", metavar="RUNS",
                    help="train several runs side by side and plot their losses: comma-separated "
                    "precision[:layers|:step|:none|:compile] (graphs = layers, eager = none; "
-                   "bf16:compile the plain-torch model compiled, the fair baseline: "
-                   "bf16:compile,bf16:graphs,fp8:graphs), bf16,fp8 with --graphs' setting when "
+                   "bf16:compile is the fair baseline), bf16,fp8 with --graphs' setting when "
                    "RUNS is left out (default: one run, --precision)")  # fmt: skip
     p.add_argument(
         "--device",
@@ -130,9 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile what the graphs do "
                    "not hold: embedding, head, loss (and the blocks when not graphed)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
-    p.add_argument("--stage-batches", action="store_true",
-                   help="the next step's microbatches copied to the device while a step runs; "
-                   "the same bits (training/staging.py) (default: off)")  # fmt: skip
+    p.add_argument("--stage-batches", action="store_true", help="copy the next step's batches "
+                   "ahead, the same bits (training/staging.py) (default: off)")  # fmt: skip
     _add_fp8_arguments(p)
     p.add_argument("--log-every", type=positive, default=10, metavar="STEPS",
                    help="progress line and CSV rows every STEPS steps")  # fmt: skip
@@ -150,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-replicas", action="store_true",
                    help="with --ddp: the ranks' weights compared (digests of their bits) after "
                    "every step; a difference stops every rank with exit status 3 "
-                   "(training/replicas.py) (default: off)")  # fmt: skip
+                   "(distributed/replica_check.py) (default: off)")  # fmt: skip
     p.add_argument("--deterministic", action="store_true",
                    help="the same bits run to run: torch.use_deterministic_algorithms(True), "
                    "cuBLAS's deterministic workspace, deterministic attention backward; bf16 "
@@ -263,7 +262,8 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
                    fp8_weights=args.fp8_weights and precision == "fp8",
                    pack=args.pack,
                    fp8_attention=args.fp8_attention and precision == "fp8",
-                   shard=args.shard)  # fmt: skip
+                   shard=args.shard,
+                   bf16_layers=args.bf16_layers if precision == "fp8" else ())  # fmt: skip
 
 
 def main(argv=None) -> int:
