@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from graphfp8.distributed import SettingsMismatchError, check_same_settings
+from graphfp8.modules.transformer import RECOMPUTE_MODES
 from graphfp8.training.checkpoint import CheckpointError
 from graphfp8.training.cli_checks import check_device, check_fp8_options, check_model, model_config
 from graphfp8.training.data import Dataset
@@ -151,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", action="store_true", help="with --ddp: fp32 masters of every "
                    "parameter, gradients and optimizer state sharded over the ranks "
                    "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+                   help="activation recompute in every layer: selective (attention core and "
+                   "MLP activation) or full (the whole layer); the same bits, in every graph "
+                   "mode (docs/fp8.md, 'Activation recompute') (default: none)")  # fmt: skip
     p.add_argument("--check-replicas", action="store_true",
                    help="with --ddp: the ranks' weights compared (digests of their bits) after "
                    "every step; a difference stops every rank with exit status 3 "
@@ -221,6 +226,9 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.resume is not None and not args.resume.is_file():
         p.error(f"--resume: no checkpoint at {args.resume}")
     args.runs = _parse_runs(p, args)
+    if args.recompute != "none" and args.compile and any(g == "none" for _, g in args.runs):
+        p.error("--recompute with --compile --no-graphs: dynamo cannot trace graphfp8's "
+                "recompute; keep the graphs (--compile then compiles around them)")
 
 
 _MODE_ALIASES = {"graphs": "layers", "eager": "none"}
@@ -251,7 +259,7 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
                    fp8_weights=args.fp8_weights and precision == "fp8",
                    pack=args.pack,
                    fp8_attention=args.fp8_attention and precision == "fp8",
-                   shard=args.shard)  # fmt: skip
+                   shard=args.shard, recompute=args.recompute)  # fmt: skip
 
 
 def _environment(device: str) -> dict:

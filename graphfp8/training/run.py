@@ -25,6 +25,7 @@ from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.primary import fp8_model_init
 from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
+from graphfp8.modules.transformer import RECOMPUTE_MODES
 from graphfp8.profiling import nvtx_range
 from graphfp8.training.data import Dataset, split_windows
 from graphfp8.training.model import GPT, ModelConfig
@@ -60,6 +61,9 @@ class RunSpec:
     # keep bf16 attention (graphfp8.modules.attention says why)
     fp8_attention: bool = False
     shard: bool = False  # masters, gradients and optimizer state sharded over the group
+    # activation recompute of every layer (TransformerLayer's RECOMPUTE_MODES): the same bits,
+    # less activation memory, more compute; not a checkpoint setting (a resume may change it)
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -76,6 +80,13 @@ class RunSpec:
         if self.fp8_format not in Format.__members__:
             raise ValueError(f"fp8_format must be one of {list(Format.__members__)}, got "
                              f"{self.fp8_format!r}")  # fmt: skip
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got "
+                             f"{self.recompute!r}")  # fmt: skip
+        if self.compile and self.graphs == "none" and self.recompute != "none":
+            raise ValueError("compile without graphs compiles the blocks, and dynamo cannot trace "
+                             "graphfp8's recompute (its FP8 context): use graphs with compile, "
+                             "or recompute 'none'")  # fmt: skip
         if self.compile and self.graphs == "step":
             raise ValueError("compile with graphs='step' is not supported: the step graph holds "
                              "the embedding and the loss that compile would take")  # fmt: skip
@@ -90,6 +101,7 @@ class RunSpec:
         fmt += "-attn" if self.fp8_attention else ""
         suffix += "-pack" if self.pack else ""
         suffix += "-shard" if self.shard else ""
+        suffix += f"-recompute-{self.recompute}" if self.recompute != "none" else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
 
     @property
@@ -144,6 +156,8 @@ class Run:
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
         with fp8_model_init(enabled=spec.fp8_weights):
             self.model = GPT(spec.model, torch.bfloat16, spec.device)
+        for layer in self.model.blocks.layers:
+            layer.recompute = spec.recompute
         self.masters = self._masters()
         params = self.masters.parameters() if self.masters else self.model.parameters()
         # Fused, with the learning rate as a device tensor, in every mode: a step graph can
