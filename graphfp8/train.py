@@ -152,10 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", action="store_true", help="with --ddp: fp32 masters of every "
                    "parameter, gradients and optimizer state sharded over the ranks "
                    "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
-                   help="activation recompute in every layer: selective (attention core and "
-                   "MLP activation) or full (the whole layer); the same bits, in every graph "
-                   "mode (docs/fp8.md, 'Activation recompute') (default: none)")  # fmt: skip
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation "
+                   "recompute per layer, the same bits (docs/fp8.md, 'Activation recompute')")
     p.add_argument("--check-replicas", action="store_true",
                    help="with --ddp: the ranks' weights compared (digests of their bits) after "
                    "every step; a difference stops every rank with exit status 3 "
@@ -227,8 +225,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--resume: no checkpoint at {args.resume}")
     args.runs = _parse_runs(p, args)
     if args.recompute != "none" and args.compile and any(g == "none" for _, g in args.runs):
-        p.error("--recompute with --compile --no-graphs: dynamo cannot trace graphfp8's "
-                "recompute; keep the graphs (--compile then compiles around them)")
+        p.error("--recompute with --compile --no-graphs: dynamo cannot trace it; keep the graphs")
 
 
 _MODE_ALIASES = {"graphs": "layers", "eager": "none"}
