@@ -33,7 +33,7 @@ import json
 from dataclasses import dataclass, field
 
 from graphfp8.memory.plan_activations import RECOMPUTE, activation_bytes, working_set_bytes
-from graphfp8.memory.shapes import ModelShape, shape_names, shape_of
+from graphfp8.memory.shapes import LLAMA, ModelShape, shape_of
 
 __all__ = ["CATEGORIES", "H200_BYTES", "MARGIN_BYTES", "Plan", "largest_fit", "plan"]
 
@@ -131,7 +131,8 @@ def plan(preset: str | ModelShape, n: int = 1, seq: int = 2048, batch: int = 1,
     """The bytes per rank of graphfp8-train for this setting.
 
     Args:
-        preset: a preset name (graphfp8.memory.shapes) or a ModelShape.
+        preset: a Llama preset's name (graphfp8.memory.shapes.LLAMA) or a ModelShape (a
+            graphfp8-train preset's: shapes.shape_from).
         n: ranks; seq, batch: tokens per sequence and sequences per microbatch per rank.
         sharding: "ddp", "zero2" (sharded masters) or "fsdp2".
         recompute: "none", "selective" or "full".
@@ -162,11 +163,12 @@ def plan(preset: str | ModelShape, n: int = 1, seq: int = 2048, batch: int = 1,
     return out
 
 
-def largest_fit(preset: str, n: int, capacity: int = H200_BYTES, margin: int = MARGIN_BYTES,
-                **kw) -> Plan | None:  # fmt: skip
+def largest_fit(preset: str | ModelShape, n: int, capacity: int = H200_BYTES,
+                margin: int = MARGIN_BYTES, **kw) -> Plan | None:  # fmt: skip
     """The deepest model of `preset`'s layer shape (its width, heads and vocabulary; any number of
     layers) whose plan fits `capacity` less `margin` per rank, or None if one layer does not."""
-    shape, best = shape_of(preset), None
+    shape = shape_of(preset) if isinstance(preset, str) else preset
+    best, name = None, preset if isinstance(preset, str) else "custom"
     lo, hi = 1, 4096
     while lo <= hi:
         mid = (lo + hi) // 2
@@ -176,14 +178,15 @@ def largest_fit(preset: str, n: int, capacity: int = H200_BYTES, margin: int = M
         else:
             hi = mid - 1
     if best is not None:
-        best.setting["preset"] = f"{preset} ({best.setting['shape']['layers']} layers)"
+        best.setting["preset"] = f"{name} ({best.setting['shape']['layers']} layers)"
     return best
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphfp8.memory.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--preset", choices=shape_names(), default="llama-8b")
+    p.add_argument("--preset", choices=sorted(LLAMA), default="llama-8b")
+    p.add_argument("--layers", type=int, help="the preset's layer shape with this many layers")
     p.add_argument("--n", type=int, default=1, help="ranks (GPUs)")
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1, help="sequences per microbatch per rank")
@@ -197,7 +200,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     kw = dict(seq=args.seq, batch=args.batch, sharding=args.sharding, recompute=args.recompute,
               fp8_weights=args.fp8_weights, graphs=args.graphs)  # fmt: skip
-    result = plan(args.preset, n=args.n, **kw)
+    shape = shape_of(args.preset)
+    if args.layers is not None:
+        shape = dataclasses.replace(shape, layers=args.layers)
+    result = plan(shape, n=args.n, **kw)
+    result.setting["preset"] = args.preset + (f" ({args.layers} layers)" if args.layers else "")
     fit = largest_fit(args.preset, args.n, **kw) if args.fit else None
     if args.json:
         print(json.dumps({"plan": result.to_dict(), "largest_fit": fit and fit.to_dict()}))

@@ -1,5 +1,5 @@
 """Model shapes for the memory planner: the Llama-3 presets (llama-1b, llama-8b, llama-70b) in one
-table, and every graphfp8-train preset (graphfp8/training/model.py) seen as a shape.
+table, and any graphfp8-train preset (graphfp8/training/model.py) seen as a shape (shape_from).
 
 The Llama table is the one place their shapes are written: the training app's presets of those
 names are meant to take their widths from it (docs/sharding.md, "Memory planner")."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LLAMA", "ModelShape", "shape_of", "shape_names"]
+__all__ = ["LLAMA", "ModelShape", "shape_from", "shape_of"]
 
 
 @dataclass(frozen=True)
@@ -78,32 +78,16 @@ LLAMA = {
 }
 
 
-def _training_presets() -> dict[str, ModelShape]:
-    from graphfp8.training.model import PRESETS
-
-    return {
-        name: ModelShape(
-            hidden=c.hidden,
-            heads=c.heads,
-            kv_heads=c.kv_heads or c.heads,
-            ffn=c.ffn,
-            layers=c.layers,
-            vocab=c.vocab,
-            activation=c.activation,
-            norm=c.norm,
-            bias=c.bias,
-        )  # fmt: skip
-        for name, c in PRESETS.items()
-    }
-
-
-def shape_names() -> list[str]:
-    return sorted({**_training_presets(), **LLAMA})
+def shape_from(cfg, vocab: int | None = None) -> ModelShape:
+    """The shape of a graphfp8-train ModelConfig (graphfp8/training/model.py's PRESETS; read by
+    attribute: reports sit below the training app), `vocab` replacing its vocabulary."""
+    return ModelShape(hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads or cfg.heads,
+                      ffn=cfg.ffn, layers=cfg.layers, vocab=vocab or cfg.vocab,
+                      activation=cfg.activation, norm=cfg.norm, bias=cfg.bias)  # fmt: skip
 
 
 def shape_of(name: str) -> ModelShape:
-    """The shape of preset `name`: the Llama table first, then graphfp8-train's presets."""
-    shapes = {**_training_presets(), **LLAMA}
-    if name not in shapes:
-        raise ValueError(f"no preset {name!r}; presets: {', '.join(sorted(shapes))}")
-    return shapes[name]
+    """The shape of Llama preset `name` (LLAMA)."""
+    if name not in LLAMA:
+        raise ValueError(f"no preset {name!r}; presets: {', '.join(sorted(LLAMA))}")
+    return LLAMA[name]

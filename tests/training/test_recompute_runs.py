@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from graphfp8 import train
+from graphfp8.training import cli as train
 from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
