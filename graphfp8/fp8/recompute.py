@@ -8,7 +8,7 @@ recompute").
                  scales of those blocks are saved (a copy of a few floats per module)
     recompute    inside the backward, under the forward's context with the Region replaying:
                  each FP8 call casts with the saved scales (ReplaySlots), folds its amaxes into
-                 the arena's sink, reuses the cached FP8 weights (no cast), queues no backward
+                 a scratch, reuses the cached FP8 weights (no cast), queues no backward
                  update and is not observed; the backward of the original nodes runs as without
                  recompute (its update point once per pass)
 

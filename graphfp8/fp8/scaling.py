@@ -175,7 +175,7 @@ class SlotBlock:
 
 class ReplaySlots:
     """A SlotBlock as the casts of a recomputed forward see it (fp8/recompute.py): the scales
-    saved after the original forward, amaxes folded into the arena's sink, no cast observed. So
+    saved after the original forward, amaxes folded into a scratch, no cast observed. So
     a recompute casts exactly as the forward did and records nothing (docs/fp8.md,
     "Activation recompute")."""
 
@@ -184,12 +184,16 @@ class ReplaySlots:
         self.start, self.count = block.start, block.count
         self.saved_scales = saved_scales
         self._views = [saved_scales[i : i + 1] for i in range(block.count)]
+        # one scratch amax per slot, never read: a kernel that writes several (FP8 attention)
+        # gets distinct outputs, as from the arena
+        scratch = torch.zeros(block.count, dtype=torch.float32, device=saved_scales.device)
+        self._amaxes = [scratch[i : i + 1] for i in range(block.count)]
 
     def scale(self, i: int) -> torch.Tensor:
         return self._views[i]
 
     def amax(self, i: int) -> torch.Tensor:
-        return self.arena.amax_sink
+        return self._amaxes[i]
 
     def scales(self) -> torch.Tensor:
         return self.saved_scales

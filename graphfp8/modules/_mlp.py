@@ -18,7 +18,7 @@ Slots: act(h) is fc2's INPUT, dh is fc1's GRAD_OUTPUT, dy is fc2's GRAD_OUTPUT.
 
 recompute_act (selective recompute, TransformerLayer(recompute="selective")): a_t_fp8 is not
 kept for fc2's wgrad but cast again from h in the backward, with the scales of fc2's forward
-slots saved after the forward and amaxes into the arena's sink (ReplaySlots): the same bits,
+slots saved after the forward and amaxes into a scratch (ReplaySlots): the same bits,
 T * F bytes less per layer, one more activation kernel in the backward.
 """
 

@@ -6,6 +6,8 @@ bytes recompute frees (graphfp8.memory.LiveBytes)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.memory import LiveBytes
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.step_common import compare_training_state, eager_step, lm_batch, lm_loss
+from tests.modules.attention_common import DPA, MHA, layer_and_input
+from tests.modules.common import fp8_state
 from tests.modules.recompute_common import MODES, RECIPES, RecomputeLM, pair
 
 N, STEPS = 2, 2
@@ -119,3 +123,32 @@ def test_recompute_mode_is_checked():
     with pytest.raises(ValueError, match="recompute must be one of"):
         layer.recompute = True
     assert layer.recompute == "none"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 attention is cuDNN's (a GPU)")
+@pytest.mark.parametrize("recipe", [DPA, MHA], ids=["fp8_dpa", "fp8_mha"])
+@pytest.mark.parametrize("mode", MODES)
+def test_recompute_with_fp8_attention(mode, recipe):
+    """FP8 attention's casts (RoPE fused into q, k, v; the output into the projection) replayed
+    with the forward's scales: 2 steps x 2 microbatches, everything bit for bit."""
+    plain, x = layer_and_input("cuda")
+    recomputed = copy.deepcopy(plain)
+    recomputed.recompute = mode
+    x = x.requires_grad_()
+    for step in range(2):
+        for mb in range(2):
+            results = []
+            for model in (plain, recomputed):
+                xi = (x * (mb + 1)).detach().requires_grad_()
+                with g8.fp8_autocast(recipe=recipe):
+                    y = model(xi, is_first_microbatch=mb == 0)
+                y.float().square().mean().backward()
+                results.append((y.detach(), xi.grad))
+            what = f"step {step} mb {mb}"
+            assert_bitwise_equal(results[1][0], results[0][0], f"{what}: output")
+            assert_bitwise_equal(results[1][1], results[0][1], f"{what}: input grad")
+        for (name, p), q in zip(plain.named_parameters(), recomputed.parameters(), strict=True):
+            assert_bitwise_equal(q.grad, p.grad, f"step {step}: grad {name}")
+        for (name, s), (_, r) in zip(fp8_state(plain), fp8_state(recomputed), strict=True):
+            assert_bitwise_equal(r, s, f"step {step}: {name}")
