@@ -22,7 +22,8 @@ weights' FP8 casts of every layer, so it pays with FP8 weights.) Activations and
 on top of them: graphfp8/memory/plan_activations.py. Graph pools: the static input, output and
 input gradient of the blocks' graph pair, 6 T H (graphs "layers"; the activations and working set
 live in its pool too, and stay there while the optimizer runs). The optimizer step's transient:
-unsharded masters' fp32 gradients, which replace the FP8 weights' bf16 ones (2 P8 more).
+unsharded masters' fp32 gradients, which replace the FP8 weights' bf16 ones eagerly (2 P8 more)
+and sit beside them in graphs (4 P8).
 """
 
 from __future__ import annotations
@@ -157,9 +158,11 @@ def plan(preset: str | ModelShape, n: int = 1, seq: int = 2048, batch: int = 1,
     out.bytes["working set"] = working_set_bytes(shape, tokens, recompute)
     # the blocks' graph pair: static input, output and input gradient (graphs "layers")
     out.bytes["graph pools"] = 6 * tokens * shape.hidden if graphs == "layers" else 0
-    # unsharded MasterWeights: the fp32 gradients that replace the FP8 weights' bf16 ones in the
-    # optimizer step (sharded masters and FSDP2 keep theirs, counted with masters or gradients)
-    out.optimizer_transient = out.bytes["masters"] // 2 if sharding == "ddp" else 0
+    # unsharded MasterWeights: the fp32 gradients of the optimizer step, which replace the FP8
+    # weights' bf16 ones eagerly and sit beside them in graphs (the graphs' persistent .grad;
+    # docs/sharding.md: 19.93 B/param on the H200); sharded masters and FSDP2 count theirs above
+    if sharding == "ddp":
+        out.optimizer_transient = out.bytes["masters"] // (2 if graphs == "none" else 1)
     return out
 
 
