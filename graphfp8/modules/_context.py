@@ -130,14 +130,14 @@ def gemm_configs(
     fp8_dtype = fwd.arena.fp8_dtype
     workspaces = [cache.workspace(key, w, fp8_dtype, module.cache_weight_transpose, owner)
                   for key, w in weights]  # fmt: skip
-    if replaying:  # the recompute reads the FP8 weights its forward cast (or cached)
-        casts, flag = [False] * len(weights), None
-    else:
+    cast, flag = False, None  # a recompute reads the FP8 weights its forward cast (or cached)
+    if not replaying:
         cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner,
                                             [w for _, w in weights])  # fmt: skip
-        # An FP8 primary weight rewritten since its last transpose needs a new one.
-        casts = [cast or (ws is w and not ws._transpose_valid)
-                 for ws, (_, w) in zip(workspaces, weights, strict=True)]  # fmt: skip
+    # An FP8 primary weight rewritten since its last transpose needs a new one (an all-gathered
+    # FSDP2 weight in a recompute too: the same bits from the same data).
+    casts = [cast or (ws is w and not ws._transpose_valid)
+             for ws, (_, w) in zip(workspaces, weights, strict=True)]  # fmt: skip
     last = len(weights) - 1
     configs = []
     for g, ws in enumerate(workspaces):

@@ -19,14 +19,17 @@ from graphfp8.training.sources import open_stream
 TINY = dataclasses.replace(PRESETS["llama-tiny"], batch=2, seq_len=32)
 
 
-@pytest.mark.parametrize("graphs", ["none", "layers", "step"])
-def test_recompute_runs_equal_the_run_without(tmp_path, graphs):
+@pytest.mark.parametrize(
+    ("graphs", "fp8_weights"),
+    [("none", False), ("layers", False), ("step", False), ("step", True), ("none", True)],
+)
+def test_recompute_runs_equal_the_run_without(tmp_path, graphs, fp8_weights):
     data = Dataset(open_stream("synthetic", synthetic_bytes=1 << 16), val_fraction=0.05)
     kw = dict(out=tmp_path, data=data, keep_state=True, log_every=1, val_batches=1)
     results = {}
     for mode in ("none", "selective", "full"):
         spec = RunSpec("llama-tiny", TINY, "fp8", graphs, microbatches=2, device="cpu",
-                       recompute=mode)  # fmt: skip
+                       recompute=mode, fp8_weights=fp8_weights)  # fmt: skip
         results[mode] = train_run(spec, RunOptions(steps=2, **kw))
     assert spec.name.endswith("-recompute-full") and results["full"]["recompute"] == "full"
     for mode in ("selective", "full"):
