@@ -152,3 +152,26 @@ def test_recompute_with_fp8_attention(mode, recipe):
             assert_bitwise_equal(q.grad, p.grad, f"step {step}: grad {name}")
         for (name, s), (_, r) in zip(fp8_state(plain), fp8_state(recomputed), strict=True):
             assert_bitwise_equal(r, s, f"step {step}: {name}")
+
+
+def test_nested_recompute():
+    """graphfp8.recompute around layers that recompute selectively themselves: the inner
+    regions' recomputes inside the outer one's replay the same scales."""
+    recipe = RECIPES["delayed"]
+    plain, recomputed, _, _ = pair("selective", "cpu")
+    tokens, targets = lm_batch(2, "cpu", 3)
+    results = []
+    for model, wrap in ((plain, False), (recomputed, True)):
+        for i in range(2):
+            with g8.fp8_autocast(recipe=recipe):
+                h = model.embed(tokens[i])
+                blocks = torch.nn.Sequential(*model.blocks)
+                h = g8.recompute(blocks, h) if wrap else blocks(h)
+                loss = lm_loss(model.head(h), targets[i])
+            loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert_bitwise_equal(results[1][0], results[0][0], "loss")
+    for i, (g, w) in enumerate(zip(results[1][1], results[0][1], strict=True)):
+        assert_bitwise_equal(g, w, f"grad {i}")
+    for (name, s), (_, r) in zip(fp8_state(plain), fp8_state(recomputed), strict=True):
+        assert_bitwise_equal(r, s, name)
