@@ -155,21 +155,28 @@ def test_recompute_with_fp8_attention(mode, recipe):
 
 
 def test_nested_recompute():
-    """graphfp8.recompute around layers that recompute selectively themselves: the inner
-    regions' recomputes inside the outer one's replay the same scales."""
+    """graphfp8.recompute around layers that recompute themselves (full): the inner regions'
+    forwards inside the outer one's recompute replay the same scales and record nothing."""
     recipe = RECIPES["delayed"]
-    plain, recomputed, _, _ = pair("selective", "cpu")
+    plain, recomputed, _, _ = pair("full", "cpu")
     tokens, targets = lm_batch(2, "cpu", 3)
-    results = []
+    results, seen = [], []
     for model, wrap in ((plain, False), (recomputed, True)):
-        for i in range(2):
-            with g8.fp8_autocast(recipe=recipe):
-                h = model.embed(tokens[i])
-                blocks = torch.nn.Sequential(*model.blocks)
-                h = g8.recompute(blocks, h) if wrap else blocks(h)
-                loss = lm_loss(model.head(h), targets[i])
-            loss.backward()
+        obs = _Casts()
+        previous = observe.install(obs)
+        try:
+            for i in range(2):
+                with g8.fp8_autocast(recipe=recipe):
+                    h = model.embed(tokens[i])
+                    blocks = torch.nn.Sequential(*model.blocks)
+                    h = g8.recompute(blocks, h) if wrap else blocks(h)
+                    loss = lm_loss(model.head(h), targets[i])
+                loss.backward()
+        finally:
+            observe.install(previous)
+        seen.append(obs.seen)
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert seen[1] == seen[0], "every cast observed once"
     assert_bitwise_equal(results[1][0], results[0][0], "loss")
     for i, (g, w) in enumerate(zip(results[1][1], results[0][1], strict=True)):
         assert_bitwise_equal(g, w, f"grad {i}")
