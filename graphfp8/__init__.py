@@ -3,6 +3,7 @@
 from graphfp8 import hf, numerics, ops
 from graphfp8.fp8 import (
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     Float8Tensor,
     Format,
@@ -34,6 +35,7 @@ __all__ = [
     "CaptureError",
     "DelayedScaling",
     "DotProductAttention",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "FP8Module",
     "Float8Tensor",

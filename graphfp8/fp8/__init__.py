@@ -12,7 +12,13 @@ from graphfp8.fp8.autocast import autocast, fp8_autocast, reset_state
 from graphfp8.fp8.fsdp_master import FSDPMasterWeights
 from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.primary import fp8_model_init
-from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format, fp8_max
+from graphfp8.fp8.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    fp8_max,
+)
 from graphfp8.fp8.shard import ShardedMasterWeights
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, BwdRole, FwdRole
 from graphfp8.fp8.tensor import Float8Tensor
@@ -23,6 +29,7 @@ __all__ = [
     "AttnFwdRole",
     "BwdRole",
     "DelayedScaling",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "Float8Tensor",
     "Format",

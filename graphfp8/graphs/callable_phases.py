@@ -47,6 +47,8 @@ class Sample:
         modules: a module callable's tree; closure: the modules a plain function closes over.
         arenas: {id: arena} of the FP8 arenas its modules used while warming up (what its
             warmup recordings returned).
+        callable_index: which of the callables given it runs (its FP8 setting:
+            CaptureOptions.recipes).
     """
 
     index: int
@@ -60,6 +62,7 @@ class Sample:
     modules: list[nn.Module]
     closure: list[nn.Module]
     arenas: dict = field(default_factory=dict)
+    callable_index: int = 0
 
     def adopt(self, params, names) -> None:
         self.params += list(params)
@@ -162,7 +165,7 @@ def warmup(samples: list[Sample], iters: int, allow_unused: bool, session: Captu
     with session.warmup():
         for it in range(iters):
             for s in samples:
-                with session.recording() as found:
+                with session.recording(s.callable_index) as found:
                     since = next_sequence_nr() if it == 0 else 0
                     flat, _ = s.call()
                     if it == 0:
@@ -189,7 +192,7 @@ def capture_forwards(samples: list[Sample], points: UpdatePoints, session: Captu
             s.static_inputs[0] = _chained_input(samples[i - 1], forwards[-1], s)
         graph = session.new_graph()
         since = next_sequence_nr()
-        with session.capture_into(graph) as found, saved_storages() as saved:
+        with session.capture_into(graph, s.callable_index) as found, saved_storages() as saved:
             if i == 0:
                 points.at_forward()
             outputs, out_spec = s.call()
@@ -256,7 +259,7 @@ def capture_backwards(samples: list[Sample], forwards: list[Forward], points: Up
         inputs = s.grad_inputs()
         graph = session.new_graph()
         fold = GradFold(s.params, session.device)
-        with fold.hooked(), session.capture_into(graph):
+        with fold.hooked(), session.capture_into(graph, s.callable_index):
             grads = ()
             if outs and inputs:
                 given = [g for g in grad_outputs if g is not None]

@@ -65,8 +65,12 @@ def make_graphed_callables(
             arenas the graphs update); their FP8 and RNG effects are undone.
         allow_unused_input: let inputs get no gradient.
         sample_kwargs: a dict of tensors per callable (a tuple of dicts for several).
-        fp8_enabled: run graphfp8 modules in FP8 inside the graphs.
-        fp8_recipe: a DelayedScaling or Float8CurrentScaling (DelayedScaling() when None).
+        fp8_enabled: run graphfp8 modules in FP8 inside the graphs; or a tuple of one bool per
+            callable (TransformerEngine's per-callable fp8_enabled): those given False run in
+            their parameter dtype, as eagerly inside fp8_autocast(enabled=False).
+        fp8_recipe: a DelayedScaling or Float8CurrentScaling (DelayedScaling() when None); or a
+            tuple of one recipe (or None) per callable. Each recipe's modules keep their state in
+            that recipe's arenas.
         fp8_weight_caching: guard the weight casts with a device flag driven by the
             is_first_microbatch argument of each call (True/None cast, False reuses the cache);
             False, TransformerEngine's default (graphs/options.py says why the step differs).
@@ -102,19 +106,21 @@ def make_graphed_callables(
     if chain and layout.explicit:
         raise ValueError(f"{_NAME}: chain=True chains the layers of one unit; not with order=")
     options = CaptureOptions(_NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
-                             num_warmup_iters, pool)  # fmt: skip
+                             num_warmup_iters, pool, callables=len(callables))  # fmt: skip
     check_distinct(callables)
     funcs = [callables[i] for i in layout.callable_of]
     samples, device = prepare(funcs, sample_args, sample_kwargs)
+    for s in samples:
+        s.callable_index = layout.callable_of[s.index]
     check_grad_mode(_NAME, any(t.requires_grad for s in samples for t in s.grad_inputs()))
-    flag = DeviceFlag(device, fp8_enabled, fp8_weight_caching, _NAME, "graphed callable")
+    flag = DeviceFlag(device, options.fp8_enabled, fp8_weight_caching, _NAME, "graphed callable")
     graphs = CapturedGraphs(layout, [s.name for s in samples], options, device, flag,
                             AutocastState(device))  # fmt: skip
     chunks = [fp8_modules_in([m for j in layout.units[(c, 0)].runners for m in _trees(samples[j])])
               for c in range(layout.num_chunks)]  # fmt: skip
     session = CaptureSession(device, options, weight_cache_flag=flag.tensor)
     with session, undone_on_failure(unique(m for c in chunks for m in c), samples, callables):
-        session.init_fp8(chunks)
+        session.init_fp8(chunks, _recipe_of(samples, options))
         warmup(samples, num_warmup_iters, allow_unused_input, session)
         session.freeze_arenas({k: a for s in samples for k, a in s.arenas.items()})
         built = _capture_units(samples, layout, session, allow_unused_input, chain)
@@ -148,6 +154,16 @@ def _normalize(callables, sample_args, sample_kwargs, order):
 def _trees(s: Sample) -> list[nn.Module]:
     """The module trees of a callable: its own, or those a plain function closes over."""
     return s.modules[:1] + s.closure
+
+
+def _recipe_of(samples: list[Sample], options: CaptureOptions):
+    """module -> the recipe of the first callable whose tree holds it (None: no FP8)."""
+    recipes: dict[int, object] = {}
+    for s in samples:
+        for tree in _trees(s):
+            for m in tree.modules():
+                recipes.setdefault(id(m), options.recipes[s.callable_index])
+    return lambda m: recipes.get(id(m))
 
 
 def _followers(layout: Layout) -> set[int]:
@@ -212,7 +228,7 @@ def _runner(s: Sample, fwd, bwd, graphs: CapturedGraphs, chained: bool) -> Graph
     contract = CallContract(
         name=s.name, index=s.index, guard=_guard(s),
         uses_fp8=bool(s.arenas) or any(isinstance(m, FP8Module) for m in s.modules), spec=spec,
-        chained=chained, expects_grad=expects,
+        chained=chained, expects_grad=expects, recipe=graphs.recipes[s.callable_index],
     )  # fmt: skip
     pair = GraphPair(
         fwd_graph=fwd.graph, bwd_graph=bwd.graph, static_inputs=s.static_inputs, copies=spec.copies,

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphfp8.fp8 import context, scaling
-from graphfp8.fp8.recipe import Recipe, is_current_scaling
+from graphfp8.fp8.recipe import Recipe, is_blockwise, is_current_scaling
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.modules._functional import GemmConfig
 
 if TYPE_CHECKING:
     from graphfp8.modules.base import FP8Meta, FP8Module
 
-__all__ = ["FrozenSlots", "fp8_enabled", "fp8_recipe", "fp8_slots", "fp8_state", "gemm_configs",
-           "in_fp8_region"]  # fmt: skip
+__all__ = ["FrozenSlots", "blockwise_recipe", "fp8_enabled", "fp8_recipe", "fp8_slots",
+           "fp8_state", "gemm_configs", "in_fp8_region"]  # fmt: skip
 
 
 def fp8_enabled() -> bool:
@@ -47,6 +47,13 @@ def fp8_recipe() -> Recipe | None:
     """The recipe FP8 modules run under now, or None when FP8 is off."""
     ctx = context.current()
     return ctx.recipe if ctx.enabled else None
+
+
+def blockwise_recipe() -> Recipe | None:
+    """The Float8BlockScaling that FP8 modules run under now, or None (FP8 off or another
+    recipe): their GEMMs then quantize per tile and block, with no slots (modules/_blockwise)."""
+    ctx = context.current()
+    return ctx.recipe if ctx.enabled and is_blockwise(ctx.recipe) else None
 
 
 class FrozenSlots:

@@ -87,8 +87,8 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-format", choices=("HYBRID", "E4M3"), default="HYBRID",
                    help="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = both")  # fmt: skip
     p.add_argument("--scaling", choices=SCALINGS, default="delayed",
-                   help="FP8 recipe: DelayedScaling (amax history) or Float8CurrentScaling "
-                   "(each tensor's own amax)")  # fmt: skip
+                   help="FP8 recipe: DelayedScaling (amax history), Float8CurrentScaling "
+                   "(tensor amax) or Float8BlockScaling (1x128 tiles, 128x128 blocks)")  # fmt: skip
     p.add_argument("--fp8-stats", type=_positive, metavar="N",
                    help="record every FP8 cast's statistics (amax, scale, saturation, underflow, "
                    "SQNR) every N steps, inside the graphs: <run>_fp8_stats.csv and .png "
@@ -96,6 +96,7 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-weights", action="store_true",
                    help="FP8 primary weights (fp8_model_init) trained through fp32 MasterWeights "
                    "in fp8 runs (default: off)")  # fmt: skip
+    p.add_argument("--bf16-layers", default="", help="blocks kept in bf16: first,last or indices")
     p.add_argument("--fp8-attention", action=argparse.BooleanOptionalAction, default=False,
                    help="FP8 attention in fp8 runs: RoPE fused into the FP8 casts of q, k, v, "
                    "cuDNN's FP8 attention, its FP8 output into the projection; on Hopper cuDNN "
@@ -151,8 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", action="store_true", help="with --ddp: fp32 masters of every "
                    "parameter, gradients and optimizer state sharded over the ranks "
                    "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation "
-                   "recompute per layer, the same bits (docs/fp8.md)")  # fmt: skip
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="per layer")
     p.add_argument("--check-replicas", action="store_true",
                    help="with --ddp: the ranks' weights compared (digests of their bits) after "
                    "every step; a difference stops every rank with exit status 3 "
@@ -251,10 +251,10 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
                    amax_history_len=args.amax_history_len, compile=args.compile,
                    fp8_format=args.fp8_format, scaling=args.scaling,
-                   fp8_weights=args.fp8_weights and precision == "fp8",
-                   pack=args.pack,
+                   fp8_weights=args.fp8_weights and precision == "fp8", pack=args.pack,
                    fp8_attention=args.fp8_attention and precision == "fp8",
-                   shard=args.shard, recompute=args.recompute)  # fmt: skip
+                   shard=args.shard, recompute=args.recompute,
+                   bf16_layers=args.bf16_layers if precision == "fp8" else ())  # fmt: skip
 
 
 def _environment(device: str) -> dict:

@@ -23,7 +23,7 @@ from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.autocast import fp8_autocast
 from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.primary import fp8_model_init
-from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format
+from graphfp8.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.modules.transformer import RECOMPUTE_MODES
 from graphfp8.nvtx_ranges import nvtx_range
@@ -33,7 +33,7 @@ from graphfp8.training.model import GPT, ModelConfig
 __all__ = ["GRAPH_MODES", "RECOMPUTE_MODES", "RunSpec", "Run", "run_settings"]
 
 PRECISIONS = ("bf16", "fp8")
-SCALINGS = ("delayed", "current")
+SCALINGS = ("delayed", "current", "blockwise")
 # none: eager; layers: the blocks captured (make_graphed_callables); step: the whole step.
 GRAPH_MODES = ("none", "layers", "step")
 _MODE_NAMES = {"none": "eager", "layers": "graphs", "step": "step"}
@@ -61,6 +61,8 @@ class RunSpec:
     # keep bf16 attention (graphfp8.modules.attention says why)
     fp8_attention: bool = False
     shard: bool = False  # masters, gradients and optimizer state sharded over the group
+    # Blocks kept in bf16 in an FP8 run (Megatron's --first-last-layers-bf16): their indices
+    bf16_layers: tuple[int, ...] = ()
     # activation recompute of every layer (TransformerLayer's RECOMPUTE_MODES): the same bits,
     # less activation memory, more compute; not a checkpoint setting (a resume may change it)
     recompute: str = "none"
@@ -70,6 +72,15 @@ class RunSpec:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
         if self.fp8_weights and self.precision != "fp8":
             raise ValueError("fp8_weights needs precision fp8")
+        if any(not 0 <= i < self.model.layers for i in self.bf16_layers):
+            raise ValueError(f"bf16_layers {self.bf16_layers}: the model has layers 0 to "
+                             f"{self.model.layers - 1}")  # fmt: skip
+        if self.bf16_layers and (self.precision != "fp8" or self.fp8_weights):
+            raise ValueError("bf16_layers needs precision fp8 without fp8_weights (an FP8 "
+                             "primary weight has no bf16 copy)")  # fmt: skip
+        if self.fp8_weights and self.scaling == "blockwise":
+            raise ValueError("fp8_weights with blockwise scaling is not supported yet (FP8 "
+                             "primary weights are stored per tensor)")  # fmt: skip
         if self.fp8_attention and (self.precision != "fp8" or self.scaling != "delayed"):
             raise ValueError("fp8_attention needs precision fp8 with delayed scaling (FP8 "
                              "attention is DelayedScaling only)")  # fmt: skip
@@ -96,9 +107,11 @@ class RunSpec:
         fp8_named = self.precision == "fp8" and self.fp8_format != "HYBRID"
         fmt = f"-{self.fp8_format.lower()}" if fp8_named else ""
         suffix = "-compile" if self.compile else ""
-        fmt += "-current" if self.precision == "fp8" and self.scaling == "current" else ""
+        if self.precision == "fp8" and self.scaling != "delayed":
+            fmt += {"current": "-current", "blockwise": "-block"}[self.scaling]
         fmt += "-fp8w" if self.fp8_weights else ""
         fmt += "-attn" if self.fp8_attention else ""
+        fmt += "-bf16L" + "_".join(map(str, self.bf16_layers)) if self.bf16_layers else ""
         suffix += "-pack" if self.pack else ""
         suffix += "-shard" if self.shard else ""
         suffix += f"-recompute-{self.recompute}" if self.recompute != "none" else ""
@@ -111,7 +124,8 @@ class RunSpec:
 
 # Settings that checkpoints written before they existed trained with.
 OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False,
-                  "pack": False, "shard": False, "fp8_attention": False}  # fmt: skip
+                  "pack": False, "shard": False, "fp8_attention": False,
+                  "bf16_layers": []}  # fmt: skip
 
 
 def run_settings(spec: RunSpec) -> dict:
@@ -129,6 +143,7 @@ def run_settings(spec: RunSpec) -> dict:
         "pack": spec.pack,
         "fp8_attention": spec.fp8_attention,
         "shard": spec.shard,
+        "bf16_layers": list(spec.bf16_layers),
     }
 
 
@@ -155,7 +170,7 @@ class Run:
         self.world = torch.distributed.get_world_size(group) if group is not None else 1
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
         with fp8_model_init(enabled=spec.fp8_weights):
-            self.model = GPT(spec.model, torch.bfloat16, spec.device)
+            self.model = GPT(spec.model, torch.bfloat16, spec.device, frozenset(spec.bf16_layers))
         for layer in self.model.blocks.layers:
             layer.recompute = spec.recompute
         self.masters = self._masters()
@@ -169,6 +184,8 @@ class Run:
         )  # fmt: skip
         if spec.scaling == "current":
             self.recipe = Float8CurrentScaling(fp8_format=Format[spec.fp8_format])
+        elif spec.scaling == "blockwise":  # E4M3 everywhere (checked: cli_checks.py)
+            self.recipe = Float8BlockScaling()
         else:
             self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len,
                                          fp8_format=Format[spec.fp8_format],
