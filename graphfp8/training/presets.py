@@ -1,17 +1,20 @@
 """The model shapes graphfp8-train trains (`--preset`), as plain data: one frozen ModelConfig each.
 
-Nothing here builds a model: the memory planner and the floor model (training/floor.py) read the
-shapes without torch modules. training/model.py builds the GPT of a ModelConfig.
+Nothing here builds a model: the floor model (training/floor.py) reads the shapes without torch
+modules, and training/model.py builds the GPT of a ModelConfig. The Llama 3 presets take their
+widths from the memory planner's table (graphfp8/memory/shapes.py's LLAMA, the one place they are
+written) and add the batch shape and learning rate a run needs.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["BYTE_VOCAB", "ModelConfig", "PRESETS", "LLAMA3_VOCAB"]
+from graphfp8.memory.shapes import LLAMA
+
+__all__ = ["BYTE_VOCAB", "ModelConfig", "PRESETS"]
 
 BYTE_VOCAB = 256  # text read as bytes
-LLAMA3_VOCAB = 128256  # Llama 3's tokenizer
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,15 @@ _NEWER = {"kv_heads": None, "activation": "gelu", "norm": "LayerNorm", "bias": T
 _LLAMA = dict(activation="swiglu", norm="RMSNorm", bias=False)
 
 
+def _llama(name: str, seq_len: int, batch: int, lr: float) -> ModelConfig:
+    """The preset of LLAMA[name]'s shape (Llama 3's 128256-token vocabulary) at this batch."""
+    s = LLAMA[name]
+    return ModelConfig(hidden=s.hidden, heads=s.heads, ffn=s.ffn, layers=s.layers, seq_len=seq_len,
+                       batch=batch, lr=lr, vocab=s.vocab, kv_heads=s.kv_heads,
+                       activation=s.activation, norm=s.norm, bias=s.bias,
+                       tie_embeddings=s.tied)  # fmt: skip
+
+
 PRESETS = {
     # CPU default: the whole run (FP8, CPU replay tape) in well under two minutes on 2 cores.
     "tiny": ModelConfig(hidden=64, heads=4, ffn=256, layers=2, seq_len=64, batch=8, lr=3e-3),
@@ -87,30 +99,7 @@ PRESETS = {
         hidden=64, heads=4, ffn=176, layers=2, seq_len=64, batch=8, lr=3e-3, kv_heads=2, **_LLAMA
     ),  # fmt: skip
     # Llama-3.2-1B's shapes (1,235,814,400 parameters, tied embeddings) at B2 x S4096.
-    "llama-1b": ModelConfig(
-        hidden=2048,
-        heads=32,
-        ffn=8192,
-        layers=16,
-        seq_len=4096,
-        batch=2,
-        lr=3e-4,
-        kv_heads=8,
-        vocab=LLAMA3_VOCAB,
-        tie_embeddings=True,
-        **_LLAMA,
-    ),  # fmt: skip
+    "llama-1b": _llama("llama-1b", seq_len=4096, batch=2, lr=3e-4),
     # Llama-3-8B's shapes (8,030,261,248 parameters) at B1 x S8192; --layers N for one GPU.
-    "llama-8b": ModelConfig(
-        hidden=4096,
-        heads=32,
-        ffn=14336,
-        layers=32,
-        seq_len=8192,
-        batch=1,
-        lr=1.5e-4,
-        kv_heads=8,
-        vocab=LLAMA3_VOCAB,
-        **_LLAMA,
-    ),  # fmt: skip
+    "llama-8b": _llama("llama-8b", seq_len=8192, batch=1, lr=1.5e-4),
 }

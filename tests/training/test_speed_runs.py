@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from graphfp8.memory.shapes import LLAMA, shape_from
 from graphfp8.testing import assert_bitwise_equal
 from graphfp8.training import cli as train
 from graphfp8.training.cli_checks import model_config
@@ -40,6 +41,8 @@ def test_llama_presets_have_the_published_parameter_counts(preset, published):
     assert count_parameters(gpt) == count_parameters(torch_gpt) == published
     assert (gpt.head.weight is gpt.embed.weight) == cfg.tie_embeddings
     assert (torch_gpt.head.weight is torch_gpt.embed.weight) == cfg.tie_embeddings
+    assert shape_from(cfg) == LLAMA[preset]  # the memory planner's table, tied head included
+    assert shape_from(cfg).parameters() == published
 
 
 def test_layers_override_and_llama_vocabulary():
