@@ -308,7 +308,6 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         "train_s": round(t["train_s"], 3),
         "eval_s": round(t["eval_s"], 3),
         "tokens_per_s": tokens_per_s,
-        # tokens/s's spread, model TFLOP/s, the floor and its fraction, labels: training/speed.py
         **speed_fields(spec, tokens_per_s, t["steady_rates"], opts.world_size),
         "peak_reserved_bytes": (
             torch.cuda.max_memory_reserved() if spec.device.startswith("cuda") else None

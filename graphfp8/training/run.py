@@ -36,9 +36,8 @@ __all__ = ["GRAPH_MODES", "RECOMPUTE_MODES", "RunSpec", "Run", "run_settings"]
 
 PRECISIONS = ("bf16", "fp8")
 SCALINGS = ("delayed", "current", "blockwise")
-# none: eager; layers: the blocks captured (make_graphed_callables); step: the whole step;
-# compile: the fair bf16 baseline - the same model in plain torch modules (training/torch_model.py)
-# compiled whole by torch.compile (forward and backward), not graphed, bf16 only.
+# none: eager; layers: the blocks captured; step: the whole step; compile: the fair bf16 baseline,
+# the model in plain torch modules (training/torch_model.py) under torch.compile, not graphed.
 GRAPH_MODES = ("none", "layers", "step", "compile")
 _MODE_NAMES = {"none": "eager", "layers": "graphs", "step": "step", "compile": "torch-compile"}
 
@@ -70,9 +69,7 @@ class RunSpec:
     # activation recompute of every layer (TransformerLayer's RECOMPUTE_MODES): the same bits,
     # less activation memory, more compute; not a checkpoint setting (a resume may change it)
     recompute: str = "none"
-    # the next step's microbatches copied to the device while a step runs (training/staging.py);
-    # the same bits, so not a run setting of checkpoints
-    stage_batches: bool = False
+    stage_batches: bool = False  # the next step's batches copied ahead (staging.py): the same bits
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -288,11 +285,10 @@ class Run:
         )  # fmt: skip
 
     def _step_batch(self, batches):
-        """This step's microbatches (device tensors of BatchStager.take), stacked straight into
-        the step graph's static batch ((inputs, targets[, segments]), (): the model's output is
-        the loss)."""
+        """This step's microbatches (BatchStager.take's) stacked straight into the step graph's
+        static batch ((inputs, targets[, segments]), (): the model's output is the loss)."""
         static = self.graphed_step.static_batch
-        parts = [_split(batch) for batch in batches]
+        parts = [split_windows(*batch) for batch in batches]  # (inputs, targets, segments)
         for i, out in enumerate(static):
             torch.stack([p[i] for p in parts], out=out)
         return tuple(static), ()
@@ -319,8 +315,7 @@ class Run:
         return self.spec.model.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, t))))
 
     def _host_microbatch(self, step: int, mb: int) -> tuple[torch.Tensor, ...]:
-        """This rank's windows of microbatch mb of step `step` on the CPU: (tokens,) or, packed,
-        (tokens, segments), each (b, S + 1) int64."""
+        """Microbatch mb of step `step` on the CPU: (tokens[, segments]), each (b, S + 1) int64."""
         cfg = self.spec.model
         args = (step, mb, cfg.batch, cfg.seq_len, self.spec.seed, self.rank, self.world)
         tokens = self.data.train_batch(*args)
@@ -342,13 +337,12 @@ class Run:
             if self.fp8_stats is not None:  # one graph: each slot's latest cast of the step
                 self.fp8_stats.collect(self.step, self.spec.microbatches - 1)
             self.step += 1
-            if self.step < total_steps:  # the next step's batches, while this one runs
-                self.batches.stage(self.step)
+            self.batches.stage(self.step, total_steps)  # the next step's, while this one runs
             return loss
         mbs = self.spec.microbatches
         total = torch.zeros((), dtype=torch.float32, device=self.spec.device)
         for mb, batch in enumerate(batches):
-            inputs, targets, *segments = _split(batch)
+            inputs, targets, segments = split_windows(*batch)
             with nvtx_range("forward"):
                 loss = self._loss(inputs, targets, segments, mb) / mbs
             with nvtx_range("backward"):
@@ -359,18 +353,15 @@ class Run:
         with nvtx_range("optimizer"):
             self._optimizer_step()
         self.step += 1
-        if self.step < total_steps:
-            self.batches.stage(self.step)
+        self.batches.stage(self.step, total_steps)
         return total
 
-    def _loss(self, inputs, targets, segments: list, mb: int) -> torch.Tensor:
-        """One microbatch's mean loss (float32): the compiled torch model's (graphs "compile"),
-        or graphfp8's GPT - embedding, self.blocks (graphed or eager), norm, head, cross
-        entropy."""
+    def _loss(self, inputs, targets, segments, mb: int) -> torch.Tensor:
+        """A microbatch's mean loss (float32): the compiled torch model's, or graphfp8's GPT's."""
         if self.spec.graphs == "compile":
             return self.blocks(inputs, targets)
         hidden = self.blocks(self.model.embed(inputs), is_first_microbatch=mb == 0,
-                             **self._segments_kw(*segments))  # fmt: skip
+                             **self._segments_kw(segments))  # fmt: skip
         return self.model.loss(hidden, targets)
 
     def _optimizer_step(self) -> None:
@@ -407,9 +398,3 @@ class Run:
         if self.masters is not None:
             self.masters.load_state_dict(state["masters"])
         self.step = state["step"]
-
-
-def _split(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """A device microbatch (tokens[, segments]) as (inputs, targets[, segments])."""
-    inputs, targets, segments = split_windows(*batch)
-    return (inputs, targets) if segments is None else (inputs, targets, segments)

@@ -56,10 +56,11 @@ class BatchStager:
                     t.record_stream(current)
         yield from batches
 
-    def stage(self, step: int) -> None:
+    def stage(self, step: int, total: int | None = None) -> None:
         """Reads step `step`'s microbatches now and starts their copies (on the GPU on a side
-        stream, from pinned memory); a no-op unless staging ahead."""
-        if not self.ahead:
+        stream, from pinned memory); a no-op unless staging ahead, or when `step` is past the
+        run's `total` steps."""
+        if not self.ahead or (total is not None and step >= total):
             return
         host = [self.read(step, mb) for mb in range(self.microbatches)]
         if self._stream is None:
