@@ -2,7 +2,8 @@
 table, and any graphfp8-train preset (graphfp8/training/model.py) seen as a shape (shape_from).
 
 The Llama table is the one place their shapes are written: the training app's presets of those
-names are meant to take their widths from it (docs/sharding.md, "Memory planner")."""
+names take their widths from it (graphfp8/training/presets.py; docs/sharding.md, "Memory
+planner")."""
 
 from __future__ import annotations
 
