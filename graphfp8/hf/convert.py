@@ -104,8 +104,10 @@ def from_hf(model: nn.Module, max_seq_len: int | None = None, recipe: Recipe | N
             caller's fp8_autocast.
         fp8_group, eval_fp8, weight_cache: the carried settings (FP8Carry); need a recipe.
         graphs: None (eager), or "layers": every decoder layer a CUDA graph, captured at the
-            first training forward and replayed in any training loop (graphfp8.hf.layer_graphs;
-            fixed-shape batches without attention_mask); needs a recipe.
+            first training forward and replayed in any training loop (graphfp8.hf.layer_graphs:
+            fixed-shape batches, with the tokenizer's attention_mask or without; other
+            forwards run eagerly, warned once per reason, and `model.layer_graphs.counts`
+            counts both); needs a recipe.
 
     Returns:
         CausalLM: input_ids (B, S) -> CausalLMOutputWithPast (loss with labels, logits (B, S,

@@ -143,16 +143,20 @@ class CausalLM(PreTrainedModel, GenerationMixin):
         carry = self.fp8
         if carry is not None:
             check_not_sharded((self, self.layers[0]), self.layers[0].qkv.weight)
-        graphs, plain = self.layer_graphs, all(
-            a is None for a in (attention_mask, segment_ids, cache, inputs_embeds,
-                                None if self.arch == "gpt2" else position_ids))  # fmt: skip
-        if graphs is not None and graphs.replays(self, input_ids, plain and not in_fp8_region()):
-            if is_first_microbatch is None:
+        graphs, eager_layers = self.layer_graphs, False
+        if graphs is not None:
+            segments = segment_ids
+            if segments is None and attention_mask is not None and attention_mask.dim() == 2:
+                segments = attention_mask.to(torch.int64)  # as inputs.attention_inputs makes them
+            refused = _why_not_graphed(cache, inputs_embeds, position_ids, self.arch != "gpt2")
+            replay = graphs.replays(self, input_ids, segments, refused)
+            eager_layers = not replay and graphs.shape is not None
+            if is_first_microbatch is None and graphs.decides_casts(self):
                 is_first_microbatch = graphs.is_first_microbatch(self)
         region = carry.region(self.training) if carry is not None else contextlib.nullcontext()
         with region:
             x = self._hidden(input_ids, inputs_embeds, attention_mask, position_ids, cache,
-                             segment_ids, is_first_microbatch)  # fmt: skip
+                             segment_ids, is_first_microbatch, eager_layers)  # fmt: skip
             if logits_to_keep:
                 x = x[:, -logits_to_keep:]
             logits = self.lm_head(self.norm(x))
@@ -164,8 +168,8 @@ class CausalLM(PreTrainedModel, GenerationMixin):
         return out if return_dict is not False else out.to_tuple()
 
     def _hidden(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, segment_ids,
-                is_first_microbatch) -> torch.Tensor:  # fmt: skip
-        """The last layer's output (B, S, H)."""
+                is_first_microbatch, eager_layers: bool = False) -> torch.Tensor:  # fmt: skip
+        """The last layer's output (B, S, H); eager_layers: run graphed layers' eager forward."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("graphfp8.hf: give exactly one of input_ids and inputs_embeds")
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
@@ -177,7 +181,8 @@ class CausalLM(PreTrainedModel, GenerationMixin):
         if self.pos_embed is not None:
             x = x + self.pos_embed(gpt2_positions(b, s, past, position_ids, segment_ids, x.device))
         for i, layer in enumerate(self.layers):
-            x = layer(x, is_first_microbatch=is_first_microbatch, **inputs.layer_kwargs(cache, i))
+            call = type(layer).forward.__get__(layer) if eager_layers else layer
+            x = call(x, is_first_microbatch=is_first_microbatch, **inputs.layer_kwargs(cache, i))
         return x
 
     def _check_length(self, total: int, position_ids) -> None:
@@ -202,3 +207,17 @@ class CausalLM(PreTrainedModel, GenerationMixin):
     def extra_repr(self) -> str:
         fp8 = "" if self.fp8 is None else f", carried recipe={self.fp8.recipe}"
         return f"arch={self.arch}, model_type={self.config.model_type}{fp8}"
+
+
+def _why_not_graphed(cache, inputs_embeds, position_ids, rope: bool) -> str | None:
+    """Why a forward's arguments cannot replay the layer graphs (graphfp8.hf.layer_graphs), None
+    when they can."""
+    if in_fp8_region():
+        return "inside the caller's fp8_autocast region or capture"
+    if cache is not None:
+        return "a cache (past_key_values, use_cache)"
+    if inputs_embeds is not None:
+        return "inputs_embeds"
+    if rope and position_ids is not None:
+        return "position_ids with rotary positions (explicit attention)"
+    return None
