@@ -17,7 +17,7 @@ from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.fp8.weight_cache import WeightCache, check_is_first_microbatch
 from graphfp8.modules import _state_tensor
 from graphfp8.modules._autocast import honour_autocast
-from graphfp8.modules._checkpoint import check_extra_state, shape_errors
+from graphfp8.modules._checkpoint import check_extra_state, format_move_error, shape_errors
 from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
 from graphfp8.modules._context import fp8_enabled, gemm_configs
 from graphfp8.modules._functional import GemmConfig
@@ -145,6 +145,9 @@ class FP8Module(nn.Module):
                     f"{name}: its FP8 state is captured in a graph for {meta.recipe} and cannot "
                     f"move to {recipe}"
                 )
+            moved = format_move_error(meta.recipe, recipe, meta.bwd.history(), meta.bwd.scales())
+            if moved is not None:
+                raise ValueError(f"{name}: {moved}")
         new = FP8Meta(recipe, device, self._slot_counts())
         if meta is not None:
             new.copy_from_(meta)

@@ -144,3 +144,30 @@ def test_loaded_weights_invalidate_the_weight_cache():
     m.load_state_dict(checkpoint, strict=False)
     with g8.fp8_autocast(recipe=H4), pytest.raises(RuntimeError, match="no cached FP8 weight"):
         m(torch.randn(T, H, dtype=torch.bfloat16), is_first_microbatch=False)
+
+
+E4 = g8.DelayedScaling(amax_history_len=4, fp8_format=g8.Format.E4M3)
+
+
+def test_fp8_state_of_another_format_is_refused_not_moved():
+    """Issue 39: a HYBRID checkpoint loaded into a module running E4M3 (same history length) was
+    taken, and the first backward ran on E5M2's gradient scales, saturating E4M3 gradients. Now
+    the load refuses, changing nothing; a module that adopted the checkpoint's state (it had
+    none) refuses the E4M3 forward before it runs; fresh state and the same format still move."""
+    hybrid = _ran(H4, 1).state_dict()
+    m = _ran(E4, 2)
+    before = _everything(m)
+    with pytest.raises(ValueError, match=r"holds fp8_format=HYBRID scales, and E4M3 would run"):
+        m.load_state_dict(hybrid)
+    _assert_unchanged(m, before, "a refused load")
+    fresh = build("Linear")
+    fresh.load_state_dict(hybrid)
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"use the recipe of that state, or start from fresh"):
+        with g8.fp8_autocast(recipe=E4):
+            fresh(x, is_first_microbatch=True)
+    assert fresh.fp8_meta.recipe == H4
+    with g8.fp8_autocast(recipe=E4):
+        build("Linear")(x, is_first_microbatch=True)
+    with g8.fp8_autocast(recipe=H4):
+        fresh(x, is_first_microbatch=True)
