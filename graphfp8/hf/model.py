@@ -24,6 +24,7 @@ from graphfp8.hf import checkpoints
 from graphfp8.hf.inputs import attention_inputs, gpt2_positions
 from graphfp8.hf.layer_graphs import LayerGraphs
 from graphfp8.modules._context import in_fp8_region
+from graphfp8.modules.base import fp8_entries_hook
 from graphfp8.modules.carry import FP8Carry, check_not_sharded
 
 __all__ = ["CausalLM"]
@@ -76,6 +77,7 @@ class CausalLM(PreTrainedModel, GenerationMixin):
         self.layer_graphs = LayerGraphs() if graphs == "layers" else None
         self.all_tied_weights_keys = {}  # PreTrainedModel.post_init's; the HF modules keep ties
         self.register_load_state_dict_pre_hook(checkpoints.from_hf_names_hook)
+        self.register_load_state_dict_pre_hook(fp8_entries_hook)  # all or nothing
 
     # Hugging Face's interface -------------------------------------------------------------------
 

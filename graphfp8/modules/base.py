@@ -23,7 +23,8 @@ from graphfp8.modules._context import fp8_enabled, gemm_configs
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
 
-__all__ = ["FP8Meta", "FP8Module", "cache_weight_transposes"]
+__all__ = ["FP8Meta", "FP8Module", "cache_weight_transposes", "check_fp8_entries",
+           "fp8_entries_hook"]  # fmt: skip
 
 
 class FP8Meta:
@@ -275,6 +276,27 @@ class FP8Module(nn.Module):
             block.history().copy_(state[f"{key}_amax_history"])
             block.scales().copy_(state[f"{key}_scale"])
         self.weight_cache.invalidate()
+
+
+def check_fp8_entries(root: nn.Module, state_dict: dict, prefix: str = "") -> None:
+    """Checks the FP8 state entry of every graphfp8 layer under `root` (check_extra_state)
+    before any module loads: a model's load_state_dict pre-hook (from_hf and convert register
+    it), so that a checkpoint one layer refuses leaves every layer as it was (torch loads module
+    by module and would have written the layers before it).
+
+    Args:
+        root: the module being loaded; state_dict, prefix: as torch passes them to the hook.
+    """
+    for path, m in root.named_modules(prefix=prefix[:-1] if prefix else ""):
+        if isinstance(m, FP8Module) and m is not root:
+            extra = state_dict.get(f"{path}._extra_state" if path else "_extra_state")
+            if not _state_tensor.is_empty(extra):
+                check_extra_state(m, extra, f"{type(m).__name__} {path}".rstrip())
+
+
+def fp8_entries_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """check_fp8_entries as a load_state_dict pre-hook."""
+    check_fp8_entries(module, state_dict, prefix)
 
 
 def cache_weight_transposes(module: nn.Module, enabled: bool) -> None:

@@ -171,3 +171,43 @@ def test_fp8_state_of_another_format_is_refused_not_moved():
         build("Linear")(x, is_first_microbatch=True)
     with g8.fp8_autocast(recipe=H4):
         fresh(x, is_first_microbatch=True)
+
+
+def _mixed_checkpoint(model_fn):
+    """A trained model's state dict whose last FP8 layer holds another history length's state;
+    returns (the model to load into, that state dict)."""
+    src, other = model_fn(H4), model_fn(H16)
+    state = src.state_dict()
+    last = [k for k in state if k.endswith("_extra_state")][-1]
+    state[last] = other.state_dict()[last]
+    return model_fn(H4, seed=5), state
+
+
+def _seq(recipe, seed: int = 3):
+    torch.manual_seed(seed)
+    model = g8.convert(torch.nn.Sequential(*(torch.nn.Linear(H, H) for _ in range(3))))
+    x = torch.randn(T, H, requires_grad=True)
+    with g8.fp8_autocast(recipe=recipe):
+        model(x).square().sum().backward()
+    return model
+
+
+def _lm(recipe, seed: int = 0):
+    from tests.hf.common import batch, hf_model
+
+    lm = g8.from_hf(hf_model(seed=seed).train(), recipe=recipe)
+    x = batch(0, 0)
+    lm(x, labels=x).loss.backward()
+    return lm
+
+
+@pytest.mark.parametrize("model_fn", [_seq, _lm], ids=["convert", "from_hf"])
+def test_a_model_loads_all_or_nothing(model_fn):
+    """Issue 39: a checkpoint whose last layer's FP8 state is refused raised after the layers
+    before it were loaded (weights and FP8 state): a model loaded half. Now the model's pre-hook
+    checks every layer's entry first."""
+    model, state = _mixed_checkpoint(model_fn)
+    before = _everything(model)
+    with pytest.raises(ValueError, match=r"amax_history_len=16"):
+        model.load_state_dict(state)
+    _assert_unchanged(model, before, "a refused model load")
