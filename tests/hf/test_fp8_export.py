@@ -140,3 +140,15 @@ def test_save_pretrained_fp8_vllm_layout(tmp_path):
         fp8_checkpoint(g8.from_hf(transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, embd_pdrop=0.0, resid_pdrop=0.0,
             attn_pdrop=0.0)).to(BF16)))  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_weight_is_refused_before_anything_is_written(tmp_path, bad):
+    """Issue 39: a NaN weight was exported as E4M3 NaN without a word (an inf one saturated to
+    448): now the export names the weights and writes nothing."""
+    model = _trained_llama()
+    with torch.no_grad():
+        model.layers[1].mlp.fc2_weight[3, 5] = bad
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj.weight'\]; nothing was"):
+        model.save_pretrained(tmp_path / "out", fp8=True)
+    assert not (tmp_path / "out").exists()
