@@ -126,8 +126,8 @@ def fp8_checkpoint(model: nn.Module, layout: str = "transformers",
         )
     weight_key, input_key, skip_key = LAYOUTS[layout]
     state = dict(to_hf(model) if hf_state is None else hf_state)
-    _check_finite(state, [prefix + name for i in range(len(model.layers))
-                          for _, prefix, theirs in _layer_gemms(arch, i) for name in theirs])  # fmt: skip
+    entries = [e for i in range(len(model.layers)) for e in _layer_gemms(arch, i)]
+    _check_finite(state, [prefix + name for _, prefix, theirs in entries for name in theirs])
     for i, layer in enumerate(model.layers):
         for ours, prefix, theirs in _layer_gemms(arch, i):
             keys = [prefix + name for name in theirs]
