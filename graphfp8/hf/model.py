@@ -196,6 +196,15 @@ class CausalLM(PreTrainedModel, GenerationMixin):
                 f"{self.sliding_window} (sliding-window attention is not converted)"
             )
         if self.pos_embed is None:
+            tables = self.layers[0].max_seq_len if self.layers[0].rope else None
+            last = total if position_ids is None else int(position_ids.max()) + 1
+            if tables is not None and last > tables:
+                raise ValueError(
+                    f"graphfp8.hf: position {last - 1} is past the rotary tables of {tables} "
+                    "positions; convert with graphfp8.from_hf(..., max_seq_len=) of the longest "
+                    "sequence (generate(): prompt + max_new_tokens; the default is "
+                    "min(max_position_embeddings, 4096))"
+                )
             return
         limit = self.pos_embed.num_embeddings
         last = total if position_ids is None else int(position_ids.max()) + 1
