@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import transformers
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -28,6 +29,19 @@ from graphfp8.modules.base import fp8_entries_hook
 from graphfp8.modules.carry import FP8Carry, check_not_sharded
 
 __all__ = ["CausalLM"]
+
+
+def check_transformers(version: str) -> None:
+    """Refuses transformers 4.x (setup.cfg's [hf] extra asks for the tested 5.24)."""
+    if int(version.split(".")[0]) < 5:
+        raise ImportError(
+            f"graphfp8.hf needs transformers >= 5.24 (setup.cfg's [hf] extra), found {version}: "
+            "4.x's caches and generate() differ (generate() failed). "
+            "pip install -U 'transformers>=5.24'"
+        )
+
+
+check_transformers(transformers.__version__)
 
 # transformers 5.24 names the cache `cache`, earlier 5.x `past_key_values`.
 _CACHE_FIELD = (

@@ -202,3 +202,13 @@ def test_max_seq_len_past_max_position_embeddings():
             g8.from_hf(hf_model("llama")).generate(x, **kw)
     with pytest.raises(ValueError, match=r"learned positions for 64 tokens \(n_positions\)"):
         g8.from_hf(hf_model("gpt2"), max_seq_len=96)
+
+
+def test_transformers_4_is_refused_at_import():
+    """Issue 39: the [hf] extra allowed transformers 4.48, whose generate() failed inside
+    graphfp8's forward; the extra now asks for 5.24 and graphfp8.hf refuses 4.x by name."""
+    from graphfp8.hf.model import check_transformers
+
+    with pytest.raises(ImportError, match=r"transformers >= 5.24 .* found 4.48.0"):
+        check_transformers("4.48.0")
+    check_transformers(transformers.__version__)
