@@ -101,8 +101,18 @@ class CausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed = value
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.lm_head = value
+
     def tie_weights(self, *args, **kwargs) -> None:
-        """The embeddings are the HF model's modules, tied (or not) as they were."""
+        """The embeddings are the HF model's modules, tied (or not) as they were; a new input
+        embedding (resize_token_embeddings) is tied again where the config ties them."""
+        tied = getattr(self.config.get_text_config(), "tie_word_embeddings", False)
+        if tied and self.lm_head.weight is not self.embed.weight:
+            self.lm_head.weight = self.embed.weight
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """Writes a directory that AutoModelForCausalLM.from_pretrained loads (graphfp8.hf.

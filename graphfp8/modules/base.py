@@ -204,6 +204,10 @@ class FP8Module(nn.Module):
             raise ValueError(
                 f"{name}: FP8 training needs the token count (the product of the input's "
                 f"leading dims) to be a multiple of 16 for the weight-gradient GEMM, got {tokens}"
+                ": pad every batch to a multiple of 16 tokens (the tokenizer's or the data "
+                "collator's pad_to_multiple_of=16, which covers an epoch's last partial batch "
+                "too; padding is masked by attention_mask and labels -100), or drop the last "
+                "partial batch (DataLoader(drop_last=True))"
             )
 
     # Checkpoints ---------------------------------------------------------------------------------
