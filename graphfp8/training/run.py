@@ -99,7 +99,8 @@ class RunSpec:
 
 # Settings that checkpoints written before they existed trained with.
 OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False,
-                  "pack": False, "shard": False, "fp8_attention": False}  # fmt: skip
+                  "pack": False, "shard": False, "fp8_attention": False,
+                  "compile": False}  # fmt: skip
 
 
 def run_settings(spec: RunSpec) -> dict:
@@ -117,6 +118,9 @@ def run_settings(spec: RunSpec) -> dict:
         "pack": spec.pack,
         "fp8_attention": spec.fp8_attention,
         "shard": spec.shard,
+        # torch.compile fuses the embedding and the loss into other kernels (other bits): a
+        # resumed run with another --compile would not continue the saved one bit for bit.
+        "compile": spec.compile,
     }
 
 
