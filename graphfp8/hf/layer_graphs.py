@@ -29,6 +29,7 @@ import torch
 
 from graphfp8.fp8.weight_cache import weight_versions
 from graphfp8.graphs import make_graphed_callables
+from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.modules._context import in_fp8_region
 
 __all__ = ["LayerGraphs"]
@@ -60,6 +61,17 @@ class LayerGraphs:
         """{"replayed": forwards, "eager": forwards, "eager_reasons": {reason: forwards}}."""
         return {"replayed": self.replayed, "eager": sum(self.eager_reasons.values()),
                 "eager_reasons": dict(self.eager_reasons)}  # fmt: skip
+
+    @opaque_to_dynamo
+    def plan(self, model, input_ids, segment_ids, refused: str | None,
+             is_first_microbatch: bool | None) -> tuple[bool, bool, bool | None]:  # fmt: skip
+        """One forward's decisions: (replay the graphs, run the captured layers' eager forward,
+        is_first_microbatch). Opaque to torch.compile (Trainer's torch_compile=True): dynamo
+        runs it, and the capture inside it, eagerly, and compiles the code around it."""
+        replay = self.replays(model, input_ids, segment_ids, refused)
+        if is_first_microbatch is None and self.decides_casts(model):
+            is_first_microbatch = self.is_first_microbatch(model)
+        return replay, not replay and self.shape is not None, is_first_microbatch
 
     def replays(self, model, input_ids, segment_ids, refused: str | None) -> bool:
         """Whether this forward runs through the graphs (capturing them first if needed).

@@ -175,10 +175,8 @@ class CausalLM(PreTrainedModel, GenerationMixin):
             if segments is None and attention_mask is not None and attention_mask.dim() == 2:
                 segments = attention_mask.to(torch.int64)  # as inputs.attention_inputs makes them
             refused = _why_not_graphed(cache, inputs_embeds, position_ids, self.arch != "gpt2")
-            replay = graphs.replays(self, input_ids, segments, refused)
-            eager_layers = not replay and graphs.shape is not None
-            if is_first_microbatch is None and graphs.decides_casts(self):
-                is_first_microbatch = graphs.is_first_microbatch(self)
+            _, eager_layers, is_first_microbatch = graphs.plan(self, input_ids, segments, refused,
+                                                               is_first_microbatch)  # fmt: skip
         region = carry.region(self.training) if carry is not None else contextlib.nullcontext()
         with region:
             x = self._hidden(input_ids, inputs_embeds, attention_mask, position_ids, cache,
