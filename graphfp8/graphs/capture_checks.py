@@ -129,6 +129,14 @@ def check_distinct(callables) -> None:
 def check_no_hooks(name: str, modules, params, param_names) -> None:
     """Raises if the modules (or torch, globally) have module hooks, or the parameters tensor
     hooks: Python that a captured graph would not run."""
+    carried = [m for m in modules if getattr(m, "_graphfp8_carry", None) is not None]
+    if carried:
+        raise RuntimeError(
+            f"{name}: a model converted with convert(model, recipe=...) carries its recipe "
+            f"through forward hooks ({type(carried[0]).__name__}), which a captured graph would "
+            "not run: convert it without a recipe and pass the recipe to the capture "
+            "(fp8_enabled=True, fp8_recipe=...)"
+        )
     if any(hook_dicts(modules)):
         raise RuntimeError(
             f"{name}: modules must have no hooks when captured (module or global module hooks); "

@@ -51,3 +51,13 @@ def test_resize_token_embeddings(kind):
     out = lm(x, labels=x)
     out.loss.backward()
     assert out.logits.shape[-1] == 144 and lm.embed.weight.grad is not None
+
+
+def test_capturing_a_model_converted_with_a_recipe_says_what_to_do():
+    """Issue 39: convert(model, recipe=) then a capture raised "modules must have no hooks";
+    now the error names the carried recipe and the fix (convert without one, recipe to the
+    capture)."""
+    model = g8.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), recipe=RECIPE)
+    x = torch.randn(16, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"carries its recipe .* convert it without a recipe"):
+        g8.make_graphed_callables(model, (x,), fp8_enabled=True, fp8_recipe=RECIPE)
