@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-import graphfp8 as g8
+from graphfp8 import fp8, graphs
 from graphfp8.te._args import check_te_args
 
 __all__ = [
@@ -37,7 +37,7 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe=None,
     """TE 2.x's autocast: graphfp8.fp8_autocast(enabled, recipe, fp8_group=amax_reduction_group).
     `_graph` (TE's internal flag for its own capture) must stay False."""
     check_te_args("autocast", {"_graph": _graph}, {"_graph": False})
-    return g8.autocast(enabled, calibrating, recipe, amax_reduction_group)
+    return fp8.autocast(enabled, calibrating, recipe, amax_reduction_group)
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None,
@@ -45,7 +45,7 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
     """TE's fp8_autocast (deprecated in TE 2.x for autocast): graphfp8.fp8_autocast."""
     check_te_args("fp8_autocast", {"_graph": _graph}, {"_graph": False})
     _not_calibrating("fp8_autocast", calibrating)
-    return g8.fp8_autocast(enabled, fp8_recipe, fp8_group)
+    return fp8.fp8_autocast(enabled, fp8_recipe, fp8_group)
 
 
 def quantized_model_init(enabled: bool = True, recipe=None,
@@ -56,7 +56,7 @@ def quantized_model_init(enabled: bool = True, recipe=None,
     check_te_args("quantized_model_init",
                   {"preserve_high_precision_init_val": preserve_high_precision_init_val},
                   {"preserve_high_precision_init_val": False})  # fmt: skip
-    return g8.fp8_model_init(enabled, recipe)
+    return fp8.fp8_model_init(enabled, recipe)
 
 
 def fp8_model_init(enabled: bool = True, recipe=None,
@@ -75,16 +75,10 @@ def _renamed(old_name: str, old, new_name: str, new):
     return new if old is None else old
 
 
-def _one_flag(enabled) -> bool:
-    """TE takes one `enabled` per callable; graphfp8 one for the whole capture."""
-    if isinstance(enabled, tuple):
-        if len(set(enabled)) > 1:
-            raise NotImplementedError(
-                "graphfp8.te.make_graphed_callables: a different enabled flag per callable "
-                f"({enabled}) is not supported by graphfp8: one FP8 setting per capture"
-            )
-        enabled = enabled[0] if enabled else False
-    return bool(enabled)
+def _flags(enabled) -> bool | tuple:
+    """TE's `enabled`: one flag, or a tuple of one bool per callable (TE since 2.7), which
+    graphfp8.make_graphed_callables takes as it is (and checks: its length, bools only)."""
+    return enabled if isinstance(enabled, tuple) else bool(enabled)
 
 
 _GRAPH_TE_ONLY = {
@@ -109,14 +103,14 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     a pipeline schedule in TE's convention). Parameter gradients are added to `.grad` inside
     the graphs (what TE's default clone_param_grads_on_return=True gives the caller too)."""
     check_te_args("make_graphed_callables", te_only, _GRAPH_TE_ONLY)
-    enabled = _one_flag(_renamed("fp8_enabled", fp8_enabled, "enabled", enabled))
+    enabled = _flags(_renamed("fp8_enabled", fp8_enabled, "enabled", enabled))
     _not_calibrating(
         "make_graphed_callables", _renamed("fp8_calibrating", fp8_calibrating, "calibrating",
                                            calibrating)
     )  # fmt: skip
     caching = _renamed("fp8_weight_caching", fp8_weight_caching, "cache_quantized_params",
                        cache_quantized_params)  # fmt: skip
-    return g8.make_graphed_callables(
+    return graphs.make_graphed_callables(
         modules, sample_args, num_warmup_iters=num_warmup_iters,
         allow_unused_input=allow_unused_input, sample_kwargs=sample_kwargs,
         fp8_enabled=enabled, fp8_recipe=_renamed("fp8_recipe", fp8_recipe, "recipe", recipe),

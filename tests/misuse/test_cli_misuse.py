@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphfp8 import train
+from graphfp8.training import cli as train
 
 FAST = ["--batch", "2", "--seq-len", "32", "--microbatches", "1", "--device", "cpu",
         "--val-batches", "1"]  # fmt: skip
@@ -23,6 +23,11 @@ FAST = ["--batch", "2", "--seq-len", "32", "--microbatches", "1", "--device", "c
         (["--precision", "bf16", "--fp8-stats", "1"], "--fp8-stats: no run trains in FP8"),
         (["--compare", "bf16:eager,bf16:graphs", "--fp8-stats=2"], "--fp8-stats: no run"),
         (["--scaling", "current", "--amax-history-len", "64"], "keeps no history"),
+        (["--scaling", "blockwise", "--amax-history-len", "64"], "keeps no history"),
+        (["--scaling", "blockwise", "--fp8-format", "HYBRID"], "E4M3 everywhere"),
+        (["--scaling", "blockwise", "--fp8-weights"], "not supported yet"),
+        (["--scaling", "blockwise", "--fp8-stats", "2"], "not supported yet"),
+        (["--scaling", "blockwise", "--fp8-attention"], "DelayedScaling only"),
         (["--compile", "--graphs", "step"], "--compile with --graphs step"),
         (["--compile", "--compare", "fp8:layers,fp8:step"], "--compile with --graphs step"),
     ],

@@ -1,0 +1,129 @@
+"""fp32 masters of FP8 primary weights under torch FSDP2: `g8.MasterWeights(model)` on a model whose
+graphfp8 layers were built inside fp8_model_init and then sharded by `fully_shard`.
+
+    model = ...  # graphfp8 layers built inside fp8_model_init
+    fully_shard(model, mesh=mesh)          # FP8 shards: DTensors of Float8Tensor (tensor_fsdp.py)
+    masters = g8.MasterWeights(model)      # an FSDPMasterWeights (distributed/masters.py)
+    opt = torch.optim.AdamW(masters.parameters())   # DTensor masters + the other DTensors
+    ... forward / backward under fp8_autocast (FSDP2 all-gathers the weights in FP8) ...
+    torch.nn.utils.clip_grad_norm_(masters.parameters(), 1.0)   # DTensors: the global norm
+    masters.step(opt)
+    masters.zero_grad()
+
+Each FP8 weight's master is a DTensor of its fp32 local shard, placed like the weight, so the
+optimizer and clip_grad_norm_ see DTensors as for every other FSDP2 parameter. `step` copies the
+weights' reduced gradient shards (FSDP2's reduce-scatter made them) into the masters' fp32 grads,
+steps, and writes the shards back with one amax per weight over the mesh (group_quantize.py):
+every shard of a weight gets the same scale_inv, which the FP8 all-gather ships with the bytes,
+and the weights are quantized exactly as on one process.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from graphfp8.distributed.group_quantize import GroupQuantizer
+from graphfp8.fp8.master import ClaimAnchor, MasterWeights, check_fp8_weights_kept, claim
+from graphfp8.fp8.tensor import is_fsdp_fp8
+
+__all__ = ["FSDPMasterWeights", "fsdp_fp8_weights"]
+
+
+def fsdp_fp8_weights(model: nn.Module) -> list[tuple[str, DTensor]]:
+    """The (name, parameter) pairs of `model` that FSDP2 shards hold as FP8 (DTensors of
+    Float8Tensor shards)."""
+    return [(n, p) for n, p in model.named_parameters() if is_fsdp_fp8(p)]
+
+
+class FSDPMasterWeights(MasterWeights):
+    """Masters of the FP8 shards of an FSDP2 model; other parameters are stepped as they are.
+
+    Args:
+        model: a model under fully_shard whose FP8 primary weights are sharded on a 1-D mesh.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        check_fp8_weights_kept(model, "MasterWeights")
+        named = fsdp_fp8_weights(model)
+        meshes = {id(p.device_mesh) for _, p in named}
+        if len(meshes) != 1 or named[0][1].device_mesh.ndim != 1:
+            raise ValueError(
+                "MasterWeights of an FSDP2 model: its FP8 weights must be sharded on one 1-D "
+                "device mesh (fully_shard(model, mesh=init_device_mesh(..., (N,))))"
+            )
+        self.names = [n for n, _ in named]
+        self.fp8_params = [p for _, p in named]
+        fp8_ids = {id(p) for p in self.fp8_params}
+        self.others = [p for p in model.parameters() if id(p) not in fp8_ids]
+        self.group = self.fp8_params[0].device_mesh.get_group()
+        self._anchor = ClaimAnchor()
+        claim(self.names, self.fp8_params, self._anchor)
+        self._checked_optimizer = None
+        self.masters = [nn.Parameter(_like(p, p._local_tensor.dequantize(torch.float32)),
+                                     requires_grad=p.requires_grad)
+                        for p in self.fp8_params]  # fmt: skip
+        locals_ = [p._local_tensor for p in self.fp8_params]
+        self.quantizer = GroupQuantizer([t.fp8_dtype for t in locals_], locals_[0].device)
+        self.write_back_()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*(m._local_tensor for m in self.masters), self.quantizer.scale]
+
+    @torch.no_grad()
+    def copy_grads_(self) -> None:
+        """Each FP8 weight's reduced gradient shard into its master's fp32 grad (None stays
+        None)."""
+        for p, m in zip(self.fp8_params, self.masters, strict=True):
+            if p.grad is None:
+                m.grad = None
+            elif m.grad is None:
+                m.grad = _like(p, p.grad._local_tensor.to(torch.float32, copy=True))
+            else:
+                m.grad._local_tensor.copy_(p.grad._local_tensor)
+
+    @torch.no_grad()
+    def write_back_(self) -> None:
+        """Every shard from its master, one amax per weight over the mesh; the same scale_inv
+        into every shard (read from the parameter each time: FSDP2 may replace the shard
+        tensor, padded, at its first forward)."""
+        locals_ = [p._local_tensor for p in self.fp8_params]
+        pieces = [(i, m._local_tensor.reshape(-1), t._data.reshape(-1))
+                  for i, (m, t) in enumerate(zip(self.masters, locals_, strict=True))
+                  if t.numel() > 0]  # fmt: skip
+        self.quantizer.quantize_(pieces, self.group)
+        scale_inv = self.quantizer.scale_inv
+        torch._foreach_copy_([t._scale_inv for t in locals_],
+                             [scale_inv[i : i + 1] for i in range(len(locals_))])  # fmt: skip
+        for t in locals_:
+            t.mark_data_changed(transpose_written=False)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """copy_grads_, optimizer.step(), write_back_."""
+        self._check_optimizer(optimizer)
+        self.copy_grads_()
+        optimizer.step()
+        self.write_back_()
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restores this rank's master shards (saved by state_dict() on the same mesh)."""
+        saved = state["masters"]
+        if sorted(saved) != sorted(self.names):
+            raise ValueError(f"MasterWeights.load_state_dict: masters for {sorted(saved)}, the "
+                             f"model's FP8 weights are {sorted(self.names)}")  # fmt: skip
+        for n, m in zip(self.names, self.masters, strict=True):
+            t = saved[n]
+            if not isinstance(t, DTensor) or t.shape != m.shape or t.placements != m.placements:
+                raise ValueError(f"MasterWeights.load_state_dict: the master of {n} is not a "
+                                 f"{tuple(m.shape)} DTensor placed {m.placements}")  # fmt: skip
+        for n, m in zip(self.names, self.masters, strict=True):
+            m._local_tensor.copy_(saved[n]._local_tensor)
+        self.write_back_()
+
+
+def _like(p: DTensor, local: torch.Tensor) -> DTensor:
+    """`local` as a DTensor placed like parameter p (an uneven shard keeps p's global shape)."""
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())  # fmt: skip
