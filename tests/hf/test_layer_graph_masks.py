@@ -5,6 +5,7 @@ counted (model.layer_graphs.counts)."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -15,9 +16,9 @@ from graphfp8.testing import assert_bitwise_equal
 from tests.hf.common import RECIPE, assert_same_training, batch, hf_model
 
 
-def padded(step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+def padded(step: int, mb: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """A batch and its tokenizer mask: all ones, right padding, then left padding too."""
-    x = batch(step, mb)
+    x = batch(step, mb, device)
     mask = torch.ones_like(x)
     if mb == 1:
         mask[0, -5:] = 0
@@ -44,10 +45,10 @@ def train_masked(model, batches) -> tuple[list[torch.Tensor], list[str]]:
     return losses, [str(w.message) for w in said if "graphfp8" in str(w.message)]
 
 
-def against_eager(kind: str, batches):
+def against_eager(kind: str, batches, device="cpu"):
     """The graphed model's counts and warnings; its losses and state equal the eager model's."""
-    graphed = g8.from_hf(hf_model(kind).train(), recipe=RECIPE, graphs="layers")
-    eager = g8.from_hf(hf_model(kind).train(), recipe=RECIPE)
+    graphed = g8.from_hf(hf_model(kind, device=device).train(), recipe=RECIPE, graphs="layers")
+    eager = g8.from_hf(hf_model(kind, device=device).train(), recipe=RECIPE)
     got, said = train_masked(graphed, batches)
     want, _ = train_masked(eager, batches)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -57,8 +58,8 @@ def against_eager(kind: str, batches):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_tokenizer_masks_replay_the_layer_graphs(kind):
-    counts, said = against_eager(kind, padded)
+def test_tokenizer_masks_replay_the_layer_graphs(kind, device):
+    counts, said = against_eager(kind, functools.partial(padded, device=device), device)
     assert counts == {"replayed": 6, "eager": 0, "eager_reasons": {}} and said == []
 
 
