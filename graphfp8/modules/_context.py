@@ -102,7 +102,7 @@ def fp8_state(module: nn.Module, device, frozen: bool = False,
     return meta, (meta.bwd.arena, ctx.group)
 
 
-def fp8_slots(module: FP8Module, device, frozen: bool = False,
+def fp8_slots(module: nn.Module, device, frozen: bool = False,
               ctx: context.FP8Context | None = None) -> tuple:  # fmt: skip
     """(forward slots, backward slots, backward update) of an FP8 forward of `module`: fp8_state's,
     the frozen call's FrozenSlots, or a recompute's ReplaySlots (no update; fp8/recompute.py)."""
