@@ -36,8 +36,7 @@ __all__ = ["GRAPH_MODES", "RECOMPUTE_MODES", "RunSpec", "Run", "run_settings"]
 
 PRECISIONS = ("bf16", "fp8")
 SCALINGS = ("delayed", "current", "blockwise")
-# none: eager; layers: the blocks captured; step: the whole step; compile: the fair bf16 baseline,
-# the model in plain torch modules (training/torch_model.py) under torch.compile, not graphed.
+# none: eager; layers: blocks graphed; step: the whole step; compile: the bf16 baseline, compiled
 GRAPH_MODES = ("none", "layers", "step", "compile")
 _MODE_NAMES = {"none": "eager", "layers": "graphs", "step": "step", "compile": "torch-compile"}
 
@@ -102,10 +101,9 @@ class RunSpec:
             raise ValueError("compile without graphs compiles the blocks, and dynamo cannot trace "
                              "graphfp8's recompute (its FP8 context): use graphs with compile, "
                              "or recompute 'none'")  # fmt: skip
-        if self.graphs == "compile" and (self.precision != "bf16" or self.pack or self.shard
-                                         or self.recompute != "none"):  # fmt: skip
-            raise ValueError("graphs='compile' is the plain-torch bf16 baseline: precision bf16, "
-                             "without packed documents, sharding or recompute")  # fmt: skip
+        plain = self.precision == "bf16" and not (self.pack or self.shard or self.fp8_weights)
+        if self.graphs == "compile" and not (plain and self.recompute == "none"):
+            raise ValueError("graphs='compile' is bf16 only, without pack, shard or recompute")
         if self.compile and self.graphs in ("step", "compile"):
             raise ValueError("compile with graphs='step' is not supported: the step graph holds "
                              "the embedding and the loss that compile would take")  # fmt: skip
@@ -185,8 +183,7 @@ class Run:
             self.model = TorchGPT(spec.model, torch.bfloat16, spec.device)
         else:
             with fp8_model_init(enabled=spec.fp8_weights):
-                self.model = GPT(spec.model, torch.bfloat16, spec.device,
-                                 frozenset(spec.bf16_layers))  # fmt: skip
+                self.model = GPT(spec.model, torch.bfloat16, spec.device, spec.bf16_layers)
             for layer in self.model.blocks.layers:
                 layer.recompute = spec.recompute
         self.masters, self.reduce_group = self._masters()
