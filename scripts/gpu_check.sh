@@ -307,6 +307,10 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         tests/ops/test_blockwise.py tests/graphs/test_blockwise_graphs.py \
         > "$RES/tests_blockwise.log" 2>&1 || status=1
       echo "-- blockwise CUDA tests: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"
+      # The operand layouts of the three GEMMs against this torch's own (meta) scaled_mm checks.
+      $PY -m pytest -q -p no:cacheprovider tests/modules/test_blockwise_layouts.py \
+        >> "$RES/tests_blockwise.log" 2>&1 || status=1
+      echo "-- blockwise layouts: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"
       GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/bench_blockwise.py \
         --json "$RES/bench_blockwise.json" > "$RES/bench_blockwise.log" 2>&1 || status=1
       tee -a "$RES/summary.md" < "$RES/bench_blockwise.log"

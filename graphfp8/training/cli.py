@@ -175,8 +175,8 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
     """--data, --vocab-size and the validation options."""
     p.add_argument("--data", default="stdlib", metavar="PATH|stdlib|synthetic",
                    help="training text: a UTF-8 text file or folder (read as bytes), a nanoGPT "
-                   ".bin file of uint16 tokens (with --vocab-size), the Python standard "
-                   "library's sources, or the generated language")  # fmt: skip
+                   ".bin file of uint16 tokens (uint32 above 65536; with --vocab-size), the "
+                   "Python standard library's sources, or the generated language")  # fmt: skip
     p.add_argument("--vocab-size", type=positive, help="vocabulary of a .bin token file "
                    "(default: 256 bytes for text)")  # fmt: skip
     p.add_argument(
