@@ -14,7 +14,10 @@ import torch.distributed as dist
 
 from graphfp8.fp8.recipe import Format
 
-__all__ = ["check_arena_consistency", "check_arenas", "needs_reduction"]
+__all__ = ["check_arena_consistency", "check_arenas", "check_recipe_agrees", "needs_reduction"]
+
+# {group: repr of the recipe its ranks last agreed on}: fp8_autocast checks a new one once.
+AGREED_RECIPES: dict = {}
 
 # What ranks must agree on before they all-reduce an arena, in the exchanged order.
 _FIELDS = ("direction", "slots", "history_len", "margin", "format", "amax_compute_algo",
@@ -109,3 +112,29 @@ def check_arenas(arenas, group) -> None:
     """check_arena_consistency for each arena, in order (the same order on every rank)."""
     for arena in arenas:
         check_arena_consistency(arena, group)
+
+
+def check_recipe_agrees(recipe, group) -> None:
+    """Checks that every rank of `group` entered fp8_autocast with the same recipe (its repr),
+    once per (group, recipe): ranks of other recipes would run other collectives (a delayed
+    arena's amax all-reduce against none), which aborts gloo and hangs NCCL. A collective
+    (all_gather_object) when the recipe is new to the group.
+
+    Raises:
+        RuntimeError: on every rank, naming each rank's recipe.
+    """
+    if not needs_reduction(group):
+        return
+    mine = repr(recipe)
+    if AGREED_RECIPES.get(group) == mine:
+        return
+    rows: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(rows, mine, group=group)
+    differ = [f"rank {r}: {row}" for r, row in enumerate(rows) if row != rows[0]]
+    if differ:
+        raise RuntimeError(
+            "graphfp8: the ranks of fp8_group entered fp8_autocast with different recipes, so "
+            "their amax reductions would not match (every rank must run the same FP8 recipe): "
+            f"rank 0: {rows[0]}; " + "; ".join(differ)
+        )
+    AGREED_RECIPES[group] = mine

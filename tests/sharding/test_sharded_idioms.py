@@ -201,3 +201,21 @@ def _frozen_full_state(rank, device):
 
 def test_full_state_dict_with_a_frozen_fp8_layer_loads_unsharded():
     run_on_ranks("gloo", _frozen_full_state)
+
+
+def _different_recipes(rank, device):
+    """Rank 0 delayed scaling, rank 1 current scaling: the documented error on every rank, before
+    any FP8 state or weight changes (it aborted gloo: one rank all-reduced amaxes, the other
+    did not)."""
+    group = dist.group.WORLD
+    run = Sharded(build_lm(device), device, group)
+    before = _snapshot(run)
+    recipe = RECIPES["delayed" if rank == 0 else "current"]
+    with pytest.raises(RuntimeError, match="different recipes.*rank 1: Float8CurrentScaling"):
+        microbatches(run.model, batch(0, device, rank), group, recipe)
+    _unchanged(run, before, "different recipes")
+    run.step(batch(0, device, rank), RECIPES["current"])  # the same recipe on both: trains
+
+
+def test_ranks_with_different_recipes_raise():
+    run_on_ranks("gloo", _different_recipes)
