@@ -9,6 +9,8 @@ warmup, never inside a capture.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -115,26 +117,34 @@ def check_arenas(arenas, group) -> None:
 
 
 def check_recipe_agrees(recipe, group) -> None:
-    """Checks that every rank of `group` entered fp8_autocast with the same recipe (its repr),
-    once per (group, recipe): ranks of other recipes would run other collectives (a delayed
-    arena's amax all-reduce against none), which aborts gloo and hangs NCCL. A collective
-    (all_gather_object) when the recipe is new to the group.
+    """Checks that every rank of `group` entered fp8_autocast with the same recipe, once per
+    (group, recipe): ranks of other recipes would run other collectives (a delayed arena's amax
+    all-reduce against none), which aborts gloo and hangs NCCL. A collective (all_gather_object)
+    when the recipe is new to the group.
 
     Raises:
-        RuntimeError: on every rank, naming each rank's recipe.
+        RuntimeError: on every rank, naming each difference ("rank 1 has margin=1 in its
+            recipe, rank 0 has margin=0").
     """
     if not needs_reduction(group):
         return
-    mine = repr(recipe)
+    mine = (type(recipe).__name__, {f.name: repr(getattr(recipe, f.name))
+                                    for f in dataclasses.fields(recipe)})  # fmt: skip
     if AGREED_RECIPES.get(group) == mine:
         return
     rows: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(rows, mine, group=group)
-    differ = [f"rank {r}: {row}" for r, row in enumerate(rows) if row != rows[0]]
-    if differ:
+    lines = []
+    for rank, (kind, fields) in enumerate(rows[1:], start=1):
+        if kind != rows[0][0]:
+            lines.append(f"rank {rank} has a {kind}, rank 0 a {rows[0][0]}")
+            continue
+        lines += [f"rank {rank} has {k}={v} in its recipe, rank 0 has {k}={rows[0][1][k]}"
+                  for k, v in fields.items() if v != rows[0][1][k]]  # fmt: skip
+    if lines:
         raise RuntimeError(
             "graphfp8: the ranks of fp8_group entered fp8_autocast with different recipes, so "
             "their amax reductions would not match (every rank must run the same FP8 recipe): "
-            f"rank 0: {rows[0]}; " + "; ".join(differ)
+            + "; ".join(lines)
         )
     AGREED_RECIPES[group] = mine
