@@ -32,11 +32,11 @@ from tests.sharding.test_sharded_misuse import _snapshot, _unchanged
 STEPS = 3
 
 
-def _zero_grad_by_optimizer(rank, device, set_to_none, same_data):
+def _zero_grad_by_optimizer(rank, device, set_to_none, same_data, optimizer_kw=None):
     """opt.zero_grad() in place of masters.zero_grad(): the model's gradients cleared, as DDP."""
-    group, recipe = dist.group.WORLD, RECIPES["delayed"]
-    ref = Unsharded(build_lm(device), device, group)
-    run = Sharded(build_lm(device), device, group)
+    group, recipe, kw = dist.group.WORLD, RECIPES["delayed"], optimizer_kw or {}
+    ref = Unsharded(build_lm(device), device, group, **kw)
+    run = Sharded(build_lm(device), device, group, optimizer_kw=kw)
     for s in range(STEPS):
         data = batch(s, device, rank, same_data)
         ref.step(data, recipe)
@@ -126,15 +126,15 @@ def _pretrained(device) -> dict:
         return GainLM(device=device).state_dict()
 
 
-def _load_after_masters(rank, device, same_data):
+def _load_after_masters(rank, device, same_data, optimizer_kw=None):
     """model.load_state_dict(pretrained) after the masters: trained from the pretrained weights,
     as DDP (the reference loads before building its masters)."""
-    group, recipe = dist.group.WORLD, RECIPES["delayed"]
+    group, recipe, kw = dist.group.WORLD, RECIPES["delayed"], optimizer_kw or {}
     pretrained = _pretrained(device)
     ref_model = build_lm(device)
     ref_model.load_state_dict(pretrained)
-    ref = Unsharded(ref_model, device, group)
-    run = Sharded(build_lm(device), device, group)
+    ref = Unsharded(ref_model, device, group, **kw)
+    run = Sharded(build_lm(device), device, group, optimizer_kw=kw)
     run.model.load_state_dict(pretrained)
     for s in range(STEPS):
         data = batch(s, device, rank, same_data)
