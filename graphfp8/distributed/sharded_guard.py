@@ -13,8 +13,8 @@ from torch.autograd.graph import get_gradient_edge
 from graphfp8.fp8.master import capturing
 from graphfp8.fp8.tensor import Float8Tensor
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "GradWatch", "ModelWatch", "check_optimizer_kind",
-           "check_shard_group", "check_groups_reach"]  # fmt: skip
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "GradWatch", "ModelWatch", "check_groups_reach",
+           "check_model", "check_optimizer_kind", "check_shard_group"]  # fmt: skip
 
 # Optimizers whose update of an element reads only that element's state (and scalars): stepping
 # 1-D slices equals stepping the whole parameters. Adafactor (factored second moments), LBFGS,
@@ -190,3 +190,22 @@ class ModelWatch:
             hp = p.dequantize(torch.float32) if fp8 else p.detach()
             master.detach().copy_(hp.reshape(-1)[piece.start - e.offset : piece.stop - e.offset])
         self.remember()
+
+
+def check_model(named: list[tuple[str, torch.Tensor]]) -> None:
+    """The trainable (name, parameter) pairs can be sharded: some, none a DTensor, one device."""
+    if not named:
+        raise ValueError("MasterWeights(shard_group=...): the model has no trainable parameter")
+    for name, p in named:
+        if hasattr(p, "_local_tensor"):  # a DTensor
+            raise TypeError(
+                f"MasterWeights(shard_group=...): {name} is a DTensor (a model under "
+                "fully_shard / FSDP2, which shards it already); shard a replicated model with "
+                "MasterWeights(shard_group=...), or train the FSDP2 model with an unsharded "
+                "MasterWeights (docs/sharding.md)"
+            )
+    devices = {p.device for _, p in named}
+    if len(devices) != 1:
+        where = sorted(map(str, devices))
+        raise ValueError(f"MasterWeights(shard_group=...): parameters on {where}; sharding needs "
+                         "one device per rank")  # fmt: skip

@@ -53,6 +53,7 @@ from graphfp8.distributed.sharded_guard import (
     GradWatch,
     ModelWatch,
     check_groups_reach,
+    check_model,
     check_optimizer_kind,
     check_shard_group,
 )
@@ -95,7 +96,7 @@ class ShardedMasterWeights(MasterWeights):
             raise RuntimeError("MasterWeights(shard_group=...): torch.distributed is not "
                                "initialised (graphfp8.init_distributed)")  # fmt: skip
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        _check_model(named)
+        check_model(named)
         check_fp8_weights_kept(model, "MasterWeights(shard_group=...)")
         if not independent_groups:
             check_shard_group(shard_group)
@@ -173,6 +174,11 @@ class ShardedMasterWeights(MasterWeights):
         """masters: one leaf fp32 tensor per piece (a view of the master slice), what the
         optimizer steps; its .grad a ShardGrad view of the gradient slice."""
         self.masters, self.piece_names = [], []
+        # What clearing a piece's gradient clears (opt.zero_grad()): its parameter's gradient;
+        # the first piece's also those of parameters with no piece on this rank.
+        index = {n: i for i, n in enumerate(self.names)}
+        mine = {p.entry.name for p in self.layout.pieces}
+        elsewhere = [i for i, n in enumerate(self.names) if n not in mine]
         for piece in self.layout.pieces:
             lo = self.rank * self.layout.buckets[piece.bucket].shard
             span = slice(piece.start - lo, piece.stop - lo)
@@ -180,6 +186,8 @@ class ShardedMasterWeights(MasterWeights):
                                                  True)  # fmt: skip
             grad = torch.Tensor._make_subclass(ShardGrad, self.grad_shards[piece.bucket][span])
             master._graphfp8_owner = grad._graphfp8_owner = weakref.ref(self)
+            clears = [index[piece.entry.name], *(elsewhere if not self.masters else ())]
+            master._graphfp8_clears = grad._graphfp8_clears = clears
             TENSOR_GRAD.__set__(master, grad)
             self.masters.append(master)
             self.piece_names.append(piece.entry.name)
@@ -332,6 +340,12 @@ class ShardedMasterWeights(MasterWeights):
         if self.model_watch is not None and not capturing():
             self.model_watch.remember()
 
+    def clear_for_piece(self, indices: list[int], set_to_none: bool) -> None:
+        """opt.zero_grad() clearing a piece's gradient: the model's gradients it stands for."""
+        clear_grads([self.params[i] for i in indices], set_to_none)
+        self._reduced = False
+        self.grad_watch.reset()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the model's gradients (the pieces' are rewritten by the next reduction)."""
         clear_grads(self.params, set_to_none)
@@ -371,21 +385,3 @@ class ShardedMasterWeights(MasterWeights):
         """Raises on every rank unless every rank's `state` loads (a collective, before anything
         is copied: sharded_masters_state.check_loadable)."""
         check_loadable(self.layout, self.master_shards, self.scale, self.group, state)
-
-
-def _check_model(named: list[tuple[str, torch.Tensor]]) -> None:
-    if not named:
-        raise ValueError("MasterWeights(shard_group=...): the model has no trainable parameter")
-    for name, p in named:
-        if hasattr(p, "_local_tensor"):  # a DTensor
-            raise TypeError(
-                f"MasterWeights(shard_group=...): {name} is a DTensor (a model under "
-                "fully_shard / FSDP2, which shards it already); shard a replicated model with "
-                "MasterWeights(shard_group=...), or train the FSDP2 model with an unsharded "
-                "MasterWeights (docs/sharding.md)"
-            )
-    devices = {p.device for _, p in named}
-    if len(devices) != 1:
-        where = sorted(map(str, devices))
-        raise ValueError(f"MasterWeights(shard_group=...): parameters on {where}; sharding needs "
-                         "one device per rank")  # fmt: skip

@@ -29,8 +29,9 @@ class ShardGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _ZEROS:  # opt.zero_grad(set_to_none=False): the model's gradients, as DDP
             grads = args[0] if func is torch._foreach_zero_ else [args[0]]
-            for owner in {id(o): o for g in grads if (o := _owner(g)) is not None}.values():
-                owner.zero_grad(set_to_none=False)
+            for g in grads:
+                if (owner := _owner(g)) is not None:
+                    owner.clear_for_piece(g._graphfp8_clears, set_to_none=False)
         elif func in _NORMS:
             raise RuntimeError(
                 "the masters are sharded (MasterWeights(shard_group=...)): a norm of their "
@@ -61,7 +62,7 @@ class Piece(torch.Tensor):
                 "written by masters.step / clip_grad_norm_; it cannot be replaced"
             )
         if (owner := _owner(self)) is not None:  # opt.zero_grad(): the model's, as in DDP
-            owner.zero_grad(set_to_none=True)
+            owner.clear_for_piece(self._graphfp8_clears, set_to_none=True)
 
     @grad.deleter
     def grad(self) -> None:
