@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
+from graphfp8.training.presets import BYTE_VOCAB
 from graphfp8.training.synthetic import make_corpus
 
 __all__ = ["BYTE_VOCAB", "DataError", "TokenStream", "open_stream", "stdlib_stream"]
 
-BYTE_VOCAB = 256
 TOKEN_SUFFIX = ".bin"
 # Standard library folders left out: tests (not installed by every distribution), installed
 # packages and caches; `config-*` and `_sysconfigdata*` describe the local build, not the library.
