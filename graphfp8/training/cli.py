@@ -122,11 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "precision[:layers|:step|:none|:compile] (graphs = layers, eager = none; "
                    "bf16:compile is the fair baseline), bf16,fp8 with --graphs' setting when "
                    "RUNS is left out (default: one run, --precision)")  # fmt: skip
-    p.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu or cuda[:N] (default: cuda when torch sees a GPU, else cpu)",
-    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu "
+                   "or cuda[:N] (default: cuda when torch sees a GPU, else cpu)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="torch.compile what the graphs do "
                    "not hold: embedding, head, loss (and the blocks when not graphed)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
@@ -143,14 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end after this step; the LR schedule still spans --steps; with --save "
                         "to resume later (default: run all --steps)")  # fmt: skip
     p.add_argument("--ddp", action="store_true", help="data parallel over torchrun's processes")
+    p.add_argument("--collective-timeout-s", type=positive, default=600, metavar="S",
+                   help="with --ddp: a collective waiting longer (a hung rank) fails every rank "
+                   "instead of hanging (init_process_group's timeout) (default: 600)")  # fmt: skip
     p.add_argument("--shard", action="store_true", help="with --ddp: fp32 masters of every "
                    "parameter, gradients and optimizer state sharded over the ranks "
                    "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="per layer")
-    p.add_argument("--check-replicas", action="store_true",
-                   help="with --ddp: the ranks' weights compared (digests of their bits) after "
-                   "every step; a difference stops every rank with exit status 3 "
-                   "(distributed/replica_check.py) (default: off)")  # fmt: skip
+    p.add_argument("--check-replicas", action="store_true", help="with --ddp: the ranks' weights "
+                   "compared (digests of their bits) after every step; a difference stops every "
+                   "rank, exit status 3 (distributed/replica_check.py) (default: off)")  # fmt: skip
     p.add_argument("--deterministic", action="store_true",
                    help="the same bits run to run: torch.use_deterministic_algorithms(True), "
                    "cuBLAS's deterministic workspace, deterministic attention backward; bf16 "
@@ -179,12 +178,8 @@ def _add_data_options(p: argparse.ArgumentParser) -> None:
                    "Python standard library's sources, or the generated language")  # fmt: skip
     p.add_argument("--vocab-size", type=positive, help="vocabulary of a .bin token file "
                    "(default: 256 bytes for text)")  # fmt: skip
-    p.add_argument(
-        "--val-fraction",
-        type=fraction,
-        default=0.01,
-        help="share of the data, at its end, held out for validation (0: none)",
-    )
+    p.add_argument("--val-fraction", type=fraction, default=0.01, help="share of the data, at "
+                   "its end, held out for validation (0: none)")  # fmt: skip
     p.add_argument("--eval-every", type=positive, metavar="STEPS", help="validation loss every "
                    "STEPS steps and at the end (default: --steps / 10)")  # fmt: skip
     p.add_argument("--val-batches", type=positive, help="validation set size in microbatches "
@@ -272,7 +267,8 @@ def main(argv=None) -> int:
     if args.ddp:
         from graphfp8 import distributed
 
-        info = distributed.init_distributed("cuda" if args.device.startswith("cuda") else "cpu")
+        kind = "cuda" if args.device.startswith("cuda") else "cpu"
+        info = distributed.init_distributed(kind, timeout_s=args.collective_timeout_s)
         rank, world, args.device = info.rank, info.world_size, str(info.device)
         group = torch.distributed.group.WORLD
     where = f" (rank {rank})" if world > 1 else ""
