@@ -37,7 +37,14 @@ import torch
 
 from graphfp8.distributed import SettingsMismatchError, check_same_settings
 from graphfp8.training.checkpoint import CheckpointError
-from graphfp8.training.cli_checks import check_device, check_fp8_options, check_model, model_config
+from graphfp8.training.cli_checks import (
+    add_parallel_arguments,
+    check_device,
+    check_fp8_options,
+    check_fsdp,
+    check_model,
+    model_config,
+)
 from graphfp8.training.data import Dataset
 from graphfp8.training.determinism import deterministic
 from graphfp8.training.loop import RunOptions, train_run
@@ -147,14 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at", type=_positive, metavar="STEP",
                    help="end after this step; the LR schedule still spans --steps; with --save "
                         "to resume later (default: run all --steps)")  # fmt: skip
-    p.add_argument("--ddp", action="store_true", help="data parallel over torchrun's processes")
-    p.add_argument("--shard", action="store_true", help="with --ddp: fp32 masters of every "
-                   "parameter, gradients and optimizer state sharded over the ranks "
-                   "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
-    p.add_argument("--check-replicas", action="store_true",
-                   help="with --ddp: the ranks' weights compared (digests of their bits) after "
-                   "every step; a difference stops every rank with exit status 3 "
-                   "(training/replicas.py) (default: off)")  # fmt: skip
+    add_parallel_arguments(p)
     p.add_argument("--deterministic", action="store_true",
                    help="the same bits run to run: torch.use_deterministic_algorithms(True), "
                    "cuBLAS's deterministic workspace, deterministic attention backward; bf16 "
@@ -222,6 +222,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.resume is not None and not args.resume.is_file():
         p.error(f"--resume: no checkpoint at {args.resume}")
     args.runs = _parse_runs(p, args)
+    check_fsdp(p, args, {mode for _, mode in args.runs})
 
 
 _MODE_ALIASES = {"graphs": "layers", "eager": "none"}
@@ -252,7 +253,7 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
                    fp8_weights=args.fp8_weights and precision == "fp8",
                    pack=args.pack,
                    fp8_attention=args.fp8_attention and precision == "fp8",
-                   shard=args.shard)  # fmt: skip
+                   shard=args.shard, fsdp=args.fsdp)  # fmt: skip
 
 
 def _environment(device: str) -> dict:

@@ -27,6 +27,7 @@ from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.nvtx_ranges import nvtx_range
 from graphfp8.training.data import Dataset, split_windows
+from graphfp8.training.fsdp import shard_gpt
 from graphfp8.training.model import GPT, ModelConfig
 
 __all__ = ["GRAPH_MODES", "RunSpec", "Run", "run_settings"]
@@ -60,6 +61,7 @@ class RunSpec:
     # keep bf16 attention (graphfp8.modules.attention says why)
     fp8_attention: bool = False
     shard: bool = False  # masters, gradients and optimizer state sharded over the group
+    fsdp: bool = False  # the weights sharded too, by torch FSDP2 (training/fsdp.py), eager only
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -76,6 +78,8 @@ class RunSpec:
         if self.fp8_format not in Format.__members__:
             raise ValueError(f"fp8_format must be one of {list(Format.__members__)}, got "
                              f"{self.fp8_format!r}")  # fmt: skip
+        if self.fsdp and (self.graphs != "none" or self.shard or self.compile):
+            raise ValueError("fsdp runs eagerly (graphs 'none'), without shard and compile")
         if self.compile and self.graphs == "step":
             raise ValueError("compile with graphs='step' is not supported: the step graph holds "
                              "the embedding and the loss that compile would take")  # fmt: skip
@@ -90,6 +94,7 @@ class RunSpec:
         fmt += "-attn" if self.fp8_attention else ""
         suffix += "-pack" if self.pack else ""
         suffix += "-shard" if self.shard else ""
+        suffix += "-fsdp" if self.fsdp else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
 
     @property
@@ -99,7 +104,8 @@ class RunSpec:
 
 # Settings that checkpoints written before they existed trained with.
 OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False,
-                  "pack": False, "shard": False, "fp8_attention": False}  # fmt: skip
+                  "pack": False, "shard": False, "fp8_attention": False,
+                  "fsdp": False}  # fmt: skip
 
 
 def run_settings(spec: RunSpec) -> dict:
@@ -117,6 +123,7 @@ def run_settings(spec: RunSpec) -> dict:
         "pack": spec.pack,
         "fp8_attention": spec.fp8_attention,
         "shard": spec.shard,
+        "fsdp": spec.fsdp,
     }
 
 
@@ -144,6 +151,10 @@ class Run:
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
         with fp8_model_init(enabled=spec.fp8_weights):
             self.model = GPT(spec.model, torch.bfloat16, spec.device)
+        if spec.fsdp:
+            if group is None:
+                raise ValueError("fsdp needs a process group (--ddp under torchrun)")
+            shard_gpt(self.model, group, spec.device)
         self.masters = self._masters()
         params = self.masters.parameters() if self.masters else self.model.parameters()
         # Fused, with the learning rate as a device tensor, in every mode: a step graph can
@@ -314,7 +325,7 @@ class Run:
             self.masters.zero_grad(set_to_none=True)
             return
         params = self.model.parameters
-        if self.group is not None:  # every rank trains every parameter: check once
+        if self.group is not None and not self.spec.fsdp:  # FSDP2 reduce-scattered them
             allreduce_gradients(params(), self.group, check_every_step=False)
         torch.nn.utils.clip_grad_norm_(params(), 1.0)
         if self.masters is not None:  # fp32 masters, then one cast back into FP8 per weight
