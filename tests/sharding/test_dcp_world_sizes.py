@@ -37,7 +37,7 @@ def _setup(kind: str, device):
 
 def _train(model, masters, opt, rank: int, steps: range) -> None:
     for step in steps:
-        tokens, targets = batch(step, "cpu", rank)
+        tokens, targets = batch(step, next(model.parameters()).device, rank)
         for i in range(tokens.shape[0]):
             with g8.fp8_autocast(recipe=RECIPE, fp8_group=dist.group.WORLD):
                 out = model(tokens[i], is_first_microbatch=i == 0)
@@ -94,7 +94,8 @@ def _at_3(rank, device, kind, root):
     model, masters, opt = _setup(kind, device)
     assert not opt.state and all(getattr(m, "fp8_meta", None) is None for m in model.modules())
     dcp_checkpoint.load(f"{root}/a", model, masters, opt, RECIPE)
-    _compare(_whole_state(model, masters), torch.load(f"{root}/states.0.pt")["a"], "loaded at 3")
+    saved = torch.load(f"{root}/states.0.pt", map_location=device)["a"]
+    _compare(_whole_state(model, masters), saved, "loaded at 3")
     dcp_checkpoint.save(f"{root}/b", model, masters, opt, fp8_group=dist.group.WORLD)
 
 
@@ -102,9 +103,8 @@ def _at_2_again(rank, device, kind, root):
     model, masters, opt = _setup(kind, device)
     dcp_checkpoint.load(f"{root}/b", model, masters, opt, RECIPE)
     _train(model, masters, opt, rank, range(2, 4))
-    _compare(
-        _whole_state(model, masters), torch.load(f"{root}/states.{rank}.pt")["final"], "resumed"
-    )
+    final = torch.load(f"{root}/states.{rank}.pt", map_location=device)["final"]
+    _compare(_whole_state(model, masters), final, "resumed")
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "sharded"], ids=["fsdp2", "sharded-masters"])

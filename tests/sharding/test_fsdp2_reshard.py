@@ -26,7 +26,8 @@ STEPS = 3
 def shard_lm(model, reshard: bool):
     """fully_shard per layer (the block, the head), then the root: FSDP2's usual wrapping, where
     reshard_after_forward applies to every layer group but the root's."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    device = next(model.parameters()).device.type
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
     for layer in (model.block, model.head):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -37,10 +38,11 @@ def train(model, recipe, rank: int, microbatches: int, ddp: bool = False) -> lis
     step (an FSDP2 model: FSDPMasterWeights; `ddp`: allreduce_gradients and unsharded masters).
     Returns the losses."""
     masters = g8.MasterWeights(model)
-    opt = adamw(masters.parameters(), "cpu")
+    device = next(model.parameters()).device
+    opt = adamw(masters.parameters(), device)
     losses = []
     for step in range(STEPS):
-        tokens, targets = batch(step, "cpu", rank)
+        tokens, targets = batch(step, device, rank)
         for i in range(microbatches):
             with g8.fp8_autocast(recipe=recipe, fp8_group=dist.group.WORLD):
                 out = model(tokens[i], is_first_microbatch=i == 0)
