@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from graphfp8 import distributed, train
+from graphfp8 import distributed
+from graphfp8.training import cli as train
 from graphfp8.training import shard_checkpoint
 from tests.rank_pool import run_on_ranks
 
