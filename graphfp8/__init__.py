@@ -1,17 +1,19 @@
 """graphfp8: CUDA-graph-centric FP8 training for PyTorch."""
 
 from graphfp8 import hf, numerics, ops
+from graphfp8.distributed import FSDPMasterWeights, MasterWeights, ShardedMasterWeights
 from graphfp8.fp8 import (
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     Float8Tensor,
     Format,
-    MasterWeights,
     autocast,
     fp8_autocast,
     fp8_model_init,
     reset_state,
 )
+from graphfp8.fp8.recompute import recompute
 from graphfp8.graphs import (
     CaptureError,
     make_graphed_callables,
@@ -33,14 +35,17 @@ __all__ = [
     "CaptureError",
     "DelayedScaling",
     "DotProductAttention",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "FP8Module",
     "Float8Tensor",
+    "FSDPMasterWeights",
     "Format",
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
     "MasterWeights",
+    "ShardedMasterWeights",
     "TransformerLayer",
     "autocast",
     "convert",
@@ -53,6 +58,7 @@ __all__ = [
     "make_graphed_step",
     "numerics",
     "ops",
+    "recompute",
     "reset_state",
     "to_hf",
 ]

@@ -22,17 +22,19 @@ def fp8_modules_in(trees) -> list[FP8Module]:
     return [m for m in unique(m for t in trees for m in t.modules()) if isinstance(m, FP8Module)]
 
 
-def init_fp8_modules(chunks: list[list[nn.Module]], recipe, device, fp8_group) -> None:
+def init_fp8_modules(chunks: list[list[nn.Module]], recipe_of, device, fp8_group) -> None:
     """Allocates the slots of each chunk's FP8 modules in fresh arenas (one init group per
     chunk: the chunks' modules share arenas as they would eagerly, where each chunk's first
     forward is its own fp8_autocast region), then checks, before warmup, that every rank of
     fp8_group holds the same arenas (raising on every rank otherwise). Modules reached otherwise
-    (by a plain function) allocate during warmup."""
+    (by a plain function) allocate during warmup. recipe_of(module): the recipe a module runs
+    under, or None (a callable captured without FP8: its modules get no slots)."""
     arenas = []
     for modules in chunks:
         scaling.new_init_group()  # the captured modules never share arenas with other models
         for m in modules:
-            if m.uses_fp8(recipe):
+            recipe = recipe_of(m)
+            if recipe is not None and m.uses_fp8(recipe):
                 meta = m.fp8_init(recipe, device)
                 arenas += [meta.fwd.arena, meta.bwd.arena]
     check_arenas(sorted(unique(arenas), key=lambda a: a.serial), fp8_group)

@@ -92,6 +92,8 @@ class CallContract:
         spec: the inputs every call must pass.
         chained: its input 0 is the previous callable's static output 0 (chain=True).
         expects_grad: a forward with grad enabled leaves a backward to run.
+        recipe: the recipe it was captured under, None without FP8 (its own, with
+            make_graphed_callables' per-callable fp8_enabled / fp8_recipe).
     """
 
     name: str
@@ -101,6 +103,7 @@ class CallContract:
     spec: InputSpec
     chained: bool
     expects_grad: bool
+    recipe: object = None
 
     def flat_inputs(self, args, kwargs) -> list:
         """The call's tensors in the order of the static inputs, checked against the spec."""
@@ -276,10 +279,12 @@ class GraphedRunner:
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError(
                 f"{contract.name}: called inside a backward pass (the recompute of activation "
-                "checkpointing, torch.utils.checkpoint, or a hook). A graph keeps its activations "
-                "in its static buffers, so checkpointing it saves no memory, and the recompute "
-                "would replay its forward (with its FP8 scale update) a second time for one "
-                "backward. Call the graphed callable outside checkpoint"
+                "checkpointing, torch.utils.checkpoint, or a hook). A graph keeps its outputs "
+                "in its static buffers, so checkpointing around it saves no memory, and the "
+                "recompute would replay its forward (with its FP8 scale update) a second time "
+                "for one backward. Call the graphed callable outside checkpoint, and recompute "
+                "inside it: capture layers built with TransformerLayer(recompute='full' or "
+                "'selective') or whose forward calls graphfp8.recompute"
             )
         capture.check_fp8_region(contract)
         capture.autocast.check(contract.name)

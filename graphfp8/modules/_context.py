@@ -9,24 +9,26 @@ places around it and the GEMM configs that carry them. Nothing here writes into 
     capture:  the module's arenas recorded (ctx.recorder); no update (the graphs place them);
               every weight cast recorded, the graph's device flag deciding (GraphCasts)
     frozen:   an eval call with is_first_microbatch=False: current scales, no amax, no update
+    recompute the forward of an activation-checkpointed region records its slots
+              (ctx.recompute); its recompute casts with the saved scales, no amax, no update,
+              the cached FP8 weights (fp8/recompute.py)
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from graphfp8.fp8 import context, scaling
-from graphfp8.fp8.recipe import Recipe, is_current_scaling
+from graphfp8.fp8.recipe import Recipe, is_blockwise, is_current_scaling
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.modules._functional import GemmConfig
 
-if TYPE_CHECKING:
-    from graphfp8.modules.base import FP8Meta, FP8Module
+# The FP8 layers' base class (modules/base.py) imports this module: `module` below is an FP8Module,
+# annotated as the nn.Module it is so that the two stay a one-way import.
 
-__all__ = ["FrozenSlots", "fp8_enabled", "fp8_recipe", "fp8_state", "gemm_configs",
-           "in_fp8_region"]  # fmt: skip
+__all__ = ["FrozenSlots", "blockwise_recipe", "fp8_enabled", "fp8_recipe", "fp8_slots",
+           "fp8_state", "gemm_configs", "in_fp8_region"]  # fmt: skip
 
 
 def fp8_enabled() -> bool:
@@ -46,6 +48,13 @@ def fp8_recipe() -> Recipe | None:
     return ctx.recipe if ctx.enabled else None
 
 
+def blockwise_recipe() -> Recipe | None:
+    """The Float8BlockScaling that FP8 modules run under now, or None (FP8 off or another
+    recipe): their GEMMs then quantize per tile and block, with no slots (modules/_blockwise)."""
+    ctx = context.current()
+    return ctx.recipe if ctx.enabled and is_blockwise(ctx.recipe) else None
+
+
 class FrozenSlots:
     """A SlotBlock whose casts read its scales but fold their amaxes into the arena's sink: an
     FP8 call that leaves the delayed-scaling state as it was (a frozen call)."""
@@ -59,8 +68,11 @@ class FrozenSlots:
     def amax(self, i: int) -> torch.Tensor:
         return self.arena.amax_sink
 
+    def scales(self) -> torch.Tensor:
+        return self.block.scales()
 
-def _frozen_call(module: FP8Module, ctx: context.FP8Context, is_first_microbatch) -> bool:
+
+def _frozen_call(module: nn.Module, ctx: context.FP8Context, is_first_microbatch) -> bool:
     """An eval-mode call with is_first_microbatch=False (an eval pass between a step's
     training microbatches, eager or a graphed module's eager fallback): it reuses the cached FP8
     weights and leaves the delayed-scaling state alone (current scales, no amax recorded, no
@@ -73,12 +85,12 @@ def _frozen_call(module: FP8Module, ctx: context.FP8Context, is_first_microbatch
     )
 
 
-def fp8_state(module: FP8Module, device, frozen: bool = False,
-              ctx: context.FP8Context | None = None) -> tuple[FP8Meta, tuple | None]:  # fmt: skip
-    """The module's slots for an FP8 forward under the context's recipe, and the (backward
-    arena, group) whose update must run at the end of the backward pass (eager), or None (in
-    a capture, which records the arenas and places both updates itself; or a `frozen` call,
-    which updates nothing). Eager mode runs the forward update point here."""
+def fp8_state(module: nn.Module, device, frozen: bool = False,
+              ctx: context.FP8Context | None = None) -> tuple:  # fmt: skip
+    """(FP8Meta, ...): the module's slots for an FP8 forward under the context's recipe, and the
+    (backward arena, group) whose update must run at the end of the backward pass (eager), or
+    None (in a capture, which records the arenas and places both updates itself; or a `frozen`
+    call, which updates nothing). Eager mode runs the forward update point here."""
     ctx = ctx or context.current()
     meta = module.fp8_init(ctx.recipe, device)
     if ctx.recorder is not None:
@@ -90,8 +102,25 @@ def fp8_state(module: FP8Module, device, frozen: bool = False,
     return meta, (meta.bwd.arena, ctx.group)
 
 
+def fp8_slots(module: nn.Module, device, frozen: bool = False,
+              ctx: context.FP8Context | None = None) -> tuple:  # fmt: skip
+    """(forward slots, backward slots, backward update) of an FP8 forward of `module`: fp8_state's,
+    the frozen call's FrozenSlots, or a recompute's ReplaySlots (no update; fp8/recompute.py)."""
+    ctx = ctx or context.current()
+    region = ctx.recompute
+    if region is not None and region.replaying:
+        meta = module.fp8_init(ctx.recipe, device)
+        return region.replay_slots(meta.fwd, type(module).__name__), meta.bwd, None
+    meta, bwd_update = fp8_state(module, device, frozen, ctx)
+    if region is not None:
+        region.used(meta.fwd)
+    if frozen:
+        return FrozenSlots(meta.fwd), FrozenSlots(meta.bwd), bwd_update
+    return meta.fwd, meta.bwd, bwd_update
+
+
 def gemm_configs(
-    module: FP8Module,
+    module: nn.Module,
     weights: list[tuple[str, torch.Tensor]],
     is_first_microbatch: bool | None,
     fp8_output: bool,
@@ -99,16 +128,20 @@ def gemm_configs(
     """One GemmConfig per (workspace key, weight (N, K)) for this FP8 forward of `module`."""
     ctx = context.current()
     owner, cache = type(module).__name__, module.weight_cache
-    ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before any FP8 state changes
+    replaying = ctx.recompute is not None and ctx.recompute.replaying
+    if not replaying:
+        ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before FP8 state changes
     frozen = _frozen_call(module, ctx, is_first_microbatch)
-    meta, bwd_update = fp8_state(module, weights[0][1].device, frozen, ctx)
-    fwd, bwd = map(FrozenSlots, (meta.fwd, meta.bwd)) if frozen else (meta.fwd, meta.bwd)
-    fp8_dtype = meta.fwd.arena.fp8_dtype
+    fwd, bwd, bwd_update = fp8_slots(module, weights[0][1].device, frozen, ctx)
+    fp8_dtype = fwd.arena.fp8_dtype
     workspaces = [cache.workspace(key, w, fp8_dtype, module.cache_weight_transpose, owner)
                   for key, w in weights]  # fmt: skip
-    cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner,
-                                        [w for _, w in weights])  # fmt: skip
-    # An FP8 primary weight rewritten since its last transpose needs a new one.
+    cast, flag = False, None  # a recompute reads the FP8 weights its forward cast (or cached)
+    if not replaying:
+        cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner,
+                                            [w for _, w in weights])  # fmt: skip
+    # An FP8 primary weight rewritten since its last transpose needs a new one (an all-gathered
+    # FSDP2 weight in a recompute too: the same bits from the same data).
     casts = [cast or (ws is w and not ws._transpose_valid)
              for ws, (_, w) in zip(workspaces, weights, strict=True)]  # fmt: skip
     last = len(weights) - 1

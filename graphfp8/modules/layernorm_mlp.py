@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from graphfp8.fp8.slots import FwdRole
+from graphfp8.modules._blockwise import linear
 from graphfp8.modules._functional import GemmConfig, fp8_linear
 from graphfp8.modules._mlp import FUSED_ACTIVATIONS, fp8_mlp
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
@@ -58,6 +59,9 @@ class LayerNormMLP(FP8Module):
 
     num_gemms = 2
     gemm_names = ("fc1", "fc2")  # the numerics report's GEMM names
+    # Selective recompute (TransformerLayer(recompute="selective")): the fused FP8 activation's
+    # output is cast again in the backward instead of kept (modules/_mlp.py; same bits).
+    recompute_activation = False
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
                  bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
@@ -104,8 +108,9 @@ class LayerNormMLP(FP8Module):
             h = inp if residual is None else inp + residual
             act = ACTIVATIONS[self.activation]
             ln_out = apply_norm(self, h, self.norm_spec)
-            out = F.linear(act(F.linear(ln_out, self.fc1_weight, self.fc1_bias)), self.fc2_weight,
-                           self.fc2_bias)  # fmt: skip
+            # Blockwise FP8 GEMMs under Float8BlockScaling (modules/_blockwise.py).
+            out = linear(act(linear(ln_out, self.fc1_weight, self.fc1_bias)), self.fc2_weight,
+                         self.fc2_bias)  # fmt: skip
         else:
             needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
             quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)
@@ -122,7 +127,7 @@ class LayerNormMLP(FP8Module):
         if self.activation in FUSED_ACTIVATIONS:
             # The activation and its backward fused into the FP8 casts around it (modules/_mlp).
             return fp8_mlp(x_fp8, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias,
-                           cfg1, cfg2, self.activation)  # fmt: skip
+                           cfg1, cfg2, self.activation, self.recompute_activation)  # fmt: skip
         hidden = ACTIVATIONS[self.activation](fp8_linear(x_fp8, self.fc1_weight, self.fc1_bias,
                                                          cfg1))  # fmt: skip
         return fp8_linear(hidden, self.fc2_weight, self.fc2_bias, cfg2)

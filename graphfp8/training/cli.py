@@ -36,23 +36,17 @@ from pathlib import Path
 import torch
 
 from graphfp8.distributed import SettingsMismatchError, check_same_settings
+from graphfp8.distributed.replica_check import ReplicaMismatchError
+from graphfp8.training import cli_checks
 from graphfp8.training.checkpoint import CheckpointError
-from graphfp8.training.cli_checks import (
-    add_parallel_arguments,
-    check_device,
-    check_fp8_options,
-    check_fsdp,
-    check_model,
-    model_config,
-)
+from graphfp8.training.cli_checks import check_device, check_fp8_options, check_model, model_config
 from graphfp8.training.data import Dataset
 from graphfp8.training.determinism import deterministic
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.outputs import OutputError, check_outputs, fresh_out
-from graphfp8.training.replicas import ReplicaMismatchError
 from graphfp8.training.report import plot_losses, print_ranks, print_table, write_summary
-from graphfp8.training.run import GRAPH_MODES, PRECISIONS, SCALINGS, RunSpec
+from graphfp8.training.run import GRAPH_MODES, PRECISIONS, RECOMPUTE_MODES, SCALINGS, RunSpec
 from graphfp8.training.sources import DataError, open_stream
 
 __all__ = ["main", "parse_args", "build_parser"]
@@ -94,8 +88,8 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-format", choices=("HYBRID", "E4M3"), default="HYBRID",
                    help="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = both")  # fmt: skip
     p.add_argument("--scaling", choices=SCALINGS, default="delayed",
-                   help="FP8 recipe: DelayedScaling (amax history) or Float8CurrentScaling "
-                   "(each tensor's own amax)")  # fmt: skip
+                   help="FP8 recipe: DelayedScaling (amax history), Float8CurrentScaling "
+                   "(tensor amax) or Float8BlockScaling (1x128 tiles, 128x128 blocks)")  # fmt: skip
     p.add_argument("--fp8-stats", type=_positive, metavar="N",
                    help="record every FP8 cast's statistics (amax, scale, saturation, underflow, "
                    "SQNR) every N steps, inside the graphs: <run>_fp8_stats.csv and .png "
@@ -103,6 +97,7 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-weights", action="store_true",
                    help="FP8 primary weights (fp8_model_init) trained through fp32 MasterWeights "
                    "in fp8 runs (default: off)")  # fmt: skip
+    p.add_argument("--bf16-layers", default="", help="blocks kept in bf16: first,last or indices")
     p.add_argument("--fp8-attention", action=argparse.BooleanOptionalAction, default=False,
                    help="FP8 attention in fp8 runs: RoPE fused into the FP8 casts of q, k, v, "
                    "cuDNN's FP8 attention, its FP8 output into the projection; on Hopper cuDNN "
@@ -154,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at", type=_positive, metavar="STEP",
                    help="end after this step; the LR schedule still spans --steps; with --save "
                         "to resume later (default: run all --steps)")  # fmt: skip
-    add_parallel_arguments(p)
+    cli_checks.add_parallel_arguments(p)
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="per layer")
     p.add_argument("--deterministic", action="store_true",
                    help="the same bits run to run: torch.use_deterministic_algorithms(True), "
                    "cuBLAS's deterministic workspace, deterministic attention backward; bf16 "
@@ -222,7 +218,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.resume is not None and not args.resume.is_file():
         p.error(f"--resume: no checkpoint at {args.resume}")
     args.runs = _parse_runs(p, args)
-    check_fsdp(p, args, {mode for _, mode in args.runs})
+    cli_checks.check_fsdp(p, args, {mode for _, mode in args.runs})
 
 
 _MODE_ALIASES = {"graphs": "layers", "eager": "none"}
@@ -250,10 +246,10 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
                    amax_history_len=args.amax_history_len, compile=args.compile,
                    fp8_format=args.fp8_format, scaling=args.scaling,
-                   fp8_weights=args.fp8_weights and precision == "fp8",
-                   pack=args.pack,
+                   fp8_weights=args.fp8_weights and precision == "fp8", pack=args.pack,
                    fp8_attention=args.fp8_attention and precision == "fp8",
-                   shard=args.shard, fsdp=args.fsdp)  # fmt: skip
+                   shard=args.shard, recompute=args.recompute, fsdp=args.fsdp,
+                   bf16_layers=args.bf16_layers if precision == "fp8" else ())  # fmt: skip
 
 
 def _environment(device: str) -> dict:
