@@ -4,7 +4,7 @@ at M (docs/sharding.md, "Checkpoints across world sizes").
 
 Every sharded tensor is saved with where its rows or elements lie, so DCP reads each rank's part
 at any M: an FSDP2 model's parameters and the masters of FSDPMasterWeights are DTensors (row
-chunks); the sharded masters' pieces (fp8/shard_layout.py: element ranges of each flattened
+chunks); the sharded masters' pieces (distributed/shard_layout.py: element ranges of each flattened
 parameter) and their optimizer state become 1-D ShardedTensors of the whole parameter. The
 optimizer's state is keyed by parameter name, not by its position in this rank's optimizer. The
 loading model needs no forward first: init_fp8_state gives its FP8 state its final size and the
@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
 
+from graphfp8.distributed.sharded_masters import ShardedMasterWeights
 from graphfp8.fp8.arena_check import needs_reduction
 from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.recipe import Recipe, is_current_scaling
@@ -75,7 +76,7 @@ def state_dict(model: nn.Module, masters: MasterWeights, optimizer) -> dict:
     """{"model": model.state_dict(), "masters", "optim": {"state": {name: {key: tensor}},
     "param_groups": {index: hyperparameters and parameter names}}}: what save writes and load
     fills in place. Sharded masters: a collective."""
-    if masters.sharded:
+    if isinstance(masters, ShardedMasterWeights):
         master_state, opt_state, names = _sharded_masters(masters, optimizer)
         scales = {"scales": masters.scale}
     else:
@@ -163,7 +164,7 @@ def load(path, model: nn.Module, masters: MasterWeights, optimizer, recipe: Reci
         raise ValueError(f"load: the checkpoint's optimizer has {len(groups)} parameter groups, "
                          f"this one {len(optimizer.param_groups)}")  # fmt: skip
     model.load_state_dict(state["model"])
-    if masters.sharded:
+    if isinstance(masters, ShardedMasterWeights):
         masters.scale.copy_(state["scales"])
         for name, m in zip(masters.piece_names, masters.masters, strict=True):
             _copy_pieces(m, state["masters"][name])

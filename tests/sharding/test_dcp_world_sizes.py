@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import graphfp8 as g8
+from graphfp8.distributed.sharded_masters import ShardedMasterWeights
 from graphfp8.testing import assert_bitwise_equal
 from graphfp8.training import dcp_checkpoint
 from tests.graphs.step_common import adamw, lm_loss
@@ -57,7 +58,7 @@ def _whole_state(model, masters) -> dict:
     its FP8 state and the masters, whole, on every rank (a collective)."""
     state = {f"param {n}": _full(p.detach()) for n, p in model.named_parameters()}
     state.update({f"fp8 {n}": t.clone() for n, t in fp8_state(model)})
-    if masters.sharded:
+    if isinstance(masters, ShardedMasterWeights):
         full = masters.full_state_dict()
         objects = [full]
         dist.broadcast_object_list(objects, src=0)
