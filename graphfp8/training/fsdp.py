@@ -13,7 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-__all__ = ["REFUSED", "shard_gpt"]
+__all__ = ["REFUSED", "check_fsdp_spec", "shard_gpt"]
 
 # What --fsdp does not run, and why (training/cli.py refuses each before anything starts).
 REFUSED = {
@@ -28,8 +28,16 @@ REFUSED = {
 }
 
 
+def check_fsdp_spec(spec) -> None:
+    """A RunSpec with fsdp runs eagerly, without shard and compile."""
+    if spec.fsdp and (spec.graphs != "none" or spec.shard or spec.compile):
+        raise ValueError("fsdp runs eagerly (graphs 'none'), without shard and compile")
+
+
 def shard_gpt(model: torch.nn.Module, group, device) -> None:
     """fully_shard the GPT's layers and its parts over `group` (a 1-D mesh of its ranks)."""
+    if group is None:
+        raise ValueError("fsdp needs a process group (--ddp under torchrun)")
     mesh = DeviceMesh.from_group(group, torch.device(device).type)
     for layer in model.blocks.layers:
         fully_shard(layer, mesh=mesh)
