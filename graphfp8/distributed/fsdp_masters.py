@@ -47,7 +47,7 @@ class FSDPMasterWeights(MasterWeights):
     def __init__(self, model: nn.Module) -> None:
         check_fp8_weights_kept(model, "MasterWeights")
         named = fsdp_fp8_weights(model)
-        meshes = {id(p.device_mesh) for _, p in named}
+        meshes = {p.device_mesh for _, p in named}  # equal meshes: DTensor may copy one
         if len(meshes) != 1 or named[0][1].device_mesh.ndim != 1:
             raise ValueError(
                 "MasterWeights of an FSDP2 model: its FP8 weights must be sharded on one 1-D "

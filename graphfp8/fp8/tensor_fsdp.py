@@ -12,7 +12,8 @@ The all-gather (FSDP2's extension hooks): fsdp_pre_all_gather hands over the sha
 uint8 (padded to FSDP's shard size) and its scale_inv; fsdp_post_all_gather wraps the gathered
 uint8 buffer - no copy - as the whole FP8 weight with that scale_inv (every shard holds the same
 one: graphfp8.distributed.fsdp_masters writes them back with one amax per weight over the group)
-and a transpose buffer that FSDP frees and reallocates with the gathered data.
+and a transpose buffer that FSDP frees and reallocates with the gathered data: every all-gather
+marks it stale, and the forward and the backward rebuild it before use (modules/_functional.py).
 """
 
 from __future__ import annotations

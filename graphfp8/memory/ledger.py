@@ -32,8 +32,12 @@ def storage_key(t: torch.Tensor) -> tuple | None:
 
 
 def tensor_parts(t: torch.Tensor):
-    """The plain tensors behind t: a Float8Tensor's data, scale_inv and transpose; t itself
-    otherwise. Yields (suffix, tensor)."""
+    """The plain tensors behind t: a DTensor's local shard (FSDP2: what this rank holds), a
+    Float8Tensor's data, scale_inv and transpose; t itself otherwise. Yields (suffix, tensor)."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        yield from tensor_parts(local)
+        return
     inner = getattr(t, "_data", None)
     if isinstance(inner, torch.Tensor) and type(t) is not torch.Tensor:
         yield ".data", inner

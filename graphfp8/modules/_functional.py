@@ -180,18 +180,21 @@ def wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, out_dtype) -> torch
 
 
 def save_weight(ctx, key: str, cfg: GemmConfig) -> None:
-    """Keeps the weight workspace's transpose (None when transposes are not cached), data and
-    scale_inv on ctx for weight_t(). The workspace is rewritten in place by later casts: keep it
-    out of save_for_backward's version checks. Its data and scale_inv always pair up."""
-    w = cfg.weight_fp8
-    setattr(ctx, key, (w._transpose, w._data, w._scale_inv))
+    """Keeps the weight workspace (a Float8Tensor) on ctx for weight_t(): the object, not its
+    buffers, whose validity it carries. The workspace is rewritten in place by later casts: keep
+    it out of save_for_backward's version checks. Under FSDP2 it is the gathered weight, whose
+    buffers the reshard after forward frees and the backward's all-gather refills, leaving its
+    transpose stale (docs/sharding.md, "FSDP2")."""
+    setattr(ctx, key, cfg.weight_fp8)
 
 
-def weight_t(saved: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_t_fp8 (K, N), scale_inv) from save_weight's tuple: the cached transpose, or else a
-    transpose of the FP8 weight made now (the caller drops it after its GEMM)."""
-    w_t, data, scale_inv = saved
-    return (w_t if w_t is not None else ops.fp8_transpose(data)), scale_inv
+def weight_t(w: Float8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_t_fp8 (K, N), scale_inv) of save_weight's workspace: its transpose cache, rebuilt
+    first when its data changed since (an FSDP2 re-gather), or else a transpose of the FP8
+    weight made now (the caller drops it after its GEMM)."""
+    if w._transpose is None:
+        return ops.fp8_transpose(w._data), w._scale_inv
+    return w.transpose_fp8(), w._scale_inv
 
 
 class _FP8Linear(torch.autograd.Function):

@@ -37,6 +37,7 @@ import torch
 
 from graphfp8.distributed import SettingsMismatchError, check_same_settings
 from graphfp8.distributed.replica_check import ReplicaMismatchError
+from graphfp8.training import cli_checks
 from graphfp8.training.checkpoint import CheckpointError
 from graphfp8.training.cli_checks import (
     check_compiled_runs,
@@ -139,17 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at", type=positive, metavar="STEP",
                    help="end after this step; the LR schedule still spans --steps; with --save "
                         "to resume later (default: run all --steps)")  # fmt: skip
-    p.add_argument("--ddp", action="store_true", help="data parallel over torchrun's processes")
-    p.add_argument("--collective-timeout-s", type=positive, default=600, metavar="S",
-                   help="with --ddp: a collective waiting longer (a hung rank) fails every rank "
-                   "instead of hanging (init_process_group's timeout) (default: 600)")  # fmt: skip
-    p.add_argument("--shard", action="store_true", help="with --ddp: fp32 masters of every "
-                   "parameter, gradients and optimizer state sharded over the ranks "
-                   "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
+    cli_checks.add_parallel_arguments(p)
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="per layer")
-    p.add_argument("--check-replicas", action="store_true", help="with --ddp: the ranks' weights "
-                   "compared (digests of their bits) after every step; a difference stops every "
-                   "rank, exit status 3 (distributed/replica_check.py) (default: off)")  # fmt: skip
     p.add_argument("--deterministic", action="store_true",
                    help="the same bits run to run: torch.use_deterministic_algorithms(True), "
                    "cuBLAS's deterministic workspace, deterministic attention backward; bf16 "
@@ -226,6 +218,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--resume: no checkpoint at {args.resume}")
     args.runs = _parse_runs(p, args)
     check_compiled_runs(p, args, args.runs)
+    cli_checks.check_fsdp(p, args, {mode for _, mode in args.runs})
 
 
 _MODE_ALIASES = {"graphs": "layers", "eager": "none"}
@@ -257,7 +250,7 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
                    fp8_format=args.fp8_format, scaling=args.scaling,
                    fp8_weights=args.fp8_weights and precision == "fp8", pack=args.pack,
                    fp8_attention=args.fp8_attention and precision == "fp8",
-                   shard=args.shard, recompute=args.recompute,
+                   shard=args.shard, recompute=args.recompute, fsdp=args.fsdp,
                    bf16_layers=args.bf16_layers if precision == "fp8" else ())  # fmt: skip
 
 

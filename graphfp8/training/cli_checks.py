@@ -12,6 +12,7 @@ import torch
 
 from graphfp8.fp8.recipe import DelayedScaling, Format
 from graphfp8.modules._attention import prepare_attention
+from graphfp8.training.fsdp import REFUSED
 from graphfp8.training.presets import BYTE_VOCAB, PRESETS, ModelConfig
 
 __all__ = [
@@ -175,3 +176,36 @@ def check_model(p: argparse.ArgumentParser, args) -> None:
             hint = (f" (on Hopper cuDNN's FP8 attention backward takes head_dim 128 only; "
                     f"--heads {cfg.hidden // 128} gives it)")  # fmt: skip
         p.error(f"--fp8-attention: {exc}{hint}")
+
+
+def check_fsdp(p: argparse.ArgumentParser, args: argparse.Namespace, modes: set[str]) -> None:
+    """--fsdp's refusals (training/fsdp.py's REFUSED), before anything starts; `modes`: the graph
+    modes of the runs."""
+    if not args.fsdp:
+        return
+    if not args.ddp:
+        p.error("--fsdp shards over the ranks of --ddp: torchrun --nproc_per_node=N -m "
+                "graphfp8.training --ddp --fsdp --graphs none")  # fmt: skip
+    used = {"graphs": modes != {"none"}, "shard": args.shard,
+            "save": args.save is not None or args.resume is not None,
+            "check_replicas": args.check_replicas, "compile": args.compile}  # fmt: skip
+    for key, on in used.items():
+        if on:
+            p.error(f"--fsdp: {REFUSED[key]}")
+
+
+def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """--ddp and how it shards (--shard, --fsdp) and checks (--check-replicas)."""
+    p.add_argument("--ddp", action="store_true", help="data parallel over torchrun's processes")
+    p.add_argument("--collective-timeout-s", type=positive, default=600, metavar="S",
+                   help="with --ddp: a collective waiting longer (a hung rank) fails every rank "
+                   "instead of hanging (init_process_group's timeout) (default: 600)")  # fmt: skip
+    p.add_argument("--shard", action="store_true", help="with --ddp: fp32 masters of every "
+                   "parameter, gradients and optimizer state sharded over the ranks "
+                   "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
+    p.add_argument("--fsdp", action="store_true", help="with --ddp --graphs none: the weights "
+                   "sharded too, by torch FSDP2 (docs/sharding.md) (default: off)")  # fmt: skip
+    p.add_argument("--check-replicas", action="store_true",
+                   help="with --ddp: the ranks' weights compared (digests of their bits) after "
+                   "every step; a difference stops every rank with exit status 3 "
+                   "(distributed/replica_check.py) (default: off)")  # fmt: skip

@@ -93,7 +93,8 @@ def _ranks_agree(model: torch.nn.Module, group, val_loss: float | None) -> dict[
             for block in (meta.fwd, meta.bwd):
                 fp8 += [block.scales().flatten(), block.history()[1:].flatten()]
     for p in model.parameters():
-        fingerprint.append(p.detach().double().sum().reshape(1))
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()  # FSDP2: all of it
+        fingerprint.append(p.double().sum().reshape(1))
     checks = [("fp8_state", fp8), ("parameters", fingerprint)]
     if val_loss is not None:
         checks.append(("val_loss", [torch.tensor([val_loss], dtype=torch.float64,

@@ -1,4 +1,5 @@
 """One training run: a GPT in bf16 or FP8, eager or graphed, with gradient accumulation.
+Longer than ~400 lines: RunSpec's settings (--fsdp the last) and Run, which reads them all.
 
 Per optimizer step, for each of `microbatches` microbatches: embedding (eager) -> the blocks
 (one graph replay forward, one backward with graphs "layers"; an fp8_autocast region per
@@ -28,6 +29,7 @@ from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.modules.transformer import RECOMPUTE_MODES
 from graphfp8.nvtx_ranges import nvtx_range
 from graphfp8.training.data import Dataset, split_windows
+from graphfp8.training.fsdp import check_fsdp_spec, shard_gpt
 from graphfp8.training.model import GPT, ModelConfig
 from graphfp8.training.staging import BatchStager
 from graphfp8.training.torch_model import TorchGPT
@@ -63,6 +65,7 @@ class RunSpec:
     # keep bf16 attention (graphfp8.modules.attention says why)
     fp8_attention: bool = False
     shard: bool = False  # masters, gradients and optimizer state sharded over the group
+    fsdp: bool = False  # the weights sharded too, by torch FSDP2 (training/fsdp.py), eager only
     # Blocks kept in bf16 in an FP8 run (Megatron's --first-last-layers-bf16): their indices
     bf16_layers: tuple[int, ...] = ()
     # activation recompute of every layer (TransformerLayer's RECOMPUTE_MODES): the same bits,
@@ -94,6 +97,7 @@ class RunSpec:
         if self.fp8_format not in Format.__members__:
             raise ValueError(f"fp8_format must be one of {list(Format.__members__)}, got "
                              f"{self.fp8_format!r}")  # fmt: skip
+        check_fsdp_spec(self)
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got "
                              f"{self.recompute!r}")  # fmt: skip
@@ -120,6 +124,7 @@ class RunSpec:
         fmt += "-bf16L" + "_".join(map(str, self.bf16_layers)) if self.bf16_layers else ""
         suffix += "-pack" if self.pack else ""
         suffix += "-shard" if self.shard else ""
+        suffix += "-fsdp" if self.fsdp else ""
         suffix += f"-recompute-{self.recompute}" if self.recompute != "none" else ""
         suffix += "-staged" if self.stage_batches else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
@@ -132,7 +137,7 @@ class RunSpec:
 # Settings that checkpoints written before they existed trained with.
 OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False,
                   "pack": False, "shard": False, "fp8_attention": False,
-                  "bf16_layers": [], "compile": False}  # fmt: skip
+                  "bf16_layers": [], "compile": False, "fsdp": False}  # fmt: skip
 
 
 def run_settings(spec: RunSpec) -> dict:
@@ -150,6 +155,7 @@ def run_settings(spec: RunSpec) -> dict:
         "pack": spec.pack,
         "fp8_attention": spec.fp8_attention,
         "shard": spec.shard,
+        "fsdp": spec.fsdp,
         "bf16_layers": list(spec.bf16_layers),
         # torch.compile fuses the embedding and the loss into other kernels (other bits): a
         # resumed run with another --compile would not continue the saved one bit for bit.
@@ -186,6 +192,8 @@ class Run:
                 self.model = GPT(spec.model, torch.bfloat16, spec.device, spec.bf16_layers)
             for layer in self.model.blocks.layers:
                 layer.recompute = spec.recompute
+        if spec.fsdp:
+            shard_gpt(self.model, group, spec.device)
         self.masters, self.reduce_group = self._masters()
         # reduce -> clip -> step -> write back, whatever is sharded (gradient_update.py); every rank
         # trains every parameter: the gradient sets are checked once.
@@ -224,8 +232,9 @@ class Run:
         spec.shard, masters of every parameter sharded over the group, which reduce the
         gradients themselves; with spec.fp8_weights, masters of the FP8 weights; else none
         (AdamW steps the bf16 parameters)."""
-        if not self.spec.shard:
-            return (MasterWeights(self.model) if self.spec.fp8_weights else None), self.group
+        if not self.spec.shard:  # FSDP2 (spec.fsdp) reduce-scatters the gradients itself
+            masters = MasterWeights(self.model) if self.spec.fp8_weights else None
+            return masters, None if self.spec.fsdp else self.group
         if self.group is None:
             raise ValueError("shard needs a process group (--ddp under torchrun)")
         # Every rank trains every parameter: the gradient sets are checked once.

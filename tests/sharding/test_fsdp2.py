@@ -158,3 +158,44 @@ def test_row_views_of_an_fp8_weight_stay_fp8():
     cols = w[:, :4]
     assert type(cols) is torch.Tensor
     assert_bitwise_equal(cols, w.dequantize()[:, :4], "column slice")
+
+
+def _state_counts_shards(rank, device):
+    from graphfp8.memory import training_state
+
+    _, model = _pair(True, 2)
+    masters = g8.MasterWeights(model)
+    state = training_state(model, None, masters)
+    local = [q._local_tensor for q in model.parameters()]
+    fp8 = sum(t._data.untyped_storage().nbytes() + 4 for t in local if isinstance(t, Float8Tensor))
+    other = sum(t.untyped_storage().nbytes() for t in local if not isinstance(t, Float8Tensor))
+    assert state.bytes["weights"] == fp8 + other > 0
+    assert state.bytes["fp32 masters"] == 4 * sum(m._local_tensor.numel() for m in masters.masters)
+    assert state.parameters == sum(q.numel() for q in model.parameters())  # the whole model's
+
+
+def test_training_state_counts_this_ranks_shards():
+    """graphfp8.memory.training_state of an FSDP2 model: each DTensor's local shard (it counted
+    none of them before: a DTensor has no storage of its own)."""
+    run_on_ranks("gloo", _state_counts_shards)
+
+
+def _equal_meshes(rank, device):
+    import dataclasses
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    _, model = _pair(True, 2)
+    other = DeviceMesh.from_group(dist.group.WORLD, "cpu")  # equal to the model's, not it
+    model.fc2_weight._spec = dataclasses.replace(model.fc2_weight._spec, mesh=other)
+    meshes = [model.fc1_weight.device_mesh, model.fc2_weight.device_mesh]
+    assert meshes[0] is not meshes[1] and meshes[0] == meshes[1]
+    masters = g8.MasterWeights(model)
+    assert masters.names == ["fc1_weight", "fc2_weight"]
+
+
+def test_masters_take_equal_meshes_that_are_different_objects():
+    """FP8 weights whose DTensors hold equal DeviceMesh objects that are not the same one (as
+    graphfp8-train --fsdp's got in the CPU suite, after earlier tests' meshes): FSDPMasterWeights
+    compared the objects, took them for two meshes and refused."""
+    run_on_ranks("gloo", _equal_meshes)

@@ -1,0 +1,39 @@
+"""FSDP2 with FP8 weights on GPUs (NCCL, tests/rank_pool.py, one GPU per rank): the default
+reshard_after_forward=True equals False bit for bit (the NaN of issue 40 on the GPU: the
+re-gathered weight's transpose rebuilt by the backward), on one GPU and on 2 and 3 where the
+machine has them; a DCP checkpoint saved at 2 GPUs loads at 3 (skipped with fewer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.rank_pool import run_on_ranks
+from tests.sharding.test_dcp_world_sizes import _at_2_again, _at_2_first, _at_3
+from tests.sharding.test_fsdp2_reshard import _reshard_equals_no_reshard
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_reshard_after_forward_on_one_gpu(recipe_name):
+    run_on_ranks("nccl", _reshard_equals_no_reshard, recipe_name, world=1)
+
+
+@pytest.mark.skipif(GPUS < 3, reason="needs 3 GPUs")
+@pytest.mark.parametrize("world", [2, 3])
+def test_reshard_after_forward_on_several_gpus(world):
+    run_on_ranks("nccl", _reshard_equals_no_reshard, "delayed", world=world)
+
+
+@pytest.mark.skipif(GPUS < 3, reason="needs 3 GPUs")
+@pytest.mark.parametrize("kind", ["fsdp", "sharded"])
+def test_dcp_checkpoint_moves_2_to_3_to_2_gpus(kind, tmp_path):
+    run_on_ranks("nccl", _at_2_first, kind, str(tmp_path))
+    run_on_ranks("nccl", _at_3, kind, str(tmp_path), world=3)
+    run_on_ranks("nccl", _at_2_again, kind, str(tmp_path))
