@@ -6,18 +6,18 @@ replays them from then on, in any loop (Trainer, accelerate, Lightning).
 A forward replays the graphs when it trains (module.training, grad enabled) inside the carried
 region, with the captured (batch, seq) and nothing the graphs do not take: no attention_mask,
 segment_ids, position_ids (RoPE models), cache or inputs_embeds. Evaluation runs the layers'
-eager forward (torch's rule for another training mode); a training batch of another shape raises
-(the graphs' input check). The weight cache of the replays follows the weights' versions over
-all layers (graphfp8.modules.carry): the first microbatch of an optimizer step casts, the
-others reuse. For the whole step as one graph, loops that own their step call
-make_graphed_step on the model instead (a capture's FP8 settings win over the carried ones).
+eager forward (torch's rule for another training mode), which leaves the graphs' FP8 state as
+it was; a training batch of another shape raises (the graphs' input check). Replays called
+without is_first_microbatch cast the FP8 weights, as the eager carried model does
+(graphfp8.modules.carry says why). For the whole step as one graph, loops that own their step
+call make_graphed_step on the model instead (a capture's FP8 settings win over the carried
+ones).
 """
 
 from __future__ import annotations
 
 import torch
 
-from graphfp8.fp8.weight_cache import weight_versions
 from graphfp8.graphs import make_graphed_callables
 
 __all__ = ["LayerGraphs"]
@@ -26,11 +26,10 @@ GRAPH_MODES = (None, "layers")
 
 
 class LayerGraphs:
-    """The per-layer graphs of one CausalLM (captured lazily) and their weight-cache record."""
+    """The per-layer graphs of one CausalLM (captured lazily)."""
 
     def __init__(self) -> None:
         self.shape: tuple[int, int] | None = None
-        self._versions: tuple | None = None
 
     def replays(self, model, input_ids, eligible: bool) -> bool:
         """Whether this forward runs through the graphs (capturing them first if needed)."""
@@ -56,10 +55,3 @@ class LayerGraphs:
                                fp8_recipe=carry.recipe, fp8_weight_caching=True,
                                fp8_group=carry.fp8_group, chain=True)  # fmt: skip
         self.shape = shape
-
-    def is_first_microbatch(self, model) -> bool:
-        """True when a layer weight changed since the last replay (cast), else False (reuse)."""
-        key = weight_versions(list(model.layers.parameters()))
-        first = key != self._versions
-        self._versions = key
-        return first

@@ -24,7 +24,7 @@ from graphfp8.hf import checkpoints
 from graphfp8.hf.inputs import attention_inputs, gpt2_positions
 from graphfp8.hf.layer_graphs import LayerGraphs
 from graphfp8.modules._context import in_fp8_region
-from graphfp8.modules.carry import FP8Carry, check_not_sharded
+from graphfp8.modules.carry import FP8Carry
 
 __all__ = ["CausalLM"]
 
@@ -123,8 +123,8 @@ class CausalLM(PreTrainedModel, GenerationMixin):
             return_dict: False returns a tuple (loss first when labels are given).
             logits_to_keep: compute logits for the last this many tokens only (0: all).
             segment_ids: graphfp8's (B, S) packed documents (graphfp8.ops.segments).
-            is_first_microbatch: as for graphfp8.Linear; None with a carried recipe: cast the
-                FP8 weights only when they changed (graphfp8.modules.carry).
+            is_first_microbatch: as for graphfp8.Linear (None casts the FP8 weights; the
+                carried recipe passes nothing else: graphfp8.modules.carry).
             **kwargs: num_items_in_batch; others Hugging Face passes are ignored;
                 output_attentions / output_hidden_states raise.
 
@@ -140,16 +140,12 @@ class CausalLM(PreTrainedModel, GenerationMixin):
             from transformers import DynamicCache
 
             cache = DynamicCache(config=self.config)
-        carry = self.fp8
-        if carry is not None:
-            check_not_sharded((self, self.layers[0]), self.layers[0].qkv.weight)
+        region = self.fp8.region(self) if self.fp8 is not None else contextlib.nullcontext()
         graphs, plain = self.layer_graphs, all(
             a is None for a in (attention_mask, segment_ids, cache, inputs_embeds,
                                 None if self.arch == "gpt2" else position_ids))  # fmt: skip
-        if graphs is not None and graphs.replays(self, input_ids, plain and not in_fp8_region()):
-            if is_first_microbatch is None:
-                is_first_microbatch = graphs.is_first_microbatch(self)
-        region = carry.region(self.training) if carry is not None else contextlib.nullcontext()
+        if graphs is not None:
+            graphs.replays(self, input_ids, plain and not in_fp8_region())
         with region:
             x = self._hidden(input_ids, inputs_embeds, attention_mask, position_ids, cache,
                              segment_ids, is_first_microbatch)  # fmt: skip

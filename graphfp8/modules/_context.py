@@ -8,7 +8,9 @@ places around it and the GEMM configs that carry them. Nothing here writes into 
               pass; weight casts decided by is_first_microbatch (weight_cache.py, EAGER)
     capture:  the module's arenas recorded (ctx.recorder); no update (the graphs place them);
               every weight cast recorded, the graph's device flag deciding (GraphCasts)
-    frozen:   an eval call with is_first_microbatch=False: current scales, no amax, no update
+    frozen:   an eval-mode call (module.eval()): current scales, no amax, no update, and its
+              weight casts (is_first_microbatch None or True) into scratch workspaces, so the
+              module's weight cache stays as training left it; False reuses that cache
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from graphfp8.fp8 import context, scaling
 from graphfp8.fp8.recipe import Recipe, is_current_scaling
 from graphfp8.fp8.scale_schedule import SCHEDULE
+from graphfp8.fp8.weight_cache import WeightCache
 from graphfp8.modules._functional import GemmConfig
 
 if TYPE_CHECKING:
@@ -60,14 +63,14 @@ class FrozenSlots:
         return self.arena.amax_sink
 
 
-def _frozen_call(module: FP8Module, ctx: context.FP8Context, is_first_microbatch) -> bool:
-    """An eval-mode call with is_first_microbatch=False (an eval pass between a step's
-    training microbatches, eager or a graphed module's eager fallback): it reuses the cached FP8
-    weights and leaves the delayed-scaling state alone (current scales, no amax recorded, no
-    update), so the next training microbatch is the one it would have been."""
+def _frozen_call(module: FP8Module, ctx: context.FP8Context) -> bool:
+    """An eager eval-mode call (an evaluation forward, generate(), a validation loop, between
+    or after training microbatches; a graphed module's eager fallback too): it runs with the
+    current scales and leaves the delayed-scaling state and the weight cache alone (no amax
+    recorded, no update, no cached weight written), so training continues exactly as if it had
+    not run (docs/fp8.md, "Evaluation")."""
     return (
-        is_first_microbatch is False
-        and not module.training
+        not module.training
         and not ctx.capturing
         and not is_current_scaling(ctx.recipe)  # no state carries from cast to cast
     )
@@ -100,14 +103,19 @@ def gemm_configs(
     ctx = context.current()
     owner, cache = type(module).__name__, module.weight_cache
     ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before any FP8 state changes
-    frozen = _frozen_call(module, ctx, is_first_microbatch)
+    frozen = _frozen_call(module, ctx)
     meta, bwd_update = fp8_state(module, weights[0][1].device, frozen, ctx)
     fwd, bwd = map(FrozenSlots, (meta.fwd, meta.bwd)) if frozen else (meta.fwd, meta.bwd)
     fp8_dtype = meta.fwd.arena.fp8_dtype
+    if not module.training and not ctx.capturing and is_first_microbatch is not False:
+        # An evaluation cast: into workspaces of its own, the cache left as training left it.
+        cache, cast, flag = WeightCache(), True, None
+    else:
+        cast, flag = None, None
     workspaces = [cache.workspace(key, w, fp8_dtype, module.cache_weight_transpose, owner)
                   for key, w in weights]  # fmt: skip
-    cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner,
-                                        [w for _, w in weights])  # fmt: skip
+    if cast is None:
+        cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner)
     # An FP8 primary weight rewritten since its last transpose needs a new one.
     casts = [cast or (ws is w and not ws._transpose_valid)
              for ws, (_, w) in zip(workspaces, weights, strict=True)]  # fmt: skip
