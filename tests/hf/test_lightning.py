@@ -29,6 +29,9 @@ class LitLM(L.LightningModule):
     def training_step(self, x, i):
         return self.model(x, labels=x).loss
 
+    def validation_step(self, x, i):
+        return self.model(x, labels=x).loss
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
 
@@ -78,6 +81,20 @@ def test_lightning_trains_in_fp8_as_the_explicit_loop():
     _trainer(accumulate_grad_batches=MICRO).fit(lit, loader)
     assert isinstance(lit.model.model.layers[0].mlp.down_proj, g8.Linear)
     assert_same_training(_explicit(), lit.model, "after 3 steps")
+
+
+def test_validation_between_steps_leaves_training_as_it_was():
+    """A validation batch after every optimizer step (in FP8, FP8Precision's forward_context):
+    the run ends bit for bit where the run without validation does (issue 39, item 2)."""
+    models = []
+    for validate in (True, False):
+        lit = LitLM()
+        loader = torch.utils.data.DataLoader(_batches(), batch_size=None)
+        val = torch.utils.data.DataLoader([batch(7, 0)], batch_size=None)
+        _trainer(accumulate_grad_batches=MICRO, val_check_interval=MICRO,
+                 limit_val_batches=1 if validate else 0).fit(lit, loader, val)  # fmt: skip
+        models.append(lit.model)
+    assert_same_training(models[1], models[0], "with and without validation")
 
 
 def test_fabric_takes_the_plugin():
