@@ -146,7 +146,7 @@ def _evaluate_and_generate(model, explicit: bool) -> list[torch.Tensor]:
     with g8.fp8_autocast(recipe=RECIPE) if explicit else contextlib.nullcontext():
         with torch.no_grad():
             model(ids(7), labels=ids(7))
-        tokens = model.generate(ids(8)[:, :8], max_new_tokens=3, do_sample=False)
+        model.generate(ids(8)[:, :8], max_new_tokens=3, do_sample=False)
     model.train()
     return []
 
