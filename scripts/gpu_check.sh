@@ -47,6 +47,9 @@
 #               500 s) -> $RES/scaling.md and scaling.json (docs/sharding.md, "Multi-GPU measurement")
 #   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
 #               token and GPU busy (one call under torch.profiler)
+#   step carry (issue 39): bench carry, what the carried recipe's weight casts on every
+#               microbatch cost against casting on each step's first of 4 (100m preset, Llama 1B
+#               and 8B blocks; eager and graphed; ms per microbatch and the ratio)
 #   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
 set -uo pipefail
@@ -353,7 +356,7 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         $PY scripts/ncu_kernels.py summary "$RES/ncu_details.csv" > "$RES/ncu_summary.md" 2>&1 || status=1
         tee -a "$RES/summary.md" < "$RES/ncu_summary.md"; tail -5 "$RES/ncu_run.log"
       fi ;;
-    kernels|variants|opcount|census|eager|block|attention|step|host|stack|hf|hf-users)  # hf: issue 23's Llama
+    kernels|variants|opcount|census|eager|block|attention|step|host|stack|hf|hf-users|carry)  # hf: issue 23's Llama
       with_te $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;

@@ -1,5 +1,5 @@
 """`python -m graphfp8.bench {kernels,variants,opcount,census,eager,block,attention,step,host,
-memory,stack,glu,hf,hf-users} [--device D]
+memory,stack,glu,hf,hf-users,carry} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ SUITES = {
     "glu": "graphfp8.bench.glu",
     "hf": "graphfp8.bench.hf",
     "hf-users": "graphfp8.bench.hf_users",
+    "carry": "graphfp8.bench.carry",
 }
 
 
