@@ -24,7 +24,7 @@ help:
 	@echo "test       CPU test suite (what CI runs)"
 	@echo "test-gpu   CUDA tests only (needs a GPU)"
 	@echo "gpu-check  build + CUDA tests + benchmarks; logs and JSON under \$$OUT"
-	@echo "bench      kernel benchmark (python -m graphfp8.bench kernels)"
+	@echo "bench      kernel benchmark (python -m benchmarks kernels)"
 	@echo "train      the main job: graphfp8-train with its defaults (FP8 + graphs; tiny on CPU)"
 	@echo "profile    a few graphed training steps under nsys or torch.profiler -> profiles/"
 	@echo "lint       ruff check + format check"
@@ -74,21 +74,21 @@ gpu-check:
 	OUT=$(OUT) bash scripts/gpu_check.sh
 
 bench: install
-	$(PYTHON) -m graphfp8.bench kernels
+	$(PYTHON) -m benchmarks kernels
 
 train: install
-	$(PYTHON) -m graphfp8.train $(TRAIN_ARGS)
+	$(PYTHON) -m graphfp8.training $(TRAIN_ARGS)
 
 profile: install
-	$(PYTHON) -m graphfp8.training.profile $(PROFILE_ARGS)
+	$(PYTHON) -m graphfp8.training.step_profile $(PROFILE_ARGS)
 
 lint:
-	$(PYTHON) -m ruff check graphfp8 tests scripts setup.py
-	$(PYTHON) -m ruff format --check graphfp8 tests scripts setup.py
+	$(PYTHON) -m ruff check graphfp8 benchmarks tests scripts setup.py
+	$(PYTHON) -m ruff format --check graphfp8 benchmarks tests scripts setup.py
 
 format:
-	$(PYTHON) -m ruff format graphfp8 tests scripts setup.py
-	$(PYTHON) -m ruff check --fix graphfp8 tests scripts setup.py
+	$(PYTHON) -m ruff format graphfp8 benchmarks tests scripts setup.py
+	$(PYTHON) -m ruff check --fix graphfp8 benchmarks tests scripts setup.py
 
 clean:
 	rm -rf build dist *.egg-info graphfp8/_C*.so .pytest_cache

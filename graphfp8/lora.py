@@ -30,7 +30,8 @@ import torch
 from peft.tuners.lora.layer import Linear as _PeftLoraLinear
 from torch import nn
 
-import graphfp8 as g8
+from graphfp8 import modules
+from graphfp8.fp8 import Float8Tensor
 
 __all__ = ["LoraLayerNormLinear", "LoraLinear", "register"]
 
@@ -79,7 +80,7 @@ class LoraLinear(_PeftLoraLinear):
                 f"graphfp8.lora.{type(self).__name__}: adapter_names (mixed adapter batches) is "
                 "not supported"
             )
-        if isinstance(x, g8.Float8Tensor):
+        if isinstance(x, Float8Tensor):
             raise TypeError(
                 f"graphfp8.lora.{type(self).__name__}: the input is a Float8Tensor (the previous "
                 "layer's fp8_output=True); the adapters need it in high precision"
@@ -102,7 +103,7 @@ class LoraLinear(_PeftLoraLinear):
 
     def _merge_delta(self, names: list[str], sign: int, check: bool = False) -> None:
         weight = self.get_base_layer().weight
-        if isinstance(weight, g8.Float8Tensor):
+        if isinstance(weight, Float8Tensor):
             raise NotImplementedError(
                 f"graphfp8.lora.{type(self).__name__}: merging into an FP8 weight "
                 "(fp8_model_init) would round the adapter into FP8; keep the adapters separate, "
@@ -173,9 +174,9 @@ def register(config):
     returns config. Targets are named as usual (target_modules=["qkv", "proj"])."""
     config._register_custom_module(
         {
-            g8.LayerNormLinear: LoraLayerNormLinear,
-            g8.Linear: LoraLinear,
-            g8.LayerNormMLP: _RefuseMLP,
+            modules.LayerNormLinear: LoraLayerNormLinear,
+            modules.Linear: LoraLinear,
+            modules.LayerNormMLP: _RefuseMLP,
         }
     )
     return config

@@ -1,4 +1,4 @@
-"""Before/after table of two builds' `python -m graphfp8.bench kernels --json` results, and the
+"""Before/after table of two builds' `python -m benchmarks kernels --json` results, and the
 bit-for-bit verdict of their kernel output digests (scripts/kernel_digest.py).
 
 Rows are matched by their identity fields (op, shape, slots, history); only rows that both sides

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Kernel benchmark before/after, in one call on the GPU machine: builds a base commit of graphfp8
-# in a temp dir and the current tree, runs `python -m graphfp8.bench kernels --json` for both
+# in a temp dir and the current tree, runs `python -m benchmarks kernels --json` for both
 # (rounds in ABBA order, so drift of the machine hits both sides alike), checks that every
 # kernel's outputs are bit-identical (scripts/kernel_digest.py), and prints the before/after
 # table of scripts/ab_compare.py (same kernels, same shapes, ratio after/before).
@@ -21,11 +21,13 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-build/out}
 ROUNDS=${AB_ROUNDS:-2}
 SOURCES="csrc graphfp8 setup.py setup.cfg pyproject.toml"
+# BASE's sources, with its benchmarks/ when it has one (older commits kept them in graphfp8/bench).
+sources_of() { echo "$SOURCES$(git cat-file -e "$1:benchmarks" 2>/dev/null && echo " benchmarks")"; }
 
 if [ "${1:-}" = "--prepare" ]; then
   base=${2:-30328b1}
   rm -rf .ab-base && mkdir -p .ab-base
-  git archive "$base" $SOURCES | tar -x -C .ab-base || exit 1
+  git archive "$base" $(sources_of "$base") | tar -x -C .ab-base || exit 1
   git rev-parse "$base" > .ab-base/COMMIT
   echo "wrote .ab-base/ ($(cat .ab-base/COMMIT)); carry \".ab-base\" to the GPU machine"
   exit 0
@@ -37,7 +39,7 @@ trap 'rm -rf "$tmp"' EXIT
 
 # The base sources: from git when the history is here, else from a prepared .ab-base/.
 if git rev-parse --verify -q "$base^{commit}" > /dev/null 2>&1; then
-  git archive "$base" $SOURCES | tar -x -C "$tmp" || exit 1
+  git archive "$base" $(sources_of "$base") | tar -x -C "$tmp" || exit 1
   commit=$(git rev-parse "$base")
 elif [ -f .ab-base/COMMIT ] && [[ "$(cat .ab-base/COMMIT)" == "$base"* ]]; then
   cp -r .ab-base/. "$tmp"/
@@ -59,8 +61,9 @@ echo "built both in $(( $(date +%s) - t0 )) s"
 
 side_dir() { if [ "$1" = before ]; then echo "$tmp"; else echo "$ROOT"; fi; }
 run_side() {  # run_side SIDE ROUND: one kernel benchmark of that build, in its own tree
-  local dir; dir=$(side_dir "$1")
-  (cd "$dir" && PYTHONPATH="$dir:${PYTHONPATH:-}" $PY -m graphfp8.bench kernels \
+  local dir bench=benchmarks; dir=$(side_dir "$1")
+  [ -d "$dir/benchmarks" ] || bench=graphfp8.bench  # a base from before benchmarks/ moved out
+  (cd "$dir" && PYTHONPATH="$dir:${PYTHONPATH:-}" $PY -m $bench kernels \
     ${AB_BENCH_ARGS:-} --json "$OUT/ab_kernels_$1$2.json" > "$OUT/ab_kernels_$1$2.log" 2>&1) \
     || { tail -30 "$OUT/ab_kernels_$1$2.log"; return 1; }
 }

@@ -1,5 +1,6 @@
 """Checks graphfp8's import graph: no cycles between modules, and every import goes down the
-layers of docs/architecture.md. Prints the graph's violations; exit status 1 if there are any.
+layers of docs/architecture.md, the top floor's rooms included; the repository's benchmarks/ are
+checked as a client of the package. Prints the graph's violations; exit status 1 if there are any.
 
     python scripts/check_layers.py [--graph]     (--graph also prints every module's imports)
 """
@@ -13,6 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "graphfp8"
+# Clients of the package, outside it: they may import anything in graphfp8, graphfp8 never them.
+CLIENTS = (ROOT / "benchmarks",)
 
 # Lowest first; a module may import its own layer and the layers below. Names are prefixes of
 # dotted module names (the longest matching prefix wins).
@@ -22,7 +25,7 @@ LAYERS = [
         [
             "graphfp8.ops",
             "graphfp8._C",
-            "graphfp8.profiling",
+            "graphfp8.nvtx_ranges",
             "graphfp8.distributed",
             "graphfp8.collectives",
             "graphfp8.global_state",
@@ -31,8 +34,15 @@ LAYERS = [
     ("fp8", ["graphfp8.fp8"]),
     ("modules", ["graphfp8.modules"]),
     ("graphs", ["graphfp8.graphs"]),
-    ("top", ["graphfp8.training", "graphfp8.train", "graphfp8.bench", "graphfp8"]),
+    # The top floor's rooms: reports never import integrations or the training app;
+    # integrations never import the training app (nor the benchmarks: no runtime module does).
+    ("reports", ["graphfp8.memory", "graphfp8.numerics"]),
+    ("integrations", ["graphfp8.hf", "graphfp8.te", "graphfp8.lora", "graphfp8.lightning"]),
+    ("training", ["graphfp8.training"]),
+    ("root", ["graphfp8"]),  # the package's __init__ (public names) and the test-only twins
+    ("benchmarks", ["benchmarks"]),
 ]
+RUNTIME_TOP = "training"  # the highest layer that ships as runtime code
 # Test-only code that runtime layers must never import (benchmarks and the package root may).
 TEST_ONLY = ("graphfp8.reference", "graphfp8.testing")
 # graphs/ knows only the module base class, never a concrete layer.
@@ -54,14 +64,14 @@ def imports_of(path: Path, name: str) -> set[str]:
     found = set()
     for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("graphfp8"))
+            found.update(a.name for a in node.names if a.name.startswith(_NAMES))
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 pkg = name.split(".") if is_pkg else name.split(".")[:-1]
                 pkg = pkg[: len(pkg) - node.level + 1]
                 base = ".".join(pkg + ([base] if base else []))
-            if not base.startswith("graphfp8"):
+            if not base.startswith(_NAMES):
                 continue
             for alias in node.names:  # `from graphfp8 import ops` imports graphfp8.ops
                 sub = f"{base}.{alias.name}"
@@ -83,6 +93,9 @@ def _runtime_nodes(tree: ast.AST):
             stack.append(child)
 
 
+_NAMES = ("graphfp8", "benchmarks")  # the imports that are edges of the graph
+
+
 def _exists(name: str) -> bool:
     if name == "graphfp8._C":  # the compiled extension, built or not
         return True
@@ -100,7 +113,8 @@ def layer_of(name: str) -> int:
 
 
 def graph() -> dict[str, set[str]]:
-    return {module_name(p): imports_of(p, module_name(p)) for p in sorted(PACKAGE.rglob("*.py"))}
+    paths = [p for folder in (PACKAGE, *CLIENTS) for p in sorted(folder.rglob("*.py"))]
+    return {module_name(p): imports_of(p, module_name(p)) for p in paths}
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -133,6 +147,9 @@ def _is_package_of(importer: str, imported: str) -> bool:
     return imported.startswith(importer + ".")
 
 
+_RUNTIME_TOP = [name for name, _ in LAYERS].index(RUNTIME_TOP)
+
+
 def violations(edges: dict[str, set[str]]) -> list[str]:
     """Human-readable problems: cycles, upward imports, test-only imports, concrete layers
     imported by graphs/, the extension imported around its loader."""
@@ -150,7 +167,7 @@ def violations(edges: dict[str, set[str]]) -> list[str]:
                     f"{mod} (layer {LAYERS[layer_of(mod)][0]}) imports {dep} "
                     f"(layer {LAYERS[layer_of(dep)][0]}, higher)"
                 )
-            runtime = layer_of(mod) < len(LAYERS) - 1
+            runtime = layer_of(mod) <= _RUNTIME_TOP
             if runtime and dep.startswith(TEST_ONLY):
                 out.append(f"{mod} (runtime) imports test-only {dep}")
             if dep == EXTENSION and not mod.startswith(EXTENSION_LOADER):

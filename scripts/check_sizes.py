@@ -19,7 +19,8 @@ REASON = "Longer than"  # how a file's opening text says why it is long
 
 
 def _sources() -> list[Path]:
-    py = sorted((ROOT / "graphfp8").rglob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
+    py = [p for d in ("graphfp8", "benchmarks") for p in sorted((ROOT / d).rglob("*.py"))]
+    py += sorted((ROOT / "scripts").glob("*.py"))
     native = [p for ext in ("*.cpp", "*.cu", "*.cuh", "*.h") for p in (ROOT / "csrc").rglob(ext)]
     return py + sorted(native)
 

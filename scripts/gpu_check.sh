@@ -42,12 +42,12 @@
 #   TESTS_TIMEOUT_S the tests step's limit (default 420 s), so a hang leaves time for the rest
 #   TRAIN_RUNS, TRAIN_PRESET, TRAIN_DATA, TRAIN_STEPS  the train step (default bf16:graphs,fp8:graphs,
 #               100m, stdlib, 300: validation loss of FP8 vs bf16 on held-out text, tokens/s)
-#   step scaling (issue 34): sharded FP8 training on every GPU of the machine (nvidia-h200-x2/x4/x8;
-#               also at 1): scripts/scaling.sh (its SCALING_* settings there; <= SCALING_BUDGET_S,
-#               500 s) -> $RES/scaling.md and scaling.json (docs/sharding.md, "Multi-GPU measurement")
+#   step multi_gpu (issue 34): sharded FP8 training on every GPU of the machine (nvidia-h200-x2/x4/x8;
+#               also at 1): scripts/multi_gpu.sh (its MULTI_GPU_* settings there; <= MULTI_GPU_BUDGET_S,
+#               500 s) -> $RES/multi_gpu.md and multi_gpu.json (docs/sharding.md, "Multi-GPU measurement")
 #   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
 #               token and GPU busy (one call under torch.profiler)
-#   step carry (issue 39): bench carry, what the carried recipe's weight casts on every
+#   step carried-casts (issue 39): what the carried recipe's weight casts on every
 #               microbatch cost against casting on each step's first of 4 (100m preset, Llama 1B
 #               and 8B blocks; eager and graphed; ms per microbatch and the ratio)
 #   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
@@ -142,12 +142,12 @@ for step in $STEPS; do
       tail -1 "$RES/tests_gpu_switched.log" >> "$RES/summary.md"; [ $rc -eq 0 ] || status=1 ;;
     block-switched|stack-switched|step-switched)  # the benchmark with every switch on
       b=${step%-switched}
-      with_te env $SWITCHES $PY -m graphfp8.bench "$b" --json "$RES/bench_${b}_switched.json" \
+      with_te env $SWITCHES $PY -m benchmarks "$b" --json "$RES/bench_${b}_switched.json" \
         > /tmp/bench_${b}_switched.log 2>&1 || { status=1; tail -30 /tmp/bench_${b}_switched.log; }
       grep -v '^wrote' /tmp/bench_${b}_switched.log >> "$RES/summary.md" ;;
     train-scaling-fused)  # issue 22: current scaling's fused path against delayed scaling
       for run in delayed current; do
-        GRAPHFP8_CURRENT_FUSED=1 $PY -m graphfp8.train --compare fp8:layers --scaling $run \
+        GRAPHFP8_CURRENT_FUSED=1 $PY -m graphfp8.training --compare fp8:layers --scaling $run \
           --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_SCALING_STEPS:-200} \
           --out "$RES/train_scaling_fused_$run" > "$RES/train_scaling_fused_$run.log" 2>&1 \
           || status=1
@@ -159,7 +159,7 @@ for step in $STEPS; do
       n=$($PY -c "import torch; print(torch.cuda.device_count())")
       procs_list=1; [ "$n" -gt 1 ] && procs_list="1 $n"
       for procs in $procs_list; do
-        $PY -m torch.distributed.run --standalone --nproc_per_node=$procs -m graphfp8.train \
+        $PY -m torch.distributed.run --standalone --nproc_per_node=$procs -m graphfp8.training \
           --ddp --preset ${TRAIN_PRESET:-100m} --steps ${DDP_STEPS:-100} --out "$RES/ddp$procs" \
           > "$RES/ddp$procs.log" 2>&1 || status=1
         echo "-- $procs GPU(s)" | tee -a "$RES/summary.md"
@@ -170,7 +170,7 @@ for step in $STEPS; do
       $PY -m pytest -q -m cuda -p no:cacheprovider tests/sharding > "$RES/shard_tests.log" 2>&1 \
         || status=1
       tail -1 "$RES/shard_tests.log" | tee -a "$RES/summary.md"
-      TR="$PY -m torch.distributed.run --standalone --nproc_per_node=1 -m graphfp8.train --ddp \
+      TR="$PY -m torch.distributed.run --standalone --nproc_per_node=1 -m graphfp8.training --ddp \
         --fp8-weights --preset ${TRAIN_PRESET:-100m} --eval-every 1000 --val-batches 2"
       # --deterministic: on the GPU cuDNN's bf16 attention backward differs run to run; its
       # deterministic path gave the same bits run to run on the H200 (2026-12-01, call 2)
@@ -182,7 +182,7 @@ for step in $STEPS; do
       done
       $PY scripts/shard_report.py "$RES" > "$RES/shard_report.log" 2>&1 || status=1
       grep "^shard" "$RES/shard_report.log" | tee -a "$RES/summary.md"
-      $PY -c 'import json, sys; from graphfp8.bench.memory_shard import run
+      $PY -c 'import json, sys; from benchmarks.memory_shard import run
 json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.json" \
         > "$RES/memory_shard.log" 2>&1 || status=1
       grep "^|\|^###" "$RES/memory_shard.log" | tee -a "$RES/summary.md" ;;
@@ -190,12 +190,12 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       $PY -m pytest -v -m cuda -p no:cacheprovider ${FIRST_TESTS:-tests/ops} > "$RES/tests_first.log" 2>&1
       rc=$?; tail -5 "$RES/tests_first.log" | tee -a "$RES/summary.md"; [ $rc -eq 0 ] || status=1 ;;
     train)  # issue 17: bf16 vs FP8 (graphs) on held-out real text; validation loss and tokens/s
-      $PY -m graphfp8.train --compare ${TRAIN_RUNS:-bf16:graphs,fp8:graphs} \
+      $PY -m graphfp8.training --compare ${TRAIN_RUNS:-bf16:graphs,fp8:graphs} \
         --preset ${TRAIN_PRESET:-100m} --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} \
         --out "$RES/train" > "$RES/train.log" 2>&1 || status=1
       tail -8 "$RES/train.log" | tee -a "$RES/summary.md" ;;
     train-llama)  # issue 23: Llama blocks (RMSNorm, GQA, SwiGLU, no bias), bf16 vs FP8 graphed
-      $PY -m graphfp8.train --compare ${TRAIN_RUNS:-bf16:graphs,fp8:graphs} --preset llama-100m \
+      $PY -m graphfp8.training --compare ${TRAIN_RUNS:-bf16:graphs,fp8:graphs} --preset llama-100m \
         --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} ${LLAMA_ARGS:-} \
         --out "$RES/train_llama" > "$RES/train_llama.log" 2>&1 || status=1
       tail -8 "$RES/train_llama.log" | tee -a "$RES/summary.md" ;;
@@ -221,7 +221,7 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
     deterministic)  # issue 33: --deterministic twice gives the same bits (graphs and eager; bf16
       # attention at the preset's heads), and its cost in tokens/s; with FP8 attention (--heads 8)
       # it must refuse before training (graphfp8/ops/cudnn_determinism.py)
-      $PY -m graphfp8.train --preset ${DET_PRESET:-100m} --fp8-attention --heads ${ATTN_HEADS:-8} \
+      $PY -m graphfp8.training --preset ${DET_PRESET:-100m} --fp8-attention --heads ${ATTN_HEADS:-8} \
         --deterministic --steps 1 --out "$RES/det_refused" > "$RES/det_refused.log" 2>&1
       rc=$?
       if [ $rc = 2 ] && grep -q "run to run on the H200" "$RES/det_refused.log"; then
@@ -234,7 +234,7 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         --eval-every 25 --val-batches 8"  # bf16 attention only: FP8 attention is refused above
       for run in det1 det2 base; do
         det="--deterministic"; [ $run = base ] && det=""
-        $PY -m graphfp8.train $args $det --out "$RES/det_off_$run" > "$RES/det_off_$run.log" 2>&1 \
+        $PY -m graphfp8.training $args $det --out "$RES/det_off_$run" > "$RES/det_off_$run.log" 2>&1 \
           || { status=1; tail -20 "$RES/det_off_$run.log"; }
       done
       echo "-- FP8 attention off: --deterministic run twice" | tee -a "$RES/summary.md"
@@ -244,7 +244,7 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       # then 100m FP8 with current scaling and with --fp8-stats 10 (one process each: ratios to
       # the FP8 run of the first preset's process); synthetic data (tokens/s only), ROWS_STEPS
       for preset in ${ROWS_PRESETS:-100m llama-100m 300m}; do
-        $PY -m graphfp8.train --compare bf16:graphs,fp8:graphs --preset "$preset" --data synthetic \
+        $PY -m graphfp8.training --compare bf16:graphs,fp8:graphs --preset "$preset" --data synthetic \
           --val-fraction 0 --steps ${ROWS_STEPS:-100} --out "$RES/rows_$preset" \
           > "$RES/rows_$preset.log" 2>&1 || { status=1; tail -20 "$RES/rows_$preset.log"; }
         echo "-- $preset" | tee -a "$RES/summary.md"
@@ -252,20 +252,20 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       done
       for v in "--scaling current" "--fp8-stats 10"; do
         name=$(echo "$v" | tr -d ' -')
-        $PY -m graphfp8.train --compare fp8:graphs $v --preset 100m --data synthetic \
+        $PY -m graphfp8.training --compare fp8:graphs $v --preset 100m --data synthetic \
           --val-fraction 0 --steps ${ROWS_STEPS:-100} --out "$RES/rows_$name" \
           > "$RES/rows_$name.log" 2>&1 || { status=1; tail -20 "$RES/rows_$name.log"; }
         echo "-- 100m fp8:graphs $v" | tee -a "$RES/summary.md"
         grep -A2 "^ *run " "$RES/rows_$name.log" | tee -a "$RES/summary.md"
       done ;;
     train-e4m3)  # the train step's FP8 run with E4M3 gradients too (against HYBRID's E5M2)
-      $PY -m graphfp8.train --compare fp8:graphs --fp8-format E4M3 --preset ${TRAIN_PRESET:-100m} \
+      $PY -m graphfp8.training --compare fp8:graphs --fp8-format E4M3 --preset ${TRAIN_PRESET:-100m} \
         --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} --out "$RES/train_e4m3" \
         > "$RES/train_e4m3.log" 2>&1 || status=1
       tail -4 "$RES/train_e4m3.log" | tee -a "$RES/summary.md" ;;
     train-step)  # issue 15: per-layer graphs vs the whole step as one graph, small and 100m
       for preset in ${TRAIN_STEP_PRESETS:-small 100m}; do
-        $PY -m graphfp8.train --compare fp8:layers,fp8:step --preset "$preset" \
+        $PY -m graphfp8.training --compare fp8:layers,fp8:step --preset "$preset" \
           --steps ${TRAIN_STEP_STEPS:-200} --out "$RES/train_step_$preset" \
           > "$RES/train_step_$preset.log" 2>&1 || status=1
         echo "-- $preset" | tee -a "$RES/summary.md"
@@ -276,7 +276,7 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       rc=$?; tail -1 "$RES/tests_compile.log" | tee -a "$RES/summary.md"; [ $rc -eq 0 ] || status=1
       for mode in off on; do
         flag=""; [ $mode = on ] && flag=--compile
-        $PY -m graphfp8.train --compare ${COMPILE_RUNS:-bf16:eager,fp8:eager,fp8:graphs} $flag \
+        $PY -m graphfp8.training --compare ${COMPILE_RUNS:-bf16:eager,fp8:eager,fp8:graphs} $flag \
           --preset ${TRAIN_PRESET:-100m} --steps ${COMPILE_STEPS:-100} --out "$RES/compile_$mode" \
           > "$RES/compile_$mode.log" 2>&1 || status=1
         echo "-- --compile $mode" | tee -a "$RES/summary.md"
@@ -285,7 +285,7 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
     train-scaling)  # issue 16: DelayedScaling vs Float8CurrentScaling vs FP8 primary weights
       for run in delayed current fp8w; do
         case $run in fp8w) extra="--fp8-weights" ;; *) extra="--scaling $run" ;; esac
-        $PY -m graphfp8.train --compare fp8:layers $extra \
+        $PY -m graphfp8.training --compare fp8:layers $extra \
           --preset ${TRAIN_PRESET:-100m} --steps ${TRAIN_SCALING_STEPS:-200} \
           --out "$RES/train_scaling_$run" > "$RES/train_scaling_$run.log" 2>&1 || status=1
         echo "-- $run" | tee -a "$RES/summary.md"
@@ -293,10 +293,10 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
           | tee -a "$RES/summary.md"
       done ;;
     profile)
-      $PY -m graphfp8.training.profile --out "$RES/profile" > "$RES/profile.log" 2>&1 || status=1
+      $PY -m graphfp8.training.step_profile --out "$RES/profile" > "$RES/profile.log" 2>&1 || status=1
       grep -v USDT "$RES/profile.log" | head -40 | tee -a "$RES/summary.md" ;;
     profile-step)  # the 100m preset with the whole step as one graph
-      $PY -m graphfp8.training.profile --graphs step --out "$RES/profile" \
+      $PY -m graphfp8.training.step_profile --graphs step --out "$RES/profile" \
         > "$RES/profile_step.log" 2>&1 || status=1
       grep -v USDT "$RES/profile_step.log" | head -40 | tee -a "$RES/summary.md" ;;
     kernels-ab)  # kernel benchmark and kernel outputs (bit for bit): AB_BASE vs this tree
@@ -306,16 +306,16 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
     memory)  # issue 19: the report (bf16 beside FP8, one layer and a stack), then the table
       for what in ${MEMORY_WHAT:-report table}; do
         flag=$([ $what = table ] && echo --table)
-        $PY -m graphfp8.bench memory $flag --json "$RES/bench_memory_$what.json" \
+        $PY -m benchmarks memory $flag --json "$RES/bench_memory_$what.json" \
           > /tmp/bench_memory_$what.log 2>&1 || { status=1; tail -30 /tmp/bench_memory_$what.log; }
         grep -v '^wrote' /tmp/bench_memory_$what.log >> "$RES/summary.md"
       done ;;
     glu)  # issue 23: SwiGLU LayerNormMLP FP8 graphed vs bf16 graphed and TE, the GLU kernels
-      with_te $PY -m graphfp8.bench glu --json "$RES/bench_glu.json" > /tmp/bench_glu.log 2>&1 \
+      with_te $PY -m benchmarks glu --json "$RES/bench_glu.json" > /tmp/bench_glu.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_glu.log; }
       grep -v '^wrote' /tmp/bench_glu.log >> "$RES/summary.md" ;;
     step-nodebug)  # issue 26: does the CUDA graphs' debug mode (graphs/backends.py) cost launch time?
-      GRAPHFP8_GRAPH_DEBUG=0 $PY -m graphfp8.bench step --json "$RES/bench_step_nodebug.json" \
+      GRAPHFP8_GRAPH_DEBUG=0 $PY -m benchmarks step --json "$RES/bench_step_nodebug.json" \
         > /tmp/bench_step_nodebug.log 2>&1 || { status=1; tail -30 /tmp/bench_step_nodebug.log; }
       grep -v '^wrote' /tmp/bench_step_nodebug.log >> "$RES/summary.md" ;;
     kern-ab|kern-ab2)  # issue 33: the CUDA tests of every kern switch (DBIAS_IN_KERNEL,
@@ -325,14 +325,14 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       timeout 120 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_dbias_in_kernel.py \
         tests/ops/test_norm_bwd_batched.py tests/ops/test_rope_fp8.py > "$RES/kern2_tests.log" 2>&1 || status=1
       grep -E "^FAILED|passed|failed|Timeout" "$RES/kern2_tests.log" | tail -12 | tee -a "$RES/summary.md"
-      timeout 150 $PY -m graphfp8.bench variants --json "$RES/kern2_variants.json" 2>&1 \
+      timeout 150 $PY -m benchmarks variants --json "$RES/kern2_variants.json" 2>&1 \
         | grep -v '^wrote' | grep -E "^#|^\| (switch|---|DBIAS|NORM_BWD_(STAGED|PARAM))" >> "$RES/summary.md" || status=1
       # ws1: switches on and cuBLASLt's workspace at 1 KiB (no split-K): are _scaled_mm's memsets
       # cuBLASLt's split-K workspace zeroing (notes/PERF.md), and what do they cost?
       for sw in off on ws1; do
         e=""; [ $sw = on ] && e=$KERN_SW; [ $sw = ws1 ] && e="$KERN_SW CUBLASLT_WORKSPACE_SIZE=1"
-        env $e timeout 90 $PY -m graphfp8.bench census --json "$RES/kern2_census_$sw.json" > /tmp/kern2_census_$sw.log 2>&1 || status=1
-        env $e timeout 90 $PY -m graphfp8.bench step --json "$RES/kern2_step_$sw.json" > /tmp/kern2_step_$sw.log 2>&1 || status=1
+        env $e timeout 90 $PY -m benchmarks census --json "$RES/kern2_census_$sw.json" > /tmp/kern2_census_$sw.log 2>&1 || status=1
+        env $e timeout 90 $PY -m benchmarks step --json "$RES/kern2_step_$sw.json" > /tmp/kern2_step_$sw.log 2>&1 || status=1
         echo "-- switches $sw" >> "$RES/summary.md"
         grep -v '^wrote' /tmp/kern2_census_$sw.log | grep -E "^#|^\| (op|---|total|KERNEL|MEMSET|MEMCPY|Memset)" >> "$RES/summary.md"
         grep -E "^\| (peer|---|fp8 step|bf16 step)" /tmp/kern2_step_$sw.log | head -6 >> "$RES/summary.md"
@@ -356,8 +356,8 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         $PY scripts/ncu_kernels.py summary "$RES/ncu_details.csv" > "$RES/ncu_summary.md" 2>&1 || status=1
         tee -a "$RES/summary.md" < "$RES/ncu_summary.md"; tail -5 "$RES/ncu_run.log"
       fi ;;
-    kernels|variants|opcount|census|eager|block|attention|step|host|stack|hf|hf-users|carry)  # hf: issue 23's Llama
-      with_te $PY -m graphfp8.bench "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
+    kernels|variants|opcount|census|eager|block|attention|step|host|stack|hf|hf-users|carried-casts)  # hf: issue 23's Llama
+      with_te $PY -m benchmarks "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;
     generate)  # issue 32's generate() rows alone (bench hf-users without Trainer): new tokens/s,
@@ -365,9 +365,9 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       # graphfp8 bf16 / FP8 (not yet run on a GPU: its first try profiled 128 tokens with host
       # op events and ran past 200 s; now CUDA activity only)
       $PY -c 'import json, sys
-from graphfp8.bench.hf_model import FULL
-from graphfp8.bench.hf_users import generate_rows
-from graphfp8.bench.common import print_table
+from benchmarks.hf_model import FULL
+from benchmarks.hf_users import generate_rows
+from benchmarks.common import print_table
 rows = generate_rows(FULL, "cuda", False, profile_new=16)
 json.dump(rows, open(sys.argv[1], "w"), indent=1)
 base = rows["HF bf16 generate"]["tokens_per_s"]
@@ -384,11 +384,11 @@ print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF
       $PY -m pytest -q -m cuda -p no:cacheprovider tests/te tests/test_lora.py \
         > "$RES/te_tests.log" 2>&1 || status=1
       tail -1 "$RES/te_tests.log" | tee -a "$RES/summary.md" ;;
-    scaling)  # issue 34: scripts/scaling.sh (correctness, speed at N and 1, profile, peers, fit)
-      RES=$RES PY=$PY bash scripts/scaling.sh > "$RES/scaling.log" 2>&1 || status=1
-      grep "^scaling\|: rc \|skipped" "$RES/scaling.log" | tail -20
-      cat "$RES/scaling.md" >> "$RES/summary.md" 2>/dev/null \
-        || { echo "scaling: no tables (scaling.log)" | tee -a "$RES/summary.md"; tail -20 "$RES/scaling.log"; } ;;
+    multi_gpu)  # issue 34: scripts/multi_gpu.sh (correctness, speed at N and 1, profile, peers, fit)
+      RES=$RES PY=$PY bash scripts/multi_gpu.sh > "$RES/multi_gpu.log" 2>&1 || status=1
+      grep "^multi_gpu\|: rc \|skipped" "$RES/multi_gpu.log" | tail -20
+      cat "$RES/multi_gpu.md" >> "$RES/summary.md" 2>/dev/null \
+        || { echo "multi_gpu: no tables (multi_gpu.log)" | tee -a "$RES/summary.md"; tail -20 "$RES/multi_gpu.log"; } ;;
     *)
       echo "unknown step $step"; status=1 ;;
   esac

@@ -1,5 +1,8 @@
 """Device probe: where the host time of a graphed microbatch goes (graph launch cost by node
-count, and the forward / backward halves of a graphed graphfp8 block)."""
+count, and the forward / backward halves of a graphed graphfp8 block).
+
+    PYTHONPATH=. python scripts/host_probe.py     (from the repository root: it uses benchmarks/)
+"""
 
 import statistics
 import time
@@ -7,7 +10,7 @@ import time
 import torch
 
 import graphfp8 as g8
-from graphfp8.bench.peers import G8Stack
+from benchmarks.peers import G8Stack
 
 
 def host_us(fn, iters=200):

@@ -1,4 +1,4 @@
-"""`python -m graphfp8.bench ... --quick` runs on the CPU: CI checks that the benchmarks run and
+"""`python -m benchmarks ... --quick` runs on the CPU: CI checks that the benchmarks run and
 write complete tables (on a CPU the numbers themselves mean nothing)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from graphfp8.bench.__main__ import main
+from benchmarks.__main__ import main
 
 
 def _numbers(rows: list[dict]) -> list[float]:
@@ -100,7 +100,7 @@ def test_time_host_syncs_before_each_timed_call(monkeypatch):
     """Host enqueue time is measured from an idle device, one call at a time: back-to-back
     enqueues wait for a full launch queue and measure the GPU instead (the step benchmark's
     8- and 24-layer host times did)."""
-    from graphfp8.bench import common
+    from benchmarks import common
 
     events = []
     monkeypatch.setattr(common, "sync", lambda device: events.append("sync"))

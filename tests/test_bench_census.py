@@ -1,4 +1,4 @@
-"""The step graph's work per TransformerLayer per microbatch (graphfp8.bench.census), pinned op by
+"""The step graph's work per TransformerLayer per microbatch (benchmarks.census), pinned op by
 op so that a change in what a layer launches shows here (issue 33: at most 30 graph nodes per
 layer; notes/PERF.md has the census and what each entry is)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from graphfp8.bench import census
-from graphfp8.bench.opcount import kernels
+from benchmarks import census
+from benchmarks.opcount import kernels
 from graphfp8.ops.switches import kernel_switch
 
 # What one more TransformerLayer adds to each microbatch of the 100m GPT's FP8 step graph, as

@@ -1,6 +1,6 @@
-"""bench/fsdp_peers.py's harness on 2 gloo ranks with the tiny preset (not speed: that it builds,
-shards, trains on graphfp8-train's data and reports); bench/torch_gpt.py has graphfp8-train's
-GPT's parameter count; the torchao peer skips on the CPU with its reason."""
+"""benchmarks/fsdp_peers.py's harness on 2 gloo ranks with the tiny preset (not speed: that it
+builds, shards, trains on graphfp8-train's data and reports); benchmarks/torch_gpt.py has
+graphfp8-train's GPT's parameter count; the torchao peer skips on the CPU with its reason."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from graphfp8.bench import fsdp_peers
-from graphfp8.bench.torch_gpt import TorchGPT
+from benchmarks import fsdp_peers
+from benchmarks.torch_gpt import TorchGPT
 from graphfp8.training.data import Dataset
 from graphfp8.training.model import GPT, PRESETS, count_parameters
 from graphfp8.training.sources import open_stream

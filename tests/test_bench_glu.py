@@ -1,4 +1,4 @@
-"""`python -m graphfp8.bench glu --quick` runs on the CPU with every peer a CPU has and writes
+"""`python -m benchmarks glu --quick` runs on the CPU with every peer a CPU has and writes
 complete tables (the numbers mean nothing there)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from graphfp8.bench.__main__ import main
+from benchmarks.__main__ import main
 
 
 def test_glu_quick(tmp_path, capsys):

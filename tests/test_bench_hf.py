@@ -1,4 +1,4 @@
-"""`python -m graphfp8.bench hf --quick` runs on the CPU (without torch.compile's peer) when
+"""`python -m benchmarks hf --quick` runs on the CPU (without torch.compile's peer) when
 transformers is installed: the training peers, then Trainer's (HF bf16, graphfp8 FP8 eager and
 with layer graphs) and generate()'s (issue 32)."""
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from graphfp8.bench.__main__ import main
+from benchmarks.__main__ import main
 
 pytest.importorskip("transformers")
 
@@ -39,8 +39,8 @@ def test_hf_quick(tmp_path, capsys):
 def test_a_profiled_generate_call_counts_kernels_per_new_token():
     """gpu_check's step `generate`: one more call of profile_new tokens under torch.profiler;
     the CPU has no kernels, so no busy fraction is made up."""
-    from graphfp8.bench.hf_model import QUICK, hf_model
-    from graphfp8.bench.hf_users import _generate_run
+    from benchmarks.hf_model import QUICK, hf_model
+    from benchmarks.hf_users import _generate_run
 
     prompts = torch.randint(1, 256, (2, 8))
     row = _generate_run(hf_model(QUICK, "cpu").eval(), prompts, 4, 1, "cpu", profile_new=2)

@@ -1,4 +1,4 @@
-"""`python -m graphfp8.bench host --quick` on the CPU: every entry point's row at 1 and 2 layers,
+"""`python -m benchmarks host --quick` on the CPU: every entry point's row at 1 and 2 layers,
 with the tape's replay timed apart from the checks, and the summary tables (the numbers
 themselves mean nothing on a CPU)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 
-from graphfp8.bench.__main__ import main
+from benchmarks.__main__ import main
 
 CPU_PEERS = ["g8 callable", "g8 per-layer", "g8 per-layer chain", "g8 microbatch graph",
              "g8 step graph"]  # fmt: skip

@@ -1,11 +1,11 @@
-"""`python -m graphfp8.bench step --quick` on the CPU tape: every peer runs and is reported
+"""`python -m benchmarks step --quick` on the CPU tape: every peer runs and is reported
 (speed is measured on the GPU; nothing here asserts on time)."""
 
 from __future__ import annotations
 
 import json
 
-from graphfp8.bench.__main__ import main
+from benchmarks.__main__ import main
 
 
 def test_step_bench_quick_on_cpu(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The TransformerEngine peer of the benchmarks (graphfp8/bench/te_peers.py) on a machine
+"""The TransformerEngine peer of the benchmarks (benchmarks/te_peers.py) on a machine
 without TE: every TE column is left out, and the one-stream capture wrapper patches TE's graph
 module and torch.cuda.Stream only while TE captures (checked on a stand-in TE module)."""
 
@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from graphfp8.bench import te_peers
+from benchmarks import te_peers
 
 
 def test_without_te_every_te_peer_is_left_out(monkeypatch):

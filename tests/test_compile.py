@@ -328,7 +328,7 @@ def test_train_compile_matches_the_run_without(device, tmp_path):
     """graphfp8-train --compile (embedding and loss compiled around the graphed FP8 blocks)
     trains like the run without it: the same losses within the tolerance of docs/architecture.md
     (inductor sums the embedding and norm gradients in another order)."""
-    from graphfp8 import train
+    from graphfp8.training import cli as train
 
     # The tiny preset on every device (the 100m one at full lr from step 1 diverges on 2 steps).
     argv = ["--preset", "tiny", "--batch", "2", "--seq-len", "32", "--microbatches", "2",

@@ -11,8 +11,8 @@ from graphfp8 import global_state
 from graphfp8.fp8 import observe
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.graphs import backends
+from graphfp8.nvtx_ranges import enable_ranges
 from graphfp8.ops import cudnn_sdpa
-from graphfp8.profiling import enable_ranges
 
 H, T = 32, 16
 
@@ -51,7 +51,7 @@ DIRTY = {
     "cuDNN SDPA graphs and handles (ops/cudnn_sdpa.py)": lambda: cudnn_sdpa._HANDLES.update(
         {0: object()}
     ),
-    "NVTX ranges switch (profiling.py)": lambda: enable_ranges(True),
+    "NVTX ranges switch (nvtx_ranges.py)": lambda: enable_ranges(True),
 }
 
 

@@ -46,8 +46,30 @@ def test_the_layer_check_catches_cycles_upward_imports_and_the_extension_around_
         "graphfp8.fp8.b (layer fp8) imports graphfp8.graphs.capture (layer graphs, higher)",
         "graphfp8.graphs.capture imports graphfp8._C directly, not through graphfp8.ops",
         "graphfp8.graphs.capture imports the concrete layer module graphfp8.modules.linear",
-        "graphfp8.modules.base (layer modules) imports graphfp8.reference (layer top, higher)",
+        "graphfp8.modules.base (layer modules) imports graphfp8.reference (layer root, higher)",
         "graphfp8.modules.base (runtime) imports test-only graphfp8.reference",
+    ]
+
+
+def test_the_top_floor_rooms_and_the_benchmarks_follow_their_rules(layers):
+    edges = {
+        "graphfp8.hf.convert": {"graphfp8.training.model", "graphfp8.numerics"},
+        "graphfp8.te.modules": {"graphfp8"},
+        "graphfp8.numerics": {"graphfp8.lora", "graphfp8.graphs"},
+        "graphfp8.memory.report": {"graphfp8.testing"},
+        "graphfp8.training.loop": {"graphfp8.hf", "benchmarks.common"},
+        "graphfp8": {"graphfp8.hf", "graphfp8.reference"},
+        "benchmarks.step": {"graphfp8.training.loop", "graphfp8.testing", "graphfp8"},
+    }
+    assert layers.violations(edges) == [
+        "graphfp8.hf.convert (layer integrations) imports graphfp8.training.model "
+        "(layer training, higher)",
+        "graphfp8.memory.report (layer reports) imports graphfp8.testing (layer root, higher)",
+        "graphfp8.memory.report (runtime) imports test-only graphfp8.testing",
+        "graphfp8.numerics (layer reports) imports graphfp8.lora (layer integrations, higher)",
+        "graphfp8.te.modules (layer integrations) imports graphfp8 (layer root, higher)",
+        "graphfp8.training.loop (layer training) imports benchmarks.common (layer benchmarks, "
+        "higher)",
     ]
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import graphfp8 as g8
-from graphfp8.bench.__main__ import main as bench_main
-from graphfp8.bench.memory_run import Shape, Stack
+from benchmarks.__main__ import main as bench_main
+from benchmarks.memory_run import Shape, Stack
 from graphfp8.memory import LiveBytes, memory_report
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_side_by_side
@@ -138,7 +138,7 @@ def test_bench_memory_quick_runs_and_fp8_saves_less(tmp_path):
     fp8w, ref = stack["fp8 graphed, FP8 weights"]["report"], stack["fp8 graphed"]["report"]
     weights = lambda r: r["bytes"]["parameters"] + r["bytes"].get("FP8 weights", 0)  # noqa: E731
     assert weights(fp8w) < weights(ref) and "FP8 weights" not in fp8w["bytes"]
-    # Bytes per parameter per GPU (bench/memory_shard.py): issue 31's targets for FP8 weights,
+    # Bytes per parameter per GPU (benchmarks/memory_shard.py): issue 31's targets for FP8 weights,
     # 2 (FP8 weight + transpose) + 2 (bf16 grad) + 16 / N, a bit more for norms and padding.
     shard = json.loads(path.read_text())["sharding"]["configs"]
     per = {name: {int(n): s["bytes_per_parameter"]["total"] for n, s in c["state"].items()}

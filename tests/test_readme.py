@@ -1,5 +1,6 @@
-"""Every python block of README.md runs as written: in order, as one script, on the CPU (the
-blocks pick the GPU when there is one), in a scratch directory (they write files)."""
+"""Every python block of README.md and of the docs pages that continue its first example runs as
+written: in order, as one script, on the CPU (the blocks pick the GPU when there is one), in a
+scratch directory (they write files)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+# The README, then the docs pages whose blocks use its names, in the order the README lists them.
+PAGES = ("README.md", "docs/usage.md", "docs/integrations.md", "docs/training.md",
+         "docs/multi-gpu.md")  # fmt: skip
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 
 
@@ -20,12 +24,13 @@ def python_blocks(text: str) -> list[str]:
 
 def test_the_readme_runs_as_written(tmp_path, monkeypatch):
     pytest.importorskip("transformers")  # the Hugging Face block
-    blocks = python_blocks(README.read_text())
-    assert len(blocks) >= 7
+    blocks = [(page, i, block) for page in PAGES
+              for i, block in enumerate(python_blocks((ROOT / page).read_text()))]  # fmt: skip
+    assert len(blocks) >= 7 and {page for page, _, _ in blocks} == set(PAGES)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__readme__"}
-    for i, block in enumerate(blocks):
-        code = compile(block, f"README.md python block {i + 1}", "exec")
+    for page, i, block in blocks:
+        code = compile(block, f"{page} python block {i + 1}", "exec")
         exec(code, namespace)
     # What the blocks say they do, done: training ran in FP8 and wrote what it says.
     assert math.isfinite(float(namespace["loss"]))

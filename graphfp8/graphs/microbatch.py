@@ -26,7 +26,7 @@ from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_optim import TrainingSnapshot
 from graphfp8.graphs.train_body import StaticBatch, TrainBody
-from graphfp8.profiling import nvtx_range
+from graphfp8.nvtx_ranges import nvtx_range
 
 __all__ = ["GraphedMicrobatch", "make_graphed_microbatch"]
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_unflatten
 
 from graphfp8.graphs.capture_checks import inside_ddp_forward
-from graphfp8.profiling import nvtx_range
+from graphfp8.nvtx_ranges import nvtx_range
 
 __all__ = ["CallContract", "GraphPair", "GraphedRunner", "InputSpec", "copy_inputs", "needs_copy",
            "storages_of"]  # fmt: skip

@@ -42,7 +42,7 @@ from graphfp8.graphs.contexts import (
 )
 from graphfp8.graphs.fp8_init import freeze_arenas, init_fp8_modules
 from graphfp8.graphs.options import CaptureOptions
-from graphfp8.profiling import nvtx_range
+from graphfp8.nvtx_ranges import nvtx_range
 
 __all__ = ["CaptureSession"]
 

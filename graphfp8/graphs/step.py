@@ -41,8 +41,8 @@ from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_optim import OptimizerGuard, TrainingSnapshot, check_optimizer
 from graphfp8.graphs.train_body import StaticBatch, TrainBody
+from graphfp8.nvtx_ranges import nvtx_range
 from graphfp8.ops import GradWatch
-from graphfp8.profiling import nvtx_range
 
 __all__ = ["GraphedStep", "make_graphed_step"]
 
@@ -322,7 +322,7 @@ class GraphedStep:
 
     def launch_only(self) -> None:
         """Replays the step on the static batch without the per-call checks or the batch copy:
-        what the launch alone costs the host (`python -m graphfp8.bench step`). Training calls
+        what the launch alone costs the host (`python -m benchmarks step`). Training calls
         the step itself."""
         # The CPU tape re-runs ops in place on leaf tensors and views of them: no grad mode.
         with torch.no_grad() if self._tape else contextlib.nullcontext():

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-import graphfp8 as g8
+from graphfp8 import modules
+from graphfp8.fp8 import Float8Tensor
 from graphfp8.te._args import check_te_args, default_device
 
 __all__ = [
@@ -97,7 +98,7 @@ def check_mask(where: str, attention_mask, mask_type, module_mask_type: str) -> 
         )
 
 
-class DotProductAttention(g8.DotProductAttention):
+class DotProductAttention(modules.DotProductAttention):
     """TE's DotProductAttention(num_attention_heads, kv_channels, num_gqa_groups,
     attention_dropout, qkv_format="sbhd", attn_mask_type="causal", ...): graphfp8's.
 
@@ -140,6 +141,6 @@ class DotProductAttention(g8.DotProductAttention):
         if fmt == "sbhd":
             qkv = tuple(t.transpose(0, 1) for t in qkv)
         out = super().forward(*qkv)
-        if isinstance(out, g8.Float8Tensor):  # fp8_mha: TE hands FP8 on only with fp8_output
+        if isinstance(out, Float8Tensor):  # fp8_mha: TE hands FP8 on only with fp8_output
             out = out.dequantize()
         return out.transpose(0, 1).contiguous() if fmt == "sbhd" else out

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import graphfp8 as g8
+from graphfp8 import modules
 from graphfp8.te._args import PARALLEL, UB, check_te_args, default_device, default_init
 
 __all__ = ["LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm"]
@@ -51,7 +51,7 @@ _MLP_TE_ONLY = {
 _FORWARD_TE_ONLY = {"fp8_output": False, "fp8_grad": False}
 
 
-class Linear(g8.Linear):
+class Linear(modules.Linear):
     """TE's Linear(in_features, out_features, ...): graphfp8.Linear. Supported: init_method,
     bias, params_dtype, device, name; TE's other arguments only at their defaults."""
 
@@ -70,7 +70,7 @@ class Linear(g8.Linear):
         return super().forward(inp, is_first_microbatch)
 
 
-class LayerNormLinear(g8.LayerNormLinear):
+class LayerNormLinear(modules.LayerNormLinear):
     """TE's LayerNormLinear(in_features, out_features, eps, ...): graphfp8.LayerNormLinear.
     Supported: eps, init_method, bias, normalization, params_dtype, return_layernorm_output,
     zero_centered_gamma, device, name; TE's other arguments only at their defaults."""
@@ -95,7 +95,7 @@ class LayerNormLinear(g8.LayerNormLinear):
         return super().forward(inp, is_first_microbatch)
 
 
-class LayerNormMLP(g8.LayerNormMLP):
+class LayerNormMLP(modules.LayerNormMLP):
     """TE's LayerNormMLP(hidden_size, ffn_hidden_size, eps, ...): graphfp8.LayerNormMLP.
     Supported: eps, init_method, bias, normalization, activation ("gelu", "relu", "swiglu",
     "geglu"; TE's others raise), output_layer_init_method, params_dtype, zero_centered_gamma,

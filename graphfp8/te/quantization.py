@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-import graphfp8 as g8
+from graphfp8 import fp8, graphs
 from graphfp8.te._args import check_te_args
 
 __all__ = [
@@ -37,7 +37,7 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe=None,
     """TE 2.x's autocast: graphfp8.fp8_autocast(enabled, recipe, fp8_group=amax_reduction_group).
     `_graph` (TE's internal flag for its own capture) must stay False."""
     check_te_args("autocast", {"_graph": _graph}, {"_graph": False})
-    return g8.autocast(enabled, calibrating, recipe, amax_reduction_group)
+    return fp8.autocast(enabled, calibrating, recipe, amax_reduction_group)
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None,
@@ -45,7 +45,7 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
     """TE's fp8_autocast (deprecated in TE 2.x for autocast): graphfp8.fp8_autocast."""
     check_te_args("fp8_autocast", {"_graph": _graph}, {"_graph": False})
     _not_calibrating("fp8_autocast", calibrating)
-    return g8.fp8_autocast(enabled, fp8_recipe, fp8_group)
+    return fp8.fp8_autocast(enabled, fp8_recipe, fp8_group)
 
 
 def quantized_model_init(enabled: bool = True, recipe=None,
@@ -56,7 +56,7 @@ def quantized_model_init(enabled: bool = True, recipe=None,
     check_te_args("quantized_model_init",
                   {"preserve_high_precision_init_val": preserve_high_precision_init_val},
                   {"preserve_high_precision_init_val": False})  # fmt: skip
-    return g8.fp8_model_init(enabled, recipe)
+    return fp8.fp8_model_init(enabled, recipe)
 
 
 def fp8_model_init(enabled: bool = True, recipe=None,
@@ -116,7 +116,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     )  # fmt: skip
     caching = _renamed("fp8_weight_caching", fp8_weight_caching, "cache_quantized_params",
                        cache_quantized_params)  # fmt: skip
-    return g8.make_graphed_callables(
+    return graphs.make_graphed_callables(
         modules, sample_args, num_warmup_iters=num_warmup_iters,
         allow_unused_input=allow_unused_input, sample_kwargs=sample_kwargs,
         fp8_enabled=enabled, fp8_recipe=_renamed("fp8_recipe", fp8_recipe, "recipe", recipe),

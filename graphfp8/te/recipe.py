@@ -11,14 +11,14 @@ custom) are not here.
 
 from __future__ import annotations
 
-import graphfp8 as _g8
+from graphfp8 import fp8 as _fp8
 from graphfp8.te._args import FIXED, check_te_args
 
-Format = _g8.Format
+Format = _fp8.Format
 
 __all__ = ["DelayedScaling", "Float8CurrentScaling", "Format", "Recipe"]
 
-Recipe = _g8.DelayedScaling | _g8.Float8CurrentScaling
+Recipe = _fp8.DelayedScaling | _fp8.Float8CurrentScaling
 _QUANT_AND_GEMM_PARAMS = (
     "fp8_quant_fwd_inp",
     "fp8_quant_fwd_weight",
@@ -44,7 +44,7 @@ class DelayedScaling(metaclass=_MakesGraphfp8Recipe):
     a callable amax_compute_algo, backward_override.
     """
 
-    graphfp8_class = _g8.DelayedScaling
+    graphfp8_class = _fp8.DelayedScaling
 
     def __new__(cls, margin: int = 0, fp8_format: Format = Format.HYBRID,
                 amax_history_len: int = 1024, amax_compute_algo: str = "max",
@@ -57,7 +57,7 @@ class DelayedScaling(metaclass=_MakesGraphfp8Recipe):
                  backward_override=backward_override),
             dict(scaling_factor_compute_algo=None, backward_override=None),
         )  # fmt: skip
-        return _g8.DelayedScaling(margin=margin, fp8_format=fp8_format,
+        return _fp8.DelayedScaling(margin=margin, fp8_format=fp8_format,
                                   amax_history_len=amax_history_len,
                                   amax_compute_algo=amax_compute_algo, reduce_amax=reduce_amax,
                                   fp8_dpa=fp8_dpa, fp8_mha=fp8_mha)  # fmt: skip
@@ -72,7 +72,7 @@ class Float8CurrentScaling(metaclass=_MakesGraphfp8Recipe):
     DelayedScaling only in graphfp8), backward_override.
     """
 
-    graphfp8_class = _g8.Float8CurrentScaling
+    graphfp8_class = _fp8.Float8CurrentScaling
 
     def __new__(cls, fp8_format: Format = Format.HYBRID, **te_only):
         check_te_args(
@@ -86,4 +86,4 @@ class Float8CurrentScaling(metaclass=_MakesGraphfp8Recipe):
                 **dict.fromkeys(_QUANT_AND_GEMM_PARAMS, FIXED),
             ),
         )
-        return _g8.Float8CurrentScaling(fp8_format=fp8_format)
+        return _fp8.Float8CurrentScaling(fp8_format=fp8_format)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import graphfp8 as g8
+from graphfp8 import modules
 from graphfp8.te._args import PARALLEL, check_te_args, default_device
 from graphfp8.te.attention import ATTN_FORWARD_TE_ONLY, ATTN_TE_ONLY, check_format, check_mask
 from graphfp8.te.modules import LayerNormLinear, LayerNormMLP, Linear
@@ -78,7 +78,7 @@ class _SelfAttention(nn.Module):
         self.layernorm_qkv = LayerNormLinear(hidden_size, (heads + 2 * groups) * head_dim,
                                              init_method=init_method, bias=bias, **norm,
                                              **common)  # fmt: skip
-        self.core_attention = g8.DotProductAttention(heads, head_dim, num_gqa_groups=groups,
+        self.core_attention = modules.DotProductAttention(heads, head_dim, num_gqa_groups=groups,
                                                      attn_mask_type=mask_type,
                                                      attention_dropout=attention_dropout,
                                                      device=common["device"])  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import graphfp8 as g8
-from graphfp8.bench.peers import G8Stack
+from benchmarks.peers import G8Stack
 from graphfp8.graphs.backends import tape_replays_off
 
 H, T, N = 16, 16, 2

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphfp8 import train
+from graphfp8.training import cli as train
 
 FAST = ["--batch", "2", "--seq-len", "32", "--microbatches", "1", "--device", "cpu",
         "--val-batches", "1"]  # fmt: skip

@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from graphfp8 import train
+from graphfp8.training import cli as train
 from graphfp8.training import run as run_module
 from graphfp8.training.checkpoint import load_checkpoint
 

@@ -145,7 +145,7 @@ def test_main_job_checks_fp8_attention_on_this_gpu(capsys):
     """graphfp8-train --fp8-attention builds cuDNN's graphs before training: on Hopper the
     100m preset (head_dim 64) is refused with the way out (--heads 8: head_dim 128), which
     then passes."""
-    from graphfp8 import train
+    from graphfp8.training import cli as train
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the head_dim 128 rule of cuDNN's FP8 backward is Hopper's")

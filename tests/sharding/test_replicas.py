@@ -2,7 +2,7 @@
 a swap; a rank whose FP8 weight, scale_inv or high-precision parameter differs stops every rank
 naming it; and through the CLI: the llama-tiny preset sharded over 3 ranks (uneven slices) keeps
 identical weights on every rank after every step, eager == step graph on every rank's losses and
-weights; sharded against unsharded through the CLI and scripts/scaling_report.py's comparison; a
+weights; sharded against unsharded through the CLI and scripts/multi_gpu_report.py's comparison; a
 weight perturbed on one rank mid-run stops the run with exit status 3."""
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_llama_sharded_over_three_ranks_stays_replicated(tmp_path):
 
 
 def _sharded_against_unsharded(rank, device, tmp):
-    """What scripts/scaling.sh's correctness part runs on the GPU, at 2 gloo ranks."""
+    """What scripts/multi_gpu.sh's correctness part runs on the GPU, at 2 gloo ranks."""
     base = [a for a in ARGS if a != "--shard"]
     for flag in ("", "-shard"):
         argv = [*base, *(["--shard"] if flag else []), "--check-replicas", "--compare",
@@ -104,7 +104,7 @@ def _sharded_against_unsharded(rank, device, tmp):
         assert code == 0, err
     if rank != 0:
         return
-    report = _load("scaling_report")
+    report = _load("multi_gpu_report")
     lines, found, ok = report._correctness(Path(tmp))
     c = found["tiny"]
     assert ok and c["ok"] and all(c[n]["replicas"] and c[n]["checks"] == 5
@@ -146,7 +146,7 @@ def test_a_weight_perturbed_on_one_rank_stops_the_run(tmp_path):
 
 
 def test_check_replicas_needs_ddp(capsys):
-    from graphfp8 import train
+    from graphfp8.training import cli as train
 
     with pytest.raises(SystemExit):
         train.parse_args(["--device", "cpu", "--check-replicas"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import graphfp8 as g8
-from graphfp8 import train
+from graphfp8.training import cli as train
 from graphfp8.training.checkpoint import CheckpointError, check_resumable
 from graphfp8.training.data import Dataset
 from graphfp8.training.run import Run, run_settings

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from graphfp8 import train
+from graphfp8.training import cli as train
 from tests.training.test_pack import folder  # noqa: F401 - the packed-documents fixture
 
 SMALL = ["--batch", "2", "--seq-len", "32", "--microbatches", "2", "--data", "synthetic",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import json
 
-from graphfp8 import train
+from graphfp8.training import cli as train
 
 ARGV = ["--preset", "tiny", "--batch", "2", "--seq-len", "32", "--microbatches", "2",
         "--steps", "4", "--val-batches", "1", "--data", "synthetic",

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from graphfp8 import train
+from graphfp8.training import cli as train
 from graphfp8.training.data import IGNORE, Dataset, split_windows
 from graphfp8.training.model import GPT, PRESETS
 from graphfp8.training.sources import DataError, open_stream

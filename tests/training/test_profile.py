@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from graphfp8.training import profile as profile_runner
-from graphfp8.training.profile_stats import busy_fraction, parse_gpu_trace, top_kernels
+from graphfp8.training import step_profile as profile_runner
+from graphfp8.training.trace_stats import busy_fraction, parse_gpu_trace, top_kernels
 
 
 def test_profile_runner_writes_summary(tmp_path):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphfp8 import train
 from graphfp8.testing import assert_bitwise_equal
+from graphfp8.training import cli as train
 from graphfp8.training.data import Dataset
 from graphfp8.training.evaluate import validation_loss
 from graphfp8.training.loop import RunOptions, train_run
@@ -131,14 +131,14 @@ def test_resume_is_bit_exact(device, tmp_path, graphs, synthetic, capsys):
         torch.cuda.device_count() < 2, reason="needs 2 GPUs")])],
 )  # fmt: skip
 def test_ddp_under_torchrun(tmp_path, ddp_device):
-    """torchrun --nproc_per_node=2 -m graphfp8.train --ddp on the default data (the standard
+    """torchrun --nproc_per_node=2 -m graphfp8.training --ddp on the default data (the standard
     library): both ranks end with the same FP8 scales and histories and the same parameters,
     agree on the validation loss (each evaluates its own windows: only the reduction makes them
     agree), and the loss goes down."""
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "graphfp8.train", "--ddp", "--device", ddp_device, *SMALL, "--steps", "8",
+           "-m", "graphfp8.training", "--ddp", "--device", ddp_device, *SMALL, "--steps", "8",
            "--log-every", "4", "--eval-every", "8", "--val-batches", "2", "--out",
            str(tmp_path)]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from graphfp8 import train
+from graphfp8.training import cli as train
 from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from graphfp8 import train
 from graphfp8.testing import assert_bitwise_equal
-from graphfp8.training import profile as profile_runner
+from graphfp8.training import cli as train
+from graphfp8.training import step_profile as profile_runner
 from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS

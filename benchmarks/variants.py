@@ -1,0 +1,168 @@
+"""Kernel variants in one run (issue 22): each default-off kernel switch (graphfp8.ops.switches)
+off and on, and current scaling's two launch sequences per cast against the delayed-scaling cast,
+all against a copy timed in the same run. On the GPU this is what decides whether a switch
+becomes the default; the CUDA tests decide whether it may (bit-identical results)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.common import environment, print_table
+from benchmarks.kernels import _rotating, _timed
+from graphfp8 import ops
+from graphfp8.fp8 import current
+from graphfp8.fp8.current import CurrentQuantizer
+from graphfp8.fp8.slots import Quantizer
+from graphfp8.ops.switches import kernel_switch
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _bf16_sets(m: int, n: int, device, k: int = 2):
+    return _rotating(
+        lambda: tuple(torch.randn(m, n, device=device, dtype=torch.bfloat16) for _ in range(k)),
+        2 * k * m * n,
+        device,
+    )
+
+
+def _copy_gbs(sets, device) -> float:
+    """GB/s of a bf16 device copy (read + write) of the sets' first tensors."""
+    dst = [torch.empty_like(s[0]) for s in sets]
+    ms = _timed(lambda i: dst[i].copy_(sets[i][0]), len(sets), device)
+    return 2 * 2 * sets[0][0].numel() / ms / 1e6
+
+
+def _switch_row(name, op, shape, bytes_per_elem, fn, sets, copy_gbs, device) -> dict:
+    """fn(*set) with the switch `name` off and on: ms, GB/s ratio to copy, speed-up."""
+    n_elem = shape[0] * shape[1]
+    ms = {}
+    for on in (False, True):
+        with kernel_switch(name, on):
+            ms[on] = _timed(lambda i: fn(*sets[i]), len(sets), device)
+    ratio = {on: bytes_per_elem * n_elem / ms[on] / 1e6 / copy_gbs for on in ms}
+    return dict(switch=name, op=op, shape=f"{shape[0]}x{shape[1]}", off_ms=ms[False],
+                on_ms=ms[True], off_ratio_to_copy=ratio[False], on_ratio_to_copy=ratio[True],
+                speedup=ms[False] / ms[True])  # fmt: skip
+
+
+def _cast_cases(device):
+    one, amax = torch.ones(1, device=device), torch.zeros(1, device=device)
+    return {
+        "cast_transpose": (4, lambda dy, x: ops.cast_transpose(x, one, amax, E4M3)),
+        "cast_transpose_dbias": (4, lambda dy, x: ops.cast_transpose_dbias(dy, one, amax, E5M2)),
+        "gelu_cast_transpose": (4, lambda dy, x: ops.gelu_cast_transpose(x, one, amax, E4M3)),
+        "dgelu_cast_transpose_dbias": (
+            6, lambda dy, x: ops.dgelu_cast_transpose_dbias(dy, x, one, amax, E5M2)),
+    }  # fmt: skip
+
+
+def _norm_bwd(dy, x, g, mu, rsigma):
+    return ops.layernorm_bwd(dy, x, mu, rsigma, g)
+
+
+def _norm_bwd_res(dy, x, g, mu, rsigma):
+    """As in a TransformerLayer: the residual's gradient added (x stands in for it: 2 B more)."""
+    return ops.layernorm_bwd(dy, x, mu, rsigma, g, dresidual=x)
+
+
+def _norm_sets(m: int, n: int, device):
+    def make():
+        x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+        g = torch.randn(n, device=device, dtype=torch.bfloat16)
+        o = ops.layernorm_fp8(x, g, torch.zeros_like(g), 1e-5, torch.ones(1, device=device),
+                              torch.zeros(1, device=device), E4M3)  # fmt: skip
+        return torch.randn_like(x), x, g, o.mu, o.rsigma
+
+    return _rotating(make, 6 * m * n, device)
+
+
+def _current_row(op: str, shape, sets, device) -> dict:
+    """ms per cast: delayed scaling (the cast alone), the three-launch and the fused current
+    scaling sequences (graphfp8/fp8/current.py), on a one-slot history."""
+    h0, scale = torch.zeros(1, device=device), torch.ones(1, device=device)
+    scaled_max, sink = torch.tensor([448.0], device=device), torch.zeros(1, device=device)
+    cast = {"cast_transpose": lambda x, q: ops.cast_transpose(x, *q),
+            "gelu_cast_transpose": lambda x, q: ops.gelu_cast_transpose(x, *q)}[op]  # fmt: skip
+    amax_of = current.amax_of if op == "cast_transpose" else current.gelu_amax_of
+
+    def delayed(dy, x):
+        cast(x, Quantizer(scale, h0, E4M3))
+
+    def three(dy, x):
+        with _fused(False):
+            amax_of(x)(Quantizer(scale, h0, E4M3))
+        ops.scale_update_(h0.view(1, 1), scale, scaled_max, True)
+        cast(x, Quantizer(scale, sink, E4M3))
+
+    def fused(dy, x):
+        with _fused(True):
+            amax_of(x)(CurrentQuantizer(scale, h0, E4M3, scaled_max))
+        cast(x, CurrentQuantizer(scale, h0, E4M3, scaled_max))
+
+    ms = {k: _timed(lambda i, f=f: f(*sets[i]), len(sets), device)
+          for k, f in (("delayed", delayed), ("three", three), ("fused", fused))}  # fmt: skip
+    return dict(op=op, shape=f"{shape[0]}x{shape[1]}", delayed_ms=ms["delayed"],
+                three_launch_ms=ms["three"], fused_ms=ms["fused"],
+                three_vs_delayed=ms["three"] / ms["delayed"],
+                fused_vs_delayed=ms["fused"] / ms["delayed"])  # fmt: skip
+
+
+class _fused:
+    """Sets graphfp8.fp8.current's path for the tensors of this benchmark's device."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        self.before = (current.FUSED_ON_CPU, current.FUSED_ON_CUDA)
+        current.FUSED_ON_CPU = current.FUSED_ON_CUDA = self.on
+
+    def __exit__(self, *exc):
+        current.FUSED_ON_CPU, current.FUSED_ON_CUDA = self.before
+
+
+def run(device, quick: bool = False) -> dict:
+    """The variant tables; quick: tiny shapes (a CPU smoke run: there the switches do nothing)."""
+    cast_shapes = [(128, 256)] if quick else [(4096, 8192), (8192, 16384)]
+    norm_shapes = [(64, 256)] if quick else [(8192, 1024), (8192, 4096), (16384, 8192)]
+    switches, cur = [], []
+    for shape in cast_shapes:
+        sets = _bf16_sets(*shape, device)
+        copy_gbs = _copy_gbs(sets, device)
+        for op, (nbytes, fn) in _cast_cases(device).items():
+            switches.append(_switch_row("PAIRED_QUANTIZE", op, shape, nbytes, fn, sets,
+                                        copy_gbs, device))  # fmt: skip
+            if "dbias" in op:  # issue 33: the dbias sums without a second launch
+                switches.append(_switch_row("DBIAS_IN_KERNEL", op, shape, nbytes, fn, sets,
+                                            copy_gbs, device))  # fmt: skip
+        cur += [_current_row(op, shape, sets, device)
+                for op in ("cast_transpose", "gelu_cast_transpose")]  # fmt: skip
+    for shape in norm_shapes:
+        sets = _norm_sets(*shape, device)
+        copy_gbs = _copy_gbs(sets, device)
+        switches.append(_switch_row("NORM_BWD_BATCHED", "layernorm_bwd", shape, 6, _norm_bwd,
+                                    sets, copy_gbs, device))  # fmt: skip
+        with kernel_switch("NORM_BWD_BATCHED", True):  # issue 33: its staged variant
+            switches.append(_switch_row("NORM_BWD_STAGED", "layernorm_bwd", shape, 6,
+                                        _norm_bwd, sets, copy_gbs, device))  # fmt: skip
+            switches.append(_switch_row("NORM_BWD_STAGED", "layernorm_bwd + dresidual",
+                                        shape, 8, _norm_bwd_res, sets, copy_gbs,
+                                        device))  # fmt: skip
+            with kernel_switch("NORM_BWD_STAGED", True):
+                switches.append(_switch_row("NORM_BWD_PARAM_IN_KERNEL", "layernorm_bwd", shape,
+                                            6, _norm_bwd, sets, copy_gbs, device))  # fmt: skip
+    text = print_table(
+        f"kernel switches off / on, bf16 (same run; ratios to a bf16 copy), {device}",
+        ["switch", "op", "shape", "off ms", "on ms", "off / copy", "on / copy", "speedup"],
+        [[r["switch"], r["op"], r["shape"], r["off_ms"], r["on_ms"], r["off_ratio_to_copy"],
+          r["on_ratio_to_copy"], r["speedup"]] for r in switches],
+    )  # fmt: skip
+    text += print_table(
+        f"current scaling per cast: three launches vs fused, against the delayed cast, {device}",
+        ["op", "shape", "delayed ms", "three-launch ms", "fused ms", "three / delayed",
+         "fused / delayed"],
+        [[r["op"], r["shape"], r["delayed_ms"], r["three_launch_ms"], r["fused_ms"],
+          r["three_vs_delayed"], r["fused_vs_delayed"]] for r in cur],
+    )  # fmt: skip
+    return {"env": environment(device), "switches": switches, "current": cur, "table": text}

@@ -1,1 +1,0 @@
-"""Benchmarks: `python -m graphfp8.bench {kernels,eager,block}`."""
