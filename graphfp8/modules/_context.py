@@ -9,8 +9,9 @@ places around it and the GEMM configs that carry them. Nothing here writes into 
     capture:  the module's arenas recorded (ctx.recorder); no update (the graphs place them);
               every weight cast recorded, the graph's device flag deciding (GraphCasts)
     frozen:   an eval-mode call (module.eval()): current scales, no amax, no update, and its
-              weight casts (is_first_microbatch None or True) into scratch workspaces, so the
-              module's weight cache stays as training left it; False reuses that cache
+              weight casts (is_first_microbatch None or True) into scratch workspaces, each
+              weight scaled from itself, so the module's weight cache stays as training left
+              it; False reuses that cache
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphfp8.fp8 import context, scaling
+from graphfp8.fp8.current import own_scale
 from graphfp8.fp8.recipe import Recipe, is_current_scaling
 from graphfp8.fp8.scale_schedule import SCHEDULE
+from graphfp8.fp8.slots import FwdRole, slot_index
+from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.fp8.weight_cache import WeightCache
 from graphfp8.modules._functional import GemmConfig
 
@@ -51,13 +55,21 @@ def fp8_recipe() -> Recipe | None:
 
 class FrozenSlots:
     """A SlotBlock whose casts read its scales but fold their amaxes into the arena's sink: an
-    FP8 call that leaves the delayed-scaling state as it was (a frozen call)."""
+    FP8 call that leaves the delayed-scaling state as it was (a frozen call). Given the call's
+    weights (an evaluation cast), each weight's slot scales from that weight alone (own_scale):
+    a weight changed since training last cast it is not cast with the old weight's scale."""
 
-    def __init__(self, block: scaling.SlotBlock):
+    def __init__(self, block: scaling.SlotBlock, weights=()):
         self.block, self.arena, self.start = block, block.arena, block.start
+        self._own = {}
+        for g, w in enumerate(weights):
+            if not isinstance(w, Float8Tensor):  # an FP8 primary weight carries its own scale
+                i = slot_index(FwdRole.WEIGHT, g)
+                self._own[i] = own_scale(block, i, w)
 
     def scale(self, i: int) -> torch.Tensor:
-        return self.block.scale(i)
+        own = self._own.get(i)
+        return self.block.scale(i) if own is None else own
 
     def amax(self, i: int) -> torch.Tensor:
         return self.arena.amax_sink
@@ -105,13 +117,14 @@ def gemm_configs(
     ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before any FP8 state changes
     frozen = _frozen_call(module, ctx)
     meta, bwd_update = fp8_state(module, weights[0][1].device, frozen, ctx)
-    fwd, bwd = map(FrozenSlots, (meta.fwd, meta.bwd)) if frozen else (meta.fwd, meta.bwd)
-    fp8_dtype = meta.fwd.arena.fp8_dtype
+    fwd, bwd, cast, flag = meta.fwd, meta.bwd, None, None
     if not module.training and not ctx.capturing and is_first_microbatch is not False:
         # An evaluation cast: into workspaces of its own, the cache left as training left it.
-        cache, cast, flag = WeightCache(), True, None
-    else:
-        cast, flag = None, None
+        cache, cast = WeightCache(), True
+    if frozen:
+        fwd = FrozenSlots(meta.fwd, [w for _, w in weights] if cast else ())
+        bwd = FrozenSlots(meta.bwd)
+    fp8_dtype = meta.fwd.arena.fp8_dtype
     workspaces = [cache.workspace(key, w, fp8_dtype, module.cache_weight_transpose, owner)
                   for key, w in weights]  # fmt: skip
     if cast is None:
