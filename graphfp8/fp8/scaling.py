@@ -39,6 +39,7 @@ __all__ = [
     "REGISTRY",
     "SlotBlock",
     "allocate",
+    "freeze",
     "live_arenas",
     "new_init_group",
 ]
@@ -201,6 +202,13 @@ global_state.register_kept(
 def new_init_group() -> None:
     """Modules that get their slots from now on go into new arenas."""
     REGISTRY.open = {}
+
+
+def freeze(arenas, frozen: bool = True) -> None:
+    """Marks `arenas` as captured in a graph (frozen=True: they never grow or move again; modules
+    created later get new arenas) or, undoing a failed capture, as free again."""
+    for arena in arenas:
+        arena.frozen = frozen
 
 
 def allocate(recipe: Recipe, device, direction: str, count: int) -> SlotBlock:

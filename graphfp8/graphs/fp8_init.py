@@ -48,6 +48,5 @@ def freeze_arenas(arenas, fp8_group) -> list[scaling.Arena]:
     arenas = sorted(arenas, key=lambda a: a.serial)
     check_arenas(arenas, fp8_group)
     newly = [a for a in arenas if not a.frozen]
-    for arena in newly:
-        arena.frozen = True
+    scaling.freeze(newly)
     return newly

@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-from graphfp8.fp8 import context
+from graphfp8.fp8 import context, scaling
 from graphfp8.fp8.context import ArenaRecorder, FP8Context
 from graphfp8.fp8.scale_schedule import UpdatePoints
 from graphfp8.fp8.weight_cache import GraphCasts, WeightCachePolicy
@@ -74,8 +74,7 @@ class CaptureSession:
 
     def __exit__(self, kind, value, tb) -> None:
         if kind is not None:
-            for arena in self.frozen:
-                arena.frozen = False
+            scaling.freeze(self.frozen, False)
 
     def init_fp8(self, chunks) -> None:
         """Allocates the FP8 slots of each chunk's modules (lists of FP8 modules) before warmup,
