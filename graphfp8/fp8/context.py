@@ -57,6 +57,8 @@ class FP8Context:
             module's is_first_microbatch on the host (EAGER), or a graph's device flag.
         recorder: inside a capture (warmup included), what collects the arenas used; None in
             eager mode, where nothing is recorded and the updates run as the schedule says.
+        init_group: the fp8/scaling.py InitGroup modules that first run here take their slots
+            from (None outside any region: scaling's group of slots taken outside).
     """
 
     enabled: bool = False
@@ -65,6 +67,7 @@ class FP8Context:
     region: int = 0
     weight_cache: WeightCachePolicy = EAGER
     recorder: ArenaRecorder | None = field(default=None, compare=False)
+    init_group: object = field(default=None, compare=False)
 
     @property
     def capturing(self) -> bool:

@@ -68,6 +68,7 @@ class CaptureSession:
         self.fp8_group, self.pool = options.fp8_group, options.pool
         self.weight_cache = GraphCasts(weight_cache_flag)
         self.frozen: list = []
+        self.init_group = scaling.InitGroup()  # where modules first reached in warmup go
 
     def __enter__(self) -> CaptureSession:
         return self
@@ -80,7 +81,7 @@ class CaptureSession:
         """Allocates the FP8 slots of each chunk's modules (lists of FP8 modules) before warmup,
         in fresh arenas per chunk, and checks them across the ranks of fp8_group."""
         if self.fp8_enabled:
-            init_fp8_modules(chunks, self.recipe, self.device, self.fp8_group)
+            self.init_group = init_fp8_modules(chunks, self.recipe, self.device, self.fp8_group)
 
     @contextlib.contextmanager
     def recording(self):
@@ -89,7 +90,7 @@ class CaptureSession:
         used and the updates it recorded."""
         ctx = FP8Context(enabled=self.fp8_enabled, recipe=self.recipe, group=self.fp8_group,
                          region=context.current().region, weight_cache=self.weight_cache,
-                         recorder=ArenaRecorder())  # fmt: skip
+                         recorder=ArenaRecorder(), init_group=self.init_group)  # fmt: skip
         with context.pushed(ctx):
             yield ctx.recorder
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from graphfp8.modules.base import FP8Meta, FP8Module
 
 __all__ = ["FrozenSlots", "fp8_enabled", "fp8_recipe", "fp8_state", "gemm_configs",
-           "in_fp8_region"]  # fmt: skip
+           "in_fp8_region", "init_group"]  # fmt: skip
 
 
 def fp8_enabled() -> bool:
@@ -45,6 +45,12 @@ def in_fp8_region() -> bool:
     """Whether an fp8_autocast region (enabled or not) or a capture is open: a model carrying
     its recipe (modules/carry.py) then leaves the choice to it."""
     return context.current() is not context.OFF
+
+
+def init_group() -> scaling.InitGroup | None:
+    """The init group modules take their slots from now (fp8/scaling.py), None outside any
+    region."""
+    return context.current().init_group
 
 
 def fp8_recipe() -> Recipe | None:
@@ -95,7 +101,7 @@ def fp8_state(module: FP8Module, device, frozen: bool = False,
     a capture, which records the arenas and places both updates itself; or a `frozen` call,
     which updates nothing). Eager mode runs the forward update point here."""
     ctx = ctx or context.current()
-    meta = module.fp8_init(ctx.recipe, device)
+    meta = module.fp8_init(ctx.recipe, device, ctx.init_group)
     if ctx.recorder is not None:
         ctx.recorder.record(meta.fwd.arena, meta.bwd.arena)
         return meta, None

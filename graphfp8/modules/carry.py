@@ -78,14 +78,13 @@ class FP8Carry:
 
 def init_fp8_state(model: torch.nn.Module, recipe: Recipe, device) -> None:
     """Gives every FP8 layer of `model` its fresh FP8 state for `recipe` now, in arenas of its
-    own (a new init group: another model's updates never reach them), rather than at its
+    own (an init group of its own: another model's updates never reach them), rather than at its
     first FP8 forward: its checkpoint entry then has its final size from the start, which
     torch.distributed.checkpoint needs to load into a fresh model."""
-    scaling.new_init_group()
+    group = scaling.InitGroup()
     for m in model.modules():
         if isinstance(m, FP8Module) and m.uses_fp8(recipe):
-            m.fp8_init(recipe, device)
-    scaling.new_init_group()
+            m.fp8_init(recipe, device, group)
 
 
 def _first_fp8_layer(model: torch.nn.Module) -> torch.nn.Module | None:

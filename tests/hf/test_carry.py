@@ -130,7 +130,7 @@ def test_a_converted_hugging_face_model_carries_its_recipe(cast_log):
 
 def test_evaluation_runs_in_the_chosen_mode():
     x = ids()
-    plain = g8.from_hf(hf_model("llama"))
+    plain = g8.from_hf(hf_model("llama")).eval()  # evaluation: eval mode
     with torch.no_grad():
         bf16 = plain(x).logits
         with g8.fp8_autocast(recipe=RECIPE):

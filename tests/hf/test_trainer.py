@@ -107,7 +107,7 @@ def test_trainer_evaluates_in_the_mode_chosen(eval_fp8, tmp_path):
                                    eval_dataset=data)  # fmt: skip
     got = trainer.evaluate()["eval_loss"]
     x = torch.stack(data.rows)
-    plain = g8.from_hf(hf_model("llama"))
+    plain = g8.from_hf(hf_model("llama")).eval()  # evaluation: eval mode
     with torch.no_grad(), g8.fp8_autocast(enabled=eval_fp8, recipe=RECIPE):
         want = plain(x, labels=x).loss
     with torch.no_grad(), g8.fp8_autocast(enabled=not eval_fp8, recipe=RECIPE):
