@@ -1,12 +1,13 @@
 """graphfp8: CUDA-graph-centric FP8 training for PyTorch."""
 
 from graphfp8 import hf, numerics, ops
+from graphfp8.distributed import FSDPMasterWeights, MasterWeights, ShardedMasterWeights
 from graphfp8.fp8 import (
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     Float8Tensor,
     Format,
-    MasterWeights,
     autocast,
     fp8_autocast,
     fp8_model_init,
@@ -33,14 +34,17 @@ __all__ = [
     "CaptureError",
     "DelayedScaling",
     "DotProductAttention",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "FP8Module",
     "Float8Tensor",
+    "FSDPMasterWeights",
     "Format",
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
     "MasterWeights",
+    "ShardedMasterWeights",
     "TransformerLayer",
     "autocast",
     "convert",

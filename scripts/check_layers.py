@@ -26,12 +26,11 @@ LAYERS = [
             "graphfp8.ops",
             "graphfp8._C",
             "graphfp8.nvtx_ranges",
-            "graphfp8.distributed",
-            "graphfp8.collectives",
             "graphfp8.global_state",
         ],
     ),
     ("fp8", ["graphfp8.fp8"]),
+    ("distributed", ["graphfp8.distributed"]),
     ("modules", ["graphfp8.modules"]),
     ("graphs", ["graphfp8.graphs"]),
     # The top floor's rooms: reports never import integrations or the training app;
@@ -56,13 +55,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, name: str) -> set[str]:
-    """graphfp8 modules that `path` imports at module level or inside functions (imports under
-    `if TYPE_CHECKING:` are annotations only, not edges)."""
+def imports_of(path: Path, name: str, type_only: bool = False) -> set[str]:
+    """graphfp8 modules that `path` imports at module level or inside functions; with type_only,
+    also those under `if TYPE_CHECKING:` (annotations: a cycle, not a layering edge)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     is_pkg = path.name == "__init__.py"
     found = set()
-    for node in _runtime_nodes(tree):
+    for node in _runtime_nodes(tree, type_only):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith(_NAMES))
         elif isinstance(node, ast.ImportFrom):
@@ -79,15 +78,15 @@ def imports_of(path: Path, name: str) -> set[str]:
     return found - {name}
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node outside `if TYPE_CHECKING:` blocks."""
+def _runtime_nodes(tree: ast.AST, type_only: bool = False):
+    """Every node outside `if TYPE_CHECKING:` blocks (every node with type_only)."""
     stack = [tree]
     while stack:
         node = stack.pop()
         yield node
         for child in ast.iter_child_nodes(node):
             test = child.test if isinstance(child, ast.If) else None
-            if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING":
+            if not type_only and isinstance(test, ast.Name) and test.id == "TYPE_CHECKING":
                 stack.extend(child.orelse)
                 continue
             stack.append(child)
@@ -112,9 +111,9 @@ def layer_of(name: str) -> int:
     return best
 
 
-def graph() -> dict[str, set[str]]:
+def graph(type_only: bool = False) -> dict[str, set[str]]:
     paths = [p for folder in (PACKAGE, *CLIENTS) for p in sorted(folder.rglob("*.py"))]
-    return {module_name(p): imports_of(p, module_name(p)) for p in paths}
+    return {module_name(p): imports_of(p, module_name(p), type_only) for p in paths}
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -150,12 +149,14 @@ def _is_package_of(importer: str, imported: str) -> bool:
 _RUNTIME_TOP = [name for name, _ in LAYERS].index(RUNTIME_TOP)
 
 
-def violations(edges: dict[str, set[str]]) -> list[str]:
-    """Human-readable problems: cycles, upward imports, test-only imports, concrete layers
-    imported by graphs/, the extension imported around its loader."""
+def violations(edges: dict[str, set[str]], typed: dict[str, set[str]] | None = None) -> list[str]:
+    """Human-readable problems: cycles (over `typed`, the edges with type-only imports, when
+    given), upward imports, test-only imports, concrete layers imported by graphs/, the
+    extension imported around its loader."""
     out = []
     # Package __init__ files import their children: leave those edges out of the cycle search.
-    plain = {m: {i for i in deps if not _is_package_of(m, i)} for m, deps in edges.items()}
+    typed = edges if typed is None else typed
+    plain = {m: {i for i in deps if not _is_package_of(m, i)} for m, deps in typed.items()}
     for cycle in _cycles(plain):
         out.append("import cycle: " + " -> ".join(cycle + cycle[:1]))
     for mod, deps in sorted(edges.items()):
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
     if args.graph:
         for mod, deps in edges.items():
             print(f"{mod} [{LAYERS[layer_of(mod)][0]}] -> {', '.join(sorted(deps)) or '-'}")
-    problems = violations(edges)
+    problems = violations(edges, graph(type_only=True))
     for line in problems:
         print(line)
     print(f"{len(edges)} modules, {sum(map(len, edges.values()))} imports, "

@@ -45,6 +45,11 @@
 #   step multi_gpu (issue 34): sharded FP8 training on every GPU of the machine (nvidia-h200-x2/x4/x8;
 #               also at 1): scripts/multi_gpu.sh (its MULTI_GPU_* settings there; <= MULTI_GPU_BUDGET_S,
 #               500 s) -> $RES/multi_gpu.md and multi_gpu.json (docs/sharding.md, "Multi-GPU measurement")
+#   step blockwise (issue 42): Float8BlockScaling on the GPU: scripts/probe_blockwise_mm.py (what
+#               torch's scaled_mm takes for 1x128 / 128x128 scales -> blockwise_mm_probe.json),
+#               the blockwise CUDA tests (the emulation and torch's scaled_mm path),
+#               scripts/bench_blockwise.py (Llama-3.2-1B block, blockwise vs delayed vs bf16
+#               tokens/s) and, with BLOCK_TRAIN_STEPS > 0, 100m delayed vs blockwise losses
 #   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
 #               token and GPU busy (one call under torch.profiler)
 #   step carried-casts (issue 39): what the carried recipe's weight casts on every
@@ -282,6 +287,28 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         echo "-- --compile $mode" | tee -a "$RES/summary.md"
         sed -n '/^ *run /,/^wrote/p' "$RES/compile_$mode.log" | grep -v '^wrote' | tee -a "$RES/summary.md"
       done ;;
+    blockwise)  # issue 42: probe, CUDA tests (both GEMM paths), block speed, 100m quality
+      $PY scripts/probe_blockwise_mm.py --out "$RES/blockwise_mm_probe.json" \
+        > "$RES/blockwise_probe.log" 2>&1 || status=1
+      tail -3 "$RES/blockwise_probe.log" | tee -a "$RES/summary.md"
+      # The graph tests run the emulation (their fixture); the scaled_mm tests pick their path.
+      timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider \
+        tests/ops/test_blockwise.py tests/graphs/test_blockwise_graphs.py \
+        > "$RES/tests_blockwise.log" 2>&1 || status=1
+      echo "-- blockwise CUDA tests: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"
+      GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/bench_blockwise.py \
+        --json "$RES/bench_blockwise.json" > "$RES/bench_blockwise.log" 2>&1 || status=1
+      tee -a "$RES/summary.md" < "$RES/bench_blockwise.log"
+      if [ "${BLOCK_TRAIN_STEPS:-300}" -gt 0 ]; then
+        for run in delayed blockwise; do
+          GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY -m graphfp8.training --compare fp8:layers \
+            --scaling $run --preset ${TRAIN_PRESET:-100m} --steps ${BLOCK_TRAIN_STEPS:-300} \
+            --out "$RES/train_block_$run" > "$RES/train_block_$run.log" 2>&1 || status=1
+          echo "-- $run" | tee -a "$RES/summary.md"
+          sed -n '/^ *run /,/^wrote/p' "$RES/train_block_$run.log" | grep -v '^wrote' \
+            | tee -a "$RES/summary.md"
+        done
+      fi ;;
     train-scaling)  # issue 16: DelayedScaling vs Float8CurrentScaling vs FP8 primary weights
       for run in delayed current fp8w; do
         case $run in fp8w) extra="--fp8-weights" ;; *) extra="--scaling $run" ;; esac

@@ -16,12 +16,12 @@ import torch.multiprocessing as mp
 import graphfp8 as g8
 from graphfp8.distributed import (
     DistInfo,
-    _buckets,
     allreduce_gradients,
     cleanup,
     init_distributed,
     is_distributed,
 )
+from graphfp8.distributed.data_parallel import _buckets
 from graphfp8.graphs import RecordingMode, ReplayTape
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import compare_models

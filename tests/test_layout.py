@@ -26,7 +26,21 @@ def layers():
 
 
 def test_imports_follow_the_layers_without_cycles(layers):
-    assert layers.violations(layers.graph()) == []
+    assert layers.violations(layers.graph(), layers.graph(type_only=True)) == []
+
+
+def test_type_only_imports_count_for_cycles_not_for_layers(layers, tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text("if TYPE_CHECKING:\n    from graphfp8.fp8 import master\n")
+    name = "graphfp8.distributed.x"
+    assert layers.imports_of(src, name) == set()
+    assert layers.imports_of(src, name, type_only=True) == {"graphfp8.fp8.master"}
+    runtime = {"graphfp8.fp8.master": {name}, name: set()}
+    typed = {"graphfp8.fp8.master": {name}, name: {"graphfp8.fp8.master"}}
+    assert layers.violations(runtime, typed) == [
+        "import cycle: graphfp8.distributed.x -> graphfp8.fp8.master -> graphfp8.distributed.x",
+        f"graphfp8.fp8.master (layer fp8) imports {name} (layer distributed, higher)",
+    ]
 
 
 def test_the_layer_check_catches_cycles_upward_imports_and_the_extension_around_ops(layers):

@@ -15,7 +15,7 @@ import itertools
 
 from graphfp8 import global_state
 from graphfp8.fp8 import context, observe, scaling
-from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe
+from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe, is_blockwise
 
 __all__ = ["autocast", "fp8_autocast", "reset_state"]
 
@@ -70,10 +70,13 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, fp8_group=N
         recipe = DelayedScaling()
     check_recipe(recipe, "fp8_autocast")
     outer = context.current()
-    if outer.capturing and enabled and outer.recipe is not None and recipe != outer.recipe:
+    # A capture keeps (and puts back after warmup) the state of its own recipe's arenas; a
+    # blockwise region has none, so it may nest in any capture (docs/fp8.md, "Blockwise scaling").
+    other = recipe != outer.recipe and not is_blockwise(recipe)
+    if outer.capturing and enabled and outer.recipe is not None and other:
         raise RuntimeError(
             "fp8_autocast inside a graph capture must use the recipe given to "
-            f"make_graphed_callables ({outer.recipe}), got {recipe}"
+            f"make_graphed_callables ({outer.recipe}) or a Float8BlockScaling, got {recipe}"
         )
     region, init_group = outer.region, outer.init_group
     if enabled and not outer.enabled and not outer.capturing:

@@ -25,9 +25,10 @@ The write-back quantizes each master with its own amax (graphfp8.fp8.primary.Wei
 and marks the weight's transpose cache stale; the next forward with is_first_microbatch=True (or
 None) rebuilds it, in a graph as the captured transpose node. Every step is device work only.
 
-`MasterWeights(model, shard_group=group)` shards instead: fp32 masters of every trainable
-parameter, their gradients and the optimizer state split over the group's ranks
-(graphfp8.fp8.shard, docs/sharding.md).
+This class is the unsharded kind. `graphfp8.MasterWeights(model, ...)` builds the kind a model
+needs (graphfp8.distributed.masters): this one, ShardedMasterWeights (shard_group=: every
+trainable parameter's master, gradient and optimizer state split over the group's ranks) or
+FSDPMasterWeights (a model under torch FSDP2), docs/sharding.md.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from graphfp8.fp8 import context
 from graphfp8.fp8.primary import WeightQuantizer
-from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.fp8.tensor import Float8Tensor, is_fsdp_fp8
 
-__all__ = ["MasterWeights"]
+__all__ = ["TENSOR_GRAD", "MasterWeights"]
 
-_TENSOR_GRAD = torch._C.TensorBase.grad  # the C-level .grad slot, under _Master's property
+TENSOR_GRAD = torch._C.TensorBase.grad  # the C-level .grad slot, under _Master's property
 
 
 def capturing() -> bool:
@@ -78,19 +79,19 @@ class _Master(torch.Tensor):
     def grad(self):
         if self._mode.moves() and self._weight.grad is not None:
             with torch.no_grad():
-                pending, held = self._weight.grad, _TENSOR_GRAD.__get__(self)
+                pending, held = self._weight.grad, TENSOR_GRAD.__get__(self)
                 if held is None:
-                    _TENSOR_GRAD.__set__(self, pending.to(torch.float32, copy=True))
+                    TENSOR_GRAD.__set__(self, pending.to(torch.float32, copy=True))
                 else:
                     held.add_(pending)
                 self._weight.grad = None
-        return _TENSOR_GRAD.__get__(self)
+        return TENSOR_GRAD.__get__(self)
 
     @grad.setter
     def grad(self, value) -> None:
         if self._mode.moves():  # the pending gradient belongs to the old value
             self._weight.grad = None
-        _TENSOR_GRAD.__set__(self, value)
+        TENSOR_GRAD.__set__(self, value)
 
     @grad.deleter
     def grad(self) -> None:
@@ -98,9 +99,9 @@ class _Master(torch.Tensor):
 
     def __deepcopy__(self, memo) -> _Master:
         new = _master(self.detach().clone(), copy.deepcopy(self._weight, memo), self._mode)
-        grad = _TENSOR_GRAD.__get__(self)
+        grad = TENSOR_GRAD.__get__(self)
         if grad is not None:
-            _TENSOR_GRAD.__set__(new, grad.clone())
+            TENSOR_GRAD.__set__(new, grad.clone())
         memo[id(self)] = new
         return new
 
@@ -130,11 +131,6 @@ def _master(value: torch.Tensor, weight: Float8Tensor, mode: _Mode) -> _Master:
     m = torch.Tensor._make_subclass(_Master, value, weight.requires_grad)
     m._weight, m._mode = weight, mode
     return m
-
-
-def is_fsdp_fp8(p: torch.Tensor) -> bool:
-    """An FSDP2 shard of an FP8 weight (a DTensor of a Float8Tensor)."""
-    return isinstance(getattr(p, "_local_tensor", None), Float8Tensor)
 
 
 def _is_fp8(p: torch.Tensor) -> bool:
@@ -177,33 +173,14 @@ def clear_grads(tensors, set_to_none: bool) -> None:
 
 
 class MasterWeights:
-    """fp32 masters of every FP8 primary weight of `model`; other parameters are used as they are.
-    With `shard_group`, a ShardedMasterWeights (graphfp8.fp8.shard) instead; for a model under
-    torch FSDP2 (fully_shard), an FSDPMasterWeights (graphfp8.fp8.fsdp_master).
+    """fp32 masters of every FP8 primary weight of `model`; other parameters are used as they are
+    (unsharded; graphfp8.MasterWeights builds the kind a model needs, distributed/masters.py).
 
     Args:
         model: a module with FP8 primary weights (created inside graphfp8.fp8_model_init).
-        shard_group: a torch.distributed group: shard the masters of every trainable parameter,
-            their gradients and the optimizer state over its ranks (docs/sharding.md).
-        bucket_mb, check_every_step: sharded only, see ShardedMasterWeights.
     """
 
-    sharded = False
-    # What MasterWeights(...) builds for sharded masters and for a model under FSDP2:
-    # graphfp8.fp8.shard and graphfp8.fp8.fsdp_master register them (they build on this).
-    _sharded_class: type | None = None
-    _fsdp_class: type | None = None
-
-    def __new__(cls, model: nn.Module, shard_group=None, **sharded_options):
-        if cls is MasterWeights and shard_group is not None:
-            return super().__new__(MasterWeights._sharded_class)
-        if cls is MasterWeights and any(is_fsdp_fp8(p) for p in model.parameters()):
-            return super().__new__(MasterWeights._fsdp_class)  # FP8 shards of fully_shard
-        return super().__new__(cls)
-
-    def __init__(self, model: nn.Module, shard_group=None, **sharded_options) -> None:
-        if sharded_options:
-            raise TypeError(f"MasterWeights: {sorted(sharded_options)} need shard_group")
+    def __init__(self, model: nn.Module) -> None:
         check_fp8_weights_kept(model, "MasterWeights")
         named = list(model.named_parameters())
         self.names = [n for n, p in named if isinstance(p, Float8Tensor)]
@@ -229,6 +206,10 @@ class MasterWeights:
         """Every tensor that step() changes besides the model's and the optimizer's: the masters
         and the quantizers' scales (a graph capture snapshots and restores them)."""
         return [*self.masters, *(q.scale for q in self.quantizers)]
+
+    def master_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """(the fp32 masters, the gradients they hold now), as the memory report counts them."""
+        return list(self.masters), [TENSOR_GRAD.__get__(m) for m in self.masters]
 
     def parameters(self) -> list[torch.Tensor]:
         """What the optimizer updates: the fp32 masters, then the model's other parameters."""

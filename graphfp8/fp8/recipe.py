@@ -1,4 +1,5 @@
-"""FP8 formats and the delayed-scaling recipe: frozen, validated dataclasses."""
+"""FP8 formats and the recipes (delayed, current and blockwise scaling): frozen, validated
+dataclasses."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ __all__ = [
     "Format",
     "DelayedScaling",
     "Float8CurrentScaling",
+    "Float8BlockScaling",
     "Recipe",
     "check_recipe",
     "fp8_max",
+    "is_blockwise",
     "is_current_scaling",
     "max_margin",
     "recipe_from_dict",
@@ -176,7 +179,57 @@ class Float8CurrentScaling:
             )
 
 
-Recipe = DelayedScaling | Float8CurrentScaling
+@dataclass(frozen=True)
+class Float8BlockScaling:
+    """Blockwise scaling (DeepSeek-V3's recipe; TransformerEngine's Float8BlockScaling):
+    activations and gradients quantized in 1x128 tiles along each GEMM's K, weights in 128x128
+    blocks, each tile's or block's scale computed from its own amax at the cast (no history, no
+    slots, no arena, no amax all-reduce). docs/fp8.md, "Blockwise scaling", has the exact rules.
+
+    Args:
+        fp8_format: `Format.E4M3` (E4M3 everywhere, as DeepSeek-V3 and TE use it).
+        x_block_scaling_dim, w_block_scaling_dim, grad_block_scaling_dim: 1 (1x128 tiles) or 2
+            (128x128 blocks) for inputs, weights and gradients; graphfp8 implements TE's
+            defaults 1, 2, 1.
+        power_2_scale: round each scale down to a power of 2 (TE's default); False keeps the
+            float32 scale fp8_max / amax (TE's NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1).
+
+    The other fields are fixed, as Float8CurrentScaling's are.
+    """
+
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    power_2_scale: bool = True
+    margin: int = field(default=0, init=False, repr=False)
+    amax_history_len: int = field(default=1, init=False, repr=False)
+    amax_compute_algo: str = field(default="most_recent", init=False, repr=False)
+    reduce_amax: bool = field(default=False, init=False, repr=False)
+    fp8_dpa: bool = field(default=False, init=False, repr=False)
+    fp8_mha: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError(
+                f"Float8BlockScaling: fp8_format must be Format.E4M3, got {self.fp8_format!r} "
+                "(blockwise scaling quantizes gradients in E4M3 too: its tiles keep their range)"
+            )
+        dims = (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
+        if dims != (1, 2, 1):
+            raise ValueError(
+                "Float8BlockScaling: graphfp8 implements x_block_scaling_dim=1, "
+                "w_block_scaling_dim=2, grad_block_scaling_dim=1 (1x128 activation and gradient "
+                f"tiles, 128x128 weight blocks: TE's defaults), got {dims}"
+            )
+        if not isinstance(self.power_2_scale, bool):
+            raise ValueError(
+                f"Float8BlockScaling: power_2_scale must be a bool, got {self.power_2_scale!r}"
+            )
+
+
+Recipe = DelayedScaling | Float8CurrentScaling | Float8BlockScaling
+_RECIPES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)
 
 
 def is_current_scaling(recipe) -> bool:
@@ -184,12 +237,17 @@ def is_current_scaling(recipe) -> bool:
     return isinstance(recipe, Float8CurrentScaling)
 
 
+def is_blockwise(recipe) -> bool:
+    """Whether `recipe` scales per 1x128 tile and 128x128 block (Float8BlockScaling)."""
+    return isinstance(recipe, Float8BlockScaling)
+
+
 def check_recipe(recipe, where: str) -> None:
     """Raises a TypeError naming `where` unless `recipe` is None or a graphfp8 recipe."""
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    if recipe is not None and not isinstance(recipe, _RECIPES):
         raise TypeError(
-            f"{where}: recipe must be a graphfp8.DelayedScaling or graphfp8.Float8CurrentScaling, "
-            f"got {recipe!r}"
+            f"{where}: recipe must be a graphfp8.DelayedScaling, graphfp8.Float8CurrentScaling "
+            f"or graphfp8.Float8BlockScaling, got {recipe!r}"
         )
 
 
@@ -198,6 +256,9 @@ def recipe_to_dict(recipe: Recipe) -> dict:
     that checkpoints written before Float8CurrentScaling existed hold)."""
     if isinstance(recipe, Float8CurrentScaling):
         return {"type": "Float8CurrentScaling", "fp8_format": recipe.fp8_format.value}
+    if isinstance(recipe, Float8BlockScaling):
+        return {"type": "Float8BlockScaling", "fp8_format": recipe.fp8_format.value,
+                "power_2_scale": recipe.power_2_scale}  # fmt: skip
     return {
         "margin": recipe.margin,
         "fp8_format": recipe.fp8_format.value,
@@ -216,6 +277,8 @@ def recipe_from_dict(state: dict) -> Recipe:
     state["fp8_format"] = Format(state["fp8_format"])
     if kind == "Float8CurrentScaling":
         return Float8CurrentScaling(**state)
+    if kind == "Float8BlockScaling":
+        return Float8BlockScaling(**state)
     if kind != "DelayedScaling":
         raise ValueError(f"unknown recipe type {kind!r}")
     return DelayedScaling(**state)

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 from graphfp8 import ops
 from graphfp8.fp8 import tensor_fsdp
 
-__all__ = ["Float8Tensor"]
+__all__ = ["Float8Tensor", "is_fsdp_fp8"]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _ALIAS_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
@@ -211,3 +211,9 @@ def _copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 # Checkpoints holding FP8 primary weights load with torch.load's default weights_only=True.
 torch.serialization.add_safe_globals([Float8Tensor])
+
+
+def is_fsdp_fp8(p: torch.Tensor) -> bool:
+    """An FSDP2 shard of an FP8 weight (a DTensor of a Float8Tensor): the one test of "is this
+    weight sharded by FSDP2?" (tensor_fsdp.py keeps its views FP8)."""
+    return isinstance(getattr(p, "_local_tensor", None), Float8Tensor)

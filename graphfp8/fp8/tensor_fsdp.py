@@ -11,8 +11,8 @@ contiguous (a column slice still gives the dequantized values, as before).
 The all-gather (FSDP2's extension hooks): fsdp_pre_all_gather hands over the shard's FP8 bytes as
 uint8 (padded to FSDP's shard size) and its scale_inv; fsdp_post_all_gather wraps the gathered
 uint8 buffer - no copy - as the whole FP8 weight with that scale_inv (every shard holds the same
-one: graphfp8.fp8.fsdp_master writes them back with one amax per weight over the group) and a
-transpose buffer that FSDP frees and reallocates with the gathered data.
+one: graphfp8.distributed.fsdp_masters writes them back with one amax per weight over the group)
+and a transpose buffer that FSDP frees and reallocates with the gathered data.
 """
 
 from __future__ import annotations
@@ -21,9 +21,20 @@ import math
 
 import torch
 
-__all__ = ["SHARD_OPS", "post_all_gather", "pre_all_gather"]
+__all__ = ["SHARD_OPS", "fsdp_module_types", "post_all_gather", "pre_all_gather"]
 
 aten = torch.ops.aten
+
+
+def fsdp_module_types() -> tuple[type, ...]:
+    """torch's FSDP module classes (FSDP2's FSDPModule, FSDP1's FullyShardedDataParallel): the
+    one test of "is this module under FSDP?" (is_fsdp_fp8 in tensor.py asks it of a weight);
+    () without torch.distributed."""
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return (FSDPModule, FullyShardedDataParallel)
 
 
 def _wrap(data: torch.Tensor, like) -> object:

@@ -29,10 +29,10 @@ from graphfp8.graphs.discover import adopt_outside_leaves, closure_modules, next
 from graphfp8.graphs.grads import GradAccumulator, GradFold
 from graphfp8.graphs.session import CaptureSession
 
-__all__ = ["Backward", "Forward", "Sample", "capture_backwards", "capture_forwards", "prepare",
-           "warmup"]  # fmt: skip
+__all__ = ["NAME", "Backward", "Forward", "Sample", "capture_backwards", "capture_forwards",
+           "prepare", "warmup"]  # fmt: skip
 
-_NAME = "make_graphed_callables"
+NAME = "make_graphed_callables"
 
 
 @dataclass
@@ -47,6 +47,8 @@ class Sample:
         modules: a module callable's tree; closure: the modules a plain function closes over.
         arenas: {id: arena} of the FP8 arenas its modules used while warming up (what its
             warmup recordings returned).
+        callable_index: which of the callables given it runs (its FP8 setting:
+            CaptureOptions.recipes).
     """
 
     index: int
@@ -60,6 +62,7 @@ class Sample:
     modules: list[nn.Module]
     closure: list[nn.Module]
     arenas: dict = field(default_factory=dict)
+    callable_index: int = 0
 
     def adopt(self, params, names) -> None:
         self.params += list(params)
@@ -134,10 +137,10 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
         modules, named, closure = [], [], []
         if isinstance(func, nn.Module):
             modules, named = list(func.modules()), list(func.named_parameters())
-            check_capturable(_NAME, name, func, modules, named, index=j)
+            check_capturable(NAME, name, func, modules, named, index=j)
         else:
             closure = closure_modules(func)
-            check_capturable(_NAME, name, func, [m for c in closure for m in c.modules()], index=j)
+            check_capturable(NAME, name, func, [m for c in closure for m in c.modules()], index=j)
         alias_of = check_inputs_alias(name, flat)
         flat = _leaf_aliases(flat, alias_of)
         samples.append(Sample(j, name, func, flat, list(kwargs), alias_of, [p for _, p in named],
@@ -145,10 +148,10 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
         devices.update(t.device for t in flat)
         devices.update(p.device for _, p in named)
     if len(devices) != 1:
-        raise ValueError(f"{_NAME}: all tensors must be on one device, got {devices}")
+        raise ValueError(f"{NAME}: all tensors must be on one device, got {devices}")
     device = devices.pop()
     if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"{_NAME}: unsupported device {device}")
+        raise ValueError(f"{NAME}: unsupported device {device}")
     return samples, device
 
 
@@ -162,7 +165,7 @@ def warmup(samples: list[Sample], iters: int, allow_unused: bool, session: Captu
     with session.warmup():
         for it in range(iters):
             for s in samples:
-                with session.recording() as found:
+                with session.recording(s.callable_index) as found:
                     since = next_sequence_nr() if it == 0 else 0
                     flat, _ = s.call()
                     if it == 0:
@@ -189,7 +192,7 @@ def capture_forwards(samples: list[Sample], points: UpdatePoints, session: Captu
             s.static_inputs[0] = _chained_input(samples[i - 1], forwards[-1], s)
         graph = session.new_graph()
         since = next_sequence_nr()
-        with session.capture_into(graph) as found, saved_storages() as saved:
+        with session.capture_into(graph, s.callable_index) as found, saved_storages() as saved:
             if i == 0:
                 points.at_forward()
             outputs, out_spec = s.call()
@@ -256,7 +259,7 @@ def capture_backwards(samples: list[Sample], forwards: list[Forward], points: Up
         inputs = s.grad_inputs()
         graph = session.new_graph()
         fold = GradFold(s.params, session.device)
-        with fold.hooked(), session.capture_into(graph):
+        with fold.hooked(), session.capture_into(graph, s.callable_index):
             grads = ()
             if outs and inputs:
                 given = [g for g in grad_outputs if g is not None]

@@ -13,7 +13,7 @@ from torch import nn
 from graphfp8.fp8.recipe import Recipe
 from graphfp8.fp8.weight_cache import DeviceFlag
 from graphfp8.graphs.callable_phases import (
-    _NAME,
+    NAME,
     Sample,
     capture_backwards,
     capture_forwards,
@@ -65,8 +65,12 @@ def make_graphed_callables(
             arenas the graphs update); their FP8 and RNG effects are undone.
         allow_unused_input: let inputs get no gradient.
         sample_kwargs: a dict of tensors per callable (a tuple of dicts for several).
-        fp8_enabled: run graphfp8 modules in FP8 inside the graphs.
-        fp8_recipe: a DelayedScaling or Float8CurrentScaling (DelayedScaling() when None).
+        fp8_enabled: run graphfp8 modules in FP8 inside the graphs; or a tuple of one bool per
+            callable (TransformerEngine's per-callable fp8_enabled): those given False run in
+            their parameter dtype, as eagerly inside fp8_autocast(enabled=False).
+        fp8_recipe: a DelayedScaling or Float8CurrentScaling (DelayedScaling() when None); or a
+            tuple of one recipe (or None) per callable. Each recipe's modules keep their state in
+            that recipe's arenas.
         fp8_weight_caching: guard the weight casts with a device flag driven by the
             is_first_microbatch argument of each call (True/None cast, False reuses the cache);
             False, TransformerEngine's default (graphs/options.py says why the step differs).
@@ -100,21 +104,23 @@ def make_graphed_callables(
                                                                  sample_kwargs, order)  # fmt: skip
     layout = Layout(len(callables), len(sample_args), order)
     if chain and layout.explicit:
-        raise ValueError(f"{_NAME}: chain=True chains the layers of one unit; not with order=")
-    options = CaptureOptions(_NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
-                             num_warmup_iters, pool)  # fmt: skip
+        raise ValueError(f"{NAME}: chain=True chains the layers of one unit; not with order=")
+    options = CaptureOptions(NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
+                             num_warmup_iters, pool, callables=len(callables))  # fmt: skip
     check_distinct(callables)
     funcs = [callables[i] for i in layout.callable_of]
     samples, device = prepare(funcs, sample_args, sample_kwargs)
-    check_grad_mode(_NAME, any(t.requires_grad for s in samples for t in s.grad_inputs()))
-    flag = DeviceFlag(device, fp8_enabled, fp8_weight_caching, _NAME, "graphed callable")
+    for s in samples:
+        s.callable_index = layout.callable_of[s.index]
+    check_grad_mode(NAME, any(t.requires_grad for s in samples for t in s.grad_inputs()))
+    flag = DeviceFlag(device, options.fp8_enabled, fp8_weight_caching, NAME, "graphed callable")
     graphs = CapturedGraphs(layout, [s.name for s in samples], options, device, flag,
                             AutocastState(device))  # fmt: skip
     chunks = [fp8_modules_in([m for j in layout.units[(c, 0)].runners for m in _trees(samples[j])])
               for c in range(layout.num_chunks)]  # fmt: skip
     session = CaptureSession(device, options, weight_cache_flag=flag.tensor)
     with session, undone_on_failure(unique(m for c in chunks for m in c), samples, callables):
-        session.init_fp8(chunks)
+        session.init_fp8(chunks, _recipe_of(samples, options))
         warmup(samples, num_warmup_iters, allow_unused_input, session)
         session.freeze_arenas({k: a for s in samples for k, a in s.arenas.items()})
         built = _capture_units(samples, layout, session, allow_unused_input, chain)
@@ -134,20 +140,30 @@ def _normalize(callables, sample_args, sample_kwargs, order):
     just_one = not isinstance(callables, tuple)
     if just_one:
         if order is not None:
-            raise ValueError(f"{_NAME}: order needs a tuple of callables")
+            raise ValueError(f"{NAME}: order needs a tuple of callables")
         callables, sample_args, sample_kwargs = (callables,), (sample_args,), (sample_kwargs,)
     elif sample_kwargs is None:
         sample_kwargs = (None,) * len(sample_args)
     if len(sample_args) != len(sample_kwargs) or (
         order is None and len(callables) != len(sample_args)
     ):
-        raise ValueError(f"{_NAME}: need one sample_args entry per callable")
+        raise ValueError(f"{NAME}: need one sample_args entry per callable")
     return just_one, callables, sample_args, sample_kwargs
 
 
 def _trees(s: Sample) -> list[nn.Module]:
     """The module trees of a callable: its own, or those a plain function closes over."""
     return s.modules[:1] + s.closure
+
+
+def _recipe_of(samples: list[Sample], options: CaptureOptions):
+    """module -> the recipe of the first callable whose tree holds it (None: no FP8)."""
+    recipes: dict[int, object] = {}
+    for s in samples:
+        for tree in _trees(s):
+            for m in tree.modules():
+                recipes.setdefault(id(m), options.recipes[s.callable_index])
+    return lambda m: recipes.get(id(m))
 
 
 def _followers(layout: Layout) -> set[int]:
@@ -212,7 +228,7 @@ def _runner(s: Sample, fwd, bwd, graphs: CapturedGraphs, chained: bool) -> Graph
     contract = CallContract(
         name=s.name, index=s.index, guard=_guard(s),
         uses_fp8=bool(s.arenas) or any(isinstance(m, FP8Module) for m in s.modules), spec=spec,
-        chained=chained, expects_grad=expects,
+        chained=chained, expects_grad=expects, recipe=graphs.recipes[s.callable_index],
     )  # fmt: skip
     pair = GraphPair(
         fwd_graph=fwd.graph, bwd_graph=bwd.graph, static_inputs=s.static_inputs, copies=spec.copies,

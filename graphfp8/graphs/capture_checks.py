@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphfp8.fp8.tensor_fsdp import fsdp_module_types
 from graphfp8.graphs.compiled import compiled_part
 from graphfp8.graphs.lifecycle import live_owner
 from graphfp8.graphs.replay_guard import hook_dicts, tensor_hooks
@@ -96,12 +97,7 @@ def check_grad_mode(name: str, needs_backward: bool) -> None:
 
 
 def _data_parallel_types() -> tuple[type, ...]:
-    kinds: list[type] = [nn.parallel.DistributedDataParallel]
-    if torch.distributed.is_available():
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-        kinds += [FullyShardedDataParallel, FSDPModule]
-    return tuple(kinds)
+    return (nn.parallel.DistributedDataParallel, *fsdp_module_types())
 
 
 def inside_ddp_forward(name: str) -> None:

@@ -17,11 +17,11 @@ __all__ = ["autocast_cache_off", "fp8_and_rng_preserved", "gc_paused", "saved_st
 
 
 @contextlib.contextmanager
-def fp8_and_rng_preserved(recipe, device):
-    """Snapshots the recipe's arenas and the RNG, and puts them back when the block ends (also
-    when it raises): what warmup and the CPU tape's capture run must leave no trace. Arenas
-    created inside the block go back to fresh slots."""
-    arenas = scaling.live_arenas(recipe) if recipe is not None else []
+def fp8_and_rng_preserved(recipes, device):
+    """Snapshots the arenas of the recipes (a list) and the RNG, and puts them back when the
+    block ends (also when it raises): what warmup and the CPU tape's capture run must leave no
+    trace. Arenas created inside the block go back to fresh slots."""
+    arenas = _live(recipes)
     snaps = [(a, a.snapshot()) for a in arenas]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -33,12 +33,18 @@ def fp8_and_rng_preserved(recipe, device):
         seen = {id(a) for a in arenas}
         for arena, snap in snaps:
             arena.restore_(snap)
-        for arena in scaling.live_arenas(recipe) if recipe is not None else []:
+        for arena in _live(recipes):
             if id(arena) not in seen:  # created during the phase: back to fresh slots
                 arena.reset_()
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
+
+
+def _live(recipes) -> list:
+    """The live arenas of the recipes, each once, in creation order."""
+    arenas = {id(a): a for r in recipes for a in scaling.live_arenas(r)}
+    return sorted(arenas.values(), key=lambda a: a.serial)
 
 
 @contextlib.contextmanager

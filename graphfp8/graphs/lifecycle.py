@@ -50,7 +50,8 @@ class CapturedGraphs:
     Attributes:
         runners: one GraphedRunner per graph pair, in schedule.Layout order (register()).
         schedule: the replay-order check.
-        fp8_enabled, recipe, group: the FP8 settings the graphs were captured with.
+        fp8_enabled, recipe, group: the FP8 settings the graphs were captured with (any FP8,
+            the first FP8 callable's recipe); recipes: each callable's recipe (None: no FP8).
         flag: the is_first_microbatch device flag (graphfp8/fp8/weight_cache.py DeviceFlag).
         autocast: the torch.autocast state of the capture (graphs/torch_autocast.py).
         closed: reset() has run.
@@ -61,6 +62,7 @@ class CapturedGraphs:
         self.runners: list = []
         self.schedule = Schedule(layout, names)
         self.fp8_enabled, self.recipe = options.fp8_enabled, options.recipe
+        self.recipes = options.recipes
         self.group = options.fp8_group
         self.device, self.flag, self.autocast = device, flag, autocast
         self.closed = False
@@ -71,22 +73,23 @@ class CapturedGraphs:
         """Inside fp8_autocast (not a capture), a callable with FP8 modules (its runner's
         CallContract) must have been captured with the region's FP8 settings: the graph cannot
         follow another recipe, group or enabled flag, and eager calls in that region would."""
-        ctx = context.current()
+        ctx, recipe = context.current(), contract.recipe
         if ctx.recipe is None or ctx.capturing or not contract.uses_fp8:
             return
-        if not ctx.enabled and not self.fp8_enabled:
+        if not ctx.enabled and recipe is None:
             return
-        if ctx.enabled and self.fp8_enabled:
-            if ctx.recipe == self.recipe and ctx.group is self.group:
+        if ctx.enabled and recipe is not None:
+            if ctx.recipe == recipe and ctx.group is self.group:
                 return
             what = (
-                f"fp8_recipe={self.recipe}, called inside fp8_autocast(recipe={ctx.recipe})"
-                if ctx.recipe != self.recipe
+                f"fp8_recipe={recipe}, called inside fp8_autocast(recipe={ctx.recipe})"
+                if ctx.recipe != recipe
                 else "another fp8_group than the fp8_autocast region it is called in"
             )
         else:
             what = (
-                f"fp8_enabled={self.fp8_enabled}, called inside fp8_autocast(enabled={ctx.enabled})"
+                f"fp8_enabled={recipe is not None}, called inside fp8_autocast(enabled="
+                f"{ctx.enabled})"
             )
         raise RuntimeError(
             f"{contract.name}: captured with {what}; the graph carries its own FP8 settings. "

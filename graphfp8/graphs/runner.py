@@ -92,6 +92,8 @@ class CallContract:
         spec: the inputs every call must pass.
         chained: its input 0 is the previous callable's static output 0 (chain=True).
         expects_grad: a forward with grad enabled leaves a backward to run.
+        recipe: the recipe it was captured under, None without FP8 (its own, with
+            make_graphed_callables' per-callable fp8_enabled / fp8_recipe).
     """
 
     name: str
@@ -101,6 +103,7 @@ class CallContract:
     spec: InputSpec
     chained: bool
     expects_grad: bool
+    recipe: object = None
 
     def flat_inputs(self, args, kwargs) -> list:
         """The call's tensors in the order of the static inputs, checked against the spec."""

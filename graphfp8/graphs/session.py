@@ -77,18 +77,22 @@ class CaptureSession:
         if kind is not None:
             scaling.freeze(self.frozen, False)
 
-    def init_fp8(self, chunks) -> None:
+    def init_fp8(self, chunks, recipe_of=None) -> None:
         """Allocates the FP8 slots of each chunk's modules (lists of FP8 modules) before warmup,
-        in fresh arenas per chunk, and checks them across the ranks of fp8_group."""
+        in fresh arenas per chunk, and checks them across the ranks of fp8_group.
+        recipe_of(module): a module's recipe, or None for none (default: the capture's)."""
         if self.fp8_enabled:
-            self.init_group = init_fp8_modules(chunks, self.recipe, self.device, self.fp8_group)
+            self.init_group = init_fp8_modules(chunks, recipe_of or (lambda m: self.recipe),
+                                               self.device, self.fp8_group)  # fmt: skip
 
     @contextlib.contextmanager
-    def recording(self):
+    def recording(self, callable_index: int | None = None):
         """Runs the block under the capture's FP8 context (graphs/ records the scale updates,
         nothing runs them implicitly); yields its ArenaRecorder: the arenas the block's modules
-        used and the updates it recorded."""
-        ctx = FP8Context(enabled=self.fp8_enabled, recipe=self.recipe, group=self.fp8_group,
+        used and the updates it recorded. callable_index: the block runs that callable of
+        make_graphed_callables, under its own FP8 setting (options.recipes)."""
+        recipe = self.recipe if callable_index is None else self.options.recipes[callable_index]
+        ctx = FP8Context(enabled=recipe is not None, recipe=recipe, group=self.fp8_group,
                          region=context.current().region, weight_cache=self.weight_cache,
                          recorder=ArenaRecorder(), init_group=self.init_group)  # fmt: skip
         with context.pushed(ctx):
@@ -105,7 +109,7 @@ class CaptureSession:
         """Eager iterations on the capture stream, their FP8, RNG and snapshot effects undone;
         yields the ArenaRecorder of the whole warmup."""
         try:
-            with fp8_and_rng_preserved(self.recipe, self.device), nvtx_range("warmup"):
+            with fp8_and_rng_preserved(self.options.all_recipes, self.device), nvtx_range("warmup"):
                 with side_stream(self.device), self.recording() as found, autocast_cache_off():
                     yield found
         finally:
@@ -133,7 +137,8 @@ class CaptureSession:
         if self.pool is None and self.device.type == "cuda":
             self.pool = torch.cuda.graph_pool_handle()
         try:
-            with fp8_and_rng_preserved(self.recipe, self.device), gc_paused(self.device):
+            recipes = self.options.all_recipes
+            with fp8_and_rng_preserved(recipes, self.device), gc_paused(self.device):
                 with nvtx_range("capture"), autocast_cache_off():
                     yield
         finally:
@@ -145,10 +150,10 @@ class CaptureSession:
         return new_graph(self.device)
 
     @contextlib.contextmanager
-    def capture_into(self, graph):
-        """Captures the block into `graph` under the capture's FP8 context; yields the
-        recording's ArenaRecorder. The graph keeps the scale updates it recorded and reports
-        them to the schedule at each replay (graphs/backends.py)."""
-        with self.recording() as rec, graph.capture(self.pool):
+    def capture_into(self, graph, callable_index: int | None = None):
+        """Captures the block into `graph` under the capture's FP8 context (that callable's:
+        recording()); yields the recording's ArenaRecorder. The graph keeps the scale updates it
+        recorded and reports them to the schedule at each replay (graphs/backends.py)."""
+        with self.recording(callable_index) as rec, graph.capture(self.pool):
             yield rec
         graph.updates = tuple(rec.updates)

@@ -29,11 +29,10 @@ import warnings
 
 import torch
 
-from graphfp8.distributed import allreduce_gradients
+from graphfp8.distributed.gradient_update import GradientUpdate, gradient_update
 from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.recipe import Recipe
 from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
-from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.fp8.weight_cache import step_casts
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
@@ -135,16 +134,16 @@ def make_graphed_step(
                              num_warmup_iters, pool, min_warmup=1)  # fmt: skip
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"{_NAME}: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-    _check_sharded(master_weights, process_group, keep_grads_before_clipping)
     batch = StaticBatch(sample_batch, num_microbatches, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
-    check_optimizer(_NAME, optimizer, _optimized_params(body.params, master_weights),
-                    body.device)  # fmt: skip
-    extra = master_weights.tensors() if master_weights is not None else ()
-    session = CaptureSession(body.device, options,
-                             snapshot=TrainingSnapshot(model, optimizer, extra))  # fmt: skip
-    run = StepBody(body, optimizer, max_grad_norm, process_group, keep_grads_before_clipping,
-                   options.caching, master_weights, session)  # fmt: skip
+    # body.grad_params: the parameters that get a gradient, known after the first microbatch.
+    update = gradient_update(lambda: body.grad_params, process_group, master_weights, name=_NAME,
+                             keep_grads=keep_grads_before_clipping)  # fmt: skip
+    check_optimizer(_NAME, optimizer, update.optimizer_params(body.params, _NAME), body.device)
+    snapshot = TrainingSnapshot(model, optimizer, update.tensors())
+    session = CaptureSession(body.device, options, snapshot=snapshot)
+    run = StepBody(body, optimizer, max_grad_norm, update, keep_grads_before_clipping,
+                   options.caching, session)  # fmt: skip
     old_grads = [p.grad for p in body.params]
     try:
         with session:
@@ -156,40 +155,6 @@ def make_graphed_step(
         raise
     guard = body.replay_guard("capture the step again (make_graphed_step)")
     return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
-
-
-def _check_sharded(masters: MasterWeights | None, process_group, keep: bool) -> None:
-    if masters is None or not masters.sharded:
-        return
-    if process_group is not None:
-        raise ValueError(
-            f"{_NAME}: master_weights are sharded (MasterWeights(shard_group=...)): they "
-            "reduce-scatter the gradients themselves; an all-reduce over process_group would "
-            "reduce them twice. Pass process_group=None"
-        )
-    if keep:
-        raise ValueError(
-            f"{_NAME}: keep_grads_before_clipping with sharded master_weights: the reduced "
-            "gradients are this rank's slices (masters.grad_shards)"
-        )
-
-
-def _optimized_params(params: list[torch.Tensor], masters: MasterWeights | None) -> list:
-    """What the optimizer must hold: the model's trainable parameters, with the FP8 primary
-    weights replaced by their fp32 masters (which `masters` must cover, and only them); with
-    sharded masters, their pieces."""
-    if masters is not None and masters.sharded:
-        return masters.optimizer_params(params, _NAME)
-    fp8 = [p for p in params if isinstance(p, Float8Tensor)]
-    if masters is None and not fp8:
-        return params
-    if masters is None or {id(p) for p in fp8} != {id(p) for p in masters.fp8_params}:
-        raise ValueError(
-            f"{_NAME}: a model with FP8 primary weights (fp8_model_init) needs "
-            "master_weights=graphfp8.MasterWeights(model) covering exactly its trainable FP8 "
-            "weights, and an optimizer over master_weights.parameters()"
-        )
-    return [*masters.masters, *(p for p in params if not isinstance(p, Float8Tensor))]
 
 
 def _warmup_and_capture(run: StepBody, session: CaptureSession):
@@ -210,11 +175,10 @@ class StepBody:
     """One optimizer step (the microbatches of a TrainBody, the gradient all-reduce, clipping,
     the optimizer) as warmup runs it and capture records it."""
 
-    def __init__(self, body: TrainBody, optimizer, max_grad_norm, process_group, keep: bool,
-                 caching: bool, masters: MasterWeights | None,
-                 session: CaptureSession):  # fmt: skip
-        self.body, self.optimizer, self.masters = body, optimizer, masters
-        self.max_grad_norm, self.process_group, self.keep = max_grad_norm, process_group, keep
+    def __init__(self, body: TrainBody, optimizer, max_grad_norm, update: GradientUpdate,
+                 keep: bool, caching: bool, session: CaptureSession):  # fmt: skip
+        self.body, self.optimizer, self.update = body, optimizer, update
+        self.max_grad_norm, self.keep = max_grad_norm, keep
         self.session = session
         # Microbatch 0 records the weight casts, the others record none (they reuse its casts).
         self.weight_casts = step_casts(body.num_microbatches, caching)
@@ -232,30 +196,15 @@ class StepBody:
             self._accumulate(i, grads)
             total += loss
             del loss, grads  # microbatch i's memory is free for microbatch i + 1
-        if self.masters is not None and self.masters.sharded:
-            return total, self._sharded_update()
-        params = body.grad_params
-        if self.process_group is not None:
-            allreduce_gradients(params, self.process_group)
+        # reduce -> clip -> step -> write back (distributed/gradient_update.py)
+        self.update.reduce_grads_()
         if self.keep:
             torch._foreach_copy_(self.grads_before_clipping, self.grads)
         grad_norm = None
         if self.max_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-        if self.masters is not None:  # grads into the masters, step, one cast back per weight
-            self.masters.step(self.optimizer)
-        else:
-            self.optimizer.step()
+            grad_norm = self.update.clip_grad_norm_(self.max_grad_norm)
+        self.update.step(self.optimizer)
         return total, grad_norm
-
-    def _sharded_update(self):
-        """Reduce-scatter, clipping by the global norm, the optimizer on the slices and the
-        all-gathers (graphfp8.fp8.shard). Returns the norm or None."""
-        grad_norm = None
-        if self.max_grad_norm is not None:
-            grad_norm = self.masters.clip_grad_norm_(self.max_grad_norm)
-        self.masters.step(self.optimizer)
-        return grad_norm
 
     def _accumulate(self, i: int, grads: list[torch.Tensor]) -> None:
         if self.grads is None:  # the first warmup microbatch: persistent .grad buffers

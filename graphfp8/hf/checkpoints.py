@@ -37,7 +37,9 @@ def save_pretrained(model, save_directory, state_dict: dict | None = None,
         fp8_state: also write the FP8 state (module docstring).
         fp8: write an FP8 checkpoint for serving instead (graphfp8/hf/fp8_export.py): E4M3
             GEMM weights with per-tensor scales and a quantization_config, in the layout of
-            "transformers" (True: AutoModelForCausalLM loads it) or "vllm"; no FP8 state.
+            "transformers" (True: AutoModelForCausalLM loads it) or "vllm"; "blockwise": 128x128
+            weight blocks with float32 weight_scale_inv (DeepSeek-V3's layout, which
+            transformers' fine-grained FP8 loader reads); no FP8 state.
         activation_scheme: with fp8, "dynamic" or "static" (input scales from training).
         **kwargs: the Hugging Face class's save_pretrained arguments (safe_serialization,
             max_shard_size, is_main_process, push_to_hub, ...).

@@ -15,6 +15,14 @@ vLLM-layout checkpoint loaded by transformers keeps the raw FP8 values as weight
 "unexpected" keys), so the layout is chosen explicitly and defaults to transformers' (whose
 misuse in vLLM fails loudly on the unknown key).
 
+The "blockwise" layout (DeepSeek-V3's, the one transformers' fine-grained FP8 loader, vLLM and
+SGLang read for block-quantized checkpoints) quantizes each GEMM weight in 128x128 blocks, one
+float32 `weight_scale_inv` (ceil(out / 128), ceil(in / 128)) per weight (graphfp8/ops/blockwise.py
+with float32 scales: scale_inv = 1 / (fp8_max / the block's amax)), under transformers' names, with
+"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+"weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]} (activations are scaled
+per 1x128 tile at run time by the reader: "dynamic" only).
+
 The GEMM weights are the HF tensors of graphfp8's FP8 GEMMs (q/k/v/o and gate/up/down
 projections). Each gets its own scale from its amax (fp8_max / amax, graphfp8's scale rule), so
 nothing saturates. "static" takes each GEMM's input scale from the delayed-scaling state of
@@ -30,14 +38,16 @@ from graphfp8.fp8.recipe import fp8_max
 from graphfp8.fp8.slots import FwdRole, slot_index
 from graphfp8.hf.layouts import layout_for
 from graphfp8.hf.names import to_hf
+from graphfp8.ops.blockwise import TILE, quantize_blocks
 
-__all__ = ["LAYOUTS", "fp8_checkpoint", "quantize_per_tensor"]
+__all__ = ["LAYOUTS", "fp8_checkpoint", "quantize_128x128", "quantize_per_tensor"]
 
 E4M3 = torch.float8_e4m3fn
 # (weight scale, input scale, skip-list key) per reader.
 LAYOUTS = {
     "transformers": ("weight_scale_inv", "activation_scale", "modules_to_not_convert"),
     "vllm": ("weight_scale", "input_scale", "ignored_layers"),
+    "blockwise": ("weight_scale_inv", "activation_scale", "modules_to_not_convert"),
 }
 # graphfp8 GEMM weight -> (the TransformerLayer submodule that runs it, its GEMM number there).
 _GEMMS = {
@@ -60,6 +70,12 @@ def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(ok, fp8_max(E4M3) / amax, torch.ones_like(amax))
     limit = fp8_max(E4M3)
     return (w32 * scale).clamp(-limit, limit).to(E4M3), scale.reciprocal().reshape(())
+
+
+def quantize_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (out, in) -> (E4M3 (out, in), scale_inv float32 (ceil(out / 128), ceil(in / 128))): each
+    128x128 block scaled by fp8_max / its amax (float32 scales, not powers of 2)."""
+    return quantize_blocks(w.detach(), E4M3, power_2_scale=False)
 
 
 def _layer_gemms(layout, i: int) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -88,7 +104,7 @@ def fp8_checkpoint(model: nn.Module, layout: str = "transformers",
 
     Args:
         model: the converted CausalLM (its config, layers and FP8 state).
-        layout: "transformers" or "vllm" (module docstring).
+        layout: "transformers", "vllm" or "blockwise" (module docstring).
         activation_scheme: "dynamic" (activations scaled at run time by the reader) or "static"
             (input scales from training's FP8 state).
         hf_state: the high-precision HF state dict to convert (default graphfp8.to_hf(model)).
@@ -104,6 +120,12 @@ def fp8_checkpoint(model: nn.Module, layout: str = "transformers",
             "FP8 export: activation_scheme must be 'dynamic' or 'static', got "
             f"{activation_scheme!r}"
         )
+    block = layout == "blockwise"
+    if block and activation_scheme != "dynamic":
+        raise ValueError(
+            "FP8 export: the blockwise layout scales activations per 1x128 tile at run time "
+            "(activation_scheme='dynamic'); static per-tensor input scales do not apply"
+        )
     config = model.config
     arch = layout_for(config)
     if any(e.transposed for e in arch.layer_entries):
@@ -113,13 +135,14 @@ def fp8_checkpoint(model: nn.Module, layout: str = "transformers",
         )
     weight_key, input_key, skip_key = LAYOUTS[layout]
     state = dict(to_hf(model) if hf_state is None else hf_state)
+    quantize = quantize_128x128 if block else quantize_per_tensor
     for i, layer in enumerate(model.layers):
         for ours, prefix, theirs in _layer_gemms(arch, i):
             keys = [prefix + name for name in theirs]
             x_scale = _input_scale_inv(layer, ours) if activation_scheme == "static" else None
             for key in keys:
                 module = key[: -len("weight")]
-                state[key], state[module + weight_key] = quantize_per_tensor(state[key])
+                state[key], state[module + weight_key] = quantize(state[key])
                 if x_scale is not None:
                     state[module + input_key] = x_scale.clone()
     quant = {
@@ -128,4 +151,6 @@ def fp8_checkpoint(model: nn.Module, layout: str = "transformers",
         "weight_block_size": None,
         skip_key: ["lm_head"],
     }
+    if block:
+        quant.update(fmt="e4m3", weight_block_size=[TILE, TILE])
     return state, quant

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from graphfp8.fp8.master import _TENSOR_GRAD  # .grad without the masters' moving property
-from graphfp8.fp8.shard_layout import ShardLayout
+from graphfp8.distributed.shard_layout import ShardLayout
 from graphfp8.memory.ledger import Ledger
 from graphfp8.modules.base import FP8Module
 
@@ -67,11 +66,7 @@ def _grads(model: nn.Module):
 
 def _master_tensors(masters):
     """(masters, their gradients) of a MasterWeights, sharded or not."""
-    if masters is None:
-        return [], []
-    if masters.sharded:
-        return list(masters.master_shards), list(masters.grad_shards)
-    return list(masters.masters), [_TENSOR_GRAD.__get__(m) for m in masters.masters]
+    return masters.master_tensors() if masters is not None else ([], [])
 
 
 def training_state(model: nn.Module, optimizer=None, masters=None) -> TrainingState:

@@ -16,24 +16,23 @@ places around it and the GEMM configs that carry them. Nothing here writes into 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from graphfp8.fp8 import context, scaling
 from graphfp8.fp8.current import own_scale
-from graphfp8.fp8.recipe import Recipe, is_current_scaling
+from graphfp8.fp8.recipe import Recipe, is_blockwise, is_current_scaling
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.fp8.slots import FwdRole, slot_index
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.fp8.weight_cache import WeightCache
 from graphfp8.modules._functional import GemmConfig
 
-if TYPE_CHECKING:
-    from graphfp8.modules.base import FP8Meta, FP8Module
+# The FP8 layers' base class (modules/base.py) imports this module: `module` below is an FP8Module,
+# annotated as the nn.Module it is so that the two stay a one-way import.
 
-__all__ = ["FrozenSlots", "fp8_enabled", "fp8_recipe", "fp8_state", "gemm_configs",
-           "in_fp8_region", "init_group"]  # fmt: skip
+__all__ = ["FrozenSlots", "blockwise_recipe", "fp8_enabled", "fp8_recipe", "fp8_state",
+           "gemm_configs", "in_fp8_region", "init_group"]  # fmt: skip
 
 
 def fp8_enabled() -> bool:
@@ -59,6 +58,13 @@ def fp8_recipe() -> Recipe | None:
     return ctx.recipe if ctx.enabled else None
 
 
+def blockwise_recipe() -> Recipe | None:
+    """The Float8BlockScaling that FP8 modules run under now, or None (FP8 off or another
+    recipe): their GEMMs then quantize per tile and block, with no slots (modules/_blockwise)."""
+    ctx = context.current()
+    return ctx.recipe if ctx.enabled and is_blockwise(ctx.recipe) else None
+
+
 class FrozenSlots:
     """A SlotBlock whose casts read its scales but fold their amaxes into the arena's sink: an
     FP8 call that leaves the delayed-scaling state as it was (a frozen call). Given the call's
@@ -81,7 +87,7 @@ class FrozenSlots:
         return self.arena.amax_sink
 
 
-def _frozen_call(module: FP8Module, ctx: context.FP8Context) -> bool:
+def _frozen_call(module: nn.Module, ctx: context.FP8Context) -> bool:
     """An eager eval-mode call (an evaluation forward, generate(), a validation loop, between
     or after training microbatches; a graphed module's eager fallback too): it runs with the
     current scales and leaves the delayed-scaling state and the weight cache alone (no amax
@@ -94,12 +100,12 @@ def _frozen_call(module: FP8Module, ctx: context.FP8Context) -> bool:
     )
 
 
-def fp8_state(module: FP8Module, device, frozen: bool = False,
-              ctx: context.FP8Context | None = None) -> tuple[FP8Meta, tuple | None]:  # fmt: skip
-    """The module's slots for an FP8 forward under the context's recipe, and the (backward
-    arena, group) whose update must run at the end of the backward pass (eager), or None (in
-    a capture, which records the arenas and places both updates itself; or a `frozen` call,
-    which updates nothing). Eager mode runs the forward update point here."""
+def fp8_state(module: nn.Module, device, frozen: bool = False,
+              ctx: context.FP8Context | None = None) -> tuple:  # fmt: skip
+    """(FP8Meta, ...): the module's slots for an FP8 forward under the context's recipe, and the
+    (backward arena, group) whose update must run at the end of the backward pass (eager), or
+    None (in a capture, which records the arenas and places both updates itself; or a `frozen`
+    call, which updates nothing). Eager mode runs the forward update point here."""
     ctx = ctx or context.current()
     meta = module.fp8_init(ctx.recipe, device, ctx.init_group)
     if ctx.recorder is not None:
@@ -112,7 +118,7 @@ def fp8_state(module: FP8Module, device, frozen: bool = False,
 
 
 def gemm_configs(
-    module: FP8Module,
+    module: nn.Module,
     weights: list[tuple[str, torch.Tensor]],
     is_first_microbatch: bool | None,
     fp8_output: bool,

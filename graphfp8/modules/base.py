@@ -11,7 +11,7 @@ from torch import nn
 
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.primary import INIT, quantize_weight
-from graphfp8.fp8.recipe import Recipe
+from graphfp8.fp8.recipe import Recipe, is_blockwise
 from graphfp8.fp8.slots import BwdRole, FwdRole, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.fp8.weight_cache import WeightCache, check_is_first_microbatch
@@ -19,7 +19,7 @@ from graphfp8.modules import _state_tensor
 from graphfp8.modules._autocast import honour_autocast
 from graphfp8.modules._checkpoint import check_extra_state, shape_errors
 from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
-from graphfp8.modules._context import fp8_enabled, gemm_configs, init_group
+from graphfp8.modules._context import blockwise_recipe, fp8_enabled, gemm_configs, init_group
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
 
@@ -114,13 +114,31 @@ class FP8Module(nn.Module):
                 )
             return None
         self._check_fp8_dims(inp, [w for _, w in weights])
+        if blockwise_recipe() is not None:
+            self._check_blockwise(inp, weights)
+            return None  # the high-precision path, its GEMMs blockwise (modules/_blockwise.py)
         return gemm_configs(self, weights, is_first_microbatch, fp8_output)
+
+    def _check_blockwise(self, inp, weights) -> None:
+        """What Float8BlockScaling does not take (it quantizes high-precision tensors at each
+        GEMM and keeps no FP8 weight cache)."""
+        name = type(self).__name__
+        if any(isinstance(w, Float8Tensor) for _, w in weights):
+            raise NotImplementedError(
+                f"{name}: FP8 primary weights (fp8_model_init) are stored per tensor and do not "
+                "run under Float8BlockScaling yet; create the model outside fp8_model_init"
+            )
+        if isinstance(inp, Float8Tensor):
+            raise TypeError(
+                f"{name}: Float8BlockScaling takes high-precision inputs, got a Float8Tensor "
+                "(an fp8_output of a layer run under another recipe)"
+            )
 
     # FP8 state -------------------------------------------------------------------------------
 
     def uses_fp8(self, recipe: Recipe) -> bool:
-        """Whether this module runs in FP8 (and owns slots) under `recipe`."""
-        return True
+        """Whether this module owns FP8 slots under `recipe` (blockwise scaling keeps none)."""
+        return not is_blockwise(recipe)
 
     def _slot_counts(self) -> tuple[int, int]:
         """(forward, backward) slots this module owns: the GEMM roles of each of its GEMMs."""

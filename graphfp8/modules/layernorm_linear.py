@@ -6,9 +6,9 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from graphfp8.fp8.slots import FwdRole
+from graphfp8.modules._blockwise import linear
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
 from graphfp8.modules.base import FP8Module
@@ -67,7 +67,7 @@ class LayerNormLinear(FP8Module):
         if cfgs is None:
             h = inp if residual is None else inp + residual
             ln_out = apply_norm(self, h, self.norm_spec)
-            out = F.linear(ln_out, self.weight, self.bias)
+            out = linear(ln_out, self.weight, self.bias)  # blockwise FP8 or high precision
         else:
             needs_t = torch.is_grad_enabled() and self.weight.requires_grad
             quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)

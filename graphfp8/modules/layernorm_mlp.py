@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from graphfp8.fp8.slots import FwdRole
+from graphfp8.modules._blockwise import linear
 from graphfp8.modules._functional import GemmConfig, fp8_linear
 from graphfp8.modules._mlp import FUSED_ACTIVATIONS, fp8_mlp
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
@@ -104,8 +105,9 @@ class LayerNormMLP(FP8Module):
             h = inp if residual is None else inp + residual
             act = ACTIVATIONS[self.activation]
             ln_out = apply_norm(self, h, self.norm_spec)
-            out = F.linear(act(F.linear(ln_out, self.fc1_weight, self.fc1_bias)), self.fc2_weight,
-                           self.fc2_bias)  # fmt: skip
+            # Blockwise FP8 GEMMs under Float8BlockScaling (modules/_blockwise.py).
+            out = linear(act(linear(ln_out, self.fc1_weight, self.fc1_bias)), self.fc2_weight,
+                         self.fc2_bias)  # fmt: skip
         else:
             needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
             quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)

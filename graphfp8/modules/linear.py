@@ -6,10 +6,10 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from graphfp8.fp8.primary import make_fp8_parameter
+from graphfp8.modules._blockwise import linear
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules.base import FP8Module
 
@@ -76,7 +76,7 @@ class Linear(FP8Module):
         cfgs = self._fp8_forward_configs(inp, self.in_features, [("weight", self.weight)],
                                          is_first_microbatch)  # fmt: skip
         if cfgs is None:
-            return F.linear(inp, self.weight, self.bias)
+            return linear(inp, self.weight, self.bias)  # blockwise FP8 or high precision
         return fp8_linear(inp, self.weight, self.bias, cfgs[0])
 
     def extra_repr(self) -> str:

@@ -75,16 +75,10 @@ def _renamed(old_name: str, old, new_name: str, new):
     return new if old is None else old
 
 
-def _one_flag(enabled) -> bool:
-    """TE takes one `enabled` per callable; graphfp8 one for the whole capture."""
-    if isinstance(enabled, tuple):
-        if len(set(enabled)) > 1:
-            raise NotImplementedError(
-                "graphfp8.te.make_graphed_callables: a different enabled flag per callable "
-                f"({enabled}) is not supported by graphfp8: one FP8 setting per capture"
-            )
-        enabled = enabled[0] if enabled else False
-    return bool(enabled)
+def _flags(enabled) -> bool | tuple:
+    """TE's `enabled`: one flag, or a tuple of one bool per callable (TE since 2.7), which
+    graphfp8.make_graphed_callables takes as it is (and checks: its length, bools only)."""
+    return enabled if isinstance(enabled, tuple) else bool(enabled)
 
 
 _GRAPH_TE_ONLY = {
@@ -109,7 +103,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     a pipeline schedule in TE's convention). Parameter gradients are added to `.grad` inside
     the graphs (what TE's default clone_param_grads_on_return=True gives the caller too)."""
     check_te_args("make_graphed_callables", te_only, _GRAPH_TE_ONLY)
-    enabled = _one_flag(_renamed("fp8_enabled", fp8_enabled, "enabled", enabled))
+    enabled = _flags(_renamed("fp8_enabled", fp8_enabled, "enabled", enabled))
     _not_calibrating(
         "make_graphed_callables", _renamed("fp8_calibrating", fp8_calibrating, "calibrating",
                                            calibrating)

@@ -1,24 +1,26 @@
 """graphfp8.te.recipe: TransformerEngine's recipe module (transformer_engine.common.recipe) over
 graphfp8's recipes.
 
-`DelayedScaling(...)` and `Float8CurrentScaling(...)` take TE's arguments and return graphfp8's
-own frozen recipe (graphfp8.DelayedScaling / graphfp8.Float8CurrentScaling), so a recipe made
-either way is the same value: equal, checkpointed and captured alike. `isinstance(r,
-te.recipe.DelayedScaling)` holds for graphfp8's recipe. A TE recipe argument graphfp8 does not
-implement raises unless it has TE's default; TE's other recipes (MXFP8, block scaling, NVFP4,
-custom) are not here.
+`DelayedScaling(...)`, `Float8CurrentScaling(...)` and `Float8BlockScaling(...)` take TE's
+arguments and return graphfp8's own frozen recipe (graphfp8.DelayedScaling /
+graphfp8.Float8CurrentScaling / graphfp8.Float8BlockScaling), so a recipe made either way is the
+same value: equal, checkpointed and captured alike. `isinstance(r, te.recipe.DelayedScaling)`
+holds for graphfp8's recipe. A TE recipe argument graphfp8 does not implement raises unless it
+has TE's default; TE's other recipes (MXFP8, NVFP4, custom) are not here.
 """
 
 from __future__ import annotations
+
+import os
 
 from graphfp8 import fp8 as _fp8
 from graphfp8.te._args import FIXED, check_te_args
 
 Format = _fp8.Format
 
-__all__ = ["DelayedScaling", "Float8CurrentScaling", "Format", "Recipe"]
+__all__ = ["DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Format", "Recipe"]
 
-Recipe = _fp8.DelayedScaling | _fp8.Float8CurrentScaling
+Recipe = _fp8.DelayedScaling | _fp8.Float8CurrentScaling | _fp8.Float8BlockScaling
 _QUANT_AND_GEMM_PARAMS = (
     "fp8_quant_fwd_inp",
     "fp8_quant_fwd_weight",
@@ -87,3 +89,33 @@ class Float8CurrentScaling(metaclass=_MakesGraphfp8Recipe):
             ),
         )
         return _fp8.Float8CurrentScaling(fp8_format=fp8_format)
+
+
+class Float8BlockScaling(metaclass=_MakesGraphfp8Recipe):
+    """TE's Float8BlockScaling(fp8_format, x_block_scaling_dim, w_block_scaling_dim,
+    grad_block_scaling_dim), as a graphfp8.Float8BlockScaling: power-of-2 scales unless the
+    environment sets NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 when the recipe is made (TE's switch).
+
+    Not supported (raise unless TE's default): the QParams (fp8_quant_fwd_inp,
+    fp8_quant_fwd_weight, fp8_quant_bwd_grad: their power-of-2 flag follows the environment, as
+    TE's defaults do, and amax_epsilon is 0) and MMParams (fp8_gemm_*: the accumulation is
+    float32 per block, TE's forced split accumulator), fp8_dpa, fp8_mha, backward_override.
+    """
+
+    graphfp8_class = _fp8.Float8BlockScaling
+
+    def __new__(cls, fp8_format: Format = Format.E4M3, x_block_scaling_dim: int = 1,
+                w_block_scaling_dim: int = 2, grad_block_scaling_dim: int = 1,
+                **te_only):  # fmt: skip
+        check_te_args(
+            "recipe.Float8BlockScaling",
+            te_only,
+            dict(fp8_dpa=False, fp8_mha=False, backward_override=None,
+                 **dict.fromkeys(_QUANT_AND_GEMM_PARAMS, FIXED)),
+        )  # fmt: skip
+        fp32_scales = os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1"
+        return _fp8.Float8BlockScaling(fp8_format=fp8_format,
+                                       x_block_scaling_dim=x_block_scaling_dim,
+                                       w_block_scaling_dim=w_block_scaling_dim,
+                                       grad_block_scaling_dim=grad_block_scaling_dim,
+                                       power_2_scale=not fp32_scales)  # fmt: skip

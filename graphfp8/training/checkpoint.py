@@ -9,7 +9,7 @@
 Everything in it is a tensor, a number, a string or a container of them, so it loads with
 torch.load(weights_only=True): resuming a checkpoint cannot run code that someone put into it.
 A --shard run's checkpoint is a manifest (no "optimizer": each rank's is in its own file, beside
-it) read by training/shard_checkpoint.py.
+it), written and read by distributed/sharded_checkpoint.py (save_sharded_run, load_sharded_run).
 """
 
 from __future__ import annotations
@@ -20,10 +20,15 @@ from pathlib import Path
 
 import torch
 
+from graphfp8.distributed.sharded_checkpoint import (
+    ShardedCheckpointError,
+    load_shard,
+    save_sharded,
+)
 from graphfp8.training.run import OLDER_DEFAULTS, Run
 
 __all__ = ["CheckpointError", "check_resumable", "checkpoint_state", "load_checkpoint",
-           "save_checkpoint"]  # fmt: skip
+           "load_sharded_run", "save_checkpoint", "save_sharded_run"]  # fmt: skip
 
 FORMAT, VERSION = "graphfp8-train", 1
 _REQUIRED = ("spec", "step", "model", "optimizer")
@@ -54,9 +59,36 @@ def save_checkpoint(run: Run, path: Path, steps: int, data: dict) -> Path:
 
 def checkpoint_state(run_state: dict, steps: int, data: dict) -> dict:
     """What a checkpoint file holds: format and version, a Run.state_dict(), the run's length
-    and its data (save_checkpoint's file; without the rank's shards, shard_checkpoint's
+    and its data (save_checkpoint's file; without the rank's shards, a --shard run's
     manifest)."""
     return {"format": FORMAT, "version": VERSION, **run_state, "steps": steps, "data": data}
+
+
+def save_sharded_run(run: Run, path: Path, steps: int, data: dict, group) -> Path:
+    """A --shard run's checkpoint: the manifest at `path` and one file per rank (a collective,
+    distributed/sharded_checkpoint.py). Raises CheckpointError on every rank if any could not
+    write."""
+
+    def header() -> dict:
+        state = {k: v for k, v in run.state_dict().items() if k not in ("optimizer", "masters")}
+        return checkpoint_state(state, steps, data)
+
+    shard = {"masters": run.masters.state_dict(), "optimizer": run.optimizer.state_dict()}
+    try:
+        return save_sharded(path, run.step, shard, header, group)
+    except ShardedCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def load_sharded_run(manifest: dict, path: Path, run: Run, group) -> dict:
+    """The checkpoint of this rank of a --shard run: the manifest with this rank's "masters" and
+    "optimizer", for Run.load_state_dict (a collective). Raises CheckpointError on every rank
+    naming each rank's problem."""
+    try:
+        return load_shard(manifest, path, group,
+                          lambda shard: run.masters.check_loadable(shard["masters"]))  # fmt: skip
+    except ShardedCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _reason(exc: Exception) -> str:
@@ -92,7 +124,7 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def _is_manifest(state) -> bool:
-    """A --shard checkpoint's manifest (training/shard_checkpoint.py)."""
+    """A --shard checkpoint's manifest (distributed/sharded_checkpoint.py)."""
     return isinstance(state, dict) and isinstance(state.get("shards"), dict)
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from graphfp8.distributed import SettingsMismatchError, check_same_settings
+from graphfp8.distributed.replica_check import ReplicaMismatchError
 from graphfp8.training.checkpoint import CheckpointError
 from graphfp8.training.cli_checks import check_device, check_fp8_options, check_model, model_config
 from graphfp8.training.data import Dataset
@@ -43,7 +44,6 @@ from graphfp8.training.determinism import deterministic
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.outputs import OutputError, check_outputs, fresh_out
-from graphfp8.training.replicas import ReplicaMismatchError
 from graphfp8.training.report import plot_losses, print_ranks, print_table, write_summary
 from graphfp8.training.run import GRAPH_MODES, PRECISIONS, SCALINGS, RunSpec
 from graphfp8.training.sources import DataError, open_stream
@@ -87,8 +87,8 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-format", choices=("HYBRID", "E4M3"), default="HYBRID",
                    help="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = both")  # fmt: skip
     p.add_argument("--scaling", choices=SCALINGS, default="delayed",
-                   help="FP8 recipe: DelayedScaling (amax history) or Float8CurrentScaling "
-                   "(each tensor's own amax)")  # fmt: skip
+                   help="FP8 recipe: DelayedScaling (amax history), Float8CurrentScaling "
+                   "(tensor amax) or Float8BlockScaling (1x128 tiles, 128x128 blocks)")  # fmt: skip
     p.add_argument("--fp8-stats", type=_positive, metavar="N",
                    help="record every FP8 cast's statistics (amax, scale, saturation, underflow, "
                    "SQNR) every N steps, inside the graphs: <run>_fp8_stats.csv and .png "
@@ -96,6 +96,7 @@ def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-weights", action="store_true",
                    help="FP8 primary weights (fp8_model_init) trained through fp32 MasterWeights "
                    "in fp8 runs (default: off)")  # fmt: skip
+    p.add_argument("--bf16-layers", default="", help="blocks kept in bf16: first,last or indices")
     p.add_argument("--fp8-attention", action=argparse.BooleanOptionalAction, default=False,
                    help="FP8 attention in fp8 runs: RoPE fused into the FP8 casts of q, k, v, "
                    "cuDNN's FP8 attention, its FP8 output into the projection; on Hopper cuDNN "
@@ -154,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-replicas", action="store_true",
                    help="with --ddp: the ranks' weights compared (digests of their bits) after "
                    "every step; a difference stops every rank with exit status 3 "
-                   "(training/replicas.py) (default: off)")  # fmt: skip
+                   "(distributed/replica_check.py) (default: off)")  # fmt: skip
     p.add_argument("--deterministic", action="store_true",
                    help="the same bits run to run: torch.use_deterministic_algorithms(True), "
                    "cuBLAS's deterministic workspace, deterministic attention backward; bf16 "
@@ -252,7 +253,8 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
                    fp8_weights=args.fp8_weights and precision == "fp8",
                    pack=args.pack,
                    fp8_attention=args.fp8_attention and precision == "fp8",
-                   shard=args.shard)  # fmt: skip
+                   shard=args.shard,
+                   bf16_layers=args.bf16_layers if precision == "fp8" else ())  # fmt: skip
 
 
 def _environment(device: str) -> dict:

@@ -13,7 +13,7 @@ from graphfp8.fp8.recipe import DelayedScaling, Format
 from graphfp8.modules._attention import prepare_attention
 from graphfp8.training.model import PRESETS, ModelConfig
 
-__all__ = ["check_device", "check_fp8_options", "check_model", "model_config"]
+__all__ = ["bf16_layer_indices", "check_device", "check_fp8_options", "check_model", "model_config"]
 
 
 def check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None:
@@ -25,17 +25,53 @@ def check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None
         "--amax-history-len",
         "--fp8-attention",
         "--fp8-stats",  # with no FP8 run it wrote nothing and said nothing (issue 32, item 7)
+        "--bf16-layers",
     )
     given = [o for o in options if any(a == o or a.startswith(o + "=") for a in argv)]
     if given and all(precision != "fp8" for precision, _ in args.runs):
         p.error(f"{', '.join(given)}: no run trains in FP8 (--precision fp8, or fp8 in --compare)")
-    if args.scaling == "current" and "--amax-history-len" in given:
-        p.error("--amax-history-len is for delayed scaling: --scaling current keeps no history")
-    if args.fp8_attention and args.scaling == "current":
+    if args.scaling != "delayed" and "--amax-history-len" in given:
+        p.error(f"--amax-history-len is for delayed scaling: --scaling {args.scaling} keeps no "
+                "history")  # fmt: skip
+    if args.fp8_attention and args.scaling != "delayed":
         p.error("--fp8-attention needs --scaling delayed: FP8 attention is DelayedScaling only")
+    if args.scaling == "blockwise":
+        _check_blockwise(p, args, given)
     if args.compile and any(mode == "step" for _, mode in args.runs):
         p.error("--compile with --graphs step: the step graph holds the embedding and the loss "
                 "that --compile would take; use --graphs layers or none")  # fmt: skip
+    if args.bf16_layers and args.fp8_weights:
+        p.error("--bf16-layers with --fp8-weights: an FP8 primary weight has no bf16 copy")
+    try:
+        args.bf16_layers = bf16_layer_indices(args.bf16_layers, PRESETS[args.preset].layers)
+    except ValueError as exc:
+        p.error(f"--bf16-layers {args.bf16_layers}: {exc}")
+
+
+def bf16_layer_indices(text: str, layers: int) -> tuple[int, ...]:
+    """--bf16-layers: "first", "last", block indices, comma-separated -> sorted indices."""
+    out = set()
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        index = {"first": 0, "last": layers - 1}.get(item)
+        if index is None:
+            if not item.isdigit():
+                raise ValueError(f"expected first, last or a block index, got {item!r}")
+            index = int(item)
+        if not 0 <= index < layers:
+            raise ValueError(f"the model has blocks 0 to {layers - 1}, got {index}")
+        out.add(index)
+    return tuple(sorted(out))
+
+
+def _check_blockwise(p: argparse.ArgumentParser, args, given: list[str]) -> None:
+    """--scaling blockwise (Float8BlockScaling) is E4M3 everywhere, keeps no FP8 weights and no
+    slots (so no per-slot statistics)."""
+    if "--fp8-format" in given and args.fp8_format != "E4M3":
+        p.error("--scaling blockwise is E4M3 everywhere: drop --fp8-format or give E4M3")
+    for option, why in (("--fp8-weights", "FP8 primary weights are stored per tensor"),
+                        ("--fp8-stats", "the numerics report reads per-tensor slots")):  # fmt: skip
+        if option in given:
+            p.error(f"{option} with --scaling blockwise is not supported yet: {why}")
 
 
 def check_device(p: argparse.ArgumentParser, device: str) -> None:

@@ -10,21 +10,22 @@ from pathlib import Path
 import torch
 
 from graphfp8.distributed import gather_objects
+from graphfp8.distributed.replica_check import ReplicaCheck
 from graphfp8.numerics import FP8Stats, plot_stats, role_digest
 from graphfp8.training.checkpoint import (
     CheckpointError,
     check_resumable,
     load_checkpoint,
+    load_sharded_run,
     save_checkpoint,
+    save_sharded_run,
 )
 from graphfp8.training.data import Dataset
 from graphfp8.training.evaluate import validation_loss
 from graphfp8.training.interrupt import StopAtStepBoundary
 from graphfp8.training.model import count_parameters
-from graphfp8.training.replicas import ReplicaCheck
 from graphfp8.training.report import MetricsLog, Progress, final_loss, rank_memory
 from graphfp8.training.run import Run, RunSpec, run_settings
-from graphfp8.training.shard_checkpoint import load_shard, save_sharded
 
 __all__ = ["RunOptions", "sync", "train_run"]
 
@@ -185,7 +186,7 @@ def _resume(run: Run, opts: RunOptions) -> None:
     for note in notes if opts.is_main else ():
         print(f"note: {note}")
     if run.spec.shard:  # the manifest, and this rank's file beside it
-        state = load_shard(state, opts.resume, run, opts.group)
+        state = load_sharded_run(state, opts.resume, run, opts.group)
     run.load_state_dict(state)
 
 
@@ -211,7 +212,8 @@ def _train_and_save(run: Run, opts: RunOptions, steps: int, tokens_per_step: int
             t = _train_steps(run, opts, steps, tokens_per_step, val, stop, replicas)
             path = None
             if opts.save is not None and run.spec.shard:  # every rank writes its own file
-                path = save_sharded(run, opts.save, opts.steps, opts.data.describe(), opts.group)
+                path = save_sharded_run(run, opts.save, opts.steps, opts.data.describe(),
+                                        opts.group)  # fmt: skip
             elif opts.save is not None and opts.is_main:
                 path = save_checkpoint(run, opts.save, opts.steps, opts.data.describe())
             if path is not None and opts.is_main:

@@ -16,6 +16,7 @@ either direction, and bf16 alone trained ~2% worse (notes/NUMERICS.md, H200 2026
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphfp8.fp8.autocast import fp8_autocast
 from graphfp8.modules.transformer import TransformerLayer
 from graphfp8.training.sources import BYTE_VOCAB
 
@@ -95,10 +97,16 @@ PRESETS = {
 class Blocks(nn.Module):
     """The TransformerLayers, called in order: (B, S, H) -> (B, S, H). Each layer but the last
     hands its second residual add to the next one, whose first norm does it (TransformerLayer's
-    defer_residual): one elementwise add and one gradient sum fewer per layer."""
+    defer_residual): one elementwise add and one gradient sum fewer per layer.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+    bf16_layers: the indices of the layers that run in bf16 inside an FP8 region (Megatron's
+    --first-last-layers-bf16), each inside fp8_autocast(enabled=False): eagerly and in every
+    graph alike."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device,
+                 bf16_layers: frozenset[int] = frozenset()):  # fmt: skip
         super().__init__()
+        self.bf16_layers = frozenset(bf16_layers)
         self.layers = nn.ModuleList(
             TransformerLayer(
                 cfg.hidden,
@@ -124,8 +132,12 @@ class Blocks(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             last = i == len(self.layers) - 1
-            out = layer(x, is_first_microbatch=is_first_microbatch, residual=residual,
-                        defer_residual=not last, **kw)  # fmt: skip
+            bf16 = (
+                fp8_autocast(enabled=False) if i in self.bf16_layers else contextlib.nullcontext()
+            )
+            with bf16:
+                out = layer(x, is_first_microbatch=is_first_microbatch, residual=residual,
+                            defer_residual=not last, **kw)  # fmt: skip
             x, residual = (out, None) if last else out
         return x
 
@@ -137,13 +149,15 @@ class GPT(nn.Module):
         cfg: the preset.
         dtype: parameter and activation dtype (bf16 for training).
         device: where the parameters live.
+        bf16_layers: indices of the blocks kept in bf16 in FP8 runs (Blocks).
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None,
+                 bf16_layers: frozenset[int] = frozenset()):  # fmt: skip
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dtype, device=device)
-        self.blocks = Blocks(cfg, dtype, device)
+        self.blocks = Blocks(cfg, dtype, device, bf16_layers)
         norm = nn.RMSNorm if cfg.norm == "RMSNorm" else nn.LayerNorm
         self.norm = norm(cfg.hidden, eps=1e-5, dtype=dtype, device=device)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype, device=device)

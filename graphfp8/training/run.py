@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from graphfp8.distributed import allreduce_gradients
+from graphfp8.distributed.gradient_update import gradient_update
+from graphfp8.distributed.masters import MasterWeights
 from graphfp8.fp8.autocast import fp8_autocast
-from graphfp8.fp8.master import MasterWeights
 from graphfp8.fp8.primary import fp8_model_init
-from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format
+from graphfp8.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
 from graphfp8.nvtx_ranges import nvtx_range
 from graphfp8.training.data import Dataset, split_windows
@@ -32,7 +32,7 @@ from graphfp8.training.model import GPT, ModelConfig
 __all__ = ["GRAPH_MODES", "RunSpec", "Run", "run_settings"]
 
 PRECISIONS = ("bf16", "fp8")
-SCALINGS = ("delayed", "current")
+SCALINGS = ("delayed", "current", "blockwise")
 # none: eager; layers: the blocks captured (make_graphed_callables); step: the whole step.
 GRAPH_MODES = ("none", "layers", "step")
 _MODE_NAMES = {"none": "eager", "layers": "graphs", "step": "step"}
@@ -60,12 +60,23 @@ class RunSpec:
     # keep bf16 attention (graphfp8.modules.attention says why)
     fp8_attention: bool = False
     shard: bool = False  # masters, gradients and optimizer state sharded over the group
+    # Blocks kept in bf16 in an FP8 run (Megatron's --first-last-layers-bf16): their indices
+    bf16_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
         if self.fp8_weights and self.precision != "fp8":
             raise ValueError("fp8_weights needs precision fp8")
+        if any(not 0 <= i < self.model.layers for i in self.bf16_layers):
+            raise ValueError(f"bf16_layers {self.bf16_layers}: the model has layers 0 to "
+                             f"{self.model.layers - 1}")  # fmt: skip
+        if self.bf16_layers and (self.precision != "fp8" or self.fp8_weights):
+            raise ValueError("bf16_layers needs precision fp8 without fp8_weights (an FP8 "
+                             "primary weight has no bf16 copy)")  # fmt: skip
+        if self.fp8_weights and self.scaling == "blockwise":
+            raise ValueError("fp8_weights with blockwise scaling is not supported yet (FP8 "
+                             "primary weights are stored per tensor)")  # fmt: skip
         if self.fp8_attention and (self.precision != "fp8" or self.scaling != "delayed"):
             raise ValueError("fp8_attention needs precision fp8 with delayed scaling (FP8 "
                              "attention is DelayedScaling only)")  # fmt: skip
@@ -85,9 +96,11 @@ class RunSpec:
         fp8_named = self.precision == "fp8" and self.fp8_format != "HYBRID"
         fmt = f"-{self.fp8_format.lower()}" if fp8_named else ""
         suffix = "-compile" if self.compile else ""
-        fmt += "-current" if self.precision == "fp8" and self.scaling == "current" else ""
+        if self.precision == "fp8" and self.scaling != "delayed":
+            fmt += {"current": "-current", "blockwise": "-block"}[self.scaling]
         fmt += "-fp8w" if self.fp8_weights else ""
         fmt += "-attn" if self.fp8_attention else ""
+        fmt += "-bf16L" + "_".join(map(str, self.bf16_layers)) if self.bf16_layers else ""
         suffix += "-pack" if self.pack else ""
         suffix += "-shard" if self.shard else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
@@ -99,7 +112,8 @@ class RunSpec:
 
 # Settings that checkpoints written before they existed trained with.
 OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False,
-                  "pack": False, "shard": False, "fp8_attention": False}  # fmt: skip
+                  "pack": False, "shard": False, "fp8_attention": False,
+                  "bf16_layers": []}  # fmt: skip
 
 
 def run_settings(spec: RunSpec) -> dict:
@@ -117,6 +131,7 @@ def run_settings(spec: RunSpec) -> dict:
         "pack": spec.pack,
         "fp8_attention": spec.fp8_attention,
         "shard": spec.shard,
+        "bf16_layers": list(spec.bf16_layers),
     }
 
 
@@ -143,8 +158,12 @@ class Run:
         self.world = torch.distributed.get_world_size(group) if group is not None else 1
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
         with fp8_model_init(enabled=spec.fp8_weights):
-            self.model = GPT(spec.model, torch.bfloat16, spec.device)
-        self.masters = self._masters()
+            self.model = GPT(spec.model, torch.bfloat16, spec.device, frozenset(spec.bf16_layers))
+        self.masters, self.reduce_group = self._masters()
+        # reduce -> clip -> step -> write back, whatever is sharded (gradient_update.py); every rank
+        # trains every parameter: the gradient sets are checked once.
+        self.update = gradient_update(self.model.parameters, self.reduce_group, self.masters,
+                                      name="graphfp8-train", check_every_step=False)  # fmt: skip
         params = self.masters.parameters() if self.masters else self.model.parameters()
         # Fused, with the learning rate as a device tensor, in every mode: a step graph can
         # capture it (capturable on the GPU), and all modes compute the same bits.
@@ -155,6 +174,8 @@ class Run:
         )  # fmt: skip
         if spec.scaling == "current":
             self.recipe = Float8CurrentScaling(fp8_format=Format[spec.fp8_format])
+        elif spec.scaling == "blockwise":  # E4M3 everywhere (checked: cli_checks.py)
+            self.recipe = Float8BlockScaling()
         else:
             self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len,
                                          fp8_format=Format[spec.fp8_format],
@@ -169,15 +190,17 @@ class Run:
     def fp8(self) -> bool:
         return self.spec.precision == "fp8"
 
-    def _masters(self) -> MasterWeights | None:
-        """fp32 masters: sharded over the group (of every parameter) with spec.shard, of the FP8
-        weights with spec.fp8_weights, else none (AdamW steps the bf16 parameters)."""
-        if self.spec.shard:
-            if self.group is None:
-                raise ValueError("shard needs a process group (--ddp under torchrun)")
-            # Every rank trains every parameter: the gradient sets are checked once.
-            return MasterWeights(self.model, shard_group=self.group, check_every_step=False)
-        return MasterWeights(self.model) if self.spec.fp8_weights else None
+    def _masters(self) -> tuple:
+        """(fp32 masters or None, the group whose gradients the step all-reduces or None): with
+        spec.shard, masters of every parameter sharded over the group, which reduce the
+        gradients themselves; with spec.fp8_weights, masters of the FP8 weights; else none
+        (AdamW steps the bf16 parameters)."""
+        if not self.spec.shard:
+            return (MasterWeights(self.model) if self.spec.fp8_weights else None), self.group
+        if self.group is None:
+            raise ValueError("shard needs a process group (--ddp under torchrun)")
+        # Every rank trains every parameter: the gradient sets are checked once.
+        return MasterWeights(self.model, shard_group=self.group, check_every_step=False), None
 
     def prepare(self) -> None:
         """Compiles what the graphs do not hold when the run says so, and captures the blocks,
@@ -225,7 +248,7 @@ class Run:
             self.model, None, self.optimizer, (inputs, ()), mbs,
             fp8_enabled=self.fp8, fp8_recipe=self.recipe, fp8_weight_caching=True,
             max_grad_norm=1.0, fp8_group=self.group,
-            process_group=None if self.spec.shard else self.group, master_weights=self.masters,
+            process_group=self.reduce_group, master_weights=self.masters,
             num_warmup_iters=3 if torch.device(self.spec.device).type == "cuda" else 1,
         )  # fmt: skip
 
@@ -308,21 +331,10 @@ class Run:
     def _optimizer_step(self) -> None:
         """After the microbatches of an eager or layers step: the gradient reduction, clipping to
         1.0 and AdamW (through the masters when there are any), then zero_grad."""
-        if self.spec.shard:  # reduce-scatter, global-norm clip, step on the slices, all-gathers
-            self.masters.clip_grad_norm_(1.0)
-            self.masters.step(self.optimizer)
-            self.masters.zero_grad(set_to_none=True)
-            return
-        params = self.model.parameters
-        if self.group is not None:  # every rank trains every parameter: check once
-            allreduce_gradients(params(), self.group, check_every_step=False)
-        torch.nn.utils.clip_grad_norm_(params(), 1.0)
-        if self.masters is not None:  # fp32 masters, then one cast back into FP8 per weight
-            self.masters.step(self.optimizer)
-            self.masters.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        self.update.reduce_grads_()
+        self.update.clip_grad_norm_(1.0)
+        self.update.step(self.optimizer)
+        self.update.zero_grad(set_to_none=True)
 
     # Checkpoints ---------------------------------------------------------------------------------
 

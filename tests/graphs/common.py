@@ -94,3 +94,54 @@ def train_pair(eager, sample, recipe, caching, steps=3, mbs=3, set_to_none=True)
             opt.zero_grad(set_to_none=set_to_none)
         compare_models(eager, graphed_model, f"after step {step}")
     return eager, graphed_model, graphed
+
+
+class Layers(torch.nn.Module):
+    """The layers a graph set captures, one callable each (they are run in order)."""
+
+    def __init__(self, kinds, device):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_layer(k, device) for k in kinds)
+
+
+def _layer(kind: str, device) -> torch.nn.Module:
+    if kind == "Linear":  # H -> H, so that layers chain
+        return g8.Linear(H, H, params_dtype=torch.bfloat16, device=device)
+    return build(kind, device=device)
+
+
+def train_layers(kinds, flags, recipes, caching, device, steps=2, mbs=2):
+    """Trains the layers eagerly (layer j inside fp8_autocast(enabled=flags[j],
+    recipe=recipes[j])) and graphed with fp8_enabled=flags, fp8_recipe=recipes; asserts every
+    output, gradient, weight and FP8 state equal. Returns (eager outputs, eager layers)."""
+    eager = Layers(kinds, device)
+    model = copy.deepcopy(eager)
+    shape = input_shape(eager.layers[0])
+    samples = tuple((torch.randn(shape, dtype=torch.bfloat16, device=device,
+                                 requires_grad=True),) for _ in kinds)  # fmt: skip
+    graphed = g8.make_graphed_callables(tuple(model.layers), samples, fp8_enabled=flags,
+                                        fp8_recipe=recipes, fp8_weight_caching=caching)  # fmt: skip
+    opt_e, opt_g = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, model))
+    outputs = []
+    for step in range(steps):
+        for mb in range(mbs):
+            first = (mb == 0) if caching else None
+            x = torch.randn(shape, dtype=torch.bfloat16, device=device) * 10.0 ** (mb - 1)
+            xe, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ye, yg = xe, xg
+            for layer, g, flag, recipe in zip(eager.layers, graphed, flags, recipes, strict=True):
+                with g8.fp8_autocast(enabled=flag, recipe=recipe):
+                    ye = layer(ye, is_first_microbatch=first)
+                yg = g(yg, is_first_microbatch=first)
+            dy = torch.randn_like(ye)
+            (ye.float() * dy).sum().backward()
+            (yg.float() * dy).sum().backward()
+            what = f"{flags} {recipes} step {step} mb {mb}"
+            assert_bitwise_equal(yg, ye, f"{what}: output")
+            assert_bitwise_equal(xg.grad, xe.grad, f"{what}: dgrad")
+            compare_models(eager, model, what)
+            outputs.append(ye.detach())
+        for opt in (opt_e, opt_g):
+            opt.step()
+            opt.zero_grad()
+    return outputs, eager

@@ -57,9 +57,11 @@ def run_schedule(order, call, layers, xs, dys, first_of):
 
 
 def train_schedule(device, dtype, fp8, layers_per_chunk=1, steps=2, kind="Linear", hidden=16,
-                   tokens=16):  # fmt: skip
+                   tokens=16, flags=None):  # fmt: skip
     """Trains the chunks eagerly and graphed with ORDER, asserting bitwise equality of every
-    chunk output, input gradient, parameter gradient, weight and FP8 state."""
+    chunk output, input gradient, parameter gradient, weight and FP8 state. flags: FP8 on or
+    off per layer (chunk-major; make_graphed_callables' per-callable fp8_enabled), default
+    `fp8` for all."""
     num_chunks, mbs = max(ORDER), ORDER.count(1)
     recipe = g8.DelayedScaling(amax_history_len=4)
     eager = chunks_of(hidden, layers_per_chunk, num_chunks, dtype, device, kind)
@@ -69,12 +71,14 @@ def train_schedule(device, dtype, fp8, layers_per_chunk=1, steps=2, kind="Linear
     samples = tuple(
         (torch.randn(tokens, hidden, **kw),) for _ in range(num_chunks * mbs * layers_per_chunk)
     )
-    graphed = g8.make_graphed_callables(flat, samples, fp8_enabled=fp8, fp8_recipe=recipe,
+    enabled = fp8 if flags is None else tuple(flags)
+    graphed = g8.make_graphed_callables(flat, samples, fp8_enabled=enabled, fp8_recipe=recipe,
                                         fp8_weight_caching=fp8, order=ORDER)  # fmt: skip
     assert len(graphed) == num_chunks * mbs * layers_per_chunk
 
     def eager_call(c, k, ll, x, first):
-        with g8.fp8_autocast(enabled=fp8, recipe=recipe):
+        on = fp8 if flags is None else flags[c * layers_per_chunk + ll]
+        with g8.fp8_autocast(enabled=on, recipe=recipe):
             return eager[c][ll](x, is_first_microbatch=first)
 
     def graphed_call(c, k, ll, x, first):

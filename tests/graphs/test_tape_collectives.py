@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graphfp8.collectives import all_gather_, max_all_reduce_, reduce_scatter_
 from graphfp8.distributed import allreduce_gradients
+from graphfp8.distributed.collectives import all_gather_, max_all_reduce_, reduce_scatter_
 from graphfp8.graphs import RecordingMode, ReplayTape
 from graphfp8.testing import assert_bitwise_equal
 from tests.rank_pool import run_on_ranks

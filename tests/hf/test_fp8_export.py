@@ -12,7 +12,8 @@ import torch
 
 import graphfp8 as g8
 from graphfp8.fp8.slots import FwdRole, slot_index
-from graphfp8.hf.fp8_export import LAYOUTS, fp8_checkpoint, quantize_per_tensor
+from graphfp8.hf.fp8_export import LAYOUTS, fp8_checkpoint, quantize_128x128, quantize_per_tensor
+from graphfp8.ops import blockwise as bw
 from graphfp8.testing import assert_bitwise_equal, sqnr
 
 transformers = pytest.importorskip("transformers")
@@ -63,7 +64,7 @@ def test_quantize_per_tensor_is_within_e4m3_rounding():
     assert zero_scale == 1 and not zero.float().any()
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", ["transformers", "vllm"])
 def test_export_dequantizes_to_the_trained_weights(layout):
     model = _trained_llama()
     hp = {k: v.detach().clone() for k, v in g8.to_hf(model).items()}
@@ -140,3 +141,48 @@ def test_save_pretrained_fp8_vllm_layout(tmp_path):
         fp8_checkpoint(g8.from_hf(transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, embd_pdrop=0.0, resid_pdrop=0.0,
             attn_pdrop=0.0)).to(BF16)))  # fmt: skip
+
+
+def test_save_pretrained_blockwise_loads_in_transformers(tmp_path):
+    """fp8="blockwise": E4M3 weights in 128x128 blocks with float32 weight_scale_inv (DeepSeek-V3's
+    layout; partial blocks at these widths), the fine-grained quantization_config; transformers'
+    loader dequantizes each block on the CPU to exactly what the blocks say."""
+    model = _trained_llama()
+    hp = {k: v.detach().clone() for k, v in g8.to_hf(model).items()}
+    g8.hf.save_pretrained(model, tmp_path, fp8="blockwise")
+    quant = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert quant == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                     "weight_block_size": [128, 128],
+                     "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+    saved = load_file(tmp_path / "model.safetensors")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    hf_params = dict(loaded.named_parameters())
+    gemms = [k for k in saved if _is_gemm(k)]
+    assert len(gemms) == 2 * len(GEMM_NAMES)
+    for key in gemms:
+        w_fp8, scale_inv = saved[key], saved[key[: -len("weight")] + "weight_scale_inv"]
+        out, inp = w_fp8.shape
+        assert w_fp8.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32
+        assert scale_inv.shape == (-(-out // 128), -(-inp // 128))
+        want = bw.dequantize_blocks(w_fp8, scale_inv)
+        assert sqnr(hp[key].float(), want) > 25, key
+        got = hf_params[key].detach()
+        assert_bitwise_equal(got, want.to(got.dtype), key)
+    ids = torch.randint(0, VOCAB, (B, S))
+    with torch.no_grad():
+        ours, theirs = model(ids).logits.float(), loaded(ids).logits.float()
+    assert sqnr(ours, theirs) > 20
+    with pytest.raises(ValueError, match="dynamic"):
+        fp8_checkpoint(model, layout="blockwise", activation_scheme="static")
+
+
+def test_quantize_128x128_blocks():
+    w = torch.randn(300, 200) * 3
+    w[128:256, :128] *= 1000.0  # one block of outliers keeps the others' precision
+    w_fp8, scale_inv = quantize_128x128(w)
+    assert scale_inv.shape == (3, 2)
+    assert (scale_inv[1, 0] > 100 * scale_inv[0, 0]) and torch.isclose(
+        scale_inv[0, 0], w[:128, :128].abs().max() / 448, rtol=1e-6
+    )
+    err = bw.dequantize_blocks(w_fp8, scale_inv) - w
+    assert (err.abs() <= w.abs() * 2**-4 + 2**-10 * scale_inv.max()).all()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from graphfp8 import distributed, train
+from graphfp8 import distributed
+from graphfp8.training import cli as train
 from tests.rank_pool import run_on_ranks
 
 SMALL = ["--batch", "2", "--microbatches", "1", "--steps", "2", "--device", "cpu", "--ddp"]

@@ -134,7 +134,7 @@ def test_recipe_validation_and_misuse():
         g8.Float8CurrentScaling(fp8_format="HYBRID")
     with pytest.raises(TypeError):
         g8.Float8CurrentScaling(margin=1)  # fixed fields are not arguments
-    with pytest.raises(TypeError, match="DelayedScaling or graphfp8.Float8CurrentScaling"):
+    with pytest.raises(TypeError, match="Float8CurrentScaling or graphfp8.Float8BlockScaling"):
         with g8.fp8_autocast(recipe="current"):
             pass
     m = g8.Linear(H, H, params_dtype=torch.float32)

@@ -1,9 +1,10 @@
-"""graphfp8-train --check-replicas (training/replicas.py) on gloo ranks: the digest sees one bit and
-a swap; a rank whose FP8 weight, scale_inv or high-precision parameter differs stops every rank
-naming it; and through the CLI: the llama-tiny preset sharded over 3 ranks (uneven slices) keeps
-identical weights on every rank after every step, eager == step graph on every rank's losses and
-weights; sharded against unsharded through the CLI and scripts/multi_gpu_report.py's comparison; a
-weight perturbed on one rank mid-run stops the run with exit status 3."""
+"""graphfp8-train --check-replicas (distributed/replica_check.py) on gloo ranks: the digest sees one
+bit and a swap; a rank whose FP8 weight, scale_inv or high-precision parameter differs stops
+every rank naming it; and through the CLI: the llama-tiny preset sharded over 3 ranks (uneven
+slices) keeps identical weights on every rank after every step, eager == step graph on every
+rank's losses and weights; sharded against unsharded through the CLI and
+scripts/multi_gpu_report.py's comparison; a weight perturbed on one rank mid-run stops the run
+with exit status 3."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from graphfp8.distributed.replica_check import ReplicaCheck, ReplicaMismatchError, digest
 from graphfp8.training import run as run_module
-from graphfp8.training.replicas import ReplicaCheck, ReplicaMismatchError, digest
 from tests.rank_pool import run_on_ranks
 from tests.sharding.common import build_lm
 from tests.sharding.test_shard_cli import ARGS, _main, _summary

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from graphfp8 import distributed, train
-from graphfp8.training import shard_checkpoint
+from graphfp8 import distributed
+from graphfp8.distributed import sharded_checkpoint as shard_checkpoint
+from graphfp8.training import cli as train
 from tests.rank_pool import run_on_ranks
 
 ARGS = ["--device", "cpu", "--ddp", "--shard", "--fp8-weights", "--batch", "2", "--seq-len", "32",

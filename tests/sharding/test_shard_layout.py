@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graphfp8 as g8
-from graphfp8.fp8.shard_layout import ALIGN, ShardLayout
+from graphfp8.distributed.shard_layout import ALIGN, ShardLayout
 from tests.sharding.common import build_lm
 
 

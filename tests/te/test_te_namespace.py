@@ -36,6 +36,25 @@ def test_recipes_are_graphfp8s():
         Float8CurrentScaling(use_power_2_scales=True)
 
 
+def test_float8_block_scaling(monkeypatch):
+    """TE's Float8BlockScaling: graphfp8's, power-of-2 scales unless TE's environment switch
+    asks for float32 scales; a layer under it runs the blockwise GEMMs."""
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    r = te.recipe.Float8BlockScaling()
+    assert r == g8.Float8BlockScaling() and isinstance(r, te.recipe.Float8BlockScaling)
+    assert not isinstance(r, Float8CurrentScaling)
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    assert te.recipe.Float8BlockScaling() == g8.Float8BlockScaling(power_2_scale=False)
+    with pytest.raises(NotImplementedError, match="fp8_quant_fwd_weight"):
+        te.recipe.Float8BlockScaling(fp8_quant_fwd_weight=object())
+    layer = te.Linear(128, 128, params_dtype=torch.float32, device="cpu")
+    x = torch.randn(16, 128)
+    with te.autocast(recipe=te.recipe.Float8BlockScaling()):
+        y = layer(x)
+    with g8.fp8_autocast(recipe=g8.Float8BlockScaling(power_2_scale=False)):
+        assert_bitwise_equal(y, layer(x))
+
+
 def test_te_defaults():
     """TE's initialisation (N(0, 0.023), zero biases), its device (the CPU without CUDA) and
     parameter names."""
@@ -154,9 +173,9 @@ def test_make_graphed_callables_spellings():
     sample = (torch.randn(S, H, dtype=BF16, requires_grad=True),)
     with pytest.raises(ValueError, match="deprecated `fp8_recipe` kwarg in favor of `recipe`"):
         te.make_graphed_callables(layer, sample, fp8_recipe=RECIPE, recipe=RECIPE)
-    with pytest.raises(NotImplementedError, match="different enabled flag per callable"):
+    with pytest.raises(ValueError, match="one entry per callable"):
         te.make_graphed_callables((layer, copy.deepcopy(layer)), (sample, sample),
-                                  enabled=(True, False))  # fmt: skip
+                                  enabled=(True, False, True))  # fmt: skip
     with pytest.raises(NotImplementedError, match="retain_graph_in_backward=True"):
         te.make_graphed_callables(layer, sample, retain_graph_in_backward=True)
     with pytest.raises(NotImplementedError, match="calibrating=True"):
@@ -169,6 +188,22 @@ def test_make_graphed_callables_spellings():
         with te.fp8_autocast(fp8_recipe=RECIPE):
             want = eager(x, is_first_microbatch=mb == 0)
         assert_bitwise_equal(graphed(x, is_first_microbatch=mb == 0), want)
+
+
+def test_make_graphed_callables_enabled_per_callable():
+    """TE's per-callable `enabled` tuple: the bf16 layer runs as eagerly outside FP8."""
+    layers = [te.Linear(H, H, params_dtype=BF16, device="cpu") for _ in range(2)]
+    eager = copy.deepcopy(layers)
+    sample = (torch.randn(S, H, dtype=BF16, requires_grad=True),)
+    graphed = te.make_graphed_callables(tuple(layers), (sample, sample), enabled=(False, True),
+                                        recipe=RECIPE)  # fmt: skip
+    for _ in range(2):
+        x = torch.randn(S, H, dtype=BF16, requires_grad=True)
+        with te.autocast(enabled=False):
+            want = eager[0](x)
+        with te.autocast(enabled=True, recipe=RECIPE):
+            want = eager[1](want)
+        assert_bitwise_equal(graphed[1](graphed[0](x)), want)
 
 
 def test_fp8_model_init():

@@ -1,6 +1,6 @@
-"""graphfp8-train --scaling current and --fp8-weights: runs train, a resume with FP8 primary weights
-(the whole step as one graph) is bit-exact, and a checkpoint of one recipe does not resume a run of
-the other (graphed == eager: tests/graphs/test_current_scaling_graphs.py and
+"""graphfp8-train --scaling current / blockwise and --fp8-weights: runs train, a resume with FP8
+primary weights (the whole step as one graph) is bit-exact, and a checkpoint of one recipe does
+not resume a run of the other (graphed == eager: tests/graphs/test_current_scaling_graphs.py and
 test_fp8_primary_graphs.py)."""
 
 from __future__ import annotations
@@ -48,3 +48,19 @@ def test_fp8_weights_resume_is_bit_exact(tmp_path):
     assert straight["losses"][-1] < straight["losses"][0]
     with pytest.raises(ValueError, match="fp8_weights needs precision fp8"):
         RunSpec("tiny", TINY, "bf16", False, microbatches=2, device="cpu", fp8_weights=True)
+
+
+def test_blockwise_runs_train(tmp_path):
+    """--scaling blockwise eagerly, with per-layer graphs and as one step graph: the same
+    losses bit for bit, and they fall."""
+    data = Dataset(open_stream("synthetic", synthetic_bytes=1 << 16), val_fraction=0.05)
+    losses = {}
+    for graphs in ("none", "layers", "step"):
+        spec = RunSpec("tiny", TINY, "fp8", graphs, microbatches=2, device="cpu",
+                       scaling="blockwise")  # fmt: skip
+        assert spec.name.startswith("fp8-block-")
+        options = RunOptions(steps=3, out=tmp_path / graphs, data=data, log_every=1,
+                             val_batches=1)  # fmt: skip
+        losses[graphs] = train_run(spec, options)["losses"]
+    assert all(map(math.isfinite, losses["none"])) and losses["none"][-1] < losses["none"][0]
+    assert losses["layers"] == losses["none"] and losses["step"] == losses["none"]

@@ -1,13 +1,14 @@
-"""graphfp8-train --shard checkpoints: a manifest at --save's path and one file per rank, written so
-that a save interrupted on any rank (a killed process, a full disk) never leaves a checkpoint that
-loads half.
+"""Sharded checkpoints (graphfp8-train --shard's, through training/checkpoint.py): a manifest at
+the save path and one file per rank, written so that a save interrupted on any rank (a killed
+process, a full disk) never leaves a checkpoint that loads half.
 
-    <save>                           the manifest: checkpoint.py's checkpoint without "optimizer"
-                                     and "masters", plus "shards": {"world", "token", "files":
-                                     [[file name, bytes, crc32], ...] in rank order}
-    <save>.<token>.rank<r>-of-<N>    rank r's {"format", "token", "rank", "world", "masters"
-                                     (MasterWeights.state_dict: the shard and its layout),
-                                     "optimizer" (this rank's AdamW state)}
+    <save>                           the manifest: the caller's header (graphfp8-train: its
+                                     checkpoint without "optimizer" and "masters"), plus "shards":
+                                     {"world", "token", "files": [[file name, bytes, crc32], ...]
+                                     in rank order}
+    <save>.<token>.rank<r>-of-<N>    rank r's {"format", "token", "rank", "world", and the
+                                     caller's shard (graphfp8-train: "masters", the sharded
+                                     MasterWeights.state_dict; "optimizer", this rank's AdamW)}
 
 Saving: every rank writes its file (a temporary file, flushed, then renamed); the ranks exchange
 what they wrote or why they could not; only when every rank wrote its file does rank 0 write the
@@ -25,19 +26,22 @@ import os
 import re
 import secrets
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from graphfp8.distributed import gather_objects
-from graphfp8.fp8.shard_state import check_loadable
-from graphfp8.training.checkpoint import CheckpointError, checkpoint_state
-from graphfp8.training.run import Run
+from graphfp8.distributed.data_parallel import gather_objects
 
-__all__ = ["load_shard", "save_sharded"]
+__all__ = ["ShardedCheckpointError", "load_shard", "save_sharded"]
 
 SHARD_FORMAT = "graphfp8-train-shard"
+_HEADER = ("format", "token", "rank", "world")  # a shard file's own keys; the rest is the caller's
+
+
+class ShardedCheckpointError(ValueError):
+    """A sharded checkpoint not written or not loadable, raised on every rank."""
 
 
 def _write(obj, path: Path) -> tuple[int, int]:
@@ -63,20 +67,24 @@ def _shard_name(path: Path, token: str, rank: int, world: int) -> str:
     return f"{path.name}.{token}.rank{rank}-of-{world}"
 
 
-def save_sharded(run: Run, path: Path, steps: int, data: dict, group) -> Path:
+def save_sharded(path: Path, step: int, shard: dict, header: Callable[[], dict], group) -> Path:
     """Writes the manifest and every rank's file (module docstring); a collective. Returns the
     manifest's path.
 
+    Args:
+        path: the manifest's path.
+        step: the step saved (the start of the files' token).
+        shard: what this rank's file holds besides its own keys.
+        header: called on group rank 0 once every rank wrote its file: the manifest's contents.
+
     Raises:
-        CheckpointError: on every rank, naming each rank that could not write (the previous
-            checkpoint at `path`, if any, stays whole).
+        ShardedCheckpointError: on every rank, naming each rank that could not write (the
+            previous checkpoint at `path`, if any, stays whole).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    token = gather_objects(f"{run.step}-{secrets.token_hex(4)}" if rank == 0 else None, group)[0]
+    token = gather_objects(f"{step}-{secrets.token_hex(4)}" if rank == 0 else None, group)[0]
     mine = path.with_name(_shard_name(path, token, rank, world))
-    shard = {"format": SHARD_FORMAT, "token": token, "rank": rank, "world": world,
-             "masters": run.masters.state_dict(),
-             "optimizer": run.optimizer.state_dict()}  # fmt: skip
+    shard = {"format": SHARD_FORMAT, "token": token, "rank": rank, "world": world, **shard}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         outcome = ("ok", mine.name, *_write(shard, mine))
@@ -85,8 +93,7 @@ def save_sharded(run: Run, path: Path, steps: int, data: dict, group) -> Path:
     outcomes = gather_objects(outcome, group)
     failed = [f"rank {r}: {o[1]}" for r, o in enumerate(outcomes) if o[0] != "ok"]
     if rank == 0 and not failed:
-        state = {k: v for k, v in run.state_dict().items() if k not in ("optimizer", "masters")}
-        manifest = {**checkpoint_state(state, steps, data),
+        manifest = {**header(),
                     "shards": {"world": world, "token": token,
                                "files": [list(o[1:]) for o in outcomes]}}  # fmt: skip
         try:
@@ -97,8 +104,8 @@ def save_sharded(run: Run, path: Path, steps: int, data: dict, group) -> Path:
     failed = gather_objects(failed, group)[0]
     if failed:
         mine.unlink(missing_ok=True)
-        raise CheckpointError(f"{path} was not written (the previous checkpoint there, if any, "
-                              f"is intact): " + "; ".join(failed))  # fmt: skip
+        raise ShardedCheckpointError(f"{path} was not written (the previous checkpoint there, "
+                                     f"if any, is intact): " + "; ".join(failed))  # fmt: skip
     return path
 
 
@@ -137,20 +144,25 @@ def _problem(manifest: dict, path: Path, rank: int, world: int):
     return shard, None
 
 
-def load_shard(manifest: dict, path: Path, run: Run, group) -> dict:
-    """The checkpoint of this rank: the manifest with this rank's "masters" and "optimizer", for
-    Run.load_state_dict. A collective: every rank checks (module docstring), then all agree.
+def load_shard(manifest: dict, path: Path, group, check: Callable[[dict], None]) -> dict:
+    """The checkpoint of this rank: the manifest with this rank's shard (its file's keys but its
+    own). A collective: every rank checks (module docstring), then all agree.
+
+    Args:
+        manifest: the manifest, loaded from `path`.
+        check: called with this rank's shard before anything loads (a collective, e.g. the
+            sharded masters' check_loadable); a ValueError it raises names the problem.
 
     Raises:
-        CheckpointError: on every rank, naming each rank's problem.
+        ShardedCheckpointError: on every rank, naming each rank's problem.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     shard, problem = _problem(manifest, path, rank, world)
     problems = [f"rank {r}: {p}" for r, p in enumerate(gather_objects(problem, group)) if p]
     if problems:
-        raise CheckpointError(f"cannot resume {path}: " + "; ".join(problems))
+        raise ShardedCheckpointError(f"cannot resume {path}: " + "; ".join(problems))
     try:
-        check_loadable(run.masters, shard["masters"])  # the layouts, before anything loads
+        check(shard)  # e.g. the masters' layouts, before anything loads
     except ValueError as exc:
-        raise CheckpointError(f"cannot resume {path}: {exc}") from None
-    return {**manifest, "masters": shard["masters"], "optimizer": shard["optimizer"]}
+        raise ShardedCheckpointError(f"cannot resume {path}: {exc}") from None
+    return {**manifest, **{k: v for k, v in shard.items() if k not in _HEADER}}

@@ -3,7 +3,7 @@ graphfp8 layers were built inside fp8_model_init and then sharded by `fully_shar
 
     model = ...  # graphfp8 layers built inside fp8_model_init
     fully_shard(model, mesh=mesh)          # FP8 shards: DTensors of Float8Tensor (tensor_fsdp.py)
-    masters = g8.MasterWeights(model)      # an FSDPMasterWeights
+    masters = g8.MasterWeights(model)      # an FSDPMasterWeights (distributed/masters.py)
     opt = torch.optim.AdamW(masters.parameters())   # DTensor masters + the other DTensors
     ... forward / backward under fp8_autocast (FSDP2 all-gathers the weights in FP8) ...
     torch.nn.utils.clip_grad_norm_(masters.parameters(), 1.0)   # DTensors: the global norm
@@ -13,7 +13,7 @@ graphfp8 layers were built inside fp8_model_init and then sharded by `fully_shar
 Each FP8 weight's master is a DTensor of its fp32 local shard, placed like the weight, so the
 optimizer and clip_grad_norm_ see DTensors as for every other FSDP2 parameter. `step` copies the
 weights' reduced gradient shards (FSDP2's reduce-scatter made them) into the masters' fp32 grads,
-steps, and writes the shards back with one amax per weight over the mesh (fp8/group_quantize.py):
+steps, and writes the shards back with one amax per weight over the mesh (group_quantize.py):
 every shard of a weight gets the same scale_inv, which the FP8 all-gather ships with the bytes,
 and the weights are quantized exactly as on one process.
 """
@@ -24,14 +24,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from graphfp8.fp8.group_quantize import GroupQuantizer
-from graphfp8.fp8.master import (
-    ClaimAnchor,
-    MasterWeights,
-    check_fp8_weights_kept,
-    claim,
-    is_fsdp_fp8,
-)
+from graphfp8.distributed.group_quantize import GroupQuantizer
+from graphfp8.fp8.master import ClaimAnchor, MasterWeights, check_fp8_weights_kept, claim
+from graphfp8.fp8.tensor import is_fsdp_fp8
 
 __all__ = ["FSDPMasterWeights", "fsdp_fp8_weights"]
 
@@ -49,7 +44,7 @@ class FSDPMasterWeights(MasterWeights):
         model: a model under fully_shard whose FP8 primary weights are sharded on a 1-D mesh.
     """
 
-    def __init__(self, model: nn.Module, shard_group=None) -> None:
+    def __init__(self, model: nn.Module) -> None:
         check_fp8_weights_kept(model, "MasterWeights")
         named = fsdp_fp8_weights(model)
         meshes = {id(p.device_mesh) for _, p in named}
@@ -132,6 +127,3 @@ def _like(p: DTensor, local: torch.Tensor) -> DTensor:
     """`local` as a DTensor placed like parameter p (an uneven shard keeps p's global shape)."""
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                               shape=p.shape, stride=p.stride())  # fmt: skip
-
-
-MasterWeights._fsdp_class = FSDPMasterWeights  # MasterWeights(model) of an FSDP2 model builds one

@@ -1,4 +1,5 @@
-"""Sharded masters: `MasterWeights(model, shard_group=group)`, ZeRO-style over torch.distributed.
+"""Sharded masters: `MasterWeights(model, shard_group=group)`, ZeRO-style over torch.distributed
+(graphfp8.MasterWeights builds a ShardedMasterWeights when given shard_group: masters.py).
 
     masters = g8.MasterWeights(model, shard_group=group)     # every rank, same model
     opt = torch.optim.AdamW(masters.parameters(), fused=True)  # this rank's pieces only
@@ -8,7 +9,7 @@
     masters.zero_grad()
 
 Every trainable parameter - FP8 primary weights, norms, biases, embeddings, the head - lives in
-flat buffers (graphfp8.fp8.shard_layout): the model keeps whole, replicated parameters at fixed
+flat buffers (shard_layout.py): the model keeps whole, replicated parameters at fixed
 addresses (views of the flat buffers), so layer graphs and microbatch graphs are unchanged, and
 each rank keeps only its slice of the fp32 masters, of their gradients and of the optimizer
 state. One step, every collective in stream order (a step graph captures them all,
@@ -40,19 +41,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphfp8.collectives import all_gather_, reduce_scatter_
-from graphfp8.distributed import check_gradient_layout, check_same_settings, mark_sharded
-from graphfp8.fp8.group_quantize import GroupQuantizer
+from graphfp8.distributed.collectives import all_gather_, reduce_scatter_
+from graphfp8.distributed.data_parallel import (
+    check_gradient_layout,
+    check_same_settings,
+    mark_sharded,
+)
+from graphfp8.distributed.group_quantize import GroupQuantizer
+from graphfp8.distributed.shard_layout import ShardLayout
+from graphfp8.distributed.sharded_masters_state import check_loadable, full_state, shard_state
 from graphfp8.fp8.master import (
-    _TENSOR_GRAD,
+    TENSOR_GRAD,
     ClaimAnchor,
     MasterWeights,
     check_fp8_weights_kept,
     claim,
     clear_grads,
 )
-from graphfp8.fp8.shard_layout import ShardLayout
-from graphfp8.fp8.shard_state import check_loadable, full_state, shard_state
 from graphfp8.fp8.tensor import Float8Tensor
 
 __all__ = ["ShardedMasterWeights"]
@@ -88,7 +93,7 @@ class _Piece(torch.Tensor):
 
     @property
     def grad(self):
-        return _TENSOR_GRAD.__get__(self)
+        return TENSOR_GRAD.__get__(self)
 
     @grad.setter
     def grad(self, value) -> None:
@@ -117,9 +122,7 @@ class ShardedMasterWeights(MasterWeights):
             once (see graphfp8.allreduce_gradients). A graph capture never checks.
     """
 
-    sharded = True
-
-    def __init__(self, model: nn.Module, shard_group=None, bucket_mb: float = 25.0,
+    def __init__(self, model: nn.Module, shard_group, bucket_mb: float = 25.0,
                  check_every_step: bool = True) -> None:  # fmt: skip
         if not dist.is_initialized():
             raise RuntimeError("MasterWeights(shard_group=...): torch.distributed is not "
@@ -182,7 +185,7 @@ class ShardedMasterWeights(MasterWeights):
         self._build_weight_vectors(by_name, dev)
 
     def _build_weight_vectors(self, by_name: dict, dev) -> None:
-        """The FP8 weights' quantizer (fp8/group_quantize.py); each weight's scale_inv becomes
+        """The FP8 weights' quantizer (group_quantize.py); each weight's scale_inv becomes
         a view of its vector (written for all weights at once)."""
         weights = [by_name[name] for name in self.weight_index]
         self.quantizer = GroupQuantizer([p.fp8_dtype for p in weights], dev)
@@ -202,7 +205,7 @@ class ShardedMasterWeights(MasterWeights):
             master = torch.Tensor._make_subclass(_Piece, self.master_shards[piece.bucket][span],
                                                  True)  # fmt: skip
             grad = self.grad_shards[piece.bucket][span]
-            _TENSOR_GRAD.__set__(master, torch.Tensor._make_subclass(_ShardGrad, grad))
+            TENSOR_GRAD.__set__(master, torch.Tensor._make_subclass(_ShardGrad, grad))
             self.masters.append(master)
             self.piece_names.append(piece.entry.name)
 
@@ -216,6 +219,11 @@ class ShardedMasterWeights(MasterWeights):
         """Every tensor that step() changes besides the model's and the optimizer's (a graph
         capture snapshots and restores them)."""
         return [*self.master_shards, self.scale, self.amax]
+
+    def master_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(this rank's fp32 master slices, their gradient slices), as the memory report counts
+        them."""
+        return list(self.master_shards), list(self.grad_shards)
 
     def optimizer_params(self, model_params: list[torch.Tensor], name: str) -> list:
         """What an optimizer stepped with these masters holds: every piece; the masters must
@@ -330,19 +338,19 @@ class ShardedMasterWeights(MasterWeights):
         clear_grads(self.params, set_to_none)
         self._reduced = False
 
-    # Checkpoints (graphfp8.fp8.shard_state) -----------------------------------------------------
+    # Checkpoints (sharded_masters_state.py) ----------------------------------------------------
 
     def state_dict(self) -> dict:
         """This rank's shard: {"layout", "masters" (one fp32 slice per bucket), "scales"}; the
         optimizer's state_dict is this rank's too, saved beside it."""
-        return shard_state(self)
+        return shard_state(self.layout, self.master_shards, self.scale)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Restores this rank's shard saved by state_dict() on the same rank of the same
         layout, then writes every parameter from it. A collective: the ranks agree that every
         shard loads before any is copied; otherwise all raise, naming both layouts."""
-        check_loadable(self, state)
+        self.check_loadable(state)
         for dst, src in zip(self.master_shards, state["masters"], strict=True):
             dst.copy_(src)
         self.scale.copy_(state["scales"])
@@ -352,10 +360,12 @@ class ShardedMasterWeights(MasterWeights):
         """The consolidated fp32 masters, on group rank 0 (None on the others; a collective):
         {"masters": {FP8 weight name: fp32}, "hp_masters": {other name: fp32}} - an unsharded
         MasterWeights loads it (its "masters")."""
-        return full_state(self)
+        return full_state(self.layout, self.master_shards, self.group)
 
-
-MasterWeights._sharded_class = ShardedMasterWeights  # MasterWeights(shard_group=...) builds one
+    def check_loadable(self, state) -> None:
+        """Raises on every rank unless every rank's `state` loads (a collective, before anything
+        is copied: sharded_masters_state.check_loadable)."""
+        check_loadable(self.layout, self.master_shards, self.scale, self.group, state)
 
 
 def _check_model(named: list[tuple[str, torch.Tensor]]) -> None:

@@ -1,5 +1,5 @@
 """FP8 weights quantized from fp32 pieces spread over ranks, one amax per weight over all of them:
-what sharded masters (fp8/shard.py) and masters under FSDP2 (fp8/fsdp_master.py) write back.
+what sharded masters (sharded_masters.py) and masters under FSDP2 (fsdp_masters.py) write back.
 
 Per weight: the amax of each local piece, one MAX all-reduce of the vector of per-weight amaxes
 for all weights at once, the scale from it (current scaling of the weight: fp8_max / amax, kept
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from graphfp8 import ops
-from graphfp8.collectives import max_all_reduce_
+from graphfp8.distributed.collectives import max_all_reduce_
 from graphfp8.fp8.recipe import fp8_max
 
 __all__ = ["GroupQuantizer"]

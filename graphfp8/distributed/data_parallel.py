@@ -46,7 +46,7 @@ __all__ = [
 
 # Gradients ------------------------------------------------------------------------------------
 
-# {tensor: what reduces its gradients itself} (graphfp8.fp8.shard's masters reduce-scatter them).
+# {tensor: what reduces its gradients itself} (sharded_masters.py's masters reduce-scatter them).
 _SHARDED = WeakIdKeyDictionary()
 
 

@@ -1,4 +1,5 @@
-"""Where every trainable parameter lives in the flat buffers of sharded masters (fp8/shard.py).
+"""Where every trainable parameter lives in the flat buffers of sharded masters
+(sharded_masters.py).
 
 Parameters are grouped by kind - FP8 primary weights per (FP8 dtype, nominal dtype), the others
 per dtype - and, in model order, cut into buckets of at most `bucket_bytes` of gradient. In a

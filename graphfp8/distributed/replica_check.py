@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphfp8.collectives import all_gather_
+from graphfp8.distributed.collectives import all_gather_
 from graphfp8.fp8.tensor import Float8Tensor
 
 __all__ = ["ReplicaCheck", "ReplicaMismatchError", "digest"]

@@ -1,5 +1,5 @@
-"""The collectives of sharded training (graphfp8.fp8.shard): reduce-scatter and all-gather of flat
-buffers, one MAX all-reduce of a vector, through torch.distributed's single-tensor forms.
+"""The collectives of sharded training (sharded_masters.py): reduce-scatter and all-gather of
+flat buffers, one MAX all-reduce of a vector, through torch.distributed's single-tensor forms.
 
 `reduce_scatter_single` / `all_gather_single` are the forms torch 2.13 keeps
 (`reduce_scatter_tensor` / `all_gather_into_tensor` now warn that they are deprecated and call

@@ -1,0 +1,58 @@
+"""Pure-PyTorch float64 twins of the blockwise FP8 quantizers and GEMM (graphfp8/ops/blockwise.py),
+written tile by tile: what tests compare the package's quantizers against, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["gemm", "quantize"]
+
+_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_FLT_MAX = torch.finfo(torch.float32).max
+
+
+def _scale(amax: float, fp8_dtype, power_2_scale: bool) -> float:
+    """The scale of one tile (docs/fp8.md, "Blockwise scaling"): float64 division rounded to
+    float32 (the correctly rounded float32 quotient), floored to a power of 2 by frexp."""
+    if not math.isfinite(amax) or amax <= 0:
+        return 1.0
+    s = _MAX[fp8_dtype] / amax
+    s = float(torch.tensor(s, dtype=torch.float64).to(torch.float32))
+    s = min(s, _FLT_MAX)
+    if power_2_scale:
+        s = math.ldexp(1.0, math.frexp(s)[1] - 1)
+    return s
+
+
+def quantize(x: torch.Tensor, rows: int, fp8_dtype=torch.float8_e4m3fn, power_2_scale=True):
+    """x (R, C) in tiles of `rows` x 128 (rows 1: 1x128 tiles, 128: 128x128 blocks). Returns
+    (x_fp8 (R, C), scale_inv (ceil(R / rows), ceil(C / 128)) float32)."""
+    r, c = x.shape
+    x64 = x.double()
+    out = torch.empty(r, c, dtype=fp8_dtype)
+    inv = torch.empty(-(-r // rows), -(-c // 128), dtype=torch.float32)
+    limit = _MAX[fp8_dtype]
+    for i in range(inv.shape[0]):
+        for j in range(inv.shape[1]):
+            tile = x64[i * rows : (i + 1) * rows, j * 128 : (j + 1) * 128]
+            s = _scale(float(tile.abs().max()), fp8_dtype, power_2_scale)
+            q = (tile * s).clamp(-limit, limit)
+            out[i * rows : (i + 1) * rows, j * 128 : (j + 1) * 128] = q.to(fp8_dtype)
+            inv[i, j] = float(torch.tensor(1.0 / s, dtype=torch.float64).to(torch.float32))
+    return out, inv
+
+
+def dequantize(x_fp8: torch.Tensor, scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
+    """(R, C) float64: each element times its tile's scale_inv."""
+    out = x_fp8.double()
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            out[i * rows : (i + 1) * rows, j * 128 : (j + 1) * 128] *= float(scale_inv[i, j])
+    return out
+
+
+def gemm(a_fp8, a_scale_inv, b_fp8, b_scale_inv, b_rows: int) -> torch.Tensor:
+    """(M, N) float64 = dequantized a (1x128 tiles) @ dequantized b (b_rows x 128).T."""
+    return dequantize(a_fp8, a_scale_inv, 1) @ dequantize(b_fp8, b_scale_inv, b_rows).t()
