@@ -1,5 +1,5 @@
 """`python -m benchmarks {kernels,variants,opcount,census,eager,block,attention,step,host,
-memory,stack,glu,hf,hf-users,carried-casts} [--device D]
+memory,memory-plan,recompute,stack,glu,hf,hf-users,carried-casts} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ SUITES = {
     "step": "benchmarks.step",
     "host": "benchmarks.host",
     "memory": "benchmarks.memory",
+    "memory-plan": "benchmarks.memory_plan",
+    "recompute": "benchmarks.recompute",
     "glu": "benchmarks.glu",
     "hf": "benchmarks.hf",
     "hf-users": "benchmarks.hf_users",

@@ -13,6 +13,7 @@ from graphfp8.fp8 import (
     fp8_model_init,
     reset_state,
 )
+from graphfp8.fp8.recompute import recompute
 from graphfp8.graphs import (
     CaptureError,
     make_graphed_callables,
@@ -57,6 +58,7 @@ __all__ = [
     "make_graphed_step",
     "numerics",
     "ops",
+    "recompute",
     "reset_state",
     "to_hf",
 ]

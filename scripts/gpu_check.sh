@@ -57,6 +57,9 @@
 #               and 8B blocks; eager and graphed; ms per microbatch and the ratio)
 #   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
+#   step recompute (issue 40): bench recompute (Llama-3-8B block shapes: activation memory and
+#               graphed step time of selective / full recompute against none) and bench
+#               memory-plan (the planner's peak against graphfp8-train's at N=1)
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -416,6 +419,12 @@ print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF
       grep "^multi_gpu\|: rc \|skipped" "$RES/multi_gpu.log" | tail -20
       cat "$RES/multi_gpu.md" >> "$RES/summary.md" 2>/dev/null \
         || { echo "multi_gpu: no tables (multi_gpu.log)" | tee -a "$RES/summary.md"; tail -20 "$RES/multi_gpu.log"; } ;;
+    recompute)  # issue 40: targets full <= 0.25 memory at <= 1.35x time, selective <= 1.1x
+      for b in recompute memory-plan; do
+        $PY -m benchmarks "$b" --json "$RES/bench_$b.json" > "/tmp/bench_$b.log" 2>&1 \
+          || { status=1; tail -30 "/tmp/bench_$b.log"; }
+        grep -v '^wrote' "/tmp/bench_$b.log" >> "$RES/summary.md"
+      done ;;
     *)
       echo "unknown step $step"; status=1 ;;
   esac

@@ -57,6 +57,8 @@ class FP8Context:
             module's is_first_microbatch on the host (EAGER), or a graph's device flag.
         recorder: inside a capture (warmup included), what collects the arenas used; None in
             eager mode, where nothing is recorded and the updates run as the schedule says.
+        recompute: inside an activation-checkpointed region, its fp8/recompute.py Region: the
+            forward records the slots it uses there, the recompute replays them; else None.
         init_group: the fp8/scaling.py InitGroup modules that first run here take their slots
             from (None outside any region: scaling's group of slots taken outside).
     """
@@ -67,6 +69,7 @@ class FP8Context:
     region: int = 0
     weight_cache: WeightCachePolicy = EAGER
     recorder: ArenaRecorder | None = field(default=None, compare=False)
+    recompute: object = field(default=None, compare=False)
     init_group: object = field(default=None, compare=False)
 
     @property

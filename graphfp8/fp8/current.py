@@ -32,7 +32,7 @@ import torch
 
 from graphfp8 import ops
 from graphfp8.fp8.recipe import is_current_scaling
-from graphfp8.fp8.scaling import SlotBlock
+from graphfp8.fp8.scaling import ReplaySlots, SlotBlock
 from graphfp8.fp8.slots import Quantizer
 from graphfp8.ops.switches import env_switch
 
@@ -102,7 +102,8 @@ def slot_quantizer(
 ) -> Quantizer | CurrentQuantizer:
     """(scale, amax, fp8_dtype[, scaled_max]) for a cast into slot i of `block`.
 
-    Delayed scaling: the slot's scale and H[0] views. Current scaling: runs `amax_pass` into the
+    Delayed scaling, and a recomputed forward's ReplaySlots: the slot's scale and amax views.
+    Current scaling: runs `amax_pass` into the
     slot; then, on the fused path, returns a CurrentQuantizer (the cast computes the scale), and
     otherwise derives the slot's scale on the device and returns the slot's scale with the
     arena's amax sink (the cast must not fold its amax into H[0] again).
@@ -117,8 +118,8 @@ def slot_quantizer(
     """
     arena = block.arena
     quantizer = Quantizer(block.scale(i), block.amax(i), arena.fp8_dtype)
-    if not is_current_scaling(arena.recipe):
-        return quantizer
+    if not is_current_scaling(arena.recipe) or isinstance(block, ReplaySlots):
+        return quantizer  # a recompute casts with the forward's scale, computed then
     if amax_pass is None:
         raise RuntimeError(
             "graphfp8: this FP8 cast does not support Float8CurrentScaling (no amax pass)"

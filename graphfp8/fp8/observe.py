@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from graphfp8.fp8.scaling import SlotBlock
+from graphfp8.fp8.scaling import ReplaySlots, SlotBlock
 
 __all__ = ["Observer", "StatsSource", "install", "observe_cast", "observer"]
 
@@ -71,5 +71,5 @@ def observe_cast(block: SlotBlock, i: int, role: str, source) -> None:
             installed, so the cast sites build nothing otherwise).
     """
     obs = _OBSERVER
-    if obs is not None:
+    if obs is not None and not isinstance(block, ReplaySlots):  # a recompute: seen once already
         obs.cast(block, i, role, source() if callable(source) else source)

@@ -195,6 +195,35 @@ class InitGroup:
         return SlotBlock(arena, arena.grow(count), count)
 
 
+class ReplaySlots:
+    """A SlotBlock as the casts of a recomputed forward see it (fp8/recompute.py): the scales
+    saved after the original forward, amaxes folded into a scratch, no cast observed. So
+    a recompute casts exactly as the forward did and records nothing (docs/fp8.md,
+    "Activation recompute")."""
+
+    def __init__(self, block: SlotBlock, saved_scales: torch.Tensor):
+        self.block, self.arena = block, block.arena
+        self.start, self.count = block.start, block.count
+        self.saved_scales = saved_scales
+        self._views = [saved_scales[i : i + 1] for i in range(block.count)]
+        # one scratch amax per slot, never read: a kernel that writes several (FP8 attention)
+        # gets distinct outputs, as from the arena
+        scratch = torch.zeros(block.count, dtype=torch.float32, device=saved_scales.device)
+        self._amaxes = [scratch[i : i + 1] for i in range(block.count)]
+
+    def scale(self, i: int) -> torch.Tensor:
+        return self._views[i]
+
+    def amax(self, i: int) -> torch.Tensor:
+        return self._amaxes[i]
+
+    def scales(self) -> torch.Tensor:
+        return self.saved_scales
+
+    def history(self) -> torch.Tensor:
+        return self.block.history()
+
+
 class ArenaRegistry:
     """Every live arena (weakly), and the init group of slots taken outside any fp8_autocast
     region or capture (a checkpoint loaded into a fresh module)."""

@@ -279,10 +279,12 @@ class GraphedRunner:
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError(
                 f"{contract.name}: called inside a backward pass (the recompute of activation "
-                "checkpointing, torch.utils.checkpoint, or a hook). A graph keeps its activations "
-                "in its static buffers, so checkpointing it saves no memory, and the recompute "
-                "would replay its forward (with its FP8 scale update) a second time for one "
-                "backward. Call the graphed callable outside checkpoint"
+                "checkpointing, torch.utils.checkpoint, or a hook). A graph keeps its outputs "
+                "in its static buffers, so checkpointing around it saves no memory, and the "
+                "recompute would replay its forward (with its FP8 scale update) a second time "
+                "for one backward. Call the graphed callable outside checkpoint, and recompute "
+                "inside it: capture layers built with TransformerLayer(recompute='full' or "
+                "'selective') or whose forward calls graphfp8.recompute"
             )
         capture.check_fp8_region(contract)
         capture.autocast.check(contract.name)

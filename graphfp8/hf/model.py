@@ -54,7 +54,7 @@ class CausalLM(PreTrainedModel, GenerationMixin):
     config_class = PretrainedConfig
     base_model_prefix = "graphfp8"
     main_input_name = "input_ids"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _supports_sdpa = True
     _no_split_modules = ["TransformerLayer"]
 
@@ -93,15 +93,30 @@ class CausalLM(PreTrainedModel, GenerationMixin):
         save_pretrained, whose keyword arguments it takes)."""
         checkpoints.save_pretrained(self, save_directory, *args, **kwargs)
 
-    def gradient_checkpointing_enable(self, *args, **kwargs):
-        raise NotImplementedError(
-            "graphfp8.hf: gradient (activation) checkpointing is not supported: a recomputed "
-            "FP8 forward would run outside its fp8_autocast region and record its amaxes twice. "
-            "Train without it (TrainingArguments(gradient_checkpointing=False), the default); "
-            "graphfp8's layers save FP8 activations, not high-precision ones"
-        )
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        """Hugging Face's switch (TrainingArguments(gradient_checkpointing=True)): every layer
+        recomputes its activations in the backward, TransformerLayer(recompute="full"), with the
+        FP8 state exact (docs/fp8.md, "Activation recompute"); always non-reentrant, whatever
+        gradient_checkpointing_kwargs say."""
+        self._set_recompute("full")
+
+    def gradient_checkpointing_disable(self) -> None:
+        self._set_recompute("none")
 
     activation_checkpointing_enable = gradient_checkpointing_enable
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return any(layer.recompute != "none" for layer in self.layers)
+
+    def _set_recompute(self, mode: str) -> None:
+        if self.layer_graphs is not None and self.layer_graphs.shape is not None:
+            raise RuntimeError(
+                "graphfp8.hf: the per-layer graphs are captured and keep what they captured; "
+                "switch gradient checkpointing before the first training forward"
+            )
+        for layer in self.layers:
+            layer.recompute = mode
 
     # Forward ------------------------------------------------------------------------------------
 

@@ -12,6 +12,9 @@ places around it and the GEMM configs that carry them. Nothing here writes into 
               weight casts (is_first_microbatch None or True) into scratch workspaces, each
               weight scaled from itself, so the module's weight cache stays as training left
               it; False reuses that cache
+    recompute the forward of an activation-checkpointed region records its slots
+              (ctx.recompute); its recompute casts with the saved scales, no amax, no update,
+              the cached FP8 weights (fp8/recompute.py)
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from graphfp8.modules._functional import GemmConfig
 # The FP8 layers' base class (modules/base.py) imports this module: `module` below is an FP8Module,
 # annotated as the nn.Module it is so that the two stay a one-way import.
 
-__all__ = ["FrozenSlots", "blockwise_recipe", "fp8_enabled", "fp8_recipe", "fp8_state",
-           "gemm_configs", "in_fp8_region", "init_group"]  # fmt: skip
+__all__ = ["FrozenSlots", "blockwise_recipe", "fp8_enabled", "fp8_recipe", "fp8_slots",
+           "fp8_state", "gemm_configs", "in_fp8_region", "init_group"]  # fmt: skip
 
 
 def fp8_enabled() -> bool:
@@ -86,6 +89,9 @@ class FrozenSlots:
     def amax(self, i: int) -> torch.Tensor:
         return self.arena.amax_sink
 
+    def scales(self) -> torch.Tensor:
+        return self.block.scales()
+
 
 def _frozen_call(module: nn.Module, ctx: context.FP8Context) -> bool:
     """An eager eval-mode call (an evaluation forward, generate(), a validation loop, between
@@ -117,6 +123,24 @@ def fp8_state(module: nn.Module, device, frozen: bool = False,
     return meta, (meta.bwd.arena, ctx.group)
 
 
+def fp8_slots(module: nn.Module, device, frozen: bool = False,
+              ctx: context.FP8Context | None = None, weights=()) -> tuple:  # fmt: skip
+    """(forward slots, backward slots, backward update) of an FP8 forward of `module`: fp8_state's,
+    the frozen call's FrozenSlots (`weights` each scaled from itself), or a recompute's
+    ReplaySlots (no update; fp8/recompute.py)."""
+    ctx = ctx or context.current()
+    region = ctx.recompute
+    if region is not None and region.replaying:
+        meta = module.fp8_init(ctx.recipe, device, ctx.init_group)
+        return region.replay_slots(meta.fwd, type(module).__name__), meta.bwd, None
+    meta, bwd_update = fp8_state(module, device, frozen, ctx)
+    if region is not None:
+        region.used(meta.fwd)
+    if frozen:
+        return FrozenSlots(meta.fwd, weights), FrozenSlots(meta.bwd), bwd_update
+    return meta.fwd, meta.bwd, bwd_update
+
+
 def gemm_configs(
     module: nn.Module,
     weights: list[tuple[str, torch.Tensor]],
@@ -126,22 +150,26 @@ def gemm_configs(
     """One GemmConfig per (workspace key, weight (N, K)) for this FP8 forward of `module`."""
     ctx = context.current()
     owner, cache = type(module).__name__, module.weight_cache
-    ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before any FP8 state changes
+    replaying = ctx.recompute is not None and ctx.recompute.replaying
+    if not replaying:
+        ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before FP8 state changes
     frozen = _frozen_call(module, ctx)
-    meta, bwd_update = fp8_state(module, weights[0][1].device, frozen, ctx)
-    fwd, bwd, cast, flag = meta.fwd, meta.bwd, None, None
-    if not module.training and not ctx.capturing and is_first_microbatch is not False:
-        # An evaluation cast: into workspaces of its own, the cache left as training left it.
-        cache, cast = WeightCache(), True
-    if frozen:
-        fwd = FrozenSlots(meta.fwd, [w for _, w in weights] if cast else ())
-        bwd = FrozenSlots(meta.bwd)
-    fp8_dtype = meta.fwd.arena.fp8_dtype
+    # An evaluation cast: into workspaces of its own, each weight scaled from itself (frozen),
+    # the cache left as training left it.
+    evaluating = (not module.training and not ctx.capturing and not replaying
+                  and is_first_microbatch is not False)  # fmt: skip
+    own = [w for _, w in weights] if evaluating else ()
+    fwd, bwd, bwd_update = fp8_slots(module, weights[0][1].device, frozen, ctx, own)
+    fp8_dtype = fwd.arena.fp8_dtype
+    if evaluating:
+        cache = WeightCache()
     workspaces = [cache.workspace(key, w, fp8_dtype, module.cache_weight_transpose, owner)
                   for key, w in weights]  # fmt: skip
-    if cast is None:
+    cast, flag = evaluating, None  # a recompute reads the FP8 weights its forward cast (or cached)
+    if not (replaying or evaluating):
         cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner)
-    # An FP8 primary weight rewritten since its last transpose needs a new one.
+    # An FP8 primary weight rewritten since its last transpose needs a new one (an all-gathered
+    # FSDP2 weight in a recompute too: the same bits from the same data).
     casts = [cast or (ws is w and not ws._transpose_valid)
              for ws, (_, w) in zip(workspaces, weights, strict=True)]  # fmt: skip
     last = len(weights) - 1

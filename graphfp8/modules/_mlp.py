@@ -15,6 +15,11 @@ SwiGLU and GeGLU run glu_cast_transpose / dglu_cast_transpose_dbias where those 
 cast-transposes, so that every device has a working path.
 
 Slots: act(h) is fc2's INPUT, dh is fc1's GRAD_OUTPUT, dy is fc2's GRAD_OUTPUT.
+
+recompute_act (selective recompute, TransformerLayer(recompute="selective")): a_t_fp8 is not
+kept for fc2's wgrad but cast again from h in the backward, with the scales of fc2's forward
+slots saved after the forward and amaxes into a scratch (ReplaySlots): the same bits,
+T * F bytes less per layer, one more activation kernel in the backward.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from graphfp8 import ops
 from graphfp8.fp8.current import amax_of, dgelu_amax_of, gelu_amax_of
 from graphfp8.fp8.observe import StatsSource
 from graphfp8.fp8.scale_schedule import SCHEDULE
+from graphfp8.fp8.scaling import ReplaySlots
 from graphfp8.fp8.slots import BwdRole, FwdRole
 from graphfp8.modules._functional import (
     GemmConfig,
@@ -97,7 +103,7 @@ FUSED_ACTIVATIONS = ("gelu", *GLU_ACTIVATIONS)
 class _FP8FusedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, w1, b1, w2, b2, cfg1: GemmConfig, cfg2: GemmConfig, needs: tuple,
-                act: FusedActivation):  # fmt: skip
+                act: FusedActivation, recompute_act: bool):  # fmt: skip
         hidden = w1.shape[1]
         lead = inp.shape[:-1]
         x_fp8, x_t_fp8, x_scale_inv = cast_input(inp, hidden, cfg1, needs[1])
@@ -106,6 +112,12 @@ class _FP8FusedMLP(torch.autograd.Function):
         y = forward_gemm(a_fp8, a_scale_inv, w2, b2, cfg2)
         save_weight(ctx, "w1", cfg1)
         save_weight(ctx, "w2", cfg2)
+        ctx.act_replay = None
+        if recompute_act and needs[2]:  # fc2's forward scales, as the act cast left them
+            block = getattr(cfg2.fwd, "block", cfg2.fwd)  # under Replay/FrozenSlots
+            ctx.act_replay = GemmConfig(ReplaySlots(block, cfg2.fwd.scales().clone()), cfg2.bwd,
+                                        1, cfg2.weight_fp8, False, None)  # fmt: skip
+            a_t_fp8 = None
         ctx.save_for_backward(x_t_fp8, x_scale_inv, h, a_t_fp8, a_scale_inv)
         ctx.cfgs, ctx.inp_shape, ctx.needs, ctx.act = (cfg1, cfg2), inp.shape, needs, act
         ctx.has_bias = (b1 is not None, b2 is not None)
@@ -133,6 +145,8 @@ class _FP8FusedMLP(torch.autograd.Function):
                 da, h, cfg1, needs_wgrad1, needs_db1
             )
             da = None
+        if ctx.act_replay is not None:  # selective recompute: act(h) cast again, same bits
+            a_t_fp8 = ctx.act.forward(h, ctx.act_replay)[1]
         dw2 = (
             wgrad_gemm(dy_t_fp8, dy_scale_inv, a_t_fp8, a_scale_inv, dy.dtype)
             if needs_wgrad2
@@ -140,17 +154,18 @@ class _FP8FusedMLP(torch.autograd.Function):
         )
         dy_t_fp8 = None
         if not needs_fc1:
-            return None, None, None, dw2, db2, None, None, None, None
+            return None, None, None, dw2, db2, None, None, None, None, None
         dx = dw1 = None
         if needs_dgrad:
             dx = dgrad_gemm(dh_fp8, dh_scale_inv, *weight_t(ctx.w1), dy.dtype).view(ctx.inp_shape)
         dh_fp8 = None
         if needs_wgrad1:
             dw1 = wgrad_gemm(dh_t_fp8, dh_scale_inv, x_t_fp8, x_scale_inv, dy.dtype)
-        return dx, dw1, db1 if needs_db1 else None, dw2, db2, None, None, None, None
+        return dx, dw1, db1 if needs_db1 else None, dw2, db2, None, None, None, None, None
 
 
-def fp8_mlp(inp, w1, b1, w2, b2, cfg1: GemmConfig, cfg2: GemmConfig, activation: str = "gelu"):
+def fp8_mlp(inp, w1, b1, w2, b2, cfg1: GemmConfig, cfg2: GemmConfig, activation: str = "gelu",
+            recompute_act: bool = False):  # fmt: skip
     """FP8 MLP y = act(inp @ w1.T + b1) @ w2.T + b2 with the activation fused into the casts.
 
     Args:
@@ -160,6 +175,8 @@ def fp8_mlp(inp, w1, b1, w2, b2, cfg1: GemmConfig, cfg2: GemmConfig, activation:
             b1: (F1,) or None; w2: (H, F); b2: (H,) or None. H, F multiples of 16.
         cfg1, cfg2: slots, weight workspaces and cast decisions of fc1 (gemm 0) and fc2 (gemm 1).
         activation: "gelu" (tanh approximation), "swiglu" or "geglu".
+        recompute_act: cast act(h) again in the backward instead of keeping its FP8 transpose
+            (T * F bytes) for fc2's wgrad; the same bits.
 
     Returns:
         (..., H) tensor of w2.dtype.
@@ -167,4 +184,4 @@ def fp8_mlp(inp, w1, b1, w2, b2, cfg1: GemmConfig, cfg2: GemmConfig, activation:
     grad = torch.is_grad_enabled()
     needs = (grad and inp.requires_grad, grad and w1.requires_grad, grad and w2.requires_grad)
     act = FusedActivation(activation, w1.device)
-    return _FP8FusedMLP.apply(inp, w1, b1, w2, b2, cfg1, cfg2, needs, act)
+    return _FP8FusedMLP.apply(inp, w1, b1, w2, b2, cfg1, cfg2, needs, act, recompute_act)

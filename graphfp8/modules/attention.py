@@ -25,7 +25,7 @@ from graphfp8.modules._attention import (
     fp8_attention_qkv,
     prepare_attention,
 )
-from graphfp8.modules._context import fp8_recipe, fp8_state
+from graphfp8.modules._context import fp8_recipe, fp8_slots
 from graphfp8.modules._rope import RopeQKV, RopeQKVParts, rope_parts_backward
 from graphfp8.modules.base import FP8Module
 from graphfp8.ops import cudnn_ragged
@@ -108,9 +108,9 @@ class DotProductAttention(FP8Module):
         self._check_fp8_dropout()
         prepare_attention(q_shape, kv_shape, device, recipe, self.attn_scale, causal, training,
                           segment_ids is not None)  # fmt: skip
-        meta, bwd_update = fp8_state(self, device)  # state changes only after the checks
-        return AttentionConfig(meta.fwd, meta.bwd, self.attn_scale, causal, recipe.fp8_mha,
-                               bwd_update, segment_ids)  # fmt: skip
+        fwd, bwd, bwd_update = fp8_slots(self, device)  # state changes only after the checks
+        return AttentionConfig(fwd, bwd, self.attn_scale, causal, recipe.fp8_mha, bwd_update,
+                               segment_ids)  # fmt: skip
 
     def check_fused(self, batch: int, seq: int, device, segment_ids=None) -> None:
         """For a layer that calls forward_qkv after other work (TransformerLayer): raises now if

@@ -59,6 +59,9 @@ class LayerNormMLP(FP8Module):
 
     num_gemms = 2
     gemm_names = ("fc1", "fc2")  # the numerics report's GEMM names
+    # Selective recompute (TransformerLayer(recompute="selective")): the fused FP8 activation's
+    # output is cast again in the backward instead of kept (modules/_mlp.py; same bits).
+    recompute_activation = False
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
                  bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
@@ -124,7 +127,7 @@ class LayerNormMLP(FP8Module):
         if self.activation in FUSED_ACTIVATIONS:
             # The activation and its backward fused into the FP8 casts around it (modules/_mlp).
             return fp8_mlp(x_fp8, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias,
-                           cfg1, cfg2, self.activation)  # fmt: skip
+                           cfg1, cfg2, self.activation, self.recompute_activation)  # fmt: skip
         hidden = ACTIVATIONS[self.activation](fp8_linear(x_fp8, self.fc1_weight, self.fc1_bias,
                                                          cfg1))  # fmt: skip
         return fp8_linear(hidden, self.fc2_weight, self.fc2_bias, cfg2)

@@ -25,6 +25,12 @@ recipe that sets fp8_dpa, attention runs in FP8 (cuDNN) and RoPE is fused into t
 q, k and v; with fp8_mha too, the attention output stays FP8 into the projection (no second
 cast). Every per-step quantity lives on the device and the rotary tables are precomputed float32
 buffers, so the layer captures into a CUDA graph (or the CPU replay tape) without host syncs.
+
+Activation recompute (`recompute`, per layer; docs/fp8.md, "Activation recompute"): "full" keeps
+only the layer's inputs and recomputes the whole layer in the backward, "selective" recomputes
+the attention core (RoPE and attention from the QKV output) and the MLP's FP8 activation; both
+through graphfp8.fp8.recompute, whose recomputed casts equal the forward's and change no FP8
+state, eagerly and inside every capture entry point.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphfp8.fp8.recompute import recompute as checkpointed
 from graphfp8.modules._explicit_attention import KVCache, explicit_attention
 from graphfp8.modules._rope import RopeQKV as _RopeQKV  # noqa: F401 - kept importable here
 from graphfp8.modules._rope import rope_tables
@@ -41,7 +48,9 @@ from graphfp8.modules.layernorm_mlp import LayerNormMLP
 from graphfp8.modules.linear import InitMethod, Linear
 from graphfp8.ops.segments import segment_mask
 
-__all__ = ["TransformerLayer", "rope_tables"]
+__all__ = ["RECOMPUTE_MODES", "TransformerLayer", "rope_tables"]
+
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 class TransformerLayer(nn.Module):
@@ -66,6 +75,9 @@ class TransformerLayer(nn.Module):
         qkv_bias, mlp_bias: biases of the QKV projection and of the MLP when they differ from
             `bias` (which then covers the output projection): Qwen2 biases q, k, v only.
         softmax_scale: the attention's scale of q.k (default 1 / sqrt(head_dim)).
+        recompute: activation recompute in training, one of RECOMPUTE_MODES: "none", "selective"
+            (the attention core and the MLP's FP8 activation) or "full" (the whole layer); an
+            attribute that can change between steps (not while a graph holds the layer).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, rope: bool = True,
@@ -75,7 +87,8 @@ class TransformerLayer(nn.Module):
                  device=None, init_method: InitMethod | None = None,
                  output_layer_init_method: InitMethod | None = None,
                  num_gqa_groups: int | None = None, qkv_bias: bool | None = None,
-                 mlp_bias: bool | None = None, softmax_scale: float | None = None):  # fmt: skip
+                 mlp_bias: bool | None = None, softmax_scale: float | None = None,
+                 recompute: str = "none"):  # fmt: skip
         super().__init__()
         if num_heads < 1 or hidden_size % num_heads:
             raise ValueError(
@@ -110,10 +123,24 @@ class TransformerLayer(nn.Module):
         self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation, bias=mlp_bias,
                                 init_method=init_method, output_layer_init_method=out_init,
                                 **kw)  # fmt: skip
+        self.recompute = recompute
         if rope:
             cos, sin = rope_tables(max_seq_len, head_dim, rope_base, torch.float32, device)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def recompute(self) -> str:
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, mode: str) -> None:
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"TransformerLayer: recompute must be one of {RECOMPUTE_MODES}, got {mode!r}"
+            )
+        self._recompute = mode
+        self.mlp.recompute_activation = mode == "selective"
 
     def attention(self, qkv: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Causal self-attention core with RoPE: qkv (B, S, (heads + 2 G) * head_dim) -> (B, S,
@@ -152,20 +179,32 @@ class TransformerLayer(nn.Module):
             self._check_explicit(segment_ids, kv_cache)
         else:
             self.core_attention.check_fused(x.shape[0], x.shape[1], x.device, segment_ids)
+        args = (x, is_first_microbatch, residual, segment_ids, position_ids, attn_mask, kv_cache)
+        # A KV cache grows in the forward: a recompute would append its tokens twice.
+        if self.recompute == "full" and torch.is_grad_enabled() and kv_cache is None:
+            h, y = checkpointed(self._body, *args)
+        else:
+            h, y = self._body(*args)
+        return (h, y) if defer_residual else h + y
+
+    def _body(self, x, is_first_microbatch, residual, segment_ids, position_ids, attn_mask,
+              kv_cache) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The layer after its checks: (h, y), the second residual add left to the caller."""
         if residual is None:
             qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
         else:
             x, qkv = self.qkv(x, is_first_microbatch=is_first_microbatch, residual=residual)
-        if explicit:
+        if position_ids is not None or attn_mask is not None or kv_cache is not None:
             if segment_ids is not None:
                 same = segment_mask(segment_ids, causal=False)
                 attn_mask = same if attn_mask is None else attn_mask & same
             core = explicit_attention(self, qkv, position_ids, attn_mask, kv_cache)
+        elif self.recompute == "selective" and torch.is_grad_enabled():
+            core = checkpointed(self.attention, qkv, segment_ids)
         else:
             core = self.attention(qkv, segment_ids)
         attn = self.proj(core, is_first_microbatch=is_first_microbatch)
-        h, y = self.mlp(x, is_first_microbatch=is_first_microbatch, residual=attn)
-        return (h, y) if defer_residual else h + y
+        return self.mlp(x, is_first_microbatch=is_first_microbatch, residual=attn)
 
     def _check_positions(self, x: torch.Tensor, position_ids, kv_cache) -> None:
         """Every position must have a row of the rotary tables (reads position_ids' maximum)."""
@@ -200,5 +239,5 @@ class TransformerLayer(nn.Module):
         return (
             f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
             f"num_gqa_groups={self.num_gqa_groups}, ffn_hidden_size={self.ffn_hidden_size}, "
-            f"rope={self.rope}"
+            f"rope={self.rope}, recompute={self.recompute}"
         )

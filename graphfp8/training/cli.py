@@ -45,7 +45,7 @@ from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.outputs import OutputError, check_outputs, fresh_out
 from graphfp8.training.report import plot_losses, print_ranks, print_table, write_summary
-from graphfp8.training.run import GRAPH_MODES, PRECISIONS, SCALINGS, RunSpec
+from graphfp8.training.run import GRAPH_MODES, PRECISIONS, RECOMPUTE_MODES, SCALINGS, RunSpec
 from graphfp8.training.sources import DataError, open_stream
 
 __all__ = ["main", "parse_args", "build_parser"]
@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", action="store_true", help="with --ddp: fp32 masters of every "
                    "parameter, gradients and optimizer state sharded over the ranks "
                    "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="per layer")
     p.add_argument("--check-replicas", action="store_true",
                    help="with --ddp: the ranks' weights compared (digests of their bits) after "
                    "every step; a difference stops every rank with exit status 3 "
@@ -250,10 +251,9 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
                    amax_history_len=args.amax_history_len, compile=args.compile,
                    fp8_format=args.fp8_format, scaling=args.scaling,
-                   fp8_weights=args.fp8_weights and precision == "fp8",
-                   pack=args.pack,
+                   fp8_weights=args.fp8_weights and precision == "fp8", pack=args.pack,
                    fp8_attention=args.fp8_attention and precision == "fp8",
-                   shard=args.shard,
+                   shard=args.shard, recompute=args.recompute,
                    bf16_layers=args.bf16_layers if precision == "fp8" else ())  # fmt: skip
 
 

@@ -94,9 +94,15 @@ def model_config(args, vocab: int) -> ModelConfig:
 
 
 def check_model(p: argparse.ArgumentParser, args) -> None:
-    """--heads against the preset's width and key/value heads, and --fp8-attention against what
-    FP8 attention runs (on the GPU cuDNN's graphs are built now: its refusal is the error; with
-    --deterministic it is refused: graphfp8.ops.cudnn_determinism)."""
+    """--recompute against --compile --no-graphs, --heads against the preset's width and
+    key/value heads, and --fp8-attention against what FP8 attention runs (on the GPU cuDNN's
+    graphs are built now: its refusal is the error; with --deterministic it is refused:
+    graphfp8.ops.cudnn_determinism)."""
+    if args.recompute != "none" and args.compile and any(g == "none" for _, g in args.runs):
+        p.error(
+            "--recompute with --compile --no-graphs: dynamo cannot trace graphfp8's "
+            "recompute; keep the graphs (--compile then compiles around them)"
+        )
     cfg = model_config(args, 256)
     kv = cfg.kv_heads or cfg.heads
     if cfg.hidden % cfg.heads or (cfg.hidden // cfg.heads) % 2 or cfg.heads % kv:

@@ -289,6 +289,7 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         "precision": spec.precision,
         "graphs": spec.graphs,
         "fp8_attention": spec.fp8_attention,  # packed batches excepted (bf16 attention)
+        "recompute": spec.recompute,
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "parameters": count_parameters(run.model),
         "first_step": first,

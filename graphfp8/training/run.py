@@ -25,11 +25,12 @@ from graphfp8.fp8.autocast import fp8_autocast
 from graphfp8.fp8.primary import fp8_model_init
 from graphfp8.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
+from graphfp8.modules.transformer import RECOMPUTE_MODES
 from graphfp8.nvtx_ranges import nvtx_range
 from graphfp8.training.data import Dataset, split_windows
 from graphfp8.training.model import GPT, ModelConfig
 
-__all__ = ["GRAPH_MODES", "RunSpec", "Run", "run_settings"]
+__all__ = ["GRAPH_MODES", "RECOMPUTE_MODES", "RunSpec", "Run", "run_settings"]
 
 PRECISIONS = ("bf16", "fp8")
 SCALINGS = ("delayed", "current", "blockwise")
@@ -62,6 +63,9 @@ class RunSpec:
     shard: bool = False  # masters, gradients and optimizer state sharded over the group
     # Blocks kept in bf16 in an FP8 run (Megatron's --first-last-layers-bf16): their indices
     bf16_layers: tuple[int, ...] = ()
+    # activation recompute of every layer (TransformerLayer's RECOMPUTE_MODES): the same bits,
+    # less activation memory, more compute; not a checkpoint setting (a resume may change it)
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -87,6 +91,13 @@ class RunSpec:
         if self.fp8_format not in Format.__members__:
             raise ValueError(f"fp8_format must be one of {list(Format.__members__)}, got "
                              f"{self.fp8_format!r}")  # fmt: skip
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got "
+                             f"{self.recompute!r}")  # fmt: skip
+        if self.compile and self.graphs == "none" and self.recompute != "none":
+            raise ValueError("compile without graphs compiles the blocks, and dynamo cannot trace "
+                             "graphfp8's recompute (its FP8 context): use graphs with compile, "
+                             "or recompute 'none'")  # fmt: skip
         if self.compile and self.graphs == "step":
             raise ValueError("compile with graphs='step' is not supported: the step graph holds "
                              "the embedding and the loss that compile would take")  # fmt: skip
@@ -103,6 +114,7 @@ class RunSpec:
         fmt += "-bf16L" + "_".join(map(str, self.bf16_layers)) if self.bf16_layers else ""
         suffix += "-pack" if self.pack else ""
         suffix += "-shard" if self.shard else ""
+        suffix += f"-recompute-{self.recompute}" if self.recompute != "none" else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
 
     @property
@@ -159,6 +171,8 @@ class Run:
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
         with fp8_model_init(enabled=spec.fp8_weights):
             self.model = GPT(spec.model, torch.bfloat16, spec.device, frozenset(spec.bf16_layers))
+        for layer in self.model.blocks.layers:
+            layer.recompute = spec.recompute
         self.masters, self.reduce_group = self._masters()
         # reduce -> clip -> step -> write back, whatever is sharded (gradient_update.py); every rank
         # trains every parameter: the gradient sets are checked once.

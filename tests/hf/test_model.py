@@ -168,10 +168,27 @@ def test_save_pretrained_loads_in_hugging_face(kind, tmp_path):
         assert (hf.lm_head.weight is hf.get_input_embeddings().weight) == (kind != "llama")
 
 
-def test_gradient_checkpointing_says_what_to_do():
-    lm = g8.from_hf(hf_model("llama"))
-    with pytest.raises(NotImplementedError, match="gradient_checkpointing=False"):
-        lm.gradient_checkpointing_enable()
+@pytest.mark.parametrize("graphs", [None, "layers"])
+def test_gradient_checkpointing_gives_the_same_bits(graphs):
+    """HF's gradient_checkpointing_enable: every layer recomputes (recompute="full"), the loss
+    and every gradient as without; refused once the per-layer graphs are captured."""
+    results = []
+    for checkpointing in (False, True):
+        lm = g8.from_hf(hf_model("llama").train(), recipe=RECIPE, graphs=graphs)
+        if checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        assert lm.is_gradient_checkpointing == checkpointing
+        x = ids()
+        for _ in range(2):
+            loss = lm(x, labels=x).loss
+            loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in lm.parameters()]))
+    assert_bitwise_equal(results[1][0], results[0][0], "loss")
+    for i, (g, w) in enumerate(zip(results[1][1], results[0][1], strict=True)):
+        assert_bitwise_equal(g, w, f"grad {i}")
+    if graphs == "layers":
+        with pytest.raises(RuntimeError, match="before the first training forward"):
+            lm.gradient_checkpointing_disable()
 
 
 def test_vocab_logits_to_keep():

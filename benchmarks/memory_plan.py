@@ -1,0 +1,87 @@
+"""The memory planner (graphfp8/memory/plan.py) against graphfp8-train on one GPU: runs of a model
+of Llama-3-8B layers (h 4096, 32/8 heads, SwiGLU 14336, vocab 128256; 4 layers, so that every
+setting fits one H200 unsharded) at B1 x S8192, each trained for 3 steps, torch.cuda's peak
+allocated bytes (summary.json's max_allocated_bytes) against the planned peak, as a ratio
+(target: within 10%). --quick: a tiny model (on the CPU the runs without a peak to compare: the
+CPU's accounting is tests/test_memory_plan.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import tempfile
+from pathlib import Path
+
+import torch
+
+import graphfp8 as g8
+from benchmarks.common import environment, print_table
+from graphfp8.memory.plan import plan
+from graphfp8.memory.shapes import LLAMA, shape_from
+from graphfp8.training.data import Dataset
+from graphfp8.training.loop import RunOptions, train_run
+from graphfp8.training.model import PRESETS, ModelConfig
+from graphfp8.training.run import RunSpec
+from graphfp8.training.sources import open_stream
+
+# (FP8 weights, recompute, graphs)
+SETTINGS = [
+    (False, "none", "layers"),
+    (False, "full", "layers"),
+    (True, "selective", "step"),
+    (True, "full", "none"),
+]
+
+
+def _config(quick: bool) -> ModelConfig:
+    if quick:
+        return dataclasses.replace(PRESETS["llama-tiny"], batch=2, seq_len=32)
+    s = LLAMA["llama-8b"]
+    return ModelConfig(hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads, ffn=s.ffn, layers=4,
+                       seq_len=8192, batch=1, lr=1e-4, vocab=s.vocab, activation=s.activation,
+                       norm=s.norm, bias=s.bias)  # fmt: skip
+
+
+def _tokens(tmp: Path, vocab: int, count: int) -> Dataset:
+    """A .bin file of random token ids below min(vocab, 2**16) (nanoGPT's uint16 layout)."""
+    path = tmp / "tokens.bin"
+    high = min(vocab, 1 << 16)
+    ids = torch.randint(0, high, (count,), generator=torch.Generator().manual_seed(0))
+    ids.to(torch.int32).to(torch.uint16).numpy().tofile(path)
+    return Dataset(open_stream(str(path), vocab_size=vocab), val_fraction=0.05)
+
+
+def run(device, quick: bool = False) -> dict:
+    device = str(device)
+    cfg = _config(quick)
+    shape = shape_from(cfg)
+    rows, results = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = _tokens(Path(tmp), cfg.vocab, 64 * cfg.seq_len)
+        for fp8_weights, recompute, graphs in SETTINGS:
+            planned = plan(shape, seq=cfg.seq_len, batch=cfg.batch, recompute=recompute,
+                           fp8_weights=fp8_weights, graphs=graphs)  # fmt: skip
+            measured = None
+            if device.startswith("cuda") or quick:
+                g8.reset_state()
+                spec = RunSpec("llama-8b-width", cfg, "fp8", graphs, microbatches=2, device=device,
+                               fp8_weights=fp8_weights, recompute=recompute)  # fmt: skip
+                out = train_run(spec, RunOptions(steps=3, out=Path(tmp), data=data,
+                                                 val_batches=1, eval_every=100))  # fmt: skip
+                measured = out["memory_per_rank"][0]["max_allocated_bytes"]
+                gc.collect()
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+            ratio = planned.peak / measured if measured else None
+            results.append({"fp8_weights": fp8_weights, "recompute": recompute, "graphs": graphs,
+                            "plan": planned.to_dict(), "measured_peak": measured,
+                            "planned_over_measured": ratio})  # fmt: skip
+            rows.append([str(fp8_weights), recompute, graphs, f"{planned.peak / 2**30:.2f}",
+                         f"{measured / 2**30:.2f}" if measured else "-",
+                         f"{ratio:.3f}" if ratio else "-"])  # fmt: skip
+    title = (f"memory planner vs graphfp8-train, {cfg.layers} layers h {cfg.hidden} F {cfg.ffn} "
+             f"vocab {cfg.vocab}, {cfg.batch} x {cfg.seq_len} tokens, N=1 (target: ratio "
+             "within 0.9-1.1)")  # fmt: skip
+    header = ["FP8 weights", "recompute", "graphs", "planned GiB", "measured GiB", "plan/meas"]
+    table = print_table(title, header, rows)
+    return {"env": environment(device), "results": results, "table": table}

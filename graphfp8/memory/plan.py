@@ -1,0 +1,222 @@
+"""The memory planner: the bytes per rank of training a preset with graphfp8-train, by category,
+and the largest model of a preset's width that fits one GPU (docs/sharding.md, "Memory planner").
+
+    python -m graphfp8.memory.plan --preset llama-8b --n 8 --seq 8192 --batch 1 \\
+        --sharding fsdp2 --recompute full --fp8-weights
+
+Persistent state per rank (P parameters, P8 of them in the layers' FP8 GEMMs, Po = P - P8; N
+ranks; bytes per element):
+
+    sharding  fp8 weights  weights            FP8 caches  grads     masters  optimizer
+    ddp       no           2 P                2 P8        2 P       -        4 P (bf16 AdamW)
+    ddp       yes          2 P8 + 2 Po        -           2 P       4 P8     8 P8 + 4 Po
+    zero2     either       as ddp             as ddp      2 P       8 P / N  8 P / N
+    fsdp2     no           2 P / N + 2 L      2 P8        2 P / N   -        4 P / N
+    fsdp2     yes          P8 / N + 2 Po / N  4 L         4 P / N   4 P / N  8 P / N
+                                + 2 L (bf16 grads of a layer)
+
+(zero2: graphfp8's sharded masters, MasterWeights(shard_group=...): fp32 masters and their
+gradients; FP8 weights carry their transpose, 1 + 1 bytes; L: one layer's weight elements, a
+layer's all-gathered weights (two layers in flight under FSDP2's prefetch); FSDP2 keeps bf16
+weights' FP8 casts of every layer, so it pays with FP8 weights.) Activations and the working set
+on top of them: graphfp8/memory/plan_activations.py. Graph pools: the static input, output and
+input gradient of the blocks' graph pair, 6 T H (graphs "layers"; the activations and working set
+live in its pool too, and stay there while the optimizer runs). The optimizer step's transient:
+unsharded masters' fp32 gradients, which replace the FP8 weights' bf16 ones eagerly (2 P8 more)
+and sit beside them in graphs (4 P8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from graphfp8.memory.plan_activations import RECOMPUTE, activation_bytes, working_set_bytes
+from graphfp8.memory.shapes import LLAMA, ModelShape, shape_of
+
+__all__ = ["CATEGORIES", "H200_BYTES", "MARGIN_BYTES", "Plan", "largest_fit", "plan"]
+
+GIB = 1 << 30
+H200_BYTES = 139 * GIB  # what torch can allocate on one H200 (141 GB less the CUDA context)
+MARGIN_BYTES = 8 * GIB  # kept free: NCCL buffers, allocator rounding and fragmentation
+SHARDINGS = ("ddp", "zero2", "fsdp2")
+GRAPH_MODES = ("none", "layers", "step")
+CATEGORIES = ("weights", "FP8 caches", "gradients", "masters", "optimizer state", "activations",
+              "working set", "graph pools")  # fmt: skip
+
+
+@dataclass
+class Plan:
+    """Bytes per rank by category (CATEGORIES), the peak, and what was planned."""
+
+    setting: dict
+    parameters: int
+    bytes: dict[str, int] = field(default_factory=dict)
+    optimizer_transient: int = 0
+
+    @property
+    def state(self) -> int:
+        return sum(self.bytes[c] for c in CATEGORIES[:5])
+
+    @property
+    def peak(self) -> int:
+        """The state and the graph pools' static buffers, plus the microbatch's activations and
+        working set and the optimizer step's transient: the larger of the two where they can
+        share memory (eager, or both inside the step graph's pool), both with per-layer graphs
+        (whose pool keeps the microbatch's memory while the optimizer runs eagerly)."""
+        microbatch = self.bytes["activations"] + self.bytes["working set"]
+        if self.setting["graphs"] == "layers":
+            transient = microbatch + self.optimizer_transient
+        else:
+            transient = max(microbatch, self.optimizer_transient)
+        return self.state + self.bytes["graph pools"] + transient
+
+    def fits(self, capacity: int = H200_BYTES, margin: int = MARGIN_BYTES) -> bool:
+        return self.peak <= capacity - margin
+
+    def to_dict(self) -> dict:
+        return {"setting": self.setting, "parameters": self.parameters, "bytes": self.bytes,
+                "optimizer_transient": self.optimizer_transient, "peak": self.peak,
+                "bytes_per_parameter": self.state / self.parameters}  # fmt: skip
+
+    def format(self) -> str:
+        s = self.setting
+        lines = [
+            f"{s['preset']}: {self.parameters / 1e9:.2f}B parameters, N={s['n']} {s['sharding']}, "
+            f"batch {s['batch']} x seq {s['seq']}, recompute {s['recompute']}, FP8 weights "
+            f"{s['fp8_weights']}, graphs {s['graphs']}"
+        ]
+        for c in CATEGORIES:
+            lines.append(f"  {c:<16} {self.bytes[c] / GIB:9.2f} GiB")
+        lines.append(f"  {'state':<16} {self.state / GIB:9.2f} GiB "
+                     f"({self.state / self.parameters:.2f} B/param)")  # fmt: skip
+        lines.append(f"  {'peak':<16} {self.peak / GIB:9.2f} GiB of {H200_BYTES / GIB:.0f} GiB "
+                     f"(margin {MARGIN_BYTES / GIB:.0f} GiB): "
+                     f"{'fits' if self.fits() else 'does NOT fit'}")  # fmt: skip
+        return "\n".join(lines)
+
+
+def _state(shape: ModelShape, n: int, sharding: str, fp8_weights: bool) -> dict[str, float]:
+    p8 = shape.layers * shape.fp8_layer_params()
+    p = shape.parameters()
+    po, layer = p - p8, shape.layer_params()
+    if sharding == "fsdp2" and fp8_weights:
+        return {"weights": p8 / n + 2 * po / n, "FP8 caches": 4 * shape.fp8_layer_params(),
+                "gradients": 4 * p / n + 2 * layer, "masters": 4 * p / n,
+                "optimizer state": 8 * p / n}  # fmt: skip
+    if sharding == "fsdp2":
+        return {
+            "weights": 2 * p / n + 2 * 2 * layer,
+            "FP8 caches": 2 * p8,
+            "gradients": 2 * p / n + 2 * layer,
+            "masters": 0,
+            "optimizer state": 4 * p / n,
+        }
+    weights = 2 * p8 + 2 * po
+    caches = 0 if fp8_weights else 2 * p8
+    if sharding == "zero2":
+        return {"weights": weights, "FP8 caches": caches, "gradients": 2 * p,
+                "masters": 8 * p / n, "optimizer state": 8 * p / n}  # fmt: skip
+    if fp8_weights:
+        return {"weights": weights, "FP8 caches": 0, "gradients": 2 * p, "masters": 4 * p8,
+                "optimizer state": 8 * p8 + 4 * po}  # fmt: skip
+    return {"weights": weights, "FP8 caches": caches, "gradients": 2 * p, "masters": 0,
+            "optimizer state": 4 * p}  # fmt: skip
+
+
+def plan(preset: str | ModelShape, n: int = 1, seq: int = 2048, batch: int = 1,
+         sharding: str = "ddp", recompute: str = "none", fp8_weights: bool = False,
+         graphs: str = "layers") -> Plan:  # fmt: skip
+    """The bytes per rank of graphfp8-train for this setting.
+
+    Args:
+        preset: a Llama preset's name (graphfp8.memory.shapes.LLAMA) or a ModelShape (a
+            graphfp8-train preset's: shapes.shape_from).
+        n: ranks; seq, batch: tokens per sequence and sequences per microbatch per rank.
+        sharding: "ddp", "zero2" (sharded masters) or "fsdp2".
+        recompute: "none", "selective" or "full".
+        fp8_weights: FP8 primary weights (fp8_model_init) with fp32 masters.
+        graphs: "none", "layers" (per-layer graphs) or "step".
+    """
+    shape = shape_of(preset) if isinstance(preset, str) else preset
+    for name, value, allowed in (("sharding", sharding, SHARDINGS),
+                                 ("recompute", recompute, RECOMPUTE),
+                                 ("graphs", graphs, GRAPH_MODES)):  # fmt: skip
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if n < 1 or seq < 1 or batch < 1:
+        raise ValueError(f"n, seq and batch must be positive, got {n}, {seq}, {batch}")
+    tokens = seq * batch
+    setting = dict(preset=preset if isinstance(preset, str) else "custom", n=n, seq=seq,
+                   batch=batch, sharding=sharding, recompute=recompute, fp8_weights=fp8_weights,
+                   graphs=graphs, shape=dataclasses.asdict(shape))  # fmt: skip
+    out = Plan(setting, shape.parameters())
+    out.bytes = {k: round(v) for k, v in _state(shape, n, sharding, fp8_weights).items()}
+    out.bytes["activations"] = activation_bytes(shape, tokens, recompute)
+    out.bytes["working set"] = working_set_bytes(shape, tokens, recompute)
+    # the blocks' graph pair: static input, output and input gradient (graphs "layers")
+    out.bytes["graph pools"] = 6 * tokens * shape.hidden if graphs == "layers" else 0
+    # unsharded MasterWeights: the fp32 gradients of the optimizer step, which replace the FP8
+    # weights' bf16 ones eagerly and sit beside them in graphs (the graphs' persistent .grad;
+    # docs/sharding.md: 19.93 B/param on the H200); sharded masters and FSDP2 count theirs above
+    if sharding == "ddp":
+        out.optimizer_transient = out.bytes["masters"] // (2 if graphs == "none" else 1)
+    return out
+
+
+def largest_fit(preset: str | ModelShape, n: int, capacity: int = H200_BYTES,
+                margin: int = MARGIN_BYTES, **kw) -> Plan | None:  # fmt: skip
+    """The deepest model of `preset`'s layer shape (its width, heads and vocabulary; any number of
+    layers) whose plan fits `capacity` less `margin` per rank, or None if one layer does not."""
+    shape = shape_of(preset) if isinstance(preset, str) else preset
+    best, name = None, preset if isinstance(preset, str) else "custom"
+    lo, hi = 1, 4096
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        p = plan(dataclasses.replace(shape, layers=mid), n=n, **kw)
+        if p.peak <= capacity - margin:
+            best, lo = p, mid + 1
+        else:
+            hi = mid - 1
+    if best is not None:
+        best.setting["preset"] = f"{name} ({best.setting['shape']['layers']} layers)"
+    return best
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m graphfp8.memory.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--preset", choices=sorted(LLAMA), default="llama-8b")
+    p.add_argument("--layers", type=int, help="the preset's layer shape with this many layers")
+    p.add_argument("--n", type=int, default=1, help="ranks (GPUs)")
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1, help="sequences per microbatch per rank")
+    p.add_argument("--sharding", choices=SHARDINGS, default="ddp")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    p.add_argument("--fp8-weights", action="store_true")
+    p.add_argument("--graphs", choices=GRAPH_MODES, default="layers")
+    p.add_argument("--fit", action="store_true", help="also the deepest model of the preset's "
+                   "width that fits an H200")  # fmt: skip
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    kw = dict(seq=args.seq, batch=args.batch, sharding=args.sharding, recompute=args.recompute,
+              fp8_weights=args.fp8_weights, graphs=args.graphs)  # fmt: skip
+    shape = shape_of(args.preset)
+    if args.layers is not None:
+        shape = dataclasses.replace(shape, layers=args.layers)
+    result = plan(shape, n=args.n, **kw)
+    result.setting["preset"] = args.preset + (f" ({args.layers} layers)" if args.layers else "")
+    fit = largest_fit(args.preset, args.n, **kw) if args.fit else None
+    if args.json:
+        print(json.dumps({"plan": result.to_dict(), "largest_fit": fit and fit.to_dict()}))
+        return 0
+    print(result.format())
+    if args.fit:
+        print("largest that fits:\n" + (fit.format() if fit else "  not even one layer"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

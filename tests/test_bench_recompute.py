@@ -1,0 +1,29 @@
+"""`python -m benchmarks recompute --quick` and `memory-plan --quick` run on the CPU and write
+complete tables (the numbers that matter come from the H200: scripts/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.__main__ import main
+
+
+def test_recompute_quick(tmp_path, capsys):
+    path = tmp_path / "recompute.json"
+    main(["recompute", "--quick", "--device", "cpu", "--json", str(path)])
+    results = json.loads(path.read_text())["results"]
+    assert list(results) == ["none", "selective", "full"]
+    kept = [results[m]["kept_bytes"] for m in results]
+    assert kept[2] < kept[1] < kept[0]
+    assert results["none"]["memory_ratio"] == 1.0 and results["full"]["memory_ratio"] < 0.25
+    assert "| full |" in capsys.readouterr().out
+
+
+def test_memory_plan_quick(tmp_path):
+    path = tmp_path / "plan.json"
+    main(["memory-plan", "--quick", "--device", "cpu", "--json", str(path)])
+    results = json.loads(path.read_text())["results"]
+    assert [(r["recompute"], r["graphs"]) for r in results] == [
+        ("none", "layers"), ("full", "layers"), ("selective", "step"), ("full", "none"),
+    ]  # fmt: skip
+    assert all(r["plan"]["peak"] > 0 and r["measured_peak"] is None for r in results)

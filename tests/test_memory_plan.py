@@ -1,0 +1,147 @@
+"""The memory planner (graphfp8.memory.plan) against measured allocations on the CPU: the
+persistent state by category (graphfp8.memory.training_state in the optimizer step, as
+bench/memory_shard.py takes it; N = 2 from the sharded layout, graphfp8.memory.sharded_at), the
+activations one microbatch keeps and its peak (graphfp8.memory.LiveBytes) for each recompute
+mode, within 10% (the state is exact up to scale_invs and step counts)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import graphfp8 as g8
+from graphfp8.memory import LiveBytes, sharded_at, training_state
+from graphfp8.memory.plan import largest_fit, main, plan
+from graphfp8.memory.shapes import LLAMA, shape_from, shape_of
+from graphfp8.training.model import GPT, PRESETS
+
+B, S = 2, 32
+RECIPE = g8.DelayedScaling(amax_history_len=4)
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    """A gloo group of this process alone (sharded masters at N = 1), in a default group of one
+    started here when there is none."""
+    started = not dist.is_initialized()
+    if started:
+        store = dist.FileStore(tempfile.mkstemp(prefix="graphfp8_plan_")[1], 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.new_group([dist.get_rank()])
+    finally:
+        if started:
+            gc.collect()  # the masters that hold the group
+            dist.destroy_process_group()
+
+
+def _model(preset: str, fp8_weights: bool = False, vocab: int | None = None):
+    cfg = dataclasses.replace(PRESETS[preset], batch=B, seq_len=S)
+    cfg = cfg if vocab is None else dataclasses.replace(cfg, vocab=vocab)
+    g8.reset_state()
+    torch.manual_seed(0)
+    with g8.fp8_model_init(enabled=fp8_weights):
+        return GPT(cfg, torch.bfloat16, "cpu"), cfg
+
+
+def _state_in_optimizer_step(preset: str, fp8_weights: bool, group):
+    """graphfp8-train's model, masters and AdamW after one step and a second microbatch whose
+    gradients reached the masters (everything of the optimizer step alive)."""
+    model, cfg = _model(preset, fp8_weights)
+    masters = None
+    if group is not None:
+        masters = g8.MasterWeights(model, shard_group=group)
+    elif fp8_weights:
+        masters = g8.MasterWeights(model)
+    params = masters.parameters() if masters is not None else model.parameters()
+    opt = torch.optim.AdamW(params, lr=torch.tensor(1e-6), fused=True)
+    tokens = torch.randint(0, cfg.vocab, (B, S), generator=torch.Generator().manual_seed(0))
+    for step in range(2):
+        with g8.fp8_autocast(recipe=RECIPE):
+            model(tokens, tokens, is_first_microbatch=True).backward()
+        if step == 1:
+            break
+        if masters is not None:
+            masters.step(opt)
+            masters.zero_grad()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    if masters is not None:
+        masters.copy_grads_()
+    return training_state(model, opt, masters), masters
+
+
+def _close(got: float, want: float, tol: float, what: str) -> None:
+    assert abs(got - want) <= tol * want, f"{what}: planned {got}, measured {want}"
+
+
+@pytest.mark.parametrize("fp8_weights", [False, True])
+@pytest.mark.parametrize("sharding", ["ddp", "zero2"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "tiny"])
+def test_planned_state_matches_measured(preset, sharding, fp8_weights):
+    with _one_rank_group() as group:
+        sharded = group if sharding == "zero2" else None
+        state, masters = _state_in_optimizer_step(preset, fp8_weights, sharded)
+        worlds = {1: state}
+        if sharding == "zero2":
+            worlds[2] = sharded_at(state, masters, 2)
+    for n, measured in worlds.items():
+        p = plan(shape_from(PRESETS[preset]), n=n, seq=S, batch=B, sharding=sharding,
+                 fp8_weights=fp8_weights, graphs="none")  # fmt: skip
+        got, want = p.bytes, measured.bytes
+        what = f"{preset} {sharding} N={n} FP8 weights {fp8_weights}"
+        _close(got["weights"], want["weights"], 0.01, f"{what}: weights")
+        _close(got["FP8 caches"], want["FP8 weight casts"], 0.01, f"{what}: FP8 caches")
+        _close(got["optimizer state"], want["optimizer state"], 0.01, f"{what}: optimizer")
+        if sharding == "zero2":
+            _close(got["masters"], want["fp32 masters"] + want["master grads"], 0.01, what)
+            _close(got["gradients"], want["grads"], 0.01, f"{what}: grads")
+        # unsharded FP8 weights: their bf16 gradients became the masters' fp32 ones
+        _close(p.state + p.optimizer_transient, measured.total, 0.01, f"{what}: total")
+
+
+@pytest.mark.parametrize("vocab", [256, 16])  # the loss's working set dominates, or a layer's
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "tiny"])
+def test_planned_activations_and_peak_match_measured(preset, recompute, vocab):
+    model, cfg = _model(preset, vocab=vocab)
+    for layer in model.blocks.layers:
+        layer.recompute = recompute
+    gen = torch.Generator().manual_seed(1)
+    tokens, targets = (torch.randint(0, vocab, (B, S), generator=gen) for _ in range(2))
+    with g8.fp8_autocast(recipe=RECIPE):  # FP8 state, weight casts and .grad exist already
+        model(tokens, targets).backward()
+    with LiveBytes() as live:
+        with g8.fp8_autocast(recipe=RECIPE):
+            loss = model(tokens, targets, is_first_microbatch=False)
+        kept = live.live - loss.untyped_storage().nbytes()
+        loss.backward()
+    shape = shape_from(PRESETS[preset], vocab=vocab)
+    p = plan(shape, seq=S, batch=B, recompute=recompute, graphs="none")
+    what = f"{preset} recompute {recompute} vocab {vocab}"
+    _close(p.bytes["activations"], kept, 0.1, f"{what}: activations")
+    _close(p.bytes["activations"] + p.bytes["working set"], live.peak, 0.1, f"{what}: peak")
+
+
+def test_llama_shapes_and_planner_outputs(capsys):
+    assert round(shape_of("llama-8b").parameters() / 1e9, 2) == 8.03
+    assert round(LLAMA["llama-1b"].parameters() / 1e9, 2) == 1.24
+    assert round(LLAMA["llama-70b"].parameters() / 1e9, 1) == 70.6
+    kw = dict(seq=8192, batch=1, recompute="full", fp8_weights=True)
+    one, eight = largest_fit("llama-8b", 1, sharding="fsdp2", **kw), largest_fit(
+        "llama-8b", 8, sharding="fsdp2", **kw)  # fmt: skip
+    assert one.parameters < eight.parameters and one.fits() and eight.fits()
+    full, none = (plan("llama-8b", **{**kw, "recompute": r}) for r in ("full", "none"))
+    assert full.bytes["activations"] <= none.bytes["activations"] / 4
+    assert main(["--preset", "llama-8b", "--n", "8", "--sharding", "fsdp2", "--recompute",
+                 "full", "--fp8-weights", "--fit"]) == 0  # fmt: skip
+    assert "largest that fits" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="sharding must be one of"):
+        plan("llama-8b", sharding="zero3")
