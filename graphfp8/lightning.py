@@ -26,7 +26,7 @@ import torch
 from lightning_utilities import apply_to_collection
 
 from graphfp8.fp8.recipe import DelayedScaling, Format, Recipe
-from graphfp8.modules.base import FP8Module
+from graphfp8.modules.base import FP8Module, check_fp8_entries
 from graphfp8.modules.carry import FP8Carry, init_fp8_state
 from graphfp8.modules.convert import convert
 
@@ -132,8 +132,41 @@ class _FP8:
         return _floats_to(data, torch.get_default_dtype())
 
 
+# The checkpoint entry that holds the FP8 state of the Trainer's checkpoints (FP8Precision).
+FP8_STATE_KEY = "graphfp8_fp8_state"
+
+
 class FP8Precision(_FP8, Precision):
     __doc__ = _FP8.__doc__
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Lightning's Trainer restores fit(ckpt_path=)'s model state before this plugin converts
+        the model (the unconverted one has no FP8 state: "unexpected _extra_state keys"), so
+        the graphfp8 layers' FP8 state moves from checkpoint["state_dict"] to
+        checkpoint[FP8_STATE_KEY], and on_load_checkpoint loads it after the conversion."""
+        if self._module is None or "state_dict" not in checkpoint:
+            return
+        state = checkpoint["state_dict"]
+        keys = {f"{n}._extra_state" if n else "_extra_state"
+                for n, m in self._module.named_modules() if isinstance(m, FP8Module)}  # fmt: skip
+        fp8 = {k: state.pop(k) for k in [k for k in state if k in keys]}
+        if fp8:
+            checkpoint[FP8_STATE_KEY] = fp8
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Loads the FP8 state on_save_checkpoint set aside into the converted model (checked
+        for every layer before any loads: graphfp8.modules.base.check_fp8_entries)."""
+        fp8 = checkpoint.get(FP8_STATE_KEY)
+        if not fp8 or self._module is None:
+            return
+        check_fp8_entries(self._module, fp8)
+        result = self._module.load_state_dict(fp8, strict=False)
+        if result.unexpected_keys:
+            raise RuntimeError(
+                f"graphfp8 FP8Precision: the checkpoint holds FP8 state for layers this model "
+                f"does not have as graphfp8 layers: {result.unexpected_keys[:4]}; convert the "
+                "same layers as the run that saved it (replace_layers, layer shapes)"
+            )
 
 
 class FabricFP8Precision(_FP8, FabricPrecision):

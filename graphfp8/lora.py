@@ -115,7 +115,7 @@ class LoraLinear(_PeftLoraLinear):
             raise ValueError(f"NaNs detected in the merged weights of adapters {names}")
         with torch.no_grad():
             weight.copy_(merged)
-        self.get_base_layer().weight_cache.invalidate()
+        self.get_base_layer().weight_cache.invalidate("a LoRA merge or unmerge changed them")
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """W += scaling * B @ A for the adapters (all active ones by default), in place; the

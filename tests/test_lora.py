@@ -149,7 +149,8 @@ def test_merge_equals_peft_merge_of_a_torch_linear():
     ref.merge()
     assert_bitwise_equal(layer.base_layer.weight, ref.base_layer.weight, "merged weight")
     assert layer.base_layer.weight.data_ptr() == storage  # in place: graphs still see it
-    with pytest.raises(RuntimeError, match="is_first_microbatch=False"):
+    # Issue 39: the message said "False before any True" after a True; now it names the merge.
+    with pytest.raises(RuntimeError, match=r"stale \(a LoRA merge or unmerge changed them\)"):
         with g8.fp8_autocast(recipe=RECIPE):
             layer(torch.randn(16, 32, dtype=BF16), is_first_microbatch=False)
     x = torch.randn(16, 32, dtype=BF16)

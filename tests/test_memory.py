@@ -108,8 +108,8 @@ def test_graphed_report_counts_graph_buffers_once(device):
     y.backward(torch.ones_like(y))
     report = memory_report(m, outputs=y, graphed=[graphed], other={"x": x, "x.grad": x.grad})
     assert report.saved == [], "a graphed output's autograd node saves nothing itself"
-    # Static input (x itself: "other"), output, grad output, grad input.
-    assert report.bytes["graph inputs/outputs"] == 3 * T * H * 2
+    # Static input (a copy of the sample x since issue 39), output, grad output, grad input.
+    assert report.bytes["graph inputs/outputs"] == 4 * T * H * 2
     params = sum(p.numel() * p.element_size() for p in m.parameters())
     assert report.bytes["grads"] == params  # the persistent .grad buffers
     if device == "cpu":

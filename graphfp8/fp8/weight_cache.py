@@ -76,9 +76,12 @@ class WeightCache(CacheState):
     def __init__(self) -> None:
         super().__init__()
         self.workspaces: dict[str, Float8Tensor] = {}
+        self.why_stale: str | None = None  # what invalidated a cast (the error of a next False)
 
-    def invalidate(self) -> None:
-        """The weights changed behind the cache (a checkpoint load): the next False raises."""
+    def invalidate(self, why: str = "load_state_dict wrote the weights") -> None:
+        """The weights changed behind the cache: the next False raises, saying `why` when
+        something was cast before."""
+        self.why_stale = why if self.valid or self.why_stale else None
         self.valid = False
 
     def snapshot(self) -> tuple:
@@ -125,7 +128,12 @@ class WeightCache(CacheState):
         return ws
 
 
-def _nothing_cached(owner: str) -> str:
+def _nothing_cached(owner: str, cache) -> str:
+    why = getattr(cache, "why_stale", None)
+    if why is not None:  # it was cast before: say what made the cached weights stale
+        return (f"{owner}: is_first_microbatch=False, but its cached FP8 weights are stale "
+                f"({why}): there is no cached FP8 weight of the current weights to reuse; pass "
+                "is_first_microbatch=True (or None) on the next forward to cast them")  # fmt: skip
     return (f"{owner}: is_first_microbatch=False before any is_first_microbatch=True: there is "
             "no cached FP8 weight to reuse")  # fmt: skip
 
@@ -137,11 +145,11 @@ class EagerCasts:
     def check(self, cache: WeightCache, is_first_microbatch, owner: str) -> None:
         """Raises, before the forward touches any FP8 state, where casts() would."""
         if is_first_microbatch is False and not cache.valid:
-            raise RuntimeError(_nothing_cached(owner))
+            raise RuntimeError(_nothing_cached(owner, cache))
 
     def casts(self, cache: WeightCache, is_first_microbatch, owner: str):
         """(cast the weights now, the device flag the casts read: None)."""
-        return not cache.reuses(is_first_microbatch, _nothing_cached(owner)), None
+        return not cache.reuses(is_first_microbatch, _nothing_cached(owner, cache)), None
 
 
 @dataclass(frozen=True, eq=False)

@@ -207,15 +207,17 @@ def capture_forwards(samples: list[Sample], points: UpdatePoints, session: Captu
 
 
 def _leaf_aliases(flat: list[torch.Tensor], alias_of: list[int]) -> list[torch.Tensor]:
-    """The static inputs: each sample tensor, or for one that autograd produced (a view such as
-    qkv.chunk(3)'s) a detached leaf on the same memory with its requires_grad. The capture's
-    backward then ends at the static inputs: through the sample's own grad_fn it would run nodes
-    recorded on another stream (on CUDA: "operation would make the legacy stream depend on a
-    capturing blocking stream", H200 2026-12-01)."""
+    """The static inputs: a copy of each distinct sample tensor, a leaf with its requires_grad
+    (one copy where the sample gives one tensor at several positions). A copy, so that replays
+    never write into the caller's sample (the microbatch and step graphs copy theirs too:
+    docs/after-capture.md); a leaf, so that the capture's backward ends at the static inputs:
+    through a sample's own grad_fn (qkv.chunk(3)'s views) it would run nodes recorded on another
+    stream (on CUDA: "operation would make the legacy stream depend on a capturing blocking
+    stream", H200 2026-12-01)."""
     leaves: dict[int, torch.Tensor] = {}
     for i, t in enumerate(flat):
         if alias_of[i] == i:
-            leaves[i] = t.detach().requires_grad_(t.requires_grad) if t.grad_fn is not None else t
+            leaves[i] = t.detach().clone().requires_grad_(t.requires_grad)
     return [leaves[alias_of[i]] for i in range(len(flat))]
 
 

@@ -58,9 +58,10 @@ def make_graphed_callables(
         callables: one callable or a tuple of them, run in this order on every microbatch (with
             `order`: the layers of the model chunks, chunk-major).
         sample_args: a tuple of tensors per callable (a tuple of tuples for several; with
-            `order`, one per (chunk, microbatch, layer), chunk-major); they become the static
-            inputs, and their requires_grad must be that of the real inputs. One tensor given
-            at several positions is one input (its gradient summed once, as eagerly).
+            `order`, one per (chunk, microbatch, layer), chunk-major); copies of them become the
+            static inputs (the caller's tensors are never written), and their requires_grad
+            must be that of the real inputs. One tensor given at several positions is one input
+            (its gradient summed once, as eagerly).
         num_warmup_iters: eager iterations before capture (>= 1 with FP8: they find the FP8
             arenas the graphs update); their FP8 and RNG effects are undone.
         allow_unused_input: let inputs get no gradient.

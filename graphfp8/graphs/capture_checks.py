@@ -15,7 +15,7 @@ from graphfp8.graphs.lifecycle import live_owner
 from graphfp8.graphs.replay_guard import hook_dicts, tensor_hooks
 
 __all__ = ["check_capturable", "check_distinct", "check_grad_mode", "check_inputs_alias",
-           "check_no_hooks", "distinct_buffers", "inside_ddp_forward"]  # fmt: skip
+           "check_no_hooks", "inside_ddp_forward"]  # fmt: skip
 
 _DDP_ADVICE = (
     "a graph folds the gradients into .grad inside itself, so DDP's (or FSDP's) gradient hooks "
@@ -125,6 +125,14 @@ def check_distinct(callables) -> None:
 def check_no_hooks(name: str, modules, params, param_names) -> None:
     """Raises if the modules (or torch, globally) have module hooks, or the parameters tensor
     hooks: Python that a captured graph would not run."""
+    carried = [m for m in modules if getattr(m, "_graphfp8_carry", None) is not None]
+    if carried:
+        raise RuntimeError(
+            f"{name}: a model converted with convert(model, recipe=...) carries its recipe "
+            f"through forward hooks ({type(carried[0]).__name__}), which a captured graph would "
+            "not run: convert it without a recipe and pass the recipe to the capture "
+            "(fp8_enabled=True, fp8_recipe=...)"
+        )
     if any(hook_dicts(modules)):
         raise RuntimeError(
             f"{name}: modules must have no hooks when captured (module or global module hooks); "
@@ -168,28 +176,6 @@ def check_inputs_alias(name: str, inputs: list[torch.Tensor]) -> list[int]:
                 "those positions, or tensors that do not overlap"
             )
     return alias_of
-
-
-def distinct_buffers(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The static buffers of a sample batch: its tensors, except that one which is, or overlaps,
-    an earlier one (`(x, x)` as inputs and targets; `data[:, :-1], data[:, 1:]`) becomes a copy
-    of its own. A replay copies each caller's tensor into its buffer: buffers that share memory
-    would overwrite each other, and every later batch would be read as the last one copied."""
-    buffers: list[torch.Tensor] = []
-    for t in tensors:
-        if t.numel() and any(b is t or (_same_storage(b, t) and _overlap([b, t]))
-                             for b in buffers):  # fmt: skip
-            t = t.clone()
-        buffers.append(t)
-    return buffers
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.numel() > 0
-        and a.device == b.device
-        and (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
-    )
 
 
 def _overlap(views: list[torch.Tensor]) -> bool:

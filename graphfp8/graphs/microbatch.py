@@ -60,7 +60,8 @@ def make_graphed_microbatch(
         loss_fn: loss_fn(output, *targets) -> 0-d floating-point loss; None: the model's output
             is the loss.
         sample_microbatch: a tensor (the model's only input) or a pair (inputs, targets), each a
-            tensor or a tuple of tensors; they become the graph's static batch.
+            tensor or a tuple of tensors; copies of them become the graph's static batch (the
+            caller's tensors are never written).
         num_microbatches: the loss is divided by it before the backward.
         fp8_enabled, fp8_recipe, fp8_group: as for make_graphed_callables.
         fp8_weight_caching: guard the weight casts with a device flag driven by

@@ -95,7 +95,8 @@ def make_graphed_step(
             `group["lr"].fill_(lr)` (torch's LR schedulers do) between replays.
         sample_batch: a tensor (the model's only input) or a pair (inputs, targets), each a
             tensor or a tuple of tensors, every tensor of shape (num_microbatches, ...):
-            microbatch i is `t[i]`. These tensors become the graph's static batch.
+            microbatch i is `t[i]`. Copies of them become the graph's static batch (the caller's
+            tensors are never written).
         num_microbatches: N, the gradient-accumulation steps per optimizer step.
         fp8_enabled: run graphfp8 modules in FP8.
         fp8_recipe: a DelayedScaling or Float8CurrentScaling (DelayedScaling() when None).

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
-from graphfp8.graphs.capture_checks import check_capturable, check_grad_mode, distinct_buffers
+from graphfp8.graphs.capture_checks import check_capturable, check_grad_mode
 from graphfp8.graphs.lifecycle import check_outside_fp8_region
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names
 from graphfp8.graphs.runner import copy_inputs, needs_copy, storages_of
@@ -59,8 +59,9 @@ class StaticBatch:
     """The batch tensors a graph reads, and the copy of a caller's batch into them.
 
     Args:
-        sample: the sample batch (see split_batch); its tensors become the static buffers (a
-            tensor that shares memory with an earlier one gets a buffer of its own).
+        sample: the sample batch (see split_batch); a copy of each of its tensors becomes a
+            static buffer (replays never write into the caller's tensors; tensors sharing memory
+            get buffers of their own).
         leading: the size of dim 0 of every tensor (the microbatch index of a step), or None.
         name: prefix of error messages.
     """
@@ -69,7 +70,7 @@ class StaticBatch:
         self.name = name
         inputs, targets = split_batch(sample, name)
         self.num_inputs, self.num_targets = len(inputs), len(targets)
-        self.tensors = distinct_buffers([*inputs, *targets])
+        self.tensors = [t.clone() for t in [*inputs, *targets]]
         self.storages = storages_of(self.tensors)
         if not self.tensors:
             raise ValueError(f"{name}: the batch holds no tensor")

@@ -98,14 +98,19 @@ def from_hf(model: nn.Module, max_seq_len: int | None = None, recipe: Recipe | N
         model: the HF model, on its device and in its dtype (bf16 for training); it keeps
             working, sharing every weight with the result (module docstring). A model can be
             converted once.
-        max_seq_len: longest sequence (RoPE tables); default min(max_position_embeddings, 4096).
+        max_seq_len: longest sequence (the RoPE tables); default min(max_position_embeddings,
+            4096). A longer one is taken, as Hugging Face's rotary models run past
+            max_position_embeddings; GPT-2's learned positions stop at n_positions (longer
+            raises).
         recipe: the FP8 recipe the model carries (graphfp8.modules.carry): it then runs in FP8
             by itself, with no fp8_autocast in the training loop. None: FP8 only inside the
             caller's fp8_autocast.
         fp8_group, eval_fp8: the carried settings (FP8Carry); need a recipe.
         graphs: None (eager), or "layers": every decoder layer a CUDA graph, captured at the
-            first training forward and replayed in any training loop (graphfp8.hf.layer_graphs;
-            fixed-shape batches without attention_mask); needs a recipe.
+            first training forward and replayed in any training loop (graphfp8.hf.layer_graphs:
+            fixed-shape batches, with the tokenizer's attention_mask or without; other
+            forwards run eagerly, warned once per reason, and `model.layer_graphs.counts`
+            counts both); needs a recipe.
 
     Returns:
         CausalLM: input_ids (B, S) -> CausalLMOutputWithPast (loss with labels, logits (B, S,
@@ -129,7 +134,7 @@ def from_hf(model: nn.Module, max_seq_len: int | None = None, recipe: Recipe | N
     hf_layers = model.get_submodule(layout.layers_path)
     scales = softmax_scales(config, layout, len(hf_layers))
     ref = next(model.parameters())
-    seq = min(max_seq_len or 4096, max_positions(config))
+    seq = _max_seq_len(config, max_seq_len)
     tables = rope_tables(model, config, seq, kw["hidden_size"] // kw["num_heads"], ref.device)
     layers = []
     for i in range(len(hf_layers)):
@@ -150,3 +155,18 @@ def from_hf(model: nn.Module, max_seq_len: int | None = None, recipe: Recipe | N
     if carry is not None:
         init_fp8_state(lm, carry.recipe, ref.device)
     return lm
+
+
+def _max_seq_len(config, max_seq_len: int | None) -> int:
+    """The rotary tables' length (from_hf's max_seq_len)."""
+    if max_seq_len is None:
+        return min(4096, max_positions(config))
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"graphfp8.from_hf: max_seq_len must be a positive int, got "
+                         f"{max_seq_len!r}")  # fmt: skip
+    if config.model_type == "gpt2" and max_seq_len > config.n_positions:
+        raise ValueError(
+            f"graphfp8.from_hf: max_seq_len={max_seq_len}, but GPT-2 has learned positions for "
+            f"{config.n_positions} tokens (n_positions)"
+        )
+    return max_seq_len

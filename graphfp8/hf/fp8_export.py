@@ -72,6 +72,19 @@ def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w32 * scale).clamp(-limit, limit).to(E4M3), scale.reciprocal().reshape(())
 
 
+def _check_finite(state: dict, keys: list[str]) -> None:
+    """Refuses GEMM weights holding NaN or inf, before anything is quantized or written: E4M3
+    would keep a NaN, and an inf amax leaves the scale at 1, saturating the weight to 448."""
+    bad = [k for k in keys if not bool(torch.isfinite(state[k]).all())]
+    if bad:
+        raise ValueError(
+            f"FP8 export: {len(bad)} GEMM weight(s) hold NaN or inf values, which an FP8 "
+            f"checkpoint cannot represent: {bad[:8]}{' ...' if len(bad) > 8 else ''}; nothing "
+            "was written. Restore the weights from a good checkpoint (a diverged run) or save "
+            "in high precision (fp8=False) to inspect them"
+        )
+
+
 def quantize_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (out, in) -> (E4M3 (out, in), scale_inv float32 (ceil(out / 128), ceil(in / 128))): each
     128x128 block scaled by fp8_max / its amax (float32 scales, not powers of 2)."""
@@ -135,11 +148,18 @@ def fp8_checkpoint(model: nn.Module, layout: str = "transformers",
         )
     weight_key, input_key, skip_key = LAYOUTS[layout]
     state = dict(to_hf(model) if hf_state is None else hf_state)
+    entries = [e for i in range(len(model.layers)) for e in _layer_gemms(arch, i)]
+    _check_finite(state, [prefix + name for _, prefix, theirs in entries for name in theirs])
     quantize = quantize_128x128 if block else quantize_per_tensor
     for i, layer in enumerate(model.layers):
         for ours, prefix, theirs in _layer_gemms(arch, i):
             keys = [prefix + name for name in theirs]
             x_scale = _input_scale_inv(layer, ours) if activation_scheme == "static" else None
+            if x_scale is not None and not bool(torch.isfinite(x_scale)):
+                raise ValueError(
+                    f"FP8 export: layer {i}'s {ours} input scale of training is not finite "
+                    f"({float(x_scale)}); use activation_scheme='dynamic'"
+                )
             for key in keys:
                 module = key[: -len("weight")]
                 state[key], state[module + weight_key] = quantize(state[key])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import transformers
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -24,9 +25,23 @@ from graphfp8.hf import checkpoints
 from graphfp8.hf.inputs import attention_inputs, gpt2_positions
 from graphfp8.hf.layer_graphs import LayerGraphs
 from graphfp8.modules._context import in_fp8_region
+from graphfp8.modules.base import fp8_entries_hook
 from graphfp8.modules.carry import FP8Carry
 
 __all__ = ["CausalLM"]
+
+
+def check_transformers(version: str) -> None:
+    """Refuses transformers 4.x (setup.cfg's [hf] extra asks for the tested 5.24)."""
+    if int(version.split(".")[0]) < 5:
+        raise ImportError(
+            f"graphfp8.hf needs transformers >= 5.24 (setup.cfg's [hf] extra), found {version}: "
+            "4.x's caches and generate() differ (generate() failed). "
+            "pip install -U 'transformers>=5.24'"
+        )
+
+
+check_transformers(transformers.__version__)
 
 # transformers 5.24 names the cache `cache`, earlier 5.x `past_key_values`.
 _CACHE_FIELD = (
@@ -76,6 +91,7 @@ class CausalLM(PreTrainedModel, GenerationMixin):
         self.layer_graphs = LayerGraphs() if graphs == "layers" else None
         self.all_tied_weights_keys = {}  # PreTrainedModel.post_init's; the HF modules keep ties
         self.register_load_state_dict_pre_hook(checkpoints.from_hf_names_hook)
+        self.register_load_state_dict_pre_hook(fp8_entries_hook)  # all or nothing
 
     # Hugging Face's interface -------------------------------------------------------------------
 
@@ -85,8 +101,18 @@ class CausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed = value
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.lm_head = value
+
     def tie_weights(self, *args, **kwargs) -> None:
-        """The embeddings are the HF model's modules, tied (or not) as they were."""
+        """The embeddings are the HF model's modules, tied (or not) as they were; a new input
+        embedding (resize_token_embeddings) is tied again where the config ties them."""
+        tied = getattr(self.config.get_text_config(), "tie_word_embeddings", False)
+        if tied and self.lm_head.weight is not self.embed.weight:
+            self.lm_head.weight = self.embed.weight
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """Writes a directory that AutoModelForCausalLM.from_pretrained loads (graphfp8.hf.
@@ -156,14 +182,16 @@ class CausalLM(PreTrainedModel, GenerationMixin):
 
             cache = DynamicCache(config=self.config)
         region = self.fp8.region(self) if self.fp8 is not None else contextlib.nullcontext()
-        graphs, plain = self.layer_graphs, all(
-            a is None for a in (attention_mask, segment_ids, cache, inputs_embeds,
-                                None if self.arch == "gpt2" else position_ids))  # fmt: skip
+        graphs, eager_layers = self.layer_graphs, False
         if graphs is not None:
-            graphs.replays(self, input_ids, plain and not in_fp8_region())
+            segments = segment_ids
+            if segments is None and attention_mask is not None and attention_mask.dim() == 2:
+                segments = attention_mask.to(torch.int64)  # as inputs.attention_inputs makes them
+            refused = _why_not_graphed(cache, inputs_embeds, position_ids, self.arch != "gpt2")
+            _, eager_layers = graphs.plan(self, input_ids, segments, refused)
         with region:
             x = self._hidden(input_ids, inputs_embeds, attention_mask, position_ids, cache,
-                             segment_ids, is_first_microbatch)  # fmt: skip
+                             segment_ids, is_first_microbatch, eager_layers)  # fmt: skip
             if logits_to_keep:
                 x = x[:, -logits_to_keep:]
             logits = self.lm_head(self.norm(x))
@@ -175,8 +203,8 @@ class CausalLM(PreTrainedModel, GenerationMixin):
         return out if return_dict is not False else out.to_tuple()
 
     def _hidden(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, segment_ids,
-                is_first_microbatch) -> torch.Tensor:  # fmt: skip
-        """The last layer's output (B, S, H)."""
+                is_first_microbatch, eager_layers: bool = False) -> torch.Tensor:  # fmt: skip
+        """The last layer's output (B, S, H); eager_layers: run graphed layers' eager forward."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("graphfp8.hf: give exactly one of input_ids and inputs_embeds")
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
@@ -188,7 +216,8 @@ class CausalLM(PreTrainedModel, GenerationMixin):
         if self.pos_embed is not None:
             x = x + self.pos_embed(gpt2_positions(b, s, past, position_ids, segment_ids, x.device))
         for i, layer in enumerate(self.layers):
-            x = layer(x, is_first_microbatch=is_first_microbatch, **inputs.layer_kwargs(cache, i))
+            call = type(layer).forward.__get__(layer) if eager_layers else layer
+            x = call(x, is_first_microbatch=is_first_microbatch, **inputs.layer_kwargs(cache, i))
         return x
 
     def _check_length(self, total: int, position_ids) -> None:
@@ -200,6 +229,15 @@ class CausalLM(PreTrainedModel, GenerationMixin):
                 f"{self.sliding_window} (sliding-window attention is not converted)"
             )
         if self.pos_embed is None:
+            tables = self.layers[0].max_seq_len if self.layers[0].rope else None
+            last = total if position_ids is None else int(position_ids.max()) + 1
+            if tables is not None and last > tables:
+                raise ValueError(
+                    f"graphfp8.hf: position {last - 1} is past the rotary tables of {tables} "
+                    "positions; convert with graphfp8.from_hf(..., max_seq_len=) of the longest "
+                    "sequence (generate(): prompt + max_new_tokens; the default is "
+                    "min(max_position_embeddings, 4096))"
+                )
             return
         limit = self.pos_embed.num_embeddings
         last = total if position_ids is None else int(position_ids.max()) + 1
@@ -213,3 +251,17 @@ class CausalLM(PreTrainedModel, GenerationMixin):
     def extra_repr(self) -> str:
         fp8 = "" if self.fp8 is None else f", carried recipe={self.fp8.recipe}"
         return f"arch={self.arch}, model_type={self.config.model_type}{fp8}"
+
+
+def _why_not_graphed(cache, inputs_embeds, position_ids, rope: bool) -> str | None:
+    """Why a forward's arguments cannot replay the layer graphs (graphfp8.hf.layer_graphs), None
+    when they can."""
+    if in_fp8_region():
+        return "inside the caller's fp8_autocast region or capture"
+    if cache is not None:
+        return "a cache (past_key_values, use_cache)"
+    if inputs_embeds is not None:
+        return "inputs_embeds"
+    if rope and position_ids is not None:
+        return "position_ids with rotary positions (explicit attention)"
+    return None

@@ -8,7 +8,9 @@ Linear's inputs; exact when D is narrower), and:
 - under fp8_autocast it computes in FP8 exactly as without torch.autocast (its torch ops inside
   run with autocast off, so the FP8 path sees the dtypes it was written for), and returns its
   outputs in D (a Float8Tensor hand-off to the next graphfp8 layer keeps its nominal dtype);
-- outside fp8_autocast it is an ordinary torch layer, whose torch ops autocast as torch's do.
+- outside fp8_autocast it is an ordinary torch layer, whose torch ops autocast as torch's do,
+  and it returns its floating outputs in D too (a TransformerLayer's residual adds in P would
+  otherwise return P; TransformerEngine's layers return D either way).
 
 Gradients flow back through the casts in each tensor's own dtype. Outside torch.autocast the
 wrapper is one `is_autocast_enabled` call.
@@ -51,9 +53,10 @@ def _under_autocast(module, forward: Callable, args, kwargs, device_type: str):
     kwargs = {k: _cast(v, param.dtype) for k, v in kwargs.items()}
     recipe = fp8_recipe()
     if recipe is None or not module.uses_fp8(recipe):
-        return forward(module, *args, **kwargs)
-    with torch.autocast(device_type, enabled=False):
         out = forward(module, *args, **kwargs)
+    else:
+        with torch.autocast(device_type, enabled=False):
+            out = forward(module, *args, **kwargs)
     return _cast(out, torch.get_autocast_dtype(device_type))
 
 

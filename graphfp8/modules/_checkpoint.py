@@ -12,7 +12,7 @@ from graphfp8.fp8.recipe import DelayedScaling, Float8CurrentScaling, Recipe, re
 from graphfp8.fp8.slots import BwdRole, slot_index
 from graphfp8.modules import _state_tensor
 
-__all__ = ["EXTRA_STATE_VERSION", "check_extra_state", "shape_errors"]
+__all__ = ["EXTRA_STATE_VERSION", "check_extra_state", "format_move_error", "shape_errors"]
 
 # _extra_state layout: 0 (a dict without a "version" key) held 2 backward slots per GEMM
 # (grad_output and an unused grad_input); 1 (a dict) holds the slots of graphfp8.fp8.slots; 2 is
@@ -63,11 +63,36 @@ def _upgrade(state, where: str, num_gemms: int) -> dict:
     return state
 
 
-def _check_recipe(module, recipe: Recipe, where: str) -> None:
+def format_move_error(old: Recipe, new: Recipe, bwd_history, bwd_scale) -> str | None:
+    """Why FP8 state of recipe `old` cannot move to `new`, or None. Delayed scaling runs each
+    backward on the scales of the last update, computed for the old recipe's gradient format
+    (HYBRID: E5M2, max 57344; E4M3: max 448): moved, the first backward saturates (or underflows)
+    its gradients. State that never ran a backward (zero history, unit scales) moves freely.
+
+    Args:
+        bwd_history: (L, B) float32 backward amax history; bwd_scale: (B,) float32 scales.
+    """
+    if not isinstance(new, DelayedScaling) or old.fp8_format == new.fp8_format:
+        return None
+    if not (bool(bwd_history.any()) or bool((bwd_scale != 1).any())):
+        return None
+    return (
+        f"its FP8 state holds fp8_format={old.fp8_format.value} scales, and "
+        f"{new.fp8_format.value} would run its first backward on "
+        f"{old.fp8_format.value}'s gradient scales (they saturate or underflow: no exact "
+        "conversion exists); use the recipe of that state, or start from fresh FP8 "
+        "state (load the checkpoint without its `_extra_state` entries)"
+    )
+
+
+def _check_recipe(module, recipe: Recipe, where: str, state: dict) -> None:
     """The module's FP8 state can take the checkpoint's recipe (FP8Module.fp8_init's rules)."""
     meta = module.fp8_meta
     if meta is None or meta.recipe == recipe:
         return
+    moved = format_move_error(recipe, meta.recipe, state["bwd_amax_history"], state["bwd_scale"])
+    if moved is not None:
+        raise ValueError(f"{where}: the module runs {meta.recipe}; {moved}")
     if meta.recipe.amax_history_len != recipe.amax_history_len:
         raise ValueError(
             f"{where} has amax_history_len={recipe.amax_history_len}, the module's FP8 state "
@@ -99,7 +124,7 @@ def check_extra_state(module, state, name: str) -> dict:
     where = f"{name}: the checkpoint's FP8 state (_extra_state)"
     state = _upgrade(state, where, module.num_gemms)
     recipe = state["recipe"]
-    _check_recipe(module, recipe, where)
+    _check_recipe(module, recipe, where, state)
     length = recipe.amax_history_len
     for key, count in zip(("fwd", "bwd"), module._slot_counts(), strict=True):
         history, scale = state[f"{key}_amax_history"], state[f"{key}_scale"]

@@ -17,13 +17,14 @@ from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.fp8.weight_cache import WeightCache, check_is_first_microbatch
 from graphfp8.modules import _state_tensor
 from graphfp8.modules._autocast import honour_autocast
-from graphfp8.modules._checkpoint import check_extra_state, shape_errors
+from graphfp8.modules._checkpoint import check_extra_state, format_move_error, shape_errors
 from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
 from graphfp8.modules._context import blockwise_recipe, fp8_enabled, gemm_configs, init_group
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
 
-__all__ = ["FP8Meta", "FP8Module", "cache_weight_transposes"]
+__all__ = ["FP8Meta", "FP8Module", "cache_weight_transposes", "check_fp8_entries",
+           "fp8_entries_hook"]  # fmt: skip
 
 
 class FP8Meta:
@@ -166,6 +167,9 @@ class FP8Module(nn.Module):
                     f"{name}: its FP8 state is captured in a graph for {meta.recipe} and cannot "
                     f"move to {recipe}"
                 )
+            moved = format_move_error(meta.recipe, recipe, meta.bwd.history(), meta.bwd.scales())
+            if moved is not None:
+                raise ValueError(f"{name}: {moved}")
         new = FP8Meta(recipe, device, self._slot_counts(), group or init_group())
         if meta is not None:
             new.copy_from_(meta)
@@ -221,6 +225,10 @@ class FP8Module(nn.Module):
             raise ValueError(
                 f"{name}: FP8 training needs the token count (the product of the input's "
                 f"leading dims) to be a multiple of 16 for the weight-gradient GEMM, got {tokens}"
+                ": pad every batch to a multiple of 16 tokens (the tokenizer's or the data "
+                "collator's pad_to_multiple_of=16, which covers an epoch's last partial batch "
+                "too; padding is masked by attention_mask and labels -100), or drop the last "
+                "partial batch (DataLoader(drop_last=True))"
             )
 
     # Checkpoints ---------------------------------------------------------------------------------
@@ -293,6 +301,27 @@ class FP8Module(nn.Module):
             block.history().copy_(state[f"{key}_amax_history"])
             block.scales().copy_(state[f"{key}_scale"])
         self.weight_cache.invalidate()
+
+
+def check_fp8_entries(root: nn.Module, state_dict: dict, prefix: str = "") -> None:
+    """Checks the FP8 state entry of every graphfp8 layer under `root` (check_extra_state)
+    before any module loads: a model's load_state_dict pre-hook (from_hf and convert register
+    it), so that a checkpoint one layer refuses leaves every layer as it was (torch loads module
+    by module and would have written the layers before it).
+
+    Args:
+        root: the module being loaded; state_dict, prefix: as torch passes them to the hook.
+    """
+    for path, m in root.named_modules(prefix=prefix[:-1] if prefix else ""):
+        if isinstance(m, FP8Module) and m is not root:
+            extra = state_dict.get(f"{path}._extra_state" if path else "_extra_state")
+            if not _state_tensor.is_empty(extra):
+                check_extra_state(m, extra, f"{type(m).__name__} {path}".rstrip())
+
+
+def fp8_entries_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """check_fp8_entries as a load_state_dict pre-hook."""
+    check_fp8_entries(module, state_dict, prefix)
 
 
 def cache_weight_transposes(module: nn.Module, enabled: bool) -> None:

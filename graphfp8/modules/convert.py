@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 
 from graphfp8.fp8.primary import INIT
 from graphfp8.fp8.recipe import Recipe
-from graphfp8.modules.base import FP8_PARAM_DTYPES
+from graphfp8.modules.base import FP8_PARAM_DTYPES, fp8_entries_hook
 from graphfp8.modules.carry import FP8Carry, carry
 from graphfp8.modules.layernorm_linear import LayerNormLinear
 from graphfp8.modules.linear import Linear
@@ -218,6 +218,8 @@ def convert(model: nn.Module, fuse_layernorm: bool = True,
     else:
         for parent, key, new in plan.edits:
             parent._modules[key] = new
+        if plan.edits:  # a checkpoint one layer refuses loads nothing (check_fp8_entries)
+            model.register_load_state_dict_pre_hook(fp8_entries_hook)
     if fp8 is not None:
         carry(model, fp8)
     return model

@@ -9,11 +9,14 @@ layer_norm_bias, fc1_weight, ...).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from graphfp8 import modules
+from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.te._args import PARALLEL, UB, check_te_args, default_device, default_init
 
 __all__ = ["LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm"]
@@ -49,6 +52,24 @@ _MLP_TE_ONLY = {
 }
 # forward(inp, is_first_microbatch, fp8_output, fp8_grad): FP8 hand-offs chosen per call.
 _FORWARD_TE_ONLY = {"fp8_output": False, "fp8_grad": False}
+_NARROW = (torch.bfloat16, torch.float16)
+
+
+def _input_dtype(inp, param: torch.Tensor):
+    """TE computes in its input's dtype: a bf16/fp16 input on float32 parameters casts the
+    weights (TE's cast_if_needed). graphfp8's layers do that under torch.autocast of the input's
+    dtype (modules/_autocast.py: the same FP8 GEMMs, the output in that dtype), so such a call
+    runs inside one; any other call (or one already under torch.autocast) is left as it is."""
+    kind = inp.device.type if isinstance(inp, torch.Tensor) else None
+    if (
+        kind in ("cpu", "cuda")
+        and type(inp) is torch.Tensor
+        and inp.dtype in _NARROW
+        and param.dtype == torch.float32
+        and not torch.is_autocast_enabled(kind)
+    ):
+        return torch.autocast(kind, dtype=inp.dtype)
+    return contextlib.nullcontext()
 
 
 class Linear(modules.Linear):
@@ -59,15 +80,33 @@ class Linear(modules.Linear):
                  bias: bool = True, params_dtype: torch.dtype | None = None, device=None,
                  name: str | None = None, **te_only):  # fmt: skip
         check_te_args("Linear", te_only, _LINEAR_TE_ONLY)
+        self._init_method = default_init(init_method)
         super().__init__(in_features, out_features, bias=bias, params_dtype=params_dtype,
                          device=default_device(device),
-                         init_method=default_init(init_method))  # fmt: skip
+                         init_method=self._init_method)  # fmt: skip
         self.name = name
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, **te_only):
-        """inp: (..., in_features). Returns (..., out_features); see graphfp8.Linear."""
+        """inp: (..., in_features), in the parameters' dtype or (float32 parameters) bf16/fp16,
+        TE's activation dtype. Returns (..., out_features) in inp's dtype; see graphfp8.Linear."""
         check_te_args("Linear.forward", te_only, _FORWARD_TE_ONLY)
-        return super().forward(inp, is_first_microbatch)
+        with _input_dtype(inp, self.weight):
+            return super().forward(inp, is_first_microbatch)
+
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """TE's: the weight from init_method again, the bias 0 (nothing with defer_init)."""
+        if defer_init:
+            return
+        if isinstance(self.weight, Float8Tensor):
+            raise NotImplementedError(
+                "graphfp8.te.Linear.reset_parameters: the weight is an FP8 primary weight "
+                "(fp8_model_init); build the layer again inside fp8_model_init"
+            )
+        with torch.no_grad():
+            self._init_method(self.weight)
+            if self.bias is not None:
+                self.bias.zero_()
+        self.weight_cache.invalidate()
 
 
 class LayerNormLinear(modules.LayerNormLinear):
@@ -92,7 +131,8 @@ class LayerNormLinear(modules.LayerNormLinear):
         """inp: (..., in_features). Returns (..., out_features) (and the norm's output with
         return_layernorm_output); see graphfp8.LayerNormLinear."""
         check_te_args("LayerNormLinear.forward", te_only, _FORWARD_TE_ONLY)
-        return super().forward(inp, is_first_microbatch)
+        with _input_dtype(inp, self.weight):
+            return super().forward(inp, is_first_microbatch)
 
 
 class LayerNormMLP(modules.LayerNormMLP):
@@ -118,7 +158,8 @@ class LayerNormMLP(modules.LayerNormMLP):
                 residual: torch.Tensor | None = None):  # fmt: skip
         """inp: (..., hidden_size). Returns (..., hidden_size); residual (not a TE argument:
         graphfp8.te.TransformerLayer's first residual add) as for graphfp8.LayerNormMLP."""
-        return super().forward(inp, is_first_microbatch, residual)
+        with _input_dtype(inp, self.fc1_weight):
+            return super().forward(inp, is_first_microbatch, residual)
 
 
 class _Norm(nn.Module):

@@ -11,12 +11,34 @@ has TE's default; TE's other recipes (MXFP8, NVFP4, custom) are not here.
 
 from __future__ import annotations
 
+import enum
 import os
 
 from graphfp8 import fp8 as _fp8
 from graphfp8.te._args import FIXED, check_te_args
 
-Format = _fp8.Format
+
+class Format(enum.Enum):
+    """TE's Format. E4M3 and HYBRID are graphfp8.Format's (a recipe made with either holds
+    graphfp8's member); E5M2 (every tensor in E5M2) is not implemented: a recipe made with it
+    raises, saying so."""
+
+    E4M3 = "E4M3"
+    E5M2 = "E5M2"
+    HYBRID = "HYBRID"
+
+
+def _graphfp8_format(fp8_format, where: str):
+    """graphfp8.Format of a TE (or graphfp8) format; anything else goes to graphfp8's recipe,
+    which refuses it."""
+    if fp8_format is Format.E5M2:
+        raise NotImplementedError(
+            f"graphfp8.te.recipe.{where}: fp8_format=Format.E5M2 (E5M2 for every tensor) is not "
+            "implemented by graphfp8, which runs Format.HYBRID (E4M3 forward, E5M2 gradients) "
+            "and Format.E4M3: use Format.HYBRID"
+        )
+    return _fp8.Format(fp8_format.value) if isinstance(fp8_format, Format) else fp8_format
+
 
 __all__ = ["DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Format", "Recipe"]
 
@@ -59,6 +81,7 @@ class DelayedScaling(metaclass=_MakesGraphfp8Recipe):
                  backward_override=backward_override),
             dict(scaling_factor_compute_algo=None, backward_override=None),
         )  # fmt: skip
+        fp8_format = _graphfp8_format(fp8_format, "DelayedScaling")
         return _fp8.DelayedScaling(margin=margin, fp8_format=fp8_format,
                                   amax_history_len=amax_history_len,
                                   amax_compute_algo=amax_compute_algo, reduce_amax=reduce_amax,
@@ -88,6 +111,7 @@ class Float8CurrentScaling(metaclass=_MakesGraphfp8Recipe):
                 **dict.fromkeys(_QUANT_AND_GEMM_PARAMS, FIXED),
             ),
         )
+        fp8_format = _graphfp8_format(fp8_format, "Float8CurrentScaling")
         return _fp8.Float8CurrentScaling(fp8_format=fp8_format)
 
 
@@ -114,6 +138,7 @@ class Float8BlockScaling(metaclass=_MakesGraphfp8Recipe):
                  **dict.fromkeys(_QUANT_AND_GEMM_PARAMS, FIXED)),
         )  # fmt: skip
         fp32_scales = os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1"
+        fp8_format = _graphfp8_format(fp8_format, "Float8BlockScaling")
         return _fp8.Float8BlockScaling(fp8_format=fp8_format,
                                        x_block_scaling_dim=x_block_scaling_dim,
                                        w_block_scaling_dim=w_block_scaling_dim,

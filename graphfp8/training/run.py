@@ -125,7 +125,7 @@ class RunSpec:
 # Settings that checkpoints written before they existed trained with.
 OLDER_DEFAULTS = {"fp8_format": "HYBRID", "scaling": "delayed", "fp8_weights": False,
                   "pack": False, "shard": False, "fp8_attention": False,
-                  "bf16_layers": []}  # fmt: skip
+                  "bf16_layers": [], "compile": False}  # fmt: skip
 
 
 def run_settings(spec: RunSpec) -> dict:
@@ -144,6 +144,9 @@ def run_settings(spec: RunSpec) -> dict:
         "fp8_attention": spec.fp8_attention,
         "shard": spec.shard,
         "bf16_layers": list(spec.bf16_layers),
+        # torch.compile fuses the embedding and the loss into other kernels (other bits): a
+        # resumed run with another --compile would not continue the saved one bit for bit.
+        "compile": spec.compile,
     }
 
 

@@ -115,3 +115,31 @@ def test_a_callables_sample_tensors_passed_at_other_positions(device):
         want.float().square().sum().backward()
         got.float().square().sum().backward()
         compare_models(eager, model, f"call {mb}")
+
+
+def test_the_sample_batch_is_never_overwritten(device):
+    """Issue 39: make_graphed_step and make_graphed_microbatch made the sample batch's tensors
+    their static buffers, so every later batch overwrote the caller's sample (as
+    make_graphed_callables did its sample args: tests/graphs/test_call_misuse.py). Now each
+    entry point copies the sample; later calls equal eager on the batches they were given."""
+    eager = TinyLM(device)
+    model = copy.deepcopy(eager)
+    opt_e, opt_g = adamw(eager.parameters(), device), adamw(model.parameters(), device)
+    data = _tokens(2, device, 99)
+    sample = (data[..., :-1], data[..., 1:])
+    kept = [t.clone() for t in sample]
+    step = g8.make_graphed_step(model, lm_loss, opt_g, sample, 2, num_warmup_iters=1, **FP8)
+    for s in range(2):
+        batch = (_tokens(2, device, s)[..., :-1], _tokens(2, device, 10 + s)[..., 1:])
+        result = eager_step(eager, lm_loss, opt_e, batch, 2)
+        step(batch)
+        compare_step(step, result, f"step {s}")
+    for t, k in zip(sample, kept, strict=True):
+        assert_bitwise_equal(t, k, "the step's sample batch")
+    mb_model = build("LayerNormMLP", device=device)
+    x, t = _bf16(device), _bf16(device)
+    kept = [x.clone(), t.clone()]
+    g = g8.make_graphed_microbatch(mb_model, _mse, (x, t), **FP8)
+    g((_bf16(device), _bf16(device)))
+    assert_bitwise_equal(x, kept[0], "the microbatch's sample input")
+    assert_bitwise_equal(t, kept[1], "the microbatch's sample target")

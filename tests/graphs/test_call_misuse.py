@@ -77,17 +77,37 @@ def test_an_output_the_backward_does_not_read_may_be_written_in_place(device):
 
 
 def test_the_static_input_written_in_place_before_the_backward_raises(device):
-    """The sample tensor passed back (no copy) and refilled before the backward of a layer that
-    saved its input (torch's Linear): eager autograd refuses that backward, the graph read the
-    new values."""
+    """The static input buffer passed back (no copy) and refilled before the backward of a layer
+    that saved its input (torch's Linear): eager autograd refuses that backward, the graph read
+    the new values."""
     model = nn.Linear(H, H, device=device)
-    sample = _x(device, dtype=torch.float32)
+    g = g8.make_graphed_callables(model, (_x(device, dtype=torch.float32),))
+    static = g.graphed_runner.pair.static_inputs[0]
+    y = g(static)
+    with torch.no_grad():
+        static.normal_()
+    with pytest.raises(RuntimeError, match=r"argument 0 of the call was modified by an in-place"):
+        y.sum().backward()
+
+
+def test_the_sample_is_the_callers_and_free_after_capture(device):
+    """Issue 39: the sample tensor was the static input buffer, overwritten by every later call
+    (the microbatch and step graphs' samples too). Now a copy is: the sample keeps its values,
+    and writing it after a call that passed it changes nothing the backward reads."""
+    model = nn.Linear(H, H, device=device)
+    eager = copy.deepcopy(model)
+    sample = _x(device, dtype=torch.float32).requires_grad_()
+    kept = sample.detach().clone()
     g = g8.make_graphed_callables(model, (sample,))
+    g(_x(device, dtype=torch.float32).requires_grad_())
+    assert_bitwise_equal(sample.detach(), kept, "the sample after a call")
+    model.zero_grad()
     y = g(sample)
     with torch.no_grad():
         sample.normal_()
-    with pytest.raises(RuntimeError, match=r"argument 0 of the call was modified by an in-place"):
-        y.sum().backward()
+    y.sum().backward()
+    eager(kept).sum().backward()
+    assert_bitwise_equal(model.weight.grad, eager.weight.grad, "weight grad")
 
 
 # Activation checkpointing around a graphed callable ---------------------------------------------

@@ -143,6 +143,18 @@ def test_save_pretrained_fp8_vllm_layout(tmp_path):
             attn_pdrop=0.0)).to(BF16)))  # fmt: skip
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_weight_is_refused_before_anything_is_written(tmp_path, bad):
+    """Issue 39: a NaN weight was exported as E4M3 NaN without a word (an inf one saturated to
+    448): now the export names the weights and writes nothing."""
+    model = _trained_llama()
+    with torch.no_grad():
+        model.layers[1].mlp.fc2_weight[3, 5] = bad
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj.weight'\]; nothing was"):
+        model.save_pretrained(tmp_path / "out", fp8=True)
+    assert not (tmp_path / "out").exists()
+
+
 def test_save_pretrained_blockwise_loads_in_transformers(tmp_path):
     """fp8="blockwise": E4M3 weights in 128x128 blocks with float32 weight_scale_inv (DeepSeek-V3's
     layout; partial blocks at these widths), the fine-grained quantization_config; transformers'

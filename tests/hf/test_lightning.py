@@ -114,3 +114,27 @@ def test_recipe_as_transformer_engine_writes_it():
     plugin = FP8Precision(weights_dtype=torch.bfloat16,
                           recipe={"fp8_format": "E4M3", "amax_history_len": 16})  # fmt: skip
     assert plugin.recipe == g8.DelayedScaling(fp8_format=g8.Format.E4M3, amax_history_len=16)
+
+
+def test_fit_resumes_from_a_checkpoint(tmp_path):
+    """Issue 39: fit(ckpt_path=) failed on unexpected `_extra_state` keys (Lightning restores
+    the model state before the plugin converts the model). The plugin keeps the FP8 state
+    beside the weights and loads it after the conversion: the restored model (weights and FP8
+    state) is the saved one bit for bit, and training goes on from it."""
+    loader = torch.utils.data.DataLoader(_batches()[:MICRO], batch_size=None)
+
+    def trainer(epochs: int):
+        return _trainer(max_epochs=epochs, accumulate_grad_batches=MICRO,
+                        default_root_dir=tmp_path)  # fmt: skip
+
+    saved, first = LitLM(), trainer(STEPS - 1)
+    first.fit(saved, loader)
+    first.save_checkpoint(tmp_path / "a.ckpt")
+    assert "graphfp8_fp8_state" in torch.load(tmp_path / "a.ckpt", weights_only=False)
+    restored = LitLM()
+    trainer(STEPS - 1).fit(restored, loader, ckpt_path=tmp_path / "a.ckpt")
+    assert_same_training(saved, restored, "restored from a checkpoint")
+    resumed = LitLM()
+    trainer(STEPS).fit(resumed, loader, ckpt_path=tmp_path / "a.ckpt")
+    weight = resumed.model.model.layers[0].mlp.down_proj.weight
+    assert not torch.equal(weight, saved.model.model.layers[0].mlp.down_proj.weight)

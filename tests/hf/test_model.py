@@ -197,3 +197,35 @@ def test_vocab_logits_to_keep():
     with torch.no_grad():
         assert_bitwise_equal(lm(x, logits_to_keep=1).logits, lm(x).logits[:, -1:])
     assert lm(x).logits.shape[-1] == VOCAB
+
+
+def test_max_seq_len_past_max_position_embeddings():
+    """Issue 39: from_hf(max_seq_len=) was capped at max_position_embeddings (64 here) without a
+    word, and generate() raised at position 64 where Hugging Face's rotary model continues.
+    Now the tables cover max_seq_len and generate() goes on as HF's; past the tables the error
+    names max_seq_len; GPT-2's learned positions refuse a longer max_seq_len."""
+    hf = hf_model("llama", seed=2)
+    x = ids(seq=8)[:1]
+    kw = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False)
+    with torch.no_grad():
+        want = hf.generate(x, **kw)
+        got = g8.from_hf(hf_model("llama", seed=2), max_seq_len=96).generate(x, **kw)
+    assert got.shape == (1, 72)
+    assert_bitwise_equal(got, want, "generated tokens")
+    with pytest.raises(
+        ValueError, match=r"position 64 is past the rotary tables of 64 .*max_seq_len="
+    ):
+        with torch.no_grad():
+            g8.from_hf(hf_model("llama")).generate(x, **kw)
+    with pytest.raises(ValueError, match=r"learned positions for 64 tokens \(n_positions\)"):
+        g8.from_hf(hf_model("gpt2"), max_seq_len=96)
+
+
+def test_transformers_4_is_refused_at_import():
+    """Issue 39: the [hf] extra allowed transformers 4.48, whose generate() failed inside
+    graphfp8's forward; the extra now asks for 5.24 and graphfp8.hf refuses 4.x by name."""
+    from graphfp8.hf.model import check_transformers
+
+    with pytest.raises(ImportError, match=r"transformers >= 5.24 .* found 4.48.0"):
+        check_transformers("4.48.0")
+    check_transformers(transformers.__version__)

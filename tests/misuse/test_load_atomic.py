@@ -144,3 +144,70 @@ def test_loaded_weights_invalidate_the_weight_cache():
     m.load_state_dict(checkpoint, strict=False)
     with g8.fp8_autocast(recipe=H4), pytest.raises(RuntimeError, match="no cached FP8 weight"):
         m(torch.randn(T, H, dtype=torch.bfloat16), is_first_microbatch=False)
+
+
+E4 = g8.DelayedScaling(amax_history_len=4, fp8_format=g8.Format.E4M3)
+
+
+def test_fp8_state_of_another_format_is_refused_not_moved():
+    """Issue 39: a HYBRID checkpoint loaded into a module running E4M3 (same history length) was
+    taken, and the first backward ran on E5M2's gradient scales, saturating E4M3 gradients. Now
+    the load refuses, changing nothing; a module that adopted the checkpoint's state (it had
+    none) refuses the E4M3 forward before it runs; fresh state and the same format still move."""
+    hybrid = _ran(H4, 1).state_dict()
+    m = _ran(E4, 2)
+    before = _everything(m)
+    with pytest.raises(ValueError, match=r"holds fp8_format=HYBRID scales, and E4M3 would run"):
+        m.load_state_dict(hybrid)
+    _assert_unchanged(m, before, "a refused load")
+    fresh = build("Linear")
+    fresh.load_state_dict(hybrid)
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"use the recipe of that state, or start from fresh"):
+        with g8.fp8_autocast(recipe=E4):
+            fresh(x, is_first_microbatch=True)
+    assert fresh.fp8_meta.recipe == H4
+    with g8.fp8_autocast(recipe=E4):
+        build("Linear")(x, is_first_microbatch=True)
+    with g8.fp8_autocast(recipe=H4):
+        fresh(x, is_first_microbatch=True)
+
+
+def _mixed_checkpoint(model_fn):
+    """A trained model's state dict whose last FP8 layer holds another history length's state;
+    returns (the model to load into, that state dict)."""
+    src, other = model_fn(H4), model_fn(H16)
+    state = src.state_dict()
+    last = [k for k in state if k.endswith("_extra_state")][-1]
+    state[last] = other.state_dict()[last]
+    return model_fn(H4, seed=5), state
+
+
+def _seq(recipe, seed: int = 3):
+    torch.manual_seed(seed)
+    model = g8.convert(torch.nn.Sequential(*(torch.nn.Linear(H, H) for _ in range(3))))
+    x = torch.randn(T, H, requires_grad=True)
+    with g8.fp8_autocast(recipe=recipe):
+        model(x).square().sum().backward()
+    return model
+
+
+def _lm(recipe, seed: int = 0):
+    from tests.hf.common import batch, hf_model
+
+    lm = g8.from_hf(hf_model(seed=seed).train(), recipe=recipe)
+    x = batch(0, 0)
+    lm(x, labels=x).loss.backward()
+    return lm
+
+
+@pytest.mark.parametrize("model_fn", [_seq, _lm], ids=["convert", "from_hf"])
+def test_a_model_loads_all_or_nothing(model_fn):
+    """Issue 39: a checkpoint whose last layer's FP8 state is refused raised after the layers
+    before it were loaded (weights and FP8 state): a model loaded half. Now the model's pre-hook
+    checks every layer's entry first."""
+    model, state = _mixed_checkpoint(model_fn)
+    before = _everything(model)
+    with pytest.raises(ValueError, match=r"amax_history_len=16"):
+        model.load_state_dict(state)
+    _assert_unchanged(model, before, "a refused model load")

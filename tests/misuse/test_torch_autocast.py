@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import graphfp8 as g8
+import graphfp8.te
 from graphfp8.testing import assert_bitwise_equal
 from tests.helpers import CUDA_PARAM
 from tests.modules.common import build, input_shape
@@ -82,6 +83,25 @@ def test_models_under_autocast_return_its_dtype(device, kind):
     m = build(kind, dtype=torch.float32, device=device)
     got, dx = _step(m, torch.randn(input_shape(m), device=device), True, device)
     assert got.dtype == torch.bfloat16 and dx.dtype == torch.float32
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
+
+
+@pytest.mark.parametrize("kind", MODELS + ["te.TransformerLayer"])
+def test_outside_fp8_models_return_the_autocast_dtype_too(device, kind):
+    """Issue 39: without fp8_autocast a TransformerLayer's residual adds ran in its parameters'
+    dtype and returned float32 under torch.autocast(bfloat16), where TransformerEngine's returns
+    bfloat16 (and the FP8 forward does)."""
+    if kind == "te.TransformerLayer":
+        m = g8.te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                   device=device)  # fmt: skip
+        x = torch.randn(32, 2, 64, device=device)
+    else:
+        m = build(kind, dtype=torch.float32, device=device)
+        x = torch.randn(input_shape(m), device=device)
+    with _autocast(device):
+        y = m(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
 
 

@@ -262,3 +262,50 @@ def test_te_only_arguments(where):
 def test_unsupported_calls_raise(call, match):
     with pytest.raises((NotImplementedError, ValueError), match=match):
         call()
+
+
+def test_format_e5m2_is_named_not_a_bare_attribute_error():
+    """Issue 39: `Format.E5M2` raised a bare AttributeError: E5M2. Now TE's member exists, and a
+    recipe made with it says what graphfp8 runs instead; TE's other members give graphfp8's."""
+    with pytest.raises(NotImplementedError, match=r"Format.E5M2 .* use Format.HYBRID"):
+        DelayedScaling(fp8_format=Format.E5M2)
+    with pytest.raises(NotImplementedError, match=r"Format.E5M2"):
+        Float8CurrentScaling(fp8_format=Format.E5M2)
+    assert Float8CurrentScaling(fp8_format=Format.E4M3).fp8_format is g8.Format.E4M3
+    assert DelayedScaling(fp8_format=g8.Format.E4M3).fp8_format is g8.Format.E4M3
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_linear_takes_a_bf16_input_on_float32_weights(fp8):
+    """Issue 39: te.Linear refused a bf16 input on float32 weights, where TE casts the weights
+    (its activation dtype is the input's). Now it computes as under torch.autocast(bf16): the
+    same FP8 GEMMs as a float32 input of the same values, the output in bf16, float32 grads."""
+    torch.manual_seed(0)
+    layer = te.Linear(H, H, device="cpu")
+    twin = copy.deepcopy(layer)
+    x = torch.randn(S * B, H).to(BF16)
+    with te.fp8_autocast(enabled=fp8, fp8_recipe=RECIPE):
+        y = layer(x, is_first_microbatch=True)
+        want = twin(x.float(), is_first_microbatch=True) if fp8 else None
+    assert y.dtype == BF16
+    if fp8:
+        assert_bitwise_equal(y, want.to(BF16))
+    else:
+        assert_bitwise_equal(y, torch.nn.functional.linear(x, layer.weight.to(BF16),
+                                                           layer.bias.to(BF16)))  # fmt: skip
+    y.float().sum().backward()
+    assert layer.weight.grad.dtype == torch.float32
+
+
+def test_linear_reset_parameters():
+    """Issue 39: te.Linear had no reset_parameters (TE's modules do): the weight from
+    init_method again, the bias 0."""
+    torch.manual_seed(3)
+    want = te.Linear(H, H, device="cpu")
+    layer = te.Linear(H, H, device="cpu")
+    with torch.no_grad():
+        layer.bias.fill_(1.0)
+    torch.manual_seed(3)
+    layer.reset_parameters()
+    assert_bitwise_equal(layer.weight, want.weight)
+    assert_bitwise_equal(layer.bias, torch.zeros_like(layer.bias))

@@ -147,6 +147,7 @@ def test_resume_refuses_what_is_not_a_checkpoint(checkpoint, tmp_path, kind, cap
         (["--precision", "bf16"], "precision: checkpoint 'fp8', this run 'bf16'"),
         (["--steps", "4"], "--steps: checkpoint 2, this run 4 (the LR schedule spans --steps"),
         (["--val-fraction", "0.02"], "data val_fraction: checkpoint 0.01, this run 0.02"),
+        (["--compile"], "compile: checkpoint False, this run True"),  # issue 39: accepted
         ([], "the checkpoint is at step 2: --steps 2 (stop at 2) leaves nothing to train"),
     ],
 )
