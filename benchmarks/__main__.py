@@ -1,5 +1,5 @@
 """`python -m benchmarks {kernels,variants,opcount,census,eager,block,attention,step,host,
-memory,memory-plan,recompute,stack,glu,hf,hf-users,carried-casts} [--device D]
+memory,memory-plan,recompute,stack,glu,hf,hf-users,speed,carried-casts} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ SUITES = {
     "glu": "benchmarks.glu",
     "hf": "benchmarks.hf",
     "hf-users": "benchmarks.hf_users",
+    "speed": "benchmarks.speed",
     "carried-casts": "benchmarks.carried_casts",
 }
 

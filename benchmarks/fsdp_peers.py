@@ -1,11 +1,11 @@
 """The sharded peers of graphfp8's `--ddp --shard` (issue 34): graphfp8-train's GPT shapes
-(torch_gpt.py) under torch FSDP2 as torchtitan sets it up - fully_shard per block and at the
-root, MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) over fp32 parameters, each
-block torch.compile'd before it is sharded - in bf16, and with torchao's float8 training
-(convert_to_float8_training, Float8LinearConfig(enable_fsdp_float8_all_gather=True), the head
-left in bf16, precompute_float8_dynamic_scale_for_fsdp after each optimizer step). The same data
-as graphfp8-train (each rank its rows of every global batch), the same microbatches, fused AdamW,
-clipping to 1.0; tokens/s and peak memory per GPU.
+(graphfp8/training/torch_model.py) under torch FSDP2 as torchtitan sets it up - fully_shard per
+block and at the root, MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) over fp32
+parameters, each block torch.compile'd before it is sharded - in bf16, and with torchao's float8
+training (convert_to_float8_training, Float8LinearConfig(enable_fsdp_float8_all_gather=True), the
+head left in bf16, precompute_float8_dynamic_scale_for_fsdp after each optimizer step). The same
+data as graphfp8-train (each rank its rows of every global batch), the same microbatches, fused
+AdamW, clipping to 1.0; tokens/s and peak memory per GPU.
 
     torchrun --nproc_per_node N -m benchmarks.fsdp_peers --presets 100m --json peers.json
 
@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import gpu_busy, sync
-from benchmarks.torch_gpt import TorchGPT
 from graphfp8.distributed import gather_objects
 from graphfp8.training.data import Dataset, split_windows
 from graphfp8.training.model import PRESETS, ModelConfig
 from graphfp8.training.sources import open_stream
+from graphfp8.training.torch_model import TorchGPT
 
 __all__ = ["PEERS", "measure_peer", "torchao_skip_reason", "main"]
 

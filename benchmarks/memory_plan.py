@@ -22,7 +22,7 @@ from graphfp8.training.data import Dataset
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS, ModelConfig
 from graphfp8.training.run import RunSpec
-from graphfp8.training.sources import open_stream
+from graphfp8.training.sources import open_stream, token_dtype
 
 # (FP8 weights, recompute, graphs)
 SETTINGS = [
@@ -43,11 +43,11 @@ def _config(quick: bool) -> ModelConfig:
 
 
 def _tokens(tmp: Path, vocab: int, count: int) -> Dataset:
-    """A .bin file of random token ids below min(vocab, 2**16) (nanoGPT's uint16 layout)."""
+    """A .bin file of random token ids below vocab, in the element type open_stream reads for it
+    (uint16 up to 65536 tokens, uint32 for Llama 3's 128256: docs/training.md)."""
     path = tmp / "tokens.bin"
-    high = min(vocab, 1 << 16)
-    ids = torch.randint(0, high, (count,), generator=torch.Generator().manual_seed(0))
-    ids.to(torch.int32).to(torch.uint16).numpy().tofile(path)
+    ids = torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(0))
+    ids.to(token_dtype(vocab)).numpy().tofile(path)
     return Dataset(open_stream(str(path), vocab_size=vocab), val_fraction=0.05)
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.torch_gpt import TorchGPT
 from graphfp8.training.model import PRESETS, ModelConfig
+from graphfp8.training.torch_model import TorchGPT
 
 __all__ = ["FIT_SHAPES", "parameters", "predict", "search"]
 

@@ -55,6 +55,12 @@
 #   step carried-casts (issue 39): what the carried recipe's weight casts on every
 #               microbatch cost against casting on each step's first of 4 (100m preset, Llama 1B
 #               and 8B blocks; eager and graphed; ms per microbatch and the ratio)
+#   step speed41 (issue 41): python -m benchmarks speed - llama-100m, llama-1b (4 layers,
+#               B2 x S4096), llama-8b (2 layers, B1 x S8192), whole training steps: bf16
+#               torch.compile (the baseline) vs graphfp8 bf16 vs FP8 layer graphs (and FP8 with
+#               --stage-batches at llama-100m), 3 repeats each, ratios with their spread, model
+#               TFLOP/s, the floor fraction (ceilings calibrated first), GPU busy, kernel table;
+#               ~3-4 min on one H200 (limit SPEED_TIMEOUT_S, 360 s)
 #   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
 #   step recompute (issue 40): bench recompute (Llama-3-8B block shapes: activation memory and
@@ -266,6 +272,11 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         echo "-- 100m fp8:graphs $v" | tee -a "$RES/summary.md"
         grep -A2 "^ *run " "$RES/rows_$name.log" | tee -a "$RES/summary.md"
       done ;;
+    speed41)  # issue 41: compiles ~1.5-2 min (3 torch.compile'd models), captures ~1 min,
+      # timing + profiles ~20 s, calibration ~10 s: ~3-4 min in all (timeout 6 min)
+      timeout "${SPEED_TIMEOUT_S:-360}" $PY -m benchmarks speed --json "$RES/bench_speed41.json" \
+        > "$RES/speed41.log" 2>&1 || { status=1; tail -30 "$RES/speed41.log"; }
+      grep "^|\|^###" "$RES/speed41.log" | tee -a "$RES/summary.md" ;;
     train-e4m3)  # the train step's FP8 run with E4M3 gradients too (against HYBRID's E5M2)
       $PY -m graphfp8.training --compare fp8:graphs --fp8-format E4M3 --preset ${TRAIN_PRESET:-100m} \
         --data ${TRAIN_DATA:-stdlib} --steps ${TRAIN_STEPS:-300} --out "$RES/train_e4m3" \
@@ -299,6 +310,10 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         tests/ops/test_blockwise.py tests/graphs/test_blockwise_graphs.py \
         > "$RES/tests_blockwise.log" 2>&1 || status=1
       echo "-- blockwise CUDA tests: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"
+      # The operand layouts of the three GEMMs against this torch's own (meta) scaled_mm checks.
+      $PY -m pytest -q -p no:cacheprovider tests/modules/test_blockwise_layouts.py \
+        >> "$RES/tests_blockwise.log" 2>&1 || status=1
+      echo "-- blockwise layouts: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"
       GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/bench_blockwise.py \
         --json "$RES/bench_blockwise.json" > "$RES/bench_blockwise.log" 2>&1 || status=1
       tee -a "$RES/summary.md" < "$RES/bench_blockwise.log"

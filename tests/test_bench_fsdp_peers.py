@@ -1,5 +1,5 @@
 """benchmarks/fsdp_peers.py's harness on 2 gloo ranks with the tiny preset (not speed: that it
-builds, shards, trains on graphfp8-train's data and reports); benchmarks/torch_gpt.py has
+builds, shards, trains on graphfp8-train's data and reports); graphfp8/training/torch_model.py has
 graphfp8-train's GPT's parameter count; the torchao peer skips on the CPU with its reason."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from benchmarks import fsdp_peers
-from benchmarks.torch_gpt import TorchGPT
 from graphfp8.training.data import Dataset
 from graphfp8.training.model import GPT, PRESETS, count_parameters
 from graphfp8.training.sources import open_stream
+from graphfp8.training.torch_model import TorchGPT
 from tests.rank_pool import run_on_ranks
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from benchmarks.__main__ import main
+from benchmarks.memory_plan import _tokens
 
 
 def test_recompute_quick(tmp_path, capsys):
@@ -27,3 +28,11 @@ def test_memory_plan_quick(tmp_path):
         ("none", "layers"), ("full", "layers"), ("selective", "step"), ("full", "none"),
     ]  # fmt: skip
     assert all(r["plan"]["peak"] > 0 and r["measured_peak"] is None for r in results)
+
+
+def test_memory_plan_token_file_holds_llama_vocabularies(tmp_path):
+    """The full run's synthetic token file for Llama 3's 128256 tokens opens and holds ids above
+    65535 (failed before: "uint16 token files hold tokens below 65536")."""
+    data = _tokens(tmp_path, 128256, 4096)
+    tokens = data.stream.read(0, 4096)
+    assert data.vocab_size == 128256 and 65535 < int(tokens.max()) < 128256

@@ -281,9 +281,9 @@ def _mismatched_fp8_state_raises(rank, device, case):
         # Eagerly the first forward update sees only the first layer's 3 slots on both ranks;
         # the backward update, at the end of the backward pass, sees all of them.
         "eager_slots": "rank 1 has 4 backward FP8 slots, rank 0 has 1",
-        "recipe": "rank 1 has margin=1 in its forward arena, rank 0 has margin=0",
-        "reduce_amax": "rank 1 has reduce_amax=False in its forward arena, rank 0 has "
-        "reduce_amax=True",
+        # Eagerly fp8_autocast compares the recipes first (fp8/arena_check.check_recipe_agrees).
+        "recipe": "rank 1 has margin=1 in its recipe, rank 0 has margin=0",
+        "reduce_amax": "rank 1 has reduce_amax=False in its recipe, rank 0 has reduce_amax=True",
     }[case]
     with pytest.raises(RuntimeError, match=expected):
         if case == "slots":  # graphed: found before warmup

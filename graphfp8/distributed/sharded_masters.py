@@ -49,11 +49,21 @@ from graphfp8.distributed.data_parallel import (
 )
 from graphfp8.distributed.group_quantize import GroupQuantizer
 from graphfp8.distributed.shard_layout import ShardLayout
+from graphfp8.distributed.sharded_guard import (
+    GradWatch,
+    ModelWatch,
+    check_groups_reach,
+    check_model,
+    check_optimizer_kind,
+    check_shard_group,
+)
 from graphfp8.distributed.sharded_masters_state import check_loadable, full_state, shard_state
+from graphfp8.distributed.sharded_pieces import Piece, ShardGrad
 from graphfp8.fp8.master import (
     TENSOR_GRAD,
     ClaimAnchor,
     MasterWeights,
+    capturing,
     check_fp8_weights_kept,
     claim,
     clear_grads,
@@ -61,51 +71,6 @@ from graphfp8.fp8.master import (
 from graphfp8.fp8.tensor import Float8Tensor
 
 __all__ = ["ShardedMasterWeights"]
-
-_NORMS = (torch._foreach_norm, torch.linalg.vector_norm, torch.linalg.norm, torch.norm,
-          torch.Tensor.norm)  # fmt: skip
-
-
-class _ShardGrad(torch.Tensor):
-    """A piece's gradient: a plain view of the fp32 gradient slice that refuses to be a norm's
-    input, so that torch.nn.utils.clip_grad_norm_(masters.parameters()) raises instead of
-    clipping by this rank's norm."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _NORMS:
-            raise RuntimeError(
-                "the masters are sharded (MasterWeights(shard_group=...)): a norm of their "
-                "gradients here is this rank's slice only; clip with masters.clip_grad_norm_("
-                "max_norm), which returns the global norm"
-            )
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
-
-class _Piece(torch.Tensor):
-    """One parameter's part of this rank's fp32 master slice (a view), what the optimizer
-    steps. Its `.grad` is always its view of the reduced gradient slice, rewritten by every
-    reduction (a norm of it raises: _ShardGrad); setting it to None (zero_grad) changes
-    nothing."""
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @property
-    def grad(self):
-        return TENSOR_GRAD.__get__(self)
-
-    @grad.setter
-    def grad(self, value) -> None:
-        if value is not None:
-            raise RuntimeError(
-                "the gradient of a sharded master is its slice of the reduced gradients, "
-                "written by masters.step / clip_grad_norm_; it cannot be replaced"
-            )
-
-    @grad.deleter
-    def grad(self) -> None:
-        pass
 
 
 class ShardedMasterWeights(MasterWeights):
@@ -120,16 +85,21 @@ class ShardedMasterWeights(MasterWeights):
         check_every_step: check on every reduction that the ranks hold the same gradients (one
             all_gather of 3 integers, a host sync with NCCL); False checks each gradient set
             once (see graphfp8.allreduce_gradients). A graph capture never checks.
+        independent_groups: allow a shard_group smaller than the world, each group training
+            a replica of its own (nothing reduces across groups); False refuses such a group.
     """
 
     def __init__(self, model: nn.Module, shard_group, bucket_mb: float = 25.0,
-                 check_every_step: bool = True) -> None:  # fmt: skip
+                 check_every_step: bool = True,
+                 independent_groups: bool = False) -> None:  # fmt: skip
         if not dist.is_initialized():
             raise RuntimeError("MasterWeights(shard_group=...): torch.distributed is not "
                                "initialised (graphfp8.init_distributed)")  # fmt: skip
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        _check_model(named)
+        check_model(named)
         check_fp8_weights_kept(model, "MasterWeights(shard_group=...)")
+        if not independent_groups:
+            check_shard_group(shard_group)
         self.group, self.check_every_step = shard_group, check_every_step
         self.world, self.rank = dist.get_world_size(shard_group), dist.get_rank(shard_group)
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -138,6 +108,8 @@ class ShardedMasterWeights(MasterWeights):
         check_same_settings({k: v for k, v in described.items() if k != "rank"}, shard_group)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.frozen_fp8 = [(n, p) for n, p in model.named_parameters()
+                           if not p.requires_grad and isinstance(p, Float8Tensor)]  # fmt: skip
         self.fp8_params = [p for p in self.params if isinstance(p, Float8Tensor)]
         self.others = []  # every trainable parameter has a master here
         self._anchor = ClaimAnchor()
@@ -147,7 +119,10 @@ class ShardedMasterWeights(MasterWeights):
         self._build_buffers()
         self._build_pieces()
         mark_sharded([*self.params, *self.masters], "MasterWeights(shard_group=...)")
+        self.model_watch = None
         self.write_back_()
+        self.model_watch = ModelWatch(self)  # sharded_guard.py
+        self.grad_watch = GradWatch(self.names, self.params)
 
     # Construction ------------------------------------------------------------------------------
 
@@ -197,15 +172,23 @@ class ShardedMasterWeights(MasterWeights):
 
     def _build_pieces(self) -> None:
         """masters: one leaf fp32 tensor per piece (a view of the master slice), what the
-        optimizer steps; its .grad a _ShardGrad view of the gradient slice."""
+        optimizer steps; its .grad a ShardGrad view of the gradient slice."""
         self.masters, self.piece_names = [], []
+        # What clearing a piece's gradient clears (opt.zero_grad()): its parameter's gradient;
+        # the first piece's also those of parameters with no piece on this rank.
+        index = {n: i for i, n in enumerate(self.names)}
+        mine = {p.entry.name for p in self.layout.pieces}
+        elsewhere = [i for i, n in enumerate(self.names) if n not in mine]
         for piece in self.layout.pieces:
             lo = self.rank * self.layout.buckets[piece.bucket].shard
             span = slice(piece.start - lo, piece.stop - lo)
-            master = torch.Tensor._make_subclass(_Piece, self.master_shards[piece.bucket][span],
+            master = torch.Tensor._make_subclass(Piece, self.master_shards[piece.bucket][span],
                                                  True)  # fmt: skip
-            grad = self.grad_shards[piece.bucket][span]
-            TENSOR_GRAD.__set__(master, torch.Tensor._make_subclass(_ShardGrad, grad))
+            grad = torch.Tensor._make_subclass(ShardGrad, self.grad_shards[piece.bucket][span])
+            master._graphfp8_owner = grad._graphfp8_owner = weakref.ref(self)
+            clears = [index[piece.entry.name], *(elsewhere if not self.masters else ())]
+            master._graphfp8_clears = grad._graphfp8_clears = clears
+            TENSOR_GRAD.__set__(master, grad)
             self.masters.append(master)
             self.piece_names.append(piece.entry.name)
 
@@ -214,6 +197,22 @@ class ShardedMasterWeights(MasterWeights):
     def parameters(self) -> list[torch.Tensor]:
         """What the optimizer updates: this rank's pieces of the fp32 masters."""
         return list(self.masters)
+
+    def param_groups(self, groups: list[dict]) -> list[dict]:
+        """Optimizer param groups of the model's parameters (nanoGPT's `p.dim() >= 2` decay
+        split, built on the model as under DDP) as groups of this rank's pieces, options kept."""
+        of = {}
+        for name, piece in zip(self.piece_names, self.masters, strict=True):
+            of.setdefault(name, []).append(piece)
+        by_id = {id(p): n for n, p in zip(self.names, self.params, strict=True)}
+        out = []
+        for g in groups:
+            names = [by_id.get(id(p)) for p in g["params"]]
+            if None in names:
+                raise ValueError("masters.param_groups: a group holds a tensor that is not one "
+                                 "of the model's trainable parameters")  # fmt: skip
+            out.append({**g, "params": [m for n in names for m in of.get(n, [])]})
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor that step() changes besides the model's and the optimizer's (a graph
@@ -244,6 +243,8 @@ class ShardedMasterWeights(MasterWeights):
         needs a gradient (the ranks agree first; then all raise if one has none)."""
         if self._reduced:
             return
+        self.grad_watch.check_unchanged(self.params)
+        self.model_watch.adopt_changes()
         layout = [(i, tuple(p.shape), p.dtype) for i, p in enumerate(self.params)
                   if p.grad is not None]  # fmt: skip
         check_gradient_layout(layout, ("shard", self.bucket_bytes), self.group,
@@ -268,7 +269,7 @@ class ShardedMasterWeights(MasterWeights):
             reduce_scatter_(out, torch.cat(parts), self.group)
             out.div_(self.world)
             self.grad_shards[b].copy_(out)
-        self._reduced = True
+        self._reduced = self.grad_watch.reduced = True
 
     def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(n, dtype=dtype, device=self.amax.device)
@@ -293,15 +294,19 @@ class ShardedMasterWeights(MasterWeights):
         self._check_optimizer(optimizer)
         try:
             self.reduce_grads_()
+            self.grad_watch.check_no_late_backward()
             optimizer.step()
             self.write_back_()
         finally:
             self._reduced = False  # the next step reduces its own gradients
+            self.grad_watch.reset()
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Once per optimizer: it must hold every piece (or those slices would never train)."""
         if self._checked_optimizer is not None and self._checked_optimizer() is optimizer:
             return
+        check_optimizer_kind(optimizer)
+        check_groups_reach(optimizer, self.group)
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         missing = sorted({n for n, m in zip(self.piece_names, self.masters, strict=True)
                           if id(m) not in held})  # fmt: skip
@@ -332,11 +337,20 @@ class ShardedMasterWeights(MasterWeights):
             all_gather_(self.flats[b], mine, self.group)
         for p in self.fp8_params:
             p.mark_data_changed(transpose_written=False)
+        if self.model_watch is not None and not capturing():
+            self.model_watch.remember()
+
+    def clear_for_piece(self, indices: list[int], set_to_none: bool) -> None:
+        """opt.zero_grad() clearing a piece's gradient: the model's gradients it stands for."""
+        clear_grads([self.params[i] for i in indices], set_to_none)
+        self._reduced = False
+        self.grad_watch.reset()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the model's gradients (the pieces' are rewritten by the next reduction)."""
         clear_grads(self.params, set_to_none)
         self._reduced = False
+        self.grad_watch.reset()
 
     # Checkpoints (sharded_masters_state.py) ----------------------------------------------------
 
@@ -359,28 +373,15 @@ class ShardedMasterWeights(MasterWeights):
     def full_state_dict(self) -> dict | None:
         """The consolidated fp32 masters, on group rank 0 (None on the others; a collective):
         {"masters": {FP8 weight name: fp32}, "hp_masters": {other name: fp32}} - an unsharded
-        MasterWeights loads it (its "masters")."""
-        return full_state(self.layout, self.master_shards, self.group)
+        MasterWeights loads it (its "masters"; a frozen FP8 weight's master is its dequantized
+        value, as an unsharded MasterWeights seeds it)."""
+        full = full_state(self.layout, self.master_shards, self.group)
+        if full is not None:
+            for name, p in self.frozen_fp8:
+                full["masters"][name] = p.dequantize(torch.float32)
+        return full
 
     def check_loadable(self, state) -> None:
         """Raises on every rank unless every rank's `state` loads (a collective, before anything
         is copied: sharded_masters_state.check_loadable)."""
         check_loadable(self.layout, self.master_shards, self.scale, self.group, state)
-
-
-def _check_model(named: list[tuple[str, torch.Tensor]]) -> None:
-    if not named:
-        raise ValueError("MasterWeights(shard_group=...): the model has no trainable parameter")
-    for name, p in named:
-        if hasattr(p, "_local_tensor"):  # a DTensor
-            raise TypeError(
-                f"MasterWeights(shard_group=...): {name} is a DTensor (a model under "
-                "fully_shard / FSDP2, which shards it already); shard a replicated model with "
-                "MasterWeights(shard_group=...), or train the FSDP2 model with an unsharded "
-                "MasterWeights (docs/sharding.md)"
-            )
-    devices = {p.device for _, p in named}
-    if len(devices) != 1:
-        where = sorted(map(str, devices))
-        raise ValueError(f"MasterWeights(shard_group=...): parameters on {where}; sharding needs "
-                         "one device per rank")  # fmt: skip

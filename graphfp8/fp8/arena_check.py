@@ -9,12 +9,17 @@ warmup, never inside a capture.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from graphfp8.fp8.recipe import Format
 
-__all__ = ["check_arena_consistency", "check_arenas", "needs_reduction"]
+__all__ = ["check_arena_consistency", "check_arenas", "check_recipe_agrees", "needs_reduction"]
+
+# {group: repr of the recipe its ranks last agreed on}: fp8_autocast checks a new one once.
+AGREED_RECIPES: dict = {}
 
 # What ranks must agree on before they all-reduce an arena, in the exchanged order.
 _FIELDS = ("direction", "slots", "history_len", "margin", "format", "amax_compute_algo",
@@ -109,3 +114,37 @@ def check_arenas(arenas, group) -> None:
     """check_arena_consistency for each arena, in order (the same order on every rank)."""
     for arena in arenas:
         check_arena_consistency(arena, group)
+
+
+def check_recipe_agrees(recipe, group) -> None:
+    """Checks that every rank of `group` entered fp8_autocast with the same recipe, once per
+    (group, recipe): ranks of other recipes would run other collectives (a delayed arena's amax
+    all-reduce against none), which aborts gloo and hangs NCCL. A collective (all_gather_object)
+    when the recipe is new to the group.
+
+    Raises:
+        RuntimeError: on every rank, naming each difference ("rank 1 has margin=1 in its
+            recipe, rank 0 has margin=0").
+    """
+    if not needs_reduction(group):
+        return
+    mine = (type(recipe).__name__, {f.name: repr(getattr(recipe, f.name))
+                                    for f in dataclasses.fields(recipe)})  # fmt: skip
+    if AGREED_RECIPES.get(group) == mine:
+        return
+    rows: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(rows, mine, group=group)
+    lines = []
+    for rank, (kind, fields) in enumerate(rows[1:], start=1):
+        if kind != rows[0][0]:
+            lines.append(f"rank {rank} has a {kind}, rank 0 a {rows[0][0]}")
+            continue
+        lines += [f"rank {rank} has {k}={v} in its recipe, rank 0 has {k}={rows[0][1][k]}"
+                  for k, v in fields.items() if v != rows[0][1][k]]  # fmt: skip
+    if lines:
+        raise RuntimeError(
+            "graphfp8: the ranks of fp8_group entered fp8_autocast with different recipes, so "
+            "their amax reductions would not match (every rank must run the same FP8 recipe): "
+            + "; ".join(lines)
+        )
+    AGREED_RECIPES[group] = mine

@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 
 from graphfp8 import global_state
-from graphfp8.fp8 import context, observe, scaling
+from graphfp8.fp8 import arena_check, context, observe, scaling
 from graphfp8.fp8.recipe import DelayedScaling, Recipe, check_recipe, is_blockwise
 
 __all__ = ["autocast", "fp8_autocast", "reset_state"]
@@ -26,6 +26,9 @@ _REGIONS = itertools.count(1)
 # is, so that observe.py stays free of the registry.
 global_state.register("numerics observer (fp8/observe.py)", lambda: observe.install(None),
                       lambda: observe.observer() is None, layer=global_state.FP8)  # fmt: skip
+global_state.register("recipes agreed per fp8_group (fp8/arena_check.py AGREED_RECIPES)",
+                      arena_check.AGREED_RECIPES.clear, lambda: not arena_check.AGREED_RECIPES,
+                      layer=global_state.FP8)  # fmt: skip
 global_state.register_kept(
     "fp8_autocast region counter (fp8/autocast.py _REGIONS)",
     "arenas remember the region that last updated them: a reused number would skip an update",
@@ -80,6 +83,7 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, fp8_group=N
         )
     region, init_group = outer.region, outer.init_group
     if enabled and not outer.enabled and not outer.capturing:
+        arena_check.check_recipe_agrees(recipe, fp8_group)  # before any FP8 collective
         region, init_group = next(_REGIONS), scaling.InitGroup()
     ctx = dataclasses.replace(outer, enabled=bool(enabled), recipe=recipe, group=fp8_group,
                               region=region, init_group=init_group)  # fmt: skip

@@ -2,7 +2,8 @@
 table, and any graphfp8-train preset (graphfp8/training/model.py) seen as a shape (shape_from).
 
 The Llama table is the one place their shapes are written: the training app's presets of those
-names are meant to take their widths from it (docs/sharding.md, "Memory planner")."""
+names take their widths from it (graphfp8/training/presets.py; docs/sharding.md, "Memory
+planner")."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def shape_from(cfg, vocab: int | None = None) -> ModelShape:
     attribute: reports sit below the training app), `vocab` replacing its vocabulary."""
     return ModelShape(hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads or cfg.heads,
                       ffn=cfg.ffn, layers=cfg.layers, vocab=vocab or cfg.vocab,
-                      activation=cfg.activation, norm=cfg.norm, bias=cfg.bias)  # fmt: skip
+                      activation=cfg.activation, norm=cfg.norm, bias=cfg.bias,
+                      tied=getattr(cfg, "tie_embeddings", False))  # fmt: skip
 
 
 def shape_of(name: str) -> ModelShape:

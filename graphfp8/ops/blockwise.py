@@ -32,6 +32,7 @@ __all__ = [
     "dequantize_tiles",
     "quantize_blocks",
     "quantize_tiles",
+    "scaled_mm_operands",
     "scales_from_amax",
 ]
 
@@ -71,10 +72,11 @@ def _tiled(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _untiled(t: torch.Tensor, shape) -> torch.Tensor:
-    """The (R, C) elements of tiles t, contiguous."""
+    """The (R, C) elements of tiles t, row-major (elementwise ops keep their input's strides, so
+    tiles of a transposed view would come back column-major: cuBLASLt refuses such an A)."""
     r, c = shape
     full = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
-    return full if full.shape == (r, c) else full[:r, :c].contiguous()
+    return (full if full.shape == (r, c) else full[:r, :c]).contiguous()
 
 
 def _quantize(x, rows: int, fp8_dtype, power_2_scale: bool):
@@ -163,11 +165,16 @@ def blockwise_gemm(a_fp8, a_scale_inv, b_fp8, b_scale_inv, out_dtype: torch.dtyp
         return (a_hp @ b_hp.t()).to(out_dtype)
 
 
-def _scaled_mm(a_fp8, a_scale_inv, b_fp8, b_scale_inv, out_dtype):
-    """torch's cuBLAS blockwise GEMM (sm_90, CUDA >= 12.9; K a multiple of 128): 1x128 scales
-    outer-dim-major, 128x128 scales as torch's tests pass them (the layout
-    scripts/probe_blockwise_mm.py checks)."""
-    from torch.nn.functional import ScalingType, scaled_mm
+def scaled_mm_operands(a_fp8, a_scale_inv, b_fp8, b_scale_inv):
+    """The arguments torch.nn.functional.scaled_mm takes for out = a @ b.T, in the layouts
+    cuBLASLt and torch 2.11 accept (scripts/probe_blockwise_mm.py, docs/fp8.md):
+
+        mat_a    (M, K) row-major                  scale_a (M, K/128) outer-dim-major (M stride 1)
+        mat_b    (K, N) column-major (b.T)         1x128:   scale_b (N, K/128) outer-dim-major
+                                                   128x128: scale_b (K/128, N/128), stride (1, L4)
+    where L4 is K/128 rounded up to a multiple of 4. Returns (mat_a, mat_b, scale_a, recipe_a,
+    scale_b, recipe_b); copies only operands not already in their layout."""
+    from torch.nn.functional import ScalingType
 
     n = b_fp8.shape[0]
     scale_a = a_scale_inv.t().contiguous().t()
@@ -175,10 +182,18 @@ def _scaled_mm(a_fp8, a_scale_inv, b_fp8, b_scale_inv, out_dtype):
         scale_b, recipe_b = b_scale_inv.t().contiguous().t(), ScalingType.BlockWise1x128
     else:
         pad = -b_scale_inv.shape[1] % 4
-        scale_b = torch.nn.functional.pad(b_scale_inv, (0, pad)).t()
+        scale_b = torch.nn.functional.pad(b_scale_inv.contiguous(), (0, pad)).t()
         recipe_b = ScalingType.BlockWise128x128
-    return scaled_mm(a_fp8, b_fp8.t(), scale_a, ScalingType.BlockWise1x128, scale_b, recipe_b,
-                     output_dtype=out_dtype)  # fmt: skip
+    return (a_fp8.contiguous(), b_fp8.contiguous().t(), scale_a, ScalingType.BlockWise1x128,
+            scale_b, recipe_b)  # fmt: skip
+
+
+def _scaled_mm(a_fp8, a_scale_inv, b_fp8, b_scale_inv, out_dtype):
+    """torch's cuBLAS blockwise GEMM (sm_90, CUDA >= 12.9; K a multiple of 128)."""
+    from torch.nn.functional import scaled_mm
+
+    operands = scaled_mm_operands(a_fp8, a_scale_inv, b_fp8, b_scale_inv)
+    return scaled_mm(*operands, output_dtype=out_dtype)
 
 
 def _check(x: torch.Tensor, fp8_dtype) -> None:

@@ -7,6 +7,7 @@
     graphfp8-train --graphs step                  # the whole training step as one graph
     graphfp8-train --compare                      # bf16 and fp8 side by side, loss plot
     graphfp8-train --compare bf16:eager,bf16:graphs,fp8:graphs --preset 100m
+    graphfp8-train --compare bf16:compile,bf16:graphs,fp8:graphs --preset llama-8b --layers 2
     graphfp8-train --compare fp8:layers,fp8:step --preset small
     graphfp8-train --steps 300 --stop-at 100 --save ckpt.pt   # then: ... --resume ckpt.pt
     graphfp8-train --compile                      # torch.compile around the graphed blocks
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import platform
 import sys
 import zlib
 from datetime import datetime, timezone
@@ -38,37 +38,32 @@ import torch
 from graphfp8.distributed import SettingsMismatchError, check_same_settings
 from graphfp8.distributed.replica_check import ReplicaMismatchError
 from graphfp8.training.checkpoint import CheckpointError
-from graphfp8.training.cli_checks import check_device, check_fp8_options, check_model, model_config
+from graphfp8.training.cli_checks import (
+    check_compiled_runs,
+    check_device,
+    check_fp8_options,
+    check_model,
+    fraction,
+    model_config,
+    positive,
+)
 from graphfp8.training.data import Dataset
 from graphfp8.training.determinism import deterministic
 from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.outputs import OutputError, check_outputs, fresh_out
-from graphfp8.training.report import plot_losses, print_ranks, print_table, write_summary
+from graphfp8.training.report import (
+    environment,
+    plot_losses,
+    print_ranks,
+    print_table,
+    write_summary,
+)
 from graphfp8.training.run import GRAPH_MODES, PRECISIONS, RECOMPUTE_MODES, SCALINGS, RunSpec
 from graphfp8.training.sources import DataError, open_stream
+from graphfp8.training.speed import name_baseline
 
 __all__ = ["main", "parse_args", "build_parser"]
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
-    return value
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -83,13 +78,13 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 
 def _add_fp8_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--amax-history-len", type=_positive, default=16, help="FP8 delayed scaling")
+    p.add_argument("--amax-history-len", type=positive, default=16, help="FP8 delayed scaling")
     p.add_argument("--fp8-format", choices=("HYBRID", "E4M3"), default="HYBRID",
                    help="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = both")  # fmt: skip
     p.add_argument("--scaling", choices=SCALINGS, default="delayed",
                    help="FP8 recipe: DelayedScaling (amax history), Float8CurrentScaling "
                    "(tensor amax) or Float8BlockScaling (1x128 tiles, 128x128 blocks)")  # fmt: skip
-    p.add_argument("--fp8-stats", type=_positive, metavar="N",
+    p.add_argument("--fp8-stats", type=positive, metavar="N",
                    help="record every FP8 cast's statistics (amax, scale, saturation, underflow, "
                    "SQNR) every N steps, inside the graphs: <run>_fp8_stats.csv and .png "
                    "(graphfp8.numerics) (default: off)")  # fmt: skip
@@ -112,51 +107,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, default="fp8", help="training precision")
     p.add_argument("--graphs", nargs="?", const="layers", default="layers", choices=GRAPH_MODES,
                    help="CUDA graphs (the replay tape on CPU): layers = the transformer blocks, "
-                   "step = the whole training step, none = eager")  # fmt: skip
+                   "step = the whole training step, none = eager; compile = the fair bf16 "
+                   "baseline: the same model in plain torch modules under torch.compile, not "
+                   "graphed")  # fmt: skip
     p.add_argument("--no-graphs", dest="graphs", action="store_const", const="none",
                    help="= --graphs none (default: off)")  # fmt: skip
-    p.add_argument("--steps", type=_positive, help="optimizer steps; the LR schedule spans them "
+    p.add_argument("--steps", type=positive, help="optimizer steps; the LR schedule spans them "
                    "(default: 60 with --preset tiny, else 300)")  # fmt: skip
-    p.add_argument("--microbatches", type=_positive, default=4, help="per optimizer step")
-    p.add_argument("--batch", type=_positive, help="sequences per microbatch (default: the "
-                   "preset's)")  # fmt: skip
-    p.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: the "
-                   "preset's)")  # fmt: skip
-    p.add_argument("--heads", type=_positive, help="attention heads (head_dim = hidden / heads; "
-                   "the preset's key/value heads stay) (default: the preset's)")  # fmt: skip
+    p.add_argument("--microbatches", type=positive, default=4, help="per optimizer step")
+    _add_shape_options(p)
     _add_data_options(p)
     p.add_argument("--compare", nargs="?", const="bf16,fp8", metavar="RUNS",
                    help="train several runs side by side and plot their losses: comma-separated "
-                   "precision[:layers|:step|:none] (graphs = layers, eager = none), bf16,fp8 "
-                   "with --graphs' setting when RUNS is left out (default: one run, "
-                   "--precision)")  # fmt: skip
-    p.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu or cuda[:N] (default: cuda when torch sees a GPU, else cpu)",
-    )
+                   "precision[:layers|:step|:none|:compile] (graphs = layers, eager = none; "
+                   "bf16:compile is the fair baseline), bf16,fp8 with --graphs' setting when "
+                   "RUNS is left out (default: one run, --precision)")  # fmt: skip
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu "
+                   "or cuda[:N] (default: cuda when torch sees a GPU, else cpu)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="torch.compile what the graphs do "
                    "not hold: embedding, head, loss (and the blocks when not graphed)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
+    p.add_argument("--stage-batches", action="store_true", help="copy the next step's batches "
+                   "ahead, the same bits (training/staging.py) (default: off)")  # fmt: skip
     _add_fp8_arguments(p)
-    p.add_argument("--log-every", type=_positive, default=10, metavar="STEPS",
+    p.add_argument("--log-every", type=positive, default=10, metavar="STEPS",
                    help="progress line and CSV rows every STEPS steps")  # fmt: skip
     p.add_argument("--out", type=Path, help="log directory (default: runs/<time>)")
     p.add_argument("--save", type=Path, help="write a checkpoint at the end (default: none)")
     p.add_argument("--resume", type=Path, help="continue from a checkpoint of the same run "
                    "settings, --steps included (default: none)")  # fmt: skip
-    p.add_argument("--stop-at", type=_positive, metavar="STEP",
+    p.add_argument("--stop-at", type=positive, metavar="STEP",
                    help="end after this step; the LR schedule still spans --steps; with --save "
                         "to resume later (default: run all --steps)")  # fmt: skip
     p.add_argument("--ddp", action="store_true", help="data parallel over torchrun's processes")
+    p.add_argument("--collective-timeout-s", type=positive, default=600, metavar="S",
+                   help="with --ddp: a collective waiting longer (a hung rank) fails every rank "
+                   "instead of hanging (init_process_group's timeout) (default: 600)")  # fmt: skip
     p.add_argument("--shard", action="store_true", help="with --ddp: fp32 masters of every "
                    "parameter, gradients and optimizer state sharded over the ranks "
                    "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="per layer")
-    p.add_argument("--check-replicas", action="store_true",
-                   help="with --ddp: the ranks' weights compared (digests of their bits) after "
-                   "every step; a difference stops every rank with exit status 3 "
-                   "(distributed/replica_check.py) (default: off)")  # fmt: skip
+    p.add_argument("--check-replicas", action="store_true", help="with --ddp: the ranks' weights "
+                   "compared (digests of their bits) after every step; a difference stops every "
+                   "rank, exit status 3 (distributed/replica_check.py) (default: off)")  # fmt: skip
     p.add_argument("--deterministic", action="store_true",
                    help="the same bits run to run: torch.use_deterministic_algorithms(True), "
                    "cuBLAS's deterministic workspace, deterministic attention backward; bf16 "
@@ -165,23 +158,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_shape_options(p: argparse.ArgumentParser) -> None:
+    """--batch, --seq-len, --heads and --layers: the preset's shape overridden."""
+    p.add_argument("--batch", type=positive, help="sequences per microbatch (default: the "
+                   "preset's)")  # fmt: skip
+    p.add_argument("--seq-len", type=positive, help="tokens per sequence (default: the "
+                   "preset's)")  # fmt: skip
+    p.add_argument("--heads", type=positive, help="attention heads (head_dim = hidden / heads; "
+                   "the preset's key/value heads stay) (default: the preset's)")  # fmt: skip
+    p.add_argument("--layers", type=positive, help="transformer blocks (llama-8b's shapes on one "
+                   "GPU: --layers 2) (default: the preset's)")  # fmt: skip
+
+
 def _add_data_options(p: argparse.ArgumentParser) -> None:
     """--data, --vocab-size and the validation options."""
     p.add_argument("--data", default="stdlib", metavar="PATH|stdlib|synthetic",
                    help="training text: a UTF-8 text file or folder (read as bytes), a nanoGPT "
-                   ".bin file of uint16 tokens (with --vocab-size), the Python standard "
-                   "library's sources, or the generated language")  # fmt: skip
-    p.add_argument("--vocab-size", type=_positive, help="vocabulary of a .bin token file "
+                   ".bin file of uint16 tokens (uint32 above 65536; with --vocab-size), the "
+                   "Python standard library's sources, or the generated language")  # fmt: skip
+    p.add_argument("--vocab-size", type=positive, help="vocabulary of a .bin token file "
                    "(default: 256 bytes for text)")  # fmt: skip
-    p.add_argument(
-        "--val-fraction",
-        type=_fraction,
-        default=0.01,
-        help="share of the data, at its end, held out for validation (0: none)",
-    )
-    p.add_argument("--eval-every", type=_positive, metavar="STEPS", help="validation loss every "
+    p.add_argument("--val-fraction", type=fraction, default=0.01, help="share of the data, at "
+                   "its end, held out for validation (0: none)")  # fmt: skip
+    p.add_argument("--eval-every", type=positive, metavar="STEPS", help="validation loss every "
                    "STEPS steps and at the end (default: --steps / 10)")  # fmt: skip
-    p.add_argument("--val-batches", type=_positive, help="validation set size in microbatches "
+    p.add_argument("--val-batches", type=positive, help="validation set size in microbatches "
                    "of --batch sequences (default: 2 with --preset tiny, else 32)")  # fmt: skip
     p.add_argument("--pack", action="store_true", help="packed documents (the data's files): "
                    "attention and targets stay within each document (default: off)")  # fmt: skip
@@ -224,6 +225,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.resume is not None and not args.resume.is_file():
         p.error(f"--resume: no checkpoint at {args.resume}")
     args.runs = _parse_runs(p, args)
+    check_compiled_runs(p, args, args.runs)
 
 
 _MODE_ALIASES = {"graphs": "layers", "eager": "none"}
@@ -237,8 +239,8 @@ def _parse_runs(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tu
         precision, _, mode = item.strip().partition(":")
         mode = _MODE_ALIASES.get(mode, mode) or args.graphs
         if precision not in PRECISIONS or mode not in GRAPH_MODES:
-            p.error(f"--compare: bad run {item!r}; expected precision[:layers|:step|:none] "
-                    f"(or :graphs, :eager) with precision in {PRECISIONS}")  # fmt: skip
+            p.error(f"--compare: bad run {item!r}; expected precision[:layers|:step|:none|"
+                    f":compile] (or :graphs, :eager) with precision in {PRECISIONS}")  # fmt: skip
         runs.append((precision, mode))
     if len(set(runs)) != len(runs):
         p.error(f"--compare: a run is listed twice in {args.compare!r}")
@@ -249,20 +251,14 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
     model = model_config(args, vocab)
     return RunSpec(preset=args.preset, model=model, precision=precision, graphs=graphs,
                    microbatches=args.microbatches, device=args.device, seed=args.seed,
-                   amax_history_len=args.amax_history_len, compile=args.compile,
+                   amax_history_len=args.amax_history_len,
+                   compile=args.compile and graphs != "compile",
+                   stage_batches=args.stage_batches,
                    fp8_format=args.fp8_format, scaling=args.scaling,
                    fp8_weights=args.fp8_weights and precision == "fp8", pack=args.pack,
                    fp8_attention=args.fp8_attention and precision == "fp8",
                    shard=args.shard, recompute=args.recompute,
                    bf16_layers=args.bf16_layers if precision == "fp8" else ())  # fmt: skip
-
-
-def _environment(device: str) -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": device}
-    if device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
-        env["cuda"] = torch.version.cuda
-    return env
 
 
 def main(argv=None) -> int:
@@ -271,7 +267,8 @@ def main(argv=None) -> int:
     if args.ddp:
         from graphfp8 import distributed
 
-        info = distributed.init_distributed("cuda" if args.device.startswith("cuda") else "cpu")
+        kind = "cuda" if args.device.startswith("cuda") else "cpu"
+        info = distributed.init_distributed(kind, timeout_s=args.collective_timeout_s)
         rank, world, args.device = info.rank, info.world_size, str(info.device)
         group = torch.distributed.group.WORLD
     where = f" (rank {rank})" if world > 1 else ""
@@ -337,8 +334,7 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
         opts = RunOptions(steps=args.steps, out=out, data=data, log_every=args.log_every,
                           eval_every=args.eval_every, val_batches=args.val_batches,
                           save=args.save, resume=args.resume, group=group, world_size=world,
-                          is_main=is_main, stop_at=args.stop_at,
-                          fp8_stats=args.fp8_stats or 0,
+                          is_main=is_main, stop_at=args.stop_at, fp8_stats=args.fp8_stats or 0,
                           check_replicas=args.check_replicas)  # fmt: skip
         results.append(train_run(spec, opts))
         if args.device.startswith("cuda"):
@@ -356,9 +352,9 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
                "preset": args.preset, "model": specs[0].model.to_dict(),
                "microbatches": args.microbatches, "world_size": world, "data": data.describe(),
                "eval_every": opts.every, "val_batches": args.val_batches,
-               "environment": _environment(args.device), "runs": results,
-               "deterministic": args.deterministic,
-               "interrupted": interrupted}  # fmt: skip
+               "environment": environment(args.device), "runs": results,
+               "deterministic": args.deterministic, "interrupted": interrupted,
+               "baseline": name_baseline(results)}  # fmt: skip
     print(f"wrote {write_summary(out, summary)}")
     if interrupted:
         r = results[-1]
@@ -366,7 +362,7 @@ def _train_all(args, group, rank: int, world: int, argv) -> int:
               f"{'' if args.save is None else f'; resume with --resume {args.save}'}; "
               f"{len(results) - 1} of {len(specs)} runs had finished")  # fmt: skip
     if args.compare is not None:
-        device = _environment(args.device).get("gpu", "cpu")
+        device = environment(args.device).get("gpu", "cpu")
         title = f"{args.preset}, {args.steps} steps, --data {args.data}, {device}"
         print(f"wrote {plot_losses(results, out / 'loss.png', title)}")
     return 130 if interrupted else 0

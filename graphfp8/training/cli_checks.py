@@ -1,5 +1,6 @@
-"""graphfp8-train's checks across options, before anything runs: the device, the FP8 options, the
-model's shape (--heads) and whether FP8 attention runs at that shape on this device."""
+"""graphfp8-train's checks across options, before anything runs: the number types, the device, the
+FP8 options, the compiled baseline's runs, the model's shape (--heads) and whether FP8 attention
+runs at that shape on this device."""
 
 from __future__ import annotations
 
@@ -11,9 +12,18 @@ import torch
 
 from graphfp8.fp8.recipe import DelayedScaling, Format
 from graphfp8.modules._attention import prepare_attention
-from graphfp8.training.model import PRESETS, ModelConfig
+from graphfp8.training.presets import BYTE_VOCAB, PRESETS, ModelConfig
 
-__all__ = ["bf16_layer_indices", "check_device", "check_fp8_options", "check_model", "model_config"]
+__all__ = [
+    "bf16_layer_indices",
+    "check_compiled_runs",
+    "check_device",
+    "check_fp8_options",
+    "check_model",
+    "fraction",
+    "model_config",
+    "positive",
+]
 
 
 def check_fp8_options(p: argparse.ArgumentParser, args, argv: list[str]) -> None:
@@ -74,6 +84,39 @@ def _check_blockwise(p: argparse.ArgumentParser, args, given: list[str]) -> None
             p.error(f"{option} with --scaling blockwise is not supported yet: {why}")
 
 
+def positive(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+def check_compiled_runs(p: argparse.ArgumentParser, args, runs) -> None:
+    """The compiled plain-torch baseline trains bf16 whole rows, unsharded."""
+    if not any(mode == "compile" for _, mode in runs):
+        return
+    if any(precision != "bf16" for precision, mode in runs if mode == "compile"):
+        p.error("compile is the plain-torch bf16 baseline: bf16:compile (FP8 runs use graphfp8's "
+                "layers: fp8:graphs, fp8:step, fp8:eager)")  # fmt: skip
+    if args.pack or args.shard:
+        p.error("bf16:compile attends over whole rows, unsharded: leave out --pack and --shard")
+
+
 def check_device(p: argparse.ArgumentParser, device: str) -> None:
     try:
         kind = torch.device(device).type
@@ -87,10 +130,17 @@ def check_device(p: argparse.ArgumentParser, device: str) -> None:
 
 
 def model_config(args, vocab: int) -> ModelConfig:
-    """The preset with the command line's --batch, --seq-len and --heads, and `vocab`."""
+    """The preset with the command line's --batch, --seq-len, --heads and --layers, and the data's
+    vocabulary `vocab`; a preset with a vocabulary of its own (llama-1b, llama-8b: Llama 3's)
+    keeps it when the data's is smaller (the model then has Llama's head, the data uses its first
+    `vocab` ids)."""
     overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len),
-                                   ("heads", args.heads)) if v}  # fmt: skip
-    return dataclasses.replace(PRESETS[args.preset], vocab=vocab, **overrides)
+                                   ("heads", args.heads),
+                                   ("layers", getattr(args, "layers", None))) if v}  # fmt: skip
+    preset = PRESETS[args.preset]
+    if preset.vocab != BYTE_VOCAB:
+        vocab = max(vocab, preset.vocab)
+    return dataclasses.replace(preset, vocab=vocab, **overrides)
 
 
 def check_model(p: argparse.ArgumentParser, args) -> None:

@@ -66,8 +66,7 @@ def validation_loss(run: Run, batches: list[tuple[torch.Tensor, torch.Tensor]]) 
                 tokens = tokens.to(device, non_blocking=True)
                 segments = [s.to(device, non_blocking=True) for s in segments]
                 inputs, targets, seg = split_windows(tokens, *segments)
-                kw = {} if seg is None else {"segment_ids": seg}
-                hidden = model.blocks(model.embed(inputs), **kw)
+                hidden = model.hidden(inputs, segment_ids=seg)
                 losses = model.token_losses(hidden, targets)
                 if seg is None:
                     per_window = losses.mean(dim=1).double()

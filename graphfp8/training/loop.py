@@ -26,6 +26,7 @@ from graphfp8.training.interrupt import StopAtStepBoundary
 from graphfp8.training.model import count_parameters
 from graphfp8.training.report import MetricsLog, Progress, final_loss, rank_memory
 from graphfp8.training.run import Run, RunSpec, run_settings
+from graphfp8.training.speed import speed_fields
 
 __all__ = ["RunOptions", "sync", "train_run"]
 
@@ -131,7 +132,7 @@ def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, v
     steady_from = first + max(1, (steps - first) // 10)
     log = MetricsLog(opts.out / f"{run.spec.name}.csv") if opts.is_main else None
     progress = Progress(opts.steps, run.spec.name, opts.is_main)
-    losses, pending, val_losses = [], [], {}
+    losses, pending, val_losses, steady_rates = [], [], {}, []
     clock = _Clock(run.spec.device)
     t_last = clock.train_time()
     t_steady, last_step = None, first
@@ -158,8 +159,11 @@ def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, v
             continue
         if replicas is not None:
             replicas.check()
+        sync(run.spec.device)  # the interval's GPU work, not only its enqueueing (log points sync)
         now = clock.train_time()
         rate = tokens_per_step * (run.step - last_step) / (now - t_last)
+        if last_step >= steady_from:  # the repeats behind tokens/s's spread
+            steady_rates.append(rate)
         elapsed = time.perf_counter() - clock.start
         losses += _log_interval(run, opts, log, pending, val_losses, last_step, elapsed, rate,
                                 tokens_per_step)  # fmt: skip
@@ -176,6 +180,7 @@ def _train_steps(run: Run, opts: RunOptions, steps: int, tokens_per_step: int, v
     return dict(losses=losses, val_losses=[[s, v] for s, v in sorted(val_losses.items())],
                 train_s=time.perf_counter() - clock.start, eval_s=clock.excluded,
                 steady_s=steady_s, steady_steps=max(0, run.step - steady_from),
+                steady_rates=steady_rates,
                 interrupted=stopped)  # fmt: skip
 
 
@@ -303,6 +308,7 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
         "train_s": round(t["train_s"], 3),
         "eval_s": round(t["eval_s"], 3),
         "tokens_per_s": tokens_per_s,
+        **speed_fields(spec, tokens_per_s, t["steady_rates"], opts.world_size),
         "peak_reserved_bytes": (
             torch.cuda.max_memory_reserved() if spec.device.startswith("cuda") else None
         ),  # fmt: skip

@@ -17,7 +17,6 @@ either direction, and bf16 alone trained ~2% worse (notes/NUMERICS.md, H200 2026
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
@@ -26,72 +25,13 @@ from torch import nn
 
 from graphfp8.fp8.autocast import fp8_autocast
 from graphfp8.modules.transformer import TransformerLayer
-from graphfp8.training.sources import BYTE_VOCAB
+from graphfp8.training.presets import PRESETS, ModelConfig
 
 __all__ = ["GPT", "Blocks", "ModelConfig", "PRESETS", "count_parameters"]
 
 INIT_STD = 0.02
 # TransformerEngine's default init_method (and output_layer_init_method).
 init_normal = partial(nn.init.normal_, mean=0.0, std=INIT_STD)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Model shape and the per-microbatch batch of a preset."""
-
-    hidden: int
-    heads: int
-    ffn: int
-    layers: int
-    seq_len: int
-    batch: int  # sequences per microbatch
-    lr: float
-    vocab: int = BYTE_VOCAB  # a token file's --vocab-size replaces it
-    kv_heads: int | None = None  # grouped-query attention's key/value heads (None: heads)
-    activation: str = "gelu"  # LayerNormMLP's: gelu, swiglu, ...
-    norm: str = "LayerNorm"  # LayerNorm or RMSNorm, in the blocks and before the head
-    bias: bool = True  # biases in the blocks' linear layers
-
-    def to_dict(self) -> dict:
-        """The fields, less those added after 2026-12-01 while at their defaults: checkpoints of
-        the GPT presets written before they existed record the same dict, so they resume."""
-        return {k: v for k, v in asdict(self).items() if _NEWER.get(k, _UNSET) != v}
-
-
-_UNSET = object()
-_NEWER = {"kv_heads": None, "activation": "gelu", "norm": "LayerNorm", "bias": True}
-_LLAMA = dict(activation="swiglu", norm="RMSNorm", bias=False)
-
-
-PRESETS = {
-    # CPU default: the whole run (FP8, CPU replay tape) in well under two minutes on 2 cores.
-    "tiny": ModelConfig(hidden=64, heads=4, ffn=256, layers=2, seq_len=64, batch=8, lr=3e-3),
-    "small": ModelConfig(hidden=256, heads=4, ffn=1024, layers=4, seq_len=256, batch=8, lr=1e-3),
-    # GPU default, 101M parameters.
-    "100m": ModelConfig(
-        hidden=1024, heads=16, ffn=4096, layers=8, seq_len=1024, batch=8, lr=6e-4
-    ),  # fmt: skip
-    "300m": ModelConfig(
-        hidden=1024, heads=16, ffn=4096, layers=24, seq_len=1024, batch=8, lr=3e-4
-    ),  # fmt: skip
-    # Llama-style blocks: RMSNorm, 4 key/value heads for 16 (head_dim 64), SwiGLU of F = 2816
-    # (~8/3 h), no biases, RoPE. 102M parameters, the 100m preset's depth plus one.
-    "llama-100m": ModelConfig(
-        hidden=1024,
-        heads=16,
-        ffn=2816,
-        layers=9,
-        seq_len=1024,
-        batch=8,
-        lr=6e-4,
-        kv_heads=4,
-        **_LLAMA,
-    ),  # fmt: skip
-    # The same block at the tiny preset's size (CPU runs and tests).
-    "llama-tiny": ModelConfig(
-        hidden=64, heads=4, ffn=176, layers=2, seq_len=64, batch=8, lr=3e-3, kv_heads=2, **_LLAMA
-    ),  # fmt: skip
-}
 
 
 class Blocks(nn.Module):
@@ -162,7 +102,14 @@ class GPT(nn.Module):
         self.norm = norm(cfg.hidden, eps=1e-5, dtype=dtype, device=device)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype, device=device)
         nn.init.normal_(self.embed.weight, std=INIT_STD)
-        nn.init.normal_(self.head.weight, std=INIT_STD)
+        if cfg.tie_embeddings:  # one (vocab, H) parameter, initialised once
+            self.head.weight = self.embed.weight
+        else:
+            nn.init.normal_(self.head.weight, std=INIT_STD)
+
+    def hidden(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (B, S) int64 -> the blocks' output (B, S, H), eagerly (validation)."""
+        return self.blocks(self.embed(tokens), segment_ids=segment_ids)
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """hidden: (B, S, H) output of the blocks; targets: (B, S) int64, -100 where no token is

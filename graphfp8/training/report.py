@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -14,9 +15,10 @@ import torch
 
 from graphfp8.distributed import gather_objects
 from graphfp8.memory.state import training_state
+from graphfp8.training.speed import baseline_of
 
-__all__ = ["Progress", "MetricsLog", "write_summary", "plot_losses", "final_loss", "print_table",
-           "print_memory", "print_ranks", "rank_memory"]  # fmt: skip
+__all__ = ["environment", "Progress", "MetricsLog", "write_summary", "plot_losses", "final_loss",
+           "print_table", "print_memory", "print_ranks", "rank_memory"]  # fmt: skip
 
 
 class Progress:
@@ -75,6 +77,15 @@ def final_loss(losses: list[float]) -> float:
     return sum(tail) / len(tail)
 
 
+def environment(device: str) -> dict:
+    """torch, Python, the device and (CUDA) the GPU's name and CUDA version, for summary.json."""
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": device}
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        env["cuda"] = torch.version.cuda
+    return env
+
+
 def write_summary(out: Path, summary: dict) -> Path:
     path = out / "summary.json"
     out.mkdir(parents=True, exist_ok=True)
@@ -85,11 +96,16 @@ def write_summary(out: Path, summary: dict) -> Path:
 
 
 def print_table(results: list[dict]) -> None:
-    """The runs side by side: final training and validation loss, the validation loss against
-    the first run's, and tokens/s against the first run's."""
-    base = results[0]
-    print(f"\n{'run':>14} {'train loss':>10} {'val loss':>9} {'vs first':>9} {'tokens/s':>12} "
-          f"{'speed-up':>8}")  # fmt: skip
+    """The runs side by side against the baseline (training/speed.py's baseline_of: the compiled
+    bf16 run, else the first): final training and validation loss, the validation loss against
+    the baseline's, tokens/s (the median over the steady log intervals' min-max), the speed-up
+    over the baseline, model TFLOP/s and the fraction of the physical floor reached."""
+    base = baseline_of(results)
+    peer = base.get("peer") or {}
+    print(f"\nbaseline: {base['name']} (graphed: {peer.get('graphed', '?')}, compiled: "
+          f"{peer.get('compiled', '?')}); every ratio is over it")  # fmt: skip
+    print(f"{'run':>18} {'train loss':>10} {'val loss':>9} {'vs base':>9} {'tokens/s':>12} "
+          f"{'min-max':>17} {'speed-up':>8} {'model TF/s':>10} {'floor':>6}")  # fmt: skip
     for r in results:
         val, base_val = r.get("final_val_loss"), base.get("final_val_loss")
         val_text = f"{val:>9.4f}" if val is not None else f"{'-':>9}"
@@ -98,8 +114,13 @@ def print_table(results: list[dict]) -> None:
             diff = f"{(val / base_val - 1) * 100:>+8.2f}%"
         tps, base_tps = r["tokens_per_s"], base["tokens_per_s"]
         tps_text = f"{tps:>12,.0f}" if tps else f"{'-':>12}"  # None: too few steps to time
+        spread = r.get("tokens_per_s_spread")
+        spread_text = f"{spread['min']:,.0f}-{spread['max']:,.0f}" if spread else "-"
         speed = f"{tps / base_tps:>7.2f}x" if tps and base_tps else f"{'-':>8}"
-        print(f"{r['name']:>14} {r['final_loss']:>10.4f} {val_text} {diff} {tps_text} {speed}")
+        tflops = f"{r['model_tflops']:>10.1f}" if r.get("model_tflops") else f"{'-':>10}"
+        frac = f"{r['floor_fraction']:>6.3f}" if r.get("floor_fraction") else f"{'-':>6}"
+        print(f"{r['name']:>18} {r['final_loss']:>10.4f} {val_text} {diff} {tps_text} "
+              f"{spread_text:>17} {speed} {tflops} {frac}")  # fmt: skip
 
 
 def rank_memory(run, group) -> list[dict]:

@@ -29,14 +29,16 @@ from graphfp8.modules.transformer import RECOMPUTE_MODES
 from graphfp8.nvtx_ranges import nvtx_range
 from graphfp8.training.data import Dataset, split_windows
 from graphfp8.training.model import GPT, ModelConfig
+from graphfp8.training.staging import BatchStager
+from graphfp8.training.torch_model import TorchGPT
 
 __all__ = ["GRAPH_MODES", "RECOMPUTE_MODES", "RunSpec", "Run", "run_settings"]
 
 PRECISIONS = ("bf16", "fp8")
 SCALINGS = ("delayed", "current", "blockwise")
-# none: eager; layers: the blocks captured (make_graphed_callables); step: the whole step.
-GRAPH_MODES = ("none", "layers", "step")
-_MODE_NAMES = {"none": "eager", "layers": "graphs", "step": "step"}
+# none: eager; layers: blocks graphed; step: the whole step; compile: the bf16 baseline, compiled
+GRAPH_MODES = ("none", "layers", "step", "compile")
+_MODE_NAMES = {"none": "eager", "layers": "graphs", "step": "step", "compile": "torch-compile"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class RunSpec:
     # activation recompute of every layer (TransformerLayer's RECOMPUTE_MODES): the same bits,
     # less activation memory, more compute; not a checkpoint setting (a resume may change it)
     recompute: str = "none"
+    stage_batches: bool = False  # the next step's batches copied ahead (staging.py): the same bits
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -98,7 +101,10 @@ class RunSpec:
             raise ValueError("compile without graphs compiles the blocks, and dynamo cannot trace "
                              "graphfp8's recompute (its FP8 context): use graphs with compile, "
                              "or recompute 'none'")  # fmt: skip
-        if self.compile and self.graphs == "step":
+        plain = self.precision == "bf16" and not (self.pack or self.shard or self.fp8_weights)
+        if self.graphs == "compile" and not (plain and self.recompute == "none"):
+            raise ValueError("graphs='compile' is bf16 only, without pack, shard or recompute")
+        if self.compile and self.graphs in ("step", "compile"):
             raise ValueError("compile with graphs='step' is not supported: the step graph holds "
                              "the embedding and the loss that compile would take")  # fmt: skip
 
@@ -115,6 +121,7 @@ class RunSpec:
         suffix += "-pack" if self.pack else ""
         suffix += "-shard" if self.shard else ""
         suffix += f"-recompute-{self.recompute}" if self.recompute != "none" else ""
+        suffix += "-staged" if self.stage_batches else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
 
     @property
@@ -163,19 +170,22 @@ class Run:
     def __init__(self, spec: RunSpec, data: Dataset, group=None):
         if spec.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {spec.precision!r}")
-        if data.vocab_size != spec.model.vocab:
-            raise ValueError(f"the data's vocabulary ({data.vocab_size}) is not the model's "
-                             f"({spec.model.vocab})")  # fmt: skip
+        if data.vocab_size > spec.model.vocab:
+            raise ValueError(f"the data's vocabulary ({data.vocab_size}) is larger than the "
+                             f"model's ({spec.model.vocab})")  # fmt: skip
         if data.pack != spec.pack:
             raise ValueError(f"the run packs documents ({spec.pack}), the data not ({data.pack})")
         self.spec, self.data, self.group = spec, data, group
         self.rank = torch.distributed.get_rank(group) if group is not None else 0
         self.world = torch.distributed.get_world_size(group) if group is not None else 1
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
-        with fp8_model_init(enabled=spec.fp8_weights):
-            self.model = GPT(spec.model, torch.bfloat16, spec.device, frozenset(spec.bf16_layers))
-        for layer in self.model.blocks.layers:
-            layer.recompute = spec.recompute
+        if spec.graphs == "compile":
+            self.model = TorchGPT(spec.model, torch.bfloat16, spec.device)
+        else:
+            with fp8_model_init(enabled=spec.fp8_weights):
+                self.model = GPT(spec.model, torch.bfloat16, spec.device, spec.bf16_layers)
+            for layer in self.model.blocks.layers:
+                layer.recompute = spec.recompute
         self.masters, self.reduce_group = self._masters()
         # reduce -> clip -> step -> write back, whatever is sharded (gradient_update.py); every rank
         # trains every parameter: the gradient sets are checked once.
@@ -200,8 +210,10 @@ class Run:
                                          fp8_mha=spec.fp8_attention)  # fmt: skip
         self.step = 0
         self.fp8_stats = None  # graphfp8.numerics.FP8Stats while the run records FP8 statistics
-        self.blocks = None  # the callable that runs the blocks, set by prepare()
+        self.blocks = None  # runs the blocks (graphs "compile": the whole model), set by prepare()
         self.graphed_step = None  # graphs "step": the captured step, set by prepare()
+        self.batches = BatchStager(self._host_microbatch, spec.microbatches, spec.device,
+                                   ahead=spec.stage_batches)  # fmt: skip
 
     @property
     def fp8(self) -> bool:
@@ -229,6 +241,9 @@ class Run:
             return
         if self.spec.graphs == "none":
             self.blocks = self._eager_blocks
+            return
+        if self.spec.graphs == "compile":  # the whole model: (tokens, targets) -> loss
+            self.blocks = torch.compile(self.model)
             return
         cfg = self.spec.model
         sample = torch.randn(cfg.batch, cfg.seq_len, cfg.hidden, dtype=torch.bfloat16,
@@ -269,11 +284,11 @@ class Run:
             num_warmup_iters=3 if torch.device(self.spec.device).type == "cuda" else 1,
         )  # fmt: skip
 
-    def _step_batch(self):
-        """This step's microbatches, stacked straight into the step graph's static batch
-        ((inputs, targets[, segments]), (): the model's output is the loss)."""
+    def _step_batch(self, batches):
+        """This step's microbatches (BatchStager.take's) stacked straight into the step graph's
+        static batch ((inputs, targets[, segments]), (): the model's output is the loss)."""
         static = self.graphed_step.static_batch
-        parts = [self._microbatch(mb) for mb in range(self.spec.microbatches)]
+        parts = [split_windows(*batch) for batch in batches]  # (inputs, targets, segments)
         for i, out in enumerate(static):
             torch.stack([p[i] for p in parts], out=out)
         return tuple(static), ()
@@ -299,17 +314,12 @@ class Run:
         t = (step - warmup) / max(1, total - warmup)
         return self.spec.model.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, t))))
 
-    def _microbatch(self, mb: int) -> tuple[torch.Tensor, ...]:
-        """(inputs, targets) of microbatch mb on the device, packed (inputs, targets,
-        segments)."""
+    def _host_microbatch(self, step: int, mb: int) -> tuple[torch.Tensor, ...]:
+        """Microbatch mb of step `step` on the CPU: (tokens[, segments]), each (b, S + 1) int64."""
         cfg = self.spec.model
-        args = (self.step, mb, cfg.batch, cfg.seq_len, self.spec.seed, self.rank, self.world)
-        tokens = self.data.train_batch(*args).to(self.spec.device, non_blocking=True)
-        segments = None
-        if self.spec.pack:
-            segments = self.data.train_segments(*args).to(self.spec.device, non_blocking=True)
-        inputs, targets, segments = split_windows(tokens, segments)
-        return (inputs, targets) if segments is None else (inputs, targets, segments)
+        args = (step, mb, cfg.batch, cfg.seq_len, self.spec.seed, self.rank, self.world)
+        tokens = self.data.train_batch(*args)
+        return (tokens, self.data.train_segments(*args)) if self.spec.pack else (tokens,)
 
     def train_step(self, total_steps: int) -> torch.Tensor:
         """One optimizer step over `microbatches` microbatches. Returns the step's mean loss as
@@ -320,21 +330,21 @@ class Run:
                 group["lr"].fill_(lr)
             else:  # a checkpoint written before the learning rate became a tensor
                 group["lr"] = lr
+        batches = self.batches.take(self.step)
         if self.graphed_step is not None:
             with nvtx_range("step"):
-                loss = self.graphed_step(self._step_batch()).clone()
+                loss = self.graphed_step(self._step_batch(batches)).clone()
             if self.fp8_stats is not None:  # one graph: each slot's latest cast of the step
                 self.fp8_stats.collect(self.step, self.spec.microbatches - 1)
             self.step += 1
+            self.batches.stage(self.step, total_steps)  # the next step's, while this one runs
             return loss
-        model, mbs = self.model, self.spec.microbatches
+        mbs = self.spec.microbatches
         total = torch.zeros((), dtype=torch.float32, device=self.spec.device)
-        for mb in range(mbs):
-            inputs, targets, *segments = self._microbatch(mb)
+        for mb, batch in enumerate(batches):
+            inputs, targets, segments = split_windows(*batch)
             with nvtx_range("forward"):
-                hidden = self.blocks(model.embed(inputs), is_first_microbatch=mb == 0,
-                                     **self._segments_kw(*segments))  # fmt: skip
-                loss = model.loss(hidden, targets) / mbs
+                loss = self._loss(inputs, targets, segments, mb) / mbs
             with nvtx_range("backward"):
                 loss.backward()
             if self.fp8_stats is not None:
@@ -343,7 +353,16 @@ class Run:
         with nvtx_range("optimizer"):
             self._optimizer_step()
         self.step += 1
+        self.batches.stage(self.step, total_steps)
         return total
+
+    def _loss(self, inputs, targets, segments, mb: int) -> torch.Tensor:
+        """A microbatch's mean loss (float32): the compiled torch model's, or graphfp8's GPT's."""
+        if self.spec.graphs == "compile":
+            return self.blocks(inputs, targets)
+        hidden = self.blocks(self.model.embed(inputs), is_first_microbatch=mb == 0,
+                             **self._segments_kw(segments))  # fmt: skip
+        return self.model.loss(hidden, targets)
 
     def _optimizer_step(self) -> None:
         """After the microbatches of an eager or layers step: the gradient reduction, clipping to

@@ -3,6 +3,7 @@
     stream = open_stream("stdlib")                       # the standard library's .py files
     stream = open_stream("notes.txt")                    # a UTF-8 text file or folder, as bytes
     stream = open_stream("train.bin", vocab_size=50304)  # nanoGPT's uint16 token file
+    stream = open_stream("llama.bin", vocab_size=128256) # uint32 tokens (vocab > 65536)
     stream = open_stream("synthetic")                    # the generated language (tests)
     windows = stream.windows([0, 100], 65)               # (2, 65) int64 tokens
 
@@ -29,11 +30,18 @@ from pathlib import Path
 
 import torch
 
+from graphfp8.training.presets import BYTE_VOCAB
 from graphfp8.training.synthetic import make_corpus
 
-__all__ = ["BYTE_VOCAB", "DataError", "TokenStream", "open_stream", "stdlib_stream"]
+__all__ = [
+    "BYTE_VOCAB",
+    "DataError",
+    "TokenStream",
+    "open_stream",
+    "stdlib_stream",
+    "token_dtype",
+]
 
-BYTE_VOCAB = 256
 TOKEN_SUFFIX = ".bin"
 # Standard library folders left out: tests (not installed by every distribution), installed
 # packages and caches; `config-*` and `_sysconfigdata*` describe the local build, not the library.
@@ -56,7 +64,7 @@ class TokenStream:
 
     Args:
         files: the files in stream order (empty when `memory` is given).
-        dtype: torch.uint8 for bytes, torch.uint16 for token files.
+        dtype: torch.uint8 for bytes, torch.uint16 or torch.uint32 for token files.
         vocab_size: every token must be below it.
         info: what summary.json records about the source (JSON-serialisable).
         memory: (N,) tensor of tokens held in memory instead of files.
@@ -76,7 +84,7 @@ class TokenStream:
         return self._offsets[-1]
 
     def _segment(self, i: int) -> torch.Tensor:
-        """File i's tokens, mapped on first use: (tokens,) uint8 or uint16."""
+        """File i's tokens, mapped on first use: (tokens,) uint8, uint16 or uint32."""
         seg = self._mapped.get(i)
         if seg is None:
             f = self.files[i]
@@ -198,19 +206,30 @@ def _text_stream(path: Path) -> TokenStream:
                        {"source": "text", "path": str(path), "files": 1})  # fmt: skip
 
 
+def token_dtype(vocab_size: int) -> torch.dtype:
+    """The element type of a .bin token file of this vocabulary: uint16 (nanoGPT's layout) up to
+    65536 tokens, uint32 above (Llama 3's 128256), as docs/training.md says."""
+    if not 1 <= vocab_size <= 1 << 32:
+        raise DataError(f"--vocab-size {vocab_size}: token files hold tokens below 2**32")
+    return torch.uint16 if vocab_size <= 1 << 16 else torch.uint32
+
+
 def _token_stream(path: Path, vocab_size: int | None) -> TokenStream:
     size = path.stat().st_size
     if vocab_size is None:
         raise DataError(f"--data {path}: a {TOKEN_SUFFIX} token file needs --vocab-size")
-    if not 1 <= vocab_size <= 1 << 16:
-        raise DataError(f"--vocab-size {vocab_size}: uint16 token files hold tokens below 65536")
+    dtype = token_dtype(vocab_size)
+    width = dtype.itemsize
+    name = str(dtype).removeprefix("torch.")
     if size == 0:
         raise DataError(f"--data {path}: the file is empty")
-    if size % 2:
-        raise DataError(f"--data {path}: {size} bytes is not a whole number of uint16 tokens "
-                        "(2 bytes each): the file is truncated or not a token file")  # fmt: skip
-    return TokenStream([DataFile(path, size // 2)], torch.uint16, vocab_size,
-                       {"source": "tokens", "path": str(path), "files": 1})  # fmt: skip
+    if size % width:
+        raise DataError(f"--data {path}: {size} bytes is not a whole number of {name} tokens "
+                        f"({width} bytes each, for --vocab-size {vocab_size}): the file is "
+                        "truncated or not a token file")  # fmt: skip
+    return TokenStream([DataFile(path, size // width)], dtype, vocab_size,
+                       {"source": "tokens", "path": str(path), "files": 1,
+                        "token_dtype": name})  # fmt: skip
 
 
 def open_stream(spec: str, vocab_size: int | None = None, synthetic_bytes: int = 1 << 20,

@@ -19,6 +19,7 @@ import torch
 from graphfp8.nvtx_ranges import enable_ranges
 from graphfp8.training.cli_checks import model_config
 from graphfp8.training.data import Dataset
+from graphfp8.training.kernel_table import kernel_table
 from graphfp8.training.loop import sync
 from graphfp8.training.model import PRESETS
 from graphfp8.training.run import GRAPH_MODES, PRECISIONS, Run, RunSpec
@@ -137,10 +138,12 @@ def _torch_profile(run: Run, args, total: int) -> dict:
                 "top": top_kernels([(e.name, e.self_cpu_time_total) for e in ops])}  # fmt: skip
     intervals = [(e.time_range.start, e.time_range.end) for e in events]
     memops = sum(e.name.startswith(("Memset", "Memcpy")) for e in events)
+    table = kernel_table([(e.name, *span) for e, span in zip(events, intervals, strict=True)],
+                         microbatches)  # fmt: skip
     return {"tool": "torch.profiler", "trace": str(trace),
             "kernels_per_microbatch": (len(events) - memops) / microbatches,
             "memcpy_memset_per_microbatch": memops / microbatches,
-            "busy_fraction": busy_fraction(intervals),
+            "busy_fraction": busy_fraction(intervals), "kernel_table": table,
             "top": top_kernels([(e.name, e.device_time) for e in events])}  # fmt: skip
 
 
@@ -171,6 +174,7 @@ def _markdown(summary: dict) -> str:
         extra = f" (+ {memops:.1f} memcpy/memset)" if memops is not None else ""
         lines.append(f"- kernels per microbatch: {p['kernels_per_microbatch']:.1f}{extra}")
         lines.append(f"- GPU busy fraction during the profiled steps: {p['busy_fraction']:.3f}")
+        lines += _busy_lines(summary)
     else:
         lines.append(f"- top-level operators per microbatch (CPU): "
                      f"{p['top_level_ops_per_microbatch']:.1f}; no GPU")  # fmt: skip
@@ -178,6 +182,25 @@ def _markdown(summary: dict) -> str:
     lines += [f"| {k['name'][:90]} | {k['calls']} | {k['us']:.1f} | {k['share']:.3f} |"
               for k in p["top"]]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _busy_lines(summary: dict) -> list[str]:
+    """GPU busy over the unprofiled wall and the kernel time by category (docs/benchmarking.md,
+    "The floor"), when the profile has a kernel table (torch.profiler on a GPU)."""
+    table = summary["profile"].get("kernel_table")
+    if table is None:
+        return []
+    wall = summary["wall_ms_per_microbatch"]
+    lines = [
+        f"- GPU busy over the unprofiled wall: {table['busy_ms'] / wall:.3f} (kernel union "
+        f"{table['busy_ms']:.3f} ms per microbatch / wall {wall:.3f} ms)",
+        "",
+        "| category | ms per microbatch | launches | share |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [f"| {name} | {c['ms']:.3f} | {c['launches']:.1f} | {c['share']:.3f} |"
+              for name, c in table["categories"].items()]  # fmt: skip
+    return lines
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,11 @@ import torch.distributed as dist
 
 from tests.rank_pool import run_on_ranks
 from tests.sharding.common import RECIPES, Sharded, Unsharded, batch, build_lm, compare_models
+from tests.sharding.test_sharded_idioms import (
+    _load_after_masters,
+    _refusals,
+    _zero_grad_by_optimizer,
+)
 from tests.sharding.test_sharded_step_graph import _graphed_equals_eager
 
 pytestmark = [
@@ -71,3 +76,12 @@ def _two_ranks_equal_unsharded(rank, device):
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 or more GPUs")
 def test_two_gpus_equal_unsharded_data_parallel():
     run_on_ranks("nccl", _two_ranks_equal_unsharded, world=2)
+
+
+def test_idioms_with_nccl():
+    """Issue 40's rows on one GPU (tests/sharding/test_sharded_idioms.py): the refusals (the
+    gradient watch on CUDA accumulators), opt.zero_grad() and a load after the masters (the model
+    watch's byte comparison on the GPU), equal to unsharded (one AdamW implementation)."""
+    run_on_ranks("nccl", _refusals, world=1)
+    run_on_ranks("nccl", _zero_grad_by_optimizer, True, True, {"foreach": False}, world=1)
+    run_on_ranks("nccl", _load_after_masters, True, {"foreach": False}, world=1)

@@ -70,7 +70,7 @@ def _bf16_masters_do_not_depend_on_n(rank, device):
     alone, _ = dist.new_subgroups(group_size=1)
     ref_model = build_lm(device, True, torch.bfloat16)
     model = copy.deepcopy(ref_model)
-    ref = Sharded(ref_model, device, group, shard_group=alone)
+    ref = Sharded(ref_model, device, group, shard_group=alone, independent_groups=True)
     sharded = Sharded(model, device, group)
     for s in range(STEPS):
         data = batch(s, device, same_on_all_ranks=True)

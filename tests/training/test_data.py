@@ -172,6 +172,27 @@ def test_tokens_out_of_vocabulary(tmp_path):
             data.train_batch(step, 0, batch=4, seq_len=31)
 
 
+def test_uint32_token_files_for_vocabularies_above_65536(tmp_path):
+    """Llama 3's 128256 tokens: a .bin file of uint32 tokens, read back exactly (ids above
+    65535 included), checked against the vocabulary; uint16 stays the layout up to 65536
+    (benchmarks/memory_plan.py's Llama presets were refused before)."""
+    path = tmp_path / "llama.bin"
+    ids = torch.tensor([0, 65535, 65536, 128255, 7, 100000] * 20)
+    ids.to(torch.uint32).numpy().tofile(path)
+    stream = open_stream(str(path), vocab_size=128256)
+    assert stream.dtype == torch.uint32 and stream.info["token_dtype"] == "uint32"
+    assert_bitwise_equal(stream.read(0, len(ids)), ids)
+    assert open_stream(str(path), vocab_size=1 << 16).dtype == torch.uint16
+    data = Dataset(open_stream(str(path), vocab_size=100000), val_fraction=0.0)
+    with pytest.raises(DataError, match=r"token 128255 .* is out of --vocab-size 100000"):
+        data.train_batch(0, 0, batch=4, seq_len=29)
+    (tmp_path / "short.bin").write_bytes(b"\x01\x00\x00\x00\x02\x00")
+    with pytest.raises(DataError, match="not a whole number of uint32 tokens"):
+        open_stream(str(tmp_path / "short.bin"), vocab_size=128256)
+    with pytest.raises(DataError, match="below 2\\*\\*32"):
+        open_stream(str(path), vocab_size=(1 << 32) + 1)
+
+
 def test_sequences_longer_than_the_data(text):
     data = Dataset(open_stream(str(text)), val_fraction=0.01)  # 60 validation tokens
     data.check_seq_len(48)

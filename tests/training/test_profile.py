@@ -44,3 +44,16 @@ def test_parse_nsys_gpu_trace(tmp_path):
     )
     assert parse_gpu_trace(path) == [("gemm_kernel", 100.0, 150.0),
                                      ("cast_transpose_vec_kernel", 170.0, 200.0)]  # fmt: skip
+
+
+def test_busy_is_over_the_unprofiled_wall():
+    """The summary's busy line divides the kernels' union by the unprofiled wall (issue 41: the
+    profiled span is longer than the wall and flattered it), and lists every category."""
+    from graphfp8.training.kernel_table import kernel_table
+
+    table = kernel_table([("nvjet_x", 0.0, 900.0), ("rope_k", 800.0, 1000.0)], steps=1)
+    summary = {"wall_ms_per_microbatch": 1.25, "profile": {"kernel_table": table}}
+    lines = profile_runner._busy_lines(summary)
+    assert lines[0].startswith("- GPU busy over the unprofiled wall: 0.800 ")
+    assert any(line.startswith("| other | 0.000 |") for line in lines)
+    assert profile_runner._busy_lines({"profile": {}}) == []

@@ -1,8 +1,10 @@
-"""graphfp8-train's GPT (training/model.py) in plain torch - nn.Linear, nn.LayerNorm / nn.RMSNorm,
-RoPE, causal scaled_dot_product_attention - for the peers that need torch modules: torch FSDP2 in
-bf16 and torchao's float8 training (benchmarks/fsdp_peers.py). The same shapes for a ModelConfig
-(fused q/k/v projection with grouped-query heads, GELU (tanh) or SwiGLU MLP, biases or not), the
-same initialisation (normal(0, 0.02), biases 0), not the same numbers (no FP8, other kernels).
+"""graphfp8-train's GPT (training/model.py) in plain torch - nn.Linear, nn.LayerNorm / nn.RMSNorm
+(F.layer_norm / F.rms_norm), RoPE, causal scaled_dot_product_attention with grouped-query heads,
+SwiGLU or GELU - for the peers that need torch modules: graphfp8-train's compiled bf16 baseline
+(`--compare bf16:compile`, training/run.py), torch FSDP2 in bf16 and torchao's float8 training
+(benchmarks/fsdp_peers.py). The same shapes for a ModelConfig (fused q/k/v projection with
+grouped-query heads, GELU (tanh) or SwiGLU MLP, biases or not, tied embeddings or not), the same
+initialisation (normal(0, 0.02), biases 0), not the same numbers (no FP8, other kernels).
 
     tokens (B, S) int64 -> Embedding -> TorchBlock x layers -> norm -> head -> cross entropy
 """
@@ -13,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphfp8.training.model import INIT_STD, ModelConfig
+from graphfp8.training.model import INIT_STD
+from graphfp8.training.presets import ModelConfig
 
 __all__ = ["TorchBlock", "TorchGPT"]
 
@@ -92,7 +95,8 @@ class TorchGPT(nn.Module):
 
     Args:
         cfg: the preset's shape.
-        dtype: parameter dtype (float32: FSDP2's MixedPrecisionPolicy casts to bf16 per block).
+        dtype: parameter dtype (float32: FSDP2's MixedPrecisionPolicy casts to bf16 per block;
+            bf16: graphfp8-train's compiled baseline).
         device: where the parameters live.
     """
 
@@ -103,12 +107,29 @@ class TorchGPT(nn.Module):
         self.norm = _norm(cfg, dtype, device)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype, device=device)
         nn.init.normal_(self.embed.weight, std=INIT_STD)
-        nn.init.normal_(self.head.weight, std=INIT_STD)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        else:
+            nn.init.normal_(self.head.weight, std=INIT_STD)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """tokens, targets: (B, S) int64. Returns the mean cross entropy, float32."""
+    def hidden(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (B, S) int64 -> the blocks' output (B, S, H)."""
+        if segment_ids is not None:
+            raise ValueError("TorchGPT attends causally over whole rows: packed documents "
+                             "(segment_ids, --pack) are graphfp8's GPT only")  # fmt: skip
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.norm(x)).float()
+        return x
+
+    def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """hidden: (B, S, H); targets: (B, S) int64. Cross entropy per token, (B, S) float32."""
+        logits = self.head(self.norm(hidden)).float()
+        losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1),
+                                 reduction="none")  # fmt: skip
+        return losses.view(targets.shape)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """tokens, targets: (B, S) int64. Returns the mean cross entropy, float32."""
+        logits = self.head(self.norm(self.hidden(tokens))).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
