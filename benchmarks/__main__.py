@@ -1,5 +1,5 @@
 """`python -m benchmarks {kernels,variants,opcount,census,eager,block,attention,step,host,
-memory,memory-plan,recompute,stack,glu,hf,hf-users,speed} [--device D]
+memory,memory-plan,recompute,stack,glu,hf,hf-users,speed,carried-casts} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ SUITES = {
     "hf": "benchmarks.hf",
     "hf-users": "benchmarks.hf_users",
     "speed": "benchmarks.speed",
+    "carried-casts": "benchmarks.carried_casts",
 }
 
 

@@ -3,7 +3,8 @@ Hugging Face Trainer - the HF model in bf16 against g8.from_hf(recipe=...) in FP
 per-layer graphs (graphs="layers"), with no FP8 code in Trainer's loop - and generate() with a KV
 cache: HF's in bf16 against graphfp8's layers in bf16 and in FP8. Tokens/s in steady state (the
 first steps of each peer are warm-up and capture; a generate call before the timed ones).
-`python -m benchmarks hf-users`; `bench hf` runs it too. Needs transformers and accelerate."""
+Trainer runs its default optimizer (adamw_torch_fused). `python -m benchmarks hf-users`; `bench hf`
+runs it too. Needs transformers and accelerate."""
 
 from __future__ import annotations
 
@@ -49,9 +50,8 @@ def _trainer_run(model, rows, shape, device) -> dict:
     args = transformers.TrainingArguments(
         output_dir="/tmp/graphfp8_bench_trainer", per_device_train_batch_size=batch,
         gradient_accumulation_steps=mbs, max_steps=steps, learning_rate=3e-4,
-        lr_scheduler_type="constant", optim="adamw_torch_fused" if cuda else "adamw_torch",
-        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        use_cpu=not cuda, dataloader_pin_memory=False, seed=0,
+        lr_scheduler_type="constant", report_to=[], save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, use_cpu=not cuda, dataloader_pin_memory=False, seed=0,
     )  # fmt: skip
     trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
                                    callbacks=[Clock()])  # fmt: skip

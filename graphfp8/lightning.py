@@ -9,9 +9,10 @@ TransformerEnginePrecision (its arguments), for the Trainer and for Fabric:
 convert_module swaps the model's nn.Linear layers for graphfp8.Linear (graphfp8.convert; layers
 whose features are not multiples of 16 stay, with a warning, as TransformerEngine's plugin
 does) unless it holds graphfp8 layers already (replace_layers=False: never). forward_context
-runs each training, validation and prediction step in the carried region of
-graphfp8.modules.carry: FP8 with the recipe, and the FP8 weights cast once per optimizer step
-whatever accumulate_grad_batches is (evaluation in FP8 unless eval_fp8=False). Needs
+runs each training, validation and prediction step through the carried recipe's one entrance
+(FP8Carry.region, graphfp8.modules.carry): FP8 with the recipe, the FP8 weights cast from their
+current values on every training step, validation and prediction leaving the FP8 training state
+as it was (in FP8 unless eval_fp8=False). Needs
 `lightning` (or `pytorch_lightning`); importing graphfp8 does not import it.
 """
 
@@ -82,7 +83,7 @@ class _FP8:
         replace_layers: convert nn.Linear layers (None: unless the model has graphfp8 layers).
         fallback_compute_dtype: torch.autocast's dtype for the other ops (default weights_dtype:
             no autocast).
-        fp8_group, eval_fp8, weight_cache: graphfp8.modules.carry.FP8Carry's.
+        fp8_group, eval_fp8: graphfp8.modules.carry.FP8Carry's.
     """
 
     precision = "graphfp8-fp8"
@@ -90,9 +91,9 @@ class _FP8:
     def __init__(self, *, weights_dtype: torch.dtype = torch.bfloat16, recipe=None,
                  replace_layers: bool | None = None,
                  fallback_compute_dtype: torch.dtype | None = None, fp8_group=None,
-                 eval_fp8: bool = True, weight_cache: bool = True) -> None:  # fmt: skip
+                 eval_fp8: bool = True) -> None:  # fmt: skip
         self.weights_dtype = weights_dtype
-        self.carry = FP8Carry(_recipe(recipe), fp8_group, eval_fp8, weight_cache)
+        self.carry = FP8Carry(_recipe(recipe), fp8_group, eval_fp8)
         self.recipe = self.carry.recipe
         self.replace_layers = replace_layers
         self.fallback_compute_dtype = fallback_compute_dtype or weights_dtype
@@ -115,14 +116,13 @@ class _FP8:
         return _default_dtype(self.weights_dtype)
 
     def forward_context(self):
-        training = self._module.training if self._module is not None else True
         stack = contextlib.ExitStack()
         stack.enter_context(_default_dtype(self.weights_dtype))
         if self.fallback_compute_dtype != self.weights_dtype:
             param = next(self._module.parameters()) if self._module is not None else None
             device = param.device.type if param is not None else "cuda"
             stack.enter_context(torch.autocast(device, dtype=self.fallback_compute_dtype))
-        stack.enter_context(self.carry.region(training))
+        stack.enter_context(self.carry.region(self._module))
         return stack
 
     def convert_input(self, data):

@@ -52,6 +52,9 @@
 #               tokens/s) and, with BLOCK_TRAIN_STEPS > 0, 100m delayed vs blockwise losses
 #   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
 #               token and GPU busy (one call under torch.profiler)
+#   step carried-casts (issue 39): what the carried recipe's weight casts on every
+#               microbatch cost against casting on each step's first of 4 (100m preset, Llama 1B
+#               and 8B blocks; eager and graphed; ms per microbatch and the ratio)
 #   step speed41 (issue 41): python -m benchmarks speed - llama-100m, llama-1b (4 layers,
 #               B2 x S4096), llama-8b (2 layers, B1 x S8192), whole training steps: bf16
 #               torch.compile (the baseline) vs graphfp8 bf16 vs FP8 layer graphs (and FP8 with
@@ -398,7 +401,7 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         $PY scripts/ncu_kernels.py summary "$RES/ncu_details.csv" > "$RES/ncu_summary.md" 2>&1 || status=1
         tee -a "$RES/summary.md" < "$RES/ncu_summary.md"; tail -5 "$RES/ncu_run.log"
       fi ;;
-    kernels|variants|opcount|census|eager|block|attention|step|host|stack|hf|hf-users)  # hf: issue 23's Llama
+    kernels|variants|opcount|census|eager|block|attention|step|host|stack|hf|hf-users|carried-casts)  # hf: issue 23's Llama
       with_te $PY -m benchmarks "$step" --json "$RES/bench_$step.json" > /tmp/bench_$step.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_$step.log; }
       grep -v '^wrote' /tmp/bench_$step.log >> "$RES/summary.md" ;;

@@ -9,7 +9,6 @@ import copy
 import torch
 
 import graphfp8 as g8
-from graphfp8.fp8 import scaling
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from tests.graphs.step_common import adamw
 from tests.modules.common import H, Stack, T
@@ -42,7 +41,6 @@ def _data(device):
 
 
 def _model(device):
-    scaling.new_init_group()  # each model's arenas of its own
     return Stack(device=device)
 
 

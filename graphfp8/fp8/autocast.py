@@ -81,13 +81,12 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None, fp8_group=N
             "fp8_autocast inside a graph capture must use the recipe given to "
             f"make_graphed_callables ({outer.recipe}) or a Float8BlockScaling, got {recipe}"
         )
-    region = outer.region
+    region, init_group = outer.region, outer.init_group
     if enabled and not outer.enabled and not outer.capturing:
         arena_check.check_recipe_agrees(recipe, fp8_group)  # before any FP8 collective
-        region = next(_REGIONS)
-        scaling.new_init_group()
+        region, init_group = next(_REGIONS), scaling.InitGroup()
     ctx = dataclasses.replace(outer, enabled=bool(enabled), recipe=recipe, group=fp8_group,
-                              region=region)  # fmt: skip
+                              region=region, init_group=init_group)  # fmt: skip
     with context.pushed(ctx):
         yield
 

@@ -59,6 +59,8 @@ class FP8Context:
             eager mode, where nothing is recorded and the updates run as the schedule says.
         recompute: inside an activation-checkpointed region, its fp8/recompute.py Region: the
             forward records the slots it uses there, the recompute replays them; else None.
+        init_group: the fp8/scaling.py InitGroup modules that first run here take their slots
+            from (None outside any region: scaling's group of slots taken outside).
     """
 
     enabled: bool = False
@@ -68,6 +70,7 @@ class FP8Context:
     weight_cache: WeightCachePolicy = EAGER
     recorder: ArenaRecorder | None = field(default=None, compare=False)
     recompute: object = field(default=None, compare=False)
+    init_group: object = field(default=None, compare=False)
 
     @property
     def capturing(self) -> bool:

@@ -45,6 +45,7 @@ __all__ = [
     "dgelu_amax_of",
     "fused",
     "gelu_amax_of",
+    "own_scale",
     "slot_quantizer",
 ]
 
@@ -131,3 +132,17 @@ def slot_quantizer(
         arena.amax_history[:, s : s + 1], arena.scale[s : s + 1], arena.scaled_max[s : s + 1], True
     )
     return Quantizer(quantizer.scale, arena.amax_sink, arena.fp8_dtype)
+
+
+def own_scale(block: SlotBlock, i: int, x: torch.Tensor) -> torch.Tensor:
+    """A (1,) float32 scale for casting x into slot i of `block` computed from x alone, as the
+    slot's delayed update would from a history holding only max |x| (the slot's scale where that
+    is 0 or not finite); the arena is read, never written. Evaluation casts a weight with it
+    (graphfp8/modules/_context.py): a weight changed since training last cast it (a LoRA merge,
+    an EMA swap) gets a scale of its own. x: (...) float32/bfloat16/float16, contiguous."""
+    arena, s = block.arena, block.start + i
+    history = torch.zeros(1, 1, dtype=torch.float32, device=x.device)
+    ops.amax_(x, history[0])
+    scale = arena.scale[s : s + 1].clone()
+    ops.scale_update_(history, scale, arena.scaled_max[s : s + 1], True)
+    return scale

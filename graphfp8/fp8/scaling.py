@@ -13,11 +13,11 @@ Once a graph has captured an arena it is frozen: modules created later start a n
 captured graph keeps raw pointers to the old tensors, which therefore must never move).
 
 Which modules share an arena: modules get their slots when they first run in FP8 (or load FP8
-state), from the current *init group*, and a fresh group starts at every outermost fp8_autocast
-region and every capture. So the layers of one model, initialised in its first region, share
-one arena per direction, while two models initialised in different regions (a model and its
-copy resumed from a checkpoint, an eager model and a graphed one) never share: one model's
-scale updates cannot touch the other's state. When an arena updates is
+state), from an *init group* (InitGroup), a value that the FP8 context carries: a new one for
+every outermost fp8_autocast region and every capture. So the layers of one model, initialised
+in its first region, share one arena per direction, while two models initialised in different
+regions (a model and its copy resumed from a checkpoint, an eager model and a graphed one) never
+share: one model's scale updates cannot touch the other's state. When an arena updates is
 graphfp8/fp8/scale_schedule.py's business.
 """
 
@@ -39,8 +39,9 @@ __all__ = [
     "REGISTRY",
     "SlotBlock",
     "allocate",
+    "freeze",
+    "InitGroup",
     "live_arenas",
-    "new_init_group",
 ]
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -173,6 +174,27 @@ class SlotBlock:
         return self.arena.scale[self.start : self.start + self.count]
 
 
+class InitGroup:
+    """Modules that take their slots through one InitGroup share one arena per (recipe, device,
+    direction): {key: arena}. A value, never a process-wide toggle: each outermost fp8_autocast
+    region carries a new one in its context (fp8/autocast.py), a capture one per chunk of modules
+    (graphs/fp8_init.py), a model carrying its recipe its own (modules/carry.py), a deep copy its
+    own (modules/base.py)."""
+
+    def __init__(self) -> None:
+        self.open: dict[tuple, Arena] = {}
+
+    def allocate(self, recipe: Recipe, device, direction: str, count: int) -> SlotBlock:
+        """Reserves `count` slots in this group's arena for (recipe, device, direction)."""
+        key = (recipe, torch.device(device), direction)
+        arena = self.open.get(key)
+        if arena is None or arena.frozen:
+            arena = Arena(recipe, torch.device(device), direction)
+            REGISTRY.arenas.add(arena)
+            self.open[key] = arena
+        return SlotBlock(arena, arena.grow(count), count)
+
+
 class ReplaySlots:
     """A SlotBlock as the casts of a recomputed forward see it (fp8/recompute.py): the scales
     saved after the original forward, amaxes folded into a scratch, no cast observed. So
@@ -203,19 +225,19 @@ class ReplaySlots:
 
 
 class ArenaRegistry:
-    """Every live arena (weakly), and the current init group's open arenas:
-    {(recipe, device, direction): arena}."""
+    """Every live arena (weakly), and the init group of slots taken outside any fp8_autocast
+    region or capture (a checkpoint loaded into a fresh module)."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        """Forgets every arena (modules keep theirs) and starts a new init group."""
+        """Forgets every arena (modules keep theirs) and the group of slots taken outside."""
         self.arenas: weakref.WeakSet[Arena] = weakref.WeakSet()
-        self.open: dict[tuple, Arena] = {}
+        self.outside = InitGroup()
 
     def is_fresh(self) -> bool:
-        return not self.arenas and not self.open
+        return not self.arenas and not self.outside.open
 
 
 REGISTRY = ArenaRegistry()
@@ -227,20 +249,18 @@ global_state.register_kept(
 )
 
 
-def new_init_group() -> None:
-    """Modules that get their slots from now on go into new arenas."""
-    REGISTRY.open = {}
+def freeze(arenas, frozen: bool = True) -> None:
+    """Marks `arenas` as captured in a graph (frozen=True: they never grow or move again; modules
+    created later get new arenas) or, undoing a failed capture, as free again."""
+    for arena in arenas:
+        arena.frozen = frozen
 
 
-def allocate(recipe: Recipe, device, direction: str, count: int) -> SlotBlock:
-    """Reserves `count` slots in the current init group's arena for (recipe, device, direction)."""
-    key = (recipe, torch.device(device), direction)
-    arena = REGISTRY.open.get(key)
-    if arena is None or arena.frozen:
-        arena = Arena(recipe, torch.device(device), direction)
-        REGISTRY.arenas.add(arena)
-        REGISTRY.open[key] = arena
-    return SlotBlock(arena, arena.grow(count), count)
+def allocate(recipe: Recipe, device, direction: str, count: int,
+             group: InitGroup | None = None) -> SlotBlock:  # fmt: skip
+    """Reserves `count` slots for (recipe, device, direction) in `group`'s arena (None: the group
+    of slots taken outside any region)."""
+    return (group or REGISTRY.outside).allocate(recipe, device, direction, count)
 
 
 def live_arenas(recipe: Recipe) -> list[Arena]:

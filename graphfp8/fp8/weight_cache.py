@@ -1,4 +1,4 @@
-"""The weight-cache rule (`is_first_microbatch`) and its three drivers.
+"""The weight-cache rule (`is_first_microbatch`) and its drivers.
 
 The rule, TransformerEngine's: a forward with is_first_microbatch None or True casts the FP8
 weights (and leaves them cached), one with False reuses the cached FP8 weights; False before any
@@ -14,15 +14,15 @@ Its drivers:
     per microbatch   a step graph knows at capture which microbatch it records: microbatch 0
                      records the casts, the others none at all (step_casts: no no-op cast nodes
                      on the cached microbatches, no flag, no fill between replays)
-    weight versions  a model that carries its recipe (graphfp8/modules/carry.py): a call given
-                     no is_first_microbatch casts only when its weights changed since its last
-                     cast (VersionCasts): True on an optimizer step's first microbatch, False
-                     on the others, whatever loop runs them
+
+A model that carries its recipe (graphfp8/modules/carry.py) runs its calls given no
+is_first_microbatch under EAGER: each casts (docs/fp8.md, "The carried recipe" says why no
+cheaper rule is safe there).
 
 The policy a context carries (graphfp8/fp8/context.py) says which decides: EAGER,
 GraphCasts(flag) - inside a capture, where every weight cast is recorded and the flag decides
 on the device (None: the graphs cast on every replay) - or StaticCasts(cast) - inside a capture
-that decides on the host - or VersionCasts.
+that decides on the host.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from graphfp8.fp8.tensor import Float8Tensor
 
 __all__ = ["EAGER", "CacheState", "DeviceFlag", "EagerCasts", "GraphCasts", "StaticCasts",
-           "VersionCasts", "WeightCache", "WeightCachePolicy", "check_is_first_microbatch",
+           "WeightCache", "WeightCachePolicy", "check_is_first_microbatch",
            "step_casts"]  # fmt: skip
 
 
@@ -76,7 +76,6 @@ class WeightCache(CacheState):
     def __init__(self) -> None:
         super().__init__()
         self.workspaces: dict[str, Float8Tensor] = {}
-        self.versions: tuple | None = None  # what the weights were at the last cast (VersionCasts)
         self.why_stale: str | None = None  # what invalidated a cast (the error of a next False)
 
     def invalidate(self, why: str = "load_state_dict wrote the weights") -> None:
@@ -148,7 +147,7 @@ class EagerCasts:
         if is_first_microbatch is False and not cache.valid:
             raise RuntimeError(_nothing_cached(owner, cache))
 
-    def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str):
         """(cast the weights now, the device flag the casts read: None)."""
         return not cache.reuses(is_first_microbatch, _nothing_cached(owner, cache)), None
 
@@ -163,7 +162,7 @@ class GraphCasts:
     def check(self, cache: WeightCache, is_first_microbatch, owner: str) -> None:
         """Nothing to check: the graph's device flag decides at replay."""
 
-    def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str):
         # The workspaces now hold what the graph casts (its flag decides): an eager call with
         # is_first_microbatch=False after a replay reuses them.
         cache.valid = True
@@ -182,7 +181,7 @@ class StaticCasts:
     def check(self, cache: WeightCache, is_first_microbatch, owner: str) -> None:
         """Nothing to check before the forward: casts() checks the capture's own order."""
 
-    def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
+    def casts(self, cache: WeightCache, is_first_microbatch, owner: str):
         """(cast the weights now, no device flag)."""
         if not (self.cast or cache.valid):
             raise RuntimeError(f"{owner}: a step graph's microbatch reuses FP8 weights that no "
@@ -191,34 +190,7 @@ class StaticCasts:
         return self.cast, None
 
 
-@dataclass(frozen=True)
-class VersionCasts:
-    """A call without is_first_microbatch casts only when a weight changed since the module's
-    last cast: its version counter (every in-place write through torch bumps it: optimizer
-    steps, load_state_dict, copy_), its storage, or the tensor itself. A write through
-    `weight.data` is not seen (its loop passes is_first_microbatch). A call with
-    is_first_microbatch follows it (EagerCasts)."""
-
-    def check(self, cache: WeightCache, is_first_microbatch, owner: str) -> None:
-        EAGER.check(cache, is_first_microbatch, owner)
-
-    def casts(self, cache: WeightCache, is_first_microbatch, owner: str, weights=()):
-        if is_first_microbatch is not None:
-            return EAGER.casts(cache, is_first_microbatch, owner)
-        versions = weight_versions(weights)
-        reuse = cache.valid and cache.versions == versions
-        cache.valid, cache.versions = True, versions
-        return not reuse, None
-
-
-def weight_versions(weights) -> tuple:
-    """What identifies the values of `weights` (an FP8 weight by its bytes): id, data pointer and
-    version counter of each. Equal keys: no weight was written in between."""
-    data = [w._data if isinstance(w, Float8Tensor) else w for w in weights]
-    return tuple((id(w), d.data_ptr(), d._version) for w, d in zip(weights, data, strict=True))
-
-
-WeightCachePolicy = EagerCasts | GraphCasts | StaticCasts | VersionCasts
+WeightCachePolicy = EagerCasts | GraphCasts | StaticCasts
 EAGER = EagerCasts()
 
 

@@ -22,22 +22,25 @@ def fp8_modules_in(trees) -> list[FP8Module]:
     return [m for m in unique(m for t in trees for m in t.modules()) if isinstance(m, FP8Module)]
 
 
-def init_fp8_modules(chunks: list[list[nn.Module]], recipe_of, device, fp8_group) -> None:
+def init_fp8_modules(chunks: list[list[nn.Module]], recipe_of, device,
+                     fp8_group) -> scaling.InitGroup:  # fmt: skip
     """Allocates the slots of each chunk's FP8 modules in fresh arenas (one init group per
     chunk: the chunks' modules share arenas as they would eagerly, where each chunk's first
     forward is its own fp8_autocast region), then checks, before warmup, that every rank of
     fp8_group holds the same arenas (raising on every rank otherwise). Modules reached otherwise
-    (by a plain function) allocate during warmup. recipe_of(module): the recipe a module runs
-    under, or None (a callable captured without FP8: its modules get no slots)."""
-    arenas = []
+    (by a plain function) allocate during warmup, in the last chunk's group, which it returns.
+    recipe_of(module): the recipe a module runs under, or None (a callable captured without FP8:
+    its modules get no slots)."""
+    arenas, group = [], scaling.InitGroup()
     for modules in chunks:
-        scaling.new_init_group()  # the captured modules never share arenas with other models
+        group = scaling.InitGroup()  # the captured modules never share arenas with other models
         for m in modules:
             recipe = recipe_of(m)
             if recipe is not None and m.uses_fp8(recipe):
-                meta = m.fp8_init(recipe, device)
+                meta = m.fp8_init(recipe, device, group)
                 arenas += [meta.fwd.arena, meta.bwd.arena]
     check_arenas(sorted(unique(arenas), key=lambda a: a.serial), fp8_group)
+    return group
 
 
 def freeze_arenas(arenas, fp8_group) -> list[scaling.Arena]:
@@ -50,6 +53,5 @@ def freeze_arenas(arenas, fp8_group) -> list[scaling.Arena]:
     arenas = sorted(arenas, key=lambda a: a.serial)
     check_arenas(arenas, fp8_group)
     newly = [a for a in arenas if not a.frozen]
-    for arena in newly:
-        arena.frozen = True
+    scaling.freeze(newly)
     return newly

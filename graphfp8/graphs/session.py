@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-from graphfp8.fp8 import context
+from graphfp8.fp8 import context, scaling
 from graphfp8.fp8.context import ArenaRecorder, FP8Context
 from graphfp8.fp8.scale_schedule import UpdatePoints
 from graphfp8.fp8.weight_cache import GraphCasts, WeightCachePolicy
@@ -68,22 +68,22 @@ class CaptureSession:
         self.fp8_group, self.pool = options.fp8_group, options.pool
         self.weight_cache = GraphCasts(weight_cache_flag)
         self.frozen: list = []
+        self.init_group = scaling.InitGroup()  # where modules first reached in warmup go
 
     def __enter__(self) -> CaptureSession:
         return self
 
     def __exit__(self, kind, value, tb) -> None:
         if kind is not None:
-            for arena in self.frozen:
-                arena.frozen = False
+            scaling.freeze(self.frozen, False)
 
     def init_fp8(self, chunks, recipe_of=None) -> None:
         """Allocates the FP8 slots of each chunk's modules (lists of FP8 modules) before warmup,
         in fresh arenas per chunk, and checks them across the ranks of fp8_group.
         recipe_of(module): a module's recipe, or None for none (default: the capture's)."""
         if self.fp8_enabled:
-            init_fp8_modules(chunks, recipe_of or (lambda m: self.recipe), self.device,
-                             self.fp8_group)  # fmt: skip
+            self.init_group = init_fp8_modules(chunks, recipe_of or (lambda m: self.recipe),
+                                               self.device, self.fp8_group)  # fmt: skip
 
     @contextlib.contextmanager
     def recording(self, callable_index: int | None = None):
@@ -94,7 +94,7 @@ class CaptureSession:
         recipe = self.recipe if callable_index is None else self.options.recipes[callable_index]
         ctx = FP8Context(enabled=recipe is not None, recipe=recipe, group=self.fp8_group,
                          region=context.current().region, weight_cache=self.weight_cache,
-                         recorder=ArenaRecorder())  # fmt: skip
+                         recorder=ArenaRecorder(), init_group=self.init_group)  # fmt: skip
         with context.pushed(ctx):
             yield ctx.recorder
 

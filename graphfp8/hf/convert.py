@@ -88,7 +88,7 @@ def _check_convertible(model: nn.Module) -> None:
 
 
 def from_hf(model: nn.Module, max_seq_len: int | None = None, recipe: Recipe | None = None,
-            fp8_group=None, eval_fp8: bool = True, weight_cache: bool = True,
+            fp8_group=None, eval_fp8: bool = True,
             graphs: str | None = None):  # fmt: skip
     """A Hugging Face LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
     GPT2LMHeadModel as graphfp8 TransformerLayers: FP8 GEMMs, graphable, Hugging Face's forward
@@ -105,7 +105,7 @@ def from_hf(model: nn.Module, max_seq_len: int | None = None, recipe: Recipe | N
         recipe: the FP8 recipe the model carries (graphfp8.modules.carry): it then runs in FP8
             by itself, with no fp8_autocast in the training loop. None: FP8 only inside the
             caller's fp8_autocast.
-        fp8_group, eval_fp8, weight_cache: the carried settings (FP8Carry); need a recipe.
+        fp8_group, eval_fp8: the carried settings (FP8Carry); need a recipe.
         graphs: None (eager), or "layers": every decoder layer a CUDA graph, captured at the
             first training forward and replayed in any training loop (graphfp8.hf.layer_graphs:
             fixed-shape batches, with the tokenizer's attention_mask or without; other
@@ -123,7 +123,7 @@ def from_hf(model: nn.Module, max_seq_len: int | None = None, recipe: Recipe | N
     from graphfp8.hf.model import CausalLM
 
     _check_convertible(model)
-    carry = FP8Carry(recipe, fp8_group, eval_fp8, weight_cache) if recipe is not None else None
+    carry = FP8Carry(recipe, fp8_group, eval_fp8) if recipe is not None else None
     if graphs not in GRAPH_MODES or (graphs is not None and carry is None):
         raise ValueError(f"graphfp8.from_hf: graphs must be one of {GRAPH_MODES} (not None only "
                          f"with a recipe), got {graphs!r}")  # fmt: skip

@@ -15,10 +15,10 @@ batch; a mask where the capture had none or the reverse; position_ids with RoPE;
 inputs_embeds; the caller's own fp8_autocast). `model.layer_graphs.counts` reads
 {"replayed": n, "eager": m, "eager_reasons": {reason: k}}.
 
-The weight cache of the replays follows the weights' versions over all layers
-(graphfp8.modules.carry): the first microbatch of an optimizer step casts, the others reuse. For
-the whole step as one graph, loops that own their step call make_graphed_step on the model
-instead (a capture's FP8 settings win over the carried ones).
+Evaluation leaves the graphs' FP8 state as it was. Replays called without is_first_microbatch
+cast the FP8 weights, as the eager carried model does (graphfp8.modules.carry says why). For the
+whole step as one graph, loops that own their step call make_graphed_step on the model instead
+(a capture's FP8 settings win over the carried ones).
 """
 
 from __future__ import annotations
@@ -27,10 +27,8 @@ import warnings
 
 import torch
 
-from graphfp8.fp8.weight_cache import weight_versions
 from graphfp8.graphs import make_graphed_callables
 from graphfp8.graphs.compiled import opaque_to_dynamo
-from graphfp8.modules._context import in_fp8_region
 
 __all__ = ["LayerGraphs"]
 
@@ -39,8 +37,8 @@ EVALUATION = "evaluation (eval mode or no grad)"
 
 
 class LayerGraphs:
-    """The per-layer graphs of one CausalLM (captured lazily), their weight-cache record and the
-    count of forwards that replayed them or ran eagerly.
+    """The per-layer graphs of one CausalLM (captured lazily) and the count of forwards that
+    replayed them or ran eagerly.
 
     Attributes:
         shape: the captured (batch, seq), None before the capture.
@@ -52,7 +50,6 @@ class LayerGraphs:
     def __init__(self) -> None:
         self.shape: tuple[int, int] | None = None
         self.segments: bool | None = None
-        self._versions: tuple | None = None
         self.replayed = 0
         self.eager_reasons: dict[str, int] = {}
 
@@ -63,15 +60,12 @@ class LayerGraphs:
                 "eager_reasons": dict(self.eager_reasons)}  # fmt: skip
 
     @opaque_to_dynamo
-    def plan(self, model, input_ids, segment_ids, refused: str | None,
-             is_first_microbatch: bool | None) -> tuple[bool, bool, bool | None]:  # fmt: skip
-        """One forward's decisions: (replay the graphs, run the captured layers' eager forward,
-        is_first_microbatch). Opaque to torch.compile (Trainer's torch_compile=True): dynamo
-        runs it, and the capture inside it, eagerly, and compiles the code around it."""
+    def plan(self, model, input_ids, segment_ids, refused: str | None) -> tuple[bool, bool]:
+        """One forward's decisions: (replay the graphs, run the captured layers' eager forward).
+        Opaque to torch.compile (Trainer's torch_compile=True): dynamo runs it, and the capture
+        inside it, eagerly, and compiles the code around it."""
         replay = self.replays(model, input_ids, segment_ids, refused)
-        if is_first_microbatch is None and self.decides_casts(model):
-            is_first_microbatch = self.is_first_microbatch(model)
-        return replay, not replay and self.shape is not None, is_first_microbatch
+        return replay, not replay and self.shape is not None
 
     def replays(self, model, input_ids, segment_ids, refused: str | None) -> bool:
         """Whether this forward runs through the graphs (capturing them first if needed).
@@ -128,17 +122,3 @@ class LayerGraphs:
                                fp8_weight_caching=True, fp8_group=carry.fp8_group,
                                chain=True)  # fmt: skip
         self.shape, self.segments = shape, segment_ids is not None
-
-    def decides_casts(self, model) -> bool:
-        """Whether is_first_microbatch comes from this record: every training forward in the
-        carried region once the graphs exist, replayed or eager (an eager forward of another
-        shape between replays casts and reuses as they do)."""
-        return (self.shape is not None and model.training and torch.is_grad_enabled()
-                and not in_fp8_region())  # fmt: skip
-
-    def is_first_microbatch(self, model) -> bool:
-        """True when a layer weight changed since the last replay (cast), else False (reuse)."""
-        key = weight_versions(list(model.layers.parameters()))
-        first = key != self._versions
-        self._versions = key
-        return first

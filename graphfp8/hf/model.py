@@ -26,7 +26,7 @@ from graphfp8.hf.inputs import attention_inputs, gpt2_positions
 from graphfp8.hf.layer_graphs import LayerGraphs
 from graphfp8.modules._context import in_fp8_region
 from graphfp8.modules.base import fp8_entries_hook
-from graphfp8.modules.carry import FP8Carry, check_not_sharded
+from graphfp8.modules.carry import FP8Carry
 
 __all__ = ["CausalLM"]
 
@@ -164,8 +164,8 @@ class CausalLM(PreTrainedModel, GenerationMixin):
             return_dict: False returns a tuple (loss first when labels are given).
             logits_to_keep: compute logits for the last this many tokens only (0: all).
             segment_ids: graphfp8's (B, S) packed documents (graphfp8.ops.segments).
-            is_first_microbatch: as for graphfp8.Linear; None with a carried recipe: cast the
-                FP8 weights only when they changed (graphfp8.modules.carry).
+            is_first_microbatch: as for graphfp8.Linear (None casts the FP8 weights; the
+                carried recipe passes nothing else: graphfp8.modules.carry).
             **kwargs: num_items_in_batch; others Hugging Face passes are ignored;
                 output_attentions / output_hidden_states raise.
 
@@ -181,18 +181,14 @@ class CausalLM(PreTrainedModel, GenerationMixin):
             from transformers import DynamicCache
 
             cache = DynamicCache(config=self.config)
-        carry = self.fp8
-        if carry is not None:
-            check_not_sharded((self, self.layers[0]), self.layers[0].qkv.weight)
+        region = self.fp8.region(self) if self.fp8 is not None else contextlib.nullcontext()
         graphs, eager_layers = self.layer_graphs, False
         if graphs is not None:
             segments = segment_ids
             if segments is None and attention_mask is not None and attention_mask.dim() == 2:
                 segments = attention_mask.to(torch.int64)  # as inputs.attention_inputs makes them
             refused = _why_not_graphed(cache, inputs_embeds, position_ids, self.arch != "gpt2")
-            _, eager_layers, is_first_microbatch = graphs.plan(self, input_ids, segments, refused,
-                                                               is_first_microbatch)  # fmt: skip
-        region = carry.region(self.training) if carry is not None else contextlib.nullcontext()
+            _, eager_layers = graphs.plan(self, input_ids, segments, refused)
         with region:
             x = self._hidden(input_ids, inputs_embeds, attention_mask, position_ids, cache,
                              segment_ids, is_first_microbatch, eager_layers)  # fmt: skip

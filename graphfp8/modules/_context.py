@@ -8,7 +8,10 @@ places around it and the GEMM configs that carry them. Nothing here writes into 
               pass; weight casts decided by is_first_microbatch (weight_cache.py, EAGER)
     capture:  the module's arenas recorded (ctx.recorder); no update (the graphs place them);
               every weight cast recorded, the graph's device flag deciding (GraphCasts)
-    frozen:   an eval call with is_first_microbatch=False: current scales, no amax, no update
+    frozen:   an eval-mode call (module.eval()): current scales, no amax, no update, and its
+              weight casts (is_first_microbatch None or True) into scratch workspaces, each
+              weight scaled from itself, so the module's weight cache stays as training left
+              it; False reuses that cache
     recompute the forward of an activation-checkpointed region records its slots
               (ctx.recompute); its recompute casts with the saved scales, no amax, no update,
               the cached FP8 weights (fp8/recompute.py)
@@ -20,15 +23,19 @@ import torch
 from torch import nn
 
 from graphfp8.fp8 import context, scaling
+from graphfp8.fp8.current import own_scale
 from graphfp8.fp8.recipe import Recipe, is_blockwise, is_current_scaling
 from graphfp8.fp8.scale_schedule import SCHEDULE
+from graphfp8.fp8.slots import FwdRole, slot_index
+from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.fp8.weight_cache import WeightCache
 from graphfp8.modules._functional import GemmConfig
 
 # The FP8 layers' base class (modules/base.py) imports this module: `module` below is an FP8Module,
 # annotated as the nn.Module it is so that the two stay a one-way import.
 
 __all__ = ["FrozenSlots", "blockwise_recipe", "fp8_enabled", "fp8_recipe", "fp8_slots",
-           "fp8_state", "gemm_configs", "in_fp8_region"]  # fmt: skip
+           "fp8_state", "gemm_configs", "in_fp8_region", "init_group"]  # fmt: skip
 
 
 def fp8_enabled() -> bool:
@@ -40,6 +47,12 @@ def in_fp8_region() -> bool:
     """Whether an fp8_autocast region (enabled or not) or a capture is open: a model carrying
     its recipe (modules/carry.py) then leaves the choice to it."""
     return context.current() is not context.OFF
+
+
+def init_group() -> scaling.InitGroup | None:
+    """The init group modules take their slots from now (fp8/scaling.py), None outside any
+    region."""
+    return context.current().init_group
 
 
 def fp8_recipe() -> Recipe | None:
@@ -57,13 +70,21 @@ def blockwise_recipe() -> Recipe | None:
 
 class FrozenSlots:
     """A SlotBlock whose casts read its scales but fold their amaxes into the arena's sink: an
-    FP8 call that leaves the delayed-scaling state as it was (a frozen call)."""
+    FP8 call that leaves the delayed-scaling state as it was (a frozen call). Given the call's
+    weights (an evaluation cast), each weight's slot scales from that weight alone (own_scale):
+    a weight changed since training last cast it is not cast with the old weight's scale."""
 
-    def __init__(self, block: scaling.SlotBlock):
+    def __init__(self, block: scaling.SlotBlock, weights=()):
         self.block, self.arena, self.start = block, block.arena, block.start
+        self._own = {}
+        for g, w in enumerate(weights):
+            if not isinstance(w, Float8Tensor):  # an FP8 primary weight carries its own scale
+                i = slot_index(FwdRole.WEIGHT, g)
+                self._own[i] = own_scale(block, i, w)
 
     def scale(self, i: int) -> torch.Tensor:
-        return self.block.scale(i)
+        own = self._own.get(i)
+        return self.block.scale(i) if own is None else own
 
     def amax(self, i: int) -> torch.Tensor:
         return self.arena.amax_sink
@@ -72,14 +93,14 @@ class FrozenSlots:
         return self.block.scales()
 
 
-def _frozen_call(module: nn.Module, ctx: context.FP8Context, is_first_microbatch) -> bool:
-    """An eval-mode call with is_first_microbatch=False (an eval pass between a step's
-    training microbatches, eager or a graphed module's eager fallback): it reuses the cached FP8
-    weights and leaves the delayed-scaling state alone (current scales, no amax recorded, no
-    update), so the next training microbatch is the one it would have been."""
+def _frozen_call(module: nn.Module, ctx: context.FP8Context) -> bool:
+    """An eager eval-mode call (an evaluation forward, generate(), a validation loop, between
+    or after training microbatches; a graphed module's eager fallback too): it runs with the
+    current scales and leaves the delayed-scaling state and the weight cache alone (no amax
+    recorded, no update, no cached weight written), so training continues exactly as if it had
+    not run (docs/fp8.md, "Evaluation")."""
     return (
-        is_first_microbatch is False
-        and not module.training
+        not module.training
         and not ctx.capturing
         and not is_current_scaling(ctx.recipe)  # no state carries from cast to cast
     )
@@ -92,7 +113,7 @@ def fp8_state(module: nn.Module, device, frozen: bool = False,
     None (in a capture, which records the arenas and places both updates itself; or a `frozen`
     call, which updates nothing). Eager mode runs the forward update point here."""
     ctx = ctx or context.current()
-    meta = module.fp8_init(ctx.recipe, device)
+    meta = module.fp8_init(ctx.recipe, device, ctx.init_group)
     if ctx.recorder is not None:
         ctx.recorder.record(meta.fwd.arena, meta.bwd.arena)
         return meta, None
@@ -103,19 +124,20 @@ def fp8_state(module: nn.Module, device, frozen: bool = False,
 
 
 def fp8_slots(module: nn.Module, device, frozen: bool = False,
-              ctx: context.FP8Context | None = None) -> tuple:  # fmt: skip
+              ctx: context.FP8Context | None = None, weights=()) -> tuple:  # fmt: skip
     """(forward slots, backward slots, backward update) of an FP8 forward of `module`: fp8_state's,
-    the frozen call's FrozenSlots, or a recompute's ReplaySlots (no update; fp8/recompute.py)."""
+    the frozen call's FrozenSlots (`weights` each scaled from itself), or a recompute's
+    ReplaySlots (no update; fp8/recompute.py)."""
     ctx = ctx or context.current()
     region = ctx.recompute
     if region is not None and region.replaying:
-        meta = module.fp8_init(ctx.recipe, device)
+        meta = module.fp8_init(ctx.recipe, device, ctx.init_group)
         return region.replay_slots(meta.fwd, type(module).__name__), meta.bwd, None
     meta, bwd_update = fp8_state(module, device, frozen, ctx)
     if region is not None:
         region.used(meta.fwd)
     if frozen:
-        return FrozenSlots(meta.fwd), FrozenSlots(meta.bwd), bwd_update
+        return FrozenSlots(meta.fwd, weights), FrozenSlots(meta.bwd), bwd_update
     return meta.fwd, meta.bwd, bwd_update
 
 
@@ -131,15 +153,21 @@ def gemm_configs(
     replaying = ctx.recompute is not None and ctx.recompute.replaying
     if not replaying:
         ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before FP8 state changes
-    frozen = _frozen_call(module, ctx, is_first_microbatch)
-    fwd, bwd, bwd_update = fp8_slots(module, weights[0][1].device, frozen, ctx)
+    frozen = _frozen_call(module, ctx)
+    # An evaluation cast: into workspaces of its own, each weight scaled from itself (frozen),
+    # the cache left as training left it.
+    evaluating = (not module.training and not ctx.capturing and not replaying
+                  and is_first_microbatch is not False)  # fmt: skip
+    own = [w for _, w in weights] if evaluating else ()
+    fwd, bwd, bwd_update = fp8_slots(module, weights[0][1].device, frozen, ctx, own)
     fp8_dtype = fwd.arena.fp8_dtype
+    if evaluating:
+        cache = WeightCache()
     workspaces = [cache.workspace(key, w, fp8_dtype, module.cache_weight_transpose, owner)
                   for key, w in weights]  # fmt: skip
-    cast, flag = False, None  # a recompute reads the FP8 weights its forward cast (or cached)
-    if not replaying:
-        cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner,
-                                            [w for _, w in weights])  # fmt: skip
+    cast, flag = evaluating, None  # a recompute reads the FP8 weights its forward cast (or cached)
+    if not (replaying or evaluating):
+        cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner)
     # An FP8 primary weight rewritten since its last transpose needs a new one (an all-gathered
     # FSDP2 weight in a recompute too: the same bits from the same data).
     casts = [cast or (ws is w and not ws._transpose_valid)

@@ -19,7 +19,7 @@ from graphfp8.modules import _state_tensor
 from graphfp8.modules._autocast import honour_autocast
 from graphfp8.modules._checkpoint import check_extra_state, format_move_error, shape_errors
 from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
-from graphfp8.modules._context import blockwise_recipe, fp8_enabled, gemm_configs
+from graphfp8.modules._context import blockwise_recipe, fp8_enabled, gemm_configs, init_group
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
 
@@ -31,17 +31,19 @@ class FP8Meta:
     """One module's FP8 slots (graphfp8.fp8.slots): `counts` = (forward, backward) slots, e.g.
     FwdRole and BwdRole slots per GEMM, in the forward and backward arenas."""
 
-    def __init__(self, recipe: Recipe, device: torch.device, counts: tuple[int, int]):
+    def __init__(self, recipe: Recipe, device: torch.device, counts: tuple[int, int],
+                 group: scaling.InitGroup | None = None):  # fmt: skip
         self.recipe = recipe
         self.device = torch.device(device)
         self.counts = counts
-        self.fwd = scaling.allocate(recipe, device, scaling.FORWARD, counts[0])
-        self.bwd = scaling.allocate(recipe, device, scaling.BACKWARD, counts[1])
+        self.fwd = scaling.allocate(recipe, device, scaling.FORWARD, counts[0], group)
+        self.bwd = scaling.allocate(recipe, device, scaling.BACKWARD, counts[1], group)
 
     def __deepcopy__(self, memo) -> FP8Meta:
-        """A copied module gets fresh slots (in the open arena, so updates reach them) holding
-        the same histories and scales."""
-        new = FP8Meta(self.recipe, self.device, self.counts)
+        """A copied module gets fresh slots holding the same histories and scales, in arenas of
+        the copy (one init group per deepcopy call: the copy's modules share them)."""
+        group = memo.setdefault(id(scaling.InitGroup), scaling.InitGroup())
+        new = FP8Meta(self.recipe, self.device, self.counts, group)
         new.copy_from_(self)
         return new
 
@@ -143,9 +145,10 @@ class FP8Module(nn.Module):
         """(forward, backward) slots this module owns: the GEMM roles of each of its GEMMs."""
         return slots_per_gemm(FwdRole) * self.num_gemms, slots_per_gemm(BwdRole) * self.num_gemms
 
-    def fp8_init(self, recipe: Recipe, device) -> FP8Meta:
-        """Allocates this module's slots for `recipe` (or moves them to it from another recipe of
-        the same history length), and returns them."""
+    def fp8_init(self, recipe: Recipe, device, group: scaling.InitGroup | None = None) -> FP8Meta:
+        """Allocates this module's slots for `recipe` in `group`'s arenas (None: the current FP8
+        context's init group; graphfp8/fp8/scaling.py) - or moves them to it from another recipe
+        of the same history length - and returns them."""
         meta, device = self.fp8_meta, torch.device(device)
         if meta is not None and meta.recipe == recipe and meta.device == device:
             return meta
@@ -167,7 +170,7 @@ class FP8Module(nn.Module):
             moved = format_move_error(meta.recipe, recipe, meta.bwd.history(), meta.bwd.scales())
             if moved is not None:
                 raise ValueError(f"{name}: {moved}")
-        new = FP8Meta(recipe, device, self._slot_counts())
+        new = FP8Meta(recipe, device, self._slot_counts(), group or init_group())
         if meta is not None:
             new.copy_from_(meta)
         self.fp8_meta = new

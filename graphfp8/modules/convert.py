@@ -171,8 +171,7 @@ def _plan_children(module: nn.Module, prefix: str, plan: _Plan) -> None:
 
 def convert(model: nn.Module, fuse_layernorm: bool = True,
             module_filter: ModuleFilter | None = None, *, recipe: Recipe | None = None,
-            fp8_group=None, eval_fp8: bool = True,
-            weight_cache: bool = True) -> nn.Module:  # fmt: skip
+            fp8_group=None, eval_fp8: bool = True) -> nn.Module:  # fmt: skip
     """Replaces nn.Linear (and LayerNorm + Linear pairs of an nn.Sequential) by graphfp8 layers
     in place; the new layers hold the same Parameter objects, so tied weights stay tied.
 
@@ -184,7 +183,7 @@ def convert(model: nn.Module, fuse_layernorm: bool = True,
         recipe: the FP8 recipe the model then carries (graphfp8.modules.carry): each call runs
             in FP8 by itself, with no fp8_autocast in the training loop (forward hooks on the
             model; graphs refuse them: capture a model converted without a recipe).
-        fp8_group, eval_fp8, weight_cache: the carried settings (FP8Carry); need a recipe.
+        fp8_group, eval_fp8: the carried settings (FP8Carry); need a recipe.
 
     Returns:
         The model.
@@ -199,7 +198,7 @@ def convert(model: nn.Module, fuse_layernorm: bool = True,
             "make FP8 primary weights: build the model from graphfp8 layers inside "
             "fp8_model_init and load_state_dict the high-precision weights (they are quantized)"
         )
-    fp8 = FP8Carry(recipe, fp8_group, eval_fp8, weight_cache) if recipe is not None else None
+    fp8 = FP8Carry(recipe, fp8_group, eval_fp8) if recipe is not None else None
     plan = _Plan(fuse_layernorm, module_filter)
     single = isinstance(model, nn.Linear)
     if single:

@@ -1,12 +1,12 @@
 """Validation loss of a run: eager, no grad, the run's precision, FP8 state left as it was.
 
-The whole evaluation is one fp8_autocast region, so every validation batch runs with the same
-scales: those the next training step will use (the region's one forward scale update rolls in
-the last training microbatch's amaxes, as the next step's first forward would). Afterwards every
-amax history and scale the model uses is restored bit for bit, so training continues exactly as
-if no evaluation had run. The FP8 weight workspaces are recast by the evaluation; training
-recasts them on the next step's first microbatch anyway (is_first_microbatch=True). Graphed
-blocks run their eager forward in eval mode (the graph's rule for another training mode).
+The whole evaluation is one fp8_autocast region in eval mode: every call is frozen
+(graphfp8/modules/_context.py; docs/fp8.md, "The carried recipe: weight casts and evaluation"),
+so every validation batch runs with the scales the last training microbatch left, each weight cast
+with a scale of its own into workspaces of its own, and no amax history, scale or cached FP8
+weight changes; the arenas are also restored bit for bit afterwards. Training continues exactly
+as if no evaluation had run. Graphed blocks run their eager forward in eval mode (the graph's
+rule for another training mode).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphfp8 as g8
-from graphfp8.fp8 import context, scaling
+from graphfp8.fp8 import context
 from graphfp8.graphs import callables as capture_module
 from graphfp8.graphs.grads import GradFold
 from graphfp8.graphs.replay_guard import hook_dicts
@@ -83,8 +83,7 @@ CASES = {
 
 def _copy(model):
     """A deep copy with the same .grad (deepcopy leaves it out), whose FP8 slots live in an
-    arena of their own (so that the two models' updates never touch each other)."""
-    scaling.new_init_group()
+    arena of their own (deepcopy's: the two models' updates never touch each other)."""
     new = copy.deepcopy(model)
     for p, q in zip(new.parameters(), model.parameters(), strict=True):
         p.grad = None if q.grad is None else q.grad.clone()

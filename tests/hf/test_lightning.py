@@ -1,7 +1,8 @@
 """Lightning trains a Hugging Face model in FP8 through graphfp8.lightning.FP8Precision (issue 32,
 item 3), with no FP8 code in the LightningModule: layers converted by the plugin, every step
-equal bit for bit to the loop written with fp8_autocast and is_first_microbatch by hand over
-accumulate_grad_batches microbatches; Fabric takes the same plugin."""
+equal bit for bit to the loop written with fp8_autocast by hand over accumulate_grad_batches
+microbatches, with a fused AdamW (issue 39: it bumps no version counter); validation between
+steps leaves training as it was; Fabric takes the same plugin."""
 
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ class LitLM(L.LightningModule):
     def training_step(self, x, i):
         return self.model(x, labels=x).loss
 
+    def validation_step(self, x, i):
+        return self.model(x, labels=x).loss
+
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
 
 
 def _batches():
@@ -37,7 +41,7 @@ def _batches():
 
 
 @contextlib.contextmanager
-def first_microbatch(model, flag: bool):
+def first_microbatch(model, flag: bool | None):
     """Calls every graphfp8 layer of `model` with is_first_microbatch=flag (the HF model's own
     forward passes none)."""
     layers = [m for m in model.modules() if isinstance(m, g8.FP8Module) and m.num_gemms]
@@ -52,9 +56,9 @@ def first_microbatch(model, flag: bool):
 
 def _explicit():
     model = g8.convert(hf_model("llama").train())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     for i, x in enumerate(_batches()):
-        with g8.fp8_autocast(recipe=RECIPE), first_microbatch(model, i % MICRO == 0):
+        with g8.fp8_autocast(recipe=RECIPE), first_microbatch(model, None):
             loss = model(x, labels=x).loss
         (loss / MICRO).backward()
         if i % MICRO == MICRO - 1:
@@ -77,6 +81,20 @@ def test_lightning_trains_in_fp8_as_the_explicit_loop():
     _trainer(accumulate_grad_batches=MICRO).fit(lit, loader)
     assert isinstance(lit.model.model.layers[0].mlp.down_proj, g8.Linear)
     assert_same_training(_explicit(), lit.model, "after 3 steps")
+
+
+def test_validation_between_steps_leaves_training_as_it_was():
+    """A validation batch after every optimizer step (in FP8, FP8Precision's forward_context):
+    the run ends bit for bit where the run without validation does (issue 39, item 2)."""
+    models = []
+    for validate in (True, False):
+        lit = LitLM()
+        loader = torch.utils.data.DataLoader(_batches(), batch_size=None)
+        val = torch.utils.data.DataLoader([batch(7, 0)], batch_size=None)
+        _trainer(accumulate_grad_batches=MICRO, val_check_interval=MICRO,
+                 limit_val_batches=1 if validate else 0).fit(lit, loader, val)  # fmt: skip
+        models.append(lit.model)
+    assert_same_training(models[1], models[0], "with and without validation")
 
 
 def test_fabric_takes_the_plugin():

@@ -1,9 +1,10 @@
 """Hugging Face Trainer trains a converted model that carries its recipe in FP8, unchanged (issue
-32, item 3 and the first rows of its table): every step equals the loop written with
-fp8_autocast and is_first_microbatch by hand bit for bit (gradient accumulation, HF's loss with
-num_items_in_batch), trainer.save_model writes what AutoModelForCausalLM loads, a run resumed
-from a Trainer checkpoint ends bit for bit where the uninterrupted one does, and evaluation runs
-in the mode chosen. Failed before: forward() got an unexpected keyword argument
+32, item 3 and the first rows of its table), with Trainer's default optimizer (adamw_torch_fused,
+which bumps no version counter: issue 39 found the FP8 weights never recast after step 0): every
+step equals the loop written with fp8_autocast by hand bit for bit (gradient accumulation, HF's
+loss with num_items_in_batch), trainer.save_model writes what AutoModelForCausalLM loads, a run
+resumed from a Trainer checkpoint ends bit for bit where the uninterrupted one does, and
+evaluation runs in the mode chosen. Failed before: forward() got an unexpected keyword argument
 'attention_mask'; checkpoints failed on the FP8 state's dict."""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _args(out, **kw) -> transformers.TrainingArguments:
     base = dict(output_dir=str(out), per_device_train_batch_size=2,
                 gradient_accumulation_steps=MICRO, max_steps=STEPS, learning_rate=1e-3,
                 lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
-                optim="adamw_torch", report_to=[], use_cpu=True, seed=0, save_strategy="no",
+                report_to=[], use_cpu=True, seed=0, save_strategy="no",
                 logging_strategy="no", dataloader_drop_last=True, disable_tqdm=True)  # fmt: skip
     return transformers.TrainingArguments(**{**base, **kw})
 
@@ -58,14 +59,15 @@ def test_trainer_trains_in_fp8_as_the_explicit_loop(graphs, device, tmp_path):
     lm = g8.from_hf(hf_model("llama", device=device).train(), recipe=RECIPE, graphs=graphs)
     calls = _record_inputs(lm)
     args = _args(tmp_path, use_cpu=device == "cpu")
+    assert args.optim == "adamw_torch_fused", "Trainer's default optimizer"
     trainer = transformers.Trainer(model=lm, args=args, train_dataset=Tokens(16))
     trainer.train()
     assert len(calls) == STEPS * MICRO and "num_items_in_batch" in calls[0]
     plain = g8.from_hf(hf_model("llama", device=device).train())
-    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
     for i, call in enumerate(calls):
         with g8.fp8_autocast(recipe=RECIPE):
-            out = plain(**call, is_first_microbatch=i % MICRO == 0)
+            out = plain(**call, is_first_microbatch=None)
         out.loss.backward()
         if i % MICRO == MICRO - 1:
             opt.step()
@@ -105,7 +107,7 @@ def test_trainer_evaluates_in_the_mode_chosen(eval_fp8, tmp_path):
                                    eval_dataset=data)  # fmt: skip
     got = trainer.evaluate()["eval_loss"]
     x = torch.stack(data.rows)
-    plain = g8.from_hf(hf_model("llama"))
+    plain = g8.from_hf(hf_model("llama")).eval()  # evaluation: eval mode
     with torch.no_grad(), g8.fp8_autocast(enabled=eval_fp8, recipe=RECIPE):
         want = plain(x, labels=x).loss
     with torch.no_grad(), g8.fp8_autocast(enabled=not eval_fp8, recipe=RECIPE):
