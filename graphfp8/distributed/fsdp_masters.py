@@ -6,16 +6,22 @@ graphfp8 layers were built inside fp8_model_init and then sharded by `fully_shar
     masters = g8.MasterWeights(model)      # an FSDPMasterWeights (distributed/masters.py)
     opt = torch.optim.AdamW(masters.parameters())   # DTensor masters + the other DTensors
     ... forward / backward under fp8_autocast (FSDP2 all-gathers the weights in FP8) ...
-    torch.nn.utils.clip_grad_norm_(masters.parameters(), 1.0)   # DTensors: the global norm
+    masters.clip_grad_norm_(1.0)           # optional: the global norm (DTensors)
     masters.step(opt)
     masters.zero_grad()
 
 Each FP8 weight's master is a DTensor of its fp32 local shard, placed like the weight, so the
-optimizer and clip_grad_norm_ see DTensors as for every other FSDP2 parameter. `step` copies the
-weights' reduced gradient shards (FSDP2's reduce-scatter made them) into the masters' fp32 grads,
-steps, and writes the shards back with one amax per weight over the mesh (group_quantize.py):
-every shard of a weight gets the same scale_inv, which the FP8 all-gather ships with the bytes,
-and the weights are quantized exactly as on one process.
+optimizer and clip_grad_norm_ see DTensors as for every other FSDP2 parameter. As the unsharded
+masters' (fp8/master.py), a master's `.grad` is its weight's gradient shard in fp32: reading it
+first moves the weight's pending reduced shard (FSDP2's reduce-scatter made it) into it (added to
+what it holds; the weight's `.grad` becomes None), so whatever reads the masters' grads after the
+backward sees every gradient: `masters.clip_grad_norm_(c)`,
+`torch.nn.utils.clip_grad_norm_(masters.parameters(), c)` (the global norm, through DTensor) and
+the same of `model.parameters()` (the shards clipped in place, then moved) clip alike, bit for
+bit (parameters() keeps the model's order). `step` moves the pending shards in, steps, and writes
+the shards back with one amax per weight over the mesh (group_quantize.py): every shard of a
+weight gets the same scale_inv, which the FP8 all-gather ships with the bytes, and the weights
+are quantized exactly as on one process.
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from graphfp8.distributed.group_quantize import GroupQuantizer
-from graphfp8.fp8.master import ClaimAnchor, MasterWeights, check_fp8_weights_kept, claim
+from graphfp8.fp8.master import (
+    TENSOR_GRAD,
+    ClaimAnchor,
+    MasterWeights,
+    check_fp8_weights_kept,
+    claim,
+)
 from graphfp8.fp8.tensor import is_fsdp_fp8
 
 __all__ = ["FSDPMasterWeights", "fsdp_fp8_weights"]
@@ -35,6 +47,43 @@ def fsdp_fp8_weights(model: nn.Module) -> list[tuple[str, DTensor]]:
     """The (name, parameter) pairs of `model` that FSDP2 shards hold as FP8 (DTensors of
     Float8Tensor shards)."""
     return [(n, p) for n, p in model.named_parameters() if is_fsdp_fp8(p)]
+
+
+class _FSDPMaster(DTensor):
+    """An fp32 master shard (a DTensor placed like its FP8 weight) whose `.grad` first takes in
+    the weight's pending reduced gradient shard (module docstring). Ops on it return DTensors."""
+
+    _weight: DTensor
+
+    @property
+    def grad(self):
+        w = self._weight
+        if w.grad is not None:
+            with torch.no_grad():
+                pending, held = w.grad._local_tensor, TENSOR_GRAD.__get__(self)
+                if held is None:
+                    TENSOR_GRAD.__set__(self, _like(w, pending.to(torch.float32, copy=True)))
+                else:
+                    held._local_tensor.add_(pending)
+                w.grad = None
+        return TENSOR_GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value) -> None:
+        self._weight.grad = None  # the pending gradient belongs to the old value
+        TENSOR_GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        self.grad = None
+
+
+def _master(p: DTensor) -> _FSDPMaster:
+    """The fp32 master of FSDP2 FP8 shard p: its dequantized local shard, placed like p."""
+    local = p._local_tensor.dequantize(torch.float32)
+    m = DTensor.__new__(_FSDPMaster, local, _like(p, local)._spec, requires_grad=p.requires_grad)
+    m._weight = p
+    return m
 
 
 class FSDPMasterWeights(MasterWeights):
@@ -61,9 +110,9 @@ class FSDPMasterWeights(MasterWeights):
         self._anchor = ClaimAnchor()
         claim(self.names, self.fp8_params, self._anchor)
         self._checked_optimizer = None
-        self.masters = [nn.Parameter(_like(p, p._local_tensor.dequantize(torch.float32)),
-                                     requires_grad=p.requires_grad)
-                        for p in self.fp8_params]  # fmt: skip
+        self.masters = [_master(p) for p in self.fp8_params]
+        by_weight = {id(p): m for p, m in zip(self.fp8_params, self.masters, strict=True)}
+        self._in_model_order = [by_weight.get(id(p), p) for p in model.parameters()]
         locals_ = [p._local_tensor for p in self.fp8_params]
         self.quantizer = GroupQuantizer([t.fp8_dtype for t in locals_], locals_[0].device)
         self.write_back_()
@@ -71,17 +120,25 @@ class FSDPMasterWeights(MasterWeights):
     def tensors(self) -> list[torch.Tensor]:
         return [*(m._local_tensor for m in self.masters), self.quantizer.scale]
 
+    def parameters(self) -> list[torch.Tensor]:
+        """What the optimizer updates, in the model's order with each FP8 weight's master in its
+        place: a norm over them sums as one over model.parameters() does (the same bits)."""
+        return list(self._in_model_order)
+
     @torch.no_grad()
     def copy_grads_(self) -> None:
-        """Each FP8 weight's reduced gradient shard into its master's fp32 grad (None stays
-        None)."""
-        for p, m in zip(self.fp8_params, self.masters, strict=True):
-            if p.grad is None:
-                m.grad = None
-            elif m.grad is None:
-                m.grad = _like(p, p.grad._local_tensor.to(torch.float32, copy=True))
-            else:
-                m.grad._local_tensor.copy_(p.grad._local_tensor)
+        """Each FP8 weight's pending reduced gradient shard moved into its master's fp32 grad,
+        as reading the master's .grad does."""
+        for m in self.masters:
+            m.grad  # noqa: B018 - the property moves the pending gradient in
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clips every gradient (the masters' and the other parameters') by the global L2 norm
+        over the mesh, torch.nn.utils.clip_grad_norm_ of masters.parameters(). Returns the norm
+        (0-d float32, the same on every rank)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     @torch.no_grad()
     def write_back_(self) -> None:

@@ -1,7 +1,8 @@
 """FSDP2 with FP8 weights on GPUs (NCCL, tests/rank_pool.py, one GPU per rank): the default
 reshard_after_forward=True equals False bit for bit (the NaN of issue 40 on the GPU: the
 re-gathered weight's transpose rebuilt by the backward), on one GPU and on 2 and 3 where the
-machine has them; a DCP checkpoint saved at 2 GPUs loads at 3 (skipped with fewer)."""
+machine has them; a DCP checkpoint saved at 2 GPUs loads at 3 (skipped with fewer); clipping
+masters.parameters() equals clipping model.parameters() on one GPU."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from tests.rank_pool import run_on_ranks
 from tests.sharding.test_dcp_world_sizes import _at_2_again, _at_2_first, _at_3
+from tests.sharding.test_fsdp2_clip import _idioms_agree
 from tests.sharding.test_fsdp2_reshard import _reshard_equals_no_reshard
 
 pytestmark = [
@@ -37,3 +39,7 @@ def test_dcp_checkpoint_moves_2_to_3_to_2_gpus(kind, tmp_path):
     run_on_ranks("nccl", _at_2_first, kind, str(tmp_path))
     run_on_ranks("nccl", _at_3, kind, str(tmp_path), world=3)
     run_on_ranks("nccl", _at_2_again, kind, str(tmp_path))
+
+
+def test_clipping_the_masters_equals_clipping_the_model_on_one_gpu():
+    run_on_ranks("nccl", _idioms_agree, world=1)
