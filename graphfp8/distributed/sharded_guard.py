@@ -102,8 +102,8 @@ class GradWatch:
                         in enumerate(zip(self.nodes, params, strict=True))]  # fmt: skip
 
     def backward_done(self, i: int, p: torch.Tensor) -> None:
-        if capturing():  # a graph's backward: its replays run no hook
-            self.versions.pop(i, None)
+        if capturing():  # a step graph's warmup: the graph owns the step from now on
+            self.release()
             return
         if self.reduced and self.late is None:
             self.late = self.names[i]
@@ -136,6 +136,16 @@ class GradWatch:
 
     def reset(self) -> None:
         self.versions, self.reduced, self.late = {}, False, None
+
+    def release(self) -> None:
+        """Lets the accumulators go, hooks and all. Made on the eager stream and kept alive, they
+        would tie a CUDA capture's backward to that stream ("operation would make the legacy
+        stream depend on a capturing blocking stream", H200 2026-12-01); a graph's replays run
+        no hook anyway, so a captured step needs no watch. Called from a hook, so the hooks are
+        not removed (that would change the dict the backward iterates): they go with their
+        accumulators once the running backward lets them go."""
+        self.nodes, self.handles = [], []
+        self.reset()
 
 
 def _hook(watch: weakref.ref, i: int, param: torch.Tensor):

@@ -95,7 +95,6 @@ def test_the_sample_is_the_callers_and_free_after_capture(device):
     (the microbatch and step graphs' samples too). Now a copy is: the sample keeps its values,
     and writing it after a call that passed it changes nothing the backward reads."""
     model = nn.Linear(H, H, device=device)
-    eager = copy.deepcopy(model)
     sample = _x(device, dtype=torch.float32).requires_grad_()
     kept = sample.detach().clone()
     g = g8.make_graphed_callables(model, (sample,))
@@ -106,8 +105,12 @@ def test_the_sample_is_the_callers_and_free_after_capture(device):
     with torch.no_grad():
         sample.normal_()
     y.sum().backward()
-    eager(kept).sum().backward()
-    assert_bitwise_equal(model.weight.grad, eager.weight.grad, "weight grad")
+    written = model.weight.grad.clone()
+    # Against the same graph on an untouched copy, not eager: on the H200 this float32 GEMM's
+    # graphed and eager gradients differed (2026-12-01; cuBLAS's choice under capture, a guess).
+    model.zero_grad()
+    g(kept.clone().requires_grad_()).sum().backward()
+    assert_bitwise_equal(written, model.weight.grad, "weight grad")
 
 
 # Activation checkpointing around a graphed callable ---------------------------------------------
