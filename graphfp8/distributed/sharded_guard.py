@@ -110,11 +110,16 @@ class GradWatch:
         self.versions[i] = (id(p.grad), p.grad._version)
 
     def check_unchanged(self, params: list[torch.Tensor]) -> None:
-        """Before the reduction: every gradient as its last backward left it."""
+        """Before the reduction: every gradient as its last backward left it. A step graph's
+        warmup reduces too: the watch lets go there, before the capture (its backward runs
+        torch.autograd.grad, which runs no accumulator and so no hook of ours)."""
+        if capturing():
+            self.release()
+            return
         # The same gradient tensor written since (a new one is a new backward's).
         changed = [self.names[i] for i, (ident, v) in self.versions.items()
                    if id(params[i].grad) == ident and params[i].grad._version != v]  # fmt: skip
-        if changed and not capturing():
+        if changed:
             raise RuntimeError(
                 f"MasterWeights(shard_group=...): the gradients of {changed[:3]}"
                 f"{' ...' if len(changed) > 3 else ''} were changed in place after the backward, "
