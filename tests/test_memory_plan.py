@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 import graphfp8 as g8
-from graphfp8.memory import LiveBytes, sharded_at, training_state
+from benchmarks.memory_shard import state_in_optimizer_step
+from graphfp8.memory import LiveBytes, sharded_at
 from graphfp8.memory.plan import largest_fit, main, plan
 from graphfp8.memory.shapes import LLAMA, shape_from, shape_of
 from graphfp8.training.model import GPT, PRESETS
@@ -54,28 +55,13 @@ def _state_in_optimizer_step(preset: str, fp8_weights: bool, group):
     """graphfp8-train's model, masters and AdamW after one step and a second microbatch whose
     gradients reached the masters (everything of the optimizer step alive)."""
     model, cfg = _model(preset, fp8_weights)
-    masters = None
-    if group is not None:
-        masters = g8.MasterWeights(model, shard_group=group)
-    elif fp8_weights:
-        masters = g8.MasterWeights(model)
-    params = masters.parameters() if masters is not None else model.parameters()
-    opt = torch.optim.AdamW(params, lr=torch.tensor(1e-6), fused=True)
     tokens = torch.randint(0, cfg.vocab, (B, S), generator=torch.Generator().manual_seed(0))
-    for step in range(2):
+
+    def forward_backward(model):
         with g8.fp8_autocast(recipe=RECIPE):
             model(tokens, tokens, is_first_microbatch=True).backward()
-        if step == 1:
-            break
-        if masters is not None:
-            masters.step(opt)
-            masters.zero_grad()
-        else:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    if masters is not None:
-        masters.copy_grads_()
-    return training_state(model, opt, masters), masters
+
+    return state_in_optimizer_step(model, forward_backward, fp8_weights, group)
 
 
 def _close(got: float, want: float, tol: float, what: str) -> None:
