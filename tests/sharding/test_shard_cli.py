@@ -13,9 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from graphfp8.distributed import sharded_checkpoint as shard_checkpoint
-from graphfp8.training import cli as train
 from tests.rank_pool import run_on_ranks
 from tests.sharding.common import run_cli
+from tests.training.common import cli_refusal
 
 ARGS = ["--device", "cpu", "--ddp", "--shard", "--fp8-weights", "--batch", "2", "--seq-len", "32",
         "--microbatches", "2", "--data", "synthetic", "--val-batches", "1", "--log-every",
@@ -120,6 +120,4 @@ def test_a_checkpoint_of_another_n_or_a_missing_file_is_refused(tmp_path):
 
 @pytest.mark.parametrize("argv", [["--shard"]])
 def test_shard_needs_ddp(argv, capsys):
-    with pytest.raises(SystemExit):
-        train.parse_args(["--device", "cpu", *argv])
-    assert "--shard shards over the ranks of --ddp" in capsys.readouterr().err
+    assert "--shard shards over the ranks of --ddp" in cli_refusal(argv, capsys)
