@@ -21,7 +21,7 @@ from benchmarks.common import print_table
 from benchmarks.memory_run import RECIPE, Shape, Stack, release
 from graphfp8.memory import STATE_CATEGORIES, sharded_at, training_state
 
-__all__ = ["CONFIGS", "run", "state_in_optimizer_step"]
+__all__ = ["CONFIGS", "one_rank_group", "run", "state_in_optimizer_step"]
 
 # name: (precision, FP8 primary weights, sharded)
 CONFIGS = {
@@ -36,7 +36,7 @@ WORLDS = (1, 2, 8)
 
 
 @contextlib.contextmanager
-def _one_rank_group(device: torch.device):
+def one_rank_group(device: torch.device):
     """A process group of this process alone (in a default group of one, started and ended here
     when there is none)."""
     started = not dist.is_initialized()
@@ -121,7 +121,7 @@ def run(device, quick: bool = False) -> dict:
     "table"}."""
     device = torch.device(device)
     shape = Shape(64, layers=2, batch=2, seq=32, heads=2) if quick else Shape(2048, batch=1)
-    with _one_rank_group(device) as group:
+    with one_rank_group(device) as group:
         configs = {name: _measure(shape, config, device, group) for name, config in CONFIGS.items()}
     rows = []
     for name, result in configs.items():

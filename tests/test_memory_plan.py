@@ -1,22 +1,18 @@
 """The memory planner (graphfp8.memory.plan) against measured allocations on the CPU: the
 persistent state by category (graphfp8.memory.training_state in the optimizer step, as
-bench/memory_shard.py takes it; N = 2 from the sharded layout, graphfp8.memory.sharded_at), the
+benchmarks/memory_shard.py takes it; N = 2 from the sharded layout, graphfp8.memory.sharded_at), the
 activations one microbatch keeps and its peak (graphfp8.memory.LiveBytes) for each recompute
 mode, within 10% (the state is exact up to scale_invs and step counts)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import graphfp8 as g8
-from benchmarks.memory_shard import state_in_optimizer_step
+from benchmarks.memory_shard import one_rank_group, state_in_optimizer_step
 from graphfp8.memory import LiveBytes, sharded_at
 from graphfp8.memory.plan import largest_fit, main, plan
 from graphfp8.memory.shapes import LLAMA, shape_from, shape_of
@@ -24,22 +20,6 @@ from graphfp8.training.model import GPT, PRESETS
 
 B, S = 2, 32
 RECIPE = g8.DelayedScaling(amax_history_len=4)
-
-
-@contextlib.contextmanager
-def _one_rank_group():
-    """A gloo group of this process alone (sharded masters at N = 1), in a default group of one
-    started here when there is none."""
-    started = not dist.is_initialized()
-    if started:
-        store = dist.FileStore(tempfile.mkstemp(prefix="graphfp8_plan_")[1], 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield dist.new_group([dist.get_rank()])
-    finally:
-        if started:
-            gc.collect()  # the masters that hold the group
-            dist.destroy_process_group()
 
 
 def _model(preset: str, fp8_weights: bool = False, vocab: int | None = None):
@@ -72,7 +52,7 @@ def _close(got: float, want: float, tol: float, what: str) -> None:
 @pytest.mark.parametrize("sharding", ["ddp", "zero2"])
 @pytest.mark.parametrize("preset", ["llama-tiny", "tiny"])
 def test_planned_state_matches_measured(preset, sharding, fp8_weights):
-    with _one_rank_group() as group:
+    with one_rank_group(torch.device("cpu")) as group:
         sharded = group if sharding == "zero2" else None
         state, masters = _state_in_optimizer_step(preset, fp8_weights, sharded)
         worlds = {1: state}
