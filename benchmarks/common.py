@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from graphfp8.training.floor import cuda_ms
+
 __all__ = ["time_device", "time_host", "gpu_busy", "sync", "environment", "print_table",
            "write_json", "graph_of"]  # fmt: skip
 
@@ -33,13 +35,7 @@ def time_device(fn: Callable[[], object], device, *, warmup=3, iters=20, repeats
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / iters)
+            samples.append(cuda_ms(fn, iters) / iters)
         else:
             t0 = time.perf_counter()
             for _ in range(iters):

@@ -21,7 +21,7 @@ from benchmarks.common import print_table
 from benchmarks.memory_run import RECIPE, Shape, Stack, release
 from graphfp8.memory import STATE_CATEGORIES, sharded_at, training_state
 
-__all__ = ["CONFIGS", "run"]
+__all__ = ["CONFIGS", "one_rank_group", "run", "state_in_optimizer_step"]
 
 # name: (precision, FP8 primary weights, sharded)
 CONFIGS = {
@@ -36,7 +36,7 @@ WORLDS = (1, 2, 8)
 
 
 @contextlib.contextmanager
-def _one_rank_group(device: torch.device):
+def one_rank_group(device: torch.device):
     """A process group of this process alone (in a default group of one, started and ended here
     when there is none)."""
     started = not dist.is_initialized()
@@ -65,18 +65,42 @@ def _measure(shape: Shape, config: tuple, device: torch.device, group) -> dict:
     torch.manual_seed(0)
     with g8.fp8_model_init(enabled=fp8_weights):
         model = Stack(shape, device)
-    masters = None
+    x = torch.randn(shape.batch, shape.seq, shape.hidden, dtype=torch.bfloat16, device=device)
+
+    def forward_backward(model):
+        with g8.fp8_autocast(enabled=precision == "fp8", recipe=RECIPE):
+            y = model(x, is_first_microbatch=True)
+        y.float().square().mean().backward()
+        return y
+
+    state, masters = state_in_optimizer_step(model, forward_backward, fp8_weights,
+                                             group if sharded else None, device)  # fmt: skip
+    out = {"state": {1: state.to_dict()}}
     if sharded:
+        for world in WORLDS[1:]:
+            out["state"][world] = sharded_at(state, masters, world).to_dict()
+    if device.type == "cuda":
+        out["max_allocated"] = torch.cuda.max_memory_allocated(device)
+    del model, masters
+    release(device)
+    return out
+
+
+def state_in_optimizer_step(model, forward_backward, fp8_weights: bool, group, device="cpu"):
+    """(training_state, masters) of `model` trained as graphfp8-train runs it - AdamW, through
+    MasterWeights when sharded over `group` (not None) or with FP8 primary weights - taken in
+    the second step's optimizer step: one step, then forward_backward(model) again and its gradients
+    into the masters (gradients, masters' gradients and optimizer state all alive). What
+    forward_backward returns stays alive until the state is taken."""
+    masters = None
+    if group is not None:
         masters = g8.MasterWeights(model, shard_group=group)
     elif fp8_weights:
         masters = g8.MasterWeights(model)
     params = masters.parameters() if masters is not None else model.parameters()
     opt = torch.optim.AdamW(params, lr=torch.tensor(1e-6, device=device), fused=True)
-    x = torch.randn(shape.batch, shape.seq, shape.hidden, dtype=torch.bfloat16, device=device)
     for step in range(2):
-        with g8.fp8_autocast(enabled=precision == "fp8", recipe=RECIPE):
-            y = model(x, is_first_microbatch=True)
-        y.float().square().mean().backward()
+        kept = forward_backward(model)
         if step == 1:
             if masters is not None:  # unsharded: moved into fp32; sharded: reduce-scattered
                 masters.copy_grads_()
@@ -88,15 +112,8 @@ def _measure(shape: Shape, config: tuple, device: torch.device, group) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
     state = training_state(model, opt, masters)
-    out = {"state": {1: state.to_dict()}}
-    if sharded:
-        for world in WORLDS[1:]:
-            out["state"][world] = sharded_at(state, masters, world).to_dict()
-    if device.type == "cuda":
-        out["max_allocated"] = torch.cuda.max_memory_allocated(device)
-    del model, masters, opt, y
-    release(device)
-    return out
+    del kept
+    return state, masters
 
 
 def run(device, quick: bool = False) -> dict:
@@ -104,7 +121,7 @@ def run(device, quick: bool = False) -> dict:
     "table"}."""
     device = torch.device(device)
     shape = Shape(64, layers=2, batch=2, seq=32, heads=2) if quick else Shape(2048, batch=1)
-    with _one_rank_group(device) as group:
+    with one_rank_group(device) as group:
         configs = {name: _measure(shape, config, device, group) for name, config in CONFIGS.items()}
     rows = []
     for name, result in configs.items():

@@ -19,7 +19,7 @@ from torch import nn
 
 import graphfp8 as g8
 from graphfp8.testing import assert_bitwise_equal
-from tests.graphs.common import compare_models
+from tests.graphs.common import backward_and_compare, compare_models
 from tests.helpers import CUDA_PARAM
 from tests.modules.common import build, fp8_state, input_shape
 
@@ -51,11 +51,7 @@ def _microbatch(eager_call, compiled_call, eager, compiled, device, first, what:
     region = g8.fp8_autocast(recipe=RECIPE) if compiled_fp8 else contextlib.nullcontext()
     with region:
         yc = compiled_call(xc, first)
-    dy = torch.randn_like(ye)
-    (ye.float() * dy).sum().backward()
-    (yc.float() * dy).sum().backward()
-    assert_bitwise_equal(yc, ye, f"{what}: output")
-    assert_bitwise_equal(xc.grad, xe.grad, f"{what}: dgrad")
+    backward_and_compare(ye, yc, xe, xc, what)
     compare_models(eager, compiled, what)
 
 

@@ -1,44 +1,25 @@
 """The memory planner (graphfp8.memory.plan) against measured allocations on the CPU: the
 persistent state by category (graphfp8.memory.training_state in the optimizer step, as
-bench/memory_shard.py takes it; N = 2 from the sharded layout, graphfp8.memory.sharded_at), the
+benchmarks/memory_shard.py takes it; N = 2 from the sharded layout, graphfp8.memory.sharded_at), the
 activations one microbatch keeps and its peak (graphfp8.memory.LiveBytes) for each recompute
 mode, within 10% (the state is exact up to scale_invs and step counts)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import graphfp8 as g8
-from graphfp8.memory import LiveBytes, sharded_at, training_state
+from benchmarks.memory_shard import one_rank_group, state_in_optimizer_step
+from graphfp8.memory import LiveBytes, sharded_at
 from graphfp8.memory.plan import largest_fit, main, plan
 from graphfp8.memory.shapes import LLAMA, shape_from, shape_of
 from graphfp8.training.model import GPT, PRESETS
 
 B, S = 2, 32
 RECIPE = g8.DelayedScaling(amax_history_len=4)
-
-
-@contextlib.contextmanager
-def _one_rank_group():
-    """A gloo group of this process alone (sharded masters at N = 1), in a default group of one
-    started here when there is none."""
-    started = not dist.is_initialized()
-    if started:
-        store = dist.FileStore(tempfile.mkstemp(prefix="graphfp8_plan_")[1], 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield dist.new_group([dist.get_rank()])
-    finally:
-        if started:
-            gc.collect()  # the masters that hold the group
-            dist.destroy_process_group()
 
 
 def _model(preset: str, fp8_weights: bool = False, vocab: int | None = None):
@@ -54,28 +35,13 @@ def _state_in_optimizer_step(preset: str, fp8_weights: bool, group):
     """graphfp8-train's model, masters and AdamW after one step and a second microbatch whose
     gradients reached the masters (everything of the optimizer step alive)."""
     model, cfg = _model(preset, fp8_weights)
-    masters = None
-    if group is not None:
-        masters = g8.MasterWeights(model, shard_group=group)
-    elif fp8_weights:
-        masters = g8.MasterWeights(model)
-    params = masters.parameters() if masters is not None else model.parameters()
-    opt = torch.optim.AdamW(params, lr=torch.tensor(1e-6), fused=True)
     tokens = torch.randint(0, cfg.vocab, (B, S), generator=torch.Generator().manual_seed(0))
-    for step in range(2):
+
+    def forward_backward(model):
         with g8.fp8_autocast(recipe=RECIPE):
             model(tokens, tokens, is_first_microbatch=True).backward()
-        if step == 1:
-            break
-        if masters is not None:
-            masters.step(opt)
-            masters.zero_grad()
-        else:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    if masters is not None:
-        masters.copy_grads_()
-    return training_state(model, opt, masters), masters
+
+    return state_in_optimizer_step(model, forward_backward, fp8_weights, group)
 
 
 def _close(got: float, want: float, tol: float, what: str) -> None:
@@ -86,7 +52,7 @@ def _close(got: float, want: float, tol: float, what: str) -> None:
 @pytest.mark.parametrize("sharding", ["ddp", "zero2"])
 @pytest.mark.parametrize("preset", ["llama-tiny", "tiny"])
 def test_planned_state_matches_measured(preset, sharding, fp8_weights):
-    with _one_rank_group() as group:
+    with one_rank_group(torch.device("cpu")) as group:
         sharded = group if sharding == "zero2" else None
         state, masters = _state_in_optimizer_step(preset, fp8_weights, sharded)
         worlds = {1: state}

@@ -143,7 +143,24 @@ class DelayedScaling:
             )
 
 
+# The fields that current and blockwise scaling fix (one-long histories, margin 0, no amax
+# all-reduce, no FP8 attention), so that the arenas and checkpoints treat every recipe alike.
+_FIXED_FIELDS = (("margin", "int", 0), ("amax_history_len", "int", 1),
+                 ("amax_compute_algo", "str", "most_recent"), ("reduce_amax", "bool", False),
+                 ("fp8_dpa", "bool", False), ("fp8_mha", "bool", False))  # fmt: skip
+
+
+def _fixed_fields(cls):
+    """Appends _FIXED_FIELDS to cls's own fields (after them, outside __init__ and repr); runs
+    before @dataclass, so the fields, their order, defaults and reprs are as if written out."""
+    for name, annotation, default in _FIXED_FIELDS:
+        cls.__annotations__[name] = annotation
+        setattr(cls, name, field(default=default, init=False, repr=False))
+    return cls
+
+
 @dataclass(frozen=True)
+@_fixed_fields
 class Float8CurrentScaling:
     """Current (per-tensor, just-in-time) scaling: each cast takes its scale from the tensor it
     casts, with no history (TransformerEngine's Float8CurrentScaling, torchao's tensorwise).
@@ -164,12 +181,6 @@ class Float8CurrentScaling:
     """
 
     fp8_format: Format = Format.HYBRID
-    margin: int = field(default=0, init=False, repr=False)
-    amax_history_len: int = field(default=1, init=False, repr=False)
-    amax_compute_algo: str = field(default="most_recent", init=False, repr=False)
-    reduce_amax: bool = field(default=False, init=False, repr=False)
-    fp8_dpa: bool = field(default=False, init=False, repr=False)
-    fp8_mha: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.fp8_format, Format):
@@ -180,6 +191,7 @@ class Float8CurrentScaling:
 
 
 @dataclass(frozen=True)
+@_fixed_fields
 class Float8BlockScaling:
     """Blockwise scaling (DeepSeek-V3's recipe; TransformerEngine's Float8BlockScaling):
     activations and gradients quantized in 1x128 tiles along each GEMM's K, weights in 128x128
@@ -202,12 +214,6 @@ class Float8BlockScaling:
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
     power_2_scale: bool = True
-    margin: int = field(default=0, init=False, repr=False)
-    amax_history_len: int = field(default=1, init=False, repr=False)
-    amax_compute_algo: str = field(default="most_recent", init=False, repr=False)
-    reduce_amax: bool = field(default=False, init=False, repr=False)
-    fp8_dpa: bool = field(default=False, init=False, repr=False)
-    fp8_mha: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.fp8_format is not Format.E4M3:

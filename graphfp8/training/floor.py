@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from graphfp8.training.presets import ModelConfig
 
-__all__ = ["Ceilings", "H200", "calibrate", "floor", "gemm_parameters", "model_flops",
+__all__ = ["Ceilings", "H200", "calibrate", "cuda_ms", "floor", "gemm_parameters", "model_flops",
            "memory_bytes"]  # fmt: skip
 
 
@@ -155,14 +155,20 @@ def calibrate(device, attention_shape: tuple[int, int, int, int, int] | None = N
 
 def _rate(fn, work: float, iters: int = 10) -> float:
     """work per second of fn (CUDA events over `iters` calls after 3 warm-up calls)."""
-    import torch
-
     for _ in range(3):
         fn()
+    return work * iters / (cuda_ms(fn, iters) / 1e3)
+
+
+def cuda_ms(fn, iters: int) -> float:
+    """Milliseconds that `iters` back-to-back calls of fn take on the current CUDA stream (CUDA
+    events; also benchmarks/' device timer)."""
+    import torch
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
         fn()
     end.record()
     end.synchronize()
-    return work * iters / (start.elapsed_time(end) / 1e3)
+    return start.elapsed_time(end)

@@ -38,6 +38,16 @@ def compare_models(eager, graphed, what: str) -> None:
         assert_bitwise_equal(sg, se, f"{what}: {name}")
 
 
+def backward_and_compare(ye, yg, xe, xg, what: str, grad: str = "dgrad") -> None:
+    """Backpropagates one random dy (like ye) through the eager output ye and the other output
+    yg (graphed, compiled), then checks both outputs and both input gradients bit for bit."""
+    dy = torch.randn_like(ye)
+    (ye.float() * dy).sum().backward()
+    (yg.float() * dy).sum().backward()
+    assert_bitwise_equal(yg, ye, f"{what}: output")
+    assert_bitwise_equal(xg.grad, xe.grad, f"{what}: {grad}")
+
+
 def snapshot(m) -> list[torch.Tensor]:
     """Copies of m's FP8 state, parameters and gradients: what a refused call must not change."""
     grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
@@ -133,12 +143,8 @@ def train_layers(kinds, flags, recipes, caching, device, steps=2, mbs=2):
                 with g8.fp8_autocast(enabled=flag, recipe=recipe):
                     ye = layer(ye, is_first_microbatch=first)
                 yg = g(yg, is_first_microbatch=first)
-            dy = torch.randn_like(ye)
-            (ye.float() * dy).sum().backward()
-            (yg.float() * dy).sum().backward()
             what = f"{flags} {recipes} step {step} mb {mb}"
-            assert_bitwise_equal(yg, ye, f"{what}: output")
-            assert_bitwise_equal(xg.grad, xe.grad, f"{what}: dgrad")
+            backward_and_compare(ye, yg, xe, xg, what)
             compare_models(eager, model, what)
             outputs.append(ye.detach())
         for opt in (opt_e, opt_g):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -116,3 +118,21 @@ def compare_step(step, result, what: str) -> None:
             assert_bitwise_equal(g, e, f"{what}: grad {i} before clipping")
     for i, (g, e) in enumerate(zip(step.grads, after, strict=True)):
         assert_bitwise_equal(g, e, f"{what}: grad {i} (clipped)")
+
+
+def tiny_lm_step_graph_equals_eager(device, recipe, n: int = 3, steps: int = 3) -> None:
+    """The whole training step of TinyLM (n microbatches, AdamW) under `recipe` as one graph,
+    against the eager step: compared after the capture and after every step."""
+    eager = TinyLM(device)
+    model = copy.deepcopy(eager)
+    opt_e, opt_g = adamw(eager.parameters(), device), adamw(model.parameters(), device)
+    step = g8.make_graphed_step(model, lm_loss, opt_g, lm_batch(n, device, 99), n,
+                                fp8_enabled=True, fp8_recipe=recipe, num_warmup_iters=1,
+                                keep_grads_before_clipping=True)  # fmt: skip
+    compare_training_state(eager, model, opt_e, opt_g, "after capture")
+    for s in range(steps):
+        batch = lm_batch(n, device, s)
+        result = eager_step(eager, lm_loss, opt_e, batch, n, recipe=recipe)
+        step(batch)
+        compare_step(step, result, f"step {s}")
+        compare_training_state(eager, model, opt_e, opt_g, f"step {s}")

@@ -14,13 +14,10 @@ from graphfp8.ops import blockwise
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_layers, train_pair, train_side_by_side
 from tests.graphs.step_common import (
-    TinyLM,
     adamw,
     compare_step,
-    compare_training_state,
     eager_step,
-    lm_batch,
-    lm_loss,
+    tiny_lm_step_graph_equals_eager,
 )
 from tests.modules.common import H, T
 
@@ -62,20 +59,7 @@ def test_the_scales_are_computed_inside_the_graphs(device):
 
 def test_step_graph_equals_eager(device):
     """The whole training step (TinyLM, 3 microbatches) as one graph."""
-    n = 3
-    eager = TinyLM(device)
-    model = copy.deepcopy(eager)
-    opt_e, opt_g = adamw(eager.parameters(), device), adamw(model.parameters(), device)
-    step = g8.make_graphed_step(model, lm_loss, opt_g, lm_batch(n, device, 99), n,
-                                fp8_enabled=True, fp8_recipe=BLOCK, num_warmup_iters=1,
-                                keep_grads_before_clipping=True)  # fmt: skip
-    compare_training_state(eager, model, opt_e, opt_g, "after capture")
-    for s in range(3):
-        batch = lm_batch(n, device, s)
-        result = eager_step(eager, lm_loss, opt_e, batch, n, recipe=BLOCK)
-        step(batch)
-        compare_step(step, result, f"step {s}")
-        compare_training_state(eager, model, opt_e, opt_g, f"step {s}")
+    tiny_lm_step_graph_equals_eager(device, BLOCK)
 
 
 @pytest.mark.cuda

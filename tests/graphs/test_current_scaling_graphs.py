@@ -3,23 +3,13 @@ the whole-step graph), and the per-cast amax pass and scale update are captured 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import graphfp8 as g8
 from graphfp8.fp8 import current
 from tests.graphs.common import train_side_by_side
-from tests.graphs.step_common import (
-    TinyLM,
-    adamw,
-    compare_step,
-    compare_training_state,
-    eager_step,
-    lm_batch,
-    lm_loss,
-)
+from tests.graphs.step_common import tiny_lm_step_graph_equals_eager
 from tests.modules.common import H, T
 
 CURRENT = g8.Float8CurrentScaling()
@@ -57,17 +47,4 @@ def test_each_cast_updates_its_own_scale_inside_the_graphs(device, fused, monkey
 
 def test_step_graph_equals_eager(device):
     """The whole training step (TinyLM, 3 microbatches, weight caching) as one graph."""
-    n = 3
-    eager = TinyLM(device)
-    model = copy.deepcopy(eager)
-    opt_e, opt_g = adamw(eager.parameters(), device), adamw(model.parameters(), device)
-    step = g8.make_graphed_step(model, lm_loss, opt_g, lm_batch(n, device, 99), n,
-                                fp8_enabled=True, fp8_recipe=CURRENT, num_warmup_iters=1,
-                                keep_grads_before_clipping=True)  # fmt: skip
-    compare_training_state(eager, model, opt_e, opt_g, "after capture")
-    for s in range(3):
-        batch = lm_batch(n, device, s)
-        result = eager_step(eager, lm_loss, opt_e, batch, n, recipe=CURRENT)
-        step(batch)
-        compare_step(step, result, f"step {s}")
-        compare_training_state(eager, model, opt_e, opt_g, f"step {s}")
+    tiny_lm_step_graph_equals_eager(device, CURRENT)

@@ -4,14 +4,20 @@ and the sharded one, and comparisons of the whole training state."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import graphfp8 as g8
+from graphfp8 import distributed
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.testing import assert_bitwise_equal
+from graphfp8.training import cli
 from tests.graphs.step_common import TinyLM, adamw, lm_batch, lm_loss
 from tests.modules.common import fp8_state
 
@@ -123,3 +129,22 @@ def state_bytes(opt) -> int:
 
 def world() -> int:
     return dist.get_world_size()
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of graphfp8-train's cli.main(argv) on this rank of the pool's
+    process group, as torchrun would start it (kept: main's cleanup is skipped)."""
+    env, cleanup = os.environ.get("WORLD_SIZE"), distributed.cleanup
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+    distributed.cleanup = lambda: None
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            code = cli.main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    finally:
+        distributed.cleanup = cleanup
+        if env is None:
+            del os.environ["WORLD_SIZE"]
+    return code, out.getvalue(), err.getvalue()

@@ -6,43 +6,19 @@ anything starts."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 from pathlib import Path
 
-import torch.distributed as dist
-
-from graphfp8 import distributed
-from graphfp8.training import cli
 from tests.rank_pool import run_on_ranks
+from tests.sharding.common import run_cli
 
 ARGS = ["--device", "cpu", "--ddp", "--fsdp", "--fp8-weights", "--batch", "2", "--seq-len", "32",
         "--microbatches", "2", "--data", "synthetic", "--val-batches", "1", "--log-every",
         "2"]  # fmt: skip
 
 
-def _main(argv: list[str]) -> tuple[int, str, str]:
-    """cli.main(argv) on this rank of the pool's process group (kept: cleanup skipped)."""
-    env, cleanup = os.environ.get("WORLD_SIZE"), distributed.cleanup
-    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
-    distributed.cleanup = lambda: None
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            code = cli.main(argv)
-    except SystemExit as e:  # argparse's refusals
-        code = e.code
-    finally:
-        distributed.cleanup = cleanup
-        if env is None:
-            del os.environ["WORLD_SIZE"]
-    return code, out.getvalue(), err.getvalue()
-
-
 def _eager(rank, device, tmp):
-    code, stdout, err = _main([*ARGS, "--graphs", "none", "--steps", "4", "--out", tmp])
+    code, stdout, err = run_cli([*ARGS, "--graphs", "none", "--steps", "4", "--out", tmp])
     assert code == 0, err
     if rank != 0:
         return
@@ -74,7 +50,7 @@ REFUSALS = [
 
 def _refused(rank, device, tmp):
     for extra, message in REFUSALS:
-        code, _, err = _main([*ARGS, *extra, "--steps", "2", "--out", tmp])
+        code, _, err = run_cli([*ARGS, *extra, "--steps", "2", "--out", tmp])
         assert code == 2 and message in err, (extra, code, err)
     assert not Path(tmp).exists() or not any(Path(tmp).iterdir())  # nothing started
 

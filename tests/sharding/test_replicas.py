@@ -17,8 +17,8 @@ import torch.distributed as dist
 from graphfp8.distributed.replica_check import ReplicaCheck, ReplicaMismatchError, digest
 from graphfp8.training import run as run_module
 from tests.rank_pool import run_on_ranks
-from tests.sharding.common import build_lm
-from tests.sharding.test_shard_cli import ARGS, _main, _summary
+from tests.sharding.common import build_lm, run_cli
+from tests.sharding.test_shard_cli import ARGS, _summary
 from tests.test_layout import _load
 
 
@@ -74,7 +74,7 @@ def _llama_three_ranks(rank, device, tmp):
     out = f"{tmp}/llama"
     argv = [*ARGS, "--preset", "llama-tiny", "--check-replicas", "--compare", "fp8:none,fp8:step",
             "--steps", "3", "--out", out]  # fmt: skip
-    code, stdout, err = _main(argv)
+    code, stdout, err = run_cli(argv)
     assert code == 0, err
     if rank != 0:
         return
@@ -101,7 +101,7 @@ def _sharded_against_unsharded(rank, device, tmp):
     for flag in ("", "-shard"):
         argv = [*base, *(["--shard"] if flag else []), "--check-replicas", "--compare",
                 "fp8:none,fp8:step", "--steps", "4", "--out", f"{tmp}/corr_tiny{flag}"]  # fmt: skip
-        code, _, err = _main(argv)
+        code, _, err = run_cli(argv)
         assert code == 0, err
     if rank != 0:
         return
@@ -135,7 +135,7 @@ def _perturbed_mid_run(rank, device, tmp):
 
     run_module.Run.train_step = train_step
     try:
-        code, _, err = _main([*ARGS, "--check-replicas", "--steps", "6", "--out", f"{tmp}/p"])
+        code, _, err = run_cli([*ARGS, "--check-replicas", "--steps", "6", "--out", f"{tmp}/p"])
     finally:
         run_module.Run.train_step = original
     assert code == 3, err

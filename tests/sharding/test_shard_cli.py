@@ -6,39 +6,20 @@ another N or with a missing file is refused on every rank."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from graphfp8 import distributed
 from graphfp8.distributed import sharded_checkpoint as shard_checkpoint
-from graphfp8.training import cli as train
 from tests.rank_pool import run_on_ranks
+from tests.sharding.common import run_cli
+from tests.training.common import cli_refusal
 
 ARGS = ["--device", "cpu", "--ddp", "--shard", "--fp8-weights", "--batch", "2", "--seq-len", "32",
         "--microbatches", "2", "--data", "synthetic", "--val-batches", "1", "--log-every",
         "2"]  # fmt: skip
-
-
-def _main(argv: list[str]) -> tuple[int, str, str]:
-    """train.main(argv) on this rank of the pool's process group (kept: cleanup skipped)."""
-    env, cleanup = os.environ.get("WORLD_SIZE"), distributed.cleanup
-    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
-    distributed.cleanup = lambda: None
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            code = train.main(argv)
-    finally:
-        distributed.cleanup = cleanup
-        if env is None:
-            del os.environ["WORLD_SIZE"]
-    return code, out.getvalue(), err.getvalue()
 
 
 def _summary(out: str) -> dict:
@@ -49,7 +30,7 @@ def _every_mode(rank, device, tmp):
     losses = {}
     for mode in ("none", "layers", "step"):
         out = f"{tmp}/{mode}"
-        code, stdout, err = _main([*ARGS, "--graphs", mode, "--steps", "4", "--out", out])
+        code, stdout, err = run_cli([*ARGS, "--graphs", mode, "--steps", "4", "--out", out])
         assert code == 0, err
         if rank != 0:
             continue
@@ -77,10 +58,10 @@ def test_every_graph_mode_trains_the_same(tmp_path):
 
 def _save_resume(rank, device, tmp):
     ckpt = f"{tmp}/ckpt.pt"
-    code, _, err = _main([*ARGS, "--steps", "6", "--out", f"{tmp}/straight"])
+    code, _, err = run_cli([*ARGS, "--steps", "6", "--out", f"{tmp}/straight"])
     assert code == 0, err
-    code, _, err = _main([*ARGS, "--steps", "6", "--stop-at", "3", "--save", ckpt, "--out",
-                          f"{tmp}/half"])  # fmt: skip
+    code, _, err = run_cli([*ARGS, "--steps", "6", "--stop-at", "3", "--save", ckpt, "--out",
+                            f"{tmp}/half"])  # fmt: skip
     assert code == 0, err
     dist.barrier()
     files = sorted(p.name for p in Path(tmp).glob("ckpt.pt*"))
@@ -90,14 +71,14 @@ def _save_resume(rank, device, tmp):
     if rank == 1:
         shard_checkpoint._write = _no_space
     try:
-        code, _, err = _main([*ARGS, "--steps", "6", "--stop-at", "3", "--save", ckpt, "--out",
-                              f"{tmp}/failed"])  # fmt: skip
+        code, _, err = run_cli([*ARGS, "--steps", "6", "--stop-at", "3", "--save", ckpt, "--out",
+                                f"{tmp}/failed"])  # fmt: skip
     finally:
         shard_checkpoint._write = write
     assert code == 2 and "rank 1: OSError: [Errno 28] No space left on device" in err, err
     dist.barrier()  # rank 0 has removed the shard it wrote
     assert sorted(p.name for p in Path(tmp).glob("ckpt.pt*")) == files
-    code, _, err = _main([*ARGS, "--steps", "6", "--resume", ckpt, "--out", f"{tmp}/resumed"])
+    code, _, err = run_cli([*ARGS, "--steps", "6", "--resume", ckpt, "--out", f"{tmp}/resumed"])
     assert code == 0, err
     if rank == 0:
         straight = _summary(f"{tmp}/straight")["runs"][0]["losses"]
@@ -115,20 +96,20 @@ def test_save_and_resume_per_rank_files(tmp_path):
 
 def _refused(rank, device, tmp):
     ckpt = f"{tmp}/ckpt.pt"
-    code, _, err = _main([*ARGS, "--steps", "6", "--resume", ckpt, "--out", f"{tmp}/n3"])
+    code, _, err = run_cli([*ARGS, "--steps", "6", "--resume", ckpt, "--out", f"{tmp}/n3"])
     assert code == 2 and "sharded over 2 ranks, this run has 3" in err, err
 
 
 def _missing_file(rank, device, tmp):
     ckpt = f"{tmp}/ckpt.pt"
-    code, _, err = _main([*ARGS, "--steps", "6", "--stop-at", "2", "--save", ckpt, "--out",
-                          f"{tmp}/save"])  # fmt: skip
+    code, _, err = run_cli([*ARGS, "--steps", "6", "--stop-at", "2", "--save", ckpt, "--out",
+                            f"{tmp}/save"])  # fmt: skip
     assert code == 0, err
     dist.barrier()
     if rank == 1:
         next(Path(tmp).glob("ckpt.pt.*.rank1-of-2")).unlink()
     dist.barrier()
-    code, _, err = _main([*ARGS, "--steps", "6", "--resume", ckpt, "--out", f"{tmp}/resume"])
+    code, _, err = run_cli([*ARGS, "--steps", "6", "--resume", ckpt, "--out", f"{tmp}/resume"])
     assert code == 2 and "rank1-of-2 is missing" in err, err
 
 
@@ -139,6 +120,4 @@ def test_a_checkpoint_of_another_n_or_a_missing_file_is_refused(tmp_path):
 
 @pytest.mark.parametrize("argv", [["--shard"]])
 def test_shard_needs_ddp(argv, capsys):
-    with pytest.raises(SystemExit):
-        train.parse_args(["--device", "cpu", *argv])
-    assert "--shard shards over the ranks of --ddp" in capsys.readouterr().err
+    assert "--shard shards over the ranks of --ddp" in cli_refusal(argv, capsys)

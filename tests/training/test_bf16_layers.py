@@ -15,6 +15,7 @@ from graphfp8.training.loop import RunOptions, train_run
 from graphfp8.training.model import PRESETS
 from graphfp8.training.run import RunSpec
 from graphfp8.training.sources import open_stream
+from tests.training.common import cli_refusal
 
 TINY = dataclasses.replace(PRESETS["tiny"], batch=2, seq_len=32, layers=3)
 
@@ -57,9 +58,7 @@ def test_layer_lists():
     ],
 )
 def test_cli_refusals(args, message, capsys):
-    with pytest.raises(SystemExit):
-        train.parse_args(["--device", "cpu", *args])
-    assert message in capsys.readouterr().err
+    assert message in cli_refusal(args, capsys)
 
 
 def test_cli_takes_first_last():

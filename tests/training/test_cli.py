@@ -17,6 +17,7 @@ from graphfp8.training.checkpoint import CheckpointError, check_resumable
 from graphfp8.training.data import Dataset
 from graphfp8.training.run import Run, run_settings
 from graphfp8.training.sources import open_stream
+from tests.training.common import cli_refusal
 
 SMALL = ["--batch", "2", "--seq-len", "32", "--microbatches", "2", "--device", "cpu"]
 
@@ -55,9 +56,7 @@ def _one_line_error(capsys) -> str:
     ],
 )
 def test_bad_arguments(args, message, capsys):
-    with pytest.raises(SystemExit):
-        train.parse_args(["--device", "cpu", *args])
-    err = capsys.readouterr().err
+    err = cli_refusal(args, capsys)
     assert message in err and "Traceback" not in err, err
 
 
