@@ -16,6 +16,9 @@ the adapters' dtype. LayerNormLinear's adapter reads the norm's output, the inpu
 sees, so merging (W += scaling * B @ A, as peft merges a torch Linear) gives the same function.
 Graphs capture the adapters with the rest (make_graphed_callables, make_graphed_step).
 
+Hugging Face's names (q/k/v_proj for the fused qkv), exactly both ways: save_pretrained_hf and
+load_hf_adapter (graphfp8/lora_hf.py).
+
 Not supported (raise): LoRA variants (DoRA, ...), fan_in_fan_out, lora_bias, mixed adapter batches
 (adapter_names), a Float8Tensor input (fp8_output=True of the previous layer), merging into an
 FP8 parameter, and LayerNormMLP targets (its two GEMMs sit inside one fused call: target qkv and
@@ -32,8 +35,9 @@ from torch import nn
 
 from graphfp8 import modules
 from graphfp8.fp8 import Float8Tensor
+from graphfp8.lora_hf import hf_adapter_state, save_pretrained_hf
 
-__all__ = ["LoraLayerNormLinear", "LoraLinear", "register"]
+__all__ = ["LoraLayerNormLinear", "LoraLinear", "load_hf_adapter", "register", "save_pretrained_hf"]
 
 # peft's LoRA options whose variants or extras these layers do not implement (name: off value).
 _UNSUPPORTED = {
@@ -180,3 +184,18 @@ def register(config):
         }
     )
     return config
+
+
+def load_hf_adapter(model, adapter_dir: str, adapter_name: str = "default"):
+    """A peft model over `model` (a converted Llama / Mistral / Qwen2) carrying the Hugging Face
+    adapter that peft saved from the HF model in `adapter_dir`, exactly (graphfp8/lora_hf.py:
+    q/k/v_proj fused into qkv at rank n * r with a block-diagonal B); trainable."""
+    import peft
+    from peft.utils import set_peft_model_state_dict
+
+    config, state = hf_adapter_state(model, adapter_dir)
+    peft_model = peft.get_peft_model(model, register(config), adapter_name=adapter_name)
+    result = set_peft_model_state_dict(peft_model, state, adapter_name=adapter_name)
+    if result.unexpected_keys:
+        raise ValueError(f"graphfp8.lora.load_hf_adapter: unexpected keys {result.unexpected_keys}")
+    return peft_model

@@ -36,7 +36,10 @@ LAYERS = [
     # The top floor's rooms: reports never import integrations or the training app;
     # integrations never import the training app (nor the benchmarks: no runtime module does).
     ("reports", ["graphfp8.memory", "graphfp8.numerics"]),
-    ("integrations", ["graphfp8.hf", "graphfp8.te", "graphfp8.lora", "graphfp8.lightning"]),
+    (
+        "integrations",
+        ["graphfp8.hf", "graphfp8.te", "graphfp8.lora", "graphfp8.lora_hf", "graphfp8.lightning"],
+    ),
     ("training", ["graphfp8.training"]),
     ("root", ["graphfp8"]),  # the package's __init__ (public names) and the test-only twins
     ("benchmarks", ["benchmarks"]),
