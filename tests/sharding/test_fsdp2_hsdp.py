@@ -1,6 +1,6 @@
 """FSDP2 on HSDP's 2-D meshes (fully_shard(model, mesh=init_device_mesh("cpu", (2, 2)))) with
 graphfp8 FP8 layers and FP8 weights, on 4 gloo ranks (2 replicas x 2 shards): FP8 all-gathers
-within the shard group, gradients reduced across the replicas, the weights' scales equal on all
+(uint8 bytes into the weight) within the shard group, gradients reduced across the replicas, the weights' scales equal on all
 4 ranks, bit for bit against 1-D FSDP2 over the shard group (FSDPMasterWeights refused every 2-D
 mesh before); and the FP8 weights' scales of a step come from one all-reduce whatever the
 number of layers (docs/sharding.md, "FP8 weight scales", "HSDP").
@@ -212,6 +212,35 @@ def test_fp8_weight_scales_take_one_all_reduce_per_step(layers, recipe_name):
 
 def test_fp8_weight_scales_take_one_all_reduce_per_step_under_hsdp():
     run_on_ranks("gloo", _all_reduces_per_step, 2, True, "delayed", world=4)
+
+
+def _hsdp_gathers_fp8_bytes_within_the_shard_group(rank, device):
+    mesh, _, shards = _hsdp_mesh(device)
+    model = _shard(_layers(1, device), mesh)
+    layer = model[0]
+    group = layer._get_fsdp_state()._fsdp_param_group
+    ranks = dist.get_process_group_ranks(group.mesh_info.shard_process_group)
+    assert ranks == dist.get_process_group_ranks(mesh["shard"].get_group()), ranks
+    layer.unshard()
+    gathered = 0
+    for param in group.fsdp_params:
+        if not isinstance(param.sharded_param._local_tensor, Float8Tensor):
+            continue
+        out = param.all_gather_outputs[0]
+        weight = getattr(layer, param._module_info.param_name)
+        assert out.dtype == torch.uint8 and out.numel() == weight.numel()  # the whole weight
+        assert weight._data.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        local = param.sharded_param._local_tensor._data.view(torch.uint8)
+        rows = local.shape[0]
+        mine = weight._data.view(torch.uint8)[rank % shards * rows : (rank % shards + 1) * rows]
+        assert_bitwise_equal(mine, local, f"{param._module_info.param_name}: this rank's rows")
+        gathered += 1
+    layer.reshard()
+    assert gathered == 2
+
+
+def test_hsdp_all_gathers_fp8_bytes_within_the_shard_group():
+    run_on_ranks("gloo", _hsdp_gathers_fp8_bytes_within_the_shard_group, world=4)
 
 
 def _mixed_meshes_refused(rank, device):
