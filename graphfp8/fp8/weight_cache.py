@@ -15,6 +15,9 @@ Its drivers:
                      records the casts, the others none at all (step_casts: no no-op cast nodes
                      on the cached microbatches, no flag, no fill between replays)
 
+Under Float8BlockScaling the same rule and drivers decide whether a weight's 128x128 blocks
+are quantized into its BlockWorkspace or read from it (modules/_context.py, blockwise_weights).
+
 A model that carries its recipe (graphfp8/modules/carry.py) runs its calls given no
 is_first_microbatch under EAGER: each casts (docs/fp8.md, "The carried recipe" says why no
 cheaper rule is safe there).
