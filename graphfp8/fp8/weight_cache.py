@@ -81,6 +81,14 @@ class WeightCache(CacheState):
         super().__init__()
         self.workspaces: dict[str, Float8Tensor] = {}
         self.why_stale: str | None = None  # what invalidated a cast (the error of a next False)
+        self.kind: str | None = None  # what the last casts wrote: "per-tensor" or "blockwise"
+
+    def use_kind(self, kind: str) -> None:
+        """A forward under per-tensor or blockwise scaling (`kind`): the cache holds the casts
+        of one kind at a time, so after casts of the other kind there is nothing to reuse."""
+        if self.kind is not None and kind != self.kind:
+            self.invalidate(f"they were last cast under {self.kind} scaling")
+        self.kind = kind
 
     def invalidate(self, why: str = "load_state_dict wrote the weights") -> None:
         """The weights changed behind the cache: the next False raises, saying `why` when

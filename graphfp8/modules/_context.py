@@ -151,13 +151,15 @@ def gemm_configs(
     ctx = context.current()
     owner, cache = type(module).__name__, module.weight_cache
     replaying = ctx.recompute is not None and ctx.recompute.replaying
-    if not replaying:
-        ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before FP8 state changes
-    frozen = _frozen_call(module, ctx)
     # An evaluation cast: into workspaces of its own, each weight scaled from itself (frozen),
     # the cache left as training left it.
     evaluating = (not module.training and not ctx.capturing and not replaying
                   and is_first_microbatch is not False)  # fmt: skip
+    if not (replaying or evaluating):
+        cache.use_kind("per-tensor")
+    if not replaying:
+        ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before FP8 state changes
+    frozen = _frozen_call(module, ctx)
     own = [w for _, w in weights] if evaluating else ()
     fwd, bwd, bwd_update = fp8_slots(module, weights[0][1].device, frozen, ctx, own)
     fp8_dtype = fwd.arena.fp8_dtype
@@ -191,14 +193,13 @@ def blockwise_weights(module: nn.Module, weights: list[tuple[str, torch.Tensor]]
     ctx = context.current()
     owner, cache = type(module).__name__, module.weight_cache
     replaying = ctx.recompute is not None and ctx.recompute.replaying
+    evaluating = (not module.training and not ctx.capturing and not replaying
+                  and is_first_microbatch is not False)  # fmt: skip
+    if not (replaying or evaluating):
+        cache.use_kind("blockwise")
     if not replaying:
         ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before anything is written
-    if (
-        not module.training
-        and not ctx.capturing
-        and not replaying
-        and is_first_microbatch is not False
-    ):
+    if evaluating:
         return [None] * len(weights)
     p2 = ctx.recipe.power_2_scale
     workspaces = [block_workspace(cache, key, w, p2) for key, w in weights]

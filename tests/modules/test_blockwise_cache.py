@@ -122,6 +122,28 @@ def test_false_without_cached_blocks_raises():
             layer(x, is_first_microbatch=False)
 
 
+def test_false_after_casts_under_the_other_recipe_raises():
+    """The cache holds one recipe's casts at a time: blockwise blocks cached, then per-tensor
+    casts of changed weights, then a blockwise False would read blocks of the old weights: it
+    raises instead (it returned the stale result before), and so does the other way round."""
+    layer = g8.Linear(H, H, params_dtype=torch.bfloat16)
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    delayed = g8.DelayedScaling()
+    with g8.fp8_autocast(recipe=BLOCK):
+        layer(x, is_first_microbatch=True)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    with g8.fp8_autocast(recipe=delayed):
+        layer(x, is_first_microbatch=True)
+    with g8.fp8_autocast(recipe=BLOCK):
+        with pytest.raises(RuntimeError, match="last cast under per-tensor scaling"):
+            layer(x, is_first_microbatch=False)
+        layer(x, is_first_microbatch=True)
+    with g8.fp8_autocast(recipe=delayed):
+        with pytest.raises(RuntimeError, match="last cast under blockwise scaling"):
+            layer(x, is_first_microbatch=False)
+
+
 def test_an_evaluation_call_leaves_the_cache_alone():
     """eval() with None quantizes the current weights afresh and writes no cached block: a
     training False afterwards still reads what the last True cached."""
