@@ -142,23 +142,25 @@ class WeightCache(CacheState):
 
 class BlockWorkspace:
     """One weight's cached Float8BlockScaling quantization (docs/fp8.md, "Blockwise scaling"):
-    its 128x128 blocks and their transpose, as graphfp8.ops.blockwise.quantize(w, 128,
-    transpose=True) writes them. The memory report reads _data, _scale_inv and _transpose as a
-    Float8Tensor's."""
+    its 128x128 blocks and (with_t: the module's cache_weight_transpose) their transpose, as
+    graphfp8.ops.blockwise.quantize(w, 128, transpose=with_t) writes them. The memory report
+    reads _data, _scale_inv and _transpose as a Float8Tensor's."""
 
-    def __init__(self, weight: torch.Tensor, power_2_scale: bool) -> None:
+    def __init__(self, weight: torch.Tensor, power_2_scale: bool, with_t: bool) -> None:
         (n, k), device = weight.shape, weight.device
         nb, kb = -(-n // 128), -(-k // 128)
         e4m3, f32 = torch.float8_e4m3fn, torch.float32
         self._data = torch.empty(n, k, dtype=e4m3, device=device)
         self._scale_inv = torch.empty(nb, kb, dtype=f32, device=device)
-        self._transpose = torch.empty(k, n, dtype=e4m3, device=device)
-        self._scale_inv_t = torch.empty(kb, nb, dtype=f32, device=device)
-        self.key = (tuple(weight.shape), device, weight.dtype, power_2_scale)
+        self._transpose = torch.empty(k, n, dtype=e4m3, device=device) if with_t else None
+        self._scale_inv_t = torch.empty(kb, nb, dtype=f32, device=device) if with_t else None
+        self.key = (tuple(weight.shape), device, weight.dtype, power_2_scale, with_t)
 
     @property
     def buffers(self) -> tuple[torch.Tensor, ...]:
-        """(w_fp8 (N, K), scale_inv, w_t_fp8 (K, N), scale_inv_t): the quantizer's `out`."""
+        """(w_fp8 (N, K), scale_inv[, w_t_fp8 (K, N), scale_inv_t]): the quantizer's `out`."""
+        if self._transpose is None:
+            return self._data, self._scale_inv
         return self._data, self._scale_inv, self._transpose, self._scale_inv_t
 
 
@@ -173,16 +175,16 @@ class BlockWeight:
     flag: torch.Tensor | None
 
 
-def block_workspace(cache: WeightCache, key: str, weight: torch.Tensor,
-                    power_2_scale: bool) -> BlockWorkspace:  # fmt: skip
+def block_workspace(cache: WeightCache, key: str, weight: torch.Tensor, power_2_scale: bool,
+                    with_t: bool) -> BlockWorkspace:  # fmt: skip
     """The blockwise workspace of weight `key` (N, K) in `cache` (under its own key beside the
-    per-tensor workspaces), (re)allocated when its shape, device, dtype or scale rule no longer
-    match (then the cache is stale)."""
+    per-tensor workspaces), (re)allocated when its shape, device, dtype, scale rule or
+    transpose cache no longer match (then the cache is stale)."""
     name = key + ":blocks"
     ws = cache.workspaces.get(name)
-    want = (tuple(weight.shape), weight.device, weight.dtype, power_2_scale)
+    want = (tuple(weight.shape), weight.device, weight.dtype, power_2_scale, with_t)
     if ws is None or ws.key != want:
-        ws = BlockWorkspace(weight, power_2_scale)
+        ws = BlockWorkspace(weight, power_2_scale, with_t)
         cache.workspaces[name] = ws
         cache.valid = False
     return ws

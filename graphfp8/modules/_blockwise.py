@@ -57,15 +57,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def _weight_blocks(weight, block: BlockWeight | None, p2: bool, needs_dgrad: bool) -> tuple:
     """(w_fp8, scale_inv, w_t_fp8, scale_inv_t) of the weight's 128x128 blocks: the cache's
-    (quantized into it first when the call casts), or quantized now (the transpose only for a
-    dgrad)."""
+    (quantized into it first when the call casts; the transpose None when the module caches
+    none), or quantized now (the transpose only for a dgrad)."""
     if block is None:
         out = quantize(weight, TILE, _E4M3, p2, transpose=needs_dgrad)
-        return out if needs_dgrad else (*out, None, None)
-    buffers = block.workspace.buffers
-    if block.cast:
-        quantize(weight, TILE, _E4M3, p2, transpose=True, out=buffers, noop=block.flag)
-    return buffers
+    else:
+        out = block.workspace.buffers
+        if block.cast:
+            quantize(weight, TILE, _E4M3, p2, transpose=len(out) == 4, out=out, noop=block.flag)
+    return out if len(out) == 4 else (*out, None, None)
+
+
+def _transposed(w_blocks: tuple) -> tuple:
+    """The dgrad operand (w_t_fp8 (K, N), scale_inv_t) of _weight_blocks' result: its
+    transpose, or one made now (the same bytes) when the cache keeps none."""
+    w_fp8, w_scale_inv, w_t, w_t_scale_inv = w_blocks
+    if w_t is None:
+        return w_fp8.t().contiguous(), w_scale_inv.t().contiguous()
+    return w_t, w_t_scale_inv
 
 
 class _BlockwiseLinear(torch.autograd.Function):
@@ -77,15 +86,15 @@ class _BlockwiseLinear(torch.autograd.Function):
         x2 = x.reshape(-1, k)
         needs_dgrad, needs_wgrad = fn_ctx.needs_input_grad[:2]
         x_fp8, x_scale_inv, *x_t = quantize(x2, 1, _E4M3, power_2_scale, transpose=needs_wgrad)
-        w_fp8, w_scale_inv, *w_t = _weight_blocks(weight, block, power_2_scale, needs_dgrad)
-        y = blockwise_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, x.dtype)
+        w_blocks = _weight_blocks(weight, block, power_2_scale, needs_dgrad)
+        y = blockwise_gemm(x_fp8, x_scale_inv, *w_blocks[:2], x.dtype)
         if bias is not None:
             y = y + bias
         fn_ctx.save_for_backward(*x_t)
         # The weight's blocks may be the cache's, rewritten in place by later casts of the same
         # weights (the same bytes): kept out of save_for_backward's version checks, as the
         # per-tensor path keeps its workspaces (modules/_functional.py, save_weight).
-        fn_ctx.w_t = w_t
+        fn_ctx.w_blocks = w_blocks if needs_dgrad else None
         fn_ctx.power_2_scale, fn_ctx.x_shape = power_2_scale, x.shape
         fn_ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -101,7 +110,8 @@ class _BlockwiseLinear(torch.autograd.Function):
             # dy's tiles along N (dgrad) and dy.T's along M (wgrad), from one read when both.
             dy_q = quantize(dy2, 1, _E4M3, fn_ctx.power_2_scale, transpose=needs_wgrad)
         if needs_dgrad:
-            dx = blockwise_gemm(*dy_q[:2], *fn_ctx.w_t, x_dtype).reshape(fn_ctx.x_shape)
+            w_t = _transposed(fn_ctx.w_blocks)
+            dx = blockwise_gemm(*dy_q[:2], *w_t, x_dtype).reshape(fn_ctx.x_shape)
         if needs_wgrad:
             dw = blockwise_gemm(*dy_q[2:], *x_t, w_dtype)
         if needs_dbias:

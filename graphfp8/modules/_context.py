@@ -202,7 +202,8 @@ def blockwise_weights(module: nn.Module, weights: list[tuple[str, torch.Tensor]]
     if evaluating:
         return [None] * len(weights)
     p2 = ctx.recipe.power_2_scale
-    workspaces = [block_workspace(cache, key, w, p2) for key, w in weights]
+    with_t = module.cache_weight_transpose
+    workspaces = [block_workspace(cache, key, w, p2, with_t) for key, w in weights]
     cast, flag = False, None  # a recompute reads the blocks its forward quantized (or reused)
     if not replaying:
         cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner)

@@ -87,6 +87,27 @@ def test_cached_microbatches_equal_requantizing(device, kind, kernels):
                 opt.zero_grad()
 
 
+def test_without_cached_transposes(device):
+    """cache_weight_transposes(model, False): the cache keeps the blocks only (1 byte a weight
+    element) and each backward transposes them; the same bits as with the transposes cached."""
+    kept = Stack(device=device)
+    bare = copy.deepcopy(kept)
+    g8.modules.cache_weight_transposes(bare, False)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(T, H, generator=gen).bfloat16().to(device).requires_grad_() for _ in range(2)]
+    x2 = [x.detach().clone().requires_grad_() for x in xs]
+    dys = [torch.randn(T, H, generator=gen).bfloat16().to(device) for _ in range(2)]
+    out_k = _microbatches(kept, BLOCK, xs, [True, False], dys)
+    out_b = _microbatches(bare, BLOCK, x2, [True, False], dys)
+    for i in range(2):
+        assert_bitwise_equal(out_b[i], out_k[i], f"mb {i}: output")
+        assert_bitwise_equal(x2[i].grad, xs[i].grad, f"mb {i}: dgrad")
+    for (name, pk), (_, pb) in zip(kept.named_parameters(), bare.named_parameters(), strict=True):
+        assert_bitwise_equal(pb.grad, pk.grad, f"grad {name}")
+    ws = bare.proj.weight_cache.workspaces["weight:blocks"]
+    assert ws._transpose is None and ws._data.shape == bare.proj.weight.shape
+
+
 def test_microbatches_after_the_first_reuse_the_blocks(device):
     """A False call quantizes no weight (one block quantization per weight on True, none on
     False) and reads the blocks the True call wrote: a weight changed in place in between is
