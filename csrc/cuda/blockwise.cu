@@ -2,12 +2,12 @@
 // and, from the same read, of x^T; 128x128 blocks of x and their transpose.
 //
 // Grid: one 256-thread block per 128x128 region of x (blockIdx.x its 128-row strip, blockIdx.y
-// its 128-column tile). Phase 1: warp w loads rows w, w + 8, ... of the region, each lane four
-// consecutive columns (one 16- or 8-byte load when the row is whole and aligned, else bounds-
-// checked elements), keeps them as floats in shared memory and, for 1x128 tiles, reduces the
-// row's amax over the warp, then writes the row's FP8 bytes (one 4-byte store per lane) and its
-// scale_inv. 128x128 blocks first reduce the region's amax over the block and then write the rows
-// from shared memory. Phase 2 (out_t): thread (column c = tid % 128, half h = tid / 128) reads 64
+// its 128-column tile). Phase 1: warp w loads rows w, w + 8, ... of the region (all 16 loads
+// issued before any is used), each lane four consecutive columns (one 16- or 8-byte load when
+// the row is whole and aligned, else bounds-checked elements), keeps them as floats in shared
+// memory and, for 1x128 tiles, reduces each row's amax over the warp, then writes the row's FP8
+// bytes (one 4-byte store per lane) and its scale_inv. 128x128 blocks first reduce the region's
+// amax over the block and then write the rows from shared memory. Phase 2 (out_t): thread (column c = tid % 128, half h = tid / 128) reads 64
 // rows of its column from shared memory (conflict-free: a warp reads 32 consecutive floats), the
 // two halves combine their amax through shared memory (tiles; blocks reuse the block's scale),
 // and each thread writes its 64 bytes of out_t's row c with 16-byte stores.
@@ -92,14 +92,24 @@ __global__ void __launch_bounds__(kThreads)
   const int c = lane * 4, valid = max(0, min(4, nc - c));
   const bool whole = nc == kTile;
   uint32_t block_amax = 0u;
-  // Phase 1: the rows.
-  for (int r = warp; r < kTile; r += kWarps) {
-    float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (r < nr) load4(x + (r0 + r) * cols + c0 + c, valid, whole && vec_x, f);
-    *reinterpret_cast<float4*>(tile + r * kStride + c) = make_float4(f[0], f[1], f[2], f[3]);
+  // Phase 1: the rows, all of a warp's loads in flight before any is used.
+  constexpr int kRowsPerWarp = kTile / kWarps;
+  float f[kRowsPerWarp][4];
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int r = warp + i * kWarps;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) f[i][k] = 0.0f;
+    if (r < nr) load4(x + (r0 + r) * cols + c0 + c, valid, whole && vec_x, f[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int r = warp + i * kWarps;
+    *reinterpret_cast<float4*>(tile + r * kStride + c) =
+        make_float4(f[i][0], f[i][1], f[i][2], f[i][3]);
     uint32_t a = 0u;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) a = max(a, abs_bits(f[k]));
+    for (int k = 0; k < 4; ++k) a = max(a, abs_bits(f[i][k]));
     if constexpr (kBlocks) {
       block_amax = max(block_amax, a);
     } else if (r < nr) {
@@ -107,7 +117,7 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0) scale_inv[(r0 + r) * col_tiles + col_tile] = 1.0f / s;
       uint8_t q[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) q[k] = cuda::quantize<kE4M3>(f[k] * s);
+      for (int k = 0; k < 4; ++k) q[k] = cuda::quantize<kE4M3>(f[i][k] * s);
       store4(out + (r0 + r) * cols + c0 + c, q, valid, whole && vec_out);
     }
   }
