@@ -47,9 +47,12 @@
 #               500 s) -> $RES/multi_gpu.md and multi_gpu.json (docs/sharding.md, "Multi-GPU measurement")
 #   step blockwise (issue 42): Float8BlockScaling on the GPU: scripts/probe_blockwise_mm.py (what
 #               torch's scaled_mm takes for 1x128 / 128x128 scales -> blockwise_mm_probe.json),
-#               the blockwise CUDA tests (the emulation and torch's scaled_mm path),
-#               scripts/bench_blockwise.py (Llama-3.2-1B block, blockwise vs delayed vs bf16
-#               tokens/s) and, with BLOCK_TRAIN_STEPS > 0, 100m delayed vs blockwise losses
+#               the blockwise CUDA tests (the emulation and torch's scaled_mm path; the fused
+#               quantize kernels against their twin and the CPU kernel, the weight cache; the
+#               blockwise graph tests again with GRAPHFP8_BLOCKWISE_KERNELS=fused),
+#               scripts/bench_blockwise.py (Llama-3.2-1B block, 3 repeats with spread: bf16,
+#               delayed, blockwise with torch quantizers, fused kernels, fused + weight cache)
+#               and, with BLOCK_TRAIN_STEPS > 0, 100m delayed vs blockwise losses
 #   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
 #               token and GPU busy (one call under torch.profiler)
 #   step carried-casts (issue 39): what the carried recipe's weight casts on every
@@ -310,6 +313,13 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         tests/ops/test_blockwise.py tests/graphs/test_blockwise_graphs.py \
         > "$RES/tests_blockwise.log" 2>&1 || status=1
       echo "-- blockwise CUDA tests: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"
+      # The fused quantize kernels (default-off on CUDA) and the weight cache, then the graph
+      # tests with the fused kernels on: what turning GRAPHFP8_BLOCKWISE_KERNELS on needs.
+      GRAPHFP8_BLOCKWISE_KERNELS=fused timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider \
+        tests/ops/test_blockwise_fused.py tests/modules/test_blockwise_cache.py \
+        tests/graphs/test_blockwise_graphs.py > "$RES/tests_blockwise_fused.log" 2>&1 || status=1
+      echo "-- blockwise fused-kernel CUDA tests: $(tail -1 "$RES/tests_blockwise_fused.log")" \
+        | tee -a "$RES/summary.md"
       # The operand layouts of the three GEMMs against this torch's own (meta) scaled_mm checks.
       $PY -m pytest -q -p no:cacheprovider tests/modules/test_blockwise_layouts.py \
         >> "$RES/tests_blockwise.log" 2>&1 || status=1
