@@ -3,19 +3,21 @@ csrc/cuda/norm_fwd.cu's band kernel) against the kernel and transpose pass it re
 out_t, amax, scale_inv, mu, rsigma, the high-precision output and the residual sum bit for bit,
 on every path (LayerNorm and RMSNorm, each dtype, both FP8 formats, residual, hp_out,
 zero-centred gamma, current scaling's scaled_max form, bands wider than 16 rows, a last band
-cut short, the shapes that fall back to the second pass), on repeat and in a CUDA graph. The
-CPU kernel writes both layouts in its one loop whatever the switch says (csrc/cpu/norm.cpp):
-the cpu cases check that the switch leaves it alone."""
+cut short, the shapes that fall back to the second pass), on repeat, in a CUDA graph, and in
+layers trained for three steps. The CPU kernel writes both layouts in its one loop whatever the
+switch says (csrc/cpu/norm.cpp): the cpu cases check that the switch leaves it alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import graphfp8 as g8
 from graphfp8 import ops
 from graphfp8.ops.switches import SWITCHES, kernel_switch, switch_on
 from graphfp8.testing import assert_bitwise_equal
 from tests.helpers import CUDA_PARAM
+from tests.modules.common import fp8_state
 
 SWITCH = "NORM_FWD_TRANSPOSE"
 SHAPES = [
@@ -135,3 +137,40 @@ def test_transpose_in_kernel_in_a_cuda_graph(rms):
         want = {name: t for name, t in run()._asdict().items() if t is not None}
     want["amax"] = amax
     _assert_same(got, want, "graph replay")
+
+
+def _train_steps(kind: str, recipe, on: bool):
+    """Three forward / backward passes of a fresh layer (the same seed) under fp8_autocast with
+    the switch `on`: outputs, input and parameter gradients, FP8 histories and scales."""
+    torch.manual_seed(0)
+    kw = dict(params_dtype=torch.bfloat16, device="cuda")
+    if kind == "LayerNormMLP":
+        m = g8.LayerNormMLP(1024, 4096, **kw)
+    else:  # Llama's: RMSNorm, zero-centred gamma, no bias
+        m = g8.LayerNormLinear(1024, 3072, normalization="RMSNorm", zero_centered_gamma=True,
+                               bias=False, **kw)  # fmt: skip
+    got = []
+    with kernel_switch(SWITCH, on):
+        for _ in range(3):
+            x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            with g8.fp8_autocast(recipe=recipe):
+                y = m(x)
+            y.backward(torch.randn_like(y))
+            got += [y.detach(), x.grad]
+    got += [p.grad for p in m.parameters()]
+    return got + [t for _, t in fp8_state(m)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["LayerNormMLP", "RMSNormLinear"])
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_layers_train_the_same_bits(kind, scaling):
+    """The path users take: a layer's norm feeding its FP8 GEMM, whose weight gradient reads the
+    transposed layout; three steps with the switch on equal three with it off, bit for bit."""
+    recipe = g8.DelayedScaling() if scaling == "delayed" else g8.Float8CurrentScaling()
+    want = _train_steps(kind, recipe, False)
+    got = _train_steps(kind, recipe, True)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_bitwise_equal(g, w, f"{kind} {scaling}: tensor {i}")
