@@ -243,10 +243,19 @@ __global__ void __launch_bounds__(kMaxThreads) norm_fwd_band_kernel(FwdArgs<T> a
   cuda::cast_epilogue<kCurrent>(amax, p.amax, p.scale_inv, scale);
 }
 
+// The band kernel's layout: the row kernel's threads per row (so the same sums), but blocks of
+// up to 1024 threads that hold a whole 16-row band at once where they can (512 at h1024 in 16
+// bits: the row kernel's rows in flight per SM, without a second pass over the band's rows).
+inline RowLayout band_layout(const RowLayout& rows) {
+  int block = kBandRows * rows.tpr;
+  block = block < 256 ? 256 : (block > kMaxThreads ? kMaxThreads : block);
+  return {rows.tpr, block, block / rows.tpr};
+}
+
 // The band for the fused transpose, or 0 where it does not apply (the two-pass path): vector
 // loads, rows a multiple of 16 (whole 16-row groups), out_t 16-byte aligned, the band in the
 // default shared memory.
-template <typename T, bool kVec>
+template <bool kVec>
 int band_rows(const NormParams& p, const RowLayout& layout) {
   if (!kVec || !p.transpose_in_kernel || p.out_t == nullptr || p.rows % 16 != 0 ||
       !cuda::aligned16(p.out_t)) {
@@ -274,8 +283,9 @@ Status launch_fwd(const NormParams& p, cudaStream_t stream) {
   using E = Elems<T, kVec>;
   const RowLayout layout = row_layout(p.hidden / E::N, fwd_loads<T, kVec>());
   if (!p.amax_only) {
-    const int band = band_rows<T, kVec>(p, layout);
-    if (band > 0) return launch_band<T, kE4M3>(p, layout, band, stream);
+    const RowLayout banded = band_layout(layout);
+    const int band = band_rows<kVec>(p, banded);
+    if (band > 0) return launch_band<T, kE4M3>(p, banded, band, stream);
   }
   const int grid = cuda::grid_size(cuda::ceil_div(p.rows, layout.rows_per_block),
                                    2048 / layout.block);
