@@ -69,7 +69,7 @@
 #               graph (graphfp8-train --compare fp8:step --deterministic, synthetic data) with each
 #               switch off / on, one process per run, interleaved, KERN41_REPEATS (3) x
 #               KERN41_STEPS (100): tokens/s on / off and the final loss bit for bit
-#               (scripts/switch_ab.py); ~5 min
+#               (scripts/switch_ab.py); ~6 min (tests ~0.5, variants ~1.5, 6 runs ~40 s each)
 #   step recompute (issue 40): bench recompute (Llama-3-8B block shapes: activation memory and
 #               graphed step time of selective / full recompute against none) and bench
 #               memory-plan (the planner's peak against graphfp8-train's at N=1)
