@@ -1,6 +1,7 @@
 """Evaluation and generate() with FP8 attention (a carried recipe with fp8_dpa; issue 39, item 2):
-an evaluation forward and generate() after each step, eager or with graphs="layers", leave
-training bit for bit where the run without them ends, and graphed equals eager. Failed before:
+an evaluation forward and generate() after each step, eager or with graphs="layers", and
+Lightning's validation loop under FP8Precision, leave training bit for bit where the run without
+them ends, and graphed equals eager. Failed before:
 the attention's eval calls recorded amaxes and moved the scales, and generate() raised (its KV
 cache takes the explicit attention path, which refused fp8_dpa also in eval mode)."""
 
@@ -62,3 +63,42 @@ def test_evaluation_and_generate_leave_fp8_attention_training_as_it_was(graphs):
         _same(evaluated, eager, "graphed == eager")
         for i, (g, e) in enumerate(zip(evaluated[2], eager[2], strict=True)):
             assert torch.equal(g, e), f"graphed == eager: evaluation output {i}"
+
+
+def test_lightning_validation_leaves_fp8_attention_training_as_it_was():
+    """Lightning's validation loop under FP8Precision with an fp8_dpa recipe, a converted model
+    (its attention a graphfp8 DotProductAttention): a validation batch after every step, the run
+    ends bit for bit where the run without validation does."""
+    L = pytest.importorskip("lightning")
+    from graphfp8.lightning import FP8Precision
+
+    class LitLM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = g8.from_hf(hf_model("llama").train())
+
+        def training_step(self, x, i):
+            return self.model(x, labels=x).loss
+
+        def validation_step(self, x, i):
+            return self.model(x, labels=x).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+    runs = []
+    for validate in (True, False):
+        lit = LitLM()
+        loader = torch.utils.data.DataLoader(
+            [batch(i // MICRO, i % MICRO) for i in range(STEPS * MICRO)], batch_size=None
+        )
+        val = torch.utils.data.DataLoader([ids(7)], batch_size=None)
+        L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, num_sanity_val_steps=0,
+                  accumulate_grad_batches=MICRO, val_check_interval=MICRO,
+                  limit_val_batches=1 if validate else 0,
+                  plugins=[FP8Precision(recipe=DPA)]).fit(lit, loader, val)  # fmt: skip
+        runs.append(lit.model)
+    assert runs[0].layers[0].core_attention.fp8_meta is not None, "attention ran in FP8"
+    assert_same_training(runs[1], runs[0], "with and without validation")
