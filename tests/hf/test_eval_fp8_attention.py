@@ -1,9 +1,9 @@
 """Evaluation and generate() with FP8 attention (a carried recipe with fp8_dpa; issue 39, item 2):
 an evaluation forward and generate() after each step, eager or with graphs="layers", and
 Lightning's validation loop under FP8Precision, leave training bit for bit where the run without
-them ends, and graphed equals eager. Failed before:
-the attention's eval calls recorded amaxes and moved the scales, and generate() raised (its KV
-cache takes the explicit attention path, which refused fp8_dpa also in eval mode)."""
+them ends, and graphed equals eager. Failed before: the attention's eval calls recorded amaxes and
+moved the scales, and generate() raised (its KV cache takes the explicit attention path, which
+refused fp8_dpa also in eval mode)."""
 
 from __future__ import annotations
 
