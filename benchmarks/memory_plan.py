@@ -55,15 +55,16 @@ def _tokens(tmp: Path, vocab: int, count: int) -> Dataset:
     return Dataset(open_stream(str(path), vocab_size=vocab), val_fraction=0.05)
 
 
-def cpu_peak(spec: RunSpec, data: Dataset, out: Path, steps: int = 2) -> int:
+def cpu_peak(spec: RunSpec, data: Dataset, out: Path, steps: int = 2, group=None) -> int:
     """The peak bytes graphfp8-train allocates for `spec` on the CPU: LiveBytes over the whole run
     (model, masters, captures, steps, validation), CPU tapes allocating as CUDA graphs do
-    (graphs.backends.tapes_allocate_as_cuda): the CPU's torch.cuda.max_memory_allocated."""
+    (graphs.backends.tapes_allocate_as_cuda): the CPU's torch.cuda.max_memory_allocated. group:
+    the run's process group (spec.shard, spec.fsdp)."""
     g8.reset_state()
     gc.collect()
     with tapes_allocate_as_cuda(), LiveBytes() as live:
         train_run(spec, RunOptions(steps=steps, out=out, data=data, val_batches=1,
-                                   eval_every=100))  # fmt: skip
+                                   eval_every=100, group=group))  # fmt: skip
     return live.peak
 
 

@@ -78,6 +78,9 @@ class Plan:
             loss) holds at most beside the replays: the head's activations and the loss's
             working set.
         capture_peak: graphs "layers": the peak while the blocks are captured.
+        watch_copy: zero2: the sharded masters' copy of this rank's range of the weights, which
+            tells a model changed since the write-back (distributed/sharded_guard.py ModelWatch;
+            not training state).
     """
 
     setting: dict
@@ -86,10 +89,16 @@ class Plan:
     optimizer_transient: int = 0
     eager_microbatch: int = 0
     capture_peak: int = 0
+    watch_copy: int = 0
 
     @property
     def state(self) -> int:
         return sum(self.bytes[c] for c in CATEGORIES[:5])
+
+    @property
+    def _held(self) -> int:
+        """The state and what the run holds beside it for good."""
+        return self.state + self.watch_copy
 
     @property
     def microbatch(self) -> int:
@@ -101,11 +110,11 @@ class Plan:
         docstring)."""
         graphs, pools = self.setting["graphs"], self.bytes["graph pools"]
         if graphs == "step":
-            return self.state + pools + self.microbatch
+            return self._held + pools + self.microbatch
         if graphs == "layers":
-            replays = self.state + pools + max(self.eager_microbatch, self.optimizer_transient)
+            replays = self._held + pools + max(self.eager_microbatch, self.optimizer_transient)
             return max(self.capture_peak, replays)
-        return self.state + max(self.microbatch, self.optimizer_transient)
+        return self._held + max(self.microbatch, self.optimizer_transient)
 
     @property
     def footprint(self) -> int:
@@ -114,7 +123,7 @@ class Plan:
         capture an eager validation pass allocates outside its pool."""
         graphs = self.setting["graphs"]
         if graphs == "layers":
-            return self.state + self.bytes["graph pools"] + self.microbatch + (
+            return self._held + self.bytes["graph pools"] + self.microbatch + (
                 self.optimizer_transient)  # fmt: skip
         if graphs == "step":
             return self.peak + loss_working_set_bytes(self._shape(), self._tokens())
@@ -132,7 +141,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {"setting": self.setting, "parameters": self.parameters, "bytes": self.bytes,
                 "optimizer_transient": self.optimizer_transient, "peak": self.peak,
-                "footprint": self.footprint,
+                "footprint": self.footprint, "watch_copy": self.watch_copy,
                 "bytes_per_parameter": self.state / self.parameters}  # fmt: skip
 
     def format(self) -> str:
@@ -234,6 +243,9 @@ def plan(preset: str | ModelShape, n: int = 1, seq: int = 2048, batch: int = 1,
     # count theirs above
     if sharding == "ddp" and graphs != "step":
         out.optimizer_transient = fp8_masters // (2 if graphs == "none" else 1)
+    if sharding == "zero2":  # the flat weights' bytes: FP8 data without its transpose
+        p8 = shape.layers * shape.fp8_layer_params()
+        out.watch_copy = round(((1 if fp8_weights else 2) * p8 + 2 * (shape.parameters() - p8)) / n)
     return out
 
 
