@@ -237,10 +237,10 @@ def plan(preset: str | ModelShape, n: int = 1, seq: int = 2048, batch: int = 1,
     elif graphs == "step":  # the capture's copy of the weights and masters (module docstring)
         out.bytes["graph pools"] = out.bytes["weights"] + master_values
         out.bytes["masters"] += fp8_masters if sharding == "ddp" else 0  # the graph's fp32 grads
-    # unsharded MasterWeights eagerly: the fp32 gradients of the optimizer step, which replace
-    # the FP8 weights' bf16 ones eagerly and sit beside them with per-layer graphs (their
-    # persistent .grad; docs/sharding.md: 19.93 B/param on the H200); sharded masters and FSDP2
-    # count theirs above
+    # unsharded MasterWeights outside a step graph: the fp32 gradients of the optimizer step,
+    # which replace the FP8 weights' bf16 ones eagerly and sit beside them with per-layer graphs
+    # (their persistent .grad; docs/sharding.md: 19.93 B/param on the H200); sharded masters and
+    # FSDP2 count theirs above
     if sharding == "ddp" and graphs != "step":
         out.optimizer_transient = fp8_masters // (2 if graphs == "none" else 1)
     if sharding == "zero2":  # the flat weights' bytes: FP8 data without its transpose
