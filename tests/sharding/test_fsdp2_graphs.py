@@ -1,0 +1,132 @@
+"""torch FSDP2 inside make_graphed_microbatch (gloo ranks, the CPU replay tape): the graph holds
+FSDP2's all-gathers (FP8 weights as FP8 bytes), reshards and reduce-scatters, and training with
+it equals eager FSDP2 bit for bit - losses, local shards (FP8 bytes and scale_inv), FP8 scales
+and histories - with reshard_after_forward True and False, delayed and current scaling, FP8
+primary weights and fp32 parameters, 2 ranks and 3 (uneven, padded shards), each rank its own
+data, 2 microbatches per step, FSDPMasterWeights and fused AdamW stepping between replays; and
+one rank, where FSDP2 copies instead of gathering (the CUDA twins are in test_fsdp2_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import graphfp8 as g8
+from graphfp8.testing import assert_bitwise_equal
+from tests.graphs.step_common import adamw, lm_loss
+from tests.modules.common import fp8_state
+from tests.rank_pool import run_on_ranks
+from tests.sharding.common import MB, RECIPES, batch, build_lm
+from tests.sharding.test_fsdp2_reshard import shard_lm
+
+STEPS = 3
+
+
+def _eager(model, recipe, rank, device, masters, opt) -> list[torch.Tensor]:
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = batch(step, device, rank)
+        for i in range(MB):
+            with g8.fp8_autocast(recipe=recipe, fp8_group=dist.group.WORLD):
+                out = model(tokens[i], is_first_microbatch=i == 0)
+            loss = lm_loss(out, targets[i]) / MB
+            loss.backward()
+            losses.append(loss.detach())
+        masters.step(opt)
+        masters.zero_grad()
+    return losses
+
+
+def graphed_microbatch(model, recipe, device):
+    """make_graphed_microbatch of an FSDP2 LM, its batch the first microbatch of step 0."""
+    tokens, targets = batch(0, device)
+    return g8.make_graphed_microbatch(
+        model, lm_loss, (tokens[0], targets[0]), MB, fp8_enabled=True, fp8_recipe=recipe,
+        fp8_weight_caching=True, fp8_group=dist.group.WORLD,
+    )  # fmt: skip
+
+
+def _graphed(model, recipe, rank, device, masters, opt) -> list[torch.Tensor]:
+    graphed = graphed_microbatch(model, recipe, device)
+    ops = graphed.captured_ops()  # FSDP2's collectives are inside the graph
+    reshard = model.block._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+    # Root, block, head; gathered again in the backward after a reshard. One rank: FSDP2 copies.
+    groups = 3 if dist.get_world_size() > 1 else 0
+    assert ops.count("c10d::_allgather_base_") == groups * (1 + reshard), ops
+    assert ops.count("c10d::_reduce_scatter_base_") == groups, ops
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = batch(step, device, rank)
+        for i in range(MB):
+            losses.append(graphed((tokens[i], targets[i]), is_first_microbatch=i == 0).clone())
+        masters.step(opt)
+        masters.zero_grad()
+    return losses
+
+
+class _Plain:
+    """fp32 parameters: AdamW on the DTensors, zero_grad(set_to_none=False) (the replays add
+    into the zeroed .grad in place, as FSDP2 accumulates into it eagerly)."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+
+    def parameters(self):
+        return self.params
+
+    def step(self, opt):
+        self.opt = opt
+        opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=False)
+
+
+def _run(run, device, recipe, rank, reshard, fp8_weights):
+    g8.reset_state()
+    model = shard_lm(build_lm(device, fp8_weights), reshard)
+    masters = g8.MasterWeights(model) if fp8_weights else _Plain(model)
+    opt = adamw(masters.parameters(), device)
+    return run(model, recipe, rank, device, masters, opt), model
+
+
+def compare_local(a, b, what: str) -> None:
+    """Every local shard (FP8 bytes and scale_inv bit for bit), FP8 scale and amax history."""
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        la, lb = pa._local_tensor, pb._local_tensor
+        if isinstance(la, g8.Float8Tensor):
+            assert_bitwise_equal(lb._data.view(torch.uint8), la._data.view(torch.uint8),
+                                 f"{what}: {name} data")  # fmt: skip
+            assert_bitwise_equal(lb._scale_inv, la._scale_inv, f"{what}: {name} scale_inv")
+        else:
+            assert_bitwise_equal(lb, la, f"{what}: {name}")
+    for (name, sa), (_, sb) in zip(fp8_state(a), fp8_state(b), strict=True):
+        assert_bitwise_equal(sb, sa, f"{what}: {name}")
+
+
+def _graphed_equals_eager(rank, device, recipe_name, reshard, fp8_weights):
+    recipe = RECIPES[recipe_name]
+    eager_losses, eager = _run(_eager, device, recipe, rank, reshard, fp8_weights)
+    losses, graphed = _run(_graphed, device, recipe, rank, reshard, fp8_weights)
+    assert_bitwise_equal(torch.stack(losses), torch.stack(eager_losses), "losses")
+    compare_local(eager, graphed, "after training")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_fsdp2_microbatch_graph_equals_eager_fp8_weights(world, recipe_name, reshard):
+    run_on_ranks("gloo", _graphed_equals_eager, recipe_name, reshard, True, world=world)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_fsdp2_microbatch_graph_equals_eager_on_one_rank(reshard):
+    """World size 1, what the CUDA twin runs: FSDP2 copies instead of collectives."""
+    run_on_ranks("gloo", _graphed_equals_eager, "delayed", reshard, True, world=1)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_fsdp2_microbatch_graph_equals_eager_fp32_params(world, reshard):
+    run_on_ranks("gloo", _graphed_equals_eager, "delayed", reshard, False, world=world)
