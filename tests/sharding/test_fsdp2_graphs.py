@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import graphfp8 as g8
 from graphfp8.testing import assert_bitwise_equal
@@ -50,10 +52,11 @@ def graphed_microbatch(model, recipe, device):
 def _graphed(model, recipe, rank, device, masters, opt) -> list[torch.Tensor]:
     graphed = graphed_microbatch(model, recipe, device)
     ops = graphed.captured_ops()  # FSDP2's collectives are inside the graph
-    reshard = model.block._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
-    # Root, block, head; gathered again in the backward after a reshard. One rank: FSDP2 copies.
+    states = [m._get_fsdp_state()._fsdp_param_group for m in (model, model.block, model.head)]
+    # Each group gathered, again in the backward after a reshard. One rank: FSDP2 copies.
+    regathers = sum(g.post_forward_mesh_info is not None for g in states)
     groups = 3 if dist.get_world_size() > 1 else 0
-    assert ops.count("c10d::_allgather_base_") == groups * (1 + reshard), ops
+    assert ops.count("c10d::_allgather_base_") == (groups + regathers if groups else 0), ops
     assert ops.count("c10d::_reduce_scatter_base_") == groups, ops
     losses = []
     for step in range(STEPS):
@@ -83,9 +86,20 @@ class _Plain:
         self.opt.zero_grad(set_to_none=False)
 
 
+def _shard(model, reshard: bool | None):
+    """shard_lm's wrapping; reshard None: FSDP2's defaults (reshard_after_forward left out: True
+    for the layers, False for the root)."""
+    if reshard is not None:
+        return shard_lm(model, reshard)
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    for layer in (model.block, model.head):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def _run(run, device, recipe, rank, reshard, fp8_weights):
     g8.reset_state()
-    model = shard_lm(build_lm(device, fp8_weights), reshard)
+    model = _shard(build_lm(device, fp8_weights), reshard)
     masters = g8.MasterWeights(model) if fp8_weights else _Plain(model)
     opt = adamw(masters.parameters(), device)
     return run(model, recipe, rank, device, masters, opt), model
@@ -120,13 +134,17 @@ def test_fsdp2_microbatch_graph_equals_eager_fp8_weights(world, recipe_name, res
     run_on_ranks("gloo", _graphed_equals_eager, recipe_name, reshard, True, world=world)
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
-def test_fsdp2_microbatch_graph_equals_eager_on_one_rank(reshard):
+def test_fsdp2_microbatch_graph_equals_eager_with_fsdp2_defaults():
+    """fully_shard without reshard_after_forward: the layers reshard, the root keeps."""
+    run_on_ranks("gloo", _graphed_equals_eager, "current", None, True)
+
+
+def test_fsdp2_microbatch_graph_equals_eager_on_one_rank():
     """World size 1, what the CUDA twin runs: FSDP2 copies instead of collectives."""
-    run_on_ranks("gloo", _graphed_equals_eager, "delayed", reshard, True, world=1)
+    run_on_ranks("gloo", _graphed_equals_eager, "delayed", True, True, world=1)
 
 
-@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
-def test_fsdp2_microbatch_graph_equals_eager_fp32_params(world, reshard):
-    run_on_ranks("gloo", _graphed_equals_eager, "delayed", reshard, False, world=world)
+def test_fsdp2_microbatch_graph_equals_eager_fp32_params(reshard):
+    """3 ranks: uneven shards of fp32 parameters."""
+    run_on_ranks("gloo", _graphed_equals_eager, "delayed", reshard, False, world=3)
