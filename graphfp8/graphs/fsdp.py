@@ -67,9 +67,9 @@ def refusal(entry: str) -> str:
 
 def check_fsdp2_model(entry: str, model: nn.Module) -> None:
     """Raises, naming the fix, unless make_graphed_microbatch can capture FSDP2 model `model`:
-    fully_shard at the root (every parameter a DTensor of FSDP2), a 1-D mesh, no CPU offload,
-    the default mixed-precision policy, FSDP1 nowhere."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+    fully_shard at the root (every parameter a DTensor of FSDP2), a 1-D mesh, no CPU offload
+    (FSDP1 is refused by the caller, capture_checks.py)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor
 
     if not isinstance(model, FSDPModule):
@@ -92,12 +92,6 @@ def check_fsdp2_model(entry: str, model: nn.Module) -> None:
         if isinstance(group.offload_policy, CPUOffloadPolicy):
             raise RuntimeError(f"{entry}: FSDP2's CPUOffloadPolicy copies between host and "
                                "device, which a graph cannot do; train it eagerly")  # fmt: skip
-        if group.mp_policy != MixedPrecisionPolicy():
-            raise RuntimeError(
-                f"{entry}: FSDP2 with a MixedPrecisionPolicy ({group.mp_policy}) is not captured "
-                "yet; build the model in the dtype to train in (FP8 layers cast in their "
-                "kernels) and fully_shard it without mp_policy, or train it eagerly"
-            )
 
 
 def _param_groups(model: nn.Module) -> list:

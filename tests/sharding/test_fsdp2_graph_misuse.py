@@ -1,6 +1,6 @@
 """What the graphs refuse of an FSDP2 model (2 gloo ranks), each before anything runs and naming
 the fix: per-layer graphs and the step graph (make_graphed_microbatch captures it), FSDP2 on
-submodules only, a MixedPrecisionPolicy, hooks of the user's; after capture, a change of FSDP2's
+submodules only, CPU offload, hooks of the user's; after capture, a change of FSDP2's
 settings (gradient sync, reshard_after_forward) or a hook is refused at the next call."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 import graphfp8 as g8
 from tests.graphs.step_common import adamw, lm_loss
@@ -38,10 +38,10 @@ def _refused_before_capture(rank, device):
     fully_shard(inner.block, mesh=mesh)
     with pytest.raises(RuntimeError, match=r"under fully_shard itself too"):
         graphed_microbatch(inner, RECIPES["delayed"], device)
-    mixed = build_lm(device, fp8_weights=False)
-    fully_shard(mixed, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="MixedPrecisionPolicy"):
-        graphed_microbatch(mixed, RECIPES["delayed"], device)
+    offloaded = build_lm(device, fp8_weights=False)
+    fully_shard(offloaded, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    with pytest.raises(RuntimeError, match="CPUOffloadPolicy"):
+        graphed_microbatch(offloaded, RECIPES["delayed"], device)
     assert all(p.grad is None for p in model.parameters()), "nothing ran"
 
 

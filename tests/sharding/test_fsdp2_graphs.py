@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import graphfp8 as g8
 from graphfp8.testing import assert_bitwise_equal
@@ -86,20 +86,25 @@ class _Plain:
         self.opt.zero_grad(set_to_none=False)
 
 
-def _shard(model, reshard: bool | None):
+# torchtitan's policy: bf16 compute (FP8 weights gathered with a bf16 nominal dtype), fp32 reduce.
+MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _shard(model, reshard: bool | None, mixed: bool = False):
     """shard_lm's wrapping; reshard None: FSDP2's defaults (reshard_after_forward left out: True
-    for the layers, False for the root)."""
-    if reshard is not None:
+    for the layers, False for the root), with MIXED when `mixed`."""
+    if reshard is not None and not mixed:
         return shard_lm(model, reshard)
     mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    kw = {"mp_policy": MIXED} if mixed else {}
     for layer in (model.block, model.head):
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kw)
+    return fully_shard(model, mesh=mesh, **kw)
 
 
-def _run(run, device, recipe, rank, reshard, fp8_weights):
+def _run(run, device, recipe, rank, reshard, fp8_weights, mixed=False):
     g8.reset_state()
-    model = _shard(build_lm(device, fp8_weights), reshard)
+    model = _shard(build_lm(device, fp8_weights), reshard, mixed)
     masters = g8.MasterWeights(model) if fp8_weights else _Plain(model)
     opt = adamw(masters.parameters(), device)
     return run(model, recipe, rank, device, masters, opt), model
@@ -119,10 +124,10 @@ def compare_local(a, b, what: str) -> None:
         assert_bitwise_equal(sb, sa, f"{what}: {name}")
 
 
-def _graphed_equals_eager(rank, device, recipe_name, reshard, fp8_weights):
+def _graphed_equals_eager(rank, device, recipe_name, reshard, fp8_weights, mixed=False):
     recipe = RECIPES[recipe_name]
-    eager_losses, eager = _run(_eager, device, recipe, rank, reshard, fp8_weights)
-    losses, graphed = _run(_graphed, device, recipe, rank, reshard, fp8_weights)
+    eager_losses, eager = _run(_eager, device, recipe, rank, reshard, fp8_weights, mixed)
+    losses, graphed = _run(_graphed, device, recipe, rank, reshard, fp8_weights, mixed)
     assert_bitwise_equal(torch.stack(losses), torch.stack(eager_losses), "losses")
     compare_local(eager, graphed, "after training")
 
@@ -137,6 +142,12 @@ def test_fsdp2_microbatch_graph_equals_eager_fp8_weights(world, recipe_name, res
 def test_fsdp2_microbatch_graph_equals_eager_with_fsdp2_defaults():
     """fully_shard without reshard_after_forward: the layers reshard, the root keeps."""
     run_on_ranks("gloo", _graphed_equals_eager, "current", None, True)
+
+
+@pytest.mark.parametrize("fp8_weights", [True, False], ids=["fp8-weights", "fp32-params"])
+def test_fsdp2_microbatch_graph_equals_eager_with_mixed_precision(fp8_weights):
+    """FSDP2's MixedPrecisionPolicy (bf16 parameters gathered, fp32 gradients reduced)."""
+    run_on_ranks("gloo", _graphed_equals_eager, "delayed", None, fp8_weights, True)
 
 
 def test_fsdp2_microbatch_graph_equals_eager_on_one_rank():
