@@ -129,6 +129,15 @@ class FSDPSettings:
         now = self._now()
         if now == self.saved:
             return
+        gathered = [g._module_fqn or "the root" for g in self.groups if not g.is_sharded]
+        if gathered:
+            raise RuntimeError(
+                f"{self.entry}: FSDP2 holds the parameters of {gathered} gathered, as an eager "
+                "forward with reshard_after_forward=False leaves them (FSDP2's default for the "
+                "root; under torch.no_grad() no backward reshards them); the graph gathers them "
+                "itself. Call .reshard() on those modules (model.reshard() for the root) after "
+                "the eager forward"
+            )
         for g, (a, a_none), (b, b_none) in zip(self.groups, self.saved, now, strict=True):
             keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
             if a_none != b_none:
@@ -138,8 +147,8 @@ class FSDPSettings:
                     f"{self.entry}: FSDP2's {keys} of {g._module_fqn or 'the root'!r} changed "
                     f"since capture ({[a.get(k) for k in keys if k in a]} -> "
                     f"{[b.get(k) for k in keys if k in b]}); the graph replays what FSDP2 did "
-                    "at capture (its all-gathers, reshards and reduce-scatters). Put them back "
-                    "(model.reshard() after an eager forward), or capture again"
+                    "at capture (its all-gathers, reshards and reduce-scatters). Put them back, "
+                    "or capture again"
                 )
 
 

@@ -170,9 +170,9 @@ class GraphedMicrobatch:
         `.grad`. Returns the loss / num_microbatches (static 0-d device tensor)."""
         body = self._body
         body.check_call()
-        self._guard.check()
-        if self._fsdp2 is not None:
+        if self._fsdp2 is not None:  # first: FSDP2 left gathered swaps the modules' parameters
             self._fsdp2.check()
+        self._guard.check()
         given = body.batch.check(batch)
         self._flag.set(is_first_microbatch)
         body.batch.copy(given)

@@ -1,7 +1,8 @@
 """What the graphs refuse of an FSDP2 model (2 gloo ranks), each before anything runs and naming
 the fix: per-layer graphs and the step graph (make_graphed_microbatch captures it), FSDP2 on
 submodules only, CPU offload, hooks of the user's; after capture, a change of FSDP2's
-settings (gradient sync, reshard_after_forward) or a hook is refused at the next call."""
+settings (gradient sync, reshard_after_forward), a group left gathered by an eager forward or a
+hook is refused at the next call."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import graphfp8 as g8
 from tests.graphs.step_common import adamw, lm_loss
 from tests.rank_pool import run_on_ranks
 from tests.sharding.common import RECIPES, batch, build_lm
-from tests.sharding.test_fsdp2_graphs import graphed_microbatch
+from tests.sharding.test_fsdp2_graphs import graphed_microbatch, shard_model
 from tests.sharding.test_fsdp2_reshard import shard_lm
 
 
@@ -50,7 +51,7 @@ def test_refused_before_capture():
 
 
 def _refused_after_capture(rank, device):
-    model = shard_lm(build_lm(device), reshard=True)
+    model = shard_model(build_lm(device), None)  # the layers reshard, the root keeps
     graphed = graphed_microbatch(model, RECIPES["current"], device)
     tokens, targets = batch(0, device, rank)
     changes = [
@@ -65,6 +66,14 @@ def _refused_after_capture(rank, device):
             graphed((tokens[0], targets[0]))
         assert all(p.grad is None for p in model.parameters()), f"{what}: nothing ran"
         undo()
+    # An eager forward under no_grad (evaluation) leaves the root gathered (FSDP2's default
+    # keeps the root after forward): the call names reshard() (before: "were replaced").
+    with torch.no_grad(), g8.fp8_autocast(recipe=RECIPES["current"]):
+        model(tokens[0])
+    with pytest.raises(RuntimeError, match=r"the root'\] gathered.*model\.reshard\(\)"):
+        graphed((tokens[0], targets[0]))
+    assert all(p.grad is None for p in model.parameters()), "gathered: nothing ran"
+    model.reshard()
     handle = model.head.register_forward_pre_hook(lambda *args: None)
     with pytest.raises(RuntimeError, match="hooks were registered on a captured module"):
         graphed((tokens[0], targets[0]))

@@ -90,7 +90,7 @@ class _Plain:
 MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _shard(model, reshard: bool | None, mixed: bool = False):
+def shard_model(model, reshard: bool | None, mixed: bool = False):
     """shard_lm's wrapping; reshard None: FSDP2's defaults (reshard_after_forward left out: True
     for the layers, False for the root), with MIXED when `mixed`."""
     if reshard is not None and not mixed:
@@ -104,7 +104,7 @@ def _shard(model, reshard: bool | None, mixed: bool = False):
 
 def _run(run, device, recipe, rank, reshard, fp8_weights, mixed=False):
     g8.reset_state()
-    model = _shard(build_lm(device, fp8_weights), reshard, mixed)
+    model = shard_model(build_lm(device, fp8_weights), reshard, mixed)
     masters = g8.MasterWeights(model) if fp8_weights else _Plain(model)
     opt = adamw(masters.parameters(), device)
     return run(model, recipe, rank, device, masters, opt), model
