@@ -67,8 +67,8 @@ def refusal(entry: str) -> str:
 
 def check_fsdp2_model(entry: str, model: nn.Module) -> None:
     """Raises, naming the fix, unless make_graphed_microbatch can capture FSDP2 model `model`:
-    fully_shard at the root (every parameter a DTensor of FSDP2), a 1-D mesh, no CPU offload
-    (FSDP1 is refused by the caller, capture_checks.py)."""
+    fully_shard at the root (every parameter a DTensor of FSDP2), no CPU offload (FSDP1 is
+    refused by the caller, capture_checks.py). 1-D meshes and HSDP's 2-D ones are captured."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -82,12 +82,6 @@ def check_fsdp2_model(entry: str, model: nn.Module) -> None:
     if plain:
         raise RuntimeError(f"{entry}: parameters {plain} are not sharded by FSDP2 (not "
                            "DTensors); fully_shard the model at the root")  # fmt: skip
-    meshes = {p.device_mesh.ndim for p in model.parameters()}
-    if meshes != {1}:
-        raise RuntimeError(
-            f"{entry}: FSDP2 on a 2-D mesh (HSDP) is not captured yet (the capture is proven on "
-            "1-D meshes only); train it eagerly, or fully_shard on a 1-D mesh"
-        )
     for group in _param_groups(model):
         if isinstance(group.offload_policy, CPUOffloadPolicy):
             raise RuntimeError(f"{entry}: FSDP2's CPUOffloadPolicy copies between host and "

@@ -86,7 +86,7 @@ def make_graphed_microbatch(
         gradients are folded into .grad inside the graph, so parameter hooks never run. The
         rules, each checked before anything runs, are in docs/after-capture.md.
 
-    .. warning:: A model under torch FSDP2 (fully_shard at the root, a 1-D mesh) is captured
+    .. warning:: A model under torch FSDP2 (fully_shard at the root; HSDP too) is captured
         with FSDP2's collectives inside the graph, as its hooks ran them at capture: FSDP2's
         settings (reshard_after_forward, gradient sync) stay as captured, checked at every call.
     """

@@ -81,6 +81,11 @@ def test_fsdp2_microbatch_graph_fp32_params_on_one_gpu():
     run_on_ranks("nccl", _graphed_equals_eager, "delayed", True, False, world=1)
 
 
+@pytest.mark.parametrize("mixed, hsdp", [(True, False), (False, True)], ids=["mixed", "hsdp"])
+def test_fsdp2_microbatch_graph_mixed_precision_and_hsdp_on_one_gpu(mixed, hsdp):
+    run_on_ranks("nccl", _graphed_equals_eager, "delayed", None, True, mixed, hsdp, world=1)
+
+
 @pytest.mark.skipif(GPUS < 3, reason="needs 3 GPUs")
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_microbatch_graph_on_several_gpus(world):

@@ -90,21 +90,25 @@ class _Plain:
 MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def shard_model(model, reshard: bool | None, mixed: bool = False):
+def shard_model(model, reshard: bool | None, mixed: bool = False, hsdp: bool = False):
     """shard_lm's wrapping; reshard None: FSDP2's defaults (reshard_after_forward left out: True
-    for the layers, False for the root), with MIXED when `mixed`."""
-    if reshard is not None and not mixed:
+    for the layers, False for the root), with MIXED when `mixed`, on HSDP's (2, N / 2) mesh when
+    `hsdp`."""
+    if reshard is not None and not (mixed or hsdp):
         return shard_lm(model, reshard)
-    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    world, device = dist.get_world_size(), next(model.parameters()).device.type
+    replicas = 2 if world % 2 == 0 else 1  # one rank (the CUDA twin): a 1 x 1 mesh
+    shape = (replicas, world // replicas) if hsdp else (world,)
+    mesh = init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
     kw = {"mp_policy": MIXED} if mixed else {}
     for layer in (model.block, model.head):
         fully_shard(layer, mesh=mesh, **kw)
     return fully_shard(model, mesh=mesh, **kw)
 
 
-def _run(run, device, recipe, rank, reshard, fp8_weights, mixed=False):
+def _run(run, device, recipe, rank, reshard, fp8_weights, mixed=False, hsdp=False):
     g8.reset_state()
-    model = shard_model(build_lm(device, fp8_weights), reshard, mixed)
+    model = shard_model(build_lm(device, fp8_weights), reshard, mixed, hsdp)
     masters = g8.MasterWeights(model) if fp8_weights else _Plain(model)
     opt = adamw(masters.parameters(), device)
     return run(model, recipe, rank, device, masters, opt), model
@@ -124,10 +128,11 @@ def compare_local(a, b, what: str) -> None:
         assert_bitwise_equal(sb, sa, f"{what}: {name}")
 
 
-def _graphed_equals_eager(rank, device, recipe_name, reshard, fp8_weights, mixed=False):
+def _graphed_equals_eager(rank, device, recipe_name, reshard, fp8_weights, mixed=False,
+                          hsdp=False):  # fmt: skip
     recipe = RECIPES[recipe_name]
-    eager_losses, eager = _run(_eager, device, recipe, rank, reshard, fp8_weights, mixed)
-    losses, graphed = _run(_graphed, device, recipe, rank, reshard, fp8_weights, mixed)
+    eager_losses, eager = _run(_eager, device, recipe, rank, reshard, fp8_weights, mixed, hsdp)
+    losses, graphed = _run(_graphed, device, recipe, rank, reshard, fp8_weights, mixed, hsdp)
     assert_bitwise_equal(torch.stack(losses), torch.stack(eager_losses), "losses")
     compare_local(eager, graphed, "after training")
 
@@ -148,6 +153,13 @@ def test_fsdp2_microbatch_graph_equals_eager_with_fsdp2_defaults():
 def test_fsdp2_microbatch_graph_equals_eager_with_mixed_precision(fp8_weights):
     """FSDP2's MixedPrecisionPolicy (bf16 parameters gathered, fp32 gradients reduced)."""
     run_on_ranks("gloo", _graphed_equals_eager, "delayed", None, fp8_weights, True)
+
+
+@pytest.mark.parametrize("reshard", [None, False], ids=["defaults", "keep"])
+def test_fsdp2_microbatch_graph_equals_eager_under_hsdp(reshard):
+    """HSDP on 4 ranks, (2 replicas, 2 shards), each rank its own data: the graph holds the
+    all-gathers and reduce-scatters within a replica and the all-reduce across the replicas."""
+    run_on_ranks("gloo", _graphed_equals_eager, "delayed", reshard, True, False, True, world=4)
 
 
 def test_fsdp2_microbatch_graph_equals_eager_on_one_rank():
