@@ -35,7 +35,8 @@ from graphfp8.modules._functional import GemmConfig
 # annotated as the nn.Module it is so that the two stay a one-way import.
 
 __all__ = ["FrozenSlots", "blockwise_recipe", "blockwise_weights", "fp8_enabled", "fp8_recipe",
-           "fp8_slots", "fp8_state", "gemm_configs", "in_fp8_region", "init_group"]  # fmt: skip
+           "fp8_slots", "fp8_state", "frozen_call", "gemm_configs", "in_fp8_region",
+           "init_group"]  # fmt: skip
 
 
 def fp8_enabled() -> bool:
@@ -104,6 +105,12 @@ def _frozen_call(module: nn.Module, ctx: context.FP8Context) -> bool:
         and not ctx.capturing
         and not is_current_scaling(ctx.recipe)  # no state carries from cast to cast
     )
+
+
+def frozen_call(module: nn.Module) -> bool:
+    """Whether an FP8 call of `module` now is frozen (_frozen_call): FP8 attention asks it, as the
+    GEMMs' configs do, so that an eval-mode call leaves the attention's slots alone too."""
+    return _frozen_call(module, context.current())
 
 
 def fp8_state(module: nn.Module, device, frozen: bool = False,

@@ -111,10 +111,11 @@ def test_without_cached_transposes(device):
 def test_microbatches_after_the_first_reuse_the_blocks(device):
     """A False call quantizes no weight (one block quantization per weight on True, none on
     False) and reads the blocks the True call wrote: a weight changed in place in between is
-    not seen until the next True."""
+    not seen until the next True. The fused kernel on every device: the counter sees its op
+    (CUDA's default is the torch ops until the kernel's H200 run lands the switch)."""
     layer = g8.LayerNormMLP(H, 2 * H, params_dtype=torch.bfloat16, device=device)
     x = torch.randn(T, H, dtype=torch.bfloat16, device=device)
-    with g8.fp8_autocast(recipe=BLOCK):
+    with blockwise_kernels("fused"), g8.fp8_autocast(recipe=BLOCK):
         with _Quantizations() as first:
             y0 = layer(x, is_first_microbatch=True)
         with torch.no_grad():

@@ -1,9 +1,9 @@
 """FSDP2 on HSDP's 2-D meshes (fully_shard(model, mesh=init_device_mesh("cpu", (2, 2)))) with
 graphfp8 FP8 layers and FP8 weights, on 4 gloo ranks (2 replicas x 2 shards): FP8 all-gathers
-(uint8 bytes into the weight) within the shard group, gradients reduced across the replicas, the weights' scales equal on all
-4 ranks, bit for bit against 1-D FSDP2 over the shard group (FSDPMasterWeights refused every 2-D
-mesh before); and the FP8 weights' scales of a step come from one all-reduce whatever the
-number of layers (docs/sharding.md, "FP8 weight scales", "HSDP").
+(uint8 bytes into the weight) within the shard group, gradients reduced across the replicas,
+the weights' scales equal on all 4 ranks, bit for bit against 1-D FSDP2 over the shard group
+(FSDPMasterWeights refused every 2-D mesh before); and the FP8 weights' scales of a step come
+from one all-reduce whatever the number of layers (docs/sharding.md, "FP8 weight scales", "HSDP").
 
 Why the reference is 1-D FSDP2 over 2 ranks and not over 4 (or DDP over 4): HSDP adds a
 gradient as (a + b) + (c + d) (a reduce-scatter of 2, then an all-reduce of 2: each a sum of two,
@@ -70,7 +70,7 @@ def _data(step: int, shard: int, replica: int, device) -> torch.Tensor:
 def _train_step(model, masters, opt, inputs, group, recipe, grad_scale=1.0):
     """Forward and backward of each input (a microbatch), the gradients times `grad_scale`, the
     clip and the step. Returns (the summed loss, the norm)."""
-    total = torch.zeros(())
+    total = torch.zeros((), device=inputs[0].device)
     for x in inputs:
         with g8.fp8_autocast(recipe=recipe, fp8_group=group):
             y = model(x)
