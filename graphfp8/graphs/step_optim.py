@@ -146,6 +146,19 @@ class OptimizerGuard:
                     )
 
 
+def _fp8_local(t: torch.Tensor) -> torch.Tensor:
+    """The Float8Tensor local shard of an FSDP2 FP8 weight (read at each use: FSDP2 replaces it,
+    padded, at its lazy init), else `t` itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, Float8Tensor) else t
+
+
+def _save(t: torch.Tensor) -> torch.Tensor:
+    # An FP8 primary weight's clone() would dequantize: copy it as a Float8Tensor.
+    local = _fp8_local(t)
+    return copy.deepcopy(local.detach()) if isinstance(local, Float8Tensor) else t.detach().clone()
+
+
 class TrainingSnapshot:
     """The model's parameters and buffers and the optimizer's state, put back after warmup and
     after a CPU capture (whose tape runs what it records). State that the optimizer created in
@@ -156,9 +169,7 @@ class TrainingSnapshot:
         """extra: more tensors the step changes (FP8 primary weights' masters and scales)."""
         self.tensors = [t for t in itertools.chain(model.parameters(), model.buffers(), extra)]
         with torch.no_grad():
-            # An FP8 primary weight's clone() would dequantize: copy it as a Float8Tensor.
-            self.saved = [copy.deepcopy(t.detach()) if isinstance(t, Float8Tensor)
-                          else t.detach().clone() for t in self.tensors]  # fmt: skip
+            self.saved = [_save(t) for t in self.tensors]
         self.optimizer = optimizer
         self.state = {}
         if optimizer is not None:
@@ -169,7 +180,7 @@ class TrainingSnapshot:
     def restore(self) -> None:
         with torch.no_grad():
             for t, saved in zip(self.tensors, self.saved, strict=True):
-                t.copy_(saved)
+                _fp8_local(t).copy_(saved)
             if self.optimizer is None:
                 return
             for p, state in self.optimizer.state.items():
