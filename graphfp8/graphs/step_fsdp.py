@@ -12,7 +12,7 @@ into the leaves fires. What one replay runs, in order:
                                                         it: -0.0 + g is g, as its assignment)
     for each microbatch i: forward (FSDP2's all-gathers), loss_i, loss_i.backward()
         (FSDP2's reduce-scatters add each reduced shard into its parameter's .grad buffer)
-    grad_norm = masters.clip_grad_norm_(max_grad_norm)      (when given; one DTensor all-reduce)
+    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)  (when given; DTensor's norm)
     masters.step(optimizer) or optimizer.step()             (FP8 weights: one amax all-reduce)
 """
 
@@ -56,8 +56,8 @@ def check_fsdp2_step(name: str, process_group, master_weights, keep_grads: bool)
 
 class FSDPUpdate:
     """The GradientUpdate (distributed/gradient_update.py) of an FSDP2 model: FSDP2 reduced the
-    gradients in the backward; the clip is by the global norm over the DTensor shards; the step
-    goes through FSDPMasterWeights when the model has FP8 weights.
+    gradients in the backward; the clip is by the global norm over the model's DTensor shards;
+    the step goes through FSDPMasterWeights when the model has FP8 weights.
 
     Args:
         params: the model's trainable parameters (DTensors).
@@ -86,8 +86,9 @@ class FSDPUpdate:
         """Nothing: FSDP2's reduce-scatters ran in each microbatch's backward."""
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        if self.masters is not None:
-            return self.masters.clip_grad_norm_(max_norm)
+        """torch.nn.utils.clip_grad_norm_(model.parameters()), as the unsharded step graph and
+        graphfp8-train's eager FSDP2 step clip: the FP8 weights' gradient shards in their
+        nominal dtype, before the masters take them in. Returns the norm (0-d, every rank's)."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
