@@ -7,7 +7,9 @@ Each operand is quantized along its own GEMM's K, at the GEMM, from its high-pre
     dgrad    dx (M, K) = dy @ w      dy in 1x128 tiles along N     w's blocks, transposed
     wgrad    dw (N, K) = dy.T @ x    dy.T in 1x128 tiles along M   x.T in 1x128 tiles along M
 
-A 128x128 block is its own transpose's block, so the forward's w_fp8 serves dgrad too. The
+A 128x128 block is its own transpose's block, so the forward's w_fp8 serves dgrad too. A
+blockwise FP8 primary weight (graphfp8.fp8.block_tensor) is read as stored: its blocks are what
+the forward would quantize its master into (fp8/primary.py). The
 forward saves x.T's tiles (the wgrad operand) and w's blocks, not x. Nothing carries across
 calls: every scale is computed from the tensor being quantized, so a graph replays the whole
 computation, scales included.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from graphfp8.fp8.block_tensor import Float8BlockTensor
 from graphfp8.modules._context import blockwise_recipe
 from graphfp8.ops.blockwise import blockwise_gemm, quantize_blocks, quantize_tiles
 
@@ -49,7 +52,10 @@ class _BlockwiseLinear(torch.autograd.Function):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         x_fp8, x_scale_inv = quantize_tiles(x2, _E4M3, power_2_scale)
-        w_fp8, w_scale_inv = quantize_blocks(weight, _E4M3, power_2_scale)
+        if isinstance(weight, Float8BlockTensor):  # checked: modules/base._check_blockwise
+            w_fp8, w_scale_inv = weight._data, weight._scale_inv
+        else:
+            w_fp8, w_scale_inv = quantize_blocks(weight, _E4M3, power_2_scale)
         y = blockwise_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, x.dtype)
         if bias is not None:
             y = y + bias
