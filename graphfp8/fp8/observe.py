@@ -15,7 +15,7 @@ import torch
 
 from graphfp8.fp8.scaling import ReplaySlots, SlotBlock
 
-__all__ = ["Observer", "StatsSource", "install", "observe_cast", "observer"]
+__all__ = ["Observer", "StatsSource", "install", "observe_block", "observe_cast", "observer"]
 
 
 class StatsSource(NamedTuple):
@@ -73,3 +73,18 @@ def observe_cast(block: SlotBlock, i: int, role: str, source) -> None:
     obs = _OBSERVER
     if obs is not None and not isinstance(block, ReplaySlots):  # a recompute: seen once already
         obs.cast(block, i, role, source() if callable(source) else source)
+
+
+def observe_block(weight: torch.Tensor, role: str, source) -> None:
+    """Reports a blockwise quantization (a GEMM operand under Float8BlockScaling, which has no
+    slots) to the observer, if it takes them (graphfp8.numerics_blockwise.BlockStats).
+
+    Args:
+        weight: the GEMM's weight parameter: which layer and GEMM the operand belongs to.
+        role: "input", "weight" or "grad_output".
+        source: a function returning (x (R, C) high precision, x_fp8, scale_inv, rows), the
+            arguments of graphfp8.ops.blockwise_stats.block_stats; called only when observed.
+    """
+    take = getattr(_OBSERVER, "block_cast", None)
+    if take is not None:
+        take(weight, role, source())

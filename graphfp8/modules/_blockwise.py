@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from graphfp8.fp8.block_tensor import Float8BlockTensor
+from graphfp8.fp8.observe import observe_block
 from graphfp8.modules._context import blockwise_recipe
 from graphfp8.ops.blockwise import blockwise_gemm, quantize_blocks, quantize_tiles
 
@@ -56,6 +57,9 @@ class _BlockwiseLinear(torch.autograd.Function):
             w_fp8, w_scale_inv = weight._data, weight._scale_inv
         else:
             w_fp8, w_scale_inv = quantize_blocks(weight, _E4M3, power_2_scale)
+        # The numerics report (graphfp8/numerics_blockwise.py); nothing when not installed.
+        observe_block(weight, "input", lambda: (x2, x_fp8, x_scale_inv, 1))
+        observe_block(weight, "weight", lambda: (weight.detach(), w_fp8, w_scale_inv, 128))
         y = blockwise_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, x.dtype)
         if bias is not None:
             y = y + bias
@@ -63,7 +67,7 @@ class _BlockwiseLinear(torch.autograd.Function):
         if weight.requires_grad:
             saved += quantize_tiles(x2.t(), _E4M3, power_2_scale)
         fn_ctx.save_for_backward(*saved)
-        fn_ctx.power_2_scale, fn_ctx.x_shape = power_2_scale, x.shape
+        fn_ctx.power_2_scale, fn_ctx.x_shape, fn_ctx.weight = power_2_scale, x.shape, weight
         fn_ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -76,6 +80,7 @@ class _BlockwiseLinear(torch.autograd.Function):
         dx = dw = db = None
         if fn_ctx.needs_input_grad[0]:
             dy_fp8, dy_scale_inv = quantize_tiles(dy2, _E4M3, p2)
+            observe_block(fn_ctx.weight, "grad_output", lambda: (dy2, dy_fp8, dy_scale_inv, 1))
             dx = blockwise_gemm(dy_fp8, dy_scale_inv, w_fp8.t().contiguous(),
                                 w_scale_inv.t().contiguous(), x_dtype)  # fmt: skip
             dx = dx.reshape(fn_ctx.x_shape)

@@ -75,15 +75,10 @@ def bf16_layer_indices(text: str, layers: int) -> tuple[int, ...]:
 
 
 def _check_blockwise(p: argparse.ArgumentParser, args, given: list[str]) -> None:
-    """--scaling blockwise (Float8BlockScaling) is E4M3 everywhere and keeps no slots (so no
-    per-slot statistics); its FP8 weights (--fp8-weights) are stored in 128x128 blocks."""
+    """--scaling blockwise (Float8BlockScaling) is E4M3 everywhere; its FP8 weights
+    (--fp8-weights) are stored in 128x128 blocks, its --fp8-stats are per block."""
     if "--fp8-format" in given and args.fp8_format != "E4M3":
         p.error("--scaling blockwise is E4M3 everywhere: drop --fp8-format or give E4M3")
-    if "--fp8-stats" in given:
-        p.error(
-            "--fp8-stats with --scaling blockwise is not supported yet: the numerics "
-            "report reads per-tensor slots"
-        )
     if args.fp8_weights and getattr(args, "fsdp", False):
         p.error(
             "--fp8-weights with --scaling blockwise under --fsdp is not supported (torch "
