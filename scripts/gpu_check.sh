@@ -63,6 +63,11 @@
 #               ~3-4 min on one H200 (limit SPEED_TIMEOUT_S, 360 s)
 #   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
+#   step quality-block (issue 42): the quality rows - validation loss of bf16, delayed and
+#               blockwise FP8 (paired per seed, one process per preset: scripts/train_gap.py) on
+#               real text (--data stdlib) for QB_PRESETS (100m llama-100m), QB_STEPS (300) x
+#               QB_MICROBATCHES (2), QB_SEEDS (0), QB_VARIANTS (bf16,delayed,blockwise; also
+#               blockwise_fp8w, current); the blockwise GEMM as BLOCK_GEMM (scaled_mm); ~2 min
 #   step recompute (issue 40): bench recompute (Llama-3-8B block shapes: activation memory and
 #               graphed step time of selective / full recompute against none) and bench
 #               memory-plan (the planner's peak against graphfp8-train's at N=1)
@@ -327,6 +332,17 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
             | tee -a "$RES/summary.md"
         done
       fi ;;
+    quality-block)  # issue 42: blockwise vs delayed vs bf16 validation loss, paired per seed
+      for preset in ${QB_PRESETS:-100m llama-100m}; do
+        GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/train_gap.py \
+          --out "$RES/quality_block_$preset" --variants ${QB_VARIANTS:-bf16,delayed,blockwise} \
+          --seeds ${QB_SEEDS:-0} --steps ${QB_STEPS:-300} --microbatches ${QB_MICROBATCHES:-2} \
+          --preset "$preset" --data stdlib > "$RES/quality_block_$preset.log" 2>&1 \
+          || { status=1; tail -20 "$RES/quality_block_$preset.log"; }
+        rm -rf "$RES"/quality_block_"$preset"/*/
+        echo "-- quality-block $preset" | tee -a "$RES/summary.md"
+        sed -n '/validation loss against/,$p' "$RES/quality_block_$preset.log" | tee -a "$RES/summary.md"
+      done ;;
     train-scaling)  # issue 16: DelayedScaling vs Float8CurrentScaling vs FP8 primary weights
       for run in delayed current fp8w; do
         case $run in fp8w) extra="--fp8-weights" ;; *) extra="--scaling $run" ;; esac
