@@ -5,8 +5,10 @@ scaling"). On the H200:
 
     GRAPHFP8_BLOCKWISE_GEMM=scaled_mm python scripts/bench_blockwise.py [--seq 4096 --batch 1]
 
-The blockwise quantizers are pure-torch (several launches per operand), so this row measures
-them too; GRAPHFP8_BLOCKWISE_GEMM=emulate times the float32 emulation instead of cuBLAS's GEMM.
+Then the same block's SwiGLU MLP against TransformerEngine's Float8BlockScaling when TE imports
+(benchmarks/blockwise_te.py; --no-mlp skips it). The blockwise quantizers are pure-torch
+(several launches per operand), so these rows measure them too; GRAPHFP8_BLOCKWISE_GEMM=emulate
+times the float32 emulation instead of cuBLAS's GEMM.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import torch
 
 import graphfp8 as g8
+from benchmarks.blockwise_te import mlp_rows, print_mlp
 
 RECIPES = {
     "bf16": None,
@@ -65,6 +68,7 @@ def main() -> None:
                           ("seq", 4096), ("batch", 1), ("iters", 20)):  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--json", help="write the rows here too")
+    p.add_argument("--no-mlp", action="store_true", help="skip the MLP rows against TE")
     args = p.parse_args()
     rows = {}
     for name, recipe in RECIPES.items():
@@ -81,9 +85,14 @@ def main() -> None:
         ratio = value / base if isinstance(value, float) and isinstance(base, float) else None
         text = f"{value:12.0f} tokens/s" if isinstance(value, float) else value
         print(f"  {name:10s} {text}" + (f"   {ratio:.3f}x delayed" if ratio else ""))
+    mlp = {}
+    if not args.no_mlp:
+        tokens = args.batch * args.seq
+        mlp = mlp_rows(args.hidden, args.ffn, tokens, "cuda", args.iters)
+        print_mlp(mlp, args.hidden, args.ffn, tokens)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "tokens_per_s": rows}, f, indent=1)
+            json.dump({"args": vars(args), "tokens_per_s": rows, "mlp_ms": mlp}, f, indent=1)
 
 
 if __name__ == "__main__":
