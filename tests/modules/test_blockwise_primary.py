@@ -21,6 +21,13 @@ BLOCK = g8.Float8BlockScaling()
 K, N, T = 288, 160, 64  # partial 128-blocks along both dims
 
 
+@pytest.fixture(autouse=True)
+def _cuda_gemm_path(monkeypatch):
+    """CUDA runs the emulated GEMM unless GRAPHFP8_BLOCKWISE_GEMM chose a path."""
+    if not bw.GEMM_MODE:
+        monkeypatch.setattr(bw, "GEMM_MODE", "emulate")
+
+
 def _build(kind: str, dtype, device, recipe=BLOCK, seed: int = 7):
     torch.manual_seed(seed)
     kw = dict(params_dtype=dtype, device=device)

@@ -1,9 +1,13 @@
 """Sharded masters of blockwise FP8 weights (fp8_model_init(recipe=Float8BlockScaling())) on 2
 and 3 gloo ranks: shard boundaries on 128-row stripes, each rank quantizing its own blocks with
 no amax all-reduce, equal bit for bit to unsharded data parallel (data, block scales, losses);
-the shard checkpoint round-trips."""
+the shard checkpoint round-trips; the sharded step graph captures no all-reduce and equals eager."""
 
 from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +18,11 @@ from torch import nn
 import graphfp8 as g8
 from graphfp8.distributed import allreduce_gradients
 from graphfp8.fp8.block_tensor import Float8BlockTensor
+from graphfp8.ops import blockwise
 from graphfp8.testing import assert_bitwise_equal
+from tests.graphs.step_common import adamw
 from tests.rank_pool import run_on_ranks
-from tests.sharding.common import Sharded, Unsharded, compare_models
+from tests.sharding.common import Sharded, Unsharded, compare_models, run_cli
 
 BLOCK = g8.Float8BlockScaling()
 MB, T, IN = 2, 32, 144
@@ -47,25 +53,36 @@ def _build(device, power_2_scale: bool = True) -> BlockMLP:
         return BlockMLP(device)
 
 
+def mse(y, target):
+    return (y - target).square().mean()
+
+
+def _inputs(step: int, rank: int, device) -> torch.Tensor:
+    """Step `step`'s MB microbatches x (T, IN) of `rank` (0: the same on every rank)."""
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(MB, T, IN, generator=gen).to(device)
+
+
+def _one_step(side, xs: torch.Tensor, recipe) -> torch.Tensor:
+    """MB microbatches (loss mse(y, x)), the reduction, the masters' step. Returns the loss."""
+    total = torch.zeros(())
+    for i in range(MB):
+        with g8.fp8_autocast(recipe=recipe):
+            y = side.model(xs[i], is_first_microbatch=i == 0)
+        loss = mse(y, xs[i]) / MB
+        loss.backward()
+        total += loss.detach().cpu()
+    if isinstance(side, Unsharded):
+        allreduce_gradients(side.model.parameters(), side.group)
+    side.masters.step(side.opt)
+    side.masters.zero_grad()
+    return total
+
+
 def _steps(side, device, rank, same_data: bool, recipe, steps: int = STEPS) -> list:
-    """`steps` steps of MB microbatches (x (T, IN), loss mean((y - x)**2)); the losses."""
-    losses = []
-    for s in range(steps):
-        gen = torch.Generator().manual_seed(100 * s + (0 if same_data else rank))
-        xs = torch.randn(MB, T, IN, generator=gen).to(device)
-        total = torch.zeros(())
-        for i in range(MB):
-            with g8.fp8_autocast(recipe=recipe):
-                y = side.model(xs[i], is_first_microbatch=i == 0)
-            loss = (y - xs[i]).square().mean() / MB
-            loss.backward()
-            total += loss.detach().cpu()
-        if isinstance(side, Unsharded):
-            allreduce_gradients(side.model.parameters(), side.group)
-        side.masters.step(side.opt)
-        side.masters.zero_grad()
-        losses.append(total)
-    return losses
+    """`steps` steps (_one_step); the losses."""
+    return [_one_step(side, _inputs(s, 0 if same_data else rank, device), recipe)
+            for s in range(steps)]  # fmt: skip
 
 
 class _MaxReduces:
@@ -145,3 +162,77 @@ def _checkpoint_round_trip(rank, device):
 
 def test_shard_checkpoint_and_full_masters_round_trip():
     run_on_ranks("gloo", _checkpoint_round_trip, world=3)
+
+
+@contextlib.contextmanager
+def _gemm_path():
+    """On CUDA the emulated blockwise GEMM unless GRAPHFP8_BLOCKWISE_GEMM chose one (a rank
+    process outlives the test: put back)."""
+    saved = blockwise.GEMM_MODE
+    blockwise.GEMM_MODE = saved or "emulate"
+    try:
+        yield
+    finally:
+        blockwise.GEMM_MODE = saved
+
+
+def _step_graph_equals_eager(rank, device):
+    """The whole sharded step as one graph (the CPU tape on gloo, a CUDA graph with NCCL): the
+    blockwise write-back is captured with no all-reduce at all (no clipping here), and equals
+    the eager step."""
+    with _gemm_path():
+        _step_graph_body(rank, device)
+
+
+def _step_graph_body(rank, device):
+    group = dist.group.WORLD
+    eager = Sharded(_build(device), device, group)
+    model = _build(device)
+    masters = g8.MasterWeights(model, shard_group=group)
+    opt = adamw(masters.parameters(), device)
+    sample = torch.randn(MB, T, IN, device=device)
+    step = g8.make_graphed_step(model, mse, opt, (sample, sample), MB, fp8_enabled=True,
+                                fp8_recipe=BLOCK, master_weights=masters,
+                                num_warmup_iters=1)  # fmt: skip
+    ops = step.captured_ops()
+    assert "c10d::allreduce_" not in ops, "an all-reduce in the blockwise sharded step"
+    blockwise = sum(1 for b in masters.layout.buckets if b.stripe)
+    assert ops.count("c10d::_allgather_base_") == len(masters.layout.buckets) + blockwise
+    for s in range(STEPS):
+        xs = _inputs(s, rank, device)
+        loss = _one_step(eager, xs, BLOCK)
+        assert_bitwise_equal(step((xs, xs)).cpu(), loss, f"rank {rank} step {s}: loss")
+        compare_models(model, eager.model, f"rank {rank} step {s}")
+
+
+def test_sharded_step_graph_equals_eager():
+    run_on_ranks("gloo", _step_graph_equals_eager)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sharded_step_graph_equals_eager_with_nccl():
+    """One H200 (NCCL, world 1): the captured step holds no all-reduce."""
+    run_on_ranks("nccl", _step_graph_equals_eager, world=1)
+
+
+def _cli_runs(rank, device, tmp):
+    """graphfp8-train --ddp --shard --fp8-weights --scaling blockwise, eager and as one step
+    graph, on 3 ranks: the same losses, the ranks agree."""
+    args = ["--device", "cpu", "--ddp", "--shard", "--fp8-weights", "--scaling", "blockwise",
+            "--batch", "2", "--seq-len", "32", "--microbatches", "2", "--data", "synthetic",
+            "--val-batches", "1", "--log-every", "1", "--steps", "2"]  # fmt: skip
+    losses = {}
+    for mode in ("none", "step"):
+        code, _, err = run_cli([*args, "--graphs", mode, "--out", f"{tmp}/{mode}"])
+        assert code == 0, err
+        if rank == 0:  # rank 0 writes the summary
+            run = json.loads((Path(tmp) / mode / "summary.json").read_text())["runs"][0]
+            assert run["name"].startswith("fp8-block-fp8w-") and run["name"].endswith("-shard")
+            assert run["ranks_agree"]["parameters"] is True
+            losses[mode] = run["losses"]
+    assert rank != 0 or losses["none"] == losses["step"], losses
+
+
+def test_graphfp8_train_shards_blockwise_fp8_weights(tmp_path):
+    run_on_ranks("gloo", _cli_runs, str(tmp_path), world=3)
