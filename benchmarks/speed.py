@@ -54,7 +54,8 @@ def measure_peer(spec: RunSpec, data: Dataset, timing: Timing, ceilings: Ceiling
 
     Returns:
         {"name", "peer" (labels), "prepare_s", "tokens_per_s" (spread over the repeats),
-        "ms_per_step" (median), "model_tflops", "floor_ms", "floor_fraction", "busy",
+        "ms_per_step" (median), "model_tflops", "floor_ms", "floor_fraction", "busy" (kernel
+        union over the unprofiled wall), "busy_profiled" (over the profiled steps' wall),
         "kernel_table" (GPU) or None, "losses" (the last step's)}.
     """
     total = timing.warmup + timing.steps * timing.repeats + timing.profile_steps
@@ -84,20 +85,26 @@ def measure_peer(spec: RunSpec, data: Dataset, timing: Timing, ceilings: Ceiling
             "floor_ms": {k: v * 1e3 for k, v in f.items() if k != "ceilings"},
             "floor_fraction": f["total"] * 1e3 / step_ms,
             "busy": table["busy_ms"] / step_ms if table else None,
+            "busy_profiled": table["busy_ms"] / table["wall_ms"] if table else None,
             "kernel_table": table, "loss": float(loss)}  # fmt: skip
 
 
 def _profile(run: Run, steps: int, total: int) -> dict:
-    """kernel_table of `steps` steps of `run` under torch.profiler (CUDA activity only)."""
+    """kernel_table of `steps` steps of `run` under torch.profiler (CUDA activity only), with
+    "wall_ms": the profiled steps' own wall per step. Busy over the unprofiled wall read above 1
+    in session 6; busy over this wall tells whether the profiler slowed the kernels
+    (docs/benchmarking.md, "The floor")."""
     from torch.profiler import ProfilerActivity, profile
 
     sync(run.spec.device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         for _ in range(steps):
             run.train_step(total)
         sync(run.spec.device)
+        wall_ms = (time.perf_counter() - start) / steps * 1e3
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in kernel_events(prof)]
-    return kernel_table(kernels, steps)
+    return {**kernel_table(kernels, steps), "wall_ms": wall_ms}
 
 
 def _row_config(preset: str, overrides: dict, vocab: int):
@@ -205,6 +212,9 @@ def _kernel_rows(r: dict) -> str:
         rows.append(row)
     rows.append(["all kernels / busy (union)", "-",
                  *[f"{p['kernel_table']['kernel_ms']:.3f} / {p['kernel_table']['busy_ms']:.3f}"
+                   for p in peers.values()]])  # fmt: skip
+    rows.append(["profiled wall / unprofiled wall", "-",
+                 *[f"{p['kernel_table']['wall_ms']:.3f} / {p['ms_per_step']:.3f}"
                    for p in peers.values()]])  # fmt: skip
     rows.append(["floor: gemm / attention / memory", "-",
                  *[f"{p['floor_ms']['blocks_gemm'] + p['floor_ms']['head_gemm']:.3f} / "

@@ -25,6 +25,7 @@ def test_quick_run_measures_every_peer_against_the_compiled_baseline():
         assert p["baseline"] == "bf16-torch-compile" and r["min"] <= r["median"] <= r["max"]
         assert p["floor_fraction"] == pytest.approx(p["floor_ms"]["total"] / p["ms_per_step"])
         assert p["busy"] is None and p["kernel_table"] is None  # no kernels on the CPU
+        assert p["busy_profiled"] is None
         assert 4.5 < p["loss"] < 6.5  # ln 256 = 5.55 after a few steps
     assert row["peers"]["bf16-torch-compile"]["vs_baseline"]["median"] == 1.0
     assert "/ bf16-torch-compile (min-max)" in out["table"] and "of floor" in out["table"]
@@ -79,3 +80,4 @@ def test_quick_run_on_a_gpu_calibrates_and_profiles():
         assert t["kernels"] and t["categories"]["gemm"]["launches"] > 0, name
         assert sum(c["ms"] for c in t["categories"].values()) == pytest.approx(t["kernel_ms"])
         assert 0 < p["busy"] <= 1.05, name  # the union of kernel time over the unprofiled wall
+        assert 0 < p["busy_profiled"] <= 1.01, name  # a union inside the profiled wall (clocks)
