@@ -116,6 +116,24 @@ def test_block_stats_rows_eagerly_and_in_graphs(device):
         assert stats.rows() == []
 
 
+def test_per_tensor_stats_refuse_blockwise_gemms(device):
+    """FP8Stats reads slots, which blockwise GEMMs lack: it raises instead of reporting nothing;
+    BlockStats created after it takes them and hands per-tensor casts on to it."""
+    layer = _layer(device)
+    x = torch.randn(64, 144, dtype=torch.bfloat16, device=device)
+    with g8.numerics.FP8Stats(layer):
+        with g8.fp8_autocast(recipe=BLOCK), pytest.raises(RuntimeError, match="BlockStats"):
+            layer(x)
+        with BlockStats(layer) as stats:
+            stats.enable(True)
+            with g8.fp8_autocast(recipe=BLOCK):
+                layer(x)
+            with g8.fp8_autocast(recipe=g8.DelayedScaling()):
+                layer(x)  # a per-tensor cast: FP8Stats' (no error)
+            stats.collect(0)
+            assert {r["role"] for r in stats.rows()} == {"input", "weight"}
+
+
 def test_train_with_blockwise_fp8_stats(tmp_path):
     argv = ["--batch", "2", "--seq-len", "32", "--microbatches", "1", "--device", "cpu",
             "--data", "synthetic", "--val-batches", "1", "--steps", "2", "--out", str(tmp_path),
