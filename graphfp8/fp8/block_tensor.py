@@ -20,6 +20,8 @@ from graphfp8.ops.blockwise import TILE, dequantize_blocks
 __all__ = ["Float8BlockTensor", "is_block_fp8"]
 
 _ALIAS_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+# torch FSDP2's fully_shard chunks every parameter into row shards (fp8/tensor_fsdp.py)
+_SPLIT_OPS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
 
 
 def block_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -117,12 +119,18 @@ class Float8BlockTensor(Float8Tensor):
             return Float8BlockTensor(src._data, src._scale_inv, src.dtype, src._power_2_scale)
         if func is torch.ops.aten.copy_.default:
             return _copy_(args[0], args[1])
+        if func in _SPLIT_OPS:  # shards would be high-precision copies, trained as such
+            raise NotImplementedError(
+                "Float8BlockTensor: splitting a blockwise FP8 weight (torch FSDP2's fully_shard "
+                "does) is not supported; shard its masters with graphfp8.MasterWeights(model, "
+                "shard_group=...) (docs/sharding.md), or split weight.dequantize()"
+            )
         if func._schema.is_mutable:
             raise NotImplementedError(
                 f"Float8BlockTensor does not support the in-place op {func}; dequantize() first "
                 "(FP8 primary weights are trained through graphfp8.MasterWeights)"
             )
-        # Anything else (FSDP2's row views included) runs on the dequantized values.
+        # Anything else runs on the dequantized values.
         unwrap = lambda t: t.dequantize() if isinstance(t, Float8Tensor) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 

@@ -159,3 +159,5 @@ def test_misuse_raises_clear_errors(device):
             f8.weight.add_(1.0)
     with pytest.raises(RuntimeError, match="keeps no transpose"):
         f8.weight.transpose_fp8()
+    with pytest.raises(NotImplementedError, match="fully_shard"):
+        torch.chunk(f8.weight, 2)  # what FSDP2 does: its shards would be high precision
