@@ -318,7 +318,8 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       # The graph tests run the emulation (their fixture); the scaled_mm tests pick their path.
       timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider \
         tests/ops/test_blockwise.py tests/graphs/test_blockwise_graphs.py \
-        > "$RES/tests_blockwise.log" 2>&1 || status=1
+        tests/modules/test_blockwise_primary.py tests/graphs/test_blockwise_primary_graphs.py \
+        tests/test_numerics_blockwise.py > "$RES/tests_blockwise.log" 2>&1 || status=1
       echo "-- blockwise CUDA tests: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"
       # The operand layouts of the three GEMMs against this torch's own (meta) scaled_mm checks.
       $PY -m pytest -q -p no:cacheprovider tests/modules/test_blockwise_layouts.py \
