@@ -1,10 +1,11 @@
 """Blockwise FP8 against TransformerEngine's Float8BlockScaling (issue 42's speed peer): the Llama
 SwiGLU MLP block (RMSNorm -> fc1 (h, 2F) -> silu(g) * u -> fc2 (F, h), no biases) forward +
 backward per microbatch on the same weights and inputs, every peer in one process: graphfp8
-delayed and blockwise FP8 graphed, TE Float8BlockScaling eager and graphed, TE DelayedScaling
-graphed, when `import transformer_engine.pytorch` works (benchmarks/te_peers.py; TE is never a
-dependency). The MLP, not the TransformerLayer: TE's fused attention does not load on the GPU
-machine (te_peers.TE_UNFUSED), so a layer row would compare attention implementations.
+delayed and blockwise FP8 graphed (the fused quantize kernels, the weight cache), TE
+Float8BlockScaling eager and graphed, TE DelayedScaling graphed, when `import
+transformer_engine.pytorch` works (benchmarks/te_peers.py; TE is never a dependency). The MLP,
+not the TransformerLayer: TE's fused attention does not load on the GPU machine
+(te_peers.TE_UNFUSED), so a layer row would compare attention implementations.
 
 scripts/bench_blockwise.py prints these rows after its TransformerLayer rows; times in ms per
 microbatch, ratios against graphfp8 blockwise graphed.
@@ -19,6 +20,7 @@ from benchmarks import te_peers
 from benchmarks.common import time_device
 from benchmarks.glu import TorchSwiGLU, _copy_weights
 from benchmarks.peers import MICROBATCHES_PER_STEP
+from graphfp8.ops.blockwise_fused import blockwise_kernels
 
 __all__ = ["mlp_rows", "te_block_recipe"]
 
@@ -69,9 +71,15 @@ def _te_peers(ref, x, dy) -> dict:
     }
 
 
-def mlp_rows(hidden: int, ffn: int, tokens: int, device, iters: int = 20,
-             repeats: int = 3) -> dict:  # fmt: skip
-    """{peer: ms per microbatch, or the error text of a peer that does not build or run}."""
+def mlp_rows(hidden: int, ffn: int, tokens: int, device, iters: int = 20, repeats: int = 3,
+             kernels: str = "fused") -> dict:  # fmt: skip
+    """{peer: ms per microbatch, or the error text of a peer that does not build or run};
+    graphfp8's blockwise quantizers as GRAPHFP8_BLOCKWISE_KERNELS=`kernels` says."""
+    with blockwise_kernels(kernels):
+        return _timed_rows(hidden, ffn, tokens, device, iters, repeats)
+
+
+def _timed_rows(hidden: int, ffn: int, tokens: int, device, iters: int, repeats: int) -> dict:
     torch.manual_seed(0)
     ref = TorchSwiGLU(hidden, ffn, device)
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)

@@ -48,6 +48,8 @@ def kernels(names: list[str]) -> collections.Counter:
     two = TWO_KERNELS | NORM_WITH_TRANSPOSE
     if switch_on("DBIAS_IN_KERNEL"):
         two = two - DBIAS_OPS
+    if switch_on("NORM_FWD_TRANSPOSE"):  # the band kernel: hidden <= 3072, as every preset
+        two = two - NORM_WITH_TRANSPOSE  # but llama-8b's (csrc/cuda/norm_fwd.cu)
     if all(switch_on(s) for s in NORM_BWD_ONE_KERNEL):
         two = two - NORM_BWD_OPS
     out: collections.Counter = collections.Counter()

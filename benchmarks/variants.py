@@ -66,6 +66,13 @@ def _norm_bwd_res(dy, x, g, mu, rsigma):
     return ops.layernorm_bwd(dy, x, mu, rsigma, g, dresidual=x)
 
 
+def _norm_fwd_t(dy, x, g, mu, rsigma):
+    """As in a LayerNormLinear under training: the FP8 rows and their transpose (the norm's
+    bytes: x read, 2 B; both FP8 layouts written, 2 B)."""
+    one, amax = torch.ones(1, device=x.device), torch.zeros(1, device=x.device)
+    return ops.layernorm_fp8(x, g, g, 1e-5, one, amax, E4M3, transpose=True)
+
+
 def _norm_sets(m: int, n: int, device):
     def make():
         x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -143,6 +150,9 @@ def run(device, quick: bool = False) -> dict:
         copy_gbs = _copy_gbs(sets, device)
         switches.append(_switch_row("NORM_BWD_BATCHED", "layernorm_bwd", shape, 6, _norm_bwd,
                                     sets, copy_gbs, device))  # fmt: skip
+        # issue 41: the transpose written by the norm kernel, not a second pass
+        switches.append(_switch_row("NORM_FWD_TRANSPOSE", "layernorm_fp8 + out_t", shape, 4,
+                                    _norm_fwd_t, sets, copy_gbs, device))  # fmt: skip
         with kernel_switch("NORM_BWD_BATCHED", True):  # issue 33: its staged variant
             switches.append(_switch_row("NORM_BWD_STAGED", "layernorm_bwd", shape, 6,
                                         _norm_bwd, sets, copy_gbs, device))  # fmt: skip

@@ -175,7 +175,9 @@ struct NormParams {
   CurrentScale current;      // on: scale == current.scale, amax == nullptr (nothing folded)
   // The norm's amax pass (current scaling): only amax = max(amax, max |y|) is written; out,
   // out_t, out_hp, residual_out, mu, rsigma, scale_inv are nullptr and untouched.
-  bool amax_only;
+  bool amax_only;  // CUDA (switch NORM_FWD_TRANSPOSE): out_t written by the norm kernel from a band of rows
+  // staged in shared memory instead of a second pass over out (the same bytes).
+  bool transpose_in_kernel;
 };
 
 // The norm backward, given dy = dL/dy: with xhat = (x - mu) rsigma (RMSNorm: x rsigma) and

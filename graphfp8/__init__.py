@@ -21,6 +21,7 @@ from graphfp8.graphs import (
     make_graphed_step,
 )
 from graphfp8.hf import from_hf, to_hf
+from graphfp8.lora_dispatch import install as _install_lora_dispatch
 from graphfp8.modules import (
     DotProductAttention,
     FP8Module,
@@ -63,3 +64,6 @@ __all__ = [
     "reset_state",
     "to_hf",
 ]
+
+# peft loads graphfp8 LoRA adapters without graphfp8.lora.register (graphfp8/lora_dispatch.py).
+_install_lora_dispatch()

@@ -1,11 +1,14 @@
 """LoRA on graphfp8's FP8 layers with peft: high-precision adapters over a frozen FP8 base.
 
-    config = graphfp8.lora.register(LoraConfig(r=8, lora_alpha=16, target_modules=["qkv", "proj"]))
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["qkv", "proj"])
     model = peft.get_peft_model(model, config)      # graphfp8.Linear / LayerNormLinear targets
+    model.save_pretrained("adapter"); peft.PeftModel.from_pretrained(graphfp8_model, "adapter")
 
-`register` adds graphfp8's layers to peft's custom-module mapping (LoraConfig.
-_register_custom_module, peft's experimental API): a targeted graphfp8.Linear becomes LoraLinear,
-a graphfp8.LayerNormLinear LoraLayerNormLinear (graphfp8.te's layers, their subclasses, too).
+A targeted graphfp8.Linear becomes LoraLinear, a graphfp8.LayerNormLinear LoraLayerNormLinear
+(graphfp8.te's layers, their subclasses, too): peft's custom-module mapping (LoraConfig.
+_register_custom_module, peft's experimental API) of any LoRA config gets them when peft dispatches
+a graphfp8 target (graphfp8/lora_dispatch.py, installed by `import graphfp8`); `register(config)`
+adds them explicitly.
 
     y = base(x) + B(A(dropout(x'))) * scaling,   x' = x (Linear), norm(x) (LayerNormLinear)
 
@@ -37,7 +40,8 @@ from graphfp8 import modules
 from graphfp8.fp8 import Float8Tensor
 from graphfp8.lora_hf import hf_adapter_state, save_pretrained_hf
 
-__all__ = ["LoraLayerNormLinear", "LoraLinear", "load_hf_adapter", "register", "save_pretrained_hf"]
+__all__ = ["LoraLayerNormLinear", "LoraLinear", "load_hf_adapter", "lora_layers", "register",
+           "save_pretrained_hf"]  # fmt: skip
 
 # peft's LoRA options whose variants or extras these layers do not implement (name: off value).
 _UNSUPPORTED = {
@@ -173,16 +177,21 @@ class _RefuseMLP(nn.Module):
         )
 
 
+def lora_layers() -> dict[type[nn.Module], type[nn.Module]]:
+    """graphfp8's layer classes -> their LoRA layers (peft's custom-module mapping)."""
+    return {
+        modules.LayerNormLinear: LoraLayerNormLinear,
+        modules.Linear: LoraLinear,
+        modules.LayerNormMLP: _RefuseMLP,
+    }
+
+
 def register(config):
     """Adds graphfp8's layers to peft's custom LoRA modules of `config` (a peft LoraConfig);
-    returns config. Targets are named as usual (target_modules=["qkv", "proj"])."""
-    config._register_custom_module(
-        {
-            modules.LayerNormLinear: LoraLayerNormLinear,
-            modules.Linear: LoraLinear,
-            modules.LayerNormMLP: _RefuseMLP,
-        }
-    )
+    returns config. Targets are named as usual (target_modules=["qkv", "proj"]). Optional since
+    `import graphfp8` puts them in peft's dispatch (graphfp8/lora_dispatch.py); kept for code
+    written before."""
+    config._register_custom_module(lora_layers())
     return config
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from graphfp8.fp8.recipe import fp8_max
+from graphfp8.ops.blockwise import torch_quantize
 from graphfp8.ops.glu import dglu, glu
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "rope_fp8_backward",
     "cast_stats",
     "cast_stats_hp",
+    "blockwise_quantize",
 ]
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -447,3 +449,31 @@ def cast_stats(x, act_in, mu, rsigma, gamma, beta, mode, zero_centered_gamma, sc
     out.zero_()
     out[0].copy_(torch.stack([r.to(out.device) for r in row]))
     out[:, 6:8] = out[0, 6:8].clone()
+
+
+def _canonical_nan(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """q with every element whose input is NaN as the canonical 0x7F (the torch quantizer keeps
+    the sign of some NaNs)."""
+    nan_bits = torch.full_like(q.view(torch.uint8), 0x7F)
+    return torch.where(torch.isnan(x), nan_bits, q.view(torch.uint8)).view(q.dtype)
+
+
+def blockwise_quantize(x, out, scale_inv, out_t=None, scale_inv_t=None, block_rows=1,
+                       power_2_scale=True, noop=None) -> None:  # fmt: skip
+    """Twin of torch.ops.graphfp8.blockwise_quantize: graphfp8/ops/blockwise.py's torch
+    quantizer (torch_quantize) of x and, with out_t, of x.T's tiles (block_rows 1) or the
+    blocks transposed (128)."""
+    if _skip(noop):
+        return
+    q, inv = torch_quantize(x, block_rows, out.dtype, power_2_scale)
+    out.copy_(_canonical_nan(q, x))
+    scale_inv.copy_(inv)
+    if out_t is None:
+        return
+    if block_rows == 1:
+        q, inv = torch_quantize(x.t(), 1, out.dtype, power_2_scale)
+        out_t.copy_(_canonical_nan(q, x.t()))
+    else:
+        out_t.copy_(out.t())
+        inv = inv.t()
+    scale_inv_t.copy_(inv)

@@ -1,14 +1,19 @@
 """Blockwise FP8 against delayed scaling and bf16 on one Llama-3.2-1B block (hidden 2048, 32
 heads, 8 key/value heads, SwiGLU 8192, RMSNorm; seq 4096), graphed forward + backward, every
-recipe in one process: tokens/s and the ratio to delayed scaling (docs/fp8.md, "Blockwise
-scaling"). On the H200:
+row in one process: tokens/s (median of --repeats, with their spread) and the ratio to delayed
+scaling (docs/fp8.md, "Blockwise scaling"). On the H200:
 
     GRAPHFP8_BLOCKWISE_GEMM=scaled_mm python scripts/bench_blockwise.py [--seq 4096 --batch 1]
 
-Then the same block's SwiGLU MLP against TransformerEngine's Float8BlockScaling when TE imports
-(benchmarks/blockwise_te.py; --no-mlp skips it). The blockwise quantizers are pure-torch
-(several launches per operand), so these rows measure them too; GRAPHFP8_BLOCKWISE_GEMM=emulate
-times the float32 emulation instead of cuBLAS's GEMM.
+The rows: bf16; delayed scaling; blockwise with the torch-op quantizers and the weights
+quantized every microbatch (the path before the fused kernels); blockwise with the fused
+quantize kernels (graphfp8/ops/blockwise_fused.py, GRAPHFP8_BLOCKWISE_KERNELS=fused), without
+and with the weight cache. Rows with the cache (delayed's too) run --microbatches per step,
+is_first_microbatch True on the first (fp8_weight_caching=True). GRAPHFP8_BLOCKWISE_GEMM=emulate
+times the float32 emulation instead of cuBLAS's GEMM. --device cpu runs the same rows (a smoke
+run: CPU times say nothing about the GPU). Then the same block's SwiGLU MLP against
+TransformerEngine's Float8BlockScaling when TE imports (benchmarks/blockwise_te.py; --no-mlp
+skips it).
 """
 
 from __future__ import annotations
@@ -16,16 +21,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import time
 
 import torch
 
 import graphfp8 as g8
 from benchmarks.blockwise_te import mlp_rows, print_mlp
+from graphfp8.ops.blockwise_fused import blockwise_kernels
 
-RECIPES = {
-    "bf16": None,
-    "delayed": g8.DelayedScaling(),
-    "blockwise": g8.Float8BlockScaling(),
+# name: (recipe, GRAPHFP8_BLOCKWISE_KERNELS, weight cache)
+ROWS = {
+    "bf16": (None, "", False),
+    "delayed": (g8.DelayedScaling(), "", True),
+    "blockwise-torch": (g8.Float8BlockScaling(), "torch", False),
+    "blockwise-fused": (g8.Float8BlockScaling(), "fused", False),
+    "blockwise-fused-cache": (g8.Float8BlockScaling(), "fused", True),
 }
 
 
@@ -33,66 +44,95 @@ def _layer(args) -> torch.nn.Module:
     return g8.TransformerLayer(args.hidden, args.heads, args.ffn, num_gqa_groups=args.kv_heads,
                                max_seq_len=args.seq, normalization="RMSNorm", bias=False,
                                activation="swiglu", params_dtype=torch.bfloat16,
-                               device="cuda")  # fmt: skip
+                               device=args.device)  # fmt: skip
 
 
-def tokens_per_s(args, recipe) -> float:
-    """One graphed layer's forward + backward per microbatch, CUDA events over args.iters."""
-    torch.manual_seed(0)
-    layer = _layer(args)
-    x = torch.randn(args.batch, args.seq, args.hidden, dtype=torch.bfloat16, device="cuda",
-                    requires_grad=True)  # fmt: skip
-    graphed = g8.make_graphed_callables(layer, (x,), fp8_enabled=recipe is not None,
-                                        fp8_recipe=recipe)  # fmt: skip
-    dy = torch.randn_like(x)
-
-    def microbatch():
-        graphed(x).backward(dy)
-
-    for _ in range(3):
-        microbatch()
+def _elapsed_ms(args, run) -> float:
+    """Milliseconds of run(), CUDA events on the GPU, the host clock on the CPU."""
+    if args.device == "cpu":
+        start = time.perf_counter()
+        run()
+        return (time.perf_counter() - start) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(args.iters):
-        microbatch()
+    run()
     end.record()
     torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / args.iters
-    return args.batch * args.seq / ms * 1e3
+    return start.elapsed_time(end)
 
 
-def main() -> None:
+def tokens_per_s(args, recipe, caching: bool) -> list[float]:
+    """One graphed layer's forward + backward per microbatch, timed over args.iters steps of
+    args.microbatches microbatches, args.repeats times."""
+    torch.manual_seed(0)
+    layer = _layer(args)
+    x = torch.randn(args.batch, args.seq, args.hidden, dtype=torch.bfloat16, device=args.device,
+                    requires_grad=True)  # fmt: skip
+    graphed = g8.make_graphed_callables(layer, (x,), fp8_enabled=recipe is not None,
+                                        fp8_recipe=recipe,
+                                        fp8_weight_caching=caching)  # fmt: skip
+    dy = torch.randn_like(x)
+
+    def steps(n):
+        for _ in range(n):
+            for mb in range(args.microbatches):
+                first = mb == 0 if caching and recipe is not None else None
+                graphed(x, is_first_microbatch=first).backward(dy)
+
+    steps(2)
+    tokens = args.iters * args.microbatches * args.batch * args.seq
+    return [tokens / _elapsed_ms(args, lambda: steps(args.iters)) * 1e3
+            for _ in range(args.repeats)]  # fmt: skip
+
+
+def _row(args, name: str):
+    recipe, kernels, caching = ROWS[name]
+    try:
+        with blockwise_kernels(kernels):
+            return tokens_per_s(args, recipe, caching)
+    except Exception as exc:  # a row the GPU refuses is a row of the table
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    finally:
+        g8.reset_state()
+        if args.device != "cpu":
+            torch.cuda.empty_cache()
+
+
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("hidden", 2048), ("heads", 32), ("kv-heads", 8), ("ffn", 8192),
-                          ("seq", 4096), ("batch", 1), ("iters", 20)):  # fmt: skip
+                          ("seq", 4096), ("batch", 1), ("iters", 10), ("microbatches", 4),
+                          ("repeats", 3)):  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--no-mlp", action="store_true", help="skip the MLP rows against TE")
-    args = p.parse_args()
-    rows = {}
-    for name, recipe in RECIPES.items():
-        try:
-            rows[name] = tokens_per_s(args, recipe)
-        except Exception as exc:  # a recipe the GPU refuses is a row of the table
-            rows[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        g8.reset_state()
-        torch.cuda.empty_cache()
-    base = rows["delayed"]
+    args = p.parse_args(argv)
+    rows = {name: _row(args, name) for name in args.rows.split(",")}
+    base = rows.get("delayed")
+    base = statistics.median(base) if isinstance(base, list) else None
     print(f"Llama block h {args.hidden} ffn {args.ffn} seq {args.seq} batch {args.batch}, "
+          f"{args.microbatches} microbatches a step, {args.repeats} repeats, "
           f"GRAPHFP8_BLOCKWISE_GEMM={os.environ.get('GRAPHFP8_BLOCKWISE_GEMM', '')!r}")  # fmt: skip
     for name, value in rows.items():
-        ratio = value / base if isinstance(value, float) and isinstance(base, float) else None
-        text = f"{value:12.0f} tokens/s" if isinstance(value, float) else value
-        print(f"  {name:10s} {text}" + (f"   {ratio:.3f}x delayed" if ratio else ""))
+        if not isinstance(value, list):
+            print(f"  {name:22s} {value}")
+            continue
+        med = statistics.median(value)
+        spread = (max(value) - min(value)) / med
+        ratio = f"   {med / base:.3f}x delayed" if base else ""
+        print(f"  {name:22s} {med:12.0f} tokens/s (spread {spread:.1%}){ratio}")
     mlp = {}
     if not args.no_mlp:
         tokens = args.batch * args.seq
-        mlp = mlp_rows(args.hidden, args.ffn, tokens, "cuda", args.iters)
+        mlp = mlp_rows(args.hidden, args.ffn, tokens, args.device, args.iters, args.repeats)
         print_mlp(mlp, args.hidden, args.ffn, tokens)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "tokens_per_s": rows, "mlp_ms": mlp}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -38,7 +38,14 @@ LAYERS = [
     ("reports", ["graphfp8.memory", "graphfp8.numerics", "graphfp8.numerics_blockwise"]),
     (
         "integrations",
-        ["graphfp8.hf", "graphfp8.te", "graphfp8.lora", "graphfp8.lora_hf", "graphfp8.lightning"],
+        [
+            "graphfp8.hf",
+            "graphfp8.te",
+            "graphfp8.lora",
+            "graphfp8.lora_dispatch",
+            "graphfp8.lora_hf",
+            "graphfp8.lightning",
+        ],
     ),
     ("training", ["graphfp8.training"]),
     ("root", ["graphfp8"]),  # the package's __init__ (public names) and the test-only twins

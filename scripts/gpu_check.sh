@@ -31,7 +31,8 @@
 #              issue 31's: shard (sharded masters at world size 1 with NCCL: the CUDA tests of
 #              tests/sharding, graphfp8-train --ddp --shard --deterministic eager == step graph,
 #              tokens/s against unsharded (100m preset), the bytes-per-parameter table, ~2 min))
-#   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch on)
+#   SWITCHES   the environment of the *-switched steps (default: every issue-22 switch and issue 41's
+#              NORM_FWD_TRANSPOSE on)
 #   WITH_TE    1 (default): install TransformerEngine from a carried .te/ (a copy of
 #              ../shared/te: docs/benchmarking.md, "TransformerEngine") for the benchmarks' TE
 #              columns; the tests never see it
@@ -47,9 +48,12 @@
 #               500 s) -> $RES/multi_gpu.md and multi_gpu.json (docs/sharding.md, "Multi-GPU measurement")
 #   step blockwise (issue 42): Float8BlockScaling on the GPU: scripts/probe_blockwise_mm.py (what
 #               torch's scaled_mm takes for 1x128 / 128x128 scales -> blockwise_mm_probe.json),
-#               the blockwise CUDA tests (the emulation and torch's scaled_mm path),
-#               scripts/bench_blockwise.py (Llama-3.2-1B block, blockwise vs delayed vs bf16
-#               tokens/s) and, with BLOCK_TRAIN_STEPS > 0, 100m delayed vs blockwise losses
+#               the blockwise CUDA tests (the emulation and torch's scaled_mm path; the fused
+#               quantize kernels against their twin and the CPU kernel, the weight cache; the
+#               blockwise graph tests again with GRAPHFP8_BLOCKWISE_KERNELS=fused),
+#               scripts/bench_blockwise.py (Llama-3.2-1B block, 3 repeats with spread: bf16,
+#               delayed, blockwise with torch quantizers, fused kernels, fused + weight cache)
+#               and, with BLOCK_TRAIN_STEPS > 0, 100m delayed vs blockwise losses
 #   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
 #               token and GPU busy (one call under torch.profiler)
 #   step carried-casts (issue 39): what the carried recipe's weight casts on every
@@ -63,6 +67,12 @@
 #               ~3-4 min on one H200 (limit SPEED_TIMEOUT_S, 360 s)
 #   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
+#   step kern41 (issue 41 item 4): the CUDA tests of the kern41 switches (KERN41_SWITCHES,
+#               default NORM_FWD_TRANSPOSE), their `benchmarks variants` rows, then the 100m step
+#               graph (graphfp8-train --compare fp8:step --deterministic, synthetic data) with each
+#               switch off / on, one process per run, interleaved, KERN41_REPEATS (3) x
+#               KERN41_STEPS (100): tokens/s on / off and the final loss bit for bit
+#               (scripts/switch_ab.py); ~6 min (tests ~0.5, variants ~1.5, 6 runs ~40 s each)
 #   step quality-block (issue 42): the quality rows - validation loss of bf16, delayed and
 #               blockwise FP8 (paired per seed, one process per preset: scripts/train_gap.py) on
 #               real text (--data stdlib) for QB_PRESETS (100m llama-100m), QB_STEPS (300) x
@@ -86,7 +96,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 PY=${PYTHON:-python3}
 STEPS=${GPU_STEPS:-"tests kernels eager block attention step host memory train train-step compile profile profile-step"}
 status=0
-SWITCHES=${SWITCHES:-"GRAPHFP8_CURRENT_FUSED=1 GRAPHFP8_NORM_BWD_BATCHED=1 GRAPHFP8_PAIRED_QUANTIZE=1"}
+SWITCHES=${SWITCHES:-"GRAPHFP8_CURRENT_FUSED=1 GRAPHFP8_NORM_BWD_BATCHED=1 GRAPHFP8_PAIRED_QUANTIZE=1 GRAPHFP8_NORM_FWD_TRANSPOSE=1"}
 
 # Wheels carried in .whl/ (nvtx, torchao, nvidia-cudnn-frontend for FP8 attention): the device
 # machine has no package index.
@@ -282,6 +292,27 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         echo "-- 100m fp8:graphs $v" | tee -a "$RES/summary.md"
         grep -A2 "^ *run " "$RES/rows_$name.log" | tee -a "$RES/summary.md"
       done ;;
+    kern41)  # issue 41 item 4: tests and kernel rows of each kern41 switch, then the 100m step
+      # graph off / on, interleaved repeats, one process each (switches load with the extension)
+      timeout 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_norm_fwd_transpose.py \
+        > "$RES/kern41_tests.log" 2>&1 || status=1
+      grep -E "^FAILED|passed|failed|Timeout" "$RES/kern41_tests.log" | tail -12 | tee -a "$RES/summary.md"
+      timeout 150 $PY -m benchmarks variants --json "$RES/kern41_variants.json" 2>&1 | grep -v '^wrote' \
+        | grep -E "^#|^\| (switch|---|NORM_FWD_TRANSPOSE)" | tee -a "$RES/summary.md" || status=1
+      for sw in ${KERN41_SWITCHES:-NORM_FWD_TRANSPOSE}; do
+        off=""; on=""
+        for rep in $(seq "${KERN41_REPEATS:-3}"); do
+          for v in 0 1; do
+            d="$RES/kern41_${sw}_${v}_$rep"
+            env "GRAPHFP8_$sw=$v" timeout 150 $PY -m graphfp8.training --compare fp8:step --preset 100m \
+              --data synthetic --val-fraction 0 --deterministic --steps "${KERN41_STEPS:-100}" \
+              --out "$d" > "$d.log" 2>&1 || { status=1; tail -20 "$d.log"; }
+            if [ $v = 0 ]; then off="$off $d"; else on="$on $d"; fi
+          done
+        done
+        $PY scripts/switch_ab.py --switch "$sw" --off $off --on $on 2>&1 | tee -a "$RES/summary.md" \
+          || status=1
+      done ;;
     speed41)  # issue 41: compiles ~1.5-2 min (3 torch.compile'd models), captures ~1 min,
       # timing + profiles ~20 s, calibration ~10 s: ~3-4 min in all (timeout 6 min)
       timeout "${SPEED_TIMEOUT_S:-360}" $PY -m benchmarks speed --json "$RES/bench_speed41.json" \
@@ -321,6 +352,13 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         tests/modules/test_blockwise_primary.py tests/graphs/test_blockwise_primary_graphs.py \
         tests/test_numerics_blockwise.py > "$RES/tests_blockwise.log" 2>&1 || status=1
       echo "-- blockwise CUDA tests: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"
+      # The fused quantize kernels (default-off on CUDA) and the weight cache, then the graph
+      # tests with the fused kernels on: what turning GRAPHFP8_BLOCKWISE_KERNELS on needs.
+      GRAPHFP8_BLOCKWISE_KERNELS=fused timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider \
+        tests/ops/test_blockwise_fused.py tests/modules/test_blockwise_cache.py \
+        tests/graphs/test_blockwise_graphs.py > "$RES/tests_blockwise_fused.log" 2>&1 || status=1
+      echo "-- blockwise fused-kernel CUDA tests: $(tail -1 "$RES/tests_blockwise_fused.log")" \
+        | tee -a "$RES/summary.md"
       # The operand layouts of the three GEMMs against this torch's own (meta) scaled_mm checks.
       $PY -m pytest -q -p no:cacheprovider tests/modules/test_blockwise_layouts.py \
         >> "$RES/tests_blockwise.log" 2>&1 || status=1

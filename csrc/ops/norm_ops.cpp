@@ -114,6 +114,7 @@ void norm_fwd(const char* op, const NormFwdArgs& a) {
   p.zero_centered_gamma = a.zero_centered_gamma;
   p.rows = a.x.size(0);
   p.hidden = a.x.size(1);
+  p.transpose_in_kernel = switch_on("NORM_FWD_TRANSPOSE");
   if (p.rows == 0 && !p.current.on()) return;  // an empty input still updates its slot
   launch(op, a.x, p, norm_fwd_cpu, [](const NormParams& q, void* s) { return norm_fwd_cuda(q, s); });
 }

@@ -32,13 +32,17 @@ struct KernelSwitch {
 // GRAPHFP8_ROPE_PARTS_BWD: the bf16 attention path's RoPE
 // backward from dq, dk, dv in one kernel (rope_fp8_backward's high-precision form) instead of a
 // cat and rope_qkv (graphfp8/modules/_rope.py; the CPU always takes it).
+// GRAPHFP8_NORM_FWD_TRANSPOSE (off until it has run on a GPU): the norm forward writes the FP8
+// transpose from its own kernel through a band of rows staged in shared memory, instead of a
+// second pass over the FP8 output (cuda/norm_fwd_band.cu; the same bytes; the CPU always does).
 inline KernelSwitch* kernel_switches(int* count) {
   static KernelSwitch switches[] = {{"NORM_BWD_BATCHED", {true}},
                                     {"PAIRED_QUANTIZE", {true}},
                                     {"DBIAS_IN_KERNEL", {true}},
                                     {"NORM_BWD_STAGED", {false}},
                                     {"NORM_BWD_PARAM_IN_KERNEL", {true}},
-                                    {"ROPE_PARTS_BWD", {true}}};
+                                    {"ROPE_PARTS_BWD", {true}},
+                                    {"NORM_FWD_TRANSPOSE", {false}}};
   static const bool from_env = [] {
     for (auto& s : switches) {
       char var[64] = "GRAPHFP8_";

@@ -19,16 +19,20 @@ backward sees every gradient: `masters.clip_grad_norm_(c)`,
 `torch.nn.utils.clip_grad_norm_(masters.parameters(), c)` (the global norm, through DTensor) and
 the same of `model.parameters()` (the shards clipped in place, then moved) clip alike, bit for
 bit (parameters() keeps the model's order). `step` moves the pending shards in, steps, and writes
-the shards back with one amax per weight over the mesh (group_quantize.py): every shard of a
-weight gets the same scale_inv, which the FP8 all-gather ships with the bytes, and the weights
-are quantized exactly as on one process.
+the shards back with one amax per weight over the shard group (group_quantize.py): every shard
+of a weight gets the same scale_inv, which the FP8 all-gather ships with the bytes, and the
+weights are quantized exactly as on one process. The scales of all FP8 weights come from one
+MAX all-reduce of their (W,) amax vector per step, whatever the number of layers: what torchao's
+precompute_float8_dynamic_scale_for_fsdp does after the optimizer step, done by `step` itself
+(docs/sharding.md, "FP8 weight scales"). HSDP meshes (replicate, shard) train the same way, the
+amaxes reduced over the shard group (shard_group below).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphfp8.distributed.group_quantize import GroupQuantizer
 from graphfp8.fp8.master import (
@@ -40,7 +44,7 @@ from graphfp8.fp8.master import (
 )
 from graphfp8.fp8.tensor import is_fsdp_fp8
 
-__all__ = ["FSDPMasterWeights", "fsdp_fp8_weights"]
+__all__ = ["FSDPMasterWeights", "fsdp_fp8_weights", "shard_group"]
 
 
 def fsdp_fp8_weights(model: nn.Module) -> list[tuple[str, DTensor]]:
@@ -90,23 +94,18 @@ class FSDPMasterWeights(MasterWeights):
     """Masters of the FP8 shards of an FSDP2 model; other parameters are stepped as they are.
 
     Args:
-        model: a model under fully_shard whose FP8 primary weights are sharded on a 1-D mesh.
+        model: a model under fully_shard whose FP8 primary weights are sharded on one 1-D mesh
+            or one HSDP (replicate, shard) mesh.
     """
 
     def __init__(self, model: nn.Module) -> None:
         check_fp8_weights_kept(model, "MasterWeights")
         named = fsdp_fp8_weights(model)
-        meshes = {p.device_mesh for _, p in named}  # equal meshes: DTensor may copy one
-        if len(meshes) != 1 or named[0][1].device_mesh.ndim != 1:
-            raise ValueError(
-                "MasterWeights of an FSDP2 model: its FP8 weights must be sharded on one 1-D "
-                "device mesh (fully_shard(model, mesh=init_device_mesh(..., (N,))))"
-            )
         self.names = [n for n, _ in named]
         self.fp8_params = [p for _, p in named]
         fp8_ids = {id(p) for p in self.fp8_params}
         self.others = [p for p in model.parameters() if id(p) not in fp8_ids]
-        self.group = self.fp8_params[0].device_mesh.get_group()
+        self.group = shard_group(self.fp8_params)
         self._anchor = ClaimAnchor()
         claim(self.names, self.fp8_params, self._anchor)
         self._checked_optimizer = None
@@ -142,9 +141,10 @@ class FSDPMasterWeights(MasterWeights):
 
     @torch.no_grad()
     def write_back_(self) -> None:
-        """Every shard from its master, one amax per weight over the mesh; the same scale_inv
-        into every shard (read from the parameter each time: FSDP2 may replace the shard
-        tensor, padded, at its first forward)."""
+        """Every shard from its master, one amax per weight over the shard group (one MAX
+        all-reduce for all weights); the same scale_inv into every shard (read from the
+        parameter each time: FSDP2 may replace the shard tensor, padded, at its first
+        forward)."""
         locals_ = [p._local_tensor for p in self.fp8_params]
         pieces = [(i, m._local_tensor.reshape(-1), t._data.reshape(-1))
                   for i, (m, t) in enumerate(zip(self.masters, locals_, strict=True))
@@ -178,6 +178,27 @@ class FSDPMasterWeights(MasterWeights):
         for n, m in zip(self.names, self.masters, strict=True):
             m._local_tensor.copy_(saved[n]._local_tensor)
         self.write_back_()
+
+
+def shard_group(weights: list[DTensor]):
+    """The process group over which FSDP2 shards `weights` (their mesh's last dimension): the
+    group of their amax all-reduce. 1-D meshes, and HSDP's 2-D (replicate, shard) meshes: there
+    the replicas hold the same shards bit for bit (FSDP2 all-reduces the gradients across them),
+    so the amax over the shard group is the whole weight's on every rank (docs/sharding.md,
+    "HSDP"). Raises ValueError for anything else, before any state changes."""
+    meshes = {p.device_mesh for p in weights}  # equal meshes: DTensor may copy one
+    placements = {tuple(p.placements) for p in weights}
+    hsdp = (Replicate(), Shard(0))
+    if len(meshes) != 1 or len(placements) != 1 or placements.pop() not in ((Shard(0),), hsdp):
+        found = sorted({f"{p.device_mesh.ndim}-D mesh {tuple(p.placements)}" for p in weights})
+        raise ValueError(
+            "MasterWeights of an FSDP2 model: its FP8 weights must be sharded on one device "
+            "mesh, 1-D (fully_shard(model, mesh=init_device_mesh(..., (N,)))) or HSDP's 2-D "
+            "(replicate, shard) mesh (init_device_mesh(..., (R, N // R))); found "
+            + ", ".join(found)
+        )
+    mesh = weights[0].device_mesh
+    return mesh.get_group(mesh.ndim - 1)
 
 
 def _like(p: DTensor, local: torch.Tensor) -> DTensor:

@@ -15,6 +15,9 @@ Its drivers:
                      records the casts, the others none at all (step_casts: no no-op cast nodes
                      on the cached microbatches, no flag, no fill between replays)
 
+Under Float8BlockScaling the same rule and drivers decide whether a weight's 128x128 blocks
+are quantized into its BlockWorkspace or read from it (modules/_context.py, blockwise_weights).
+
 A model that carries its recipe (graphfp8/modules/carry.py) runs its calls given no
 is_first_microbatch under EAGER: each casts (docs/fp8.md, "The carried recipe" says why no
 cheaper rule is safe there).
@@ -33,9 +36,9 @@ import torch
 
 from graphfp8.fp8.tensor import Float8Tensor
 
-__all__ = ["EAGER", "CacheState", "DeviceFlag", "EagerCasts", "GraphCasts", "StaticCasts",
-           "WeightCache", "WeightCachePolicy", "check_is_first_microbatch",
-           "step_casts"]  # fmt: skip
+__all__ = ["EAGER", "BlockWeight", "BlockWorkspace", "CacheState", "DeviceFlag", "EagerCasts",
+           "GraphCasts", "StaticCasts", "WeightCache", "WeightCachePolicy",
+           "check_is_first_microbatch", "step_casts"]  # fmt: skip
 
 
 def check_is_first_microbatch(is_first_microbatch) -> None:
@@ -69,7 +72,8 @@ def flag_value(reuse: bool) -> float:
 
 
 class WeightCache(CacheState):
-    """One module's FP8 weight workspaces ({key: Float8Tensor}) and whether they hold its
+    """One module's FP8 weight workspaces ({key: Float8Tensor}, and a BlockWorkspace under
+    "key:blocks" for Float8BlockScaling) and whether they hold its
     current weights. Only the module and its context reader use it; captures save and restore
     it through snapshot() / restore()."""
 
@@ -77,6 +81,14 @@ class WeightCache(CacheState):
         super().__init__()
         self.workspaces: dict[str, Float8Tensor] = {}
         self.why_stale: str | None = None  # what invalidated a cast (the error of a next False)
+        self.kind: str | None = None  # what the last casts wrote: "per-tensor" or "blockwise"
+
+    def use_kind(self, kind: str) -> None:
+        """A forward under per-tensor or blockwise scaling (`kind`): the cache holds the casts
+        of one kind at a time, so after casts of the other kind there is nothing to reuse."""
+        if self.kind is not None and kind != self.kind:
+            self.invalidate(f"they were last cast under {self.kind} scaling")
+        self.kind = kind
 
     def invalidate(self, why: str = "load_state_dict wrote the weights") -> None:
         """The weights changed behind the cache: the next False raises, saying `why` when
@@ -126,6 +138,56 @@ class WeightCache(CacheState):
             self.workspaces[key] = ws
             self.valid = False
         return ws
+
+
+class BlockWorkspace:
+    """One weight's cached Float8BlockScaling quantization (docs/fp8.md, "Blockwise scaling"):
+    its 128x128 blocks and (with_t: the module's cache_weight_transpose) their transpose, as
+    graphfp8.ops.blockwise.quantize(w, 128, transpose=with_t) writes them. The memory report
+    reads _data, _scale_inv and _transpose as a Float8Tensor's."""
+
+    def __init__(self, weight: torch.Tensor, power_2_scale: bool, with_t: bool) -> None:
+        (n, k), device = weight.shape, weight.device
+        nb, kb = -(-n // 128), -(-k // 128)
+        e4m3, f32 = torch.float8_e4m3fn, torch.float32
+        self._data = torch.empty(n, k, dtype=e4m3, device=device)
+        self._scale_inv = torch.empty(nb, kb, dtype=f32, device=device)
+        self._transpose = torch.empty(k, n, dtype=e4m3, device=device) if with_t else None
+        self._scale_inv_t = torch.empty(kb, nb, dtype=f32, device=device) if with_t else None
+        self.key = (tuple(weight.shape), device, weight.dtype, power_2_scale, with_t)
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """(w_fp8 (N, K), scale_inv[, w_t_fp8 (K, N), scale_inv_t]): the quantizer's `out`."""
+        if self._transpose is None:
+            return self._data, self._scale_inv
+        return self._data, self._scale_inv, self._transpose, self._scale_inv_t
+
+
+@dataclass(frozen=True, eq=False)
+class BlockWeight:
+    """One blockwise GEMM weight of a forward: its cache workspace, whether this call quantizes
+    into it (else it reads it), and the device flag that quantization reads (1: write nothing;
+    None: write)."""
+
+    workspace: BlockWorkspace
+    cast: bool
+    flag: torch.Tensor | None
+
+
+def block_workspace(cache: WeightCache, key: str, weight: torch.Tensor, power_2_scale: bool,
+                    with_t: bool) -> BlockWorkspace:  # fmt: skip
+    """The blockwise workspace of weight `key` (N, K) in `cache` (under its own key beside the
+    per-tensor workspaces), (re)allocated when its shape, device, dtype, scale rule or
+    transpose cache no longer match (then the cache is stale)."""
+    name = key + ":blocks"
+    ws = cache.workspaces.get(name)
+    want = (tuple(weight.shape), weight.device, weight.dtype, power_2_scale, with_t)
+    if ws is None or ws.key != want:
+        ws = BlockWorkspace(weight, power_2_scale, with_t)
+        cache.workspaces[name] = ws
+        cache.valid = False
+    return ws
 
 
 def _nothing_cached(owner: str, cache) -> str:

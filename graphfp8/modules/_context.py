@@ -28,14 +28,15 @@ from graphfp8.fp8.recipe import Recipe, is_blockwise, is_current_scaling
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.fp8.slots import FwdRole, slot_index
 from graphfp8.fp8.tensor import Float8Tensor
-from graphfp8.fp8.weight_cache import WeightCache
+from graphfp8.fp8.weight_cache import BlockWeight, WeightCache, block_workspace
 from graphfp8.modules._functional import GemmConfig
 
 # The FP8 layers' base class (modules/base.py) imports this module: `module` below is an FP8Module,
 # annotated as the nn.Module it is so that the two stay a one-way import.
 
-__all__ = ["FrozenSlots", "blockwise_recipe", "fp8_enabled", "fp8_recipe", "fp8_slots",
-           "fp8_state", "gemm_configs", "in_fp8_region", "init_group"]  # fmt: skip
+__all__ = ["FrozenSlots", "blockwise_recipe", "blockwise_weights", "fp8_enabled", "fp8_recipe",
+           "fp8_slots", "fp8_state", "frozen_call", "gemm_configs", "in_fp8_region",
+           "init_group"]  # fmt: skip
 
 
 def fp8_enabled() -> bool:
@@ -106,6 +107,12 @@ def _frozen_call(module: nn.Module, ctx: context.FP8Context) -> bool:
     )
 
 
+def frozen_call(module: nn.Module) -> bool:
+    """Whether an FP8 call of `module` now is frozen (_frozen_call): FP8 attention asks it, as the
+    GEMMs' configs do, so that an eval-mode call leaves the attention's slots alone too."""
+    return _frozen_call(module, context.current())
+
+
 def fp8_state(module: nn.Module, device, frozen: bool = False,
               ctx: context.FP8Context | None = None) -> tuple:  # fmt: skip
     """(FP8Meta, ...): the module's slots for an FP8 forward under the context's recipe, and the
@@ -151,13 +158,15 @@ def gemm_configs(
     ctx = context.current()
     owner, cache = type(module).__name__, module.weight_cache
     replaying = ctx.recompute is not None and ctx.recompute.replaying
-    if not replaying:
-        ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before FP8 state changes
-    frozen = _frozen_call(module, ctx)
     # An evaluation cast: into workspaces of its own, each weight scaled from itself (frozen),
     # the cache left as training left it.
     evaluating = (not module.training and not ctx.capturing and not replaying
                   and is_first_microbatch is not False)  # fmt: skip
+    if not (replaying or evaluating):
+        cache.use_kind("per-tensor")
+    if not replaying:
+        ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before FP8 state changes
+    frozen = _frozen_call(module, ctx)
     own = [w for _, w in weights] if evaluating else ()
     fwd, bwd, bwd_update = fp8_slots(module, weights[0][1].device, frozen, ctx, own)
     fp8_dtype = fwd.arena.fp8_dtype
@@ -179,3 +188,30 @@ def gemm_configs(
                                   fp8_output=fp8_output and g == last,
                                   backward_update=bwd_update))  # fmt: skip
     return configs
+
+
+def blockwise_weights(module: nn.Module, weights: list[tuple[str, torch.Tensor]],
+                      is_first_microbatch: bool | None) -> list[BlockWeight | None]:  # fmt: skip
+    """One BlockWeight per (workspace key, weight (N, K)) for a Float8BlockScaling forward of
+    `module`: its cached 128x128 blocks, quantized or reused by the same rule and policies as
+    gemm_configs' per-tensor casts (fp8/weight_cache.py). An evaluation call (eval mode,
+    is_first_microbatch not False) gets None per weight: each GEMM quantizes its weight afresh,
+    leaving the cache as training left it."""
+    ctx = context.current()
+    owner, cache = type(module).__name__, module.weight_cache
+    replaying = ctx.recompute is not None and ctx.recompute.replaying
+    evaluating = (not module.training and not ctx.capturing and not replaying
+                  and is_first_microbatch is not False)  # fmt: skip
+    if not (replaying or evaluating):
+        cache.use_kind("blockwise")
+    if not replaying:
+        ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before anything is written
+    if evaluating:
+        return [None] * len(weights)
+    p2 = ctx.recipe.power_2_scale
+    with_t = module.cache_weight_transpose
+    workspaces = [block_workspace(cache, key, w, p2, with_t) for key, w in weights]
+    cast, flag = False, None  # a recompute reads the blocks its forward quantized (or reused)
+    if not replaying:
+        cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner)
+    return [BlockWeight(ws, cast, flag) for ws in workspaces]

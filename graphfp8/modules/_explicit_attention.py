@@ -6,7 +6,8 @@ Hugging Face's position_ids (packed documents). Torch ops in the activations' dt
       -> k, v appended to the cache -> SDPA over every cached key (B, S, H D)
 
 The GEMMs around it (QKV, projection, MLP) run as in training, in FP8 under fp8_autocast. FP8
-attention (a recipe with fp8_dpa) has no such path and is refused by the layer.
+attention (a recipe with fp8_dpa) has no such path: the layer refuses it in training and runs this
+one in eval mode (generate() after FP8 training), leaving the attention's FP8 slots untouched.
 """
 
 from __future__ import annotations

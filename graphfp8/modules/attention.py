@@ -25,7 +25,7 @@ from graphfp8.modules._attention import (
     fp8_attention_qkv,
     prepare_attention,
 )
-from graphfp8.modules._context import fp8_recipe, fp8_slots
+from graphfp8.modules._context import fp8_recipe, fp8_slots, frozen_call
 from graphfp8.modules._rope import RopeQKV, RopeQKVParts, rope_parts_backward
 from graphfp8.modules.base import FP8Module
 from graphfp8.ops import cudnn_ragged
@@ -108,7 +108,10 @@ class DotProductAttention(FP8Module):
         self._check_fp8_dropout()
         prepare_attention(q_shape, kv_shape, device, recipe, self.attn_scale, causal, training,
                           segment_ids is not None)  # fmt: skip
-        fwd, bwd, bwd_update = fp8_slots(self, device)  # state changes only after the checks
+        # State changes only after the checks; an eval-mode call (an evaluation forward,
+        # generate(), a validation loop) is frozen like the GEMMs' (docs/fp8.md, "Evaluation"):
+        # current scales, amaxes into the arena's sink, no scale update.
+        fwd, bwd, bwd_update = fp8_slots(self, device, frozen_call(self))
         return AttentionConfig(fwd, bwd, self.attn_scale, causal, recipe.fp8_mha, bwd_update,
                                segment_ids)  # fmt: skip
 

@@ -15,12 +15,18 @@ from graphfp8.fp8.primary import INIT, quantize_block_weight, quantize_weight
 from graphfp8.fp8.recipe import Recipe, is_blockwise
 from graphfp8.fp8.slots import BwdRole, FwdRole, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
-from graphfp8.fp8.weight_cache import WeightCache, check_is_first_microbatch
+from graphfp8.fp8.weight_cache import BlockWeight, WeightCache, check_is_first_microbatch
 from graphfp8.modules import _state_tensor
 from graphfp8.modules._autocast import honour_autocast
 from graphfp8.modules._checkpoint import check_extra_state, format_move_error, shape_errors
 from graphfp8.modules._compile import eager_under_fp8, prepare_for_compile
-from graphfp8.modules._context import blockwise_recipe, fp8_enabled, gemm_configs, init_group
+from graphfp8.modules._context import (
+    blockwise_recipe,
+    blockwise_weights,
+    fp8_enabled,
+    gemm_configs,
+    init_group,
+)
 from graphfp8.modules._functional import GemmConfig
 from graphfp8.ops import check_gemm_dims
 
@@ -94,8 +100,10 @@ class FP8Module(nn.Module):
         *,
         high_precision_input: bool = False,
         fp8_output: bool = False,
-    ) -> list[GemmConfig] | None:
-        """Checks a forward call; returns one GemmConfig per weight under fp8_autocast, else None.
+    ) -> list[GemmConfig] | list[BlockWeight | None] | None:
+        """Checks a forward call; returns one GemmConfig per weight under fp8_autocast, one
+        BlockWeight (or None: quantized in the call) per weight under Float8BlockScaling
+        (modules/_blockwise.py's linear takes them), else None.
 
         Args:
             inp: the layer input, (..., features).
@@ -119,7 +127,10 @@ class FP8Module(nn.Module):
         recipe = blockwise_recipe()
         if recipe is not None:
             self._check_blockwise(inp, weights, recipe)
-            return None  # the high-precision path, its GEMMs blockwise (modules/_blockwise.py)
+            if any(isinstance(w, Float8BlockTensor) for _, w in weights):
+                return None  # stored blocks, read as they are: no cache (modules/_blockwise.py)
+            # The high-precision path, its GEMMs blockwise (modules/_blockwise.py).
+            return blockwise_weights(self, weights, is_first_microbatch)
         if any(isinstance(w, Float8BlockTensor) for _, w in weights):
             raise RuntimeError(
                 f"{type(self).__name__} holds blockwise FP8 primary weights (created inside "
@@ -130,7 +141,8 @@ class FP8Module(nn.Module):
 
     def _check_blockwise(self, inp, weights, recipe: Recipe) -> None:
         """What Float8BlockScaling does not take (it quantizes high-precision tensors at each
-        GEMM, or reads a blockwise FP8 primary weight's blocks as they are stored)."""
+        GEMM, the weights into its own cache: fp8/weight_cache.py's BlockWorkspace; a blockwise
+        FP8 primary weight's blocks are read as they are stored)."""
         name = type(self).__name__
         for _, w in weights:
             if not isinstance(w, Float8Tensor):

@@ -8,7 +8,7 @@ from functools import partial
 import torch
 
 from graphfp8.fp8.slots import FwdRole
-from graphfp8.modules._blockwise import linear
+from graphfp8.modules._blockwise import hp_or_blockwise, linear
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
 from graphfp8.modules.base import FP8Module
@@ -64,10 +64,10 @@ class LayerNormLinear(FP8Module):
             inp, self.in_features, [("weight", self.weight)], is_first_microbatch,
             high_precision_input=True, fp8_output=self.fp8_output,
         )  # fmt: skip
-        if cfgs is None:
+        if hp_or_blockwise(cfgs):
             h = inp if residual is None else inp + residual
             ln_out = apply_norm(self, h, self.norm_spec)
-            out = linear(ln_out, self.weight, self.bias)  # blockwise FP8 or high precision
+            out = linear(ln_out, self.weight, self.bias, cfgs)  # blockwise FP8 or high precision
         else:
             needs_t = torch.is_grad_enabled() and self.weight.requires_grad
             quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)

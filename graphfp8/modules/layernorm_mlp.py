@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from graphfp8.fp8.slots import FwdRole
-from graphfp8.modules._blockwise import linear
+from graphfp8.modules._blockwise import hp_or_blockwise, linear
 from graphfp8.modules._functional import GemmConfig, fp8_linear
 from graphfp8.modules._mlp import FUSED_ACTIVATIONS, fp8_mlp
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
@@ -104,13 +104,13 @@ class LayerNormMLP(FP8Module):
         weights = [("fc1", self.fc1_weight), ("fc2", self.fc2_weight)]
         cfgs = self._fp8_forward_configs(inp, self.hidden_size, weights, is_first_microbatch,
                                          high_precision_input=True)  # fmt: skip
-        if cfgs is None:
+        if hp_or_blockwise(cfgs):
             h = inp if residual is None else inp + residual
             act = ACTIVATIONS[self.activation]
             ln_out = apply_norm(self, h, self.norm_spec)
             # Blockwise FP8 GEMMs under Float8BlockScaling (modules/_blockwise.py).
-            out = linear(act(linear(ln_out, self.fc1_weight, self.fc1_bias)), self.fc2_weight,
-                         self.fc2_bias)  # fmt: skip
+            hidden = act(linear(ln_out, self.fc1_weight, self.fc1_bias, cfgs, 0))
+            out = linear(hidden, self.fc2_weight, self.fc2_bias, cfgs, 1)
         else:
             needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
             quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)

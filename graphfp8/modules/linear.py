@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from graphfp8.fp8.primary import make_fp8_parameter
-from graphfp8.modules._blockwise import linear
+from graphfp8.modules._blockwise import hp_or_blockwise, linear
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules.base import FP8Module
 
@@ -75,8 +75,8 @@ class Linear(FP8Module):
         """
         cfgs = self._fp8_forward_configs(inp, self.in_features, [("weight", self.weight)],
                                          is_first_microbatch)  # fmt: skip
-        if cfgs is None:
-            return linear(inp, self.weight, self.bias)  # blockwise FP8 or high precision
+        if hp_or_blockwise(cfgs):
+            return linear(inp, self.weight, self.bias, cfgs)  # blockwise FP8 or high precision
         return fp8_linear(inp, self.weight, self.bias, cfgs[0])
 
     def extra_repr(self) -> str:

@@ -223,11 +223,14 @@ class TransformerLayer(nn.Module):
             )
 
     def _check_explicit(self, segment_ids, kv_cache) -> None:
-        if self.core_attention.fp8_active():
+        # An eval-mode call (generate()) runs it in high precision: a frozen call leaves the FP8
+        # attention's slots as they were either way (docs/fp8.md, "Evaluation").
+        if self.core_attention.fp8_active() and self.training:
             raise ValueError(
                 "TransformerLayer: position_ids, attn_mask and kv_cache run attention in high "
-                "precision; FP8 attention (a recipe with fp8_dpa) has no such path: use a recipe "
-                "without fp8_dpa"
+                "precision; FP8 attention (a recipe with fp8_dpa) has no such path in training: "
+                "use a recipe without fp8_dpa, or call model.eval() for evaluation and "
+                "generate() (which then run this path in high precision)"
             )
         if segment_ids is not None and kv_cache is not None:
             raise ValueError(

@@ -2,6 +2,7 @@
 
 from graphfp8.ops._lib import GradWatch, TensorWatch, built_with_cuda
 from graphfp8.ops.amax import amax_, dgelu_amax_, gelu_amax_, layernorm_amax_, rmsnorm_amax_
+from graphfp8.ops.blockwise_fused import blockwise_quantize
 from graphfp8.ops.cast import cast_to_fp8, cast_transpose
 from graphfp8.ops.cast_fused import (
     cast_transpose_dbias,
@@ -23,6 +24,7 @@ __all__ = [
     "GradWatch",
     "NormFP8",
     "amax_",
+    "blockwise_quantize",
     "built_with_cuda",
     "cast_to_fp8",
     "cast_transpose",

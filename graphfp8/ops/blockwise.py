@@ -1,9 +1,10 @@
 """Blockwise FP8 (DeepSeek-V3's recipe, TransformerEngine's Float8BlockScaling): the quantizers
 of 1x128 tiles and 128x128 blocks, their dequantization, and the blockwise-scaled GEMM.
 
-Pure PyTorch on both devices (the quantizers live in the package so that tests and users share
-them, as DeepGEMM's do): a few elementwise and reduction launches per quantization instead of
-one fused kernel (docs/fp8.md, "Blockwise scaling", says what that costs).
+The quantizers run the fused kernel of graphfp8/ops/blockwise_fused.py (one pass per operand,
+both layouts from one read) or, as GRAPHFP8_BLOCKWISE_KERNELS says, the torch ops here
+(torch_quantize: a few elementwise and reduction launches per quantization), which are the
+kernel's twin (docs/fp8.md, "Blockwise scaling").
 
     tiles  x (R, C)  -> x_fp8 (R, C), scale_inv (R, ceil(C / 128))          one scale per 1x128
     blocks w (R, C)  -> w_fp8 (R, C), scale_inv (ceil(R / 128), ceil(C / 128)) one per 128x128
@@ -24,14 +25,18 @@ import os
 
 import torch
 
+from graphfp8.ops.blockwise_fused import blockwise_quantize, fused_on
+
 __all__ = [
     "TILE",
     "GEMM_MODE",
     "blockwise_gemm",
     "dequantize_blocks",
     "dequantize_tiles",
+    "quantize",
     "quantize_blocks",
     "quantize_tiles",
+    "torch_quantize",
     "scaled_mm_operands",
     "scales_from_amax",
 ]
@@ -79,7 +84,9 @@ def _untiled(t: torch.Tensor, shape) -> torch.Tensor:
     return (full if full.shape == (r, c) else full[:r, :c]).contiguous()
 
 
-def _quantize(x, rows: int, fp8_dtype, power_2_scale: bool):
+def torch_quantize(x, rows: int, fp8_dtype, power_2_scale: bool):
+    """x (R, C) in tiles of `rows` x 128 by torch ops: (x_fp8 (R, C), scale_inv) as `quantize`
+    without transpose (x may be any 2-D view; the fused kernel's twin)."""
     _check(x, fp8_dtype)
     tiles = _tiled(x, rows)
     amax = tiles.abs().amax(dim=(1, 3))  # exact in x's dtype: a maximum of its values
@@ -95,16 +102,53 @@ def _dequantize_tiles(t_fp8: torch.Tensor, scale_inv: torch.Tensor, rows: int) -
     return _untiled(tiles * scale_inv[:, None, :, None], t_fp8.shape)
 
 
+def _torch_transpose(x, rows: int, q, scale_inv, fp8_dtype, power_2_scale: bool) -> tuple:
+    """The layout of x.T: its own 1x128 tiles, or the blocks' bytes and scales transposed."""
+    if rows == 1:
+        return torch_quantize(x.t(), 1, fp8_dtype, power_2_scale)
+    return q.t().contiguous(), scale_inv.t().contiguous()
+
+
+def _write(buf: torch.Tensor, value: torch.Tensor, noop) -> None:
+    """buf = value, or (noop given) kept where noop holds 1: the kernel's flag, in torch ops."""
+    if noop is None:
+        buf.copy_(value)
+        return
+    raw = (lambda t: t.view(torch.uint8)) if buf.dtype.itemsize == 1 else (lambda t: t)
+    raw(buf).copy_(torch.where(noop == 1, raw(buf), raw(value)))
+
+
+def quantize(x: torch.Tensor, rows: int, fp8_dtype=torch.float8_e4m3fn,
+             power_2_scale: bool = True, *, transpose: bool = False, out=None,
+             noop: torch.Tensor | None = None) -> tuple:  # fmt: skip
+    """x (R, C) float32/bf16/fp16 in tiles of `rows` x 128 (1: 1x128 tiles, 128: 128x128
+    blocks), by the fused kernel or the torch ops (module docstring); the arguments and results
+    of graphfp8.ops.blockwise_fused.blockwise_quantize: (x_fp8, scale_inv[, x_t_fp8,
+    scale_inv_t]), written into `out` when given, nothing written where noop holds 1."""
+    _check(x, fp8_dtype)
+    if fused_on(x.device):
+        return blockwise_quantize(x.contiguous(), rows, fp8_dtype, power_2_scale,
+                                  transpose=transpose, out=out, noop=noop)  # fmt: skip
+    result = torch_quantize(x, rows, fp8_dtype, power_2_scale)
+    if transpose:
+        result += _torch_transpose(x, rows, *result, fp8_dtype, power_2_scale)
+    if out is None:
+        return result
+    for buf, value in zip(out, result, strict=True):
+        _write(buf, value, noop)
+    return out
+
+
 def quantize_tiles(x: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, power_2_scale: bool = True):
     """x: (R, C) float32/bf16/fp16. Returns (x_fp8 (R, C), scale_inv (R, ceil(C / 128))
     float32): one scale per 1x128 tile along C (the GEMM's K)."""
-    return _quantize(x, 1, fp8_dtype, power_2_scale)
+    return quantize(x, 1, fp8_dtype, power_2_scale)
 
 
 def quantize_blocks(w: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, power_2_scale: bool = True):
     """w: (R, C). Returns (w_fp8 (R, C), scale_inv (ceil(R / 128), ceil(C / 128)) float32): one
     scale per 128x128 block, so that w_fp8.t() with scale_inv.t() is w.t()'s quantization."""
-    return _quantize(w, TILE, fp8_dtype, power_2_scale)
+    return quantize(w, TILE, fp8_dtype, power_2_scale)
 
 
 def dequantize_tiles(x_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

@@ -250,7 +250,7 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
                    fp8_format=args.fp8_format, scaling=args.scaling,
                    fp8_weights=args.fp8_weights and precision == "fp8", pack=args.pack,
                    fp8_attention=args.fp8_attention and precision == "fp8",
-                   shard=args.shard, recompute=args.recompute, fsdp=args.fsdp,
+                   shard=args.shard, recompute=args.recompute, fsdp=args.fsdp, hsdp=args.hsdp,
                    bf16_layers=args.bf16_layers if precision == "fp8" else ())  # fmt: skip
 
 

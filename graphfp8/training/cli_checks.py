@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 
 import torch
 
@@ -182,6 +183,8 @@ def check_model(p: argparse.ArgumentParser, args) -> None:
 def check_fsdp(p: argparse.ArgumentParser, args: argparse.Namespace, modes: set[str]) -> None:
     """--fsdp's refusals (training/fsdp.py's REFUSED), before anything starts; `modes`: the graph
     modes of the runs."""
+    if args.hsdp > 1 and not args.fsdp:
+        p.error("--hsdp replicates FSDP2's shards: use it with --ddp --fsdp")
     if not args.fsdp:
         return
     if not args.ddp:
@@ -193,6 +196,10 @@ def check_fsdp(p: argparse.ArgumentParser, args: argparse.Namespace, modes: set[
     for key, on in used.items():
         if on:
             p.error(f"--fsdp: {REFUSED[key]}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % args.hsdp:
+        p.error(f"--hsdp {args.hsdp}: the replicas must divide the {world} ranks (each replica "
+                f"FSDP2-shards over world / replicas of them)")  # fmt: skip
 
 
 def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
@@ -206,6 +213,10 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
     p.add_argument("--fsdp", action="store_true", help="with --ddp --graphs none: the weights "
                    "sharded too, by torch FSDP2 (docs/sharding.md) (default: off)")  # fmt: skip
+    p.add_argument("--hsdp", type=positive, default=1, metavar="R",
+                   help="with --fsdp: R replicas, each FSDP2-sharding the weights over N / R "
+                   "ranks (HSDP: a 2-D (R, N / R) mesh; gradients all-reduced across the "
+                   "replicas) (default: 1, plain FSDP2)")  # fmt: skip
     p.add_argument("--check-replicas", action="store_true",
                    help="with --ddp: the ranks' weights compared (digests of their bits) after "
                    "every step; a difference stops every rank with exit status 3 "

@@ -4,13 +4,13 @@ The run calls the embedding, the blocks and the loss (norm, head) one by one, ne
 forward, so each of them is a root of its own: fully_shard on every TransformerLayer and then on
 the blocks, the embedding, the norm and the head, with FSDP2's defaults (reshard_after_forward
 True). FP8 primary weights (--fp8-weights) stay FP8 shards, all-gathered as FP8, trained through
-FSDPMasterWeights.
+FSDPMasterWeights. --hsdp R: the same on HSDP's 2-D (R, N / R) mesh (docs/sharding.md, "HSDP").
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 __all__ = ["REFUSED", "check_fsdp_spec", "shard_gpt"]
@@ -29,16 +29,29 @@ REFUSED = {
 
 
 def check_fsdp_spec(spec) -> None:
-    """A RunSpec with fsdp runs eagerly, without shard and compile."""
+    """A RunSpec with fsdp runs eagerly, without shard and compile; hsdp needs fsdp."""
     if spec.fsdp and (spec.graphs != "none" or spec.shard or spec.compile):
         raise ValueError("fsdp runs eagerly (graphs 'none'), without shard and compile")
+    if spec.hsdp < 1 or (spec.hsdp > 1 and not spec.fsdp):
+        raise ValueError(f"hsdp {spec.hsdp}: replicas (>= 1) of FSDP2's shards, with fsdp")
 
 
-def shard_gpt(model: torch.nn.Module, group, device) -> None:
-    """fully_shard the GPT's layers and its parts over `group` (a 1-D mesh of its ranks)."""
+def shard_gpt(model: torch.nn.Module, group, device, replicas: int = 1) -> None:
+    """fully_shard the GPT's layers and its parts over `group`: a 1-D mesh of its ranks, or with
+    replicas > 1 HSDP's 2-D (replicas, world / replicas) mesh of the world's ranks (each
+    replica's ranks shard the weights; FSDP2 all-reduces the gradients across the replicas)."""
     if group is None:
         raise ValueError("fsdp needs a process group (--ddp under torchrun)")
-    mesh = DeviceMesh.from_group(group, torch.device(device).type)
+    kind = torch.device(device).type
+    if replicas == 1:
+        mesh = DeviceMesh.from_group(group, kind)
+    else:
+        world = torch.distributed.get_world_size(group)
+        if group is not torch.distributed.group.WORLD or world % replicas:
+            raise ValueError(f"hsdp: {replicas} replicas of the whole world (--ddp), a divisor "
+                             f"of its {world} ranks")  # fmt: skip
+        mesh = init_device_mesh(kind, (replicas, world // replicas),
+                                mesh_dim_names=("replicate", "shard"))  # fmt: skip
     for layer in model.blocks.layers:
         fully_shard(layer, mesh=mesh)
     for part in (model.blocks, model.embed, model.norm, model.head):

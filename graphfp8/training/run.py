@@ -66,6 +66,7 @@ class RunSpec:
     fp8_attention: bool = False
     shard: bool = False  # masters, gradients and optimizer state sharded over the group
     fsdp: bool = False  # the weights sharded too, by torch FSDP2 (training/fsdp.py), eager only
+    hsdp: int = 1  # with fsdp: replicas, each sharded over world / hsdp ranks (HSDP, fsdp.py)
     # Blocks kept in bf16 in an FP8 run (Megatron's --first-last-layers-bf16): their indices
     bf16_layers: tuple[int, ...] = ()
     # activation recompute of every layer (TransformerLayer's RECOMPUTE_MODES): the same bits,
@@ -125,6 +126,7 @@ class RunSpec:
         suffix += "-pack" if self.pack else ""
         suffix += "-shard" if self.shard else ""
         suffix += "-fsdp" if self.fsdp else ""
+        suffix += f"-hsdp{self.hsdp}" if self.hsdp > 1 else ""
         suffix += f"-recompute-{self.recompute}" if self.recompute != "none" else ""
         suffix += "-staged" if self.stage_batches else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
@@ -203,7 +205,7 @@ class Run:
             for layer in self.model.blocks.layers:
                 layer.recompute = spec.recompute
         if spec.fsdp:
-            shard_gpt(self.model, group, spec.device)
+            shard_gpt(self.model, group, spec.device, spec.hsdp)
         self.masters, self.reduce_group = self._masters()
         # reduce -> clip -> step -> write back, whatever is sharded (gradient_update.py); every rank
         # trains every parameter: the gradient sets are checked once.

@@ -11,6 +11,7 @@ import torch
 
 import graphfp8 as g8
 from graphfp8.ops import blockwise
+from graphfp8.ops.blockwise_fused import blockwise_kernels
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_layers, train_pair, train_side_by_side
 from tests.graphs.step_common import (
@@ -45,15 +46,19 @@ def test_blockwise_beside_bf16_and_delayed(device):
            (None, BLOCK, g8.DelayedScaling()), True, device)  # fmt: skip
 
 
-def test_the_scales_are_computed_inside_the_graphs(device):
-    """Each of the 3 GEMMs quantizes its operands in the graph: per operand one amax over its
-    tiles; no arena, so no scale update."""
+@pytest.mark.parametrize("kernels", ["fused", "torch"])
+def test_the_scales_are_computed_inside_the_graphs(device, kernels):
+    """Each of the 3 GEMMs quantizes its operands in the graph: the fused kernel once per
+    tensor (x and x.T from one read, w's blocks and their transpose, dy and dy.T), the torch ops
+    one amax per operand; no arena, so no scale update."""
     layer = g8.Linear(H, H, params_dtype=torch.bfloat16, device=device)
     sample = torch.randn(T, H, dtype=torch.bfloat16, device=device, requires_grad=True)
-    graphed = g8.make_graphed_callables(layer, (sample,), fp8_enabled=True, fp8_recipe=BLOCK)
+    with blockwise_kernels(kernels):
+        graphed = g8.make_graphed_callables(layer, (sample,), fp8_enabled=True, fp8_recipe=BLOCK)
     ops = graphed.captured_ops()
-    assert ops["forward"].count("aten::amax") == 3  # x, w, x.T
-    assert ops["backward"].count("aten::amax") == 2  # dy, dy.T
+    op, (fwd, bwd) = ("graphfp8::blockwise_quantize", (2, 1)) if kernels == "fused" else (
+        "aten::amax", (3, 2))  # fmt: skip
+    assert (ops["forward"].count(op), ops["backward"].count(op)) == (fwd, bwd)
     assert not any("scale_update" in op for op in ops["forward"] + ops["backward"])
 
 
@@ -141,7 +146,7 @@ def test_step_graph_mixing_blockwise_and_delayed(device):
 
 def test_microbatch_graph_equals_eager(device):
     """make_graphed_microbatch: forward, loss and backward as one graph, two microbatches per
-    step (the weights quantized in each: there is no cache to reuse)."""
+    step (the weights' blocks quantized by the first, reused by the second: the device flag)."""
     eager = _Mixed(device)
     model = copy.deepcopy(eager)
     gen = torch.Generator().manual_seed(0)

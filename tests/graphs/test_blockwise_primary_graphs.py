@@ -12,6 +12,7 @@ import torch
 import graphfp8 as g8
 from graphfp8.fp8.block_tensor import Float8BlockTensor
 from graphfp8.ops import blockwise
+from graphfp8.ops.blockwise_fused import blockwise_kernels
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.step_common import TinyLM, adamw, lm_batch, lm_loss
 from tests.modules.common import H, Stack, T
@@ -78,13 +79,17 @@ def test_training_graphed_equals_eager(device, kind):
         _compare(eager, model, f"after step {step}")
 
 
-def test_the_weight_blocks_are_read_not_quantized_in_the_graph(device):
-    """A high-precision Linear's forward graph quantizes x, w and x.T (3 amaxes); a blockwise
-    FP8 weight is read as stored: 2."""
+@pytest.mark.parametrize("kernels", ["fused", "torch"])
+def test_the_weight_blocks_are_read_not_quantized_in_the_graph(device, kernels):
+    """A high-precision Linear's forward graph quantizes x (with x.T) and w
+    (test_blockwise_graphs: 2 fused kernels, or 3 amaxes of the torch ops); a blockwise FP8
+    weight is read as stored: x alone (1, or 2 amaxes: x and x.T)."""
     layer = _build("Linear", device)
     sample = torch.randn(T, H, dtype=torch.bfloat16, device=device, requires_grad=True)
-    graphed = g8.make_graphed_callables(layer, (sample,), fp8_enabled=True, fp8_recipe=BLOCK)
-    assert graphed.captured_ops()["forward"].count("aten::amax") == 2
+    with blockwise_kernels(kernels):
+        graphed = g8.make_graphed_callables(layer, (sample,), fp8_enabled=True, fp8_recipe=BLOCK)
+    op, count = ("graphfp8::blockwise_quantize", 1) if kernels == "fused" else ("aten::amax", 2)
+    assert graphed.captured_ops()["forward"].count(op) == count
 
 
 def test_step_graph_with_master_weights_equals_eager(device):

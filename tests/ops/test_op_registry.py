@@ -147,6 +147,7 @@ def _call_every_wrapper() -> None:
     ops.layernorm_bwd(dy, x, ln.mu, ln.rsigma, gamma)
     ops.rmsnorm_bwd(dy, x, rms.rsigma, gamma)
     ops.cast_stats(x, one(), one(), E4M3)
+    ops.blockwise_quantize(rand(4, 130), 1, E4M3, transpose=True, noop=zero())
     qkv, cos, sin = rand(1, 2, 3 * 2 * 4), rand(2, 4), rand(2, 4)  # 2 heads of 4, seq 2
     ops.rope_qkv(qkv, cos, sin, 2)
     parts, part_scale_inv = ops.rope_fp8(qkv, cos, sin, 2, [(one(), zero(), E4M3)] * 3)

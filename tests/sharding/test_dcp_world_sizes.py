@@ -4,13 +4,17 @@ sharded masters, each with its AdamW, saved at 2 ranks, loaded at 3 (uneven shar
 model that never ran a forward, saved there, loaded at 2 again: the state at 3 is the state saved
 at 2, and training on at 2 equals the run that never stopped, bit for bit. (Training at 3 is not
 compared: 3 ranks split and average the data otherwise.) Ranks whose FP8 amaxes are their own (no
-fp8_group) are refused: a checkpoint for any world size keeps one FP8 state."""
+fp8_group) are refused: a checkpoint for any world size keeps one FP8 state. HSDP (a 2 x 2 mesh
+on 4 ranks) saves a checkpoint that 1-D FSDP2 loads at 3, and loads it back at 4 and trains on
+equal to the HSDP run that never stopped."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import graphfp8 as g8
 from graphfp8.distributed.sharded_masters import ShardedMasterWeights
@@ -29,6 +33,13 @@ def _setup(kind: str, device):
     """(model, masters, optimizer) of a fresh model, never run."""
     if kind == "fsdp":
         model = shard_lm(build_lm(device), reshard=True)
+        masters = g8.MasterWeights(model)
+    elif kind == "hsdp":
+        model = build_lm(device)
+        mesh = init_device_mesh(device.type, (2, dist.get_world_size() // 2),
+                                mesh_dim_names=("replicate", "shard"))  # fmt: skip
+        for part in (model.block, model.head, model):
+            fully_shard(part, mesh=mesh)
         masters = g8.MasterWeights(model)
     else:
         model = build_lm(device)
@@ -113,3 +124,11 @@ def test_checkpoint_moves_2_to_3_to_2(kind, tmp_path):
     run_on_ranks("gloo", _at_2_first, kind, str(tmp_path))
     run_on_ranks("gloo", _at_3, kind, str(tmp_path), world=3)
     run_on_ranks("gloo", _at_2_again, kind, str(tmp_path))
+
+
+def test_hsdp_checkpoint_moves_to_1d_fsdp2_and_back(tmp_path):
+    """Saved by HSDP (2 replicas of 2 shards), loaded by 1-D FSDP2 at 3 ranks (the replicas'
+    copies are one tensor to DCP), saved there and loaded by HSDP again."""
+    run_on_ranks("gloo", _at_2_first, "hsdp", str(tmp_path), world=4)
+    run_on_ranks("gloo", _at_3, "fsdp", str(tmp_path), world=3)
+    run_on_ranks("gloo", _at_2_again, "hsdp", str(tmp_path), world=4)

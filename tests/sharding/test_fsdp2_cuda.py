@@ -2,7 +2,9 @@
 reshard_after_forward=True equals False bit for bit (the NaN of issue 40 on the GPU: the
 re-gathered weight's transpose rebuilt by the backward), on one GPU and on 2 and 3 where the
 machine has them; a DCP checkpoint saved at 2 GPUs loads at 3 (skipped with fewer); clipping
-masters.parameters() equals clipping model.parameters() on one GPU."""
+masters.parameters() equals clipping model.parameters() on one GPU; HSDP's 2-D mesh equals 1-D
+FSDP2 over its shard group (1 x 1 on one GPU, 2 x 2 on 4) and the FP8 weights' scales take one
+all-reduce per step (tests/sharding/test_fsdp2_hsdp.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ import torch
 from tests.rank_pool import run_on_ranks
 from tests.sharding.test_dcp_world_sizes import _at_2_again, _at_2_first, _at_3
 from tests.sharding.test_fsdp2_clip import _idioms_agree
+from tests.sharding.test_fsdp2_hsdp import (
+    _all_reduces_per_step,
+    _hsdp_equals_fsdp_over_the_shard_group,
+)
 from tests.sharding.test_fsdp2_reshard import _reshard_equals_no_reshard
 
 pytestmark = [
@@ -43,3 +49,21 @@ def test_dcp_checkpoint_moves_2_to_3_to_2_gpus(kind, tmp_path):
 
 def test_clipping_the_masters_equals_clipping_the_model_on_one_gpu():
     run_on_ranks("nccl", _idioms_agree, world=1)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_hsdp_equals_fsdp_over_the_shard_group_on_one_gpu(recipe_name):
+    run_on_ranks("nccl", _hsdp_equals_fsdp_over_the_shard_group, recipe_name, False, world=1)
+
+
+@pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")
+@pytest.mark.parametrize("replicas_differ", [False, True])
+def test_hsdp_on_four_gpus(replicas_differ):
+    recipe_name = "current" if replicas_differ else "delayed"
+    run_on_ranks("nccl", _hsdp_equals_fsdp_over_the_shard_group, recipe_name, replicas_differ,
+                 world=4)  # fmt: skip
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["1-D", "hsdp"])
+def test_fp8_weight_scales_take_one_all_reduce_per_step_on_one_gpu(hsdp):
+    run_on_ranks("nccl", _all_reduces_per_step, 4, hsdp, "delayed", world=1)

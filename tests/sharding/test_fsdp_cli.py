@@ -1,8 +1,9 @@
 """graphfp8-train --ddp --fsdp (cli.main on the rank pool's 2 gloo ranks, as torchrun would start
 it): eager training of the GPT under FSDP2 with FP8 weights - the loss falls, the ranks agree,
-each rank's memory is in summary.json and holds about half of the state - and every option it
-does not run (graph modes, --shard, --save, --check-replicas, --compile) refused before
-anything starts."""
+each rank's memory is in summary.json and holds about half of the state - on HSDP's 2-D mesh too
+(--hsdp 2 on 4 ranks: two replicas of 2 shards), and every option it does not run (graph modes,
+--shard, --save, --check-replicas, --compile, --hsdp without --fsdp or not dividing the ranks)
+refused before anything starts."""
 
 from __future__ import annotations
 
@@ -10,32 +11,39 @@ import json
 from pathlib import Path
 
 from tests.rank_pool import run_on_ranks
-from tests.sharding.common import run_cli
+from tests.sharding.common import run_cli, world
 
 ARGS = ["--device", "cpu", "--ddp", "--fsdp", "--fp8-weights", "--batch", "2", "--seq-len", "32",
         "--microbatches", "2", "--data", "synthetic", "--val-batches", "1", "--log-every",
         "2"]  # fmt: skip
 
 
-def _eager(rank, device, tmp):
-    code, stdout, err = run_cli([*ARGS, "--graphs", "none", "--steps", "4", "--out", tmp])
+def _eager(rank, device, tmp, extra, suffix, shards):
+    code, stdout, err = run_cli([*ARGS, *extra, "--graphs", "none", "--steps", "4", "--out", tmp])
     assert code == 0, err
     if rank != 0:
         return
     run = json.loads((Path(tmp) / "summary.json").read_text())["runs"][0]
-    assert run["name"].startswith("fp8-fp8w-") and run["name"].endswith("-fsdp")
+    assert run["name"].startswith("fp8-fp8w-") and run["name"].endswith(suffix)
+    # parameters: every rank's whole model (FSDP2's full_tensor), the replicas' included
     assert run["ranks_agree"] == {"fp8_state": True, "parameters": True, "val_loss": True}
     assert run["losses"][-1] < run["losses"][0]
     state = [m["state"]["bytes"] for m in run["memory_per_rank"]]
-    assert len(state) == 2
-    for key in ("weights", "fp32 masters", "optimizer state"):  # sharded: about half each
-        total = sum(s[key] for s in state)
-        assert all(0.3 < s[key] / total < 0.7 for s in state), (key, state)
+    assert len(state) == world()
+    for key in ("weights", "fp32 masters", "optimizer state"):  # 1 / shards of each on a rank
+        total = sum(s[key] for s in state[:shards])  # the first replica's ranks: the whole
+        assert all(0.6 / shards < s[key] / total < 1.4 / shards for s in state), (key, state)
     assert "B/param of state" in stdout
 
 
 def test_fsdp_trains_eagerly(tmp_path):
-    run_on_ranks("gloo", _eager, str(tmp_path))
+    run_on_ranks("gloo", _eager, str(tmp_path), [], "-fsdp", 2)
+
+
+def test_hsdp_trains_eagerly(tmp_path):
+    """4 ranks, --hsdp 2: each rank holds half the state (not a quarter), and the replicas'
+    weights are the same (ranks_agree)."""
+    run_on_ranks("gloo", _eager, str(tmp_path), ["--hsdp", "2"], "-fsdp-hsdp2", 2, world=4)
 
 
 REFUSALS = [
@@ -45,6 +53,7 @@ REFUSALS = [
     (["--graphs", "none", "--save", "ckpt.pt"], "dcp_checkpoint"),
     (["--graphs", "none", "--check-replicas"], "FSDP2's are sharded"),
     (["--graphs", "none", "--compile"], "--compile with --fsdp"),
+    (["--graphs", "none", "--hsdp", "3"], "--hsdp 3: the replicas must divide the 2 ranks"),
 ]
 
 
@@ -52,6 +61,10 @@ def _refused(rank, device, tmp):
     for extra, message in REFUSALS:
         code, _, err = run_cli([*ARGS, *extra, "--steps", "2", "--out", tmp])
         assert code == 2 and message in err, (extra, code, err)
+    no_fsdp = [a for a in ARGS if a != "--fsdp"]
+    code, _, err = run_cli([*no_fsdp, "--graphs", "none", "--hsdp", "2", "--steps", "2", "--out",
+                            tmp])  # fmt: skip
+    assert code == 2 and "--hsdp replicates FSDP2's shards" in err, (code, err)
     assert not Path(tmp).exists() or not any(Path(tmp).iterdir())  # nothing started
 
 
