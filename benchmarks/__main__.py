@@ -1,5 +1,5 @@
 """`python -m benchmarks {kernels,variants,opcount,census,eager,block,attention,step,host,
-memory,memory-plan,recompute,stack,glu,hf,hf-users,speed,carried-casts} [--device D]
+memory,memory-plan,recompute,stack,glu,hf,hf-users,speed,carried-casts,fsdp-graph} [--device D]
 [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ SUITES = {
     "hf-users": "benchmarks.hf_users",
     "speed": "benchmarks.speed",
     "carried-casts": "benchmarks.carried_casts",
+    "fsdp-graph": "benchmarks.fsdp_graph",
 }
 
 

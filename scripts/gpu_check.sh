@@ -67,6 +67,10 @@
 #               ~3-4 min on one H200 (limit SPEED_TIMEOUT_S, 360 s)
 #   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
+#   step fsdp-graph (issue 40): FSDP2 inside make_graphed_microbatch at world size 1 with NCCL:
+#               the CUDA tests of tests/sharding/test_fsdp2_cuda.py -k microbatch_graph (graph ==
+#               eager FSDP2 bit for bit) and bench fsdp-graph (4 TransformerLayers h4096, FP8
+#               weights, B1 x S4096: eager FSDP2 vs its microbatch graph vs the unsharded graph)
 #   step kern41 (issue 41 item 4): the CUDA tests of the kern41 switches (KERN41_SWITCHES,
 #               default NORM_FWD_TRANSPOSE), their `benchmarks variants` rows, then the 100m step
 #               graph (graphfp8-train --compare fp8:step --deterministic, synthetic data) with each
@@ -86,6 +90,11 @@
 #   step recompute (issue 40): bench recompute (Llama-3-8B block shapes: activation memory and
 #               graphed step time of selective / full recompute against none) and bench
 #               memory-plan (the planner's peak against graphfp8-train's at N=1)
+#   step big (issue 40): the largest model the planner fits on one H200, trained: python -m
+#               benchmarks.largest_model (graphfp8-train --preset llama-8b --layers L, L from the
+#               planner: 26, 6.72B parameters; FP8 weights, full recompute, per-layer graphs, B1 x
+#               S8192, 5 steps of 2 microbatches, synthetic data) -> $RES/big.json: peak
+#               allocated / reserved, tokens/s and plan/measured; ~1-2 min
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -519,6 +528,19 @@ print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF
           || { status=1; tail -30 "/tmp/bench_$b.log"; }
         grep -v '^wrote' "/tmp/bench_$b.log" >> "$RES/summary.md"
       done ;;
+    big)  # issue 40 target: the largest model trained on one H200 >= 6B (4.08B before)
+      $PY -m benchmarks.largest_model --out "$RES/big" > "$RES/big.log" 2>&1 \
+        || { status=1; tail -30 "$RES/big.log"; }
+      cp "$RES/big/big.json" "$RES/big.json" 2>/dev/null
+      grep "^###\|^| peak\|^graphfp8-train" "$RES/big.log" | tee -a "$RES/summary.md" ;;
+    fsdp-graph)  # issue 40: FSDP2 inside make_graphed_microbatch at world size 1 (NCCL)
+      $PY -m pytest -q -m cuda -p no:cacheprovider tests/sharding/test_fsdp2_cuda.py \
+        -k microbatch_graph > "$RES/fsdp_graph_tests.log" 2>&1 || status=1
+      tail -1 "$RES/fsdp_graph_tests.log" | tee -a "$RES/summary.md"
+      $PY -m benchmarks fsdp-graph --json "$RES/bench_fsdp_graph.json" > /tmp/bench_fsdp_graph.log \
+        2>&1 || { status=1; tail -30 /tmp/bench_fsdp_graph.log; }
+      grep -v '^wrote' /tmp/bench_fsdp_graph.log | grep -v Warning | grep -v "output = self" \
+        >> "$RES/summary.md" ;;
     *)
       echo "unknown step $step"; status=1 ;;
   esac

@@ -27,7 +27,8 @@ def test_memory_plan_quick(tmp_path):
     assert [(r["recompute"], r["graphs"]) for r in results] == [
         ("none", "layers"), ("full", "layers"), ("selective", "step"), ("full", "none"),
     ]  # fmt: skip
-    assert all(r["plan"]["peak"] > 0 and r["measured_peak"] is None for r in results)
+    # the CPU's peak (benchmarks.memory_plan.cpu_peak) beside each plan
+    assert all(r["plan"]["peak"] > 0 and r["measured_peak"] > 0 for r in results)
 
 
 def test_memory_plan_token_file_holds_llama_vocabularies(tmp_path):

@@ -2,7 +2,9 @@
 persistent state by category (graphfp8.memory.training_state in the optimizer step, as
 benchmarks/memory_shard.py takes it; N = 2 from the sharded layout, graphfp8.memory.sharded_at), the
 activations one microbatch keeps and its peak (graphfp8.memory.LiveBytes) for each recompute
-mode, within 10% (the state is exact up to scale_invs and step counts)."""
+mode, and the peak of whole graphfp8-train runs in each graph mode (benchmarks.memory_plan's
+cpu_peak: the graphs allocating as CUDA graphs do), within 10% (the state is exact up to
+scale_invs and step counts)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ import pytest
 import torch
 
 import graphfp8 as g8
+from benchmarks.memory_plan import _tokens, cpu_peak
 from benchmarks.memory_shard import one_rank_group, state_in_optimizer_step
 from graphfp8.memory import LiveBytes, sharded_at
 from graphfp8.memory.plan import largest_fit, main, plan
 from graphfp8.memory.shapes import LLAMA, shape_from, shape_of
 from graphfp8.training.model import GPT, PRESETS
+from graphfp8.training.run import RunSpec
 
 B, S = 2, 32
 RECIPE = g8.DelayedScaling(amax_history_len=4)
@@ -111,3 +115,41 @@ def test_llama_shapes_and_planner_outputs(capsys):
     assert "largest that fits" in capsys.readouterr().out
     with pytest.raises(ValueError, match="sharding must be one of"):
         plan("llama-8b", sharding="zero3")
+
+
+# Llama-3-8B's proportions at 1/64 of its width (vocabulary ~31 H, T = 2 H): the H200 rows of
+# `python -m benchmarks memory-plan` (profiles/h200-2026-12-01-s6) at CPU size.
+RUN_CONFIG = dataclasses.replace(PRESETS["llama-tiny"], hidden=64, heads=2, kv_heads=1, ffn=224,
+                                 vocab=2004, batch=1, seq_len=128)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run_data(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plan_runs")
+    return _tokens(tmp, RUN_CONFIG.vocab, 64 * RUN_CONFIG.seq_len), tmp
+
+
+# (FP8 weights, recompute, graphs, sharding): the H200 rows, a bf16 step graph, FP8-weight layer
+# graphs and sharded masters at N = 1. The step graph's rows were 0.81-0.89 of measured before
+# the capture's copy of the weights and masters and the graph's persistent master gradients were
+# planned (H200: 0.778), the FP8-weight layer graphs' 1.11 before replays stopped counting the
+# pool's activations (H200, bf16 weights: 1.132), zero2's 0.93-0.94 before the sharded masters'
+# copy of the rank's weights (ModelWatch).
+@pytest.mark.parametrize("fp8_weights,recompute,graphs,sharding", [
+    (False, "none", "layers", "ddp"), (False, "full", "layers", "ddp"),
+    (True, "selective", "step", "ddp"), (True, "full", "none", "ddp"),
+    (False, "none", "step", "ddp"), (True, "selective", "layers", "ddp"),
+    (True, "full", "none", "zero2"), (False, "selective", "step", "zero2"),
+])  # fmt: skip
+def test_planned_peak_matches_whole_runs(run_data, fp8_weights, recompute, graphs, sharding):
+    data, tmp = run_data
+    shard = sharding == "zero2"
+    spec = RunSpec("plan", RUN_CONFIG, "fp8", graphs, microbatches=2, device="cpu",
+                   fp8_weights=fp8_weights, recompute=recompute, shard=shard)  # fmt: skip
+    with one_rank_group(torch.device("cpu")) as group:
+        measured = cpu_peak(spec, data, tmp, steps=2, group=group if shard else None)
+    p = plan(shape_from(RUN_CONFIG), seq=RUN_CONFIG.seq_len, batch=1, recompute=recompute,
+             fp8_weights=fp8_weights, graphs=graphs, sharding=sharding)  # fmt: skip
+    what = f"{sharding} FP8 weights {fp8_weights} recompute {recompute} {graphs}"
+    _close(p.peak, measured, 0.1, what)
+    assert p.footprint >= p.peak

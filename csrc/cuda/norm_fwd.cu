@@ -172,11 +172,11 @@ __global__ void __launch_bounds__(kMaxThreads) norm_fwd_kernel(FwdArgs<T> a) {
 }
 
 // Bands of this many rows at least (more when a block holds more rows at a time): 16 bytes per
-// column of out_t per band, one vector store; the band's bytes and the block's static scratch
-// (32 floats) fit the default 48 KB of shared memory below hidden 3072 (at 3072 the launch is
-// refused: "invalid argument", H200 2026-12-02).
+// column of out_t per band, one vector store; the band's bytes fit the default 48 KB of shared
+// memory beside the block's static scratch (ptxas: 144-256 B; 1 KB kept for it), up to hidden
+// 2944 (at 3064 and 3072 the launch was refused, "invalid argument": H200, 2026-12-02).
 constexpr int kBandRows = 16;
-constexpr int64_t kBandMaxBytes = 48 * 1024 - 32 * sizeof(float);
+constexpr int64_t kBandMaxBytes = 47 * 1024;
 
 // Transposes the 4 x 4 bytes of w (w[i] byte c: row i, column c) into columns (out[c] byte i).
 __device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&w)[4], uint32_t (&out)[4]) {

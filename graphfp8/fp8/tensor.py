@@ -161,13 +161,16 @@ class Float8Tensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in _ALIAS_OPS:
             src = args[0]
-            return Float8Tensor(
+            out = Float8Tensor(
                 src._data,
                 src._scale_inv,
                 src.dtype,
                 transpose=src._transpose,
                 transpose_valid=src._transpose_valid,
             )
+            if getattr(src, "_fsdp_gathered", False):  # FSDP2's nn.Parameter of it: the same
+                out._fsdp_gathered = True
+            return out
         if func is torch.ops.aten.copy_.default:
             return _copy_(args[0], args[1])
         if func in tensor_fsdp.SHARD_OPS:  # views FSDP2 takes of a parameter stay FP8

@@ -39,8 +39,12 @@ def fsdp_module_types() -> tuple[type, ...]:
 
 
 def _wrap(data: torch.Tensor, like) -> object:
-    """`data` as a Float8Tensor (like's class: this module extends it) with like's scale_inv."""
-    return type(like)(data, like._scale_inv, like.dtype)
+    """`data` as a Float8Tensor (like's class: this module extends it) with like's scale_inv
+    (and its mark of a gathered weight: FSDP2 takes a view of what post_all_gather returns)."""
+    out = type(like)(data, like._scale_inv, like.dtype)
+    if getattr(like, "_fsdp_gathered", False):
+        out._fsdp_gathered = True
+    return out
 
 
 def _rows_view(func, args, kwargs):
@@ -116,4 +120,5 @@ def post_all_gather(cls, outputs, metadata, param_dtype, out=None):
         buffers.append(transpose)
         transpose = transpose.view(fp8_dtype)
     weight = cls(gathered.view(fp8_dtype), scale_inv, param_dtype, transpose=transpose)
+    weight._fsdp_gathered = True  # gathered again before every use (modules/_context.py)
     return weight, tuple(buffers)

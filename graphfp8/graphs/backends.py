@@ -16,7 +16,8 @@ from graphfp8 import global_state
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.graphs.tape import RecordingMode, ReplayTape
 
-__all__ = ["CudaGraph", "TapeGraph", "capture_stream", "new_graph", "tape_replays_off"]
+__all__ = ["CudaGraph", "TapeGraph", "capture_stream", "new_graph", "tape_replays_off",
+           "tapes_allocate_as_cuda"]  # fmt: skip
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 global_state.register("capture streams (graphs/backends.py)", _CAPTURE_STREAMS.clear,
@@ -39,9 +40,11 @@ _NODE_TYPE = re.compile(r'label="\{\s*([A-Z_]+)\s*\|')
 
 
 class _TapeReplays:
-    """Whether CPU tapes replay their ops (tape_replays_off)."""
+    """Whether CPU tapes replay their ops (tape_replays_off) and hold what they record
+    (tapes_allocate_as_cuda)."""
 
     on = True
+    record = True
 
 
 @contextlib.contextmanager
@@ -57,6 +60,20 @@ def tape_replays_off():
         _TapeReplays.on = True
 
 
+@contextlib.contextmanager
+def tapes_allocate_as_cuda():
+    """Inside the block CPU captures run their ops without recording them and replays run
+    nothing: a capture allocates and frees as a CUDA capture does in its graph's pool (a tape
+    would hold every tensor it recorded) and a replay allocates nothing, as a CUDA graph's. What
+    the CPU accounting of graphfp8-train's memory runs under (benchmarks/memory_plan.py,
+    docs/sharding.md "Memory planner"); the graphs compute nothing afterwards."""
+    _TapeReplays.on = _TapeReplays.record = False
+    try:
+        yield
+    finally:
+        _TapeReplays.on = _TapeReplays.record = True
+
+
 class TapeGraph:
     """CPU backend: a ReplayTape."""
 
@@ -68,7 +85,7 @@ class TapeGraph:
 
     @contextlib.contextmanager
     def capture(self, pool=None):
-        mode = RecordingMode(self.tape)
+        mode = RecordingMode(self.tape if _TapeReplays.record else None)
         with mode:
             yield
         self.op_names = mode.names

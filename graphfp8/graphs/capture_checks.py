@@ -11,8 +11,9 @@ from torch import nn
 
 from graphfp8.fp8.tensor_fsdp import fsdp_module_types
 from graphfp8.graphs.compiled import compiled_part
+from graphfp8.graphs.fsdp import check_fsdp2_model, fsdp_hook, is_fsdp2, refusal
 from graphfp8.graphs.lifecycle import live_owner
-from graphfp8.graphs.replay_guard import hook_dicts, tensor_hooks
+from graphfp8.graphs.replay_guard import any_hook, hook_dicts, tensor_hooks
 
 __all__ = ["check_capturable", "check_distinct", "check_grad_mode", "check_inputs_alias",
            "check_no_hooks", "inside_ddp_forward"]  # fmt: skip
@@ -34,7 +35,7 @@ _ORDER = (
 
 
 def check_capturable(entry: str, name: str, func, modules, named_params=None,
-                     index: int | None = None) -> None:  # fmt: skip
+                     index: int | None = None, fsdp2_ok: bool = False) -> None:  # fmt: skip
     """The rules what an entry point captures must meet, checked in this order, before anything
     runs (all three entry points):
 
@@ -42,9 +43,12 @@ def check_capturable(entry: str, name: str, func, modules, named_params=None,
            (graphs/compiled.py)
         2. none of its modules replays the graphs of a live capture (graphs/lifecycle.py): its
            capture would record a replay inside another capture
-        3. none is a DistributedDataParallel or FSDP wrapper (their gradient hooks never run)
+        3. none is a DistributedDataParallel or FSDP wrapper (their gradient hooks never run),
+           but for an FSDP2 model given to make_graphed_microbatch (fsdp2_ok), whose hooks the
+           capture runs (graphs/fsdp.py checks what it supports)
         4. no module hook, global module hook or parameter tensor hook: Python a graph does not
-           run (a plain function's parameters are checked once found: check_no_hooks)
+           run (a plain function's parameters are checked once found: check_no_hooks); with
+           fsdp2_ok, FSDP2's own forward hooks are allowed
 
     Args:
         entry: the entry point.
@@ -54,6 +58,7 @@ def check_capturable(entry: str, name: str, func, modules, named_params=None,
         named_params: its (name, parameter) pairs whose hooks are checked; None: not yet.
         index: a graphed callable's place among the callables (None: the model, and the
             messages of rules 3 and 4 start with `entry`, not `name`).
+        fsdp2_ok: the entry point captures FSDP2 models (make_graphed_microbatch).
     """
     what = compiled_part(func)
     if what is not None:
@@ -76,12 +81,20 @@ def check_capturable(entry: str, name: str, func, modules, named_params=None,
                 "forward back, or capture a copy made before the first capture"
             )
     kinds = _data_parallel_types()
+    fsdp2 = any(isinstance(m, kinds[1:2]) for m in modules) or is_fsdp2(func)
+    if fsdp2 and not fsdp2_ok:
+        raise RuntimeError(refusal(entry))
+    if fsdp2:
+        kinds = tuple(k for k in kinds if k is not kinds[1])
     found = sorted({type(m).__name__ for m in modules if isinstance(m, kinds)})
     if found:
         raise RuntimeError(f"{prefix}: cannot capture {found[0]}: {_DDP_ADVICE}")
+    if fsdp2:
+        check_fsdp2_model(entry, func)
     if named_params is not None:
         named = list(named_params)
-        check_no_hooks(prefix, modules, [p for _, p in named], [n for n, _ in named])
+        check_no_hooks(prefix, modules, [p for _, p in named], [n for n, _ in named],
+                       allowed=fsdp_hook if fsdp2 else None)  # fmt: skip
 
 
 def check_grad_mode(name: str, needs_backward: bool) -> None:
@@ -122,9 +135,10 @@ def check_distinct(callables) -> None:
         seen[id(func)] = i
 
 
-def check_no_hooks(name: str, modules, params, param_names) -> None:
+def check_no_hooks(name: str, modules, params, param_names, allowed=None) -> None:
     """Raises if the modules (or torch, globally) have module hooks, or the parameters tensor
-    hooks: Python that a captured graph would not run."""
+    hooks: Python that a captured graph would not run. allowed(hook): a module hook the capture
+    runs (FSDP2's: graphs/fsdp.py)."""
     carried = [m for m in modules if getattr(m, "_graphfp8_carry", None) is not None]
     if carried:
         raise RuntimeError(
@@ -133,7 +147,7 @@ def check_no_hooks(name: str, modules, params, param_names) -> None:
             "not run: convert it without a recipe and pass the recipe to the capture "
             "(fp8_enabled=True, fp8_recipe=...)"
         )
-    if any(hook_dicts(modules)):
+    if any_hook(hook_dicts(modules), allowed):
         raise RuntimeError(
             f"{name}: modules must have no hooks when captured (module or global module hooks); "
             "a captured graph does not run them"

@@ -9,6 +9,10 @@ all-reduce over fp8_group), then the fold of the parameter gradients into `.grad
 multi-tensor copy after zero_grad(set_to_none=True), an add otherwise: AccumulateGrad's
 arithmetic). Between calls the caller's thread enqueues only the batch copy (when it passes other
 tensors) and, when is_first_microbatch changes value, a fill_ of the weight-cache flag.
+
+A model under torch FSDP2 (fully_shard) is captured with FSDP2's all-gathers, reshards and
+reduce-scatters inside the graph; the reduced gradient shards accumulate into the sharded
+parameters' .grad (graphs/fsdp.py; docs/sharding.md, "FSDP2 inside the graphs").
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from graphfp8.fp8.recipe import Recipe
 from graphfp8.fp8.weight_cache import DeviceFlag
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
+from graphfp8.graphs.fsdp import FSDPGrads, FSDPSettings, FSDPSnapshot
 from graphfp8.graphs.grads import GradFold
 from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.session import CaptureSession
@@ -80,13 +85,19 @@ def make_graphed_microbatch(
         fp8_autocast, with grad enabled, is_first_microbatch=True after every optimizer step);
         gradients are folded into .grad inside the graph, so parameter hooks never run. The
         rules, each checked before anything runs, are in docs/after-capture.md.
+
+    .. warning:: A model under torch FSDP2 (fully_shard at the root; HSDP too) is captured
+        with FSDP2's collectives inside the graph, as its hooks ran them at capture: FSDP2's
+        settings (reshard_after_forward, gradient sync) stay as captured, checked at every call.
     """
     options = CaptureOptions(_NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
                              num_warmup_iters, pool, min_warmup=1)  # fmt: skip
     batch = StaticBatch(sample_microbatch, None, _NAME)
-    body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
+    body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME, fsdp2_ok=True)
     device = body.device
     flag = DeviceFlag(device, fp8_enabled, fp8_weight_caching, _NAME, "graphed microbatch")
+    if body.fsdp2:
+        return _capture_fsdp2(body, options, flag)
     # The snapshot: buffers that the forward updates (batch norm statistics).
     session = CaptureSession(device, options, weight_cache_flag=flag.tensor,
                              snapshot=TrainingSnapshot(model))  # fmt: skip
@@ -108,6 +119,35 @@ def make_graphed_microbatch(
     return GraphedMicrobatch(body, graph, accumulator, flag, loss, guard)
 
 
+def _capture_fsdp2(body: TrainBody, options: CaptureOptions, flag: DeviceFlag):
+    """The capture of an FSDP2 model: warmup (FSDP2's lazy init runs in the first) tells which
+    sharded parameters get a gradient; the capture runs FSDP2's hooks with each such `.grad` a
+    persistent buffer that its reduce-scatter accumulates into (graphs/fsdp.py)."""
+    model, device = body.model, body.device
+    grads = FSDPGrads(body.params)
+    session = CaptureSession(device, options, weight_cache_flag=flag.tensor,
+                             snapshot=FSDPSnapshot(model, grads))  # fmt: skip
+    with session:
+        session.init_fp8([fp8_modules_in([model])])
+        grads.save()
+        with session.warmup() as found:
+            for _ in range(options.num_warmup_iters):
+                body.microbatch(None)
+            grads.take_warmup(_NAME)
+        points = session.update_points(session.freeze_arenas(found.arenas))
+        graph = session.new_graph()
+        grads.save()
+        grads.attach()
+        with session.capture_phase():
+            with session.capture_into(graph):
+                loss, _ = body.microbatch(None, points)
+            grads.check_captured(_NAME)
+            accumulator = grads.accumulator(device, session.pool)
+    guard = body.replay_guard("capture the microbatch again (make_graphed_microbatch)")
+    settings = FSDPSettings(_NAME, model)
+    return GraphedMicrobatch(body, graph, accumulator, flag, loss, guard, settings, grads.used)
+
+
 class GraphedMicrobatch:
     """A captured microbatch; see make_graphed_microbatch.
 
@@ -116,12 +156,13 @@ class GraphedMicrobatch:
         params: the parameters that get a gradient, in the model's order.
     """
 
-    def __init__(self, body: TrainBody, graph, accumulator, flag: DeviceFlag, loss, guard):
+    def __init__(self, body: TrainBody, graph, accumulator, flag: DeviceFlag, loss, guard,
+                 fsdp2: FSDPSettings | None = None, params=None):  # fmt: skip
         self._body, self._graph, self._accumulator, self._flag = body, graph, accumulator, flag
-        self._guard = guard
+        self._guard, self._fsdp2 = guard, fsdp2
         self._tape = body.device.type == "cpu"
         self.loss = loss
-        self.params = body.grad_params
+        self.params = body.grad_params if params is None else params
 
     @opaque_to_dynamo  # one opaque call inside torch.compile'd code, as a graphed callable
     def __call__(self, batch, is_first_microbatch: bool | None = None) -> torch.Tensor:
@@ -129,6 +170,8 @@ class GraphedMicrobatch:
         `.grad`. Returns the loss / num_microbatches (static 0-d device tensor)."""
         body = self._body
         body.check_call()
+        if self._fsdp2 is not None:  # first: FSDP2 left gathered swaps the modules' parameters
+            self._fsdp2.check()
         self._guard.check()
         given = body.batch.check(batch)
         self._flag.set(is_first_microbatch)

@@ -27,7 +27,7 @@ from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.graphs.watch import CHANGES, MODULE_HOOKS, watch_modules
 from graphfp8.ops import TensorWatch
 
-__all__ = ["GLOBAL_HOOKS", "ReplayGuard", "hook_dicts", "tensor_hooks"]
+__all__ = ["GLOBAL_HOOKS", "ReplayGuard", "any_hook", "hook_dicts", "tensor_hooks"]
 
 GLOBAL_HOOKS = (
     _nn_module._global_forward_hooks,
@@ -45,6 +45,13 @@ def hook_dicts(modules) -> list:
 def tensor_hooks(tensors) -> list[int]:
     """Indices of tensors with hooks of their own (register_hook, post-accumulate-grad)."""
     return [i for i, t in enumerate(tensors) if t._backward_hooks or t._post_accumulate_grad_hooks]
+
+
+def any_hook(dicts, allowed=None) -> bool:
+    """Whether a hook dict holds a hook that allowed(hook) does not accept (None: any hook)."""
+    if allowed is None:
+        return any(dicts)
+    return any(not allowed(h) for d in dicts for h in d.values())
 
 
 def module_names(roots) -> dict[int, str]:
@@ -67,10 +74,13 @@ class ReplayGuard:
         params: the parameters whose gradients the graph computes, with their names; those
             that no module holds are watched as tensors.
         recapture: what the user does to capture again (the end of every message).
+        allowed_hook: allowed_hook(hook) accepts a module hook the capture ran (FSDP2's own:
+            graphs/fsdp.py); None: no module hook is allowed.
     """
 
-    def __init__(self, name: str, modules, names: dict[int, str], params, recapture: str):
-        self.name, self.recapture = name, recapture
+    def __init__(self, name: str, modules, names: dict[int, str], params, recapture: str,
+                 allowed_hook=None):  # fmt: skip
+        self.name, self.recapture, self.allowed_hook = name, recapture, allowed_hook
         self.modules = list({id(m): m for m in modules}.values())
         watch_modules(self.modules)
         self.hook_dicts = hook_dicts(self.modules)
@@ -106,6 +116,9 @@ class ReplayGuard:
             if isinstance(t, Float8Tensor):  # its bytes and scale_inv are what graphs read
                 self._add(t._data, f"{label} data", False, seen)
                 self._add(t._scale_inv, f"{label} scale_inv", False, seen)
+            local = getattr(t, "_local_tensor", None)  # an FSDP2 shard: what its graph reads
+            if isinstance(local, torch.Tensor):
+                self._add(local, f"{label} local shard", False, seen)
 
     def check(self) -> None:
         """Raises RuntimeError naming what changed since capture; nothing has run yet."""
@@ -121,7 +134,7 @@ class ReplayGuard:
     def _check_modules(self) -> None:
         """The slow path: a watched dict was written (anywhere) or a global hook exists."""
         seen = CHANGES.value
-        if any(self.hook_dicts):
+        if any_hook(self.hook_dicts, self.allowed_hook):
             raise self._fail(
                 "hooks were registered on a captured module (or globally) after capture; a "
                 "captured graph would not run them",

@@ -12,10 +12,17 @@ over every replay's result.
 The same recording mode guards CUDA captures: an op that would synchronise with the host (or
 whose output shape depends on data) raises a CaptureError naming the op and the user's line,
 instead of the nameless CUDA error a capture would end with.
+
+Storage resizes (`UntypedStorage.resize_`, which torch FSDP2 uses to free a gathered parameter
+after its use and to allocate it again before the next all-gather) are not dispatcher ops: the
+tape records them too and replays them at the same point, so a replay writes the all-gather into
+allocated memory and frees it where the capture did (on the GPU the addresses of a CUDA graph's
+pool stay valid across replays without this; docs/sharding.md, "FSDP2 inside the graphs").
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 
@@ -168,6 +175,40 @@ class _Record:
                 dst.copy_(src)
 
 
+class _StorageResize:
+    """A recorded `UntypedStorage.resize_(nbytes)`, replayed when the size differs (as FSDP2's
+    own alloc_storage / free_storage skip a resize to the size a storage has)."""
+
+    __slots__ = ("storage", "nbytes")
+    func = None
+
+    def __init__(self, storage: torch.UntypedStorage, nbytes: int):
+        self.storage, self.nbytes = storage, nbytes
+
+    def replay(self) -> None:
+        if self.storage.nbytes() != self.nbytes:
+            _RESIZE(self.storage, self.nbytes)
+
+
+_RESIZE = torch.UntypedStorage.resize_
+
+
+@contextlib.contextmanager
+def _resizes_recorded(tape: ReplayTape):
+    """Records every storage resize into `tape` while the block runs."""
+
+    def resize_(storage, nbytes):
+        result = _RESIZE(storage, nbytes)
+        tape.records.append(_StorageResize(storage, int(nbytes)))
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = _RESIZE
+
+
 class ReplayTape:
     """The ops of one capture, replayable in order on the same tensors."""
 
@@ -183,8 +224,10 @@ class ReplayTape:
                 rec.replay()
 
     def op_names(self) -> list[str]:
-        """Every recorded op, e.g. 'graphfp8::cast_transpose', 'aten::_scaled_mm'."""
-        return [rec.func._schema.name for rec in self.records]
+        """Every recorded op, e.g. 'graphfp8::cast_transpose', 'aten::_scaled_mm' (a storage
+        resize: 'storage.resize_')."""
+        return [rec.func._schema.name if rec.func is not None else "storage.resize_"
+                for rec in self.records]  # fmt: skip
 
 
 class RecordingMode(TorchDispatchMode):
@@ -194,6 +237,18 @@ class RecordingMode(TorchDispatchMode):
         super().__init__()
         self.tape = tape
         self.names: list[str] = []
+        self._resizes = contextlib.ExitStack()
+
+    def __enter__(self):
+        if self.tape is not None:
+            self._resizes.enter_context(_resizes_recorded(self.tape))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._resizes.close()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -9,6 +9,9 @@ same updates at the same logical points, so both give the same bits):
     loss = loss_fn(model(*inputs), *targets) / num_microbatches
     grads = torch.autograd.grad(loss, trainable parameters)
     update of every backward arena     (eager: at the end of the backward pass)
+
+An FSDP2 model (make_graphed_microbatch only) runs loss.backward() instead: FSDP2's hooks
+reduce-scatter the gradients into the sharded parameters' .grad (graphs/fsdp.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 
 from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
 from graphfp8.graphs.capture_checks import check_capturable, check_grad_mode
+from graphfp8.graphs.fsdp import fsdp_hook, is_fsdp2
 from graphfp8.graphs.lifecycle import check_outside_fp8_region
 from graphfp8.graphs.replay_guard import ReplayGuard, module_names
 from graphfp8.graphs.runner import copy_inputs, needs_copy, storages_of
@@ -135,9 +139,11 @@ class TrainBody:
         batch: the static batch.
         num_microbatches: the loss is divided by it before the backward (gradient accumulation).
         name: prefix of error messages.
+        fsdp2_ok: the entry point captures FSDP2 models (make_graphed_microbatch).
     """
 
-    def __init__(self, model, loss_fn, batch: StaticBatch, num_microbatches: int, name: str):
+    def __init__(self, model, loss_fn, batch: StaticBatch, num_microbatches: int, name: str,
+                 fsdp2_ok: bool = False):  # fmt: skip
         if not isinstance(model, nn.Module):
             raise TypeError(f"{name}: model must be an nn.Module, got {type(model).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -156,7 +162,9 @@ class TrainBody:
         self.device = devices.pop()
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"{name}: unsupported device {self.device}")
-        check_capturable(name, "the model", model, model.modules(), model.named_parameters())
+        check_capturable(name, "the model", model, model.modules(), model.named_parameters(),
+                         fsdp2_ok=fsdp2_ok)  # fmt: skip
+        self.fsdp2 = is_fsdp2(model)
         check_grad_mode(name, True)
         self.training = model.training  # the mode the graph is captured in
         self.autocast = AutocastState(self.device)  # and the torch.autocast state
@@ -167,7 +175,8 @@ class TrainBody:
     def replay_guard(self, recapture: str) -> ReplayGuard:
         """The guard of the captured model, checked before every replay (graphs/replay_guard.py)."""
         names = module_names([("", self.model)])
-        return ReplayGuard(self.name, list(self.model.modules()), names, [], recapture)
+        return ReplayGuard(self.name, list(self.model.modules()), names, [], recapture,
+                           allowed_hook=fsdp_hook if self.fsdp2 else None)  # fmt: skip
 
     def check_call(self) -> None:
         """Outside fp8_autocast (the graph carries its own FP8 state), with grad enabled, in the
@@ -211,10 +220,14 @@ class TrainBody:
 
         Returns:
             (loss / num_microbatches, detached 0-d tensor; the gradients of the parameters
-            that get one, in parameter order).
+            that get one, in parameter order; an FSDP2 model: None, FSDP2 put them in .grad).
         """
         points.at_forward()
         loss = self.loss(i)
+        if self.fsdp2:
+            loss.backward()
+            points.at_backward()
+            return loss.detach(), None
         grads = torch.autograd.grad(loss, self.params, allow_unused=True)
         points.at_backward()
         has_grad = [g is not None for g in grads]

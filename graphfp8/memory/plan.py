@@ -19,11 +19,25 @@ ranks; bytes per element):
 gradients; FP8 weights carry their transpose, 1 + 1 bytes; L: one layer's weight elements, a
 layer's all-gathered weights (two layers in flight under FSDP2's prefetch); FSDP2 keeps bf16
 weights' FP8 casts of every layer, so it pays with FP8 weights.) Activations and the working set
-on top of them: graphfp8/memory/plan_activations.py. Graph pools: the static input, output and
-input gradient of the blocks' graph pair, 6 T H (graphs "layers"; the activations and working set
-live in its pool too, and stay there while the optimizer runs). The optimizer step's transient:
-unsharded masters' fp32 gradients, which replace the FP8 weights' bf16 ones eagerly (2 P8 more)
-and sit beside them in graphs (4 P8).
+on top of them: graphfp8/memory/plan_activations.py. The optimizer step's transient: unsharded
+masters' fp32 gradients, which replace the FP8 weights' bf16 ones eagerly (2 P8 more) and sit
+beside them with per-layer graphs (4 P8).
+
+Graph pools and what is counted where (docs/sharding.md, "Memory planner"): `peak` is
+torch.cuda.max_memory_allocated's peak, which counts a graph's private pool only while it is
+captured (a replay allocates nothing), `footprint` the peak with the pools held, what must fit.
+
+    none    state + max(activations + working set, optimizer transient)
+    layers  graph pools: the blocks' graph pair's static input, output and input gradient, 6 T H.
+            peak: the replays' eager part (the head's activations and the loss's working set,
+            or the optimizer's transient) beside the state and the static buffers, or the
+            capture (before the first step: no gradients or optimizer state yet) if larger;
+            footprint: the blocks' activations and working set held in the pool beside that
+    step    graph pools: the copy of the weights and masters the capture keeps to undo its
+            warmup (graphs/step_optim.py's TrainingSnapshot, alive as long as the graph); the
+            unsharded masters' fp32 gradients are the graph's buffers (masters: 8 P8).
+            peak: the capture, everything at once; footprint: an eager validation pass's loss
+            (8 T V) outside the pool on top
 """
 
 from __future__ import annotations
@@ -33,7 +47,14 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from graphfp8.memory.plan_activations import RECOMPUTE, activation_bytes, working_set_bytes
+from graphfp8.memory.plan_activations import (
+    RECOMPUTE,
+    activation_bytes,
+    head_bytes,
+    layer_working_set_bytes,
+    loss_working_set_bytes,
+    working_set_bytes,
+)
 from graphfp8.memory.shapes import LLAMA, ModelShape, shape_of
 
 __all__ = ["CATEGORIES", "H200_BYTES", "MARGIN_BYTES", "Plan", "largest_fit", "plan"]
@@ -49,36 +70,78 @@ CATEGORIES = ("weights", "FP8 caches", "gradients", "masters", "optimizer state"
 
 @dataclass
 class Plan:
-    """Bytes per rank by category (CATEGORIES), the peak, and what was planned."""
+    """Bytes per rank by category (CATEGORIES), the peak, and what was planned.
+
+    Attributes:
+        optimizer_transient: the optimizer step's transient (module docstring).
+        eager_microbatch: graphs "layers": what a microbatch's eager part (embedding, head,
+            loss) holds at most beside the replays: the head's activations and the loss's
+            working set.
+        capture_peak: graphs "layers": the peak while the blocks are captured.
+        watch_copy: zero2: the sharded masters' copy of this rank's range of the weights, which
+            tells a model changed since the write-back (distributed/sharded_guard.py ModelWatch;
+            not training state).
+    """
 
     setting: dict
     parameters: int
     bytes: dict[str, int] = field(default_factory=dict)
     optimizer_transient: int = 0
+    eager_microbatch: int = 0
+    capture_peak: int = 0
+    watch_copy: int = 0
 
     @property
     def state(self) -> int:
         return sum(self.bytes[c] for c in CATEGORIES[:5])
 
     @property
+    def _held(self) -> int:
+        """The state and what the run holds beside it for good."""
+        return self.state + self.watch_copy
+
+    @property
+    def microbatch(self) -> int:
+        return self.bytes["activations"] + self.bytes["working set"]
+
+    @property
     def peak(self) -> int:
-        """The state and the graph pools' static buffers, plus the microbatch's activations and
-        working set and the optimizer step's transient: the larger of the two where they can
-        share memory (eager, or both inside the step graph's pool), both with per-layer graphs
-        (whose pool keeps the microbatch's memory while the optimizer runs eagerly)."""
-        microbatch = self.bytes["activations"] + self.bytes["working set"]
-        if self.setting["graphs"] == "layers":
-            transient = microbatch + self.optimizer_transient
-        else:
-            transient = max(microbatch, self.optimizer_transient)
-        return self.state + self.bytes["graph pools"] + transient
+        """torch.cuda.max_memory_allocated's peak (graph pools counted while captured: module
+        docstring)."""
+        graphs, pools = self.setting["graphs"], self.bytes["graph pools"]
+        if graphs == "step":
+            return self._held + pools + self.microbatch
+        if graphs == "layers":
+            replays = self._held + pools + max(self.eager_microbatch, self.optimizer_transient)
+            return max(self.capture_peak, replays)
+        return self._held + max(self.microbatch, self.optimizer_transient)
+
+    @property
+    def footprint(self) -> int:
+        """The peak with the graphs' private pools held (what must fit a GPU): per-layer graphs'
+        pool keeps the microbatch's memory while the optimizer runs eagerly; after a step graph's
+        capture an eager validation pass allocates outside its pool."""
+        graphs = self.setting["graphs"]
+        if graphs == "layers":
+            return self._held + self.bytes["graph pools"] + self.microbatch + (
+                self.optimizer_transient)  # fmt: skip
+        if graphs == "step":
+            return self.peak + loss_working_set_bytes(self._shape(), self._tokens())
+        return self.peak
+
+    def _shape(self) -> ModelShape:
+        return ModelShape(**self.setting["shape"])
+
+    def _tokens(self) -> int:
+        return self.setting["seq"] * self.setting["batch"]
 
     def fits(self, capacity: int = H200_BYTES, margin: int = MARGIN_BYTES) -> bool:
-        return self.peak <= capacity - margin
+        return self.footprint <= capacity - margin
 
     def to_dict(self) -> dict:
         return {"setting": self.setting, "parameters": self.parameters, "bytes": self.bytes,
                 "optimizer_transient": self.optimizer_transient, "peak": self.peak,
+                "footprint": self.footprint, "watch_copy": self.watch_copy,
                 "bytes_per_parameter": self.state / self.parameters}  # fmt: skip
 
     def format(self) -> str:
@@ -92,7 +155,9 @@ class Plan:
             lines.append(f"  {c:<16} {self.bytes[c] / GIB:9.2f} GiB")
         lines.append(f"  {'state':<16} {self.state / GIB:9.2f} GiB "
                      f"({self.state / self.parameters:.2f} B/param)")  # fmt: skip
-        lines.append(f"  {'peak':<16} {self.peak / GIB:9.2f} GiB of {H200_BYTES / GIB:.0f} GiB "
+        lines.append(f"  {'peak allocated':<16} {self.peak / GIB:9.2f} GiB")
+        lines.append(f"  {'footprint':<16} {self.footprint / GIB:9.2f} GiB of "
+                     f"{H200_BYTES / GIB:.0f} GiB "
                      f"(margin {MARGIN_BYTES / GIB:.0f} GiB): "
                      f"{'fits' if self.fits() else 'does NOT fit'}")  # fmt: skip
         return "\n".join(lines)
@@ -156,27 +221,46 @@ def plan(preset: str | ModelShape, n: int = 1, seq: int = 2048, batch: int = 1,
     out.bytes = {k: round(v) for k, v in _state(shape, n, sharding, fp8_weights).items()}
     out.bytes["activations"] = activation_bytes(shape, tokens, recompute)
     out.bytes["working set"] = working_set_bytes(shape, tokens, recompute)
-    # the blocks' graph pair: static input, output and input gradient (graphs "layers")
-    out.bytes["graph pools"] = 6 * tokens * shape.hidden if graphs == "layers" else 0
-    # unsharded MasterWeights: the fp32 gradients of the optimizer step, which replace the FP8
-    # weights' bf16 ones eagerly and sit beside them in graphs (the graphs' persistent .grad;
-    # docs/sharding.md: 19.93 B/param on the H200); sharded masters and FSDP2 count theirs above
-    if sharding == "ddp":
-        out.optimizer_transient = out.bytes["masters"] // (2 if graphs == "none" else 1)
+    fp8_masters = 4 * shape.layers * shape.fp8_layer_params() if fp8_weights else 0
+    # the masters' values (zero2's masters bytes hold their gradients too)
+    master_values = {"ddp": fp8_masters, "zero2": out.bytes["masters"] // 2}.get(
+        sharding, out.bytes["masters"])  # fmt: skip
+    out.bytes["graph pools"] = 0
+    if graphs == "layers":  # the blocks' graph pair: static input, output and input gradient
+        out.bytes["graph pools"] = 6 * tokens * shape.hidden
+        head = head_bytes(shape, tokens)
+        out.eager_microbatch = head + loss_working_set_bytes(shape, tokens)
+        blocks = out.bytes["activations"] - head
+        layer = max(0, layer_working_set_bytes(shape, tokens, recompute))
+        out.capture_peak = (out.bytes["weights"] + out.bytes["FP8 caches"] + master_values
+                            + out.bytes["graph pools"] + blocks + layer)  # fmt: skip
+    elif graphs == "step":  # the capture's copy of the weights and masters (module docstring)
+        out.bytes["graph pools"] = out.bytes["weights"] + master_values
+        out.bytes["masters"] += fp8_masters if sharding == "ddp" else 0  # the graph's fp32 grads
+    # unsharded MasterWeights outside a step graph: the fp32 gradients of the optimizer step,
+    # which replace the FP8 weights' bf16 ones eagerly and sit beside them with per-layer graphs
+    # (their persistent .grad; docs/sharding.md: 19.93 B/param on the H200); sharded masters and
+    # FSDP2 count theirs above
+    if sharding == "ddp" and graphs != "step":
+        out.optimizer_transient = fp8_masters // (2 if graphs == "none" else 1)
+    if sharding == "zero2":  # the flat weights' bytes: FP8 data without its transpose
+        p8 = shape.layers * shape.fp8_layer_params()
+        out.watch_copy = round(((1 if fp8_weights else 2) * p8 + 2 * (shape.parameters() - p8)) / n)
     return out
 
 
 def largest_fit(preset: str | ModelShape, n: int, capacity: int = H200_BYTES,
                 margin: int = MARGIN_BYTES, **kw) -> Plan | None:  # fmt: skip
     """The deepest model of `preset`'s layer shape (its width, heads and vocabulary; any number of
-    layers) whose plan fits `capacity` less `margin` per rank, or None if one layer does not."""
+    layers) whose plan's footprint fits `capacity` less `margin` per rank, or None if one layer
+    does not."""
     shape = shape_of(preset) if isinstance(preset, str) else preset
     best, name = None, preset if isinstance(preset, str) else "custom"
     lo, hi = 1, 4096
     while lo <= hi:
         mid = (lo + hi) // 2
         p = plan(dataclasses.replace(shape, layers=mid), n=n, **kw)
-        if p.peak <= capacity - margin:
+        if p.footprint <= capacity - margin:
             best, lo = p, mid + 1
         else:
             hi = mid - 1

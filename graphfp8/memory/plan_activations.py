@@ -31,6 +31,8 @@ __all__ = [
     "activation_bytes",
     "head_bytes",
     "layer_activation_bytes",
+    "layer_working_set_bytes",
+    "loss_working_set_bytes",
     "working_set_bytes",
 ]
 
@@ -75,14 +77,25 @@ def activation_bytes(shape: ModelShape, tokens: int, recompute: str = "none") ->
     return first + rest + head_bytes(shape, tokens)
 
 
-def working_set_bytes(shape: ModelShape, tokens: int, recompute: str = "none") -> int:
-    """The largest transient on top of the kept activations: the loss, or one layer's backward
-    (with what it recomputes)."""
+def loss_working_set_bytes(shape: ModelShape, tokens: int) -> int:
+    """The loss's backward: two float32 (T, V) tensors."""
+    return 8 * tokens * shape.vocab
+
+
+def layer_working_set_bytes(shape: ModelShape, tokens: int, recompute: str = "none") -> int:
+    """One layer's backward on top of the kept activations (with what it recomputes), the
+    head's activations freed by then."""
     t, h = tokens, shape.hidden
-    loss = 8 * t * shape.vocab
     recomputed = layer_activation_bytes(shape, t) - layer_activation_bytes(shape, t, recompute)
     # a full recompute's layer output (h and y) lives until its backward ends: 4 T H more
     backward = (
         2 * t * shape.ffn + 2 * t * shape.fc1_out + (14 if recompute == "full" else 10) * t * h
     )
-    return max(loss, recomputed + backward - head_bytes(shape, t))
+    return recomputed + backward - head_bytes(shape, t)
+
+
+def working_set_bytes(shape: ModelShape, tokens: int, recompute: str = "none") -> int:
+    """The largest transient on top of the kept activations: the loss, or one layer's backward
+    (with what it recomputes)."""
+    return max(loss_working_set_bytes(shape, tokens),
+               layer_working_set_bytes(shape, tokens, recompute))  # fmt: skip

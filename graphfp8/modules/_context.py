@@ -181,10 +181,15 @@ def gemm_configs(
     # FSDP2 weight in a recompute too: the same bits from the same data).
     casts = [cast or (ws is w and not ws._transpose_valid)
              for ws, (_, w) in zip(workspaces, weights, strict=True)]  # fmt: skip
+    # An FSDP2-gathered FP8 weight is gathered again (its transpose buffer freed and refilled)
+    # before every forward, so a graph rebuilds its transpose on every replay, as eagerly: the
+    # weight-cache flag would skip it on later microbatches (docs/sharding.md, "FSDP2 inside
+    # the graphs").
+    flags = [None if getattr(ws, "_fsdp_gathered", False) else flag for ws in workspaces]
     last = len(weights) - 1
     configs = []
     for g, ws in enumerate(workspaces):
-        configs.append(GemmConfig(fwd, bwd, g, ws, casts[g], flag,
+        configs.append(GemmConfig(fwd, bwd, g, ws, casts[g], flags[g],
                                   fp8_output=fp8_output and g == last,
                                   backward_update=bwd_update))  # fmt: skip
     return configs

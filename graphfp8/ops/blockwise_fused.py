@@ -4,8 +4,8 @@ that chooses it over graphfp8/ops/blockwise.py's torch ops, its twin.
 GRAPHFP8_BLOCKWISE_KERNELS, read at import (`KERNELS.mode` may be changed at run time, as
 `blockwise_kernels` does for one block):
 
-    unset   the fused kernel on the CPU, the torch ops on CUDA (the CUDA kernel lands off until
-            it has run on a GPU: docs/benchmarking.md, "Kernel switches")
+    unset   the fused kernel on both devices (its CUDA tests passed on the H200, 2026-12-02:
+            docs/benchmarking.md, "Kernel switches")
     fused   the fused kernel on both devices
     torch   the torch ops on both
 """
@@ -27,7 +27,7 @@ TILE = 128
 
 
 class _Kernels:
-    """The switch's value: "" (the default per device), "fused" or "torch"."""
+    """The switch's value: "" (the default: fused), "fused" or "torch"."""
 
     def __init__(self) -> None:
         self.mode = os.environ.get("GRAPHFP8_BLOCKWISE_KERNELS", "")
@@ -37,14 +37,15 @@ KERNELS = _Kernels()
 
 
 def fused_on(device: torch.device) -> bool:
-    """Whether blockwise quantization on `device` runs the fused kernel (module docstring)."""
+    """Whether blockwise quantization on `device` runs the fused kernel (module docstring; the
+    same answer on every device since the CUDA kernel's H200 run)."""
     mode = KERNELS.mode
     if mode not in MODES:
         raise ValueError(
             f"GRAPHFP8_BLOCKWISE_KERNELS={mode!r}: give 'fused', 'torch' or leave it unset "
-            "(fused on the CPU, torch ops on CUDA)"
+            "(the fused kernel)"
         )
-    return mode == "fused" or (mode == "" and device.type == "cpu")
+    return mode in ("", "fused")
 
 
 @contextlib.contextmanager

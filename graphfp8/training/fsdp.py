@@ -17,8 +17,10 @@ __all__ = ["REFUSED", "check_fsdp_spec", "shard_gpt"]
 
 # What --fsdp does not run, and why (training/cli.py refuses each before anything starts).
 REFUSED = {
-    "graphs": "graph capture of an FSDP2 model is not supported (its hooks run in Python around "
-    "every module): use --graphs none, or --shard (sharded masters) for the graphed modes",
+    "graphs": "graph capture of an FSDP2 model is not supported by graphfp8-train's graph modes "
+    "(per-layer graphs and the step graph: its hooks run in Python around every module; in code, "
+    "make_graphed_microbatch captures its forward and backward): use --graphs none, or --shard "
+    "(sharded masters) for the graphed modes",
     "shard": "--shard and --fsdp are two ways to shard: pick one (docs/sharding.md, 'Which to "
     "pick')",
     "save": "--save/--resume write graphfp8-train's checkpoints, not FSDP2's: use "

@@ -73,6 +73,29 @@ def test_tape_replays_the_recorded_ops_on_the_same_tensors():
     assert calls == [1], "replay does not run Python"
 
 
+def test_tape_replays_storage_resizes_where_they_ran():
+    """FSDP2 frees a gathered parameter (storage.resize_(0)) after its use and allocates it again
+    (resize_(nbytes)) before the next all-gather: not dispatcher ops, so the tape records them.
+    Before, a replay wrote into the storage the capture had freed."""
+    src = torch.randn(8)
+    gathered = torch.empty(8)
+    gathered.untyped_storage().resize_(0)
+    out = torch.empty(8)
+    tape = ReplayTape()
+    with RecordingMode(tape):
+        gathered.untyped_storage().resize_(8 * 4)
+        gathered.copy_(src)
+        out.copy_(gathered * 2)
+        gathered.untyped_storage().resize_(0)
+    assert tape.op_names() == ["storage.resize_", "aten::copy_", "aten::mul", "aten::copy_",
+                               "storage.resize_"]  # fmt: skip
+    src.normal_()
+    tape.replay()
+    assert torch.equal(out, src * 2)
+    assert gathered.untyped_storage().nbytes() == 0, "freed where the capture freed it"
+    assert torch.UntypedStorage.resize_ is type(out.untyped_storage()).resize_
+
+
 def test_tape_freezes_python_state_like_a_cuda_graph():
     """A Python number read at capture stays frozen: the bug class graphfp8 avoids by passing
     everything that changes as a device tensor."""

@@ -118,12 +118,13 @@ def test_quantize_with_out_and_noop_on_both_paths(mode):
 
 
 def test_the_switch(monkeypatch):
-    """Unset: fused on the CPU, torch ops on CUDA (until the CUDA kernel has run on a GPU)."""
+    """Unset: fused on both devices (the CUDA kernel passed its tests on the H200); torch: the
+    torch ops on both."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(bf.KERNELS, "mode", "")  # as unset, whatever this run's environment says
-    assert bf.fused_on(cpu) and not bf.fused_on(cuda)
+    assert bf.fused_on(cpu) and bf.fused_on(cuda)
     with bf.blockwise_kernels("torch"):
-        assert not bf.fused_on(cpu)
+        assert not bf.fused_on(cpu) and not bf.fused_on(cuda)
         with bf.blockwise_kernels("fused"):
             assert bf.fused_on(cuda)
     assert bf.KERNELS.mode == ""

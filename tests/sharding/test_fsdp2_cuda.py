@@ -4,7 +4,8 @@ re-gathered weight's transpose rebuilt by the backward), on one GPU and on 2 and
 machine has them; a DCP checkpoint saved at 2 GPUs loads at 3 (skipped with fewer); clipping
 masters.parameters() equals clipping model.parameters() on one GPU; HSDP's 2-D mesh equals 1-D
 FSDP2 over its shard group (1 x 1 on one GPU, 2 x 2 on 4) and the FP8 weights' scales take one
-all-reduce per step (tests/sharding/test_fsdp2_hsdp.py)."""
+all-reduce per step (tests/sharding/test_fsdp2_hsdp.py); make_graphed_microbatch of the FSDP2
+model (a CUDA graph holding FSDP2's forward and backward) equals eager FSDP2 on one GPU."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from tests.rank_pool import run_on_ranks
 from tests.sharding.test_dcp_world_sizes import _at_2_again, _at_2_first, _at_3
 from tests.sharding.test_fsdp2_clip import _idioms_agree
+from tests.sharding.test_fsdp2_graphs import _graphed_equals_eager
 from tests.sharding.test_fsdp2_hsdp import (
     _all_reduces_per_step,
     _hsdp_equals_fsdp_over_the_shard_group,
@@ -67,3 +69,24 @@ def test_hsdp_on_four_gpus(replicas_differ):
 @pytest.mark.parametrize("hsdp", [False, True], ids=["1-D", "hsdp"])
 def test_fp8_weight_scales_take_one_all_reduce_per_step_on_one_gpu(hsdp):
     run_on_ranks("nccl", _all_reduces_per_step, 4, hsdp, "delayed", world=1)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_fsdp2_microbatch_graph_equals_eager_on_one_gpu(recipe_name, reshard):
+    run_on_ranks("nccl", _graphed_equals_eager, recipe_name, reshard, True, world=1)
+
+
+def test_fsdp2_microbatch_graph_fp32_params_on_one_gpu():
+    run_on_ranks("nccl", _graphed_equals_eager, "delayed", True, False, world=1)
+
+
+@pytest.mark.parametrize("mixed, hsdp", [(True, False), (False, True)], ids=["mixed", "hsdp"])
+def test_fsdp2_microbatch_graph_mixed_precision_and_hsdp_on_one_gpu(mixed, hsdp):
+    run_on_ranks("nccl", _graphed_equals_eager, "delayed", None, True, mixed, hsdp, world=1)
+
+
+@pytest.mark.skipif(GPUS < 3, reason="needs 3 GPUs")
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_microbatch_graph_on_several_gpus(world):
+    run_on_ranks("nccl", _graphed_equals_eager, "delayed", True, True, world=world)

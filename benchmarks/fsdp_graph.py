@@ -1,0 +1,120 @@
+"""FSDP2 inside a microbatch graph (issue 40): ms per microbatch (forward, loss, backward, the
+gradients into .grad) of TransformerLayers with FP8 primary weights at world size 1 - eager FSDP2
+(fully_shard per layer and at the root, FSDP2's defaults), make_graphed_microbatch of the same
+model (FSDP2's gathers and reductions inside the graph), and the unsharded model's microbatch graph
+- with the ratios, and whether the graph's losses equal eager FSDP2's bit for bit
+(`python -m benchmarks fsdp-graph [--quick]`; one NCCL rank on the GPU, one gloo rank on the CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import graphfp8 as g8
+from benchmarks.common import print_table, time_device
+from benchmarks.memory_run import RECIPE, Shape, Stack
+from benchmarks.memory_shard import one_rank_group
+
+__all__ = ["run"]
+
+MICROBATCHES = 2
+
+
+def _loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(y.float(), target.float())
+
+
+def _model(shape: Shape, device, fsdp: bool):
+    torch.manual_seed(0)
+    with g8.fp8_model_init():
+        model = Stack(shape, device)
+    if fsdp:
+        mesh = init_device_mesh(device.type, (1,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batches(shape: Shape, device, n: int):
+    gen = torch.Generator().manual_seed(1)
+    make = lambda: torch.randn(shape.batch, shape.seq, shape.hidden, generator=gen)  # noqa: E731
+    return [(make().to(device, torch.bfloat16), make().to(device, torch.bfloat16))
+            for _ in range(n)]  # fmt: skip
+
+
+def _eager(model, group, batches):
+    """One eager microbatch per call, cycling through the batches."""
+    state = {"i": 0}
+
+    def call():
+        i = state["i"] % len(batches)
+        state["i"] += 1
+        x, target = batches[i]
+        with g8.fp8_autocast(recipe=RECIPE, fp8_group=group):
+            y = model(x, is_first_microbatch=i == 0)
+        loss = _loss(y, target) / MICROBATCHES
+        loss.backward()
+        return loss.detach()
+
+    return call
+
+
+def _graphed(model, group, batches):
+    graphed = g8.make_graphed_microbatch(model, _loss, batches[0], MICROBATCHES, fp8_enabled=True,
+                                         fp8_recipe=RECIPE, fp8_weight_caching=True,
+                                         fp8_group=group)  # fmt: skip
+    state = {"i": 0}
+
+    def call():
+        i = state["i"] % len(batches)
+        state["i"] += 1
+        return graphed(batches[i], is_first_microbatch=i == 0).clone()
+
+    return call
+
+
+def _losses(call, n: int) -> torch.Tensor:
+    return torch.stack([call() for _ in range(n)])
+
+
+def run(device, quick: bool = False) -> dict:
+    device = torch.device(device)
+    shape = Shape(hidden=4096, layers=4, batch=1, seq=4096, heads=32, ffn=14336)
+    if quick:
+        shape = Shape(hidden=64, layers=2, batch=2, seq=32)
+    batches = _batches(shape, device, MICROBATCHES)
+    results: dict = {"shape": vars(shape), "microbatches": MICROBATCHES}
+    with one_rank_group(device) as group:
+        calls, losses = {}, {}
+        for name, fsdp, graph in (("fsdp2-eager", True, False), ("fsdp2-graph", True, True),
+                                  ("unsharded-graph", False, True)):  # fmt: skip
+            g8.reset_state()
+            model = _model(shape, device, fsdp)
+            make = _graphed if graph else _eager
+            calls[name] = make(model, group, batches)
+            losses[name] = _losses(calls[name], 2 * MICROBATCHES)  # no optimizer: same weights
+            timing = dict(warmup=1, iters=1, repeats=1) if quick else dict(iters=20)
+            results[name] = {"ms_per_microbatch": time_device(calls[name], device, **timing)}
+            del calls[name], model
+    eager_ms = results["fsdp2-eager"]["ms_per_microbatch"]
+    unsharded_ms = results["unsharded-graph"]["ms_per_microbatch"]
+    for name in ("fsdp2-eager", "fsdp2-graph", "unsharded-graph"):
+        ms = results[name]["ms_per_microbatch"]
+        results[name].update(vs_fsdp2_eager=eager_ms / ms, vs_unsharded_graph=unsharded_ms / ms)
+    results["graph_equals_eager"] = bool(torch.equal(losses["fsdp2-graph"].cpu(),
+                                                     losses["fsdp2-eager"].cpu()))  # fmt: skip
+    rows = [[n, f"{results[n]['ms_per_microbatch']:.3f}", f"{results[n]['vs_fsdp2_eager']:.3f}",
+             f"{results[n]['vs_unsharded_graph']:.3f}"]
+            for n in ("fsdp2-eager", "fsdp2-graph", "unsharded-graph")]  # fmt: skip
+    print_table(
+        f"FSDP2 in a microbatch graph, world size 1 ({shape.layers} layers, hidden "
+        f"{shape.hidden}, B{shape.batch} x S{shape.seq}, FP8 weights; graph == eager FSDP2: "
+        f"{results['graph_equals_eager']})",
+        ["run", "ms / microbatch", "speed vs fsdp2-eager", "speed vs unsharded-graph"],
+        rows,
+    )
+    return results

@@ -1,0 +1,243 @@
+"""torch FSDP2 (fully_shard) models inside make_graphed_microbatch: what is captured, the checks
+before capture, the sharded gradients' persistent buffers and the FSDP2 settings a replay assumes
+(docs/sharding.md, "FSDP2 inside the graphs").
+
+The microbatch graph holds FSDP2's whole forward and backward as its hooks ran them at capture:
+the all-gathers (FP8 weights as FP8 bytes through Float8Tensor's hooks, fp8/tensor_fsdp.py), the
+reshard after forward and the backward's all-gather again when reshard_after_forward=True, the
+reduce-scatters and their division, and the accumulation into each sharded parameter's `.grad`.
+FSDP2's Python (hooks, its state machine, its stream waits) runs once, at capture; a replay runs
+the kernels and collectives it launched, in that order (the CPU tape records the storage resizes
+of the gathered parameters too: graphs/tape.py).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from graphfp8.fp8.tensor_fsdp import fsdp_module_types
+from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.grads import GradAccumulator
+
+__all__ = ["FSDPGrads", "FSDPSettings", "FSDPSnapshot", "check_fsdp2_model", "fsdp_hook",
+           "is_fsdp2", "refusal"]  # fmt: skip
+
+_MICROBATCH = "make_graphed_microbatch"
+
+
+def is_fsdp2(model) -> bool:
+    """Whether `model` (an nn.Module) is under torch FSDP2: any of its modules is an FSDPModule."""
+    if not isinstance(model, nn.Module) or not fsdp_module_types():
+        return False
+    fsdp2 = fsdp_module_types()[0]
+    return any(isinstance(m, fsdp2) for m in model.modules())
+
+
+def fsdp_hook(hook) -> bool:
+    """Whether a module hook is one of FSDP2's own (its pre- and post-forward hooks)."""
+    fn = getattr(hook, "__func__", hook)
+    return getattr(fn, "__module__", "").startswith("torch.distributed.fsdp.")
+
+
+def refusal(entry: str) -> str:
+    """Why `entry` (make_graphed_callables / make_graphed_step) does not capture an FSDP2 model,
+    and what does."""
+    if entry == "make_graphed_callables":
+        why = (
+            "FSDP2's per-module hooks all-gather the weights before a module's forward and "
+            "reduce-scatter after its backward, around the call that a graphed callable "
+            "replays, so a per-layer graph would read parameters that are not gathered"
+        )
+    else:
+        why = (
+            "the step graph computes the gradients with torch.autograd.grad, which FSDP2's "
+            "post-backward never sees, and steps its own optimizer; FSDP2's optimizer step "
+            "on the DTensor shards is not captured yet"
+        )
+    return (
+        f"{entry}: cannot capture a model under torch FSDP2 (fully_shard): {why}. Capture the "
+        f"whole forward and backward with {_MICROBATCH}(model, loss_fn, batch, fp8_enabled=..., "
+        "fp8_group=...) (FSDP2's all-gathers and reduce-scatters inside the graph) and step the "
+        "optimizer eagerly, or shard the graphed way: MasterWeights(model, shard_group=...)"
+    )
+
+
+def check_fsdp2_model(entry: str, model: nn.Module) -> None:
+    """Raises, naming the fix, unless make_graphed_microbatch can capture FSDP2 model `model`:
+    fully_shard at the root (every parameter a DTensor of FSDP2), no CPU offload (FSDP1 is
+    refused by the caller, capture_checks.py). 1-D meshes and HSDP's 2-D ones are captured."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(model, FSDPModule):
+        raise RuntimeError(
+            f"{entry}: a model whose submodules are under FSDP2 must be under fully_shard "
+            "itself too (fully_shard(model) after its layers, FSDP2's usual wrapping): the "
+            "graph captures FSDP2's root forward and backward, which hold every parameter"
+        )
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise RuntimeError(f"{entry}: parameters {plain} are not sharded by FSDP2 (not "
+                           "DTensors); fully_shard the model at the root")  # fmt: skip
+    for group in _param_groups(model):
+        if isinstance(group.offload_policy, CPUOffloadPolicy):
+            raise RuntimeError(f"{entry}: FSDP2's CPUOffloadPolicy copies between host and "
+                               "device, which a graph cannot do; train it eagerly")  # fmt: skip
+
+
+def _param_groups(model: nn.Module) -> list:
+    """Every FSDPParamGroup of the model's FSDP2 modules (modules without parameters have none)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+    return [s._fsdp_param_group for s in states if s._fsdp_param_group is not None]
+
+
+_PLAIN = (bool, int, float, str, type(None), enum.Enum)
+
+
+def _settings(obj) -> dict:
+    return {k: v for k, v in vars(obj).items() if isinstance(v, _PLAIN)}
+
+
+class FSDPSettings:
+    """FSDP2's settings and states as the capture left them (reshard_after_forward, gradient
+    sync, reduce-scatter division, training and sharded state of every group), compared before
+    every replay: the graph holds what FSDP2 did at capture, so set_requires_gradient_sync(False),
+    set_reshard_after_forward(...) or an eager forward that left a group gathered would make the
+    replay differ from eager FSDP2."""
+
+    def __init__(self, entry: str, model: nn.Module):
+        self.entry, self.model = entry, model
+        self.groups = _param_groups(model)
+        self.saved = self._now()
+
+    def _now(self) -> list:
+        return [(_settings(g), g.post_forward_mesh_info is None) for g in self.groups]
+
+    def check(self) -> None:
+        """Raises RuntimeError naming the group and setting that changed since capture."""
+        now = self._now()
+        if now == self.saved:
+            return
+        gathered = [g._module_fqn or "the root" for g in self.groups if not g.is_sharded]
+        if gathered:
+            raise RuntimeError(
+                f"{self.entry}: FSDP2 holds the parameters of {gathered} gathered, as an eager "
+                "forward with reshard_after_forward=False leaves them (FSDP2's default for the "
+                "root; under torch.no_grad() no backward reshards them); the graph gathers them "
+                "itself. Call .reshard() on those modules (model.reshard() for the root) after "
+                "the eager forward"
+            )
+        for g, (a, a_none), (b, b_none) in zip(self.groups, self.saved, now, strict=True):
+            keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            if a_none != b_none:
+                keys.append("post_forward_mesh_info (reshard_after_forward)")
+            if keys:
+                raise RuntimeError(
+                    f"{self.entry}: FSDP2's {keys} of {g._module_fqn or 'the root'!r} changed "
+                    f"since capture ({[a.get(k) for k in keys if k in a]} -> "
+                    f"{[b.get(k) for k in keys if k in b]}); the graph replays what FSDP2 did "
+                    "at capture (its all-gathers, reshards and reduce-scatters). Put them back, "
+                    "or capture again"
+                )
+
+
+class FSDPGrads:
+    """The sharded parameters' `.grad` under a microbatch graph: one persistent DTensor buffer per
+    parameter that gets a gradient, into which the captured reduce-scatter accumulates (FSDP2's
+    `grad._local_tensor += shard`), with GradAccumulator's replay bookkeeping: after
+    zero_grad(set_to_none=True) a captured fill with -0.0 (-0.0 + g is g bit for bit, as FSDP2's
+    first microbatch assigns the reduced shard), a `.grad` of the user's copied in and out.
+
+    Args:
+        params: the model's trainable parameters (DTensors).
+    """
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.saved: list | None = None
+        self.buffers: list = []
+        self.used: list = []
+
+    def save(self) -> None:
+        """Takes every `.grad` away (kept, with a copy of its values: the CPU tape runs what it
+        records, FSDP2 accumulates in place) before warmup or capture."""
+        self.saved = [(p.grad, None if p.grad is None else p.grad.detach().clone())
+                      for p in self.params]  # fmt: skip
+        for p in self.params:
+            p.grad = None
+
+    def restore(self) -> None:
+        """Puts back what save() took (nothing when nothing was taken)."""
+        if self.saved is None:
+            return
+        with torch.no_grad():
+            for p, (g, values) in zip(self.params, self.saved, strict=True):
+                if g is not None:
+                    g.copy_(values)
+                p.grad = g
+        self.saved = None
+
+    def take_warmup(self, name: str) -> None:
+        """After a warmup microbatch: the parameters that got a gradient, each with a zero
+        buffer placed like FSDP2's gradient shard."""
+        from torch.distributed.tensor import DTensor
+
+        self.used = [p for p in self.params if p.grad is not None]
+        if not self.used:
+            raise ValueError(f"{name}: no parameter gets a gradient from the loss")
+        self.buffers = []
+        for p in self.used:
+            g = p.grad
+            local = torch.zeros_like(g._local_tensor)
+            self.buffers.append(DTensor.from_local(local, g.device_mesh, g.placements,
+                                                   run_check=False, shape=g.shape,
+                                                   stride=g.stride()))  # fmt: skip
+
+    def attach(self) -> None:
+        """Before capture: every used parameter's `.grad` is its buffer (FSDP2 adds into it)."""
+        for p, b in zip(self.used, self.buffers, strict=True):
+            p.grad = b
+
+    def check_captured(self, name: str) -> None:
+        """After capture: FSDP2 accumulated into the buffers, it did not replace them."""
+        replaced = [i for i, (p, b) in enumerate(zip(self.used, self.buffers, strict=True))
+                    if p.grad is not b]  # fmt: skip
+        if replaced:
+            raise RuntimeError(
+                f"{name}: FSDP2 replaced the gradient buffers of {len(replaced)} parameters "
+                "during capture instead of accumulating into them"
+            )
+
+    def accumulator(self, device, pool) -> GradAccumulator:
+        """The replay bookkeeping, with its captured fill of the buffers with -0.0."""
+        locals_ = [b._local_tensor for b in self.buffers]
+        saved = [t.clone() for t in locals_] if device.type == "cpu" else None
+        reset = new_graph(device)
+        with reset.capture(pool):
+            torch._foreach_zero_(locals_)
+            torch._foreach_neg_(locals_)
+        if saved is not None:
+            torch._foreach_copy_(locals_, saved)
+        return GradAccumulator(self.used, self.buffers, reset)
+
+
+class FSDPSnapshot:
+    """What a warmup or a CPU capture of an FSDP2 microbatch changes, put back after it: the
+    model's buffers and the sharded parameters' `.grad` (FSDPGrads.save). The parameters
+    themselves are left alone: the microbatch does not step them."""
+
+    def __init__(self, model: nn.Module, grads: FSDPGrads):
+        self.buffers = list(model.buffers())
+        self.saved = [b.detach().clone() for b in self.buffers]
+        self.grads = grads
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, saved in zip(self.buffers, self.saved, strict=True):
+                b.copy_(saved)
+        self.grads.restore()

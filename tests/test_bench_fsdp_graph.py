@@ -1,0 +1,17 @@
+"""benchmarks/fsdp_graph.py on the CPU with small shapes (not speed: that it builds the three runs
+at world size 1 on one gloo rank, times them and finds the FSDP2 graph's losses equal to eager
+FSDP2's)."""
+
+from __future__ import annotations
+
+from benchmarks import fsdp_graph
+
+
+def test_fsdp_graph_benchmark_runs_and_the_graph_equals_eager():
+    result = fsdp_graph.run("cpu", quick=True)
+    assert result["graph_equals_eager"] is True
+    for name in ("fsdp2-eager", "fsdp2-graph", "unsharded-graph"):
+        row = result[name]
+        assert row["ms_per_microbatch"] > 0
+        assert row["vs_fsdp2_eager"] > 0 and row["vs_unsharded_graph"] > 0
+    assert result["fsdp2-eager"]["vs_fsdp2_eager"] == 1.0
