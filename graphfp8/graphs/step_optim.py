@@ -196,5 +196,8 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
         return type(t).__tensor_unflatten__(inner, meta, t.shape, t.stride())
     if t.device.type == "cpu" or type(t) is not torch.Tensor:
         return t.clone()  # other subclasses (DTensor) keep their copy on their device
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
+    try:
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
+    except RuntimeError:  # no pinned memory left: pageable, the same values, slower copies
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
     return out.copy_(t)

@@ -134,7 +134,7 @@ def test_snapshot_lives_in_host_memory():
 @pytest.mark.cuda
 def test_step_capture_holds_no_device_copy():
     """On the GPU the capture's peak holds the gradients, AdamW's state and the microbatch beside
-    the model, not a second copy of the weights (before: one more fp32 copy of them, 4 P bytes)."""
+    the model, not a second copy of the weights (before: one more fp32 copy of them, P bytes)."""
     torch.cuda.synchronize()
     model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(8)]).cuda()
     opt = adamw(model.parameters(), "cuda")
@@ -145,7 +145,9 @@ def test_step_capture_holds_no_device_copy():
     step = g8.make_graphed_step(model, lambda out: out.float().square().mean(), opt, x, N)
     torch.cuda.synchronize()
     grown = torch.cuda.max_memory_allocated() - base
-    # gradients and AdamW's two moments: 3 P; the activations and step counts are far below P / 2
-    assert grown < 3.5 * weights, (grown / weights, "bytes per weight byte during capture")
+    # 4 P at most: the .grad buffers, AdamW's two moments, and a microbatch's gradients before
+    # they are accumulated or the square root of the second moment that capturable AdamW
+    # computes; the activations and step counts are far below P / 2
+    assert grown < 4.5 * weights, (grown / weights, "bytes per weight byte during capture")
     step(x)
     torch.cuda.synchronize()
