@@ -1,6 +1,6 @@
 """graphfp8: CUDA-graph-centric FP8 training for PyTorch."""
 
-from graphfp8 import hf, numerics, ops
+from graphfp8 import hf, numerics, numerics_blockwise, ops
 from graphfp8.distributed import FSDPMasterWeights, MasterWeights, ShardedMasterWeights
 from graphfp8.fp8 import (
     DelayedScaling,
@@ -58,6 +58,7 @@ __all__ = [
     "make_graphed_microbatch",
     "make_graphed_step",
     "numerics",
+    "numerics_blockwise",
     "ops",
     "recompute",
     "reset_state",

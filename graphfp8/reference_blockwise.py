@@ -7,7 +7,7 @@ import math
 
 import torch
 
-__all__ = ["gemm", "quantize"]
+__all__ = ["block_stats", "dequantize", "gemm", "quantize"]
 
 _MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _FLT_MAX = torch.finfo(torch.float32).max
@@ -56,3 +56,34 @@ def dequantize(x_fp8: torch.Tensor, scale_inv: torch.Tensor, rows: int) -> torch
 def gemm(a_fp8, a_scale_inv, b_fp8, b_scale_inv, b_rows: int) -> torch.Tensor:
     """(M, N) float64 = dequantized a (1x128 tiles) @ dequantized b (b_rows x 128).T."""
     return dequantize(a_fp8, a_scale_inv, 1) @ dequantize(b_fp8, b_scale_inv, b_rows).t()
+
+
+def block_stats(x: torch.Tensor, rows: int, fp8_dtype=torch.float8_e4m3fn, power_2_scale=True):
+    """The twin of graphfp8.ops.blockwise_stats.block_stats for x quantized by `quantize` above,
+    block by block in float64: a dict of its STATS."""
+    x_fp8, inv = quantize(x, rows, fp8_dtype, power_2_scale)
+    x64, q64 = x.double(), x_fp8.double()
+    out = dict.fromkeys(("saturated", "underflow", "nonzero", "signal", "noise",
+                         "saturated_blocks", "underflow_blocks"), 0.0)  # fmt: skip
+    out["amax"], worst, logs = float(x64.abs().max()), 0.0, []
+    for i in range(inv.shape[0]):
+        for j in range(inv.shape[1]):
+            at = (slice(i * rows, (i + 1) * rows), slice(j * 128, (j + 1) * 128))
+            xb, qb, s_inv = x64[at], q64[at], float(inv[i, j])
+            sat = int(((xb.abs() / s_inv) > _MAX[fp8_dtype]).sum())
+            under = int(((xb != 0) & (qb == 0)).sum())
+            signal, noise = float(xb.square().sum()), float((xb - qb * s_inv).square().sum())
+            out["saturated"] += sat
+            out["underflow"] += under
+            out["nonzero"] += int((xb != 0).sum())
+            out["signal"] += signal
+            out["noise"] += noise
+            out["saturated_blocks"] += sat > 0
+            out["underflow_blocks"] += under > 0
+            if signal > 0:
+                worst = max(worst, math.sqrt(noise / signal))
+            logs.append(-math.log2(s_inv))
+    out["worst_block_rel_err"] = worst
+    out["log2_scale_min"], out["log2_scale_max"] = min(logs), max(logs)
+    out["log2_scale_mean"] = sum(logs) / len(logs)
+    return out

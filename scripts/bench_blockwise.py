@@ -11,7 +11,9 @@ quantize kernels (graphfp8/ops/blockwise_fused.py, GRAPHFP8_BLOCKWISE_KERNELS=fu
 and with the weight cache. Rows with the cache (delayed's too) run --microbatches per step,
 is_first_microbatch True on the first (fp8_weight_caching=True). GRAPHFP8_BLOCKWISE_GEMM=emulate
 times the float32 emulation instead of cuBLAS's GEMM. --device cpu runs the same rows (a smoke
-run: CPU times say nothing about the GPU).
+run: CPU times say nothing about the GPU). Then the same block's SwiGLU MLP against
+TransformerEngine's Float8BlockScaling when TE imports (benchmarks/blockwise_te.py; --no-mlp
+skips it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 import torch
 
 import graphfp8 as g8
+from benchmarks.blockwise_te import mlp_rows, print_mlp
 from graphfp8.ops.blockwise_fused import blockwise_kernels
 
 # name: (recipe, GRAPHFP8_BLOCKWISE_KERNELS, weight cache)
@@ -105,6 +108,7 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cuda")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
     p.add_argument("--json", help="write the rows here too")
+    p.add_argument("--no-mlp", action="store_true", help="skip the MLP rows against TE")
     args = p.parse_args(argv)
     rows = {name: _row(args, name) for name in args.rows.split(",")}
     base = rows.get("delayed")
@@ -120,9 +124,14 @@ def main(argv=None) -> dict:
         spread = (max(value) - min(value)) / med
         ratio = f"   {med / base:.3f}x delayed" if base else ""
         print(f"  {name:22s} {med:12.0f} tokens/s (spread {spread:.1%}){ratio}")
+    mlp = {}
+    if not args.no_mlp:
+        tokens = args.batch * args.seq
+        mlp = mlp_rows(args.hidden, args.ffn, tokens, args.device, args.iters, args.repeats)
+        print_mlp(mlp, args.hidden, args.ffn, tokens)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "tokens_per_s": rows}, f, indent=1)
+            json.dump({"args": vars(args), "tokens_per_s": rows, "mlp_ms": mlp}, f, indent=1)
     return rows
 
 

@@ -35,7 +35,7 @@ LAYERS = [
     ("graphs", ["graphfp8.graphs"]),
     # The top floor's rooms: reports never import integrations or the training app;
     # integrations never import the training app (nor the benchmarks: no runtime module does).
-    ("reports", ["graphfp8.memory", "graphfp8.numerics"]),
+    ("reports", ["graphfp8.memory", "graphfp8.numerics", "graphfp8.numerics_blockwise"]),
     (
         "integrations",
         [

@@ -79,6 +79,16 @@
 #               switch off / on, one process per run, interleaved, KERN41_REPEATS (3) x
 #               KERN41_STEPS (100): tokens/s on / off and the final loss bit for bit
 #               (scripts/switch_ab.py); ~6 min (tests ~0.5, variants ~1.5, 6 runs ~40 s each)
+#   step quality-block (issue 42): the quality rows - validation loss of bf16, delayed and
+#               blockwise FP8 (paired per seed, one process per preset: scripts/train_gap.py) on
+#               real text (--data stdlib) for QB_PRESETS (100m llama-100m), QB_STEPS (300) x
+#               QB_MICROBATCHES (2), QB_SEEDS (0), QB_VARIANTS (bf16,delayed,blockwise; also
+#               blockwise_fp8w, current); the blockwise GEMM as BLOCK_GEMM (scaled_mm); ~2 min
+#   step shard-block (issue 42): sharded blockwise FP8 weights at world size 1 with NCCL: the CUDA
+#               tests of tests/sharding/test_sharded_blockwise.py (the captured step holds no
+#               all-reduce), then graphfp8-train --ddp --fp8-weights --scaling blockwise --graphs
+#               step unsharded and --shard, tokens/s sharded / unsharded (target >= 0.97;
+#               SHARD_BLOCK_STEPS, 60; ~1.5 min)
 #   step recompute (issue 40): bench recompute (Llama-3-8B block shapes: activation memory and
 #               graphed step time of selective / full recompute against none) and bench
 #               memory-plan (the planner's peak against graphfp8-train's at N=1)
@@ -86,7 +96,9 @@
 #               benchmarks.largest_model (graphfp8-train --preset llama-8b --layers L, L from the
 #               planner: 26, 6.72B parameters; FP8 weights, full recompute, per-layer graphs, B1 x
 #               S8192, 5 steps of 2 microbatches, synthetic data) -> $RES/big.json: peak
-#               allocated / reserved, tokens/s and plan/measured; ~1-2 min
+#               allocated / reserved, tokens/s and plan/measured; then the step graph's deepest
+#               (--graphs step: 24 layers, 6.29B; its capture's undo copy in host memory) ->
+#               $RES/big_step.json; ~3-4 min
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -350,7 +362,8 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       # The graph tests run the emulation (their fixture); the scaled_mm tests pick their path.
       timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider \
         tests/ops/test_blockwise.py tests/graphs/test_blockwise_graphs.py \
-        > "$RES/tests_blockwise.log" 2>&1 || status=1
+        tests/modules/test_blockwise_primary.py tests/graphs/test_blockwise_primary_graphs.py \
+        tests/test_numerics_blockwise.py > "$RES/tests_blockwise.log" 2>&1 || status=1
       echo "-- blockwise CUDA tests: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"
       # The fused quantize kernels (default-off on CUDA) and the weight cache, then the graph
       # tests with the fused kernels on: what turning GRAPHFP8_BLOCKWISE_KERNELS on needs.
@@ -376,6 +389,36 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
             | tee -a "$RES/summary.md"
         done
       fi ;;
+    quality-block)  # issue 42: blockwise vs delayed vs bf16 validation loss, paired per seed
+      for preset in ${QB_PRESETS:-100m llama-100m}; do
+        GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/train_gap.py \
+          --out "$RES/quality_block_$preset" --variants ${QB_VARIANTS:-bf16,delayed,blockwise} \
+          --seeds ${QB_SEEDS:-0} --steps ${QB_STEPS:-300} --microbatches ${QB_MICROBATCHES:-2} \
+          --preset "$preset" --data stdlib > "$RES/quality_block_$preset.log" 2>&1 \
+          || { status=1; tail -20 "$RES/quality_block_$preset.log"; }
+        rm -rf "$RES"/quality_block_"$preset"/*/
+        echo "-- quality-block $preset" | tee -a "$RES/summary.md"
+        sed -n '/validation loss against/,$p' "$RES/quality_block_$preset.log" | tee -a "$RES/summary.md"
+      done ;;
+    shard-block)  # issue 42: sharded blockwise FP8 weights at N=1 (NCCL): no all-reduce, speed
+      GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY -m pytest -q -m cuda -p no:cacheprovider \
+        tests/sharding/test_sharded_blockwise.py > "$RES/shard_block_tests.log" 2>&1 || status=1
+      echo "-- shard-block CUDA tests: $(tail -1 "$RES/shard_block_tests.log")" | tee -a "$RES/summary.md"
+      for flag in "" --shard; do
+        GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY -m torch.distributed.run --standalone \
+          --nproc_per_node=1 -m graphfp8.training --ddp --fp8-weights --scaling blockwise $flag \
+          --preset ${TRAIN_PRESET:-100m} --graphs step --steps ${SHARD_BLOCK_STEPS:-60} \
+          --eval-every 1000 --val-batches 2 --out "$RES/shard_block$flag" \
+          > "$RES/shard_block$flag.log" 2>&1 || status=1
+      done
+      $PY - "$RES" <<'PYEOF' 2>&1 | tee -a "$RES/summary.md" || status=1
+import json, sys
+runs = [json.load(open(f"{sys.argv[1]}/shard_block{f}/summary.json"))["runs"][0] for f in ("", "--shard")]
+rate = [r["tokens_per_s"] for r in runs]
+print(f"shard-block: unsharded {rate[0]:.0f} tokens/s, sharded {rate[1]:.0f} ({rate[1] / rate[0]:.3f}x), "
+      f"final loss {runs[0]['final_loss']:.4f} / {runs[1]['final_loss']:.4f}")
+PYEOF
+      ;;
     train-scaling)  # issue 16: DelayedScaling vs Float8CurrentScaling vs FP8 primary weights
       for run in delayed current fp8w; do
         case $run in fp8w) extra="--fp8-weights" ;; *) extra="--scaling $run" ;; esac
@@ -493,7 +536,12 @@ print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF
       $PY -m benchmarks.largest_model --out "$RES/big" > "$RES/big.log" 2>&1 \
         || { status=1; tail -30 "$RES/big.log"; }
       cp "$RES/big/big.json" "$RES/big.json" 2>/dev/null
-      grep "^###\|^| peak\|^graphfp8-train" "$RES/big.log" | tee -a "$RES/summary.md" ;;
+      grep "^###\|^| peak\|^graphfp8-train" "$RES/big.log" | tee -a "$RES/summary.md"
+      # the step graph's deepest (its capture copy in host memory): 24 layers, 6.29B
+      $PY -m benchmarks.largest_model --graphs step --out "$RES/big_step" > "$RES/big_step.log" \
+        2>&1 || { status=1; tail -30 "$RES/big_step.log"; }
+      cp "$RES/big_step/big.json" "$RES/big_step.json" 2>/dev/null
+      grep "^###\|^| peak\|^graphfp8-train" "$RES/big_step.log" | tee -a "$RES/summary.md" ;;
     fsdp-graph)  # issue 40: FSDP2 inside make_graphed_microbatch at world size 1 (NCCL)
       $PY -m pytest -q -m cuda -p no:cacheprovider tests/sharding/test_fsdp2_cuda.py \
         -k "microbatch_graph or step_graph" > "$RES/fsdp_graph_tests.log" 2>&1 || status=1

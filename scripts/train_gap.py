@@ -8,6 +8,8 @@ one seed moved by as much as that (notes/NUMERICS.md). Variants:
 
     bf16          the baseline                   delayed      FP8 DelayedScaling as shipped
     current       Float8CurrentScaling           e4m3         DelayedScaling, Format.E4M3
+    blockwise     Float8BlockScaling (1x128 tiles, 128x128 weight blocks; GRAPHFP8_BLOCKWISE_GEMM
+                  chooses the CUDA GEMM)         blockwise_fp8w  the same, FP8 primary weights
     stats         delayed with --fp8-stats 10 (its tokens/s against delayed's: the report's cost)
     fp8_attn      delayed with FP8 attention (--fp8-attention; also against delayed)
     bwd_current   gradients current-scaled       fwd_current  forward tensors current-scaled
@@ -143,6 +145,8 @@ VARIANTS = {
     "stats": ({}, contextlib.nullcontext),
     "bf16": (dict(precision="bf16"), contextlib.nullcontext),
     "current": (dict(scaling="current"), contextlib.nullcontext),
+    "blockwise": (dict(scaling="blockwise"), contextlib.nullcontext),
+    "blockwise_fp8w": (dict(scaling="blockwise", fp8_weights=True), contextlib.nullcontext),
     "e4m3": (dict(fp8_format="E4M3"), contextlib.nullcontext),
     "hist1": (dict(amax_history_len=1), contextlib.nullcontext),
     "bwd_current": ({}, lambda: current_for(lambda r: isinstance(r, BwdRole))),

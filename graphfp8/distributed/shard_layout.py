@@ -10,6 +10,12 @@ masters, of their gradients and of the optimizer state. A piece is one parameter
 rank's slice (none when they do not meet: a parameter smaller than a slice lies on one or two
 ranks only). Padding and gaps hold zeros that no optimizer sees.
 
+Blockwise FP8 weights (Float8BlockTensor: 128x128 blocks) are bucketed per in-features K, each
+starting at a multiple of a 128-row stripe (128 * K elements) and with a slice S a multiple of
+it too, so every piece is whole stripes of whole 128x128 blocks: each rank quantizes its own
+blocks from its fp32 slice with no amax all-reduce (block_shards.py). Padding to whole stripes
+costs at most one stripe per weight and per rank.
+
 ALIGN also keeps the optimizer's arithmetic independent of the split: torch's fused CPU AdamW
 rounds its vector loop and its scalar tail differently (1 ulp, torch 2.13), so a piece that
 starts off a multiple of the vector width would step some elements unlike the whole parameter.
@@ -21,6 +27,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from graphfp8.fp8.block_tensor import Float8BlockTensor
+from graphfp8.ops.blockwise import TILE as BLOCK
 
 __all__ = ["ALIGN", "Bucket", "Entry", "Piece", "ShardLayout"]
 
@@ -63,13 +72,15 @@ class Piece:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Parameters of one kind, flat: `size` elements used, `shard` per rank (N * shard total)."""
+    """Parameters of one kind, flat: `size` elements used, `shard` per rank (N * shard total).
+    `stripe`: for blockwise FP8 weights, 128 * K (entries and shards fall on stripes), else 0."""
 
     entries: tuple[Entry, ...]
     size: int
     shard: int
     fp8_dtype: torch.dtype | None
     dtype: torch.dtype
+    stripe: int = 0
 
     def padded(self, world: int) -> int:
         return self.shard * world
@@ -78,6 +89,11 @@ class Bucket:
 def _kind(p: torch.Tensor) -> tuple:
     fp8 = getattr(p, "fp8_dtype", None)  # a Float8Tensor (graphfp8.fp8.tensor)
     return (fp8, p.dtype)
+
+
+def _stripe(p: torch.Tensor) -> int:
+    """128 * K for a blockwise FP8 weight (N, K) (its 128-row stripe of blocks), else 0."""
+    return BLOCK * p.shape[1] if isinstance(p, Float8BlockTensor) else 0
 
 
 class ShardLayout:
@@ -95,7 +111,7 @@ class ShardLayout:
         runs: dict[tuple, list[list[tuple[str, torch.Tensor]]]] = {}
         used: dict[tuple, int] = {}
         for name, p in named:
-            kind, nbytes = _kind(p), p.numel() * p.element_size()
+            kind, nbytes = (*_kind(p), _stripe(p)), p.numel() * p.element_size()
             bucket_runs = runs.setdefault(kind, [[]])
             if bucket_runs[-1] and used[kind] + nbytes > bucket_bytes:
                 bucket_runs.append([])
@@ -112,13 +128,15 @@ class ShardLayout:
         ]
 
     def _bucket(self, run: list[tuple[str, torch.Tensor]]) -> Bucket:
+        stripe = _stripe(run[0][1])
+        unit = stripe or ALIGN  # a stripe is a multiple of ALIGN
         entries, offset = [], 0
         for name, p in run:
             fp8, dtype = _kind(p)
             entries.append(Entry(name, tuple(p.shape), offset, fp8, dtype))
-            offset = _round_up(offset + p.numel(), ALIGN)
-        shard = _round_up(-(-offset // self.world), ALIGN)
-        return Bucket(tuple(entries), offset, shard, *_kind(run[0][1]))
+            offset = _round_up(offset + p.numel(), unit)
+        shard = _round_up(-(-offset // self.world), unit)
+        return Bucket(tuple(entries), offset, shard, *_kind(run[0][1]), stripe)
 
     def local_numel(self) -> int:
         """Elements of this rank's pieces (what its optimizer steps)."""
@@ -134,6 +152,7 @@ class ShardLayout:
             "buckets": [
                 {
                     "shard": b.shard,
+                    **({"stripe": b.stripe} if b.stripe else {}),
                     "entries": [
                         [e.name, list(e.shape), e.offset, str(e.fp8_dtype), str(e.dtype)]
                         for e in b.entries

@@ -176,7 +176,11 @@ class ModelWatch:
 
     def _versions(self) -> list[int]:
         return [p._data._version if isinstance(p, Float8Tensor) else p._version
-                for p in self.m.params] + [self.m.quantizer.scale_inv._version]  # fmt: skip
+                for p in self.m.params] + [t._version for t in self._scales()]  # fmt: skip
+
+    def _scales(self) -> list[torch.Tensor]:
+        """The FP8 weights' scale_inv vector and the blockwise weights' block scales."""
+        return [self.m.quantizer.scale_inv, *self.m.blocks.tensors()]
 
     @torch.no_grad()
     def remember(self) -> None:
@@ -184,6 +188,7 @@ class ModelWatch:
         self.mine = [f[m.rank * b.shard : (m.rank + 1) * b.shard].clone()
                      for f, b in zip(m.flats, m.layout.buckets, strict=True)]  # fmt: skip
         self.scale_inv = m.quantizer.scale_inv.clone()
+        self.blocks = [t.clone() for t in m.blocks.tensors()]
         self.versions = self._versions()
 
     @torch.no_grad()
@@ -194,12 +199,18 @@ class ModelWatch:
             return
         m, by_name = self.m, dict(zip(self.m.names, self.m.params, strict=True))
         scale_changed = self.scale_inv != m.quantizer.scale_inv
+        blocks_changed = any(not torch.equal(a, b) for a, b in
+                             zip(self.blocks, m.blocks.tensors(), strict=True))  # fmt: skip
         for piece, master in zip(m.layout.pieces, m.masters, strict=True):
             e, lo = piece.entry, m.rank * m.layout.buckets[piece.bucket].shard
             now = m.flats[piece.bucket][piece.start : piece.stop]
             seen = self.mine[piece.bucket][piece.start - lo : piece.stop - lo]
             fp8 = e.fp8_dtype is not None
-            if torch.equal(now, seen) and not (fp8 and bool(scale_changed[m.weight_index[e.name]])):
+            if m.blocks.is_block(piece):  # blockwise: any block scale changed reseeds them all
+                rescaled = blocks_changed
+            else:
+                rescaled = fp8 and bool(scale_changed[m.weight_index[e.name]])
+            if torch.equal(now, seen) and not rescaled:
                 continue
             p = by_name[e.name]
             hp = p.dequantize(torch.float32) if fp8 else p.detach()

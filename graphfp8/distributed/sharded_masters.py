@@ -21,11 +21,13 @@ make_graphed_step(master_weights=masters)):
 3. optimizer.step() on the slices (as pieces: one tensor per parameter and rank, whose .grad is
    its view of the reduced slice; a norm of it raises, so torch.nn.utils.clip_grad_norm_ of
    masters.parameters() raises instead of clipping by this rank's norm).
-4. write_back_: FP8 weights - each piece's amax, one MAX all-reduce of the vector of per-weight
-   amaxes, the scales (current scaling, as graphfp8.fp8.primary.WeightQuantizer), scale_inv for
-   every weight at once, each piece cast into its bytes of the FP8 buffer, the FP8 buffer
-   all-gathered as uint8, the transposes marked stale; other parameters - the slice rounded to
-   the parameter dtype and all-gathered in it.
+4. write_back_: blockwise FP8 weights - each rank's 128x128 blocks from its own slice, no amax
+   all-reduce (block_shards.py); other FP8 weights - each piece's amax, one MAX all-reduce of
+   the vector of per-weight amaxes, the scales (current scaling, as
+   graphfp8.fp8.primary.WeightQuantizer), scale_inv for every weight at once, each piece cast
+   into its bytes of the FP8 buffer, the FP8 buffer (and the block scales) all-gathered as
+   uint8, the transposes marked stale; other parameters - the slice rounded to the parameter
+   dtype and all-gathered in it.
 
 The result equals unsharded data parallel (allreduce_gradients, then an unsharded MasterWeights
 stepping the same AdamW) bit for bit where the reductions agree: the amax is a maximum (exact
@@ -41,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graphfp8.distributed.block_shards import BlockShards
 from graphfp8.distributed.collectives import all_gather_, reduce_scatter_
 from graphfp8.distributed.data_parallel import (
     check_gradient_layout,
@@ -150,7 +153,8 @@ class ShardedMasterWeights(MasterWeights):
                         view.view(e.fp8_dtype).copy_(p._data.reshape(-1))
                         old, p._data = p._data, view.view(e.fp8_dtype).view(e.shape)
                         old.set_()  # freed; a graph captured before sees it moved and raises
-                        self.weight_index[e.name] = len(self.weight_index)
+                        if not bucket.stripe:  # blockwise weights: block_shards.py
+                            self.weight_index[e.name] = len(self.weight_index)
                     else:
                         view.copy_(p.detach().reshape(-1))
                         p.data = view.view(e.shape)
@@ -158,6 +162,7 @@ class ShardedMasterWeights(MasterWeights):
             self.master_shards.append(master)
             self.grad_shards.append(torch.zeros_like(master))
         self._build_weight_vectors(by_name, dev)
+        self.blocks = BlockShards(self.layout, by_name, dev)
 
     def _build_weight_vectors(self, by_name: dict, dev) -> None:
         """The FP8 weights' quantizer (group_quantize.py); each weight's scale_inv becomes
@@ -217,7 +222,7 @@ class ShardedMasterWeights(MasterWeights):
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor that step() changes besides the model's and the optimizer's (a graph
         capture snapshots and restores them)."""
-        return [*self.master_shards, self.scale, self.amax]
+        return [*self.master_shards, self.scale, self.amax, *self.blocks.tensors()]
 
     def master_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(this rank's fp32 master slices, their gradient slices), as the memory report counts
@@ -326,9 +331,13 @@ class ShardedMasterWeights(MasterWeights):
                 (self.weight_index[p.entry.name], m.detach(),
                  self.flats[p.bucket][p.start : p.stop].view(p.entry.fp8_dtype))
                 for p, m in zip(self.layout.pieces, self.masters, strict=True)
-                if p.entry.fp8_dtype is not None
+                if p.entry.fp8_dtype is not None and not self.blocks.is_block(p)
             ]  # fmt: skip
             self.quantizer.quantize_(pieces, self.group)
+        self.blocks.quantize_([(p, m.detach()) for p, m in zip(self.layout.pieces, self.masters,
+                                                               strict=True)
+                               if self.blocks.is_block(p)], self.flats)  # fmt: skip
+        self.blocks.gather_(self.group)
         for b, bucket in enumerate(self.layout.buckets):
             lo = self.rank * bucket.shard
             mine = self.flats[b][lo : lo + bucket.shard]

@@ -21,8 +21,9 @@ high-precision model compared bit for bit needs the same implementation (`foreac
 optimizer; the two round 1 ulp apart, H200 2026-12-01). Whether `foreach=True` takes the
 subclass is not tested.
 
-The write-back quantizes each master with its own amax (graphfp8.fp8.primary.WeightQuantizer)
-and marks the weight's transpose cache stale; the next forward with is_first_microbatch=True (or
+The write-back quantizes each master with its own amax (graphfp8.fp8.primary.WeightQuantizer;
+a blockwise weight, each 128x128 block with its own: BlockWeightQuantizer) and marks the
+weight's transpose cache stale; the next forward with is_first_microbatch=True (or
 None) rebuilds it, in a graph as the captured transpose node. Every step is device work only.
 
 This class is the unsharded kind. `graphfp8.MasterWeights(model, ...)` builds the kind a model
@@ -41,7 +42,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from graphfp8.fp8 import context
-from graphfp8.fp8.primary import WeightQuantizer
+from graphfp8.fp8.primary import quantizer_for
 from graphfp8.fp8.tensor import Float8Tensor, is_fsdp_fp8
 
 __all__ = ["TENSOR_GRAD", "MasterWeights"]
@@ -197,7 +198,7 @@ class MasterWeights:
         self.masters = [
             _master(p.dequantize(torch.float32), p, self._mode) for p in self.fp8_params
         ]
-        self.quantizers = [WeightQuantizer(p.fp8_dtype, p.device) for p in self.fp8_params]
+        self.quantizers = [quantizer_for(p) for p in self.fp8_params]
         # From here on every FP8 weight is exactly its master quantized: the same bits as the
         # forward's own weight cast of a high-precision model holding the masters would give.
         self.write_back_()
@@ -205,7 +206,7 @@ class MasterWeights:
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor that step() changes besides the model's and the optimizer's: the masters
         and the quantizers' scales (a graph capture snapshots and restores them)."""
-        return [*self.masters, *(q.scale for q in self.quantizers)]
+        return [*self.masters, *(t for q in self.quantizers for t in q.tensors())]
 
     def master_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """(the fp32 masters, the gradients they hold now), as the memory report counts them."""

@@ -15,7 +15,7 @@ import torch
 
 from graphfp8.fp8.scaling import ReplaySlots, SlotBlock
 
-__all__ = ["Observer", "StatsSource", "install", "observe_cast", "observer"]
+__all__ = ["Observer", "StatsSource", "install", "observe_block", "observe_cast", "observer"]
 
 
 class StatsSource(NamedTuple):
@@ -73,3 +73,26 @@ def observe_cast(block: SlotBlock, i: int, role: str, source) -> None:
     obs = _OBSERVER
     if obs is not None and not isinstance(block, ReplaySlots):  # a recompute: seen once already
         obs.cast(block, i, role, source() if callable(source) else source)
+
+
+def observe_block(weight: torch.Tensor, role: str, source) -> None:
+    """Reports a blockwise quantization (a GEMM operand under Float8BlockScaling, which has no
+    slots) to the observer (graphfp8.numerics_blockwise.BlockStats); an observer that does not
+    take them (FP8Stats) raises rather than report nothing.
+
+    Args:
+        weight: the GEMM's weight parameter: which layer and GEMM the operand belongs to.
+        role: "input", "weight" or "grad_output".
+        source: a function returning (x (R, C) high precision, x_fp8, scale_inv, rows), the
+            arguments of graphfp8.ops.blockwise_stats.block_stats; called only when observed.
+    """
+    if _OBSERVER is None:
+        return
+    take = getattr(_OBSERVER, "block_cast", None)
+    if take is None:  # it would report nothing of these GEMMs: say so
+        raise RuntimeError(
+            f"{type(_OBSERVER).__name__} observes per-tensor FP8 casts, and a Float8BlockScaling "
+            "GEMM ran: create graphfp8.numerics_blockwise.BlockStats(model) for its per-block "
+            "statistics (after the FP8Stats, for a model mixing recipes)"
+        )
+    take(weight, role, source())

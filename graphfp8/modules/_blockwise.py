@@ -14,6 +14,8 @@ operand) and w.T's blocks, not x. Every scale is computed from the tensor being 
 graph replays the whole computation, scales included. The weight's blocks live in the module's
 weight cache when a BlockWeight is given (modules/_context.blockwise_weights): quantized there
 or reused as is_first_microbatch or the graph's flag says (the same bytes from the same weights).
+A blockwise FP8 primary weight (graphfp8.fp8.block_tensor) is read as stored, with no cache: its
+blocks are what the forward would quantize its master into (fp8/primary.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from graphfp8.fp8.block_tensor import Float8BlockTensor
+from graphfp8.fp8.observe import observe_block
 from graphfp8.fp8.weight_cache import BlockWeight
 from graphfp8.modules._context import blockwise_recipe
 from graphfp8.ops.blockwise import TILE, blockwise_gemm, quantize
@@ -58,7 +62,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def _weight_blocks(weight, block: BlockWeight | None, p2: bool, needs_dgrad: bool) -> tuple:
     """(w_fp8, scale_inv, w_t_fp8, scale_inv_t) of the weight's 128x128 blocks: the cache's
     (quantized into it first when the call casts; the transpose None when the module caches
-    none), or quantized now (the transpose only for a dgrad)."""
+    none), or quantized now (the transpose only for a dgrad); a blockwise FP8 primary weight's
+    stored blocks (their transpose made at the dgrad)."""
+    if isinstance(weight, Float8BlockTensor):  # checked: modules/base._check_blockwise
+        return weight._data, weight._scale_inv, None, None
     if block is None:
         out = quantize(weight, TILE, _E4M3, p2, transpose=needs_dgrad)
     else:
@@ -87,6 +94,9 @@ class _BlockwiseLinear(torch.autograd.Function):
         needs_dgrad, needs_wgrad = fn_ctx.needs_input_grad[:2]
         x_fp8, x_scale_inv, *x_t = quantize(x2, 1, _E4M3, power_2_scale, transpose=needs_wgrad)
         w_blocks = _weight_blocks(weight, block, power_2_scale, needs_dgrad)
+        # The numerics report (graphfp8/numerics_blockwise.py); nothing when not installed.
+        observe_block(weight, "input", lambda: (x2, x_fp8, x_scale_inv, 1))
+        observe_block(weight, "weight", lambda: (weight.detach(), *w_blocks[:2], 128))
         y = blockwise_gemm(x_fp8, x_scale_inv, *w_blocks[:2], x.dtype)
         if bias is not None:
             y = y + bias
@@ -95,7 +105,7 @@ class _BlockwiseLinear(torch.autograd.Function):
         # weights (the same bytes): kept out of save_for_backward's version checks, as the
         # per-tensor path keeps its workspaces (modules/_functional.py, save_weight).
         fn_ctx.w_blocks = w_blocks if needs_dgrad else None
-        fn_ctx.power_2_scale, fn_ctx.x_shape = power_2_scale, x.shape
+        fn_ctx.power_2_scale, fn_ctx.x_shape, fn_ctx.weight = power_2_scale, x.shape, weight
         fn_ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -110,6 +120,7 @@ class _BlockwiseLinear(torch.autograd.Function):
             # dy's tiles along N (dgrad) and dy.T's along M (wgrad), from one read when both.
             dy_q = quantize(dy2, 1, _E4M3, fn_ctx.power_2_scale, transpose=needs_wgrad)
         if needs_dgrad:
+            observe_block(fn_ctx.weight, "grad_output", lambda: (dy2, *dy_q[:2], 1))
             w_t = _transposed(fn_ctx.w_blocks)
             dx = blockwise_gemm(*dy_q[:2], *w_t, x_dtype).reshape(fn_ctx.x_shape)
         if needs_wgrad:

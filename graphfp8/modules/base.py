@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from graphfp8.fp8 import scaling
-from graphfp8.fp8.primary import INIT, quantize_weight
+from graphfp8.fp8.block_tensor import Float8BlockTensor
+from graphfp8.fp8.primary import INIT, quantize_block_weight, quantize_weight
 from graphfp8.fp8.recipe import Recipe, is_blockwise
 from graphfp8.fp8.slots import BwdRole, FwdRole, slots_per_gemm
 from graphfp8.fp8.tensor import Float8Tensor
@@ -123,21 +124,41 @@ class FP8Module(nn.Module):
                 )
             return None
         self._check_fp8_dims(inp, [w for _, w in weights])
-        if blockwise_recipe() is not None:
-            self._check_blockwise(inp, weights)
+        recipe = blockwise_recipe()
+        if recipe is not None:
+            self._check_blockwise(inp, weights, recipe)
+            if any(isinstance(w, Float8BlockTensor) for _, w in weights):
+                return None  # stored blocks, read as they are: no cache (modules/_blockwise.py)
             # The high-precision path, its GEMMs blockwise (modules/_blockwise.py).
             return blockwise_weights(self, weights, is_first_microbatch)
+        if any(isinstance(w, Float8BlockTensor) for _, w in weights):
+            raise RuntimeError(
+                f"{type(self).__name__} holds blockwise FP8 primary weights (created inside "
+                "fp8_model_init(recipe=Float8BlockScaling())): run it under "
+                "fp8_autocast(recipe=Float8BlockScaling()), or create it under the recipe it runs"
+            )
         return gemm_configs(self, weights, is_first_microbatch, fp8_output)
 
-    def _check_blockwise(self, inp, weights) -> None:
+    def _check_blockwise(self, inp, weights, recipe: Recipe) -> None:
         """What Float8BlockScaling does not take (it quantizes high-precision tensors at each
-        GEMM, the weights into its own cache: fp8/weight_cache.py's BlockWorkspace)."""
+        GEMM, the weights into its own cache: fp8/weight_cache.py's BlockWorkspace; a blockwise
+        FP8 primary weight's blocks are read as they are stored)."""
         name = type(self).__name__
-        if any(isinstance(w, Float8Tensor) for _, w in weights):
-            raise NotImplementedError(
-                f"{name}: FP8 primary weights (fp8_model_init) are stored per tensor and do not "
-                "run under Float8BlockScaling yet; create the model outside fp8_model_init"
-            )
+        for _, w in weights:
+            if not isinstance(w, Float8Tensor):
+                continue
+            if not isinstance(w, Float8BlockTensor):
+                raise RuntimeError(
+                    f"{name}: its FP8 primary weights are stored per tensor (fp8_model_init "
+                    "under a per-tensor recipe) and do not run under Float8BlockScaling; create "
+                    "the model inside fp8_model_init(recipe=Float8BlockScaling())"
+                )
+            if w._power_2_scale != recipe.power_2_scale:
+                raise RuntimeError(
+                    f"{name}: its blockwise FP8 weights hold power_2_scale={w._power_2_scale} "
+                    f"scales, the recipe asks for power_2_scale={recipe.power_2_scale}; create "
+                    "the model inside fp8_model_init with the recipe it runs under"
+                )
         if isinstance(inp, Float8Tensor):
             raise TypeError(
                 f"{name}: Float8BlockScaling takes high-precision inputs, got a Float8Tensor "
@@ -280,7 +301,11 @@ class FP8Module(nn.Module):
                 and not isinstance(entry, Float8Tensor)
             ):
                 hp = entry.to(device=p.device, dtype=p.dtype)
-                state_dict[prefix + name] = quantize_weight(hp, p.fp8_dtype)
+                state_dict[prefix + name] = (
+                    quantize_block_weight(hp, p._power_2_scale)
+                    if isinstance(p, Float8BlockTensor)
+                    else quantize_weight(hp, p.fp8_dtype)
+                )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)  # fmt: skip
         self.weight_cache.invalidate()

@@ -76,14 +76,15 @@ def bf16_layer_indices(text: str, layers: int) -> tuple[int, ...]:
 
 
 def _check_blockwise(p: argparse.ArgumentParser, args, given: list[str]) -> None:
-    """--scaling blockwise (Float8BlockScaling) is E4M3 everywhere, keeps no FP8 weights and no
-    slots (so no per-slot statistics)."""
+    """--scaling blockwise (Float8BlockScaling) is E4M3 everywhere; its FP8 weights
+    (--fp8-weights) are stored in 128x128 blocks, its --fp8-stats are per block."""
     if "--fp8-format" in given and args.fp8_format != "E4M3":
         p.error("--scaling blockwise is E4M3 everywhere: drop --fp8-format or give E4M3")
-    for option, why in (("--fp8-weights", "FP8 primary weights are stored per tensor"),
-                        ("--fp8-stats", "the numerics report reads per-tensor slots")):  # fmt: skip
-        if option in given:
-            p.error(f"{option} with --scaling blockwise is not supported yet: {why}")
+    if args.fp8_weights and getattr(args, "fsdp", False):
+        p.error(
+            "--fp8-weights with --scaling blockwise under --fsdp is not supported (torch "
+            "FSDP2 of 128x128-block FP8 weights): use --shard"
+        )
 
 
 def positive(text: str) -> int:

@@ -12,6 +12,7 @@ import torch
 from graphfp8.distributed import gather_objects
 from graphfp8.distributed.replica_check import ReplicaCheck
 from graphfp8.numerics import FP8Stats, plot_stats, role_digest
+from graphfp8.numerics_blockwise import BlockStats
 from graphfp8.training.checkpoint import (
     CheckpointError,
     check_resumable,
@@ -277,7 +278,7 @@ def train_run(spec: RunSpec, opts: RunOptions) -> dict:
     if opts.data.has_validation:
         val = opts.data.val_batches(cfg.seq_len, cfg.batch, opts.val_batches, run.rank, run.world)
     if opts.fp8_stats and spec.precision == "fp8":  # before the capture: its kernels join it
-        run.fp8_stats = FP8Stats(run.model)
+        run.fp8_stats = (BlockStats if spec.scaling == "blockwise" else FP8Stats)(run.model)
     t0 = time.perf_counter()
     run.prepare()
     sync(spec.device)

@@ -85,9 +85,9 @@ class RunSpec:
         if self.bf16_layers and (self.precision != "fp8" or self.fp8_weights):
             raise ValueError("bf16_layers needs precision fp8 without fp8_weights (an FP8 "
                              "primary weight has no bf16 copy)")  # fmt: skip
-        if self.fp8_weights and self.scaling == "blockwise":
-            raise ValueError("fp8_weights with blockwise scaling is not supported yet (FP8 "
-                             "primary weights are stored per tensor)")  # fmt: skip
+        if self.fp8_weights and self.scaling == "blockwise" and self.fsdp:
+            raise ValueError("fp8_weights with blockwise scaling under fsdp is not supported "
+                             "(torch FSDP2 of 128x128-block FP8 weights); use shard")  # fmt: skip
         if self.fp8_attention and (self.precision != "fp8" or self.scaling != "delayed"):
             raise ValueError("fp8_attention needs precision fp8 with delayed scaling (FP8 "
                              "attention is DelayedScaling only)")  # fmt: skip
@@ -186,11 +186,21 @@ class Run:
         self.spec, self.data, self.group = spec, data, group
         self.rank = torch.distributed.get_rank(group) if group is not None else 0
         self.world = torch.distributed.get_world_size(group) if group is not None else 1
+        if spec.scaling == "current":
+            self.recipe = Float8CurrentScaling(fp8_format=Format[spec.fp8_format])
+        elif spec.scaling == "blockwise":  # E4M3 everywhere (checked: cli_checks.py)
+            self.recipe = Float8BlockScaling()
+        else:
+            self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len,
+                                         fp8_format=Format[spec.fp8_format],
+                                         fp8_dpa=spec.fp8_attention,
+                                         fp8_mha=spec.fp8_attention)  # fmt: skip
         torch.manual_seed(spec.seed)  # identical initial weights in every run and on every rank
         if spec.graphs == "compile":
             self.model = TorchGPT(spec.model, torch.bfloat16, spec.device)
         else:
-            with fp8_model_init(enabled=spec.fp8_weights):
+            # Blockwise FP8 weights are stored in 128x128 blocks (fp8/primary.py).
+            with fp8_model_init(enabled=spec.fp8_weights, recipe=self.recipe):
                 self.model = GPT(spec.model, torch.bfloat16, spec.device, spec.bf16_layers)
             for layer in self.model.blocks.layers:
                 layer.recompute = spec.recompute
@@ -209,15 +219,6 @@ class Run:
             params, lr=torch.tensor(spec.model.lr, device=spec.device),
             betas=(0.9, 0.95), weight_decay=0.1, fused=True, capturable=capturable,
         )  # fmt: skip
-        if spec.scaling == "current":
-            self.recipe = Float8CurrentScaling(fp8_format=Format[spec.fp8_format])
-        elif spec.scaling == "blockwise":  # E4M3 everywhere (checked: cli_checks.py)
-            self.recipe = Float8BlockScaling()
-        else:
-            self.recipe = DelayedScaling(amax_history_len=spec.amax_history_len,
-                                         fp8_format=Format[spec.fp8_format],
-                                         fp8_dpa=spec.fp8_attention,
-                                         fp8_mha=spec.fp8_attention)  # fmt: skip
         self.step = 0
         self.fp8_stats = None  # graphfp8.numerics.FP8Stats while the run records FP8 statistics
         self.blocks = None  # runs the blocks (graphs "compile": the whole model), set by prepare()

@@ -26,8 +26,6 @@ FAST = ["--batch", "2", "--seq-len", "32", "--microbatches", "1", "--device", "c
         (["--scaling", "current", "--amax-history-len", "64"], "keeps no history"),
         (["--scaling", "blockwise", "--amax-history-len", "64"], "keeps no history"),
         (["--scaling", "blockwise", "--fp8-format", "HYBRID"], "E4M3 everywhere"),
-        (["--scaling", "blockwise", "--fp8-weights"], "not supported yet"),
-        (["--scaling", "blockwise", "--fp8-stats", "2"], "not supported yet"),
         (["--scaling", "blockwise", "--fp8-attention"], "DelayedScaling only"),
         (["--compile", "--graphs", "step"], "--compile with --graphs step"),
         (["--compile", "--compare", "fp8:layers,fp8:step"], "--compile with --graphs step"),

@@ -99,8 +99,8 @@ def test_what_blockwise_does_not_take():
     with g8.fp8_model_init(enabled=True):
         layer = g8.Linear(128, 128, params_dtype=torch.bfloat16)
     x = torch.randn(16, 128, dtype=torch.bfloat16)
-    with g8.fp8_autocast(recipe=BLOCK), pytest.raises(NotImplementedError, match="primary"):
-        layer(x)
+    with g8.fp8_autocast(recipe=BLOCK), pytest.raises(RuntimeError, match="stored per tensor"):
+        layer(x)  # blockwise primary weights: fp8_model_init(recipe=BLOCK), test_blockwise_primary
     with pytest.raises(ValueError, match="E4M3"):
         g8.Float8BlockScaling(fp8_format=g8.Format.HYBRID)
     with pytest.raises(ValueError, match="w_block_scaling_dim=2"):

@@ -1,0 +1,150 @@
+"""Per-block FP8 statistics under Float8BlockScaling: the statistics op against its float64 twin
+(graphfp8/reference_blockwise.py) on tiles and blocks with outliers, zero and underflowing
+blocks and partial tiles; BlockStats' rows eagerly and inside graphs (equal); graphfp8-train
+--scaling blockwise --fp8-stats."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+
+import pytest
+import torch
+
+import graphfp8 as g8
+from graphfp8 import reference_blockwise as ref
+from graphfp8.numerics import role_digest
+from graphfp8.numerics_blockwise import BLOCK_FIELDS, BlockStats
+from graphfp8.ops import blockwise
+from graphfp8.ops.blockwise_stats import STATS, block_stats
+from graphfp8.training import cli as train
+
+BLOCK = g8.Float8BlockScaling()
+EXACT = ("saturated", "underflow", "nonzero", "saturated_blocks", "underflow_blocks", "amax")
+LOG2 = ("log2_scale_min", "log2_scale_max")  # exact for power-of-2 scales; else CUDA's log2 may
+# round the last bit otherwise than the CPU's (H200, 2026-12-02: 1 ulp)
+
+
+@pytest.fixture(autouse=True)
+def _cuda_gemm_path(monkeypatch):
+    if not blockwise.GEMM_MODE:
+        monkeypatch.setattr(blockwise, "GEMM_MODE", "emulate")
+
+
+def _hard_input(device) -> torch.Tensor:
+    """(272, 400): an outlier row, a zero block, a block of values far below the rest of its
+    tile rows (underflow to E4M3 zero), partial tiles both ways."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(272, 400, generator=gen)
+    x[5] *= 1e4
+    x[128:256, 256:384] = 0.0
+    x[:128, :128] *= 1e-3
+    x[:128, 0] = 1.0  # one large element per row of that block: the rest underflows
+    x[200:210, 390:400] = 7.0
+    return x.to(device)
+
+
+@pytest.mark.parametrize("rows", [1, 128])
+@pytest.mark.parametrize("p2", [True, False])
+def test_block_stats_equal_the_float64_twin(device, rows, p2):
+    x = _hard_input(device)
+    quantize = blockwise.quantize_tiles if rows == 1 else blockwise.quantize_blocks
+    x_fp8, inv = quantize(x, power_2_scale=p2)
+    got = dict(zip(STATS, block_stats(x, x_fp8, inv, rows).tolist(), strict=True))
+    want = ref.block_stats(x.cpu(), rows, power_2_scale=p2)
+    for name in EXACT + (LOG2 if p2 or device == "cpu" else ()):
+        assert got[name] == want[name], (name, got[name], want[name])
+    for name in LOG2:
+        assert got[name] == pytest.approx(want[name], rel=1e-14), name
+    for name in ("signal", "noise", "worst_block_rel_err", "log2_scale_mean"):
+        assert got[name] == pytest.approx(want[name], rel=1e-9), name
+    assert got["underflow_blocks"] > 0 and got["underflow"] > 0
+    assert got["log2_scale_min"] < got["log2_scale_max"]
+
+
+def test_saturation_is_counted(device):
+    """A scale too large for the block (the caller's: a stale stored weight, say) saturates."""
+    x = torch.randn(16, 256, device=device)
+    x_fp8, inv = blockwise.quantize_tiles(x)
+    inv = inv / 4  # a 4x larger scale than the quantizer's
+    got = dict(zip(STATS, block_stats(x, x_fp8, inv, 1).tolist(), strict=True))
+    assert got["saturated"] > 0 and got["saturated_blocks"] == 32  # every tile has its amax
+
+
+def _layer(device):
+    torch.manual_seed(0)
+    return g8.LayerNormMLP(144, 272, params_dtype=torch.bfloat16, device=device)
+
+
+def _run(model, stats, x, dy, recipe_on: bool):
+    stats.enable(True)
+    xr = x.clone().requires_grad_()
+    if recipe_on:
+        with g8.fp8_autocast(recipe=BLOCK):
+            y = model(xr)
+    else:
+        y = model(xr)
+    y.backward(dy)
+    stats.collect(0, 0)
+    return stats.rows()
+
+
+def test_block_stats_rows_eagerly_and_in_graphs(device):
+    x = torch.randn(64, 144, dtype=torch.bfloat16, device=device)
+    dy = torch.randn(64, 144, dtype=torch.bfloat16, device=device)
+    eager = _layer(device)
+    graphed_model = copy.deepcopy(eager)
+    with BlockStats(eager) as stats:
+        rows = _run(eager, stats, x, dy, True)
+    keys = [(r["gemm"], r["role"]) for r in rows]
+    assert sorted(keys) == sorted((g, r) for g in ("fc1", "fc2")
+                                  for r in ("input", "weight", "grad_output"))  # fmt: skip
+    fc1_in = next(r for r in rows if (r["gemm"], r["role"]) == ("fc1", "input"))
+    assert fc1_in["blocks"] == 64 * 2 and fc1_in["numel"] == 64 * 144  # 1x128 tiles, K = 144
+    w = next(r for r in rows if (r["gemm"], r["role"]) == ("fc1", "weight"))
+    assert w["blocks"] == 3 * 2 and w["true_amax"] == float(eager.fc1_weight.detach().abs().max())
+    assert set(rows[0]) == set(BLOCK_FIELDS) and "fc1.input" in role_digest(rows)
+    sample = torch.randn(64, 144, dtype=torch.bfloat16, device=device, requires_grad=True)
+    with BlockStats(graphed_model) as gstats:
+        graphed = g8.make_graphed_callables(graphed_model, (sample,), fp8_enabled=True,
+                                            fp8_recipe=BLOCK)  # fmt: skip
+        grows = _run(graphed, gstats, x, dy, False)
+    assert grows == rows  # the statistics ops replayed inside the graphs
+    with BlockStats(eager) as stats:  # disabled: nothing kept
+        stats.enable(False)
+        with g8.fp8_autocast(recipe=BLOCK):
+            eager(x)
+        stats.collect(1, 0)
+        assert stats.rows() == []
+
+
+def test_per_tensor_stats_refuse_blockwise_gemms(device):
+    """FP8Stats reads slots, which blockwise GEMMs lack: it raises instead of reporting nothing;
+    BlockStats created after it takes them and hands per-tensor casts on to it."""
+    layer = _layer(device)
+    x = torch.randn(64, 144, dtype=torch.bfloat16, device=device)
+    with g8.numerics.FP8Stats(layer):
+        with g8.fp8_autocast(recipe=BLOCK), pytest.raises(RuntimeError, match="BlockStats"):
+            layer(x)
+        with BlockStats(layer) as stats:
+            stats.enable(True)
+            with g8.fp8_autocast(recipe=BLOCK):
+                layer(x)
+            with g8.fp8_autocast(recipe=g8.DelayedScaling()):
+                layer(x)  # a per-tensor cast: FP8Stats' (no error)
+            stats.collect(0)
+            assert {r["role"] for r in stats.rows()} == {"input", "weight"}
+
+
+def test_train_with_blockwise_fp8_stats(tmp_path):
+    argv = ["--batch", "2", "--seq-len", "32", "--microbatches", "1", "--device", "cpu",
+            "--data", "synthetic", "--val-batches", "1", "--steps", "2", "--out", str(tmp_path),
+            "--scaling", "blockwise", "--fp8-stats", "1", "--graphs", "step"]  # fmt: skip
+    assert train.main(argv) == 0
+    (run,) = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    with open(run["fp8_stats"]["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert rows and set(rows[0]) == set(BLOCK_FIELDS)
+    assert {r["step"] for r in rows} == {"0", "1"}
+    assert {r["role"] for r in rows} == {"input", "weight", "grad_output"}
