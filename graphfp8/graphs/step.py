@@ -132,6 +132,13 @@ def make_graphed_step(
         fill_); warmup and capture undo their steps from a host copy of the parameters, buffers
         and optimizer state, dropped after capture (docs/sharding.md, "Memory planner"). The
         rules, each checked before anything runs, are in docs/after-capture.md.
+
+    .. warning:: A model under torch FSDP2 (fully_shard at the root; HSDP too) is captured with
+        FSDP2's all-gathers and reduce-scatters inside the graph (its backward is
+        loss.backward(), so FSDP2's post-backward runs; graphs/step_fsdp.py): process_group
+        must be None, master_weights is graphfp8.MasterWeights(model) when it has FP8 weights,
+        the clip is clip_grad_norm_(model.parameters()) over the DTensor shards, and FSDP2's
+        settings stay as captured, checked at every call (docs/sharding.md).
     """
     options = CaptureOptions(_NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
                              num_warmup_iters, pool, min_warmup=1)  # fmt: skip
