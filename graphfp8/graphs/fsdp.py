@@ -53,8 +53,9 @@ def refusal(entry: str) -> str:
     return (
         f"{entry}: cannot capture a model under torch FSDP2 (fully_shard): {why}. Capture the "
         f"whole forward and backward with {_MICROBATCH}(model, loss_fn, batch, fp8_enabled=..., "
-        "fp8_group=...) (FSDP2's all-gathers and reduce-scatters inside the graph), or the whole "
-        "step with make_graphed_step(model, loss_fn, optimizer, batch, ...)"
+        "fp8_group=...) (FSDP2's all-gathers and reduce-scatters inside the graph) or the whole "
+        "step with make_graphed_step(model, loss_fn, optimizer, batch, ...), or shard the "
+        "graphed way: MasterWeights(model, shard_group=...)"
     )
 
 
