@@ -2,8 +2,8 @@
 again and transposes GPT-2's Conv1D weights back; from_hf_names undoes it, in place.
 
 A blockwise FP8 weight (Float8BlockTensor, 128x128 blocks) splits into blockwise pieces along
-whole 128-row blocks, data and scales as stored (docs/integrations.md, "FP8 checkpoints for
-serving"); a split inside a block raises, as no piece could hold its blocks.
+whole 128-row blocks, data and scales as stored (docs/integrations.md, "An FP8
+checkpoint for serving"); a split inside a block raises, as no piece could hold its blocks.
 """
 
 from __future__ import annotations
