@@ -161,3 +161,30 @@ def test_misuse_raises_clear_errors(device):
         f8.weight.transpose_fp8()
     with pytest.raises(NotImplementedError, match="fully_shard"):
         torch.chunk(f8.weight, 2)  # what FSDP2 does: its shards would be high precision
+
+
+@pytest.mark.parametrize("recipe", [BLOCK, g8.DelayedScaling()], ids=["blockwise", "per_tensor"])
+def test_a_checkpoint_loaded_after_building_the_masters_is_trained(device, recipe):
+    """Issue 42: model.load_state_dict(high-precision checkpoint) after MasterWeights(model)
+    was silently undone by the next step's write-back of the old masters. Now the masters adopt
+    the loaded weights (dequantized, as construction seeds them; the sharded masters did
+    already), so a step with lr 0 keeps the loaded blocks; a weight rewritten with its own
+    bytes (a capture's restore) keeps its master bit for bit."""
+    f8 = _build("Linear", torch.bfloat16, device, recipe)
+    masters = g8.MasterWeights(f8)
+    before = masters.masters[0].detach().clone()
+    with torch.no_grad():
+        f8.weight.copy_(copy.deepcopy(f8.weight))  # the same bytes: nothing adopted
+    opt = torch.optim.SGD(masters.parameters(), lr=0.0)
+    masters.step(opt)
+    assert_bitwise_equal(masters.masters[0], before)
+    pretrained = _build("Linear", torch.bfloat16, device, recipe=None, seed=11)
+    f8.load_state_dict(pretrained.state_dict())
+    loaded = (_u8(f8.weight._data).clone(), f8.weight._scale_inv.clone())
+    x = torch.randn(T, K, dtype=torch.bfloat16, device=device)
+    with g8.fp8_autocast(recipe=BLOCK if recipe is BLOCK else g8.Float8CurrentScaling()):
+        f8(x).sum().backward()
+    masters.step(opt)
+    assert_bitwise_equal(masters.masters[0], f8.weight.dequantize(torch.float32))
+    assert_bitwise_equal(_u8(f8.weight._data), loaded[0], "data after the step")
+    assert_bitwise_equal(f8.weight._scale_inv, loaded[1], "scale_inv after the step")
