@@ -34,13 +34,13 @@ def _counting(monkeypatch, calls: dict) -> None:
         monkeypatch.setattr(ops, name, counted)
 
 
-def _train(model, recipe, on: bool, device, graphed=False, steps=3, mbs=2):
+def _train(model, recipe, on: bool, device, graphed=False, steps=3, mbs=2, shape=None):
     gen = torch.Generator().manual_seed(5)
 
     def randn(like):
         return torch.randn(like.shape, generator=gen).to(like.dtype).to(device)
 
-    sample = torch.zeros(input_shape(model), dtype=torch.bfloat16, device=device)
+    sample = torch.zeros(shape or input_shape(model), dtype=torch.bfloat16, device=device)
     seen = []
     with kernel_switch("ROPE_CAST_BWD", on):
         call = model
@@ -116,3 +116,51 @@ def test_other_settings_keep_the_unfused_path(case, monkeypatch):
     if case != "no_grad":
         y.float().sum().backward()
     assert "rope_cast_transpose" not in calls
+
+
+class _Chain(torch.nn.Module):
+    """Two layers handing the second residual add on (training/model.py's Blocks): the second
+    layer's QKV projection takes the residual inside its norm."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([build("LlamaLayer", device=device) for _ in range(2)])
+
+    def forward(self, x):
+        h, y = self.layers[0](x, defer_residual=True)
+        return self.layers[1](h, residual=y)
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_chained_layers_with_deferred_residual(device, recipe, monkeypatch):
+    old = _Chain(device)
+    new = copy.deepcopy(old)
+    shape = input_shape(old.layers[0])
+    want = _train(old, RECIPES[recipe], False, device, shape=shape)
+    calls = {}
+    _counting(monkeypatch, calls)
+    got = _train(new, RECIPES[recipe], True, device, shape=shape)
+    assert calls == {"rope_cast_transpose": 12}, calls  # two layers
+    _compare(got, want, old, new, f"chain {recipe}")
+
+
+def test_numerics_observer_sees_the_same_gradient():
+    """FP8Stats' rows (graphfp8.numerics) are the same with the switch on: the observer of the
+    QKV gradient cast gets the gradient the fused kernel cast, rebuilt only when observed."""
+    from graphfp8.numerics import FP8Stats  # noqa: PLC0415
+
+    rows, base = [], build("TransformerLayer")
+    for on in (False, True):
+        layer = copy.deepcopy(base)
+        gen = torch.Generator().manual_seed(3)
+        with FP8Stats(layer) as stats, kernel_switch("ROPE_CAST_BWD", on):
+            stats.enable(True)
+            for mb in range(2):
+                x = torch.randn(input_shape(layer), generator=gen).bfloat16().requires_grad_()
+                with g8.fp8_autocast():
+                    y = layer(x)
+                (y.float() * 10.0 ** (mb - 1)).square().sum().backward()
+                stats.collect(0, mb)
+            rows.append(stats.rows())
+    assert any(r["role"] == "grad_output" for r in rows[0])
+    assert rows[1] == rows[0]
