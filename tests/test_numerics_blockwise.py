@@ -21,8 +21,9 @@ from graphfp8.ops.blockwise_stats import STATS, block_stats
 from graphfp8.training import cli as train
 
 BLOCK = g8.Float8BlockScaling()
-EXACT = ("saturated", "underflow", "nonzero", "saturated_blocks", "underflow_blocks", "amax",
-         "log2_scale_min", "log2_scale_max")  # fmt: skip
+EXACT = ("saturated", "underflow", "nonzero", "saturated_blocks", "underflow_blocks", "amax")
+LOG2 = ("log2_scale_min", "log2_scale_max")  # exact for power-of-2 scales; else CUDA's log2 may
+# round the last bit otherwise than the CPU's (H200, 2026-12-02: 1 ulp)
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +53,10 @@ def test_block_stats_equal_the_float64_twin(device, rows, p2):
     x_fp8, inv = quantize(x, power_2_scale=p2)
     got = dict(zip(STATS, block_stats(x, x_fp8, inv, rows).tolist(), strict=True))
     want = ref.block_stats(x.cpu(), rows, power_2_scale=p2)
-    for name in EXACT:
+    for name in EXACT + (LOG2 if p2 or device == "cpu" else ()):
         assert got[name] == want[name], (name, got[name], want[name])
+    for name in LOG2:
+        assert got[name] == pytest.approx(want[name], rel=1e-14), name
     for name in ("signal", "noise", "worst_block_rel_err", "log2_scale_mean"):
         assert got[name] == pytest.approx(want[name], rel=1e-9), name
     assert got["underflow_blocks"] > 0 and got["underflow"] > 0
