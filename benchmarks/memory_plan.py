@@ -19,7 +19,7 @@ import torch
 import graphfp8 as g8
 from benchmarks.common import environment, print_table
 from graphfp8.graphs.backends import tapes_allocate_as_cuda
-from graphfp8.memory import LiveBytes
+from graphfp8.memory import AllocatedBytes, LiveBytes
 from graphfp8.memory.plan import plan
 from graphfp8.memory.shapes import LLAMA, shape_from
 from graphfp8.training.data import Dataset
@@ -59,10 +59,11 @@ def cpu_peak(spec: RunSpec, data: Dataset, out: Path, steps: int = 2, group=None
     """The peak bytes graphfp8-train allocates for `spec` on the CPU: LiveBytes over the whole run
     (model, masters, captures, steps, validation), CPU tapes allocating as CUDA graphs do
     (graphs.backends.tapes_allocate_as_cuda): the CPU's torch.cuda.max_memory_allocated. group:
-    the run's process group (spec.shard, spec.fsdp)."""
+    the run's process group (spec.shard, spec.fsdp). FSDP2 runs count the CPU allocator's bytes
+    (AllocatedBytes): LiveBytes sees neither DTensors' local shards nor FSDP2's storage resizes."""
     g8.reset_state()
     gc.collect()
-    with tapes_allocate_as_cuda(), LiveBytes() as live:
+    with tapes_allocate_as_cuda(), AllocatedBytes() if spec.fsdp else LiveBytes() as live:
         train_run(spec, RunOptions(steps=steps, out=out, data=data, val_batches=1,
                                    eval_every=100, group=group))  # fmt: skip
     return live.peak
