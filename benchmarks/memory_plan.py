@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 import graphfp8 as g8
 from benchmarks.common import environment, print_table
+from benchmarks.memory_shard import one_rank_group
 from graphfp8.graphs.backends import tapes_allocate_as_cuda
 from graphfp8.memory import AllocatedBytes, LiveBytes
 from graphfp8.memory.plan import plan
@@ -28,12 +30,14 @@ from graphfp8.training.model import PRESETS, ModelConfig
 from graphfp8.training.run import RunSpec
 from graphfp8.training.sources import open_stream, token_dtype
 
-# (FP8 weights, recompute, graphs)
+# (FP8 weights, recompute, graphs, sharding)
 SETTINGS = [
-    (False, "none", "layers"),
-    (False, "full", "layers"),
-    (True, "selective", "step"),
-    (True, "full", "none"),
+    (False, "none", "layers", "ddp"),
+    (False, "full", "layers", "ddp"),
+    (True, "selective", "step", "ddp"),
+    (True, "full", "none", "ddp"),
+    (False, "full", "none", "fsdp2"),  # graphfp8-train --fsdp on a one-rank group
+    (True, "full", "none", "fsdp2"),
 ]
 
 
@@ -76,30 +80,36 @@ def run(device, quick: bool = False) -> dict:
     rows, results = [], []
     with tempfile.TemporaryDirectory() as tmp:
         data = _tokens(Path(tmp), cfg.vocab, 64 * cfg.seq_len)
-        for fp8_weights, recompute, graphs in SETTINGS:
+        for fp8_weights, recompute, graphs, sharding in SETTINGS:
             planned = plan(shape, seq=cfg.seq_len, batch=cfg.batch, recompute=recompute,
-                           fp8_weights=fp8_weights, graphs=graphs)  # fmt: skip
+                           fp8_weights=fp8_weights, graphs=graphs, sharding=sharding)  # fmt: skip
             measured = reserved = None
+            fsdp = sharding == "fsdp2"
             spec = RunSpec("llama-8b-width", cfg, "fp8", graphs, microbatches=2, device=device,
-                           fp8_weights=fp8_weights, recompute=recompute)  # fmt: skip
+                           fp8_weights=fp8_weights, recompute=recompute, fsdp=fsdp)  # fmt: skip
             if device.startswith("cuda"):
                 g8.reset_state()
-                out = train_run(spec, RunOptions(steps=3, out=Path(tmp), data=data,
-                                                 val_batches=1, eval_every=100))  # fmt: skip
+                with one_rank_group(torch.device(device)) if fsdp else nullcontext() as group:
+                    out = train_run(spec, RunOptions(steps=3, out=Path(tmp), data=data,
+                                                     val_batches=1, eval_every=100,
+                                                     group=group))  # fmt: skip
                 measured = out["memory_per_rank"][0]["max_allocated_bytes"]
                 reserved = out["peak_reserved_bytes"]
                 del out
                 gc.collect()
                 torch.cuda.empty_cache()
             elif quick:
-                measured = cpu_peak(spec, data, Path(tmp))
+                with one_rank_group(torch.device(device)) if fsdp else nullcontext() as group:
+                    measured = cpu_peak(spec, data, Path(tmp), group=group)
             ratio = planned.peak / measured if measured else None
             results.append({"fp8_weights": fp8_weights, "recompute": recompute, "graphs": graphs,
+                            "sharding": sharding,
                             "plan": planned.to_dict(), "measured_peak": measured,
                             "planned_over_measured": ratio, "peak_reserved": reserved,
                             "footprint_over_reserved": reserved and planned.footprint / reserved,
                             })  # fmt: skip
-            rows.append([str(fp8_weights), recompute, graphs, f"{planned.peak / 2**30:.2f}",
+            mode = graphs + (" fsdp2" if fsdp else "")
+            rows.append([str(fp8_weights), recompute, mode, f"{planned.peak / 2**30:.2f}",
                          f"{measured / 2**30:.2f}" if measured else "-",
                          f"{ratio:.3f}" if ratio else "-",
                          f"{planned.footprint / 2**30:.2f}",
