@@ -59,6 +59,21 @@ def _tokens(tmp: Path, vocab: int, count: int) -> Dataset:
     return Dataset(open_stream(str(path), vocab_size=vocab), val_fraction=0.05)
 
 
+def _fresh_sharding_propagation() -> None:
+    """Empties DTensor's sharding-propagation caches, as in a fresh process: the first fused
+    AdamW step over DTensors runs its fake-tensor fallback on real tensors only on a cache miss
+    (docs/sharding.md, "Memory planner"), and a run measured after another of the same shapes
+    would miss it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
+    FakeTensorMode.cache_clear()
+
+
 def cpu_peak(spec: RunSpec, data: Dataset, out: Path, steps: int = 2, group=None) -> int:
     """The peak bytes graphfp8-train allocates for `spec` on the CPU: LiveBytes over the whole run
     (model, masters, captures, steps, validation), CPU tapes allocating as CUDA graphs do
