@@ -15,9 +15,11 @@ min, max, mean). `scale` is 2**log2_scale_mean (a geometric mean); recorded_amax
 largest |x|. A blockwise FP8 primary weight's row is its stored blocks against their own
 dequantized values (no rounding error by construction; its scales are what it reports).
 
-Cost: while installed, every quantization also computes its statistics (about 25 torch ops over
-the operand, in float64), kept only while enabled (a device flag, as FP8Stats'): install it for
-the runs that report (graphfp8-train --fp8-stats N).
+Cost: while disabled, an eager quantization runs nothing more (no kernel: the report is skipped
+on the host); while enabled, about 25 torch ops over the operand, in float64. A graph captured
+while it is installed holds those ops whatever the setting at capture, gated by a device flag (as
+FP8Stats' kernels are), so every replay runs them and keeps the result only while enabled:
+install it for the runs that report (graphfp8-train --fp8-stats N).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from graphfp8.fp8 import observe
+from graphfp8.fp8 import context, observe
 from graphfp8.numerics import FIELDS
 from graphfp8.ops.blockwise_stats import STATS, block_stats
 
@@ -84,9 +86,15 @@ class BlockStats:
         if self._previous is not None:
             self._previous.cast(block, i, role, source)
 
-    def block_cast(self, weight: torch.Tensor, role: str, source: tuple) -> None:
-        """observe.observe_block's call: the statistics of one quantization into its buffer."""
-        x, x_fp8, scale_inv, rows = source
+    def block_cast(self, weight: torch.Tensor, role: str, source) -> None:
+        """observe.observe_block's call: the statistics of one quantization into its buffer;
+        `source()` gives block_stats' arguments. Eagerly while disabled: nothing at all."""
+        capturing = context.current().capturing or (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        )
+        if not capturing and not self._enabled:
+            return
+        x, x_fp8, scale_inv, rows = source()
         layer, gemm = self._where.get(id(weight), ("?", ""))
         key = (layer, gemm, role)
         out = self._out.get(key)
@@ -100,7 +108,9 @@ class BlockStats:
                 f"BlockStats: {layer} runs on {x.device}, none of the model's parameters "
                 "does; create BlockStats(model) on its device"
             )
-        out.copy_(torch.where(flag > 0, block_stats(x, x_fp8, scale_inv, rows), out))
+        stats = block_stats(x, x_fp8, scale_inv, rows)
+        # A graph replays this whatever the setting then: the flag keeps or drops the result.
+        out.copy_(torch.where(flag > 0, stats, out) if capturing else stats)
 
     def collect(self, step: int, microbatch: int = 0) -> None:
         """Stores the latest statistics of every operand (no sync) while enabled."""

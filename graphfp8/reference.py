@@ -403,6 +403,31 @@ def rope_fp8_backward(grads, scale_inv, cos, sin, num_heads, out, num_kv_heads=0
     out.copy_(rotated.to(out.dtype))
 
 
+def _rope_gradient(grads, cos, sin, num_heads, num_kv_heads):
+    """The fused QKV gradient (batch * seq, width) that rope_fp8_backward writes from grads."""
+    b, s, _, d = grads[0].shape
+    kv = num_kv_heads or num_heads
+    g = torch.empty(b, s, (num_heads + 2 * kv) * d, dtype=grads[0].dtype, device=grads[0].device)
+    rope_fp8_backward(grads, [], cos, sin, num_heads, g, num_kv_heads)
+    return g.view(b * s, -1)
+
+
+def rope_cast_transpose(grads, cos, sin, num_heads, scale, out, out_t, scale_inv, amax, dbias=None,
+                        scaled_max=None, num_kv_heads=0) -> None:  # fmt: skip
+    """Twin of torch.ops.graphfp8.rope_cast_transpose: rope_fp8_backward's gradient, then
+    cast_transpose (and the fp32 column sum into dbias)."""
+    g = _rope_gradient(grads, cos, sin, num_heads, num_kv_heads)
+    cast_transpose(g, scale, out, out_t, scale_inv, amax, scaled_max=scaled_max)
+    if dbias is not None:
+        dbias.copy_(g.float().sum(dim=0).to(dbias.dtype))
+
+
+def rope_amax(grads, cos, sin, num_heads, amax, num_kv_heads=0) -> None:
+    """Twin of torch.ops.graphfp8.rope_amax: max |g| of rope_cast_transpose's g into amax."""
+    g = _rope_gradient(grads, cos, sin, num_heads, num_kv_heads)
+    amax.copy_(torch.maximum(amax, abs_max(g).reshape(amax.shape)))
+
+
 # FP8 cast statistics (graphfp8.numerics) ---------------------------------------------------------
 
 

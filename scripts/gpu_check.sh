@@ -72,11 +72,12 @@
 #               eager FSDP2 bit for bit) and bench fsdp-graph (4 TransformerLayers h4096, FP8
 #               weights, B1 x S4096: eager FSDP2 vs its microbatch graph vs the unsharded graph)
 #   step kern41 (issue 41 item 4): the CUDA tests of the kern41 switches (KERN41_SWITCHES,
-#               default NORM_FWD_TRANSPOSE), their `benchmarks variants` rows, then the 100m step
+#               default NORM_FWD_TRANSPOSE ROPE_CAST_BWD), the `benchmarks variants` rows of
+#               NORM_FWD_TRANSPOSE (ROPE_CAST_BWD has none: it is a layer path), then the 100m step
 #               graph (graphfp8-train --compare fp8:step --deterministic, synthetic data) with each
 #               switch off / on, one process per run, interleaved, KERN41_REPEATS (3) x
 #               KERN41_STEPS (100): tokens/s on / off and the final loss bit for bit
-#               (scripts/switch_ab.py); ~6 min (tests ~0.5, variants ~1.5, 6 runs ~40 s each)
+#               (scripts/switch_ab.py); ~10 min (tests ~1, variants ~1.5, 12 runs ~40 s each)
 #   step quality-block (issue 42): the quality rows - validation loss of bf16, delayed and
 #               blockwise FP8 (paired per seed, one process per preset: scripts/train_gap.py) on
 #               real text (--data stdlib) for QB_PRESETS (100m llama-100m), QB_STEPS (300) x
@@ -94,7 +95,9 @@
 #               benchmarks.largest_model (graphfp8-train --preset llama-8b --layers L, L from the
 #               planner: 26, 6.72B parameters; FP8 weights, full recompute, per-layer graphs, B1 x
 #               S8192, 5 steps of 2 microbatches, synthetic data) -> $RES/big.json: peak
-#               allocated / reserved, tokens/s and plan/measured; ~1-2 min
+#               allocated / reserved, tokens/s and plan/measured; then the step graph's deepest
+#               (--graphs step: 24 layers, 6.29B; its capture's undo copy in host memory) ->
+#               $RES/big_step.json; ~3-4 min
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -303,12 +306,13 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       done ;;
     kern41)  # issue 41 item 4: tests and kernel rows of each kern41 switch, then the 100m step
       # graph off / on, interleaved repeats, one process each (switches load with the extension)
-      timeout 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_norm_fwd_transpose.py \
+      timeout 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_norm_fwd_transpose.py \
+        tests/ops/test_rope_cast.py tests/modules/test_rope_cast_layer.py \
         > "$RES/kern41_tests.log" 2>&1 || status=1
       grep -E "^FAILED|passed|failed|Timeout" "$RES/kern41_tests.log" | tail -12 | tee -a "$RES/summary.md"
       timeout 150 $PY -m benchmarks variants --json "$RES/kern41_variants.json" 2>&1 | grep -v '^wrote' \
         | grep -E "^#|^\| (switch|---|NORM_FWD_TRANSPOSE)" | tee -a "$RES/summary.md" || status=1
-      for sw in ${KERN41_SWITCHES:-NORM_FWD_TRANSPOSE}; do
+      for sw in ${KERN41_SWITCHES:-NORM_FWD_TRANSPOSE ROPE_CAST_BWD}; do
         off=""; on=""
         for rep in $(seq "${KERN41_REPEATS:-3}"); do
           for v in 0 1; do
@@ -532,7 +536,12 @@ print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF
       $PY -m benchmarks.largest_model --out "$RES/big" > "$RES/big.log" 2>&1 \
         || { status=1; tail -30 "$RES/big.log"; }
       cp "$RES/big/big.json" "$RES/big.json" 2>/dev/null
-      grep "^###\|^| peak\|^graphfp8-train" "$RES/big.log" | tee -a "$RES/summary.md" ;;
+      grep "^###\|^| peak\|^graphfp8-train" "$RES/big.log" | tee -a "$RES/summary.md"
+      # the step graph's deepest (its capture copy in host memory): 24 layers, 6.29B
+      $PY -m benchmarks.largest_model --graphs step --out "$RES/big_step" > "$RES/big_step.log" \
+        2>&1 || { status=1; tail -30 "$RES/big_step.log"; }
+      cp "$RES/big_step/big.json" "$RES/big_step.json" 2>/dev/null
+      grep "^###\|^| peak\|^graphfp8-train" "$RES/big_step.log" | tee -a "$RES/summary.md" ;;
     fsdp-graph)  # issue 40: FSDP2 inside make_graphed_microbatch at world size 1 (NCCL)
       $PY -m pytest -q -m cuda -p no:cacheprovider tests/sharding/test_fsdp2_cuda.py \
         -k microbatch_graph > "$RES/fsdp_graph_tests.log" 2>&1 || status=1

@@ -6,22 +6,12 @@
 #include "../dtype_switch.h"
 #include "../rope_fp8.h"
 #include "fp8_convert.h"
+#include "rope_rotate.h"
 
 namespace graphfp8 {
 namespace {
 
-// Rotates the pair (lo, hi) at index i < half of position row (c, n) in place.
-void rotate(float& lo, float& hi, const float* c, const float* n, int64_t i, int64_t half,
-            bool inverse) {
-  const float l = lo, h = hi;
-  if (!inverse) {
-    lo = l * c[i] - h * n[i];
-    hi = h * c[i + half] + l * n[i + half];
-  } else {
-    lo = l * c[i] + h * n[i + half];
-    hi = h * c[i + half] - l * n[i];
-  }
-}
+using cpu::rotate;
 
 template <typename T, bool kE4M3>
 void rope_fp8_loop(const RopeFp8Params& p) {

@@ -4,7 +4,7 @@
 // what each measured).
 // Each starts from its environment variable, read once, and can be flipped at run time
 // (graphfp8.ops.switches) so that one process can compare a new kernel with the one it
-// replaces, bit for bit. The CPU kernels ignore them.
+// replaces, bit for bit. The CPU kernels ignore them (ROPE_CAST_BWD chooses a path in Python).
 #pragma once
 
 #include <atomic>
@@ -35,6 +35,10 @@ struct KernelSwitch {
 // GRAPHFP8_NORM_FWD_TRANSPOSE (off until it has run on a GPU): the norm forward writes the FP8
 // transpose from its own kernel through a band of rows staged in shared memory, instead of a
 // second pass over the FP8 output (cuda/norm_fwd_band.cu; the same bytes; the CPU always does).
+// GRAPHFP8_ROPE_CAST_BWD (off until it has run on a GPU): TransformerLayer's QKV projection and
+// RoPE as one autograd Function whose backward casts the QKV gradient to FP8 straight from dq,
+// dk, dv, rotating them back inside the cast-transpose (cuda/rope_cast.cu; the same bytes, amax
+// and dbias as the separate RoPE backward and cast). Unlike the others it also switches the CPU.
 inline KernelSwitch* kernel_switches(int* count) {
   static KernelSwitch switches[] = {{"NORM_BWD_BATCHED", {true}},
                                     {"PAIRED_QUANTIZE", {true}},
@@ -42,7 +46,8 @@ inline KernelSwitch* kernel_switches(int* count) {
                                     {"NORM_BWD_STAGED", {false}},
                                     {"NORM_BWD_PARAM_IN_KERNEL", {true}},
                                     {"ROPE_PARTS_BWD", {true}},
-                                    {"NORM_FWD_TRANSPOSE", {false}}};
+                                    {"NORM_FWD_TRANSPOSE", {false}},
+                                    {"ROPE_CAST_BWD", {false}}};
   static const bool from_env = [] {
     for (auto& s : switches) {
       char var[64] = "GRAPHFP8_";

@@ -52,7 +52,9 @@ class BlockShards:
                 old, p._scale_inv = p._scale_inv, view
                 old.set_()  # freed, as the FP8 data (sharded_masters._build_buffers)
             self.scales[b] = flat
-        self.power_2 = {e.name: by_name[e.name]._power_2_scale for b in self.scales
+        # Each weight's power_2_scale is read at every write-back: a checkpoint's blocks loaded
+        # into it bring theirs (fp8/block_tensor.py, copy_).
+        self.weights = {e.name: by_name[e.name] for b in self.scales
                         for e in layout.buckets[b].entries}  # fmt: skip
 
     def is_block(self, piece: Piece) -> bool:
@@ -69,7 +71,7 @@ class BlockShards:
             bucket, e = self.layout.buckets[piece.bucket], piece.entry
             k = e.shape[1]
             hp = master.view(-1, k)
-            data, scale_inv = quantize_blocks(hp, e.fp8_dtype, self.power_2[e.name])
+            data, scale_inv = quantize_blocks(hp, e.fp8_dtype, self.weights[e.name]._power_2_scale)
             flats[piece.bucket][piece.start : piece.stop].view(e.fp8_dtype).copy_(data.view(-1))
             first = piece.start // bucket.stripe * _k_tiles(bucket)
             self.scales[piece.bucket][first : first + scale_inv.numel()].copy_(scale_inv.view(-1))

@@ -6,7 +6,8 @@ data * its block's scale_inv. As for Float8Tensor it never computes a scale: who
 into it (graphfp8.fp8.primary.BlockWeightQuantizer) writes data and block scales together. It
 keeps no transpose cache: a 128x128 block is its transpose's block, so the dgrad GEMM transposes
 data and scales at the GEMM (modules/_blockwise.py). Only Float8BlockScaling's GEMMs read it;
-any other torch op sees the dequantized values.
+any other torch op sees the dequantized values, except a move to another device (.to(device),
+.cpu(), .cuda()), which moves the blocks.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ class Float8BlockTensor(Float8Tensor):
             return Float8BlockTensor(src._data, src._scale_inv, src.dtype, src._power_2_scale)
         if func is torch.ops.aten.copy_.default:
             return _copy_(args[0], args[1])
+        if func is torch.ops.aten._to_copy.default and _moves_only(args[0], kwargs):
+            return _moved(args[0], kwargs["device"])
         if func in _SPLIT_OPS:  # shards would be high-precision copies, trained as such
             raise NotImplementedError(
                 "Float8BlockTensor: splitting a blockwise FP8 weight (torch FSDP2's fully_shard "
@@ -133,6 +136,27 @@ class Float8BlockTensor(Float8Tensor):
         # Anything else runs on the dequantized values.
         unwrap = lambda t: t.dequantize() if isinstance(t, Float8Tensor) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def _moves_only(src: Float8BlockTensor, kwargs: dict) -> bool:
+    """Whether a _to_copy (.to, .cuda, .cpu) only changes the device: the blocks then move as
+    they are (a state dict moved to the CPU and loaded back copies them bit for bit); a dtype
+    change asks for the high-precision values."""
+    dtype, device = kwargs.get("dtype"), kwargs.get("device")
+    return (
+        device is not None
+        and dtype in (None, src.dtype)
+        and kwargs.get("layout")
+        in (
+            None,
+            torch.strided,
+        )
+    )
+
+
+def _moved(src: Float8BlockTensor, device) -> Float8BlockTensor:
+    return Float8BlockTensor(src._data.to(device, copy=True), src._scale_inv.to(device, copy=True),
+                             src.dtype, src._power_2_scale)  # fmt: skip
 
 
 def _copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

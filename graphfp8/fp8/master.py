@@ -42,8 +42,10 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from graphfp8.fp8 import context
-from graphfp8.fp8.primary import quantizer_for
+from graphfp8.fp8.block_tensor import Float8BlockTensor
+from graphfp8.fp8.primary import quantize_weight, quantizer_for
 from graphfp8.fp8.tensor import Float8Tensor, is_fsdp_fp8
+from graphfp8.ops.blockwise import quantize_blocks
 
 __all__ = ["TENSOR_GRAD", "MasterWeights"]
 
@@ -144,6 +146,26 @@ class ClaimAnchor:
     long as those masters."""
 
 
+def _versions(weights: list[Float8Tensor]) -> list[tuple[int, int, int]]:
+    """Each weight's version counters: its own (copy_ into it: load_state_dict, a capture's
+    restore; ops inside its __torch_dispatch__ move no inner counter) and its data's and
+    scales' (written directly)."""
+    return [(p._version, p._data._version, p._scale_inv._version) for p in weights]
+
+
+def _holds(weight: Float8Tensor, master: torch.Tensor) -> bool:
+    """Whether `weight` holds exactly what a write-back of `master` writes (data and scales)."""
+    if isinstance(weight, Float8BlockTensor):
+        data, scale_inv = quantize_blocks(master.detach(), weight.fp8_dtype,
+                                          weight._power_2_scale)  # fmt: skip
+    else:
+        fresh = quantize_weight(master.detach(), weight.fp8_dtype)
+        data, scale_inv = fresh._data, fresh._scale_inv
+    return torch.equal(data.view(torch.uint8), weight._data.view(torch.uint8)) and torch.equal(
+        scale_inv, weight._scale_inv
+    )
+
+
 def check_fp8_weights_kept(model: nn.Module, what: str) -> None:
     """Raises if a graphfp8 layer built inside fp8_model_init holds a GEMM weight (a 2-D
     parameter of the layer itself) that is no longer FP8: something replaced it with a
@@ -238,10 +260,28 @@ class MasterWeights:
         """Quantizes every master into its FP8 weight (data and scale_inv; transpose stale)."""
         for p, m, q in zip(self.fp8_params, self.masters, self.quantizers, strict=True):
             q.quantize_(m, p)
+        self._written = _versions(self.fp8_params)
+
+    @torch.no_grad()
+    def adopt_changes_(self) -> None:
+        """Reseeds, from its FP8 weight (dequantized, as construction seeds it), each master
+        whose weight no longer holds the master's quantization: a model.load_state_dict after
+        building the masters, which the next write-back would silently undo (the sharded
+        masters adopt them too: graphfp8.distributed.sharded_guard). Looked at only where the
+        weight's version moved since the last write-back (a capture's restore of the same bytes
+        moves it too); eager only: a graph replay steps the masters it captured."""
+        if capturing() or self._mode.in_graph:
+            return
+        now = _versions(self.fp8_params)
+        for p, m, seen, v in zip(self.fp8_params, self.masters, self._written, now, strict=True):
+            if seen != v and not _holds(p, m):
+                m.detach().copy_(p.dequantize(torch.float32))
+        self._written = now
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """copy_grads_, optimizer.step(), write_back_."""
+        """adopt_changes_, copy_grads_, optimizer.step(), write_back_."""
         self._check_optimizer(optimizer)
+        self.adopt_changes_()
         if capturing():  # a step graph's warmup or capture: it copies from now on
             self._mode.in_graph = True
         self.copy_grads_()

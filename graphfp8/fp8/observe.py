@@ -84,7 +84,8 @@ def observe_block(weight: torch.Tensor, role: str, source) -> None:
         weight: the GEMM's weight parameter: which layer and GEMM the operand belongs to.
         role: "input", "weight" or "grad_output".
         source: a function returning (x (R, C) high precision, x_fp8, scale_inv, rows), the
-            arguments of graphfp8.ops.blockwise_stats.block_stats; called only when observed.
+            arguments of graphfp8.ops.blockwise_stats.block_stats; the observer calls it only
+            for a quantization it records (BlockStats: none eagerly while disabled).
     """
     if _OBSERVER is None:
         return
@@ -95,4 +96,4 @@ def observe_block(weight: torch.Tensor, role: str, source) -> None:
             "GEMM ran: create graphfp8.numerics_blockwise.BlockStats(model) for its per-block "
             "statistics (after the FP8Stats, for a model mixing recipes)"
         )
-    take(weight, role, source())
+    take(weight, role, source)  # it calls source() only for what it records

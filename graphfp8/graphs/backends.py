@@ -11,13 +11,14 @@ import subprocess
 import tempfile
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from graphfp8 import global_state
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.graphs.tape import RecordingMode, ReplayTape
 
-__all__ = ["CudaGraph", "TapeGraph", "capture_stream", "new_graph", "tape_replays_off",
-           "tapes_allocate_as_cuda"]  # fmt: skip
+__all__ = ["CudaGraph", "TapeGraph", "capture_stream", "host_memory", "new_graph",
+           "tape_replays_off", "tapes_allocate_as_cuda"]  # fmt: skip
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 global_state.register("capture streams (graphs/backends.py)", _CAPTURE_STREAMS.clear,
@@ -72,6 +73,19 @@ def tapes_allocate_as_cuda():
         yield
     finally:
         _TapeReplays.on = _TapeReplays.record = True
+
+
+@contextlib.contextmanager
+def host_memory():
+    """What the block allocates is host memory beside the device's (a capture's pinned copy of
+    the model: graphs/step_optim.py TrainingSnapshot). Under tapes_allocate_as_cuda the CPU
+    stands in for a GPU, so the block runs outside the dispatch modes that count its memory
+    (graphfp8.memory.LiveBytes): a GPU would not hold it. Elsewhere it changes nothing."""
+    if _TapeReplays.record:
+        yield
+        return
+    with _disable_current_modes():
+        yield
 
 
 class TapeGraph:

@@ -9,8 +9,9 @@ make_graphed_step run their own bodies in (docs/architecture.md, "Capture").
                                                      records the arenas the modules used
         arenas = session.freeze_arenas(found.arenas) checked across ranks, frozen
         points = session.update_points(arenas)       the scale updates the graphs hold
-        with session.capture_phase():                FP8 state, RNG, snapshot put back after; no
-            with session.capture_into(graph) as rec:  garbage collection or autocast cache inside
+        with session.capture_phase():                FP8 state, RNG, snapshot put back after,
+                                                     the snapshot dropped; no garbage collection
+            with session.capture_into(graph) as rec:  or autocast cache inside
                 points.at_forward(); ...; points.at_backward()
             graph.updates = rec.updates: what each replay reports to the schedule (backends.py)
 
@@ -58,7 +59,8 @@ class CaptureSession:
             capturing (None: they cast on every replay; the step graph pushes one per
             microbatch: weight_policy()).
         snapshot: an object whose restore() undoes what a warmup or a CPU capture (which runs
-            what it records) changed in the model or optimizer; None: nothing to undo.
+            what it records) changed in the model or optimizer; None: nothing to undo. The
+            session drops it when capture_phase() ends, whatever the outcome.
     """
 
     def __init__(self, device: torch.device, options: CaptureOptions, *, weight_cache_flag=None,
@@ -144,6 +146,9 @@ class CaptureSession:
         finally:
             if self.snapshot is not None:
                 self.snapshot.restore()
+            # The capture was the snapshot's last use: the graph must not keep a copy of the
+            # model alive (docs/sharding.md, "Memory planner").
+            self.snapshot = None
 
     def new_graph(self):
         """An empty graph of the session's backend (CUDA graph or CPU tape)."""

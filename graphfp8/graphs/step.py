@@ -128,7 +128,8 @@ def make_graphed_step(
     .. warning:: A graph replays what its capture ran: the loss, grad_norm and .grad buffers
         are static, and batches, model, mode, optimizer, FP8 and torch.autocast state stay as
         captured (outside fp8_autocast, with grad enabled; tensor learning rates change with
-        fill_); the capture holds a copy of the parameters, buffers and optimizer state. The
+        fill_); warmup and capture undo their steps from a host copy of the parameters, buffers
+        and optimizer state, dropped after capture (docs/sharding.md, "Memory planner"). The
         rules, each checked before anything runs, are in docs/after-capture.md.
     """
     options = CaptureOptions(_NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,

@@ -9,7 +9,6 @@ learning rate. Python numbers (betas, eps, weight decay, momentum) are frozen at
 
 from __future__ import annotations
 
-import copy
 import itertools
 
 import torch
@@ -18,6 +17,7 @@ from torch.optim import SGD, Adam, AdamW
 from torch.optim import optimizer as _torch_optimizer
 
 from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.graphs.backends import host_memory
 
 __all__ = ["OptimizerGuard", "TrainingSnapshot", "check_optimizer"]
 
@@ -150,21 +150,24 @@ class TrainingSnapshot:
     """The model's parameters and buffers and the optimizer's state, put back after warmup and
     after a CPU capture (whose tape runs what it records). State that the optimizer created in
     between is zeroed: the supported optimizers create it as zeros (Adam's step count and moments;
-    SGD's momentum buffers must exist before capture)."""
+    SGD's momentum buffers must exist before capture).
+
+    The copy lives in host memory (pinned for a GPU's tensors), so that the GPU holds no second
+    copy of the weights and masters while warmup and capture run (the capture's peak), and the
+    session drops it once the capture has put the state back (graphs/session.py;
+    docs/sharding.md, "Memory planner")."""
 
     def __init__(self, model: nn.Module, optimizer=None, extra=()) -> None:
         """extra: more tensors the step changes (FP8 primary weights' masters and scales)."""
         self.tensors = [t for t in itertools.chain(model.parameters(), model.buffers(), extra)]
-        with torch.no_grad():
-            # An FP8 primary weight's clone() would dequantize: copy it as a Float8Tensor.
-            self.saved = [copy.deepcopy(t.detach()) if isinstance(t, Float8Tensor)
-                          else t.detach().clone() for t in self.tensors]  # fmt: skip
-        self.optimizer = optimizer
-        self.state = {}
-        if optimizer is not None:
-            for p, s in optimizer.state.items():
-                self.state[p] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                                 for k, v in s.items()}  # fmt: skip
+        with torch.no_grad(), host_memory():
+            self.saved = [_host_copy(t.detach()) for t in self.tensors]
+            self.optimizer = optimizer
+            self.state = {}
+            if optimizer is not None:
+                for p, s in optimizer.state.items():
+                    self.state[p] = {k: _host_copy(v.detach()) if isinstance(v, torch.Tensor)
+                                     else v for k, v in s.items()}  # fmt: skip
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -181,3 +184,20 @@ class TrainingSnapshot:
                         state[key] = saved[key]
                     elif isinstance(value, torch.Tensor):
                         value.zero_()
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """t's values in host memory, pinned when t is a plain tensor on a GPU. An FP8 weight
+    (Float8Tensor or Float8BlockTensor) stays one, rebuilt from host copies of its inner tensors
+    (its transpose is not kept: copy_ back marks it stale, as after load_state_dict)."""
+    if isinstance(t, Float8Tensor):
+        names, meta = t.__tensor_flatten__()
+        inner = {n: _host_copy(getattr(t, n)) for n in names}
+        return type(t).__tensor_unflatten__(inner, meta, t.shape, t.stride())
+    if t.device.type == "cpu" or type(t) is not torch.Tensor:
+        return t.clone()  # other subclasses (DTensor) keep their copy on their device
+    try:
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
+    except RuntimeError:  # no pinned memory left: pageable, the same values, slower copies
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    return out.copy_(t)

@@ -101,6 +101,12 @@ def _check_capturable(func, args, kwargs) -> None:
         )
 
 
+def _on_device(args, kwargs) -> bool:
+    """Whether any tensor argument lives off the host (the op would run on a device)."""
+    return any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
+               for t in tree_flatten((args, kwargs))[0])  # fmt: skip
+
+
 def _is_work(item) -> bool:
     return isinstance(item, torch.ScriptObject) and hasattr(item, "wait")
 
@@ -252,7 +258,11 @@ class RecordingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        _check_capturable(func, args, kwargs)
+        # A CUDA capture (no tape) holds only device work: an op on host tensors alone runs once,
+        # at capture, and cannot stall the stream (torch 2.11's FSDP2 slices its DeviceMesh
+        # with a CPU nonzero before each all-gather). The tape replays every op it sees.
+        if self.tape is not None or _on_device(args, kwargs):
+            _check_capturable(func, args, kwargs)
         out = func(*args, **kwargs)
         self.names.append(func._schema.name)
         if self.tape is not None:

@@ -18,6 +18,7 @@ import copy
 
 import torch
 
+from graphfp8.fp8.block_tensor import Float8BlockTensor
 from graphfp8.hf.fp8_export import fp8_checkpoint
 from graphfp8.hf.names import FP8_PREFIX, from_hf_names, to_hf
 
@@ -39,7 +40,8 @@ def save_pretrained(model, save_directory, state_dict: dict | None = None,
             GEMM weights with per-tensor scales and a quantization_config, in the layout of
             "transformers" (True: AutoModelForCausalLM loads it) or "vllm"; "blockwise": 128x128
             weight blocks with float32 weight_scale_inv (DeepSeek-V3's layout, which
-            transformers' fine-grained FP8 loader reads); no FP8 state.
+            transformers' fine-grained FP8 loader reads; blockwise FP8 weights are written as
+            stored); no FP8 state.
         activation_scheme: with fp8, "dynamic" or "static" (input scales from training).
         **kwargs: the Hugging Face class's save_pretrained arguments (safe_serialization,
             max_shard_size, is_main_process, push_to_hub, ...).
@@ -49,8 +51,9 @@ def save_pretrained(model, save_directory, state_dict: dict | None = None,
                          "class (build it with graphfp8.from_hf)")  # fmt: skip
     ours = model.state_dict() if state_dict is None else state_dict
     memo: dict[int, torch.Tensor] = {}  # one copy per tensor: tied embeddings stay one tensor
-    hf_state = {k: memo.setdefault(id(t), t.detach().clone()) for k, t in
-                to_hf(ours, model.config).items()}  # fmt: skip
+    # Blockwise FP8 weights stay blocks only for the blockwise export (written as stored).
+    hf = to_hf(ours, model.config, dequantize=fp8 != "blockwise")
+    hf_state = {k: memo.setdefault(id(t), _copy(t)) for k, t in hf.items()}
     quantization = None
     if fp8:
         hf_state, quantization = fp8_checkpoint(model, "transformers" if fp8 is True else fp8,
@@ -66,6 +69,15 @@ def save_pretrained(model, save_directory, state_dict: dict | None = None,
     if quantization is not None:
         shell.config.quantization_config = quantization
     shell.save_pretrained(save_directory, state_dict=hf_state, **kwargs)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy; a blockwise FP8 weight's copy keeps its blocks (clone() would give its
+    dequantized values)."""
+    if isinstance(t, Float8BlockTensor):
+        return Float8BlockTensor(t._data.clone(), t._scale_inv.clone(), t.dtype,
+                                 t._power_2_scale)  # fmt: skip
+    return t.detach().clone()
 
 
 def from_hf_names_hook(module, state_dict, prefix, *args) -> None:

@@ -21,7 +21,11 @@ float32 `weight_scale_inv` (ceil(out / 128), ceil(in / 128)) per weight (graphfp
 with float32 scales: scale_inv = 1 / (fp8_max / the block's amax)), under transformers' names, with
 "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
 "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]} (activations are scaled
-per 1x128 tile at run time by the reader: "dynamic" only).
+per 1x128 tile at run time by the reader: "dynamic" only). A model whose weights are blockwise FP8
+already (fp8_model_init(recipe=Float8BlockScaling()): Float8BlockTensor) exports its stored
+blocks and scales bit for bit, nothing quantized again (a block's dequantized values quantized
+again can give other bytes, or other values under float32 scales); q/k/v and gate/up are split
+along whole 128-row blocks (graphfp8/hf/names.py), and a split inside a block raises.
 
 The GEMM weights are the HF tensors of graphfp8's FP8 GEMMs (q/k/v/o and gate/up/down
 projections). Each gets its own scale from its amax (fp8_max / amax, graphfp8's scale rule), so
@@ -34,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphfp8.fp8.block_tensor import Float8BlockTensor
 from graphfp8.fp8.recipe import fp8_max
 from graphfp8.fp8.slots import FwdRole, slot_index
 from graphfp8.hf.layouts import layout_for
@@ -91,6 +96,16 @@ def quantize_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_blocks(w.detach(), E4M3, power_2_scale=False)
 
 
+def _export_weight(w: torch.Tensor, quantize) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 weight, its scale_inv): a blockwise FP8 weight's stored blocks under the blockwise
+    layout (copies: safetensors writes no shared storage), else `quantize` of its value."""
+    if isinstance(w, Float8BlockTensor):
+        if quantize is quantize_128x128:
+            return w._data.clone(), w._scale_inv.clone()
+        w = w.dequantize()
+    return quantize(w)
+
+
 def _layer_gemms(layout, i: int) -> list[tuple[str, str, tuple[str, ...]]]:
     """(our weight name, HF prefix, HF names) of layer i's FP8 GEMM weights."""
     prefix = f"{layout.layers_path}.{i}."
@@ -120,7 +135,8 @@ def fp8_checkpoint(model: nn.Module, layout: str = "transformers",
         layout: "transformers", "vllm" or "blockwise" (module docstring).
         activation_scheme: "dynamic" (activations scaled at run time by the reader) or "static"
             (input scales from training's FP8 state).
-        hf_state: the high-precision HF state dict to convert (default graphfp8.to_hf(model)).
+        hf_state: the HF state dict to convert (default graphfp8.to_hf(model), blockwise FP8
+            weights kept blockwise for the "blockwise" layout, else dequantized).
 
     Returns:
         ({HF name: tensor}: GEMM weights E4M3 with their scales, everything else as given,
@@ -147,7 +163,7 @@ def fp8_checkpoint(model: nn.Module, layout: str = "transformers",
             "FP8 checkpoints do not quantize; supported: Llama, Mistral, Qwen2"
         )
     weight_key, input_key, skip_key = LAYOUTS[layout]
-    state = dict(to_hf(model) if hf_state is None else hf_state)
+    state = dict(to_hf(model, dequantize=not block) if hf_state is None else hf_state)
     entries = [e for i in range(len(model.layers)) for e in _layer_gemms(arch, i)]
     _check_finite(state, [prefix + name for _, prefix, theirs in entries for name in theirs])
     quantize = quantize_128x128 if block else quantize_per_tensor
@@ -162,7 +178,7 @@ def fp8_checkpoint(model: nn.Module, layout: str = "transformers",
                 )
             for key in keys:
                 module = key[: -len("weight")]
-                state[key], state[module + weight_key] = quantize(state[key])
+                state[key], state[module + weight_key] = _export_weight(state[key], quantize)
                 if x_scale is not None:
                     state[module + input_key] = x_scale.clone()
     quant = {

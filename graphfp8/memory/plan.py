@@ -40,9 +40,10 @@ captured (a replay allocates nothing), `footprint` the peak with the pools held,
             or the optimizer's transient) beside the state and the static buffers, or the
             capture (before the first step: no gradients or optimizer state yet) if larger;
             footprint: the blocks' activations and working set held in the pool beside that
-    step    graph pools: the copy of the weights and masters the capture keeps to undo its
-            warmup (graphs/step_optim.py's TrainingSnapshot, alive as long as the graph); the
-            unsharded masters' fp32 gradients are the graph's buffers (masters: 8 P8).
+    step    graph pools: none beyond the microbatch's memory (the copy of the weights and
+            masters that undoes the warmup lives in host memory and is dropped after the
+            capture: graphs/step_optim.py's TrainingSnapshot); the unsharded masters' fp32
+            gradients are the graph's buffers (masters: 8 P8).
             peak: the capture, everything at once; footprint: an eager validation pass's loss
             (8 T V) outside the pool on top
 """
@@ -241,9 +242,8 @@ def plan(preset: str | ModelShape, n: int = 1, seq: int = 2048, batch: int = 1,
         layer = max(0, layer_working_set_bytes(shape, tokens, recompute))
         out.capture_peak = (out.bytes["weights"] + out.bytes["FP8 caches"] + master_values
                             + out.bytes["graph pools"] + blocks + layer)  # fmt: skip
-    elif graphs == "step":  # the capture's copy of the weights and masters (module docstring)
-        out.bytes["graph pools"] = out.bytes["weights"] + master_values
-        out.bytes["masters"] += fp8_masters if sharding == "ddp" else 0  # the graph's fp32 grads
+    elif graphs == "step":  # the graph's fp32 master gradients (module docstring)
+        out.bytes["masters"] += fp8_masters if sharding == "ddp" else 0
     # unsharded MasterWeights outside a step graph: the fp32 gradients of the optimizer step,
     # which replace the FP8 weights' bf16 ones eagerly and sit beside them with per-layer graphs
     # (their persistent .grad; docs/sharding.md: 19.93 B/param on the H200); sharded masters and

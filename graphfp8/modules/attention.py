@@ -192,6 +192,12 @@ class DotProductAttention(FP8Module):
         q, k, v = qkv.view(b, s, h + 2 * g, d).split([h, g, g], dim=2)
         return self._sdpa(q, k, v, segment_ids)
 
+    def sdpa_parts(self, q, k, v, segment_ids=None) -> torch.Tensor:
+        """torch's SDPA of q (batch, seq, H, D), k, v (batch, seq, G, D) already rotated, as
+        forward_qkv runs it after RoPE (TransformerLayer's QKV projection fused with RoPE,
+        modules/_qkv_rope.py); returns (batch, seq, H * D)."""
+        return self._sdpa(q, k, v, segment_ids)
+
     def _sdpa(self, q, k, v, segment_ids=None) -> torch.Tensor:
         b, s, h, d = q.shape
         causal = self.attn_mask_type == "causal"

@@ -11,6 +11,7 @@ from graphfp8.fp8.slots import FwdRole
 from graphfp8.modules._blockwise import hp_or_blockwise, linear
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
+from graphfp8.modules._qkv_rope import fp8_linear_rope
 from graphfp8.modules.base import FP8Module
 from graphfp8.modules.linear import InitMethod, linear_params
 
@@ -52,14 +53,20 @@ class LayerNormLinear(FP8Module):
         return NormSpec(self.normalization, self.eps, self.zero_centered_gamma)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None,
-                residual: torch.Tensor | None = None):  # fmt: skip
+                residual: torch.Tensor | None = None, rope: tuple | None = None):  # fmt: skip
         """inp: (..., in_features) in params_dtype. Returns (..., out_features), a Float8Tensor
         when fp8_output and FP8 are on, and with return_layernorm_output the pair (output, norm
         output (..., in_features)). is_first_microbatch: as for Linear.
 
         residual: optional, like inp: the layer normalizes h = inp + residual instead and returns
         (h, what it returns otherwise); under fp8_autocast the add runs inside the norm kernel
-        (as LayerNormMLP's residual): the previous TransformerLayer's second residual add."""
+        (as LayerNormMLP's residual): the previous TransformerLayer's second residual add.
+
+        rope: optional (cos, sin, heads, kv_heads) of a fused QKV projection (TransformerLayer
+        under the kernel switch ROPE_CAST_BWD): where the GEMM runs in FP8 with a trainable
+        weight, no fp8_output and no norm output, the output is the tuple (q, k, v) of
+        RopeQKVParts, its backward casting from dq, dk, dv (modules/_qkv_rope.py); elsewhere the
+        projection's output as without rope, which the caller rotates."""
         cfgs = self._fp8_forward_configs(
             inp, self.in_features, [("weight", self.weight)], is_first_microbatch,
             high_precision_input=True, fp8_output=self.fp8_output,
@@ -76,7 +83,10 @@ class LayerNormLinear(FP8Module):
                 hp_out=self.return_layernorm_output, residual=residual,
                 observe=partial(cfgs[0].observe, FwdRole.INPUT),
             )  # fmt: skip
-            out = fp8_linear(x_fp8, self.weight, self.bias, cfgs[0])
+            if rope is not None and needs_t and not self.fp8_output and ln_out is None:
+                out = fp8_linear_rope(x_fp8, self.weight, self.bias, cfgs[0], rope[:2], *rope[2:])
+            else:
+                out = fp8_linear(x_fp8, self.weight, self.bias, cfgs[0])
         result = (out, ln_out) if self.return_layernorm_output else out
         return result if residual is None else (h, result)
 

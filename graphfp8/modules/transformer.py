@@ -38,8 +38,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphfp8 import ops
 from graphfp8.fp8.recompute import recompute as checkpointed
 from graphfp8.modules._explicit_attention import KVCache, explicit_attention
+from graphfp8.modules._qkv_rope import rope_cast_on
 from graphfp8.modules._rope import RopeQKV as _RopeQKV  # noqa: F401 - kept importable here
 from graphfp8.modules._rope import rope_tables
 from graphfp8.modules.attention import DotProductAttention
@@ -190,11 +192,16 @@ class TransformerLayer(nn.Module):
     def _body(self, x, is_first_microbatch, residual, segment_ids, position_ids, attn_mask,
               kv_cache) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The layer after its checks: (h, y), the second residual add left to the caller."""
+        explicit = position_ids is not None or attn_mask is not None or kv_cache is not None
+        rope = None if explicit else self._rope_cast(x, segment_ids)
         if residual is None:
-            qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
+            qkv = self.qkv(x, is_first_microbatch=is_first_microbatch, rope=rope)
         else:
-            x, qkv = self.qkv(x, is_first_microbatch=is_first_microbatch, residual=residual)
-        if position_ids is not None or attn_mask is not None or kv_cache is not None:
+            x, qkv = self.qkv(x, is_first_microbatch=is_first_microbatch, residual=residual,
+                              rope=rope)  # fmt: skip
+        if isinstance(qkv, tuple):  # q, k, v of the QKV projection fused with RoPE
+            core = self.core_attention.sdpa_parts(*qkv, segment_ids)
+        elif explicit:
             if segment_ids is not None:
                 same = segment_mask(segment_ids, causal=False)
                 attn_mask = same if attn_mask is None else attn_mask & same
@@ -205,6 +212,19 @@ class TransformerLayer(nn.Module):
             core = self.attention(qkv, segment_ids)
         attn = self.proj(core, is_first_microbatch=is_first_microbatch)
         return self.mlp(x, is_first_microbatch=is_first_microbatch, residual=attn)
+
+    def _rope_cast(self, x: torch.Tensor, segment_ids) -> tuple | None:
+        """(cos, sin, heads, kv_heads) for the QKV projection fused with RoPE (kernel switch
+        ROPE_CAST_BWD, modules/_qkv_rope.py: the backward casts the QKV gradient from dq, dk, dv)
+        where the layer would take RopeQKVParts and torch's SDPA, or None."""
+        attn = self.core_attention
+        h, g, d = self.num_heads, attn.num_gqa_groups, attn.kv_channels
+        shape, weight = (*x.shape[:2], h, d), self.qkv.weight
+        if not (self.rope and rope_cast_on() and torch.is_grad_enabled() and weight.requires_grad
+                and self.recompute != "selective" and not attn.fp8_active(segment_ids)
+                and ops.rope_cast_fits(shape, g, weight.dtype, x.device)):  # fmt: skip
+            return None
+        return self.rope_cos.float(), self.rope_sin.float(), h, g
 
     def _check_positions(self, x: torch.Tensor, position_ids, kv_cache) -> None:
         """Every position must have a row of the rotary tables (reads position_ids' maximum)."""

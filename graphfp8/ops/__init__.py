@@ -14,6 +14,7 @@ from graphfp8.ops.gemm import check_gemm_dims, fp8_gemm
 from graphfp8.ops.glu import dglu_cast_transpose_dbias, glu_cast_transpose
 from graphfp8.ops.norm import NormFP8, layernorm_bwd, layernorm_fp8, rmsnorm_bwd, rmsnorm_fp8
 from graphfp8.ops.rope import rope_qkv
+from graphfp8.ops.rope_cast import rope_amax_, rope_cast_fits, rope_cast_transpose
 from graphfp8.ops.rope_fp8 import rope_fp8, rope_fp8_backward
 from graphfp8.ops.scale_update import scale_update_
 from graphfp8.ops.sdpa_fp8 import check_sdpa_fp8, sdpa_fp8_backward, sdpa_fp8_forward
@@ -48,6 +49,9 @@ __all__ = [
     "rmsnorm_amax_",
     "rmsnorm_bwd",
     "rmsnorm_fp8",
+    "rope_amax_",
+    "rope_cast_fits",
+    "rope_cast_transpose",
     "rope_fp8",
     "rope_fp8_backward",
     "rope_qkv",

@@ -1,6 +1,6 @@
 """Switches between CUDA kernel variants (csrc/ops/switches.h): a new kernel lands off until it
-has run on a GPU; all below but NORM_BWD_STAGED and NORM_FWD_TRANSPOSE ran in the CUDA suite on
-the H200 on 2026-12-01 and are on by default.
+has run on a GPU; all below but NORM_BWD_STAGED, NORM_FWD_TRANSPOSE and ROPE_CAST_BWD ran in the
+CUDA suite on the H200 on 2026-12-01 and are on by default.
 ENV_DEFAULTS holds the switches that Python modules read once from the environment instead.
 
 Each switch starts from its environment variable (GRAPHFP8_<NAME>=0 turns it off, read once when
@@ -22,6 +22,10 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
     NORM_FWD_TRANSPOSE (off until it runs on a GPU) the norm forward writes the FP8 transpose
                        from its own kernel (a band of rows staged in shared memory), not a
                        second pass over its FP8 output (bit-identical; the CPU always does)
+    ROPE_CAST_BWD      (off until it runs on a GPU) TransformerLayer's QKV projection and RoPE
+                       as one autograd Function: the backward casts the QKV gradient to FP8
+                       from dq, dk, dv, rotating them back in the cast-transpose, without the
+                       RoPE backward pass (bit-identical; switches the CPU path too)
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ SWITCHES = (
     "NORM_BWD_PARAM_IN_KERNEL",
     "ROPE_PARTS_BWD",
     "NORM_FWD_TRANSPOSE",
+    "ROPE_CAST_BWD",
 )
 
 # The switches read from GRAPHFP8_<NAME> by the module that owns them, with their defaults:

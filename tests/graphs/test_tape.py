@@ -56,6 +56,32 @@ def test_device_to_host_copy_is_caught():
                                   num_warmup_iters=1)  # fmt: skip
 
 
+class HostMaskInForward(nn.Module):
+    """A boolean mask over a host tensor (as torch 2.11's FSDP2 slices its DeviceMesh with a CPU
+    nonzero before each all-gather): host work once at capture, nothing for the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        ranks = torch.arange(4)
+        return self.lin(x) * float((ranks == 2).nonzero().numel())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_host_only_ops_pass_a_cuda_capture():
+    """A CUDA capture refuses data-dependent ops on device tensors only; the tape (CPU) refuses
+    every one, since it replays every op."""
+    m = HostMaskInForward().cuda()
+    x = torch.randn(8, 4, device="cuda")
+    graphed = g8.make_graphed_callables(m, (x,), num_warmup_iters=1)
+    torch.testing.assert_close(graphed(x), m.lin(x))
+    with pytest.raises(g8.CaptureError, match="data-dependent output shape"):
+        g8.make_graphed_callables(HostMaskInForward(), (torch.randn(8, 4),), num_warmup_iters=1)
+
+
 def test_tape_replays_the_recorded_ops_on_the_same_tensors():
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     out = torch.empty(4, 4)

@@ -1,7 +1,7 @@
 """The FP8 export for serving (graphfp8/hf/fp8_export.py) of a converted model trained in FP8: E4M3
 GEMM weights whose dequantization is the trained weight within E4M3 rounding, per-tensor scales
 under each reader's names, static input scales from training's FP8 state, every other tensor
-unchanged, and FP8 parameters (fp8_model_init) exported byte for byte."""
+unchanged, and blockwise FP8 weights (Float8BlockTensor) exported as stored, bit for bit."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import graphfp8 as g8
+from graphfp8.fp8.block_tensor import Float8BlockTensor
+from graphfp8.fp8.primary import quantize_block_weight
 from graphfp8.fp8.slots import FwdRole, slot_index
 from graphfp8.hf.fp8_export import LAYOUTS, fp8_checkpoint, quantize_128x128, quantize_per_tensor
 from graphfp8.ops import blockwise as bw
@@ -198,3 +200,118 @@ def test_quantize_128x128_blocks():
     )
     err = bw.dequantize_blocks(w_fp8, scale_inv) - w
     assert (err.abs() <= w.abs() * 2**-4 + 2**-10 * scale_inv.max()).all()
+
+
+BLOCK = g8.Float8BlockScaling()
+
+
+def _block_llama(hidden: int, p2: bool = True, seed: int = 0):
+    """A converted 2-layer Llama whose GEMM weights are blockwise FP8 (Float8BlockTensor, as
+    fp8_model_init(recipe=Float8BlockScaling()) makes them). hidden 256 (4 heads of 64, 2 KV
+    heads): q, k, v have 256, 128, 128 rows and gate, up 384, all whole 128-row blocks; layer
+    0's o_proj block (0, 0) has its amax at 227.8 / 128, which its power-of-2 scale 128 rounds
+    to 224 in E4M3: quantized again from its values it would take the scale 256."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=3 * hidden // 2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    model = g8.from_hf(transformers.LlamaForCausalLM(config).to(BF16))
+    for i, layer in enumerate(model.layers):
+        for owner, name in ((layer.qkv, "weight"), (layer.proj, "weight"),
+                            (layer.mlp, "fc1_weight"), (layer.mlp, "fc2_weight")):  # fmt: skip
+            hp = getattr(owner, name).detach().clone()
+            if i == 0 and owner is layer.proj:
+                hp[0, 0] = 227.8 / 128
+            setattr(owner, name, torch.nn.Parameter(quantize_block_weight(hp, p2)))
+    return model
+
+
+def _stored_blocks(model) -> dict[str, Float8BlockTensor]:
+    """{HF name: the model's blocks of that weight} (q/k/v and gate/up as row slices)."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        q, k = layer.qkv.weight.shape[1], layer.qkv.weight.shape[0] // 4
+        f = layer.mlp.fc2_weight.shape[1]
+        rows = {"self_attn.q_proj": (layer.qkv.weight, 0, q),
+                "self_attn.k_proj": (layer.qkv.weight, q, q + k),
+                "self_attn.v_proj": (layer.qkv.weight, q + k, q + 2 * k),
+                "self_attn.o_proj": (layer.proj.weight, 0, q),
+                "mlp.gate_proj": (layer.mlp.fc1_weight, 0, f),
+                "mlp.up_proj": (layer.mlp.fc1_weight, f, 2 * f),
+                "mlp.down_proj": (layer.mlp.fc2_weight, 0, q)}  # fmt: skip
+        for name, (w, a, b) in rows.items():
+            out[pre + name] = (w._data[a:b], w._scale_inv[a // 128 : -(-b // 128)])
+    return out
+
+
+@pytest.mark.parametrize("p2", [True, False])
+def test_blockwise_fp8_weights_export_their_stored_blocks(tmp_path, p2):
+    """Issue 42: the blockwise export of a model whose weights are blockwise FP8 quantized their
+    dequantized values again (and to_hf refused to split q/k/v and gate/up, naming FSDP2): the
+    block whose max rounds to 224 came out with other bytes (power-of-2 scales), float32 scales
+    other values. Now the stored data and scales are written bit for bit, split along whole
+    128-row blocks, and transformers' fine-grained FP8 loader dequantizes exactly them."""
+    model = _block_llama(256, p2)
+    g8.hf.save_pretrained(model, tmp_path, fp8="blockwise")
+    saved = load_file(tmp_path / "model.safetensors")
+    stored = _stored_blocks(model)
+    assert len(stored) == 2 * len(GEMM_NAMES)
+    for name, (data, scale_inv) in stored.items():
+        assert_bitwise_equal(saved[name + ".weight"].view(torch.uint8), data.view(torch.uint8),
+                             name)  # fmt: skip
+        assert_bitwise_equal(saved[name + ".weight_scale_inv"], scale_inv, name)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    hf_params = dict(loaded.named_parameters())
+    for name, (data, scale_inv) in stored.items():
+        got = hf_params[name + ".weight"].detach()
+        assert_bitwise_equal(got, bw.dequantize_blocks(data, scale_inv).to(got.dtype), name)
+    ids = torch.randint(0, VOCAB, (B, S))
+    with torch.no_grad(), g8.fp8_autocast(recipe=g8.Float8BlockScaling(power_2_scale=p2)):
+        ours = model(ids).logits.float()
+    with torch.no_grad():
+        theirs = loaded(ids).logits.float()
+    assert sqnr(ours, theirs) > 20
+
+
+def test_to_hf_splits_blockwise_weights_on_whole_blocks_and_loads_them_back():
+    """to_hf gives blockwise pieces (views of the stored blocks); load_state_dict of them into
+    another blockwise model copies the blocks bit for bit (torch.cat of the pieces would
+    dequantize them and the load quantize the values again: the 224 block's bytes change)."""
+    model = _block_llama(256)
+    hf = g8.to_hf(model)
+    for name, (data, scale_inv) in _stored_blocks(model).items():
+        piece = hf[name + ".weight"]
+        assert isinstance(piece, Float8BlockTensor)
+        assert_bitwise_equal(piece._data.view(torch.uint8), data.view(torch.uint8), name)
+        assert_bitwise_equal(piece._scale_inv, scale_inv, name)
+    other = _block_llama(256, seed=1)
+    other.load_state_dict(hf)
+    for (name, w), (_, v) in zip(model.named_parameters(), other.named_parameters(), strict=True):
+        if isinstance(w, Float8BlockTensor):
+            assert_bitwise_equal(v._data.view(torch.uint8), w._data.view(torch.uint8), name)
+            assert_bitwise_equal(v._scale_inv, w._scale_inv, name)
+        else:
+            assert_bitwise_equal(v, w, name)
+
+
+def test_a_blockwise_split_inside_a_block_is_refused_and_high_precision_saves(tmp_path):
+    """hidden 64: q_proj's 64 rows end inside the first 128-row block, so no HF weight could
+    hold its blocks: to_hf and the blockwise export refuse naming why (nothing written); the
+    high-precision save writes the dequantized values."""
+    model = _block_llama(64)
+    with pytest.raises(ValueError, match="k_proj.weight starts at row 64, inside a block"):
+        g8.to_hf(model)
+    with pytest.raises(ValueError, match="dequantize=True"):
+        g8.hf.save_pretrained(model, tmp_path / "fp8", fp8="blockwise")
+    assert not (tmp_path / "fp8").exists()
+    hf = g8.to_hf(model, dequantize=True)
+    assert not any(isinstance(t, Float8BlockTensor) for t in hf.values())
+    g8.hf.save_pretrained(model, tmp_path / "hp")
+    saved = load_file(tmp_path / "hp" / "model.safetensors")
+    for key, value in hf.items():
+        assert_bitwise_equal(saved[key], value, key)
+    assert_bitwise_equal(saved["model.layers.0.self_attn.o_proj.weight"],
+                         model.layers[0].proj.weight.dequantize())  # fmt: skip

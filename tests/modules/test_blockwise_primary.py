@@ -161,3 +161,70 @@ def test_misuse_raises_clear_errors(device):
         f8.weight.transpose_fp8()
     with pytest.raises(NotImplementedError, match="fully_shard"):
         torch.chunk(f8.weight, 2)  # what FSDP2 does: its shards would be high precision
+
+
+@pytest.mark.parametrize("recipe", [BLOCK, g8.DelayedScaling()], ids=["blockwise", "per_tensor"])
+def test_a_checkpoint_loaded_after_building_the_masters_is_trained(device, recipe):
+    """Issue 42: model.load_state_dict(high-precision checkpoint) after MasterWeights(model)
+    was silently undone by the next step's write-back of the old masters. Now the masters adopt
+    the loaded weights (dequantized, as construction seeds them; the sharded masters did
+    already), so a step with lr 0 keeps the loaded blocks; a weight rewritten with its own
+    bytes (a capture's restore) keeps its master bit for bit."""
+    f8 = _build("Linear", torch.bfloat16, device, recipe)
+    masters = g8.MasterWeights(f8)
+    before = masters.masters[0].detach().clone()
+    with torch.no_grad():
+        f8.weight.copy_(copy.deepcopy(f8.weight))  # the same bytes: nothing adopted
+    opt = torch.optim.SGD(masters.parameters(), lr=0.0)
+    masters.step(opt)
+    assert_bitwise_equal(masters.masters[0], before)
+    pretrained = _build("Linear", torch.bfloat16, device, recipe=None, seed=11)
+    f8.load_state_dict(pretrained.state_dict())
+    loaded = (_u8(f8.weight._data).clone(), f8.weight._scale_inv.clone())
+    x = torch.randn(T, K, dtype=torch.bfloat16, device=device)
+    with g8.fp8_autocast(recipe=BLOCK if recipe is BLOCK else g8.Float8CurrentScaling()):
+        f8(x).sum().backward()
+    masters.step(opt)
+    assert_bitwise_equal(masters.masters[0], f8.weight.dequantize(torch.float32))
+    assert_bitwise_equal(_u8(f8.weight._data), loaded[0], "data after the step")
+    assert_bitwise_equal(f8.weight._scale_inv, loaded[1], "scale_inv after the step")
+
+
+def _with_a_224_block(device) -> g8.Linear:
+    """A blockwise Linear whose block (0, 0) has its amax at 227.8 / 128: E4M3 rounds it to 224
+    under the power-of-2 scale 128, so its dequantized values quantized again take the scale
+    256 (other bytes)."""
+    f8 = _build("Linear", torch.bfloat16, device)
+    hp = f8.weight.dequantize()
+    hp[0, 0] = 227.8 / 128
+    f8.load_state_dict({"weight": hp, "bias": f8.bias.detach()})
+    assert f8.weight._scale_inv[0, 0] == 2.0**-7
+    return f8
+
+
+def test_a_state_dict_moved_between_devices_keeps_the_blocks(device):
+    """Issue 42: .to(device) of a blockwise FP8 weight (a state dict moved to the CPU, with
+    copy=True on the same device) gave its dequantized values, which a load quantized again: the
+    224 block came back with other bytes. A move now keeps data and scales; a dtype change
+    still gives the high-precision values."""
+    f8 = _with_a_224_block(device)
+    moved = {k: v.to("cpu", copy=True) for k, v in f8.state_dict().items()}
+    assert isinstance(moved["weight"], Float8BlockTensor)
+    assert moved["weight"]._data.data_ptr() != f8.weight._data.data_ptr()
+    other = _build("Linear", torch.bfloat16, device, seed=3)
+    other.load_state_dict({k: v.to(device) for k, v in moved.items()})
+    assert_bitwise_equal(_u8(other.weight._data), _u8(f8.weight._data))
+    assert_bitwise_equal(other.weight._scale_inv, f8.weight._scale_inv)
+    hp = f8.weight.to(torch.float32)
+    assert type(hp) is torch.Tensor
+    assert_bitwise_equal(hp, f8.weight.dequantize(torch.float32))
+
+
+@pytest.mark.cuda
+def test_a_blockwise_weight_moves_between_cpu_and_cuda():
+    f8 = _with_a_224_block("cuda")
+    on_cpu = f8.weight.cpu()
+    assert isinstance(on_cpu, Float8BlockTensor) and on_cpu._data.device.type == "cpu"
+    back = on_cpu.cuda()
+    assert_bitwise_equal(_u8(back._data), _u8(f8.weight._data))
+    assert_bitwise_equal(back._scale_inv, f8.weight._scale_inv)

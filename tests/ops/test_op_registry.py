@@ -152,6 +152,9 @@ def _call_every_wrapper() -> None:
     ops.rope_qkv(qkv, cos, sin, 2)
     parts, part_scale_inv = ops.rope_fp8(qkv, cos, sin, 2, [(one(), zero(), E4M3)] * 3)
     ops.rope_fp8_backward(parts, part_scale_inv, cos, sin, torch.float32)
+    grads = [rand(1, 2, 2, 4) for _ in range(3)]
+    ops.rope_amax_(grads, cos, sin, 2, zero())
+    ops.rope_cast_transpose(grads, cos, sin, 2, (one(), zero(), E5M2), True)
     q, k, v, scales, attn_scale = forward_case((1, 16, 2, 1, 16), E4M3, "cpu")
     o, stats = ops.sdpa_fp8_forward(q, k, v, scales, zero(), zero(), attn_scale)
     d_o, descale_do = quantized(q.shape, E5M2, "cpu", gen)

@@ -140,6 +140,29 @@ def test_three_ranks_equal_unsharded_data_parallel():
     run_on_ranks("gloo", _equals_unsharded, True, True, world=3)
 
 
+def _loads_float32_scale_blocks(rank, device):
+    group = dist.group.WORLD
+    recipe = g8.Float8BlockScaling(power_2_scale=False)
+    checkpoint = _build(device, power_2_scale=False).state_dict()
+    ref, model = Unsharded(_build(device), device, group), _build(device)
+    sharded = Sharded(model, device, group)
+    for side in (ref, sharded):  # after building the masters: adopted at the next step
+        side.model.load_state_dict(checkpoint)
+    losses = _steps(sharded, device, rank, False, recipe, steps=2)
+    ref_losses = _steps(ref, device, rank, False, recipe, steps=2)
+    for s, (loss, want) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert_bitwise_equal(loss, want, f"rank {rank} step {s}: loss")
+    compare_models(model, ref.model, f"rank {rank} after 2 steps")
+
+
+def test_blocks_of_float32_scales_loaded_into_a_sharded_model():
+    """Issue 42: a checkpoint's float32-scale blocks loaded into a power-of-2 model make its
+    weights float32-scale ones (copy_ brings the setting); the sharded write-back kept
+    quantizing with the setting of construction (power-of-2 blocks under a weight saying
+    otherwise), the unsharded one did not: now both equal bit for bit."""
+    run_on_ranks("gloo", _loads_float32_scale_blocks)
+
+
 def _checkpoint_round_trip(rank, device):
     group = dist.group.WORLD
     model = _build(device)
