@@ -7,12 +7,12 @@ and the largest model of a preset's width that fits one GPU (docs/sharding.md, "
 Persistent state per rank (P parameters, P8 of them in the layers' FP8 GEMMs, Po = P - P8; N
 ranks; bytes per element):
 
-    sharding  fp8 weights  weights            FP8 caches  grads     masters  optimizer
-    ddp       no           2 P                2 P8        2 P       -        4 P (bf16 AdamW)
-    ddp       yes          2 P8 + 2 Po        -           2 P       4 P8     8 P8 + 4 Po
-    zero2     either       as ddp             as ddp      2 P       8 P / N  8 P / N
-    fsdp2     no           2 P / N + 2 Pr         2 P8        2 P / N   -        4 P / N
-    fsdp2     yes          (P8 + 2 Po) / N + 2 Pr -           2 P / N   4 P8 / N (8 P8 + 4 Po) / N
+    sharding  fp8 weights  weights                 FP8 caches  grads    masters   optimizer
+    ddp       no           2 P                     2 P8        2 P      -         4 P (bf16 AdamW)
+    ddp       yes          2 P8 + 2 Po             -           2 P      4 P8      8 P8 + 4 Po
+    zero2     either       as ddp                  as ddp      2 P      8 P / N   8 P / N
+    fsdp2     no           2 P / N + 2 Pr          2 P8        2 P / N  -         4 P / N
+    fsdp2     yes          (P8 + 2 Po) / N + 2 Pr  -           2 P / N  4 P8 / N  (8 P8 + 4 Po) / N
 
 (zero2: graphfp8's sharded masters, MasterWeights(shard_group=...): fp32 masters and their
 gradients; FP8 weights carry their transpose, 1 + 1 bytes. fsdp2: graphfp8-train's FSDP2
