@@ -1,12 +1,17 @@
-"""FSDP2 inside a microbatch graph (issue 40): ms per microbatch (forward, loss, backward, the
-gradients into .grad) of TransformerLayers with FP8 primary weights at world size 1 - eager FSDP2
+"""FSDP2 inside the graphs (issue 40): ms per microbatch (forward, loss, backward, the gradients
+into .grad) of TransformerLayers with FP8 primary weights at world size 1 - eager FSDP2
 (fully_shard per layer and at the root, FSDP2's defaults), make_graphed_microbatch of the same
 model (FSDP2's gathers and reductions inside the graph), and the unsharded model's microbatch graph
-- with the ratios, and whether the graph's losses equal eager FSDP2's bit for bit
+- with the ratios, and whether the graph's losses equal eager FSDP2's bit for bit; then the whole
+step (make_graphed_step: microbatches, clip, fused AdamW through the masters, the FP8 write-back)
+of the FSDP2 model against the unsharded model's step graph, tokens/s over STEP_REPEATS
+interleaved repeats with their spread (issue 40's target: within 3%)
 (`python -m benchmarks fsdp-graph [--quick]`; one NCCL rank on the GPU, one gloo rank on the CPU).
 """
 
 from __future__ import annotations
+
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +26,7 @@ from benchmarks.memory_shard import one_rank_group
 __all__ = ["run"]
 
 MICROBATCHES = 2
+STEP_REPEATS = 3
 
 
 def _loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -77,6 +83,42 @@ def _graphed(model, group, batches):
     return call
 
 
+def _step(model, group, batches, device):
+    """make_graphed_step of `model` (FP8 weights through MasterWeights: FSDPMasterWeights under
+    FSDP2), its batch the microbatches stacked; returns a call running one step."""
+    masters = g8.MasterWeights(model)
+    mode = dict(capturable=True) if device.type == "cuda" else dict(fused=True)
+    opt = torch.optim.AdamW(masters.parameters(), lr=torch.tensor(1e-4, device=device), **mode)
+    x, target = (torch.stack(t) for t in zip(*batches, strict=True))
+    step = g8.make_graphed_step(model, _loss, opt, (x, target), MICROBATCHES, fp8_enabled=True,
+                                fp8_recipe=RECIPE, fp8_group=group, max_grad_norm=1.0,
+                                master_weights=masters)  # fmt: skip
+    return lambda: step((x, target))
+
+
+def _step_graphs(shape: Shape, device, group, batches, quick: bool) -> dict:
+    """tokens/s of the FSDP2 step graph and the unsharded one: STEP_REPEATS repeats each,
+    interleaved (the GPU's clocks drift alike for both), median and spread (max - min) / median."""
+    calls = {}
+    for name, fsdp in (("fsdp2-step", True), ("unsharded-step", False)):
+        g8.reset_state()
+        calls[name] = _step(_model(shape, device, fsdp), group, batches, device)
+    timing = dict(warmup=1, iters=1, repeats=1) if quick else dict(warmup=3, iters=10, repeats=1)
+    samples: dict = {name: [] for name in calls}
+    for _ in range(STEP_REPEATS):
+        for name, call in calls.items():
+            samples[name].append(time_device(call, device, **timing))
+    tokens = MICROBATCHES * shape.batch * shape.seq
+    out = {}
+    for name, ms in samples.items():
+        median = statistics.median(ms)
+        out[name] = {"ms_per_step": ms, "tokens_per_s": tokens / median * 1e3,
+                     "spread": (max(ms) - min(ms)) / median}  # fmt: skip
+    out["fsdp2_vs_unsharded"] = out["fsdp2-step"]["tokens_per_s"] / out["unsharded-step"][
+        "tokens_per_s"]  # fmt: skip
+    return out
+
+
 def _losses(call, n: int) -> torch.Tensor:
     return torch.stack([call() for _ in range(n)])
 
@@ -100,6 +142,7 @@ def run(device, quick: bool = False) -> dict:
             timing = dict(warmup=1, iters=1, repeats=1) if quick else dict(iters=20)
             results[name] = {"ms_per_microbatch": time_device(calls[name], device, **timing)}
             del calls[name], model
+        results["step"] = _step_graphs(shape, device, group, batches, quick)
     eager_ms = results["fsdp2-eager"]["ms_per_microbatch"]
     unsharded_ms = results["unsharded-graph"]["ms_per_microbatch"]
     for name in ("fsdp2-eager", "fsdp2-graph", "unsharded-graph"):
@@ -117,4 +160,14 @@ def run(device, quick: bool = False) -> dict:
         ["run", "ms / microbatch", "speed vs fsdp2-eager", "speed vs unsharded-graph"],
         rows,
     )
+    step = results["step"]
+    print_table(
+        f"FSDP2 in the step graph, world size 1 ({MICROBATCHES} microbatches, clip, AdamW "
+        f"through the masters; {STEP_REPEATS} interleaved repeats)",
+        ["run", "ms / step (median)", "tokens/s", "spread", "vs unsharded-step"],
+        [[n, f"{statistics.median(step[n]['ms_per_step']):.3f}", f"{step[n]['tokens_per_s']:.0f}",
+          f"{step[n]['spread']:.3f}",
+          f"{step[n]['tokens_per_s'] / step['unsharded-step']['tokens_per_s']:.3f}"]
+         for n in ("fsdp2-step", "unsharded-step")],
+    )  # fmt: skip
     return results

@@ -1,6 +1,7 @@
-"""torch FSDP2 (fully_shard) models inside make_graphed_microbatch: what is captured, the checks
-before capture, the sharded gradients' persistent buffers and the FSDP2 settings a replay assumes
-(docs/sharding.md, "FSDP2 inside the graphs").
+"""torch FSDP2 (fully_shard) models inside make_graphed_microbatch and make_graphed_step (its FSDP2
+step: graphs/step_fsdp.py): what is captured, the checks before capture, the sharded gradients'
+persistent buffers and the FSDP2 settings a replay assumes (docs/sharding.md, "FSDP2 inside the
+graphs").
 
 The microbatch graph holds FSDP2's whole forward and backward as its hooks ran them at capture:
 the all-gathers (FP8 weights as FP8 bytes through Float8Tensor's hooks, fp8/tensor_fsdp.py), the
@@ -43,25 +44,18 @@ def fsdp_hook(hook) -> bool:
 
 
 def refusal(entry: str) -> str:
-    """Why `entry` (make_graphed_callables / make_graphed_step) does not capture an FSDP2 model,
-    and what does."""
-    if entry == "make_graphed_callables":
-        why = (
-            "FSDP2's per-module hooks all-gather the weights before a module's forward and "
-            "reduce-scatter after its backward, around the call that a graphed callable "
-            "replays, so a per-layer graph would read parameters that are not gathered"
-        )
-    else:
-        why = (
-            "the step graph computes the gradients with torch.autograd.grad, which FSDP2's "
-            "post-backward never sees, and steps its own optimizer; FSDP2's optimizer step "
-            "on the DTensor shards is not captured yet"
-        )
+    """Why `entry` (make_graphed_callables) does not capture an FSDP2 model, and what does."""
+    why = (
+        "FSDP2's per-module hooks all-gather the weights before a module's forward and "
+        "reduce-scatter after its backward, around the call that a graphed callable "
+        "replays, so a per-layer graph would read parameters that are not gathered"
+    )
     return (
         f"{entry}: cannot capture a model under torch FSDP2 (fully_shard): {why}. Capture the "
         f"whole forward and backward with {_MICROBATCH}(model, loss_fn, batch, fp8_enabled=..., "
-        "fp8_group=...) (FSDP2's all-gathers and reduce-scatters inside the graph) and step the "
-        "optimizer eagerly, or shard the graphed way: MasterWeights(model, shard_group=...)"
+        "fp8_group=...) (FSDP2's all-gathers and reduce-scatters inside the graph) or the whole "
+        "step with make_graphed_step(model, loss_fn, optimizer, batch, ...), or shard the "
+        "graphed way: MasterWeights(model, shard_group=...)"
     )
 
 

@@ -38,6 +38,7 @@ from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
 from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.session import CaptureSession
+from graphfp8.graphs.step_fsdp import FSDPStepBody, FSDPUpdate, check_fsdp2_step
 from graphfp8.graphs.step_optim import OptimizerGuard, TrainingSnapshot, check_optimizer
 from graphfp8.graphs.train_body import StaticBatch, TrainBody
 from graphfp8.nvtx_ranges import nvtx_range
@@ -131,13 +132,23 @@ def make_graphed_step(
         fill_); warmup and capture undo their steps from a host copy of the parameters, buffers
         and optimizer state, dropped after capture (docs/sharding.md, "Memory planner"). The
         rules, each checked before anything runs, are in docs/after-capture.md.
+
+    .. warning:: A model under torch FSDP2 (fully_shard at the root; HSDP too) is captured with
+        FSDP2's all-gathers and reduce-scatters inside the graph (its backward is
+        loss.backward(), so FSDP2's post-backward runs; graphs/step_fsdp.py): process_group
+        must be None, master_weights is graphfp8.MasterWeights(model) when it has FP8 weights,
+        the clip is clip_grad_norm_(model.parameters()) over the DTensor shards, and FSDP2's
+        settings stay as captured, checked at every call (docs/sharding.md).
     """
     options = CaptureOptions(_NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
                              num_warmup_iters, pool, min_warmup=1)  # fmt: skip
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"{_NAME}: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
     batch = StaticBatch(sample_batch, num_microbatches, _NAME)
-    body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME)
+    body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME, fsdp2_ok=True)
+    if body.fsdp2:
+        check_fsdp2_step(_NAME, process_group, master_weights, keep_grads_before_clipping)
+        return _capture_fsdp2(body, options, optimizer, max_grad_norm, master_weights)
     # body.grad_params: the parameters that get a gradient, known after the first microbatch.
     update = gradient_update(lambda: body.grad_params, process_group, master_weights, name=_NAME,
                              keep_grads=keep_grads_before_clipping)  # fmt: skip
@@ -159,7 +170,31 @@ def make_graphed_step(
     return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
 
 
-def _warmup_and_capture(run: StepBody, session: CaptureSession):
+def _capture_fsdp2(body: TrainBody, options: CaptureOptions, optimizer, max_grad_norm,
+                   masters) -> GraphedStep:  # fmt: skip
+    """The step graph of an FSDP2 model (graphs/step_fsdp.py): warmup finds the shards that get
+    a gradient; the capture runs FSDP2's hooks with each such .grad a persistent buffer."""
+    update = FSDPUpdate(body.params, masters)
+    check_optimizer(_NAME, optimizer, update.optimizer_params(body.params, _NAME), body.device)
+    snapshot = TrainingSnapshot(body.model, optimizer, update.tensors())
+    session = CaptureSession(body.device, options, snapshot=snapshot)
+    run = FSDPStepBody(body, optimizer, max_grad_norm, update, options.caching, session)
+    old_grads = [p.grad for p in body.params]
+    try:
+        with session:
+            session.init_fp8([fp8_modules_in([body.model])])
+            graph, loss, grad_norm = _warmup_and_capture(run, session)
+    except BaseException:
+        for p, g in zip(body.params, old_grads, strict=True):
+            p.grad = g
+        raise
+    guard = body.replay_guard("capture the step again (make_graphed_step)")
+    params, grads = run.static_grads()
+    return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm,
+                       (params, grads, run.settings()))  # fmt: skip
+
+
+def _warmup_and_capture(run, session: CaptureSession):
     with warnings.catch_warnings():
         # Eager steps of a capturable optimizer make torch warn that capturable costs speed.
         warnings.filterwarnings("ignore", message="This instance was constructed with capt")
@@ -168,6 +203,8 @@ def _warmup_and_capture(run: StepBody, session: CaptureSession):
                 run(NONE)
     points = session.update_points(session.freeze_arenas(found.arenas))
     graph = session.new_graph()
+    if isinstance(run, FSDPStepBody):
+        run.prepare_capture()
     with session.capture_phase(), session.capture_into(graph):
         loss, grad_norm = run(points)
     return graph, loss, grad_norm
@@ -240,15 +277,20 @@ class GraphedStep:
         grads_before_clipping: copies of `grads` before clipping (keep_grads_before_clipping).
     """
 
-    def __init__(self, run: StepBody, graph, guard, optimizer_guard: OptimizerGuard, loss,
-                 grad_norm):  # fmt: skip
+    def __init__(self, run: StepBody | FSDPStepBody, graph, guard,
+                 optimizer_guard: OptimizerGuard, loss, grad_norm, fsdp2=None):  # fmt: skip
         self._run, self._graph = run, graph
         self._guard, self._optimizer_guard = guard, optimizer_guard
         self._body = run.body
         self._tape = run.body.device.type == "cpu"
         self.loss, self.grad_norm = loss, grad_norm
-        self.params = run.body.grad_params
-        self.grads, self.grads_before_clipping = run.grads, run.grads_before_clipping
+        self._fsdp2 = None
+        if fsdp2 is None:
+            self.params = run.body.grad_params
+            self.grads, self.grads_before_clipping = run.grads, run.grads_before_clipping
+        else:  # (params, their static .grad, FSDPSettings): graphs/step_fsdp.py
+            self.params, self.grads, self._fsdp2 = fsdp2
+            self.grads_before_clipping = None
         # Where the parameters' .grad stand, in one C++ pass (graphs/grads.py).
         self._grads_attached = GradWatch(self.params, self.grads).state
 
@@ -257,6 +299,8 @@ class GraphedStep:
         """Runs one optimizer step on `batch` (same structure as the sample batch). Returns the
         loss (static 0-d float32 device tensor)."""
         self._body.check_call()
+        if self._fsdp2 is not None:  # first: FSDP2 left gathered swaps the modules' parameters
+            self._fsdp2.check()
         self._guard.check()
         self._optimizer_guard.check()
         given = self._body.batch.check(batch)

@@ -146,6 +146,13 @@ class OptimizerGuard:
                     )
 
 
+def _fp8_local(t: torch.Tensor) -> torch.Tensor:
+    """The Float8Tensor local shard of an FSDP2 FP8 weight (read at each use: FSDP2 replaces it,
+    padded, at its lazy init), else `t` itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, Float8Tensor) else t
+
+
 class TrainingSnapshot:
     """The model's parameters and buffers and the optimizer's state, put back after warmup and
     after a CPU capture (whose tape runs what it records). State that the optimizer created in
@@ -172,7 +179,7 @@ class TrainingSnapshot:
     def restore(self) -> None:
         with torch.no_grad():
             for t, saved in zip(self.tensors, self.saved, strict=True):
-                t.copy_(saved)
+                _fp8_local(t).copy_(saved)
             if self.optimizer is None:
                 return
             for p, state in self.optimizer.state.items():
@@ -190,6 +197,8 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """t's values in host memory, pinned when t is a plain tensor on a GPU. An FP8 weight
     (Float8Tensor or Float8BlockTensor) stays one, rebuilt from host copies of its inner tensors
     (its transpose is not kept: copy_ back marks it stale, as after load_state_dict)."""
+    if _fp8_local(t) is not t:  # an FSDP2 FP8 weight: its local Float8Tensor shard
+        return _host_copy(_fp8_local(t).detach())
     if isinstance(t, Float8Tensor):
         names, meta = t.__tensor_flatten__()
         inner = {n: _host_copy(getattr(t, n)) for n in names}

@@ -28,6 +28,7 @@ import traceback
 
 import torch
 from torch._C._distributed_c10d import _create_work_from_future
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -160,7 +161,7 @@ class _Record:
             self.mode = "inplace"
         elif any(r.alias_info is not None for r in schema.returns):
             self.mode = "skip"  # views stay views of the same storage
-        elif any(type(t) is not torch.Tensor for t in self.outs):
+        elif any(type(t) not in (torch.Tensor, DTensor) for t in self.outs):
             raise CaptureError(f"graphfp8 tape: cannot replay {func}, which returns a subclass")
         else:
             self.mode = "copy"
@@ -178,7 +179,13 @@ class _Record:
         elif self.mode == "copy":
             fresh = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
             for dst, src in zip(self.outs, fresh, strict=True):
-                dst.copy_(src)
+                _local(dst).copy_(_local(src))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the op ran through DTensor's dispatch, its placements as at
+    capture: an FSDP2 step's clip and optimizer on the shards), else the tensor."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class _StorageResize:

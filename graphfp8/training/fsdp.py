@@ -1,9 +1,12 @@
-"""graphfp8-train --fsdp: the GPT under torch FSDP2 (docs/sharding.md, "FSDP2"), eager only.
+"""graphfp8-train --fsdp: the GPT under torch FSDP2 (docs/sharding.md, "FSDP2"), eager or in one
+step graph (--graphs step: graphs/step_fsdp.py).
 
-The run calls the embedding, the blocks and the loss (norm, head) one by one, never the model's
-forward, so each of them is a root of its own: fully_shard on every TransformerLayer and then on
-the blocks, the embedding, the norm and the head, with FSDP2's defaults (reshard_after_forward
-True). FP8 primary weights (--fp8-weights) stay FP8 shards, all-gathered as FP8, trained through
+The eager run calls the embedding, the blocks and the loss (norm, head) one by one, never the
+model's forward, so each of them is a root of its own: fully_shard on every TransformerLayer and
+then on the blocks, the embedding, the norm and the head, with FSDP2's defaults
+(reshard_after_forward True). The step graph calls the model's forward, so the model is under
+fully_shard too (a root without parameters of its own, as make_graphed_step requires). FP8
+primary weights (--fp8-weights) stay FP8 shards, all-gathered as FP8, trained through
 FSDPMasterWeights. --hsdp R: the same on HSDP's 2-D (R, N / R) mesh (docs/sharding.md, "HSDP").
 """
 
@@ -17,10 +20,9 @@ __all__ = ["REFUSED", "check_fsdp_spec", "shard_gpt"]
 
 # What --fsdp does not run, and why (training/cli.py refuses each before anything starts).
 REFUSED = {
-    "graphs": "graph capture of an FSDP2 model is not supported by graphfp8-train's graph modes "
-    "(per-layer graphs and the step graph: its hooks run in Python around every module; in code, "
-    "make_graphed_microbatch captures its forward and backward): use --graphs none, or --shard "
-    "(sharded masters) for the graphed modes",
+    "graphs": "per-layer graph capture of an FSDP2 model is not supported (--graphs layers: "
+    "FSDP2's hooks all-gather the weights around the very call a layer graph replays): use "
+    "--graphs step (the whole step, FSDP2's collectives included, in one graph) or none",
     "shard": "--shard and --fsdp are two ways to shard: pick one (docs/sharding.md, 'Which to "
     "pick')",
     "save": "--save/--resume write graphfp8-train's checkpoints, not FSDP2's: use "
@@ -31,17 +33,21 @@ REFUSED = {
 
 
 def check_fsdp_spec(spec) -> None:
-    """A RunSpec with fsdp runs eagerly, without shard and compile; hsdp needs fsdp."""
-    if spec.fsdp and (spec.graphs != "none" or spec.shard or spec.compile):
-        raise ValueError("fsdp runs eagerly (graphs 'none'), without shard and compile")
+    """A RunSpec with fsdp runs eagerly or in the step graph, without shard and compile; hsdp
+    needs fsdp."""
+    if spec.fsdp and (spec.graphs not in ("none", "step") or spec.shard or spec.compile):
+        raise ValueError("fsdp runs eagerly or in the step graph (graphs 'none' or 'step'), "
+                         "without shard and compile")  # fmt: skip
     if spec.hsdp < 1 or (spec.hsdp > 1 and not spec.fsdp):
         raise ValueError(f"hsdp {spec.hsdp}: replicas (>= 1) of FSDP2's shards, with fsdp")
 
 
-def shard_gpt(model: torch.nn.Module, group, device, replicas: int = 1) -> None:
+def shard_gpt(model: torch.nn.Module, group, device, replicas: int = 1,
+              root: bool = False) -> None:  # fmt: skip
     """fully_shard the GPT's layers and its parts over `group`: a 1-D mesh of its ranks, or with
     replicas > 1 HSDP's 2-D (replicas, world / replicas) mesh of the world's ranks (each
-    replica's ranks shard the weights; FSDP2 all-reduces the gradients across the replicas)."""
+    replica's ranks shard the weights; FSDP2 all-reduces the gradients across the replicas);
+    `root`: the model itself too (the step graph runs its forward)."""
     if group is None:
         raise ValueError("fsdp needs a process group (--ddp under torchrun)")
     kind = torch.device(device).type
@@ -58,3 +64,5 @@ def shard_gpt(model: torch.nn.Module, group, device, replicas: int = 1) -> None:
         fully_shard(layer, mesh=mesh)
     for part in (model.blocks, model.embed, model.norm, model.head):
         fully_shard(part, mesh=mesh)
+    if root:
+        fully_shard(model, mesh=mesh)

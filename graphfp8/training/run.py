@@ -65,7 +65,7 @@ class RunSpec:
     # keep bf16 attention (graphfp8.modules.attention says why)
     fp8_attention: bool = False
     shard: bool = False  # masters, gradients and optimizer state sharded over the group
-    fsdp: bool = False  # the weights sharded too, by torch FSDP2 (training/fsdp.py), eager only
+    fsdp: bool = False  # the weights sharded too, by torch FSDP2 (training/fsdp.py): eager, step
     hsdp: int = 1  # with fsdp: replicas, each sharded over world / hsdp ranks (HSDP, fsdp.py)
     # Blocks kept in bf16 in an FP8 run (Megatron's --first-last-layers-bf16): their indices
     bf16_layers: tuple[int, ...] = ()
@@ -205,7 +205,7 @@ class Run:
             for layer in self.model.blocks.layers:
                 layer.recompute = spec.recompute
         if spec.fsdp:
-            shard_gpt(self.model, group, spec.device, spec.hsdp)
+            shard_gpt(self.model, group, spec.device, spec.hsdp, root=spec.graphs == "step")
         self.masters, self.reduce_group = self._masters()
         # reduce -> clip -> step -> write back, whatever is sharded (gradient_update.py); every rank
         # trains every parameter: the gradient sets are checked once.

@@ -5,7 +5,9 @@ machine has them; a DCP checkpoint saved at 2 GPUs loads at 3 (skipped with fewe
 masters.parameters() equals clipping model.parameters() on one GPU; HSDP's 2-D mesh equals 1-D
 FSDP2 over its shard group (1 x 1 on one GPU, 2 x 2 on 4) and the FP8 weights' scales take one
 all-reduce per step (tests/sharding/test_fsdp2_hsdp.py); make_graphed_microbatch of the FSDP2
-model (a CUDA graph holding FSDP2's forward and backward) equals eager FSDP2 on one GPU."""
+model (a CUDA graph holding FSDP2's forward and backward) and make_graphed_step of it (the whole
+step: FSDP2's collectives, the clip, capturable AdamW on the shards, the FP8 write-back) equal
+eager FSDP2 on one GPU."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from tests.sharding.test_fsdp2_hsdp import (
     _hsdp_equals_fsdp_over_the_shard_group,
 )
 from tests.sharding.test_fsdp2_reshard import _reshard_equals_no_reshard
+from tests.sharding.test_fsdp2_step_graph import step_equals_eager
 
 pytestmark = [
     pytest.mark.cuda,
@@ -90,3 +93,13 @@ def test_fsdp2_microbatch_graph_mixed_precision_and_hsdp_on_one_gpu(mixed, hsdp)
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_microbatch_graph_on_several_gpus(world):
     run_on_ranks("nccl", _graphed_equals_eager, "delayed", True, True, world=world)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_fsdp2_step_graph_equals_eager_on_one_gpu(recipe_name, reshard):
+    run_on_ranks("nccl", step_equals_eager, recipe_name, reshard, True, world=1)
+
+
+def test_fsdp2_step_graph_fp32_params_on_one_gpu():
+    run_on_ranks("nccl", step_equals_eager, "delayed", None, False, world=1)

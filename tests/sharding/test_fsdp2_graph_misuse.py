@@ -1,8 +1,9 @@
 """What the graphs refuse of an FSDP2 model (2 gloo ranks), each before anything runs and naming
-the fix: per-layer graphs and the step graph (make_graphed_microbatch captures it), FSDP2 on
-submodules only, CPU offload, hooks of the user's; after capture, a change of FSDP2's
-settings (gradient sync, reshard_after_forward), a group left gathered by an eager forward or a
-hook is refused at the next call."""
+the fix: per-layer graphs (make_graphed_microbatch and make_graphed_step capture it), the step
+graph's options FSDP2 does not take (process_group, keep_grads_before_clipping, FP8 weights
+without their masters), FSDP2 on submodules only, CPU offload, hooks of the user's; after
+capture, a change of FSDP2's settings (gradient sync, reshard_after_forward), a group left
+gathered by an eager forward or a hook is refused at the next call."""
 
 from __future__ import annotations
 
@@ -26,10 +27,18 @@ def _refused_before_capture(rank, device):
     with pytest.raises(RuntimeError, match=r"make_graphed_callables: cannot capture a model under "
                        r"torch FSDP2 .* make_graphed_microbatch\(model"):  # fmt: skip
         g8.make_graphed_callables(model.block, (torch.randn(2, 8, 32, requires_grad=True),))
-    with pytest.raises(RuntimeError, match=r"make_graphed_step: cannot capture .* FSDP2 .* "
-                       r"make_graphed_microbatch"):  # fmt: skip
-        g8.make_graphed_step(model, lm_loss, adamw(model.parameters(), device), (tokens, targets),
-                             2, fp8_enabled=True)  # fmt: skip
+    opt = adamw(model.parameters(), device)
+    with pytest.raises(ValueError, match=r"make_graphed_step: .* FSDP2, whose reduce-scatters .* "
+                       r"Pass process_group=None"):  # fmt: skip
+        g8.make_graphed_step(model, lm_loss, opt, (tokens, targets), 2, fp8_enabled=True,
+                             process_group=dist.group.WORLD)  # fmt: skip
+    with pytest.raises(ValueError, match=r"make_graphed_step: keep_grads_before_clipping is not "
+                       r"supported for an FSDP2 model"):  # fmt: skip
+        g8.make_graphed_step(model, lm_loss, opt, (tokens, targets), 2, fp8_enabled=True,
+                             keep_grads_before_clipping=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"make_graphed_step: a model with FP8 primary weights .* "
+                       r"master_weights=graphfp8.MasterWeights\(model\)"):  # fmt: skip
+        g8.make_graphed_step(model, lm_loss, opt, (tokens, targets), 2, fp8_enabled=True)
     handle = model.block.register_forward_hook(lambda *args: None)
     with pytest.raises(RuntimeError, match="must have no hooks"):
         graphed_microbatch(model, RECIPES["delayed"], device)

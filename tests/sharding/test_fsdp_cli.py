@@ -1,9 +1,10 @@
 """graphfp8-train --ddp --fsdp (cli.main on the rank pool's 2 gloo ranks, as torchrun would start
-it): eager training of the GPT under FSDP2 with FP8 weights - the loss falls, the ranks agree,
-each rank's memory is in summary.json and holds about half of the state - on HSDP's 2-D mesh too
-(--hsdp 2 on 4 ranks: two replicas of 2 shards), and every option it does not run (graph modes,
---shard, --save, --check-replicas, --compile, --hsdp without --fsdp or not dividing the ranks)
-refused before anything starts."""
+it): training of the GPT under FSDP2 with FP8 weights - the loss falls, the ranks agree, each
+rank's memory is in summary.json and holds about half of the state - on HSDP's 2-D mesh too
+(--hsdp 2 on 4 ranks: two replicas of 2 shards); --graphs step equal to eager bit for bit;
+and
+every option it does not run (per-layer graphs, --shard, --save, --check-replicas, --compile,
+--hsdp without --fsdp or not dividing the ranks) refused before anything starts."""
 
 from __future__ import annotations
 
@@ -46,9 +47,38 @@ def test_hsdp_trains_eagerly(tmp_path):
     run_on_ranks("gloo", _eager, str(tmp_path), ["--hsdp", "2"], "-fsdp-hsdp2", 2, world=4)
 
 
+def _eager_equals_step_graph(rank, device, tmp):
+    runs = {}
+    for mode in ("none", "step"):
+        out = f"{tmp}/{mode}"
+        code, stdout, err = run_cli([*ARGS, "--graphs", mode, "--steps", "4", "--out", out])
+        assert code == 0, err
+        if rank == 0:
+            runs[mode] = json.loads((Path(out) / "summary.json").read_text())["runs"][0]
+    if rank != 0:
+        return
+    eager, step = runs["none"], runs["step"]
+    assert step["name"].endswith("-step-fsdp"), step["name"]
+    assert step["ranks_agree"] == {"fp8_state": True, "parameters": True, "val_loss": True}
+    # The same bits: every step's loss and the validation loss after training (the weights).
+    assert step["losses"] == eager["losses"] and step["val_losses"] == eager["val_losses"]
+    assert eager["losses"][-1] < eager["losses"][0]
+    state = [m["state"]["bytes"] for m in step["memory_per_rank"]]
+    assert len(state) == world()
+    for key in ("weights", "fp32 masters", "optimizer state"):  # about half of each per rank
+        total = sum(s[key] for s in state)
+        assert all(0.3 < s[key] / total < 0.7 for s in state), (key, state)
+
+
+def test_fsdp_step_graph_trains_as_eager(tmp_path):
+    """--graphs step: the whole FSDP2 step in one graph (FP8 weights), bit for bit with
+    --graphs none."""
+    run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path))
+
+
 REFUSALS = [
-    ([], "graph capture of an FSDP2 model is not supported"),
-    (["--graphs", "step"], "graph capture of an FSDP2 model is not supported"),
+    ([], "per-layer graph capture of an FSDP2 model is not supported"),
+    (["--graphs", "layers"], "--graphs step (the whole step"),
     (["--graphs", "none", "--shard"], "two ways to shard"),
     (["--graphs", "none", "--save", "ckpt.pt"], "dcp_checkpoint"),
     (["--graphs", "none", "--check-replicas"], "FSDP2's are sharded"),
