@@ -12,14 +12,16 @@ from __future__ import annotations
 import dataclasses
 import gc
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 import graphfp8 as g8
 from benchmarks.common import environment, print_table
+from benchmarks.memory_shard import one_rank_group
 from graphfp8.graphs.backends import tapes_allocate_as_cuda
-from graphfp8.memory import LiveBytes
+from graphfp8.memory import AllocatedBytes, LiveBytes
 from graphfp8.memory.plan import plan
 from graphfp8.memory.shapes import LLAMA, shape_from
 from graphfp8.training.data import Dataset
@@ -28,12 +30,14 @@ from graphfp8.training.model import PRESETS, ModelConfig
 from graphfp8.training.run import RunSpec
 from graphfp8.training.sources import open_stream, token_dtype
 
-# (FP8 weights, recompute, graphs)
+# (FP8 weights, recompute, graphs, sharding)
 SETTINGS = [
-    (False, "none", "layers"),
-    (False, "full", "layers"),
-    (True, "selective", "step"),
-    (True, "full", "none"),
+    (False, "none", "layers", "ddp"),
+    (False, "full", "layers", "ddp"),
+    (True, "selective", "step", "ddp"),
+    (True, "full", "none", "ddp"),
+    (False, "full", "none", "fsdp2"),  # graphfp8-train --fsdp on a one-rank group
+    (True, "full", "none", "fsdp2"),
 ]
 
 
@@ -55,14 +59,30 @@ def _tokens(tmp: Path, vocab: int, count: int) -> Dataset:
     return Dataset(open_stream(str(path), vocab_size=vocab), val_fraction=0.05)
 
 
+def _fresh_sharding_propagation() -> None:
+    """Empties DTensor's sharding-propagation caches, as in a fresh process: the first fused
+    AdamW step over DTensors runs its fake-tensor fallback on real tensors only on a cache miss
+    (docs/sharding.md, "Memory planner"), and a run measured after another of the same shapes
+    would miss it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
+    FakeTensorMode.cache_clear()
+
+
 def cpu_peak(spec: RunSpec, data: Dataset, out: Path, steps: int = 2, group=None) -> int:
     """The peak bytes graphfp8-train allocates for `spec` on the CPU: LiveBytes over the whole run
     (model, masters, captures, steps, validation), CPU tapes allocating as CUDA graphs do
     (graphs.backends.tapes_allocate_as_cuda): the CPU's torch.cuda.max_memory_allocated. group:
-    the run's process group (spec.shard, spec.fsdp)."""
+    the run's process group (spec.shard, spec.fsdp). FSDP2 runs count the CPU allocator's bytes
+    (AllocatedBytes): LiveBytes sees neither DTensors' local shards nor FSDP2's storage resizes."""
     g8.reset_state()
     gc.collect()
-    with tapes_allocate_as_cuda(), LiveBytes() as live:
+    with tapes_allocate_as_cuda(), AllocatedBytes() if spec.fsdp else LiveBytes() as live:
         train_run(spec, RunOptions(steps=steps, out=out, data=data, val_batches=1,
                                    eval_every=100, group=group))  # fmt: skip
     return live.peak
@@ -75,30 +95,36 @@ def run(device, quick: bool = False) -> dict:
     rows, results = [], []
     with tempfile.TemporaryDirectory() as tmp:
         data = _tokens(Path(tmp), cfg.vocab, 64 * cfg.seq_len)
-        for fp8_weights, recompute, graphs in SETTINGS:
+        for fp8_weights, recompute, graphs, sharding in SETTINGS:
             planned = plan(shape, seq=cfg.seq_len, batch=cfg.batch, recompute=recompute,
-                           fp8_weights=fp8_weights, graphs=graphs)  # fmt: skip
+                           fp8_weights=fp8_weights, graphs=graphs, sharding=sharding)  # fmt: skip
             measured = reserved = None
+            fsdp = sharding == "fsdp2"
             spec = RunSpec("llama-8b-width", cfg, "fp8", graphs, microbatches=2, device=device,
-                           fp8_weights=fp8_weights, recompute=recompute)  # fmt: skip
+                           fp8_weights=fp8_weights, recompute=recompute, fsdp=fsdp)  # fmt: skip
             if device.startswith("cuda"):
                 g8.reset_state()
-                out = train_run(spec, RunOptions(steps=3, out=Path(tmp), data=data,
-                                                 val_batches=1, eval_every=100))  # fmt: skip
+                with one_rank_group(torch.device(device)) if fsdp else nullcontext() as group:
+                    out = train_run(spec, RunOptions(steps=3, out=Path(tmp), data=data,
+                                                     val_batches=1, eval_every=100,
+                                                     group=group))  # fmt: skip
                 measured = out["memory_per_rank"][0]["max_allocated_bytes"]
                 reserved = out["peak_reserved_bytes"]
                 del out
                 gc.collect()
                 torch.cuda.empty_cache()
             elif quick:
-                measured = cpu_peak(spec, data, Path(tmp))
+                with one_rank_group(torch.device(device)) if fsdp else nullcontext() as group:
+                    measured = cpu_peak(spec, data, Path(tmp), group=group)
             ratio = planned.peak / measured if measured else None
             results.append({"fp8_weights": fp8_weights, "recompute": recompute, "graphs": graphs,
+                            "sharding": sharding,
                             "plan": planned.to_dict(), "measured_peak": measured,
                             "planned_over_measured": ratio, "peak_reserved": reserved,
                             "footprint_over_reserved": reserved and planned.footprint / reserved,
                             })  # fmt: skip
-            rows.append([str(fp8_weights), recompute, graphs, f"{planned.peak / 2**30:.2f}",
+            mode = graphs + (" fsdp2" if fsdp else "")
+            rows.append([str(fp8_weights), recompute, mode, f"{planned.peak / 2**30:.2f}",
                          f"{measured / 2**30:.2f}" if measured else "-",
                          f"{ratio:.3f}" if ratio else "-",
                          f"{planned.footprint / 2**30:.2f}",

@@ -24,8 +24,9 @@ def test_memory_plan_quick(tmp_path):
     path = tmp_path / "plan.json"
     main(["memory-plan", "--quick", "--device", "cpu", "--json", str(path)])
     results = json.loads(path.read_text())["results"]
-    assert [(r["recompute"], r["graphs"]) for r in results] == [
-        ("none", "layers"), ("full", "layers"), ("selective", "step"), ("full", "none"),
+    assert [(r["recompute"], r["graphs"], r["sharding"]) for r in results] == [
+        ("none", "layers", "ddp"), ("full", "layers", "ddp"), ("selective", "step", "ddp"),
+        ("full", "none", "ddp"), ("full", "none", "fsdp2"), ("full", "none", "fsdp2"),
     ]  # fmt: skip
     # the CPU's peak (benchmarks.memory_plan.cpu_peak) beside each plan
     assert all(r["plan"]["peak"] > 0 and r["measured_peak"] > 0 for r in results)

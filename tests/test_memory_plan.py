@@ -9,9 +9,12 @@ scale_invs and step counts)."""
 from __future__ import annotations
 
 import dataclasses
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import graphfp8 as g8
 from benchmarks.memory_plan import _tokens, cpu_peak
@@ -21,6 +24,7 @@ from graphfp8.memory.plan import largest_fit, main, plan
 from graphfp8.memory.shapes import LLAMA, shape_from, shape_of
 from graphfp8.training.model import GPT, PRESETS
 from graphfp8.training.run import RunSpec
+from tests.rank_pool import run_on_ranks
 
 B, S = 2, 32
 RECIPE = g8.DelayedScaling(amax_history_len=4)
@@ -168,3 +172,60 @@ def test_planned_peak_matches_whole_runs(run_data, fp8_weights, recompute, graph
     what = f"{sharding} FP8 weights {fp8_weights} recompute {recompute} {graphs}"
     _close(p.peak, measured, 0.1, what)
     assert p.footprint >= p.peak
+
+
+def _fsdp_plan_worker(rank, device, fp8_weights, recompute, vocab, hidden):
+    """graphfp8-train --fsdp on this rank (bf16 or FP8 weights, a recompute mode; FSDP2's default
+    reshard_after_forward), its peak allocated bytes against the plan for the world's N. Each
+    case has its own width: the first fused AdamW step over DTensors of a shape pays a transient
+    once per process (docs/sharding.md, "Memory planner"), as a fresh run does."""
+    cfg = dataclasses.replace(RUN_CONFIG, vocab=vocab, hidden=hidden)
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    spec = RunSpec("plan", cfg, "fp8", "none", microbatches=2, device="cpu",
+                   fp8_weights=fp8_weights, recompute=recompute, fsdp=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        data = _tokens(Path(tmp), cfg.vocab, 64 * cfg.seq_len)
+        with one_rank_group(torch.device("cpu")) if n == 1 else _world() as group:
+            measured = cpu_peak(spec, data, Path(tmp), steps=2, group=group)
+    p = plan(shape_from(cfg), n=n, seq=cfg.seq_len, batch=1, recompute=recompute,
+             fp8_weights=fp8_weights, graphs="none", sharding="fsdp2")  # fmt: skip
+    what = f"fsdp2 N={n} rank {rank} FP8 weights {fp8_weights} recompute {recompute} V {vocab}"
+    _close(p.peak, measured, 0.1, f"{what} H {hidden}")
+
+
+class _world:
+    """The rank pool's whole group, as one_rank_group hands one."""
+
+    def __enter__(self):
+        return dist.group.WORLD
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+# graphfp8-train --fsdp measured with AllocatedBytes (DTensors' local shards, FSDP2's all-gather
+# and reduce-scatter buffers, its unsharded parameters while gathered). The planner before:
+# 1.32-1.34 with FP8 weights at N = 1 (every parameter planned an fp32 master and AdamW state;
+# the roots' gathered weights not planned), 0.86-0.89 with vocabulary 16 at N = 2 and 3 before
+# the first step's fused AdamW transient (its learning rate a tensor: DTensor's fake-tensor
+# fallback) was planned.
+# Not explained yet: with full recompute and the loss the peak, the first step's transient
+# (planned) does not show: plan/measured 1.30 (the other FP8-weight rows need it).
+_GAP = pytest.mark.xfail(strict=True, reason="FSDP2 FP8 weights full recompute V 2004: 1.30")
+
+
+@pytest.mark.parametrize("fp8_weights,recompute,vocab,hidden", [
+    (True, "none", 2004, 64), (False, "selective", 2004, 80),
+    pytest.param(True, "full", 2004, 96, marks=_GAP),
+    (False, "none", 2004, 112), (True, "full", 16, 128), (False, "none", 16, 144),
+])  # fmt: skip
+def test_planned_fsdp2_peak_matches_one_rank(fp8_weights, recompute, vocab, hidden):
+    _fsdp_plan_worker(0, torch.device("cpu"), fp8_weights, recompute, vocab, hidden)
+
+
+@pytest.mark.parametrize("world,fp8_weights,recompute,vocab,hidden", [
+    (2, True, "none", 2004, 64), (2, False, "full", 2004, 80), (2, True, "selective", 16, 96),
+    (3, True, "none", 2004, 64), (3, False, "full", 2004, 80), (3, True, "selective", 16, 96),
+])  # fmt: skip
+def test_planned_fsdp2_peak_matches_each_rank(world, fp8_weights, recompute, vocab, hidden):
+    run_on_ranks("gloo", _fsdp_plan_worker, fp8_weights, recompute, vocab, hidden, world=world)

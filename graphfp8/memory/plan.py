@@ -7,18 +7,25 @@ and the largest model of a preset's width that fits one GPU (docs/sharding.md, "
 Persistent state per rank (P parameters, P8 of them in the layers' FP8 GEMMs, Po = P - P8; N
 ranks; bytes per element):
 
-    sharding  fp8 weights  weights            FP8 caches  grads     masters  optimizer
-    ddp       no           2 P                2 P8        2 P       -        4 P (bf16 AdamW)
-    ddp       yes          2 P8 + 2 Po        -           2 P       4 P8     8 P8 + 4 Po
-    zero2     either       as ddp             as ddp      2 P       8 P / N  8 P / N
-    fsdp2     no           2 P / N + 2 L      2 P8        2 P / N   -        4 P / N
-    fsdp2     yes          P8 / N + 2 Po / N  4 L         4 P / N   4 P / N  8 P / N
-                                + 2 L (bf16 grads of a layer)
+    sharding  fp8 weights  weights                 FP8 caches  grads    masters   optimizer
+    ddp       no           2 P                     2 P8        2 P      -         4 P (bf16 AdamW)
+    ddp       yes          2 P8 + 2 Po             -           2 P      4 P8      8 P8 + 4 Po
+    zero2     either       as ddp                  as ddp      2 P      8 P / N   8 P / N
+    fsdp2     no           2 P / N + 2 Pr          2 P8        2 P / N  -         4 P / N
+    fsdp2     yes          (P8 + 2 Po) / N + 2 Pr  -           2 P / N  4 P8 / N  (8 P8 + 4 Po) / N
 
 (zero2: graphfp8's sharded masters, MasterWeights(shard_group=...): fp32 masters and their
-gradients; FP8 weights carry their transpose, 1 + 1 bytes; L: one layer's weight elements, a
-layer's all-gathered weights (two layers in flight under FSDP2's prefetch); FSDP2 keeps bf16
-weights' FP8 casts of every layer, so it pays with FP8 weights.) Activations and the working set
+gradients; FP8 weights carry their transpose, 1 + 1 bytes. fsdp2: graphfp8-train's FSDP2
+(training/fsdp.py), eager, reshard_after_forward True; Pr: the embedding, final norm and head,
+each an FSDP2 root that stays all-gathered from its forward to its backward; the reduce-scatters'
+bf16 gradient shards; FSDP2 keeps bf16 weights' FP8 casts of every layer, so it pays with FP8
+weights. A layer's backward adds its all-gathered weights and the next one's (prefetched), 2 L
+each, and its unsharded gradients and their reduce-scatter copy, 2 L each (L: a layer's
+elements), the head and final norm resharded by then. Its optimizer step: the masters' fp32
+gradient shards replace the bf16 ones (2 P8 / N), and at the first step DTensor's sharding
+propagation of fused AdamW runs the op on real tensors of the parameters' global shapes (torch's
+fake-tensor fallback): parameters, gradients and both moments, 16 P8 + 8 Po with FP8 weights'
+fp32 masters, 8 P without.) Activations and the working set
 on top of them: graphfp8/memory/plan_activations.py. The optimizer step's transient: unsharded
 masters' fp32 gradients, which replace the FP8 weights' bf16 ones eagerly (2 P8 more) and sit
 beside them with per-layer graphs (4 P8).
@@ -167,19 +174,15 @@ class Plan:
 def _state(shape: ModelShape, n: int, sharding: str, fp8_weights: bool) -> dict[str, float]:
     p8 = shape.layers * shape.fp8_layer_params()
     p = shape.parameters()
-    po, layer = p - p8, shape.layer_params()
-    if sharding == "fsdp2" and fp8_weights:
-        return {"weights": p8 / n + 2 * po / n, "FP8 caches": 4 * shape.fp8_layer_params(),
-                "gradients": 4 * p / n + 2 * layer, "masters": 4 * p / n,
-                "optimizer state": 8 * p / n}  # fmt: skip
-    if sharding == "fsdp2":
-        return {
-            "weights": 2 * p / n + 2 * 2 * layer,
-            "FP8 caches": 2 * p8,
-            "gradients": 2 * p / n + 2 * layer,
-            "masters": 0,
-            "optimizer state": 4 * p / n,
-        }
+    po = p - p8
+    if sharding == "fsdp2":  # the roots (embedding, final norm, head) stay gathered: 2 Pr
+        roots = 2 * shape.other_params()
+        if fp8_weights:
+            return {"weights": (p8 + 2 * po) / n + roots, "FP8 caches": 0,
+                    "gradients": 2 * p / n, "masters": 4 * p8 / n,
+                    "optimizer state": (8 * p8 + 4 * po) / n}  # fmt: skip
+        return {"weights": 2 * p / n + roots, "FP8 caches": 2 * p8, "gradients": 2 * p / n,
+                "masters": 0, "optimizer state": 4 * p / n}  # fmt: skip
     weights = 2 * p8 + 2 * po
     caches = 0 if fp8_weights else 2 * p8
     if sharding == "zero2":
@@ -222,6 +225,10 @@ def plan(preset: str | ModelShape, n: int = 1, seq: int = 2048, batch: int = 1,
     out.bytes = {k: round(v) for k, v in _state(shape, n, sharding, fp8_weights).items()}
     out.bytes["activations"] = activation_bytes(shape, tokens, recompute)
     out.bytes["working set"] = working_set_bytes(shape, tokens, recompute)
+    if sharding == "fsdp2":  # a layer's backward under FSDP2 (module docstring)
+        resharded = 2 * (shape.other_params() - shape.vocab * shape.hidden)
+        layer = layer_working_set_bytes(shape, tokens, recompute) + 8 * shape.layer_params()
+        out.bytes["working set"] = max(loss_working_set_bytes(shape, tokens), layer - resharded)
     fp8_masters = 4 * shape.layers * shape.fp8_layer_params() if fp8_weights else 0
     # the masters' values (zero2's masters bytes hold their gradients too)
     master_values = {"ddp": fp8_masters, "zero2": out.bytes["masters"] // 2}.get(
@@ -241,6 +248,11 @@ def plan(preset: str | ModelShape, n: int = 1, seq: int = 2048, batch: int = 1,
     # which replace the FP8 weights' bf16 ones eagerly and sit beside them with per-layer graphs
     # (their persistent .grad; docs/sharding.md: 19.93 B/param on the H200); sharded masters and
     # FSDP2 count theirs above
+    if sharding == "fsdp2":  # the first step: fused AdamW's arguments at their global shapes
+        p8 = shape.layers * shape.fp8_layer_params()  # (module docstring)
+        po = shape.parameters() - p8
+        args = 16 * p8 + 8 * po if fp8_weights else 8 * (p8 + po)
+        out.optimizer_transient = args + (round(2 * p8 / n) if fp8_weights else 0)
     if sharding == "ddp" and graphs != "step":
         out.optimizer_transient = fp8_masters // (2 if graphs == "none" else 1)
     if sharding == "zero2":  # the flat weights' bytes: FP8 data without its transpose
