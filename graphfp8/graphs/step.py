@@ -157,17 +157,23 @@ def make_graphed_step(
     session = CaptureSession(body.device, options, snapshot=snapshot)
     run = StepBody(body, optimizer, max_grad_norm, update, keep_grads_before_clipping,
                    options.caching, session)  # fmt: skip
+    graph, loss, grad_norm = _capture(run, session, body, model)
+    guard = body.replay_guard("capture the step again (make_graphed_step)")
+    return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
+
+
+def _capture(run, session: CaptureSession, body: TrainBody, model: torch.nn.Module) -> tuple:
+    """(graph, loss, grad_norm) of `run` warmed up and captured in `session`; a failure gives the
+    parameters their gradients back before it propagates."""
     old_grads = [p.grad for p in body.params]
     try:
         with session:
             session.init_fp8([fp8_modules_in([model])])
-            graph, loss, grad_norm = _warmup_and_capture(run, session)
+            return _warmup_and_capture(run, session)
     except BaseException:
         for p, g in zip(body.params, old_grads, strict=True):
             p.grad = g
         raise
-    guard = body.replay_guard("capture the step again (make_graphed_step)")
-    return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
 
 
 def _capture_fsdp2(body: TrainBody, options: CaptureOptions, optimizer, max_grad_norm,
@@ -179,15 +185,7 @@ def _capture_fsdp2(body: TrainBody, options: CaptureOptions, optimizer, max_grad
     snapshot = TrainingSnapshot(body.model, optimizer, update.tensors())
     session = CaptureSession(body.device, options, snapshot=snapshot)
     run = FSDPStepBody(body, optimizer, max_grad_norm, update, options.caching, session)
-    old_grads = [p.grad for p in body.params]
-    try:
-        with session:
-            session.init_fp8([fp8_modules_in([body.model])])
-            graph, loss, grad_norm = _warmup_and_capture(run, session)
-    except BaseException:
-        for p, g in zip(body.params, old_grads, strict=True):
-            p.grad = g
-        raise
+    graph, loss, grad_norm = _capture(run, session, body, body.model)
     guard = body.replay_guard("capture the step again (make_graphed_step)")
     params, grads = run.static_grads()
     return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm,

@@ -148,6 +148,22 @@ def fp8_slots(module: nn.Module, device, frozen: bool = False,
     return meta.fwd, meta.bwd, bwd_update
 
 
+def _weight_call(module: nn.Module, ctx: context.FP8Context, is_first_microbatch: bool | None,
+                 kind: str) -> tuple[bool, bool]:  # fmt: skip
+    """(replaying, evaluating) of this forward's weight casts: a recompute replaying its forward,
+    an evaluation call (eval mode, not capturing, is_first_microbatch not False). A training call
+    claims the weight cache for `kind`'s casts ("per-tensor" or "blockwise"); the cache's rule
+    is checked before any FP8 state changes (fp8/weight_cache.py)."""
+    replaying = ctx.recompute is not None and ctx.recompute.replaying
+    evaluating = (not module.training and not ctx.capturing and not replaying
+                  and is_first_microbatch is not False)  # fmt: skip
+    if not (replaying or evaluating):
+        module.weight_cache.use_kind(kind)
+    if not replaying:
+        ctx.weight_cache.check(module.weight_cache, is_first_microbatch, type(module).__name__)
+    return replaying, evaluating
+
+
 def gemm_configs(
     module: nn.Module,
     weights: list[tuple[str, torch.Tensor]],
@@ -157,15 +173,9 @@ def gemm_configs(
     """One GemmConfig per (workspace key, weight (N, K)) for this FP8 forward of `module`."""
     ctx = context.current()
     owner, cache = type(module).__name__, module.weight_cache
-    replaying = ctx.recompute is not None and ctx.recompute.replaying
     # An evaluation cast: into workspaces of its own, each weight scaled from itself (frozen),
     # the cache left as training left it.
-    evaluating = (not module.training and not ctx.capturing and not replaying
-                  and is_first_microbatch is not False)  # fmt: skip
-    if not (replaying or evaluating):
-        cache.use_kind("per-tensor")
-    if not replaying:
-        ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before FP8 state changes
+    replaying, evaluating = _weight_call(module, ctx, is_first_microbatch, "per-tensor")
     frozen = _frozen_call(module, ctx)
     own = [w for _, w in weights] if evaluating else ()
     fwd, bwd, bwd_update = fp8_slots(module, weights[0][1].device, frozen, ctx, own)
@@ -204,13 +214,7 @@ def blockwise_weights(module: nn.Module, weights: list[tuple[str, torch.Tensor]]
     leaving the cache as training left it."""
     ctx = context.current()
     owner, cache = type(module).__name__, module.weight_cache
-    replaying = ctx.recompute is not None and ctx.recompute.replaying
-    evaluating = (not module.training and not ctx.capturing and not replaying
-                  and is_first_microbatch is not False)  # fmt: skip
-    if not (replaying or evaluating):
-        cache.use_kind("blockwise")
-    if not replaying:
-        ctx.weight_cache.check(cache, is_first_microbatch, owner)  # before anything is written
+    replaying, evaluating = _weight_call(module, ctx, is_first_microbatch, "blockwise")
     if evaluating:
         return [None] * len(weights)
     p2 = ctx.recipe.power_2_scale
