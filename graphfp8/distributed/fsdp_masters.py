@@ -121,7 +121,9 @@ class FSDPMasterWeights(MasterWeights):
 
     def parameters(self) -> list[torch.Tensor]:
         """What the optimizer updates, in the model's order with each FP8 weight's master in its
-        place: a norm over them sums as one over model.parameters() does (the same bits)."""
+        place: a norm over them sums in the order one over model.parameters() does (the same bits
+        where the weights' gradients are fp32; bf16 gradient shards are normed and scaled in
+        bf16 by torch's clip, their fp32 masters' in fp32: docs/sharding.md)."""
         return list(self._in_model_order)
 
     @torch.no_grad()
