@@ -251,12 +251,17 @@ class FP8Stats:
 
     def write_csv(self, path) -> Path:
         """Writes rows() to `path` as CSV; returns the path."""
-        path = Path(path)
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(self.rows())
-        return path
+        return write_rows_csv(path, FIELDS, self.rows())
+
+
+def write_rows_csv(path, fields: list[str], rows: list[dict]) -> Path:
+    """Writes `rows` (dicts keyed by `fields`) to `path` as CSV with a header; returns the path."""
+    path = Path(path)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
 
 
 def _row(step: int, mb: int, slot: _Slot, v: list[float]) -> dict:

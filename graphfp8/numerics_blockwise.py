@@ -24,7 +24,6 @@ install it for the runs that report (graphfp8-train --fp8-stats N).
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 
 from graphfp8.fp8 import context, observe
-from graphfp8.numerics import FIELDS
+from graphfp8.numerics import FIELDS, write_rows_csv
 from graphfp8.ops.blockwise_stats import STATS, block_stats
 
 __all__ = ["BLOCK_FIELDS", "BlockStats"]
@@ -145,12 +144,7 @@ class BlockStats:
 
     def write_csv(self, path) -> Path:
         """Writes rows() to `path` as CSV; returns the path."""
-        path = Path(path)
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=BLOCK_FIELDS)
-            writer.writeheader()
-            writer.writerows(self.rows())
-        return path
+        return write_rows_csv(path, BLOCK_FIELDS, self.rows())
 
 
 def _row(step: int, mb: int, key: tuple, sizes: tuple[int, int], v: list[float]) -> dict:
