@@ -18,7 +18,7 @@ import torch
 import graphfp8 as g8
 from benchmarks import te_peers
 from benchmarks.common import time_device
-from benchmarks.glu import TorchSwiGLU, _copy_weights
+from benchmarks.glu import TorchSwiGLU, _copy_weights, te_mlp_like
 from benchmarks.peers import MICROBATCHES_PER_STEP
 from graphfp8.ops.blockwise_fused import blockwise_kernels
 
@@ -50,11 +50,7 @@ def _te_peers(ref, x, dy) -> dict:
         return {}
 
     def build():
-        hidden, ffn = ref.fc2.weight.shape
-        m = te_pt.LayerNormMLP(hidden, ffn, bias=False, normalization="RMSNorm",
-                               activation="swiglu", params_dtype=torch.bfloat16,
-                               device="cuda")  # fmt: skip
-        return _copy_weights(m, ref)
+        return te_mlp_like(te_pt, ref)
 
     def graphed(recipe):
         g = te_peers.same_stream_graphed(build(), (x,), fp8_enabled=True, fp8_recipe=recipe,

@@ -53,6 +53,15 @@ def _copy_weights(dst: nn.Module, ref: TorchSwiGLU) -> nn.Module:
     return dst
 
 
+def te_mlp_like(te_pt, ref: TorchSwiGLU) -> nn.Module:
+    """TransformerEngine's LayerNormMLP (RMSNorm, SwiGLU, no bias, bf16 on the GPU) holding
+    `ref`'s weights: the TE peer of the GLU and blockwise benchmarks."""
+    hidden, ffn = ref.fc2.weight.shape
+    m = te_pt.LayerNormMLP(hidden, ffn, bias=False, normalization="RMSNorm", activation="swiglu",
+                           params_dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    return _copy_weights(m, ref)
+
+
 @contextlib.contextmanager
 def _glu_kernels(on: bool):
     """The fused GLU CUDA kernels on or off while a peer is built (its graphs keep the choice)."""
@@ -84,11 +93,7 @@ def _te_peers(ref, x, dy) -> dict:
     recipe = te_peers.te_recipe()
 
     def build():
-        hidden, ffn = ref.fc2.weight.shape
-        m = te_pt.LayerNormMLP(hidden, ffn, bias=False, normalization="RMSNorm",
-                               activation="swiglu", params_dtype=torch.bfloat16,
-                               device="cuda")  # fmt: skip
-        return _copy_weights(m, ref)
+        return te_mlp_like(te_pt, ref)
 
     def graphed():
         g = te_peers.same_stream_graphed(build(), (x,), fp8_enabled=True, fp8_recipe=recipe,
