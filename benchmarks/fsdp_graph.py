@@ -20,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 import graphfp8 as g8
 from benchmarks.common import print_table, time_device
+from benchmarks.kernel_times import kernel_stats
 from benchmarks.memory_run import RECIPE, Shape, Stack
 from benchmarks.memory_shard import one_rank_group
 
@@ -52,14 +53,21 @@ def _batches(shape: Shape, device, n: int):
             for _ in range(n)]  # fmt: skip
 
 
-def _eager(model, group, batches):
-    """One eager microbatch per call, cycling through the batches."""
+def _eager(model, group, batches, accumulate_unsharded: bool = False):
+    """One eager microbatch per call, cycling through the batches. accumulate_unsharded: FSDP2's
+    gradient accumulation without communication (set_requires_gradient_sync and
+    set_reshard_after_backward False but on the last microbatch: one all-gather and one
+    reduce-scatter per step instead of per microbatch)."""
     state = {"i": 0}
 
     def call():
         i = state["i"] % len(batches)
         state["i"] += 1
         x, target = batches[i]
+        if accumulate_unsharded:
+            last = i == len(batches) - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
         with g8.fp8_autocast(recipe=RECIPE, fp8_group=group):
             y = model(x, is_first_microbatch=i == 0)
         loss = _loss(y, target) / MICROBATCHES
@@ -116,7 +124,25 @@ def _step_graphs(shape: Shape, device, group, batches, quick: bool) -> dict:
                      "spread": (max(ms) - min(ms)) / median}  # fmt: skip
     out["fsdp2_vs_unsharded"] = out["fsdp2-step"]["tokens_per_s"] / out["unsharded-step"][
         "tokens_per_s"]  # fmt: skip
+    if device.type == "cuda":
+        out["kernels"] = {name: kernel_stats(call, iters=3) for name, call in calls.items()}
     return out
+
+
+def _kernel_diff(kernels: dict, top: int = 30) -> list[list]:
+    """Rows of the kernels whose time per step differs most between the FSDP2 and the unsharded
+    step graph: name, launches and us per step of each, the difference."""
+    a, b = kernels["fsdp2-step"], kernels["unsharded-step"]
+    rows = []
+    for name in set(a) | set(b):
+        (na, ua), (nb, ub) = a.get(name, (0, 0.0)), b.get(name, (0, 0.0))
+        rows.append([name[:90], f"{na:g}", f"{ua:.0f}", f"{nb:g}", f"{ub:.0f}", ua - ub])
+    rows.sort(key=lambda r: -abs(r[-1]))
+    total = [["(all kernels)", f"{sum(n for n, _ in a.values()):g}",
+              f"{sum(u for _, u in a.values()):.0f}", f"{sum(n for n, _ in b.values()):g}",
+              f"{sum(u for _, u in b.values()):.0f}",
+              sum(u for _, u in a.values()) - sum(u for _, u in b.values())]]  # fmt: skip
+    return [[*r[:-1], f"{r[-1]:+.0f}"] for r in total + rows[:top]]
 
 
 def _losses(call, n: int) -> torch.Tensor:
@@ -132,12 +158,15 @@ def run(device, quick: bool = False) -> dict:
     results: dict = {"shape": vars(shape), "microbatches": MICROBATCHES}
     with one_rank_group(device) as group:
         calls, losses = {}, {}
-        for name, fsdp, graph in (("fsdp2-eager", True, False), ("fsdp2-graph", True, True),
+        for name, fsdp, graph in (("fsdp2-eager", True, False), ("fsdp2-eager-accum", True, None),
+                                  ("fsdp2-graph", True, True),
                                   ("unsharded-graph", False, True)):  # fmt: skip
             g8.reset_state()
             model = _model(shape, device, fsdp)
-            make = _graphed if graph else _eager
-            calls[name] = make(model, group, batches)
+            if graph is None:
+                calls[name] = _eager(model, group, batches, accumulate_unsharded=True)
+            else:
+                calls[name] = (_graphed if graph else _eager)(model, group, batches)
             losses[name] = _losses(calls[name], 2 * MICROBATCHES)  # no optimizer: same weights
             timing = dict(warmup=1, iters=1, repeats=1) if quick else dict(iters=20)
             results[name] = {"ms_per_microbatch": time_device(calls[name], device, **timing)}
@@ -145,14 +174,15 @@ def run(device, quick: bool = False) -> dict:
         results["step"] = _step_graphs(shape, device, group, batches, quick)
     eager_ms = results["fsdp2-eager"]["ms_per_microbatch"]
     unsharded_ms = results["unsharded-graph"]["ms_per_microbatch"]
-    for name in ("fsdp2-eager", "fsdp2-graph", "unsharded-graph"):
+    for name in ("fsdp2-eager", "fsdp2-eager-accum", "fsdp2-graph", "unsharded-graph"):
         ms = results[name]["ms_per_microbatch"]
         results[name].update(vs_fsdp2_eager=eager_ms / ms, vs_unsharded_graph=unsharded_ms / ms)
     results["graph_equals_eager"] = bool(torch.equal(losses["fsdp2-graph"].cpu(),
                                                      losses["fsdp2-eager"].cpu()))  # fmt: skip
     rows = [[n, f"{results[n]['ms_per_microbatch']:.3f}", f"{results[n]['vs_fsdp2_eager']:.3f}",
              f"{results[n]['vs_unsharded_graph']:.3f}"]
-            for n in ("fsdp2-eager", "fsdp2-graph", "unsharded-graph")]  # fmt: skip
+            for n in ("fsdp2-eager", "fsdp2-eager-accum", "fsdp2-graph", "unsharded-graph")
+            ]  # fmt: skip
     print_table(
         f"FSDP2 in a microbatch graph, world size 1 ({shape.layers} layers, hidden "
         f"{shape.hidden}, B{shape.batch} x S{shape.seq}, FP8 weights; graph == eager FSDP2: "
@@ -170,4 +200,14 @@ def run(device, quick: bool = False) -> dict:
           f"{step[n]['tokens_per_s'] / step['unsharded-step']['tokens_per_s']:.3f}"]
          for n in ("fsdp2-step", "unsharded-step")],
     )  # fmt: skip
+    if "kernels" in step:
+        print_table(
+            "Kernels per step, FSDP2 step graph against the unsharded step graph (torch.profiler, "
+            "3 replays; the 30 largest differences)",
+            ["kernel", "fsdp2 launches", "fsdp2 us", "unsharded launches", "unsharded us",
+             "difference us"],
+            _kernel_diff(step["kernels"]),
+        )  # fmt: skip
+        kernels = step["kernels"]
+        step["kernels"] = {n: {k: list(v) for k, v in d.items()} for n, d in kernels.items()}
     return results

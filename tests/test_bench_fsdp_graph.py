@@ -15,3 +15,15 @@ def test_fsdp_graph_benchmark_runs_and_the_graph_equals_eager():
         assert row["ms_per_microbatch"] > 0
         assert row["vs_fsdp2_eager"] > 0 and row["vs_unsharded_graph"] > 0
     assert result["fsdp2-eager"]["vs_fsdp2_eager"] == 1.0
+    assert result["fsdp2-eager-accum"]["ms_per_microbatch"] > 0
+
+
+def test_kernel_diff_orders_by_the_difference_and_totals_first():
+    kernels = {
+        "fsdp2-step": {"gemm": (4, 100.0), "copy": (8, 40.0), "nccl": (2, 10.0)},
+        "unsharded-step": {"gemm": (4, 101.0), "adam": (1, 5.0)},
+    }
+    rows = fsdp_graph._kernel_diff(kernels)
+    assert rows[0] == ["(all kernels)", "14", "150", "5", "106", "+44"]
+    assert [r[0] for r in rows[1:]] == ["copy", "nccl", "adam", "gemm"]
+    assert rows[1][1:] == ["8", "40", "0", "0", "+40"] and rows[3][-1] == "-5"
