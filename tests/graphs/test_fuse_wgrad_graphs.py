@@ -42,16 +42,28 @@ def _pair(device):
     return eager, graphed
 
 
-def _compare(eager, graphed, what):
+def _added_to(model, starts) -> None:
+    """Every main_grad moved away from its start (the comparisons are not of untouched tensors)."""
+    for w, s in zip(gemm_weights(model), starts, strict=True):
+        assert not torch.equal(w.main_grad, s)
+
+
+def _compare(eager, graphed, what, grads=True):
+    """main_grads, FP8 state and (grads) every other .grad, bit for bit; fused weights no .grad.
+    After a capture the graphs' .grad buffers are not compared (the graphs' own rule)."""
     for (name, pe), (_, pg) in zip(eager.named_parameters(), graphed.named_parameters(),
                                    strict=True):  # fmt: skip
         if any(pe is w for w in gemm_weights(eager)):
             assert pe.grad is None and pg.grad is None, f"{what}: .grad of fused {name}"
             assert_bitwise_equal(pg.main_grad, pe.main_grad, f"{what}: main_grad of {name}")
+        elif not grads:
+            continue
         elif pe.grad is None:
             assert pg.grad is None, f"{what}: .grad of {name}"
         else:
             assert_bitwise_equal(pg.grad, pe.grad, f"{what}: grad of {name}")
+    if not grads:  # after capture: the eager model may not have run in FP8 yet
+        return
     for (name, se), (_, sg) in zip(fp8_state(eager), fp8_state(graphed), strict=True):
         assert_bitwise_equal(sg, se, f"{what}: {name}")
 
@@ -66,10 +78,11 @@ def _eager_microbatches(model, batch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_graphed_callables_equal_eager(device):
     eager, model = _pair(device)
+    starts = [w.main_grad.clone() for w in gemm_weights(model)]
     sample = (torch.randn(B, S, H, dtype=torch.bfloat16, device=device, requires_grad=True),)
     (block,) = g8.make_graphed_callables((model.block,), (sample,), fp8_weight_caching=True,
                                          **CAPTURE)  # fmt: skip
-    _compare(eager, model, "after capture")
+    _compare(eager, model, "after capture", grads=False)
     for step in range(STEPS):
         batch = lm_batch(N, device, step)
         _eager_microbatches(eager, batch)
@@ -82,15 +95,17 @@ def test_graphed_callables_equal_eager(device):
         _compare(eager, model, f"step {step}")
         for m in (eager, model):
             m.zero_grad(set_to_none=True)
+    _added_to(model, starts)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_graphed_microbatch_equals_eager(device):
     eager, model = _pair(device)
+    starts = [w.main_grad.clone() for w in gemm_weights(model)]
     tokens, targets = lm_batch(1, device, 99)
     graphed = g8.make_graphed_microbatch(model, lm_loss, (tokens[0], targets[0]), N,
                                          fp8_weight_caching=True, **CAPTURE)  # fmt: skip
-    _compare(eager, model, "after capture")
+    _compare(eager, model, "after capture", grads=False)
     for step in range(STEPS):
         batch = lm_batch(N, device, step)
         _eager_microbatches(eager, batch)
@@ -99,6 +114,7 @@ def test_graphed_microbatch_equals_eager(device):
         _compare(eager, model, f"step {step}")
         for m in (eager, model):
             m.zero_grad(set_to_none=True)
+    _added_to(model, starts)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -107,11 +123,12 @@ def test_graphed_step_equals_eager(max_grad_norm, device):
     """The optimizer skips the fused weights (no .grad), eagerly and in the graph alike; their
     main gradients keep accumulating across steps."""
     eager, model = _pair(device)
+    starts = [w.main_grad.clone() for w in gemm_weights(model)]
     opt_e, opt_g = adamw(eager.parameters(), device), adamw(model.parameters(), device)
     step = g8.make_graphed_step(model, lm_loss, opt_g, lm_batch(N, device, 99), N,
                                 max_grad_norm=max_grad_norm, **CAPTURE)  # fmt: skip
     compare_training_state(eager, model, opt_e, opt_g, "after capture")
-    _compare(eager, model, "after capture")
+    _compare(eager, model, "after capture", grads=False)
     for s in range(STEPS):
         batch = lm_batch(N, device, s)
         result = eager_step(eager, lm_loss, opt_e, batch, N, recipe=RECIPE,
@@ -121,3 +138,4 @@ def test_graphed_step_equals_eager(max_grad_norm, device):
         compare_training_state(eager, model, opt_e, opt_g, f"step {s}")
         for we, wg in zip(gemm_weights(eager), gemm_weights(model), strict=True):
             assert_bitwise_equal(wg.main_grad, we.main_grad, f"step {s}: main_grad")
+    _added_to(model, starts)

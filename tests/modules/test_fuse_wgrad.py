@@ -53,8 +53,9 @@ def _train(model, xs, fp8=True):
 
 def _inputs(model, n=2):
     torch.manual_seed(1)
-    device = next(model.parameters()).device
-    return [torch.randn(input_shape(model), device=device, requires_grad=True) for _ in range(n)]
+    p = next(model.parameters())
+    return [torch.randn(input_shape(model), dtype=p.dtype, device=p.device, requires_grad=True)
+            for _ in range(n)]  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)

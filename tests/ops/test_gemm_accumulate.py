@@ -95,7 +95,7 @@ def _bad(device, **change):
         (lambda d: dict(out=torch.zeros(32, 48, dtype=torch.bfloat16, device=d)), TypeError,
          "'out' must be float32"),
         (lambda d: dict(out=torch.zeros(48, 32, device=d)), ValueError, "'out' must have shape"),
-        (lambda d: dict(b_fp8=torch.zeros(48, 64, device=d).to(E4M3)), ValueError,
+        (lambda d: dict(b_fp8=torch.zeros(48, 32, device=d).to(E4M3).t()), ValueError,
          "same inner dim k"),
         (lambda d: dict(b_fp8=torch.zeros(64, 48, device=d).to(E4M3)), ValueError,
          "column-major"),
