@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import graphfp8 as g8
+import graphfp8.te as te
 from graphfp8.modules.base import FP8Module
 from graphfp8.testing import assert_bitwise_equal
 from tests.helpers import DEVICES
@@ -164,3 +165,16 @@ def test_main_grad_errors_before_any_state_changes(main_grad, error, words, fp8)
         m(_inputs(m, 1)[0], is_first_microbatch=True)
     for (name, before), (_, after) in zip(state, fp8_state(m), strict=True):
         assert_bitwise_equal(after, before, name)
+
+
+def test_te_drop_in_takes_the_option():
+    """graphfp8.te's layers take TE's fuse_wgrad_accumulation (it used to be refused unless
+    False) and hand it to graphfp8's."""
+    layer = te.TransformerLayer(32, 64, 2, hidden_dropout=0.0, attention_dropout=0.0,
+                                attn_input_format="bshd", fuse_wgrad_accumulation=True)  # fmt: skip
+    fused = [layer.self_attention.layernorm_qkv, layer.self_attention.proj, layer.layernorm_mlp]
+    assert all(m.fuse_wgrad_accumulation for m in fused)
+    lin = fuse(te.Linear(32, 32, fuse_wgrad_accumulation=True, params_dtype=torch.float32))
+    with g8.fp8_autocast(recipe=RECIPE):
+        lin(torch.randn(16, 32)).sum().backward()
+    assert lin.weight.grad is None and lin.weight.main_grad.abs().sum() > 0
