@@ -13,6 +13,7 @@ import torch
 import graphfp8 as g8
 import graphfp8.te as te
 from graphfp8.modules.base import FP8Module
+from graphfp8.ops.switches import kernel_switch
 from graphfp8.testing import assert_bitwise_equal
 from tests.helpers import DEVICES
 from tests.modules.common import build, fp8_state, input_shape
@@ -81,6 +82,20 @@ def test_main_grad_holds_the_weight_gradients(kind, device):
         assert_bitwise_equal(xf.grad, xp.grad, f"{kind}: input grad")
     for (name, sp), (_, sf) in zip(fp8_state(plain), fp8_state(fused), strict=True):
         assert_bitwise_equal(sf, sp, f"{kind}: {name}")
+
+
+def test_qkv_rope_path_accumulates_into_main_grad():
+    """TransformerLayer's QKV projection fused with RoPE (kernel switch ROPE_CAST_BWD) adds its
+    weight gradient into main_grad too."""
+    torch.manual_seed(0)
+    plain = build("LlamaLayer", dtype=torch.float32)
+    fused = fuse(copy.deepcopy(plain))
+    with kernel_switch("ROPE_CAST_BWD", True):
+        _train(plain, _inputs(plain))
+        _train(fused, _inputs(fused))
+    assert fused.qkv.weight.grad is None
+    torch.testing.assert_close(fused.qkv.weight.main_grad, plain.qkv.weight.grad, rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
