@@ -88,6 +88,12 @@ def check_main_grad(weight: torch.Tensor, layer: str, name: str) -> torch.Tensor
         raise ValueError(
             f"{where}: main_grad must be a contiguous tensor that does not require grad"
         )
+    if g.data_ptr() % 16:  # cuBLASLt's FP8 GEMMs: checked on every device (ops/gemm.py)
+        raise ValueError(
+            f"{where}: main_grad must start at a 16-byte aligned address (the GEMM writes it), "
+            f"got one {g.data_ptr() % 16} bytes past: a view into a flat gradient buffer should "
+            "start at a multiple of 4 elements"
+        )
     return g
 
 

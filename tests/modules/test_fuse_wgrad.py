@@ -166,6 +166,7 @@ def test_no_grad_and_frozen_weights_need_no_main_grad():
         (lambda w: torch.zeros(w.shape, device="meta"), ValueError, "is on meta"),
         (lambda w: torch.zeros(w.shape).t().contiguous().t(), ValueError, "contiguous"),
         (lambda w: "grads", TypeError, "must be a torch.Tensor"),
+        (lambda w: torch.zeros(w.numel() + 1)[1:].view(w.shape), ValueError, "16-byte aligned"),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("fp8", [True, False])
