@@ -8,12 +8,22 @@
 // The scales are device pointers (A's is b_scale_inv, B's a_scale_inv), read by the GEMM, so a
 // graph replays it with the scales of each step. No fast accumulation (the backward's GEMMs
 // accumulate exactly, as graphfp8.ops.fp8_gemm's wgrad does).
+#include "../gemm_accumulate.h"
+
+#ifdef GRAPHFP8_NO_CUBLASLT
+namespace graphfp8 {
+// Built without cuBLASLt (setup.py found neither the toolkit's nor the pip wheel's).
+Status fp8_gemm_accumulate_cuda(const GemmAccumulateParams&, void*) {
+  return Status{"fp8_gemm_accumulate",
+                "graphfp8 was built without cuBLASLt: install the CUDA toolkit's cuBLAS or "
+                "nvidia-cublas and rebuild, or leave fuse_wgrad_accumulation off"};
+}
+}  // namespace graphfp8
+#else
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <mutex>
-
-#include "../gemm_accumulate.h"
 
 namespace graphfp8 {
 namespace {
@@ -110,3 +120,4 @@ Status fp8_gemm_accumulate_cuda(const GemmAccumulateParams& p, void* stream) {
 }
 
 }  // namespace graphfp8
+#endif  // GRAPHFP8_NO_CUBLASLT
