@@ -11,7 +11,10 @@ into the leaves fires. What one replay runs, in order:
     fill every sharded gradient buffer with -0.0       (FSDP2's first microbatch then adds into
                                                         it: -0.0 + g is g, as its assignment)
     for each microbatch i: forward (FSDP2's all-gathers), loss_i, loss_i.backward()
-        (FSDP2's reduce-scatters add each reduced shard into its parameter's .grad buffer)
+        (FSDP2's reduce-scatters add each reduced shard into its parameter's .grad buffer;
+        fsdp_sync="last": microbatches 0..N-2 run with FSDP2's gradient sync and reshard after
+        backward off - no reduce-scatter, the unsharded gradients accumulated by autograd, the
+        weights left gathered - and the last one reduce-scatters their sum)
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)  (when given; DTensor's norm)
     masters.step(optimizer) or optimizer.step()             (FP8 weights: one amax all-reduce)
 """
@@ -26,7 +29,7 @@ from graphfp8.fp8.master import TENSOR_GRAD
 from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
 from graphfp8.fp8.tensor import is_fsdp_fp8
 from graphfp8.fp8.weight_cache import step_casts
-from graphfp8.graphs.fsdp import FSDPGrads, FSDPSettings
+from graphfp8.graphs.fsdp import SYNC_SETTINGS, FSDPGrads, FSDPSettings, set_fsdp_sync
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.train_body import TrainBody
 
@@ -116,12 +119,13 @@ class FSDPStepBody:
         update: the model's FSDPUpdate.
         caching: the step's weight-cache policy (graphs/options.py).
         session: the capture session.
+        sync: fsdp_sync, "every" or "last" (graphs/fsdp.py's FSDP_SYNCS).
     """
 
     def __init__(self, body: TrainBody, optimizer, max_grad_norm, update: FSDPUpdate,
-                 caching: bool, session: CaptureSession):  # fmt: skip
+                 caching: bool, session: CaptureSession, sync: str = "every"):  # fmt: skip
         self.body, self.optimizer, self.update = body, optimizer, update
-        self.max_grad_norm, self.session = max_grad_norm, session
+        self.max_grad_norm, self.session, self.sync = max_grad_norm, session, sync
         self.weight_casts = step_casts(body.num_microbatches, caching)
         self.grads = FSDPGrads(body.params)
         self.capturing = False
@@ -138,11 +142,18 @@ class FSDPStepBody:
             for p in body.params:
                 p.grad = None
         self.update.clear_master_grads()
-        for i in range(body.num_microbatches):
-            with self.session.weight_policy(self.weight_casts[i]):
-                loss, _ = body.microbatch(i, points)
-            total += loss
-            del loss
+        last = body.num_microbatches - 1
+        try:
+            for i in range(body.num_microbatches):
+                if self.sync == "last":
+                    set_fsdp_sync(body.model, i == last)
+                with self.session.weight_policy(self.weight_casts[i]):
+                    loss, _ = body.microbatch(i, points)
+                total += loss
+                del loss
+        finally:  # FSDP2's defaults again, also when a microbatch raised (check_fsdp_sync)
+            if self.sync == "last":
+                set_fsdp_sync(body.model, True)
         if self.capturing:
             grads.check_captured(body.name)
         elif not grads.used:  # the first warmup step: which shards get a gradient
@@ -176,4 +187,5 @@ class FSDPStepBody:
 
     def settings(self) -> FSDPSettings:
         """FSDP2's settings as captured, checked before every replay."""
-        return FSDPSettings(self.body.name, self.body.model)
+        graph_sets = SYNC_SETTINGS if self.sync == "last" else ()
+        return FSDPSettings(self.body.name, self.body.model, graph_sets)
