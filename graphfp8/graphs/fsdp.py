@@ -241,6 +241,19 @@ class FSDPGrads:
         for p, b in zip(self.used, self.buffers, strict=True):
             p.grad = b
 
+    def take_assigned(self, name: str) -> None:
+        """After a step graph's capture that began with every `.grad` None: the `.grad` FSDP2
+        assigned each used parameter (a view of its reduce-scatter output, in the graph's
+        memory, which every replay writes again) becomes its buffer."""
+        got = [p for p in self.params if p.grad is not None]
+        if [id(p) for p in got] != [id(p) for p in self.used]:
+            raise RuntimeError(
+                f"{name}: the parameters that got a gradient at capture ({len(got)}) are not "
+                f"those of warmup ({len(self.used)}): data-dependent control flow, which a "
+                "graph cannot hold"
+            )
+        self.buffers = [p.grad for p in self.used]
+
     def check_captured(self, name: str) -> None:
         """After capture: FSDP2 accumulated into the buffers, it did not replace them."""
         replaced = [i for i, (p, b) in enumerate(zip(self.used, self.buffers, strict=True))

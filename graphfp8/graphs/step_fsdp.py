@@ -8,10 +8,9 @@ The backward is `loss.backward()`, not torch.autograd.grad: FSDP2's post-backwar
 reduce-scatter into each sharded `.grad`) runs from its autograd hooks, which only a backward
 into the leaves fires. What one replay runs, in order:
 
-    fill every sharded gradient buffer with -0.0       (FSDP2's first microbatch then adds into
-                                                        it: -0.0 + g is g, as its assignment)
     for each microbatch i: forward (FSDP2's all-gathers), loss_i, loss_i.backward()
-        (FSDP2's reduce-scatters add each reduced shard into its parameter's .grad buffer;
+        (FSDP2's first reduce-scatter of a shard writes its output, which the capture left as
+        the parameter's .grad - the step's static gradient - and later ones add into it;
         fsdp_sync="last": microbatches 0..N-2 run with FSDP2's gradient sync and reshard after
         backward off - no reduce-scatter, the unsharded gradients accumulated by autograd, the
         weights left gathered - and the last one reduce-scatters their sum)
@@ -134,13 +133,11 @@ class FSDPStepBody:
         """Runs the step (NONE: a warmup step); returns (loss, grad_norm or None)."""
         body, grads = self.body, self.grads
         total = torch.zeros((), dtype=torch.float32, device=body.device)
-        if self.capturing:
-            locals_ = [b._local_tensor for b in grads.buffers]
-            torch._foreach_zero_(locals_)
-            torch._foreach_neg_(locals_)
-        else:  # warmup: the step starts as after zero_grad(set_to_none=True)
-            for p in body.params:
-                p.grad = None
+        # The step starts as after zero_grad(set_to_none=True): FSDP2's first reduce-scatter of
+        # each shard assigns its .grad (captured: a view of its reduce-scatter output that every
+        # replay writes again, the step's static gradient; no fill, no add).
+        for p in body.params:
+            p.grad = None
         self.update.clear_master_grads()
         last = body.num_microbatches - 1
         try:
@@ -155,7 +152,7 @@ class FSDPStepBody:
             if self.sync == "last":
                 set_fsdp_sync(body.model, True)
         if self.capturing:
-            grads.check_captured(body.name)
+            grads.take_assigned(body.name)
         elif not grads.used:  # the first warmup step: which shards get a gradient
             grads.take_warmup(body.name)
         grad_norm = None
@@ -165,10 +162,7 @@ class FSDPStepBody:
         return total, grad_norm
 
     def prepare_capture(self) -> None:
-        """Before capture: every used shard's .grad is its persistent buffer."""
-        for p in self.body.params:
-            p.grad = None
-        self.grads.attach()
+        """Before capture: the step then takes the .grad FSDP2 assigns as its static ones."""
         self.capturing = True
 
     def static_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
