@@ -1,7 +1,7 @@
 """torch FSDP2 (fully_shard) models inside make_graphed_microbatch and make_graphed_step (its FSDP2
 step: graphs/step_fsdp.py): what is captured, the checks before capture, the sharded gradients'
-persistent buffers and the FSDP2 settings a replay assumes (docs/sharding.md, "FSDP2 inside the
-graphs").
+persistent buffers, the FSDP2 settings a replay assumes and the gradient sync a step graph with
+fsdp_sync="last" sets on each microbatch (docs/sharding.md, "FSDP2 inside the graphs").
 
 The microbatch graph holds FSDP2's whole forward and backward as its hooks ran them at capture:
 the all-gathers (FP8 weights as FP8 bytes through Float8Tensor's hooks, fp8/tensor_fsdp.py), the
