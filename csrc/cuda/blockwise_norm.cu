@@ -6,6 +6,8 @@
 // (phase 1: each row's tile; phase 2, with out_t: the columns' tiles from shared memory). Per
 // element: 2 bytes of z read twice and the FP8 layouts written, against the unfused path's
 // z read, y written, y read (and the layouts written): the bf16 y is never written.
+#include <atomic>
+
 #include "../blockwise_norm.h"
 #include "../dtype_switch.h"
 #include "blockwise_io.cuh"
@@ -114,11 +116,18 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T, bool kE4M3, bool kTranspose>
 Status launch(const BlockNormParams& p, cudaStream_t stream) {
+  // The shared-memory limit is set once per device and kernel (devices < 64), as blockwise.cu.
   auto kernel = block_norm_kernel<T, kE4M3, kTranspose>;
-  // Every call (cheap, capture-safe): the dynamic shared memory above the default 48 KB.
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return Status{"block_norm (shared memory)", cudaGetErrorString(err)};
+  static std::atomic<uint64_t> done{0};
+  int device = 0;
+  cudaGetDevice(&device);
+  const uint64_t bit = uint64_t{1} << (device & 63);
+  if (!(done.load() & bit)) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return Status{"block_norm (shared memory)", cudaGetErrorString(err)};
+    done.fetch_or(bit);
+  }
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(p.rows, kTile)),
                   static_cast<unsigned>(cuda::ceil_div(p.hidden, kTile)));
   const void* z = p.residual_out != nullptr ? p.residual_out : p.x;

@@ -91,8 +91,10 @@ def test_close_to_the_switch_off(monkeypatch, kind, with_residual):
     """The fused norm differs from torch's norm by rounding only; the residual h = x + residual
     is returned exactly and its gradient reaches x and residual."""
     torch.manual_seed(1)
-    make = {"LayerNormLinear": lambda: g8.LayerNormLinear(256, 192, params_dtype=torch.bfloat16),
-            "LayerNormMLP": lambda: g8.LayerNormMLP(256, 384, params_dtype=torch.bfloat16)}[kind]
+    make = {
+        "LayerNormLinear": lambda: g8.LayerNormLinear(256, 192, params_dtype=torch.bfloat16),
+        "LayerNormMLP": lambda: g8.LayerNormMLP(256, 384, params_dtype=torch.bfloat16),
+    }[kind]
     layer = make()
     x, res = (torch.randn(96, 256, dtype=torch.bfloat16) for _ in range(2))
     dy = torch.randn(96, 192 if kind == "LayerNormLinear" else 256, dtype=torch.bfloat16)
