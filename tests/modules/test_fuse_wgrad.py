@@ -194,3 +194,28 @@ def test_te_drop_in_takes_the_option():
     with g8.fp8_autocast(recipe=RECIPE):
         lin(torch.randn(16, 32)).sum().backward()
     assert lin.weight.grad is None and lin.weight.main_grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
+def test_blockwise_fused_norm_routes_the_weight_gradient_into_main_grad(kind, monkeypatch):
+    """Float8BlockScaling with the norm writing fc1's tiles (GRAPHFP8_BLOCKWISE_NORM): the weight
+    the fused norm-GEMM takes adds its gradient into main_grad like every other blockwise GEMM
+    (a separate add onto zeros: bit for bit the unfused .grad for fp32 parameters)."""
+    from graphfp8.modules import _blockwise_norm
+
+    monkeypatch.setattr(_blockwise_norm.FUSED, "on", True)
+    torch.manual_seed(0)
+    plain = build(kind, dtype=torch.float32)
+    fused = fuse(copy.deepcopy(plain))
+    recipe = g8.Float8BlockScaling()
+    for model in (plain, fused):
+        for i, x in enumerate(_inputs(model)):
+            with g8.fp8_autocast(recipe=recipe):
+                y = model(x, is_first_microbatch=i == 0)
+            y.float().square().mean().backward()
+    for (name, p), (_, f) in zip(plain.named_parameters(), fused.named_parameters(), strict=True):
+        if any(f is w for w in gemm_weights(fused)):
+            assert f.grad is None, name
+            assert_bitwise_equal(f.main_grad, p.grad, f"{kind}: main_grad of {name}")
+        else:
+            assert_bitwise_equal(f.grad, p.grad, f"{kind}: grad of {name}")

@@ -16,6 +16,10 @@ DTYPES = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
 SHAPES = [(32, 64, 48), (7, 16, 16), (96, 256, 128), (0, 32, 16)]
 # fp32 sums of k products of O(1) terms in another order: a few ulps of the largest partial sum.
 RTOL, ATOL = 1e-5, 1e-5
+# Hopper's FP8 tensor cores add within each MMA at reduced precision (about 2**-12 of the partial
+# sum, found on the H200: 2.4e-4 at k = 16), so the CUDA GEMM meets the fp32 twin only there;
+# test_cublaslt_equals_scaled_mm_plus_main_grad holds it to torch's own FP8 GEMM at 1e-6.
+CUDA_TOL = 5e-3
 
 
 def _case(mkn, dtypes, device, seed=0):
@@ -35,7 +39,8 @@ def test_accumulates_like_its_twin(device, dtypes, mkn):
     reference.fp8_gemm_accumulate(a, sa, b_t, sb, want)
     got = ops.fp8_gemm_accumulate_(a, sa, b_t.t(), sb, out)
     assert got is out
-    torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
+    tol = (RTOL, ATOL) if out.device.type == "cpu" else (CUDA_TOL, CUDA_TOL)
+    torch.testing.assert_close(out, want, rtol=tol[0], atol=tol[1])
 
 
 def test_twice_adds_twice(device):
