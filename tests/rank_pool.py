@@ -3,7 +3,7 @@ size, e.g. 3 for uneven shards) spawned once per (backend, world) and kept alive
 pays one task round trip instead of starting interpreters (~1.5 s each). The ranks are forked
 from multiprocessing's forkserver, which imports torch and graphfp8 once per session (a fresh
 interpreter that has run no op, so no thread pool is forked), instead of spawning an interpreter
-that imports them per rank.
+that imports them per rank (gloo; NCCL ranks are spawned, each initialising CUDA itself).
 
 Each rank joins its process group once, then runs tasks `worker(rank, device, *args)` sent by
 `run_on_ranks`, starting each from a fresh graphfp8 state and the same seed. A rank's failure is
@@ -69,7 +69,7 @@ def _serve(rank: int, world: int, backend: str, store: str, tasks, results) -> N
 
 class _Pool:
     def __init__(self, backend: str, world: int):
-        ctx = mp.get_context(START_METHOD)
+        ctx = mp.get_context(START_METHOD if backend == "gloo" else "spawn")  # CUDA: fresh
         self.world = world
         self.store = tempfile.mkdtemp(prefix="graphfp8_ranks_") + "/store"
         self.tasks = [ctx.Queue() for _ in range(world)]
