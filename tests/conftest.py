@@ -3,6 +3,8 @@ CUDA marked `cuda`)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -19,6 +21,16 @@ def _one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _frozen_imports():
+    """The objects alive when the first test starts (torch's, transformers', the collected test
+    modules') live for the whole session: frozen, the garbage collector's full passes skip them
+    (measured: 12.6 s -> 7.2 s of collection in tests/graphs and tests/modules under load)."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,9 @@
 """Ranks for the data-parallel tests: `world` processes (WORLD = 2 unless a test asks for another
 size, e.g. 3 for uneven shards) spawned once per (backend, world) and kept alive, so each test
-pays one task round trip instead of starting interpreters (~1.5 s each).
+pays one task round trip instead of starting interpreters (~1.5 s each). The ranks are forked
+from multiprocessing's forkserver, which imports torch and graphfp8 once per session (a fresh
+interpreter that has run no op, so no thread pool is forked), instead of spawning an interpreter
+that imports them per rank (gloo; NCCL ranks are spawned, each initialising CUDA itself).
 
 Each rank joins its process group once, then runs tasks `worker(rank, device, *args)` sent by
 `run_on_ranks`, starting each from a fresh graphfp8 state and the same seed. A rank's failure is
@@ -28,6 +31,11 @@ GRACE_S = 5.0  # after one rank failed, how long the others get to report
 
 _POOLS: dict[tuple[str, int], _Pool] = {}
 
+START_METHOD = "forkserver"
+mp.get_context(START_METHOD).set_forkserver_preload(
+    ["torch", "torch.distributed", "graphfp8", "graphfp8.distributed"]
+)
+
 
 def _serve(rank: int, world: int, backend: str, store: str, tasks, results) -> None:
     """A rank's loop: join the group, then run tasks until told to stop (None)."""
@@ -43,6 +51,7 @@ def _serve(rank: int, world: int, backend: str, store: str, tasks, results) -> N
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         device_id=device if device.type == "cuda" else None,
     )  # fmt: skip
+    gc.freeze()  # the imports' objects: the collection after each task scans only newer ones
     try:
         while (task := tasks.get()) is not None:
             worker, args = task
@@ -60,7 +69,7 @@ def _serve(rank: int, world: int, backend: str, store: str, tasks, results) -> N
 
 class _Pool:
     def __init__(self, backend: str, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(START_METHOD if backend == "gloo" else "spawn")  # CUDA: fresh
         self.world = world
         self.store = tempfile.mkdtemp(prefix="graphfp8_ranks_") + "/store"
         self.tasks = [ctx.Queue() for _ in range(world)]
@@ -130,10 +139,14 @@ def run_on_ranks(backend: str, worker, *args, world: int = WORLD) -> None:
 
 
 def shutdown() -> None:
-    """Stops every pool (at the end of the test session)."""
-    for pool in list(_POOLS.values()):
+    """Stops every pool (at the end of the test session): all ranks are told to stop before any
+    is waited for, so the pools leave their process groups at the same time."""
+    pools = list(_POOLS.values())
+    for pool in pools:
         for q in pool.tasks:
             q.put(None)
+    deadline = time.monotonic() + 10.0
+    for pool in pools:
         for p in pool.procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         pool.close()

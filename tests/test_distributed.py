@@ -26,7 +26,7 @@ from graphfp8.graphs import RecordingMode, ReplayTape
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import compare_models
 from tests.modules.common import T, build, fp8_state, in_features
-from tests.rank_pool import COLLECTIVE_TIMEOUT_S, WORLD, run_on_ranks
+from tests.rank_pool import COLLECTIVE_TIMEOUT_S, START_METHOD, WORLD, run_on_ranks
 
 JOIN_TIMEOUT_S = 120  # a torchrun-style run, spawn and imports included
 
@@ -51,7 +51,7 @@ def launch(backend: str, worker, *args) -> None:
 
 
 def _spawn(entry, args, name: str) -> None:
-    ctx = mp.start_processes(entry, args=args, nprocs=WORLD, join=False, start_method="spawn")
+    ctx = mp.start_processes(entry, args=args, nprocs=WORLD, join=False, start_method=START_METHOD)
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
         while not ctx.join(timeout=1.0):
