@@ -22,10 +22,9 @@ bf16 gradient shards; FSDP2 keeps bf16 weights' FP8 casts of every layer, so it 
 weights. A layer's backward adds its all-gathered weights and the next one's (prefetched), 2 L
 each, and its unsharded gradients and their reduce-scatter copy, 2 L each (L: a layer's
 elements), the head and final norm resharded by then. Its optimizer step: the masters' fp32
-gradient shards replace the bf16 ones (2 P8 / N), and at the first step DTensor's sharding
-propagation of fused AdamW runs the op on real tensors of the parameters' global shapes (torch's
-fake-tensor fallback): parameters, gradients and both moments, 16 P8 + 8 Po with FP8 weights'
-fp32 masters, 8 P without.) Activations and the working set
+gradient shards replace the bf16 ones (2 P8 / N); nothing at the parameters' global shapes
+(graphfp8/distributed/optimizer_meta.py: fused AdamW's tensor learning rate once cost 16 P8 + 8
+Po at the first step).) Activations and the working set
 on top of them: graphfp8/memory/plan_activations.py. The optimizer step's transient: unsharded
 masters' fp32 gradients, which replace the FP8 weights' bf16 ones eagerly (2 P8 more) and sit
 beside them with per-layer graphs (4 P8).
@@ -248,11 +247,8 @@ def plan(preset: str | ModelShape, n: int = 1, seq: int = 2048, batch: int = 1,
     # which replace the FP8 weights' bf16 ones eagerly and sit beside them with per-layer graphs
     # (their persistent .grad; docs/sharding.md: 19.93 B/param on the H200); sharded masters and
     # FSDP2 count theirs above
-    if sharding == "fsdp2":  # the first step: fused AdamW's arguments at their global shapes
-        p8 = shape.layers * shape.fp8_layer_params()  # (module docstring)
-        po = shape.parameters() - p8
-        args = 16 * p8 + 8 * po if fp8_weights else 8 * (p8 + po)
-        out.optimizer_transient = args + (round(2 * p8 / n) if fp8_weights else 0)
+    if sharding == "fsdp2" and fp8_weights:  # the masters' fp32 gradient shards (docstring)
+        out.optimizer_transient = round(2 * shape.layers * shape.fp8_layer_params() / n)
     if sharding == "ddp" and graphs != "step":
         out.optimizer_transient = fp8_masters // (2 if graphs == "none" else 1)
     if sharding == "zero2":  # the flat weights' bytes: FP8 data without its transpose
