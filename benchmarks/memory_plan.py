@@ -59,11 +59,11 @@ def _tokens(tmp: Path, vocab: int, count: int) -> Dataset:
     return Dataset(open_stream(str(path), vocab_size=vocab), val_fraction=0.05)
 
 
-def _fresh_sharding_propagation() -> None:
-    """Empties DTensor's sharding-propagation caches, as in a fresh process: the first fused
-    AdamW step over DTensors runs its fake-tensor fallback on real tensors only on a cache miss
-    (docs/sharding.md, "Memory planner"), and a run measured after another of the same shapes
-    would miss it."""
+def fresh_sharding_propagation() -> None:
+    """Empties DTensor's sharding-propagation caches, as in a fresh process: an op over DTensors
+    runs its propagation (the op on fake tensors of the global shapes) only on a cache miss, so a
+    run measured after another of the same shapes would not see what a first step costs
+    (docs/sharding.md, "The first optimizer step under FSDP2")."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor import DTensor
 

@@ -18,7 +18,11 @@ from graphfp8.distributed.data_parallel import (
 from graphfp8.distributed.fsdp_masters import FSDPMasterWeights, fsdp_fp8_weights
 from graphfp8.distributed.gradient_update import GradientUpdate, ReplicatedUpdate, gradient_update
 from graphfp8.distributed.masters import MasterWeights
+from graphfp8.distributed.optimizer_meta import register_fused_optimizer_meta
 from graphfp8.distributed.sharded_masters import ShardedMasterWeights
+
+# DTensor steps of fused Adam/AdamW with a tensor learning rate without an unsharded transient
+register_fused_optimizer_meta()
 
 __all__ = [
     "DistInfo",

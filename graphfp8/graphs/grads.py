@@ -10,7 +10,7 @@ import operator
 import torch
 
 from graphfp8.fp8.main_grad import is_fused
-from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.backends import host_memory, new_graph
 from graphfp8.graphs.tape import CaptureError
 from graphfp8.ops import GradWatch
 
@@ -122,7 +122,8 @@ class GradFold:
     def hooked(self):
         """Hooks on the parameters for the capture. The CPU tape runs what it records: the
         buffers (some may be a .grad already) are put back as they were afterwards."""
-        saved = [b.clone() for b in self.buffers] if self.device.type == "cpu" else None
+        with host_memory():  # what a GPU would not hold (the CPU accounting: backends.py)
+            saved = [b.clone() for b in self.buffers] if self.device.type == "cpu" else None
         stand_ins = {b.dtype: b.new_empty(()) for b in self.buffers}
         handles = [p.register_hook(self._hook(i, stand_ins)) for i, p in enumerate(self.params)]
         try:
@@ -148,7 +149,8 @@ class GradFold:
         if not used:
             return None
         params, buffers = [self.params[i] for i in used], [self.buffers[i] for i in used]
-        saved = [b.clone() for b in buffers] if self.device.type == "cpu" else None
+        with host_memory():
+            saved = [b.clone() for b in buffers] if self.device.type == "cpu" else None
         reset = new_graph(self.device)
         with reset.capture(pool):
             torch._foreach_zero_(buffers)

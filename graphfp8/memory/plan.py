@@ -22,10 +22,9 @@ bf16 gradient shards; FSDP2 keeps bf16 weights' FP8 casts of every layer, so it 
 weights. A layer's backward adds its all-gathered weights and the next one's (prefetched), 2 L
 each, and its unsharded gradients and their reduce-scatter copy, 2 L each (L: a layer's
 elements), the head and final norm resharded by then. Its optimizer step: the masters' fp32
-gradient shards replace the bf16 ones (2 P8 / N), and at the first step DTensor's sharding
-propagation of fused AdamW runs the op on real tensors of the parameters' global shapes (torch's
-fake-tensor fallback): parameters, gradients and both moments, 16 P8 + 8 Po with FP8 weights'
-fp32 masters, 8 P without.) Activations and the working set
+gradient shards replace the bf16 ones (2 P8 / N); nothing at the parameters' global shapes
+(graphfp8/distributed/optimizer_meta.py: fused AdamW's tensor learning rate once cost 16 P8 + 8
+Po at the first step).) Activations and the working set
 on top of them: graphfp8/memory/plan_activations.py. The optimizer step's transient: unsharded
 masters' fp32 gradients, which replace the FP8 weights' bf16 ones eagerly (2 P8 more) and sit
 beside them with per-layer graphs (4 P8).
@@ -33,13 +32,17 @@ beside them with per-layer graphs (4 P8).
 Graph pools and what is counted where (docs/sharding.md, "Memory planner"): `peak` is
 torch.cuda.max_memory_allocated's peak, which counts a graph's private pool only while it is
 captured (a replay allocates nothing), `footprint` the peak with the pools held, what must fit.
+In every mode the peak is at least graphfp8-train's eager validation pass beside the state and
+the static buffers (plan_activations.validation_bytes): the peak with per-layer graphs when the
+vocabulary is small beside the width.
 
-    none    state + max(activations + working set, optimizer transient)
+    none    state + max(activations + working set, optimizer transient, validation)
     layers  graph pools: the blocks' graph pair's static input, output and input gradient, 6 T H.
             peak: the replays' eager part (the head's activations and the loss's working set,
             or the optimizer's transient) beside the state and the static buffers, or the
-            capture (before the first step: no gradients or optimizer state yet) if larger;
-            footprint: the blocks' activations and working set held in the pool beside that
+            capture (before the first step: no optimizer state, the blocks' persistent .grad
+            buffers only) if larger; footprint: the blocks' activations and working set held in
+            the pool beside that
     step    graph pools: none beyond the microbatch's memory (the copy of the weights and
             masters that undoes the warmup lives in host memory and is dropped after the
             capture: graphs/step_optim.py's TrainingSnapshot); the unsharded masters' fp32
@@ -61,6 +64,7 @@ from graphfp8.memory.plan_activations import (
     head_bytes,
     layer_working_set_bytes,
     loss_working_set_bytes,
+    validation_bytes,
     working_set_bytes,
 )
 from graphfp8.memory.shapes import LLAMA, ModelShape, shape_of
@@ -89,6 +93,8 @@ class Plan:
         watch_copy: zero2: the sharded masters' copy of this rank's range of the weights, which
             tells a model changed since the write-back (distributed/sharded_guard.py ModelWatch;
             not training state).
+        validation: graphfp8-train's eager validation pass beside the state and the graphs'
+            static buffers (plan_activations.validation_bytes).
     """
 
     setting: dict
@@ -98,6 +104,7 @@ class Plan:
     eager_microbatch: int = 0
     capture_peak: int = 0
     watch_copy: int = 0
+    validation: int = 0
 
     @property
     def state(self) -> int:
@@ -117,12 +124,13 @@ class Plan:
         """torch.cuda.max_memory_allocated's peak (graph pools counted while captured: module
         docstring)."""
         graphs, pools = self.setting["graphs"], self.bytes["graph pools"]
+        validation = self._held + pools + self.validation
         if graphs == "step":
-            return self._held + pools + self.microbatch
+            return max(self._held + pools + self.microbatch, validation)
         if graphs == "layers":
             replays = self._held + pools + max(self.eager_microbatch, self.optimizer_transient)
-            return max(self.capture_peak, replays)
-        return self._held + max(self.microbatch, self.optimizer_transient)
+            return max(self.capture_peak, replays, validation)
+        return self._held + max(self.microbatch, self.optimizer_transient, self.validation)
 
     @property
     def footprint(self) -> int:
@@ -130,9 +138,9 @@ class Plan:
         pool keeps the microbatch's memory while the optimizer runs eagerly; after a step graph's
         capture an eager validation pass allocates outside its pool."""
         graphs = self.setting["graphs"]
-        if graphs == "layers":
-            return self._held + self.bytes["graph pools"] + self.microbatch + (
-                self.optimizer_transient)  # fmt: skip
+        if graphs == "layers":  # (or the peak: a validation pass's or the capture's)
+            held = self._held + self.bytes["graph pools"] + self.microbatch
+            return max(self.peak, held + self.optimizer_transient)
         if graphs == "step":
             return self.peak + loss_working_set_bytes(self._shape(), self._tokens())
         return self.peak
@@ -234,25 +242,24 @@ def plan(preset: str | ModelShape, n: int = 1, seq: int = 2048, batch: int = 1,
     master_values = {"ddp": fp8_masters, "zero2": out.bytes["masters"] // 2}.get(
         sharding, out.bytes["masters"])  # fmt: skip
     out.bytes["graph pools"] = 0
+    out.validation = validation_bytes(shape, tokens)
     if graphs == "layers":  # the blocks' graph pair: static input, output and input gradient
         out.bytes["graph pools"] = 6 * tokens * shape.hidden
         head = head_bytes(shape, tokens)
         out.eager_microbatch = head + loss_working_set_bytes(shape, tokens)
         blocks = out.bytes["activations"] - head
         layer = max(0, layer_working_set_bytes(shape, tokens, recompute))
+        grad_buffers = 2 * shape.layers * shape.layer_params()  # the blocks' persistent .grad
         out.capture_peak = (out.bytes["weights"] + out.bytes["FP8 caches"] + master_values
-                            + out.bytes["graph pools"] + blocks + layer)  # fmt: skip
+                            + out.bytes["graph pools"] + grad_buffers + blocks + layer)  # fmt: skip
     elif graphs == "step":  # the graph's fp32 master gradients (module docstring)
         out.bytes["masters"] += fp8_masters if sharding == "ddp" else 0
     # unsharded MasterWeights outside a step graph: the fp32 gradients of the optimizer step,
     # which replace the FP8 weights' bf16 ones eagerly and sit beside them with per-layer graphs
     # (their persistent .grad; docs/sharding.md: 19.93 B/param on the H200); sharded masters and
     # FSDP2 count theirs above
-    if sharding == "fsdp2":  # the first step: fused AdamW's arguments at their global shapes
-        p8 = shape.layers * shape.fp8_layer_params()  # (module docstring)
-        po = shape.parameters() - p8
-        args = 16 * p8 + 8 * po if fp8_weights else 8 * (p8 + po)
-        out.optimizer_transient = args + (round(2 * p8 / n) if fp8_weights else 0)
+    if sharding == "fsdp2" and fp8_weights:  # the masters' fp32 gradient shards (docstring)
+        out.optimizer_transient = round(2 * shape.layers * shape.fp8_layer_params() / n)
     if sharding == "ddp" and graphs != "step":
         out.optimizer_transient = fp8_masters // (2 if graphs == "none" else 1)
     if sharding == "zero2":  # the flat weights' bytes: FP8 data without its transpose

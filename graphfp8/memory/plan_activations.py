@@ -20,6 +20,12 @@ MLP width, F1 fc1's outputs (2 F gated), bytes:
                      layer's backward: its recomputed activations (full: all of them) and its
                      gradients' transients 2 T F + 2 T F1 + 10 T H (full: 14 T H), the head's
                      activations freed by then (fitted on the CPU: LiveBytes, within 8%)
+    validation       an eager pass without gradients (training/evaluate.py) beside the state:
+                     the embedding's output 2 T H and the larger of one layer's forward (what it
+                     would keep without recompute, its input and output 4 T H, its weights cast
+                     anew into evaluation workspaces, FP8 data and transpose 2 P8 of the layer)
+                     and the head's (the final norm 2 T H, torch's RMSNorm 6 T H more; the logits
+                     in bf16 and float32 and cross entropy's log-probabilities, 10 T V)
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ __all__ = [
     "layer_activation_bytes",
     "layer_working_set_bytes",
     "loss_working_set_bytes",
+    "validation_bytes",
     "working_set_bytes",
 ]
 
@@ -99,3 +106,12 @@ def working_set_bytes(shape: ModelShape, tokens: int, recompute: str = "none") -
     (with what it recomputes)."""
     return max(loss_working_set_bytes(shape, tokens),
                layer_working_set_bytes(shape, tokens, recompute))  # fmt: skip
+
+
+def validation_bytes(shape: ModelShape, tokens: int) -> int:
+    """An eager validation pass of `tokens` tokens per batch beside the training state."""
+    t, h = tokens, shape.hidden
+    layer = layer_activation_bytes(shape, t) + 4 * t * h + 2 * shape.fp8_layer_params()
+    rms = 6 * t * h if shape.norm == "RMSNorm" else 0
+    head = 2 * t * h + rms + 10 * t * shape.vocab
+    return 2 * t * h + max(layer, head)
