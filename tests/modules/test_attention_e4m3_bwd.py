@@ -90,3 +90,29 @@ def test_recipe_checks_the_option():
         g8.DelayedScaling(fp8_dpa=True, fp8_dpa_e4m3_bwd=1)
     assert g8.Float8CurrentScaling().fp8_dpa_e4m3_bwd is False
     assert "fp8_dpa_e4m3_bwd=True" in repr(_recipe())
+
+
+def test_numerics_report_gives_do_its_amax_only():
+    """graphfp8.numerics under the option: the dO row reports the slot's recorded amax and no
+    statistics of its own (they would describe an E5M2 cast that did not happen), like the casts
+    inside the kernel; the other rows as without the option. Three steps: fresh slots (scale 1,
+    here 2**-7 in E4M3) flush this layer's small gradients until dO's and then dS's slot have an
+    amax, so dQ and dK are 0 in the first two backward passes (docs/fp8.md)."""
+    from graphfp8.numerics import FP8Stats
+
+    layer, sample = layer_and_input("cpu")
+    with FP8Stats(layer) as stats:
+        stats.enable(True)
+        for step in range(3):
+            with g8.fp8_autocast(recipe=_recipe()):
+                y = layer(sample.clone().requires_grad_())
+            y.float().square().mean().backward()
+            stats.collect(step)
+        rows = stats.rows()
+    first = {r["role"]: r for r in rows if r["gemm"] == "attention" and r["step"] == 0}
+    assert first["dq"]["recorded_amax"] == 0.0 and first["do"]["recorded_amax"] > 0
+    attn = {r["role"]: r for r in rows if r["gemm"] == "attention" and r["step"] == 2}
+    assert set(attn) == {"q", "k", "v", "o", "do", "dq", "dk", "dv"}
+    for role in ("q", "k", "v", "o", "do", "dq", "dk", "dv"):
+        r = attn[role]
+        assert r["true_amax"] is None and r["sqnr_db"] is None and r["recorded_amax"] > 0, role
