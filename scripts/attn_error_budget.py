@@ -12,17 +12,26 @@ attention, one quantization point at a time. Points (notes/FP8_ATTENTION.md has 
     dqkv     dQ, dK, dV out of the kernel (the backward format; the QKV GEMM casts them again)
 
     python scripts/attn_error_budget.py [--seq 1024] [--head-dims 64,128] [--heads 4]
+    python scripts/attn_error_budget.py --layer    # whole TransformerLayers, SQNR (dB)
+
+`--layer` trains nothing: it runs a bf16 graphfp8.TransformerLayer (seq 512, 4 x 64, 2 x 128,
+4 x 128 with 2 KV heads) under FP8 without FP8 attention, with it, and with its E4M3 backward,
+after 3 warm-up steps of delayed scaling, and prints the SQNR of the input gradient and of the
+QKV and projection weight gradients against the same layer in float32, over 3 batches.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 
 import torch
 
+import graphfp8 as g8
 from graphfp8.fp8.recipe import fp8_max
 from graphfp8.reference import quantize
+from graphfp8.testing import sqnr
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 POINTS = ("q", "k", "v", "p", "o", "do", "ds", "dqkv")
@@ -127,13 +136,60 @@ ROWS = [
 ]
 
 
+LAYER_RECIPES = {
+    "FP8, bf16 attention": dict(),
+    "FP8 attention (E5M2 backward)": dict(fp8_dpa=True, fp8_mha=True),
+    "FP8 attention, E4M3 backward": dict(fp8_dpa=True, fp8_mha=True, fp8_dpa_e4m3_bwd=True),
+}
+
+
+def _grads(m, x, dy, recipe=None) -> dict:
+    x = x.clone().requires_grad_()
+    m.zero_grad()
+    with g8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+        y = m(x)
+    y.backward(dy)
+    wanted = ("qkv.weight", "proj.weight")
+    return {"dgrad": x.grad, **{n: p.grad for n, p in m.named_parameters() if n in wanted}}
+
+
+def layer_sqnrs(heads: int, d: int, groups, seq: int = 512, batch: int = 2) -> dict:
+    """{recipe name: {gradient: SQNR dB}} of one TransformerLayer against its float32 copy."""
+    torch.manual_seed(0)
+    m = g8.TransformerLayer(heads * d, heads, 4 * heads * d, max_seq_len=seq,
+                            params_dtype=torch.bfloat16, num_gqa_groups=groups)  # fmt: skip
+    m32 = copy.deepcopy(m).float()
+    shape = (batch, seq, heads * d)
+    batches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(3)]
+    refs = [_grads(m32, x.float(), dy.float()) for x, dy in batches]
+    out = {}
+    for name, kw in LAYER_RECIPES.items():
+        recipe, mm = g8.DelayedScaling(amax_history_len=16, **kw), copy.deepcopy(m)
+        for _ in range(3):  # delayed scaling: scales from earlier steps
+            _grads(mm, *batches[0], recipe)
+        got = [_grads(mm, x, dy, recipe) for x, dy in batches]
+        out[name] = {
+            k: sqnr(torch.cat([r[k].flatten() for r in refs]),
+                    torch.cat([g[k].float().flatten() for g in got]))
+            for k in refs[0]
+        }  # fmt: skip
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layer", action="store_true", help="TransformerLayer gradients' SQNR")
     args = p.parse_args()
     torch.set_num_threads(2)
+    if args.layer:
+        for heads, d, groups in ((4, 64, None), (2, 128, None), (4, 128, 2)):
+            print(f"\nTransformerLayer {heads} heads x {d}, kv heads {groups or heads}: SQNR dB")
+            for name, dbs in layer_sqnrs(heads, d, groups).items():
+                print(f"{name:32s} " + " ".join(f"{k} {v:.2f}" for k, v in dbs.items()))
+        return
     for d in (int(x) for x in args.head_dims.split(",")):
         print(f"\nseq {args.seq}, head_dim {d}, {args.heads} heads: relative error vs float64")
         print(f"{'quantized':40s} {'O':>8s} {'dQ':>8s} {'dK':>8s} {'dV':>8s}")
