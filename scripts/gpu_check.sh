@@ -106,6 +106,10 @@
 #               the attention's backward in E4M3) for AQ_PRESETS (100m llama-100m), AQ_STEPS
 #               (1000) x 1 microbatch, AQ_SEEDS (0,1), --heads AQ_HEADS (8: head_dim 128, cuDNN's
 #               FP8 backward on Hopper takes no other); ~3-4 min (notes/FP8_ATTENTION.md)
+#   step wgrad-accum (issue 41 item 4): the CUDA tests of fuse_wgrad_accumulation (the cuBLASLt
+#               GEMM with beta = 1 against _scaled_mm + main_grad, in a CUDA graph, the layers
+#               and graphs), then python -m benchmarks wgrad-accum (wgrad + add vs the fused
+#               GEMM at Llama 1B / 8B shapes, SwiGLU LayerNormMLP graphed; 3 repeats, spread)
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -467,6 +471,14 @@ PYEOF
           > /tmp/bench_memory_$what.log 2>&1 || { status=1; tail -30 /tmp/bench_memory_$what.log; }
         grep -v '^wrote' /tmp/bench_memory_$what.log >> "$RES/summary.md"
       done ;;
+    wgrad-accum)  # issue 41 item 4: fuse_wgrad_accumulation's CUDA tests, then its benchmark
+      $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_gemm_accumulate.py \
+        tests/modules/test_fuse_wgrad.py tests/graphs/test_fuse_wgrad_graphs.py \
+        > "$RES/tests_wgrad_accum.log" 2>&1 || status=1
+      tail -15 "$RES/tests_wgrad_accum.log"; tail -1 "$RES/tests_wgrad_accum.log" >> "$RES/summary.md"
+      $PY -m benchmarks wgrad-accum --json "$RES/bench_wgrad_accum.json" \
+        > /tmp/bench_wgrad_accum.log 2>&1 || { status=1; tail -30 /tmp/bench_wgrad_accum.log; }
+      grep -v '^wrote' /tmp/bench_wgrad_accum.log >> "$RES/summary.md" ;;
     glu)  # issue 23: SwiGLU LayerNormMLP FP8 graphed vs bf16 graphed and TE, the GLU kernels
       with_te $PY -m benchmarks glu --json "$RES/bench_glu.json" > /tmp/bench_glu.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_glu.log; }
