@@ -69,10 +69,12 @@
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
 #   step fsdp-graph (issue 40): FSDP2 inside make_graphed_microbatch and make_graphed_step at
 #               world size 1 with NCCL: the CUDA tests of tests/sharding/test_fsdp2_cuda.py -k
-#               "microbatch_graph or step_graph" (graph == eager FSDP2 bit for bit) and bench
+#               "microbatch_graph or step_graph or transposed" (graph == eager FSDP2 bit for bit,
+#               fsdp_sync="last" too; the gathered FP8 weights' transposes counted) and bench
 #               fsdp-graph (4 TransformerLayers h4096, FP8 weights, B1 x S4096: eager FSDP2 vs its
 #               microbatch graph vs the unsharded graph; then the FSDP2 step graph vs the
-#               unsharded step graph, tokens/s over 3 interleaved repeats: target within 3%)
+#               unsharded step graph, tokens/s over 3 interleaved repeats: target within 3%; rows
+#               for fsdp_sync="last" and reshard_after_forward=False, notes/PERF.md predicts them)
 #   step kern41 (issue 41 item 4): the CUDA tests of the kern41 switches (KERN41_SWITCHES,
 #               default NORM_FWD_TRANSPOSE ROPE_CAST_BWD), the `benchmarks variants` rows of
 #               NORM_FWD_TRANSPOSE (ROPE_CAST_BWD has none: it is a layer path), then the 100m step
@@ -396,6 +398,14 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         tests/graphs/test_blockwise_graphs.py > "$RES/tests_blockwise_fused.log" 2>&1 || status=1
       echo "-- blockwise fused-kernel CUDA tests: $(tail -1 "$RES/tests_blockwise_fused.log")" \
         | tee -a "$RES/summary.md"
+      # The norm writing the blockwise tiles (GRAPHFP8_BLOCKWISE_NORM, default off: the kernel
+      # against the CUDA norm + quantizer, captured) and the per-block statistics kernel (the
+      # numerics report's, gated by its flag), then the layers with the switch on (issue 42).
+      timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_blockwise_norm.py \
+        tests/ops/test_blockwise_stats_kernel.py tests/modules/test_blockwise_norm_layers.py \
+        > "$RES/tests_blockwise_norm.log" 2>&1 || status=1
+      echo "-- blockwise norm + stats CUDA tests: $(tail -1 "$RES/tests_blockwise_norm.log")" \
+        | tee -a "$RES/summary.md"
       # The operand layouts of the three GEMMs against this torch's own (meta) scaled_mm checks.
       $PY -m pytest -q -p no:cacheprovider tests/modules/test_blockwise_layouts.py \
         >> "$RES/tests_blockwise.log" 2>&1 || status=1
@@ -576,7 +586,8 @@ print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF
       grep "^###\|^| peak\|^graphfp8-train" "$RES/big_step.log" | tee -a "$RES/summary.md" ;;
     fsdp-graph)  # issue 40: FSDP2 inside make_graphed_microbatch at world size 1 (NCCL)
       $PY -m pytest -q -m cuda -p no:cacheprovider tests/sharding/test_fsdp2_cuda.py \
-        -k "microbatch_graph or step_graph" > "$RES/fsdp_graph_tests.log" 2>&1 || status=1
+        -k "microbatch_graph or step_graph or transposed" > "$RES/fsdp_graph_tests.log" 2>&1 \
+        || status=1
       tail -1 "$RES/fsdp_graph_tests.log" | tee -a "$RES/summary.md"
       $PY -m benchmarks fsdp-graph --json "$RES/bench_fsdp_graph.json" > /tmp/bench_fsdp_graph.log \
         2>&1 || { status=1; tail -30 /tmp/bench_fsdp_graph.log; }

@@ -8,6 +8,8 @@ then on the blocks, the embedding, the norm and the head, with FSDP2's defaults
 fully_shard too (a root without parameters of its own, as make_graphed_step requires). FP8
 primary weights (--fp8-weights) stay FP8 shards, all-gathered as FP8, trained through
 FSDPMasterWeights. --hsdp R: the same on HSDP's 2-D (R, N / R) mesh (docs/sharding.md, "HSDP").
+--fsdp-sync last: FSDP2's gradient sync and reshard after backward off on every microbatch but
+the last, eagerly (set_fsdp_sync) and in the step graph (make_graphed_step(fsdp_sync="last")).
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ REFUSED = {
 
 def check_fsdp_spec(spec) -> None:
     """A RunSpec with fsdp runs eagerly or in the step graph, without shard and compile; hsdp
-    needs fsdp."""
+    and fsdp_sync 'last' need fsdp."""
     if spec.fsdp and (spec.graphs not in ("none", "step") or spec.shard or spec.compile):
         raise ValueError("fsdp runs eagerly or in the step graph (graphs 'none' or 'step'), "
                          "without shard and compile")  # fmt: skip
     if spec.hsdp < 1 or (spec.hsdp > 1 and not spec.fsdp):
         raise ValueError(f"hsdp {spec.hsdp}: replicas (>= 1) of FSDP2's shards, with fsdp")
+    if spec.fsdp_sync not in ("every", "last") or (spec.fsdp_sync != "every" and not spec.fsdp):
+        raise ValueError(f"fsdp_sync {spec.fsdp_sync!r}: 'every' or 'last' (with fsdp)")
 
 
 def shard_gpt(model: torch.nn.Module, group, device, replicas: int = 1,
