@@ -102,6 +102,12 @@
 #               allocated / reserved, tokens/s and plan/measured; then the step graph's deepest
 #               (--graphs step: 24 layers, 6.29B; its capture's undo copy in host memory) ->
 #               $RES/big_step.json; ~3-4 min
+#   step attn-quality (issue 41 item 5): FP8 attention's validation loss against FP8 without it,
+#               paired per seed (scripts/train_gap.py, one process per preset): delayed, fp8_attn
+#               (as shipped: E5M2 backward) and fp8_attn_e4m3 (DelayedScaling(fp8_dpa_e4m3_bwd):
+#               the attention's backward in E4M3) for AQ_PRESETS (100m llama-100m), AQ_STEPS
+#               (1000) x 1 microbatch, AQ_SEEDS (0,1), --heads AQ_HEADS (8: head_dim 128, cuDNN's
+#               FP8 backward on Hopper takes no other); ~3-4 min (notes/FP8_ATTENTION.md)
 #   step wgrad-accum (issue 41 item 4): the CUDA tests of fuse_wgrad_accumulation (the cuBLASLt
 #               GEMM with beta = 1 against _scaled_mm + main_grad, in a CUDA graph, the layers
 #               and graphs), then python -m benchmarks wgrad-accum (wgrad + add vs the fused
@@ -271,6 +277,18 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         rm -rf "$RES"/train_attn_"$preset"/*/
         echo "-- $preset" | tee -a "$RES/summary.md"
         sed -n '/validation loss against/,$p' "$RES/train_attn_$preset.log" | tee -a "$RES/summary.md"
+      done ;;
+    attn-quality)  # issue 41 item 5: FP8 attention as shipped and with its E4M3 backward, paired
+      # against FP8 without FP8 attention (notes/FP8_ATTENTION.md)
+      for preset in ${AQ_PRESETS:-100m llama-100m}; do
+        $PY scripts/train_gap.py --out "$RES/attn_quality_$preset" \
+          --variants delayed,fp8_attn,fp8_attn_e4m3 --seeds ${AQ_SEEDS:-0,1} \
+          --steps ${AQ_STEPS:-1000} --microbatches 1 --val-batches 16 --preset "$preset" \
+          --heads ${AQ_HEADS:-8} > "$RES/attn_quality_$preset.log" 2>&1 \
+          || { status=1; tail -20 "$RES/attn_quality_$preset.log"; }
+        rm -rf "$RES"/attn_quality_"$preset"/*/
+        echo "-- $preset" | tee -a "$RES/summary.md"
+        sed -n '/against FP8 without/,$p' "$RES/attn_quality_$preset.log" | tee -a "$RES/summary.md"
       done ;;
     deterministic)  # issue 33: --deterministic twice gives the same bits (graphs and eager; bf16
       # attention at the preset's heads), and its cost in tokens/s; with FP8 attention (--heads 8)

@@ -12,6 +12,8 @@ one seed moved by as much as that (notes/NUMERICS.md). Variants:
                   chooses the CUDA GEMM)         blockwise_fp8w  the same, FP8 primary weights
     stats         delayed with --fp8-stats 10 (its tokens/s against delayed's: the report's cost)
     fp8_attn      delayed with FP8 attention (--fp8-attention; also against delayed)
+    fp8_attn_e4m3 fp8_attn with the attention's backward in E4M3 (DelayedScaling(fp8_dpa_e4m3_bwd);
+                  also against delayed: notes/FP8_ATTENTION.md)
     bwd_current   gradients current-scaled       fwd_current  forward tensors current-scaled
     w_current     only weights current-scaled    in_current   only GEMM inputs current-scaled
     no_fast       forward GEMMs without fast accumulation
@@ -137,11 +139,27 @@ def uniform_init():
         model_mod.init_normal = orig
 
 
+@contextlib.contextmanager
+def attention_e4m3_bwd():
+    """The run's DelayedScaling with fp8_dpa_e4m3_bwd wherever it sets fp8_dpa."""
+    from graphfp8.training import run as run_mod
+
+    orig = run_mod.DelayedScaling
+    run_mod.DelayedScaling = lambda **kw: orig(**kw, fp8_dpa_e4m3_bwd=kw.get("fp8_dpa", False))
+    try:
+        yield
+    finally:
+        run_mod.DelayedScaling = orig
+
+
+ATTENTION_VARIANTS = ("fp8_attn", "fp8_attn_e4m3")
+
 VARIANTS = {
     "uniform_bf16": (dict(precision="bf16"), uniform_init),
     "uniform_delayed": ({}, uniform_init),
     "delayed": ({}, contextlib.nullcontext),
     "fp8_attn": (dict(fp8_attention=True), contextlib.nullcontext),
+    "fp8_attn_e4m3": (dict(fp8_attention=True), attention_e4m3_bwd),
     "stats": ({}, contextlib.nullcontext),
     "bf16": (dict(precision="bf16"), contextlib.nullcontext),
     "current": (dict(scaling="current"), contextlib.nullcontext),
@@ -278,8 +296,9 @@ def train_all(args) -> None:
     title = (f"{args.preset}{heads}, {args.steps} steps x {args.microbatches} microbatches, "
              f"--data {args.data}, deterministic {args.deterministic}: validation loss "
              "against")  # fmt: skip
-    if ("delayed", seeds[0]) in results and ("fp8_attn", seeds[0]) in results:
-        attn = {k: v for k, v in results.items() if k[0] in ("delayed", "fp8_attn")}
+    if ("delayed", seeds[0]) in results and any((v, seeds[0]) in results
+                                                for v in ATTENTION_VARIANTS):  # fmt: skip
+        attn = {k: v for k, v in results.items() if k[0] in ("delayed", *ATTENTION_VARIANTS)}
         table += ["", f"{title} FP8 without FP8 attention", *paired_table(attn, seeds, "delayed")]
     (args.out / "train_gap.md").write_text("\n".join(table) + "\n")
     print(f"\n{title} bf16 of the same seed")

@@ -90,6 +90,9 @@ class DelayedScaling:
             TransformerLayer) in FP8 (cuDNN on the GPU), with high-precision input and output.
         fp8_mha: also keep the attention output in FP8 (a Float8Tensor) for the next layer, and
             quantize the fused QKV output once, in the rotary-embedding kernel; needs fp8_dpa.
+        fp8_dpa_e4m3_bwd: run FP8 attention's backward (dO, dS, dQ, dK, dV) in E4M3 rather than
+            the backward format (E5M2 under HYBRID), each at its slot's scale times E4M3's max
+            over the format's (an exact power of two); needs fp8_dpa (notes/FP8_ATTENTION.md).
     """
 
     margin: int = 0
@@ -99,6 +102,7 @@ class DelayedScaling:
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    fp8_dpa_e4m3_bwd: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
@@ -131,7 +135,7 @@ class DelayedScaling:
                 "DelayedScaling: amax_compute_algo must be 'max' or 'most_recent', "
                 f"got {self.amax_compute_algo!r}"
             )
-        for name in ("reduce_amax", "fp8_dpa", "fp8_mha"):
+        for name in ("reduce_amax", "fp8_dpa", "fp8_mha", "fp8_dpa_e4m3_bwd"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"DelayedScaling: {name} must be a bool, got {getattr(self, name)!r}"
@@ -141,13 +145,19 @@ class DelayedScaling:
                 "DelayedScaling: fp8_mha=True needs fp8_dpa=True (FP8 MHA runs the attention "
                 "itself in FP8)"
             )
+        if self.fp8_dpa_e4m3_bwd and not self.fp8_dpa:
+            raise ValueError(
+                "DelayedScaling: fp8_dpa_e4m3_bwd=True needs fp8_dpa=True (it sets the format "
+                "of FP8 attention's backward)"
+            )
 
 
 # The fields that current and blockwise scaling fix (one-long histories, margin 0, no amax
 # all-reduce, no FP8 attention), so that the arenas and checkpoints treat every recipe alike.
 _FIXED_FIELDS = (("margin", "int", 0), ("amax_history_len", "int", 1),
                  ("amax_compute_algo", "str", "most_recent"), ("reduce_amax", "bool", False),
-                 ("fp8_dpa", "bool", False), ("fp8_mha", "bool", False))  # fmt: skip
+                 ("fp8_dpa", "bool", False), ("fp8_mha", "bool", False),
+                 ("fp8_dpa_e4m3_bwd", "bool", False))  # fmt: skip
 
 
 def _fixed_fields(cls):

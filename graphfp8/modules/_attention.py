@@ -23,13 +23,28 @@ import torch
 
 from graphfp8 import ops
 from graphfp8.fp8.observe import StatsSource, observe_cast
+from graphfp8.fp8.recipe import fp8_max
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.fp8.scaling import SlotBlock
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, Quantizer, slot_index, slot_range
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.ops import cudnn_ragged, cudnn_sdpa
 
-__all__ = ["AttentionConfig", "fp8_attention", "fp8_attention_qkv", "prepare_attention"]
+__all__ = [
+    "AttentionConfig",
+    "backward_dtype",
+    "fp8_attention",
+    "fp8_attention_qkv",
+    "prepare_attention",
+]
+
+_E4M3 = torch.float8_e4m3fn
+
+
+def backward_dtype(recipe) -> torch.dtype:
+    """The FP8 dtype of the attention's backward under `recipe`: E4M3 with fp8_dpa_e4m3_bwd,
+    else the format's backward dtype (notes/FP8_ATTENTION.md)."""
+    return _E4M3 if recipe.fp8_dpa_e4m3_bwd else recipe.fp8_format.bwd_dtype
 
 
 class AttentionConfig:
@@ -43,10 +58,13 @@ class AttentionConfig:
         backward_update: (backward arena, group) updated at the end of the backward pass
             (eager), or None (graphs place it themselves).
         segment_ids: (batch, seq) integer segments of this call (graphfp8.ops.segments), or None.
+        e4m3_bwd: the backward runs in E4M3 whatever the backward arena's format (the recipe's
+            fp8_dpa_e4m3_bwd).
     """
 
     __slots__ = (
         "fwd", "bwd", "attn_scale", "causal", "fp8_output", "backward_update", "segment_ids",
+        "e4m3_bwd",
     )  # fmt: skip
 
     def __init__(
@@ -58,11 +76,21 @@ class AttentionConfig:
         fp8_output: bool,
         backward_update: tuple | None,
         segment_ids: torch.Tensor | None = None,
+        e4m3_bwd: bool = False,
     ):
         self.fwd, self.bwd = fwd, bwd
         self.attn_scale, self.causal = attn_scale, causal
         self.fp8_output, self.backward_update = fp8_output, backward_update
-        self.segment_ids = segment_ids
+        self.segment_ids, self.e4m3_bwd = segment_ids, e4m3_bwd
+
+    def backward_format(self) -> tuple[torch.dtype, float | None]:
+        """(dtype, factor) of the backward's FP8 tensors: the arena's format (factor None), or
+        E4M3 at each slot's scale times factor = E4M3's max over the arena format's (1/128 for
+        E5M2: a power of two, so scales, descales and amaxes stay exact)."""
+        arena_dtype = self.bwd.arena.fp8_dtype
+        if not self.e4m3_bwd or arena_dtype == _E4M3:
+            return arena_dtype, None
+        return _E4M3, fp8_max(_E4M3) / fp8_max(arena_dtype)
 
     def quantizer(self, role: AttnFwdRole | AttnBwdRole) -> Quantizer:
         block = self.fwd if isinstance(role, AttnFwdRole) else self.bwd
@@ -119,7 +147,7 @@ def prepare_attention(
         kv_shape[2],
         d,
         fmt.fwd_dtype,
-        fmt.bwd_dtype,
+        backward_dtype(recipe),
         float(attn_scale),
         bool(causal),
         bool(segments),
@@ -170,9 +198,14 @@ def _backward_core(ctx, grad: torch.Tensor):
     d_o = grad.reshape(o.shape)
     if not d_o.is_contiguous():
         d_o = d_o.contiguous()
-    do_fp8, do_si = ops.cast_to_fp8(d_o, *cfg.quantizer(AttnBwdRole.DO))
-    cfg.observe(AttnBwdRole.DO, d_o, "identity")
+    dtype, factor = cfg.backward_format()
+    scale_do, amax_do, _ = cfg.quantizer(AttnBwdRole.DO)
     bwd = cfg.scales(AttnBwdRole.DP, AttnBwdRole.DV)  # (scale_dP, scale_dQ, scale_dK, scale_dV)
+    if factor is not None:  # E4M3 at the slots' scales * factor (the amaxes are the slots')
+        scale_do, bwd = scale_do * factor, bwd * factor
+    do_fp8, do_si = ops.cast_to_fp8(d_o, scale_do, amax_do, dtype)
+    # the numerics report's dO stats assume the arena's format: under E4M3 the amax only
+    cfg.observe(AttnBwdRole.DO, do_fp8 if factor else d_o, "recorded" if factor else "identity")
     bwd_inv = torch.reciprocal(bwd)
     scales = dict(
         descale_q=q_si,

@@ -113,7 +113,7 @@ class DotProductAttention(FP8Module):
         # current scales, amaxes into the arena's sink, no scale update.
         fwd, bwd, bwd_update = fp8_slots(self, device, frozen_call(self))
         return AttentionConfig(fwd, bwd, self.attn_scale, causal, recipe.fp8_mha, bwd_update,
-                               segment_ids)  # fmt: skip
+                               segment_ids, recipe.fp8_dpa_e4m3_bwd)  # fmt: skip
 
     def check_fused(self, batch: int, seq: int, device, segment_ids=None) -> None:
         """For a layer that calls forward_qkv after other work (TransformerLayer): raises now if

@@ -18,14 +18,16 @@ def _train_side_by_side(recipe, caching: bool, device, steps: int = 3, mbs: int 
     return train_pair(eager, sample, recipe, caching, steps, mbs)
 
 
-# Caching on and off, fp8_dpa and fp8_mha, both formats: each value in one of two cases (the CPU
-# suite's time).
-CASES = [(True, True, g8.Format.HYBRID), (False, False, g8.Format.E4M3)]
+# Caching on and off, fp8_dpa and fp8_mha, both formats, the E4M3 backward under HYBRID: each
+# value in one of three cases (the CPU suite's time).
+CASES = [(True, True, g8.Format.HYBRID, False), (False, False, g8.Format.E4M3, False),
+         (False, True, g8.Format.HYBRID, True)]  # fmt: skip
 
 
-@pytest.mark.parametrize("caching, mha, fmt", CASES)
-def test_graphed_equals_eager_with_fp8_attention(device, caching, mha, fmt):
-    recipe = g8.DelayedScaling(fp8_format=fmt, amax_history_len=4, fp8_dpa=True, fp8_mha=mha)
+@pytest.mark.parametrize("caching, mha, fmt, e4m3_bwd", CASES)
+def test_graphed_equals_eager_with_fp8_attention(device, caching, mha, fmt, e4m3_bwd):
+    recipe = g8.DelayedScaling(fp8_format=fmt, amax_history_len=4, fp8_dpa=True, fp8_mha=mha,
+                               fp8_dpa_e4m3_bwd=e4m3_bwd)  # fmt: skip
     eager, graphed_model, graphed = _train_side_by_side(recipe, caching, device)
     meta = graphed_model.core_attention.fp8_meta
     assert meta is not None and meta.fwd.arena is graphed_model.qkv.fp8_meta.fwd.arena
