@@ -145,7 +145,8 @@ def prepare(funcs, sample_args, sample_kwargs, fsdp=None) -> tuple[list[Sample],
         modules, named, closure = [], [], []
         if isinstance(func, nn.Module):
             modules, named = list(func.modules()), list(func.named_parameters())
-            check_capturable(NAME, name, func, modules, named, index=j,
+            layer = func if fsdp[j] is None else fsdp[j].module  # FSDP2's checks: the layer
+            check_capturable(NAME, name, layer, modules, named, index=j,
                              fsdp2_ok=fsdp[j] is not None)  # fmt: skip
         else:
             closure = closure_modules(func)

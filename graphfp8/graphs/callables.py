@@ -226,6 +226,8 @@ def _guard(s: Sample) -> ReplayGuard:
         roots = [("", s.func)] if isinstance(s.func, nn.Module) else []
     owned = {id(p) for m in modules for p in m._parameters.values()}
     outside = [(n, p) for n, p in zip(s.param_names, s.params, strict=True) if id(p) not in owned]
+    if s.fsdp is not None:  # FSDP2's unsharded parameters: their storage comes and goes with the
+        outside = []  # gathers; the graphs read the shards, which the modules' slots watch
     return ReplayGuard(s.name, modules, module_names(roots), outside, _RECAPTURE)
 
 

@@ -43,27 +43,50 @@ def init_fsdp2(model: nn.Module) -> None:
     model._get_fsdp_state()._lazy_init()
 
 
-def fsdp_layers_of(funcs, order) -> list[FSDPLayer | None] | None:
-    """One FSDPLayer per callable when the callables are FSDP2 layers (None when none is under
-    FSDP2); raises, naming what captures it, for what per-layer graphs do not take: a mix, a
-    plain function over FSDP2 modules, a pipeline `order`."""
-    from torch.distributed.fsdp import FSDPModule
-
-    fsdp = [isinstance(f, FSDPModule) for f in funcs]
-    if not any(fsdp):
+def fsdp_layers_of(funcs, order) -> list[FSDPLayer] | None:
+    """One FSDPLayer per callable when the callables are FSDP2 layers (None when no module
+    callable holds an FSDP2 module): each a fully_shard-ed layer, or a module without parameters
+    of its own around one (an adapter that calls the layer with fixed arguments). Raises, naming
+    what captures it, for what per-layer graphs do not take: a mix, a module around several
+    FSDP2 modules, a pipeline `order`."""
+    inside = [_fsdp_modules(f) for f in funcs]
+    if not any(inside):
         return None
-    if not all(fsdp):
-        plain = [i for i, f in enumerate(fsdp) if not f]
+    plain = [j for j, found in enumerate(inside) if not found]
+    if plain:
         raise RuntimeError(
-            f"{_NAME}: callables {plain} are not under fully_shard while others are; FSDP2 "
-            "layers are captured one graph pair per fully_shard-ed layer: fully_shard each "
-            f"graphed module, or {_WHOLE}"
+            f"{_NAME}: callables {plain} hold no module under fully_shard while others do; "
+            "FSDP2 layers are captured one graph pair per fully_shard-ed layer: fully_shard "
+            f"each graphed module, or {_WHOLE}"
         )
     if order is not None:
         raise RuntimeError(f"{_NAME}: FSDP2 layers under a pipeline order= are not supported; "
                            f"{_WHOLE}")  # fmt: skip
-    return [FSDPLayer(f"graphed callable {j} ({type(f).__name__})", f)
-            for j, f in enumerate(funcs)]  # fmt: skip
+    layers = []
+    for j, (f, found) in enumerate(zip(funcs, inside, strict=True)):
+        name = f"graphed callable {j} ({type(f).__name__})"
+        inner = found[0]
+        if inner is not f:
+            own = {id(p) for p in inner.parameters()}
+            outside = [n for n, p in f.named_parameters() if id(p) not in own]
+            if len(found) > 1 or outside:
+                raise RuntimeError(
+                    f"{_NAME}: {name} is not under fully_shard but holds fully_shard-ed "
+                    f"modules {[type(m).__name__ for m in found]} (and parameters {outside} "
+                    "outside them); a graphed FSDP2 layer is one fully_shard-ed module, or a "
+                    f"module around one with no parameters of its own. Capture each, or {_WHOLE}"
+                )
+        layers.append(FSDPLayer(name, inner))
+    return layers
+
+
+def _fsdp_modules(func) -> list[nn.Module]:
+    """The FSDP2 modules of a module callable, outermost first ([] for a plain function)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(func, nn.Module):
+        return []
+    return [m for m in func.modules() if isinstance(m, FSDPModule)]
 
 
 class FSDPLayer:
@@ -71,7 +94,8 @@ class FSDPLayer:
 
     Args:
         name: the graphed callable's name, for messages.
-        module: the FSDPModule (not FSDP2's root: the root's hooks run eagerly around it).
+        module: the FSDPModule (the callable, or the one it wraps; not FSDP2's root: the
+            root's hooks run eagerly around it).
     """
 
     def __init__(self, name: str, module: nn.Module):
@@ -222,12 +246,15 @@ class FSDPLayer:
 
     def eager(self, forward):
         """The layer's eager forward with FSDP2's hooks run around it (a call in another
-        training mode than the capture's: torch's rule runs the eager forward)."""
+        training mode than the capture's: torch's rule runs the eager forward); under
+        torch.no_grad() the layer is resharded after it, as the next replay expects."""
 
         def call(*args, **kwargs):
             args, kwargs = self.state._pre_forward(self.module, args, kwargs)
-            out = forward(*args, **kwargs)
-            return self.state._post_forward(self.module, args, out)
+            out = self.state._post_forward(self.module, args, forward(*args, **kwargs))
+            if not torch.is_grad_enabled():  # no backward reshards: the graphs gather anyway
+                self.group.reshard()
+            return out
 
         return call
 

@@ -4,7 +4,8 @@ and reshard, its backward the all-gather again and the reduce-scatter into the s
 root (embedding, norm, gain) eager FSDP2 around them. Training equals eager FSDP2 bit for bit -
 losses, local shards (FP8 bytes and scale_inv), FP8 scales and histories - with
 reshard_after_forward True, False and FSDP2's defaults, delayed and current scaling, FP8 primary
-weights and fp32 parameters, 1, 2 and 3 ranks (uneven, padded shards)."""
+weights and fp32 parameters, 1, 2 and 3 ranks (uneven, padded shards), with an evaluation
+(model.eval(), torch.no_grad()) between steps."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def _train(model, recipe, rank, device, masters, opt) -> list[torch.Tensor]:
             losses.append(loss.detach())
         masters.step(opt)
         masters.zero_grad()
+        if step == 0:  # an evaluation: the graphed layers run eagerly, with FSDP2's hooks
+            model.eval()
+            with torch.no_grad(), g8.fp8_autocast(recipe=recipe, fp8_group=dist.group.WORLD):
+                losses.append(lm_loss(model(tokens[0]), targets[0]))
+            model.train()
     return losses
 
 

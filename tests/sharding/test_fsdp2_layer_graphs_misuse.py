@@ -1,13 +1,14 @@
 """What make_graphed_callables refuses of FSDP2 layers (2 gloo ranks), each before anything runs
 and naming the fix: a layer FSDP2 has not initialized (graphfp8.init_fsdp2), the root, a mix of
-FSDP2 layers and other callables, explicit prefetch; after capture, a change of FSDP2's settings
-at the next call; reset() gives the layers FSDP2's hooks back, and a call in eval mode runs the
-eager forward with FSDP2's hooks, equal to eager FSDP2."""
+FSDP2 layers and other callables, a module around several FSDP2 layers, explicit prefetch; after
+capture, a change of FSDP2's settings at the next call; reset() gives the layers FSDP2's hooks
+back, and a call in eval mode runs the eager forward with FSDP2's hooks, equal to eager FSDP2."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import graphfp8 as g8
 from graphfp8.testing import assert_bitwise_equal
@@ -33,8 +34,11 @@ def _refused_before_capture(rank, device):
     g8.init_fsdp2(model)
     with pytest.raises(RuntimeError, match=r"FSDP2's root .* model\.layers\[i\]"):
         g8.make_graphed_callables(model, _sample(device))
-    with pytest.raises(RuntimeError, match=r"callables \[1\] are not under fully_shard"):
+    with pytest.raises(RuntimeError, match=r"callables \[1\] hold no module under fully_shard"):
         g8.make_graphed_callables((model.block, model.norm), (_sample(device), _sample(device)))
+    with pytest.raises(RuntimeError, match=r"is not under fully_shard but holds fully_shard-ed "
+                       r"modules \['FSDPTransformerLayer', 'FSDPLinear'\]"):  # fmt: skip
+        g8.make_graphed_callables(nn.Sequential(model.block, model.head), _sample(device))
     model.set_modules_to_forward_prefetch([model.block])
     with pytest.raises(RuntimeError, match=r"explicit prefetch \(set_modules_to_forward_prefetch"):
         g8.make_graphed_callables(model.block, _sample(device))

@@ -1,9 +1,9 @@
 """graphfp8-train --ddp --fsdp (cli.main on the rank pool's 2 gloo ranks, as torchrun would start
 it): training of the GPT under FSDP2 with FP8 weights - the loss falls, the ranks agree, each
 rank's memory is in summary.json and holds about half of the state - on HSDP's 2-D mesh too
-(--hsdp 2 on 4 ranks: two replicas of 2 shards); --graphs step equal to eager bit for bit;
-and
-every option it does not run (per-layer graphs, --shard, --save, --check-replicas, --compile,
+(--hsdp 2 on 4 ranks: two replicas of 2 shards); --graphs step and --graphs layers equal to
+eager bit for bit; and every option it does not run (--graphs compile, --recompute with per-layer
+graphs, --shard, --save, --check-replicas, --compile,
 --hsdp without --fsdp or not dividing the ranks) refused before anything starts."""
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def test_hsdp_trains_eagerly(tmp_path):
     run_on_ranks("gloo", _eager, str(tmp_path), ["--hsdp", "2"], "-fsdp-hsdp2", 2, world=4)
 
 
-def _eager_equals_step_graph(rank, device, tmp):
+def _eager_equals_step_graph(rank, device, tmp, graphed="step"):
     runs = {}
-    for mode in ("none", "step"):
+    for mode in ("none", graphed):
         out = f"{tmp}/{mode}"
         code, stdout, err = run_cli([*ARGS, "--graphs", mode, "--steps", "4", "--out", out])
         assert code == 0, err
@@ -57,8 +57,8 @@ def _eager_equals_step_graph(rank, device, tmp):
             runs[mode] = json.loads((Path(out) / "summary.json").read_text())["runs"][0]
     if rank != 0:
         return
-    eager, step = runs["none"], runs["step"]
-    assert step["name"].endswith("-step-fsdp"), step["name"]
+    eager, step = runs["none"], runs[graphed]
+    assert step["name"].endswith(f"-{graphed}-fsdp".replace("-layers", "-graphs")), step["name"]
     assert step["ranks_agree"] == {"fp8_state": True, "parameters": True, "val_loss": True}
     # The same bits: every step's loss and the validation loss after training (the weights).
     assert step["losses"] == eager["losses"] and step["val_losses"] == eager["val_losses"]
@@ -76,9 +76,15 @@ def test_fsdp_step_graph_trains_as_eager(tmp_path):
     run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path))
 
 
+def test_fsdp_layer_graphs_train_as_eager(tmp_path):
+    """--graphs layers: a graph pair per FSDP2 layer (FP8 weights), the blocks' root eager
+    around them, bit for bit with --graphs none (before: refused)."""
+    run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path), "layers")
+
+
 REFUSALS = [
-    ([], "per-layer graph capture of an FSDP2 model is not supported"),
-    (["--graphs", "layers"], "--graphs step (the whole step"),
+    (["--graphs", "compile"], "--graphs compile with --fsdp is not supported"),
+    (["--graphs", "layers", "--recompute", "full"], "--recompute with --fsdp --graphs layers"),
     (["--graphs", "none", "--shard"], "two ways to shard"),
     (["--graphs", "none", "--save", "ckpt.pt"], "dcp_checkpoint"),
     (["--graphs", "none", "--check-replicas"], "FSDP2's are sharded"),
