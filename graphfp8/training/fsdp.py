@@ -40,8 +40,8 @@ REFUSED = {
 
 
 def check_fsdp_spec(spec) -> None:
-    """A RunSpec with fsdp runs eagerly or in the step graph, without shard and compile; hsdp
-    needs fsdp."""
+    """A RunSpec with fsdp runs eagerly, in layer graphs (without recompute) or in the step
+    graph, without shard and compile; hsdp needs fsdp."""
     if spec.fsdp and (spec.graphs == "compile" or spec.shard or spec.compile):
         raise ValueError("fsdp runs eagerly, in layer graphs or in the step graph (graphs "
                          "'none', 'layers' or 'step'), without shard and compile")  # fmt: skip
@@ -85,6 +85,17 @@ class LayerCall(nn.Module):
     def __init__(self, layer: nn.Module, last: bool):
         super().__init__()
         self.layer, self.last = layer, last
+
+    @property
+    def training(self) -> bool:
+        """The layer's mode (model.eval() reaches the layer, not this call, which is no submodule
+        of the model): a graphed call in eval mode runs the layer eagerly, as torch's rule says."""
+        layer = self.__dict__.get("_modules", {}).get("layer")
+        return True if layer is None else layer.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        pass  # follows the layer's
 
     def forward(self, x, residual=None, segment_ids=None, is_first_microbatch=None):
         kw = {} if segment_ids is None else {"segment_ids": segment_ids}

@@ -78,8 +78,8 @@ class Blocks(nn.Module):
             )
             with bf16:
                 if self.graphed is not None:  # tensor arguments only (fsdp.LayerCall)
-                    extra = {} if residual is None else {"residual": residual}
-                    out = self.graphed[i](x, is_first_microbatch=is_first_microbatch, **extra,
+                    extra = () if residual is None else (residual,)
+                    out = self.graphed[i](x, *extra, is_first_microbatch=is_first_microbatch,
                                           **kw)  # fmt: skip
                 else:
                     out = layer(x, is_first_microbatch=is_first_microbatch, residual=residual,

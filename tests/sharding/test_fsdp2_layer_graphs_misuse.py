@@ -1,8 +1,9 @@
 """What make_graphed_callables refuses of FSDP2 layers (2 gloo ranks), each before anything runs
 and naming the fix: a layer FSDP2 has not initialized (graphfp8.init_fsdp2), the root, a mix of
-FSDP2 layers and other callables, a module around several FSDP2 layers, explicit prefetch; after
-capture, a change of FSDP2's settings at the next call; reset() gives the layers FSDP2's hooks
-back, and a call in eval mode runs the eager forward with FSDP2's hooks, equal to eager FSDP2."""
+FSDP2 layers and other callables, a module around several FSDP2 layers, a function over them,
+explicit prefetch; after capture, a change of FSDP2's settings at the next call; reset() gives
+the layers FSDP2's hooks back, and a call in eval mode runs the eager forward with FSDP2's hooks,
+equal to eager FSDP2."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def _refused_before_capture(rank, device):
     with pytest.raises(RuntimeError, match=r"is not under fully_shard but holds fully_shard-ed "
                        r"modules \['FSDPTransformerLayer', 'FSDPLinear'\]"):  # fmt: skip
         g8.make_graphed_callables(nn.Sequential(model.block, model.head), _sample(device))
+    with pytest.raises(RuntimeError, match=r"cannot capture a function over modules under torch "
+                       r"FSDP2 .* the fully_shard-ed layers themselves"):  # fmt: skip
+        g8.make_graphed_callables(lambda x: model.block(x), _sample(device))
     model.set_modules_to_forward_prefetch([model.block])
     with pytest.raises(RuntimeError, match=r"explicit prefetch \(set_modules_to_forward_prefetch"):
         g8.make_graphed_callables(model.block, _sample(device))

@@ -2,9 +2,9 @@
 it): training of the GPT under FSDP2 with FP8 weights - the loss falls, the ranks agree, each
 rank's memory is in summary.json and holds about half of the state - on HSDP's 2-D mesh too
 (--hsdp 2 on 4 ranks: two replicas of 2 shards); --graphs step and --graphs layers equal to
-eager bit for bit; and every option it does not run (--graphs compile, --recompute with per-layer
-graphs, --shard, --save, --check-replicas, --compile,
---hsdp without --fsdp or not dividing the ranks) refused before anything starts."""
+eager bit for bit; and every option it does not run (--recompute with per-layer graphs, --shard,
+--save, --check-replicas, --compile, --hsdp without --fsdp or not dividing the ranks) refused
+before anything starts."""
 
 from __future__ import annotations
 
@@ -83,7 +83,6 @@ def test_fsdp_layer_graphs_train_as_eager(tmp_path):
 
 
 REFUSALS = [
-    (["--graphs", "compile"], "--graphs compile with --fsdp is not supported"),
     (["--graphs", "layers", "--recompute", "full"], "--recompute with --fsdp --graphs layers"),
     (["--graphs", "none", "--shard"], "two ways to shard"),
     (["--graphs", "none", "--save", "ckpt.pt"], "dcp_checkpoint"),
