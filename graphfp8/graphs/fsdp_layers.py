@@ -238,6 +238,14 @@ class FSDPLayer:
             group.unshard()
             group.wait_for_unshard()
 
+    def idle(self) -> None:
+        """After a failed capture: the layer sharded and idle, as FSDP2's next forward expects."""
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        self.group._training_state = TrainingState.IDLE
+        self.group._all_gather_result = None
+        self.group.reshard()
+
     def names(self, params) -> list[str]:
         """The names of the unsharded parameters the capture found (FSDP2's parameter names)."""
         fqn = {id(fp.unsharded_param): fp._param_fqn for fp in self.group.fsdp_params
@@ -280,6 +288,7 @@ class FSDPLayers:
             for layer in self.layers:
                 layer.put_hooks()
                 layer.grads.restore()
+                layer.idle()
             raise
 
     def after_warmup(self) -> None:
@@ -289,6 +298,8 @@ class FSDPLayers:
             layer.grads.attach()
 
     def after_capture(self) -> None:
+        """Checks that FSDP2 added into the buffers, puts the user's `.grad` back and takes the
+        settings every call compares (FSDPSettings)."""
         for layer in self.layers:
             layer.grads.check_captured(layer.name)
             layer.grads.restore()

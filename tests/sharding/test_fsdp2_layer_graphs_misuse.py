@@ -1,9 +1,9 @@
 """What make_graphed_callables refuses of FSDP2 layers (2 gloo ranks), each before anything runs
 and naming the fix: a layer FSDP2 has not initialized (graphfp8.init_fsdp2), the root, a mix of
 FSDP2 layers and other callables, a module around several FSDP2 layers, a function over them,
-explicit prefetch; after capture, a change of FSDP2's settings at the next call; reset() gives
-the layers FSDP2's hooks back, and a call in eval mode runs the eager forward with FSDP2's hooks,
-equal to eager FSDP2."""
+explicit prefetch; a failed capture leaves FSDP2 as it was; after capture, a change of FSDP2's
+settings at the next call; reset() gives the layers FSDP2's hooks back, and a call in eval mode
+runs the eager forward with FSDP2's hooks, equal to eager FSDP2."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 
 import graphfp8 as g8
 from graphfp8.testing import assert_bitwise_equal
-from tests.graphs.step_common import B, H, S
+from tests.graphs.step_common import B, H, S, lm_loss
 from tests.rank_pool import run_on_ranks
 from tests.sharding.common import RECIPES, batch, build_lm
 from tests.sharding.test_fsdp2_graphs import shard_model
@@ -53,6 +53,18 @@ def _refused_before_capture(rank, device):
     model.block.set_requires_gradient_sync(True)
     assert all(p.grad is None for p in model.parameters()), "nothing ran"
     assert len(model.block._forward_pre_hooks) == 1 and len(model.block._forward_hooks) == 1
+    # A capture failing inside the layer (a sample of another width) gives FSDP2 its layer back
+    # sharded, with its hooks: eager FSDP2 trains on.
+    with pytest.raises(ValueError, match=r"expected input \(batch, seq, 32\)"):
+        g8.make_graphed_callables(model.block, (torch.randn(B, S, H + 1, requires_grad=True),),
+                                  fp8_enabled=True)  # fmt: skip
+    assert model.block._get_fsdp_state()._fsdp_param_group.is_sharded
+    assert len(model.block._forward_pre_hooks) == 1 and len(model.block._forward_hooks) == 1
+    tokens, targets = batch(0, device, rank)
+    with g8.fp8_autocast(recipe=RECIPES["delayed"]):
+        out = model(tokens[0])
+    lm_loss(out, targets[0]).backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_fsdp2_layers_refused_before_capture():
