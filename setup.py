@@ -27,6 +27,29 @@ def announce(cpp: list[str], cu: list[str]) -> None:
           "(a minute or more, silent while it compiles)", file=sys.stderr, flush=True)  # fmt: skip
 
 
+def cublaslt() -> tuple[list[str], list[str]] | None:
+    """(include dirs, link args) of cuBLASLt for the CUDA build (csrc/cuda/gemm_accumulate.cu):
+    the CUDA toolkit's where it has the header, else the nvidia-cublas wheel that a pip torch
+    installs (its library is versioned only: linked by path, found at run time through torch,
+    which has loaded it, or the rpath)."""
+    if os.path.exists(os.path.join(CUDA_HOME, "include", "cublasLt.h")):
+        return [], ["-lcublasLt"]
+    for root in sys.path:
+        for header in sorted(glob.glob(os.path.join(root, "nvidia", "*", "include", "cublasLt.h"))):
+            base = os.path.dirname(os.path.dirname(header))
+            libs = sorted(glob.glob(os.path.join(base, "lib", "libcublasLt.so*")))
+            if libs:
+                lib_dir = os.path.dirname(libs[0])
+                return [os.path.dirname(header)], [libs[0], f"-Wl,-rpath,{lib_dir}"]
+    print(
+        "graphfp8: no cuBLASLt found (cublasLt.h and libcublasLt: the CUDA toolkit's cuBLAS, or "
+        "`pip install nvidia-cublas`); building without it: fp8_gemm_accumulate (the layers' "
+        "fuse_wgrad_accumulation) raises on CUDA tensors",
+        file=sys.stderr,
+    )
+    return None
+
+
 def extension():
     cpp_sources = sorted(glob.glob("csrc/ops/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     # No contraction into fused multiply-adds: the CPU kernels must round like their twins.
@@ -40,11 +63,16 @@ def extension():
     if BUILDING:
         announce(cpp_sources, cu_sources)
     nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    found = cublaslt()
+    include_dirs, link_args = found if found is not None else ([], [])
+    macros = [("GRAPHFP8_WITH_CUDA", None)] + ([] if found else [("GRAPHFP8_NO_CUBLASLT", None)])
     return CUDAExtension(
         "graphfp8._C",
         cpp_sources + cu_sources,
-        define_macros=[("GRAPHFP8_WITH_CUDA", None)],
+        define_macros=macros,
+        include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_link_args=link_args,
     )
 
 

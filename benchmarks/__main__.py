@@ -1,6 +1,6 @@
 """`python -m benchmarks {kernels,variants,opcount,census,eager,block,attention,step,host,
-memory,memory-plan,recompute,stack,glu,hf,hf-users,speed,carried-casts,fsdp-graph} [--device D]
-[--json PATH] [--quick] [--table]`."""
+memory,memory-plan,recompute,stack,glu,hf,hf-users,speed,carried-casts,fsdp-graph,
+wgrad-accum} [--device D] [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ SUITES = {
     "speed": "benchmarks.speed",
     "carried-casts": "benchmarks.carried_casts",
     "fsdp-graph": "benchmarks.fsdp_graph",
+    "wgrad-accum": "benchmarks.wgrad_accum",
 }
 
 

@@ -4,8 +4,10 @@ into .grad) of TransformerLayers with FP8 primary weights at world size 1 - eage
 model (FSDP2's gathers and reductions inside the graph), and the unsharded model's microbatch graph
 - with the ratios, and whether the graph's losses equal eager FSDP2's bit for bit; then the whole
 step (make_graphed_step: microbatches, clip, fused AdamW through the masters, the FP8 write-back)
-of the FSDP2 model against the unsharded model's step graph, tokens/s over STEP_REPEATS
-interleaved repeats with their spread (issue 40's target: within 3%)
+of the FSDP2 model - FSDP2's defaults and reshard_after_forward=False ("keep"), each with
+fsdp_sync "every" and "last" (one reduce-scatter per step) - against the unsharded model's step
+graph, tokens/s over STEP_REPEATS interleaved repeats with their spread (issue 40's target: within
+3%), and on the GPU the kernels per step of the FSDP2 step graphs against the unsharded one
 (`python -m benchmarks fsdp-graph [--quick]`; one NCCL rank on the GPU, one gloo rank on the CPU).
 """
 
@@ -28,20 +30,33 @@ __all__ = ["run"]
 
 MICROBATCHES = 2
 STEP_REPEATS = 3
+# The step graphs: name -> (FSDP2, the layers' reshard_after_forward (None: FSDP2's default),
+# fsdp_sync); the kernel tables compare KERNEL_ROWS against the unsharded step graph.
+STEPS = {
+    "fsdp2-step": (True, None, "every"),
+    "fsdp2-step-sync-last": (True, None, "last"),
+    "fsdp2-step-keep": (True, False, "every"),
+    "fsdp2-step-keep-sync-last": (True, False, "last"),
+    "unsharded-step": (False, None, "every"),
+}
+KERNEL_ROWS = ("fsdp2-step", "fsdp2-step-keep-sync-last")
 
 
 def _loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(y.float(), target.float())
 
 
-def _model(shape: Shape, device, fsdp: bool):
+def _model(shape: Shape, device, fsdp: bool, reshard: bool | None = None):
+    """The layers with FP8 weights; fsdp: fully_shard per layer (reshard_after_forward=reshard,
+    None: FSDP2's default) and at the root."""
     torch.manual_seed(0)
     with g8.fp8_model_init():
         model = Stack(shape, device)
     if fsdp:
         mesh = init_device_mesh(device.type, (1,))
+        kw = {} if reshard is None else {"reshard_after_forward": reshard}
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **kw)
         fully_shard(model, mesh=mesh)
     return model
 
@@ -91,26 +106,27 @@ def _graphed(model, group, batches):
     return call
 
 
-def _step(model, group, batches, device):
+def _step(model, group, batches, device, sync: str = "every"):
     """make_graphed_step of `model` (FP8 weights through MasterWeights: FSDPMasterWeights under
-    FSDP2), its batch the microbatches stacked; returns a call running one step."""
+    FSDP2; fsdp_sync=sync), its batch the microbatches stacked; returns a call running one
+    step."""
     masters = g8.MasterWeights(model)
     mode = dict(capturable=True) if device.type == "cuda" else dict(fused=True)
     opt = torch.optim.AdamW(masters.parameters(), lr=torch.tensor(1e-4, device=device), **mode)
     x, target = (torch.stack(t) for t in zip(*batches, strict=True))
     step = g8.make_graphed_step(model, _loss, opt, (x, target), MICROBATCHES, fp8_enabled=True,
                                 fp8_recipe=RECIPE, fp8_group=group, max_grad_norm=1.0,
-                                master_weights=masters)  # fmt: skip
+                                master_weights=masters, fsdp_sync=sync)  # fmt: skip
     return lambda: step((x, target))
 
 
 def _step_graphs(shape: Shape, device, group, batches, quick: bool) -> dict:
-    """tokens/s of the FSDP2 step graph and the unsharded one: STEP_REPEATS repeats each,
-    interleaved (the GPU's clocks drift alike for both), median and spread (max - min) / median."""
+    """tokens/s of the STEPS step graphs: STEP_REPEATS repeats each, interleaved (the GPU's
+    clocks drift alike for all), median and spread (max - min) / median."""
     calls = {}
-    for name, fsdp in (("fsdp2-step", True), ("unsharded-step", False)):
+    for name, (fsdp, reshard, sync) in STEPS.items():
         g8.reset_state()
-        calls[name] = _step(_model(shape, device, fsdp), group, batches, device)
+        calls[name] = _step(_model(shape, device, fsdp, reshard), group, batches, device, sync)
     timing = dict(warmup=1, iters=1, repeats=1) if quick else dict(warmup=3, iters=10, repeats=1)
     samples: dict = {name: [] for name in calls}
     for _ in range(STEP_REPEATS):
@@ -122,17 +138,20 @@ def _step_graphs(shape: Shape, device, group, batches, quick: bool) -> dict:
         median = statistics.median(ms)
         out[name] = {"ms_per_step": ms, "tokens_per_s": tokens / median * 1e3,
                      "spread": (max(ms) - min(ms)) / median}  # fmt: skip
-    out["fsdp2_vs_unsharded"] = out["fsdp2-step"]["tokens_per_s"] / out["unsharded-step"][
-        "tokens_per_s"]  # fmt: skip
+    base = out["unsharded-step"]["tokens_per_s"]
+    for name in STEPS:
+        out[name]["vs_unsharded"] = out[name]["tokens_per_s"] / base
+    out["fsdp2_vs_unsharded"] = out["fsdp2-step"]["vs_unsharded"]
     if device.type == "cuda":
-        out["kernels"] = {name: kernel_stats(call, iters=3) for name, call in calls.items()}
+        out["kernels"] = {name: kernel_stats(calls[name], iters=3)
+                          for name in (*KERNEL_ROWS, "unsharded-step")}  # fmt: skip
     return out
 
 
-def _kernel_diff(kernels: dict, top: int = 30) -> list[list]:
-    """Rows of the kernels whose time per step differs most between the FSDP2 and the unsharded
-    step graph: name, launches and us per step of each, the difference."""
-    a, b = kernels["fsdp2-step"], kernels["unsharded-step"]
+def _kernel_diff(kernels: dict, top: int = 30, name: str = "fsdp2-step") -> list[list]:
+    """Rows of the kernels whose time per step differs most between FSDP2 step graph `name` and
+    the unsharded step graph: name, launches and us per step of each, the difference."""
+    a, b = kernels[name], kernels["unsharded-step"]
     rows = []
     for name in set(a) | set(b):
         (na, ua), (nb, ub) = a.get(name, (0, 0.0)), b.get(name, (0, 0.0))
@@ -179,6 +198,16 @@ def run(device, quick: bool = False) -> dict:
         results[name].update(vs_fsdp2_eager=eager_ms / ms, vs_unsharded_graph=unsharded_ms / ms)
     results["graph_equals_eager"] = bool(torch.equal(losses["fsdp2-graph"].cpu(),
                                                      losses["fsdp2-eager"].cpu()))  # fmt: skip
+    _print(results, shape)
+    step = results["step"]
+    if "kernels" in step:
+        step["kernels"] = {n: {k: list(v) for k, v in d.items()}
+                           for n, d in step["kernels"].items()}  # fmt: skip
+    return results
+
+
+def _print(results: dict, shape: Shape) -> None:
+    """The microbatch table, the step table and (GPU) the kernel tables."""
     rows = [[n, f"{results[n]['ms_per_microbatch']:.3f}", f"{results[n]['vs_fsdp2_eager']:.3f}",
              f"{results[n]['vs_unsharded_graph']:.3f}"]
             for n in ("fsdp2-eager", "fsdp2-eager-accum", "fsdp2-graph", "unsharded-graph")
@@ -193,21 +222,17 @@ def run(device, quick: bool = False) -> dict:
     step = results["step"]
     print_table(
         f"FSDP2 in the step graph, world size 1 ({MICROBATCHES} microbatches, clip, AdamW "
-        f"through the masters; {STEP_REPEATS} interleaved repeats)",
+        f"through the masters; {STEP_REPEATS} interleaved repeats; keep: the layers' "
+        "reshard_after_forward=False; sync-last: fsdp_sync='last')",
         ["run", "ms / step (median)", "tokens/s", "spread", "vs unsharded-step"],
         [[n, f"{statistics.median(step[n]['ms_per_step']):.3f}", f"{step[n]['tokens_per_s']:.0f}",
-          f"{step[n]['spread']:.3f}",
-          f"{step[n]['tokens_per_s'] / step['unsharded-step']['tokens_per_s']:.3f}"]
-         for n in ("fsdp2-step", "unsharded-step")],
+          f"{step[n]['spread']:.3f}", f"{step[n]['vs_unsharded']:.3f}"] for n in STEPS],
     )  # fmt: skip
-    if "kernels" in step:
+    for name in KERNEL_ROWS if "kernels" in step else ():
         print_table(
-            "Kernels per step, FSDP2 step graph against the unsharded step graph (torch.profiler, "
+            f"Kernels per step, {name} against the unsharded step graph (torch.profiler, "
             "3 replays; the 30 largest differences)",
-            ["kernel", "fsdp2 launches", "fsdp2 us", "unsharded launches", "unsharded us",
+            ["kernel", f"{name} launches", f"{name} us", "unsharded launches", "unsharded us",
              "difference us"],
-            _kernel_diff(step["kernels"]),
+            _kernel_diff(step["kernels"], name=name),
         )  # fmt: skip
-        kernels = step["kernels"]
-        step["kernels"] = {n: {k: list(v) for k, v in d.items()} for n, d in kernels.items()}
-    return results

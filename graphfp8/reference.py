@@ -132,6 +132,12 @@ def fp8_transpose(x, out_t, noop=None) -> None:
     out_t.copy_(x.t())
 
 
+def fp8_gemm_accumulate(a, a_scale_inv, b_t, b_scale_inv, out) -> None:
+    """out (m, n) float32 += (a (m, k) * a_scale_inv) @ (b_t (n, k) * b_scale_inv).T in fp32:
+    torch's CPU emulation of _scaled_mm (operands decoded and scaled first), then the add."""
+    out.add_((a.float() * a_scale_inv) @ (b_t.float() * b_scale_inv).t())
+
+
 def scale_update(amax_history, scale, scaled_max, most_recent) -> None:
     """Twin of torch.ops.graphfp8.scale_update: docs/fp8.md's delayed-scaling math, all slots."""
     length, slots = amax_history.shape

@@ -69,10 +69,12 @@
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
 #   step fsdp-graph (issue 40): FSDP2 inside make_graphed_microbatch and make_graphed_step at
 #               world size 1 with NCCL: the CUDA tests of tests/sharding/test_fsdp2_cuda.py -k
-#               "microbatch_graph or step_graph" (graph == eager FSDP2 bit for bit) and bench
+#               "microbatch_graph or step_graph or transposed" (graph == eager FSDP2 bit for bit,
+#               fsdp_sync="last" too; the gathered FP8 weights' transposes counted) and bench
 #               fsdp-graph (4 TransformerLayers h4096, FP8 weights, B1 x S4096: eager FSDP2 vs its
 #               microbatch graph vs the unsharded graph; then the FSDP2 step graph vs the
-#               unsharded step graph, tokens/s over 3 interleaved repeats: target within 3%)
+#               unsharded step graph, tokens/s over 3 interleaved repeats: target within 3%; rows
+#               for fsdp_sync="last" and reshard_after_forward=False, notes/PERF.md predicts them)
 #   step fsdp-layers (issue 40): FSDP2 layers in make_graphed_callables at world size 1 with
 #               NCCL: the CUDA tests of tests/sharding/test_fsdp2_cuda.py -k layer_graphs (a CUDA
 #               graph pair per layer == eager FSDP2 bit for bit), then graphfp8-train --ddp --fsdp
@@ -105,6 +107,10 @@
 #               allocated / reserved, tokens/s and plan/measured; then the step graph's deepest
 #               (--graphs step: 24 layers, 6.29B; its capture's undo copy in host memory) ->
 #               $RES/big_step.json; ~3-4 min
+#   step wgrad-accum (issue 41 item 4): the CUDA tests of fuse_wgrad_accumulation (the cuBLASLt
+#               GEMM with beta = 1 against _scaled_mm + main_grad, in a CUDA graph, the layers
+#               and graphs), then python -m benchmarks wgrad-accum (wgrad + add vs the fused
+#               GEMM at Llama 1B / 8B shapes, SwiGLU LayerNormMLP graphed; 3 repeats, spread)
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -454,6 +460,14 @@ PYEOF
           > /tmp/bench_memory_$what.log 2>&1 || { status=1; tail -30 /tmp/bench_memory_$what.log; }
         grep -v '^wrote' /tmp/bench_memory_$what.log >> "$RES/summary.md"
       done ;;
+    wgrad-accum)  # issue 41 item 4: fuse_wgrad_accumulation's CUDA tests, then its benchmark
+      $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_gemm_accumulate.py \
+        tests/modules/test_fuse_wgrad.py tests/graphs/test_fuse_wgrad_graphs.py \
+        > "$RES/tests_wgrad_accum.log" 2>&1 || status=1
+      tail -15 "$RES/tests_wgrad_accum.log"; tail -1 "$RES/tests_wgrad_accum.log" >> "$RES/summary.md"
+      $PY -m benchmarks wgrad-accum --json "$RES/bench_wgrad_accum.json" \
+        > /tmp/bench_wgrad_accum.log 2>&1 || { status=1; tail -30 /tmp/bench_wgrad_accum.log; }
+      grep -v '^wrote' /tmp/bench_wgrad_accum.log >> "$RES/summary.md" ;;
     glu)  # issue 23: SwiGLU LayerNormMLP FP8 graphed vs bf16 graphed and TE, the GLU kernels
       with_te $PY -m benchmarks glu --json "$RES/bench_glu.json" > /tmp/bench_glu.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_glu.log; }
@@ -551,7 +565,8 @@ print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF
       grep "^###\|^| peak\|^graphfp8-train" "$RES/big_step.log" | tee -a "$RES/summary.md" ;;
     fsdp-graph)  # issue 40: FSDP2 inside make_graphed_microbatch at world size 1 (NCCL)
       $PY -m pytest -q -m cuda -p no:cacheprovider tests/sharding/test_fsdp2_cuda.py \
-        -k "microbatch_graph or step_graph" > "$RES/fsdp_graph_tests.log" 2>&1 || status=1
+        -k "microbatch_graph or step_graph or transposed" > "$RES/fsdp_graph_tests.log" 2>&1 \
+        || status=1
       tail -1 "$RES/fsdp_graph_tests.log" | tee -a "$RES/summary.md"
       $PY -m benchmarks fsdp-graph --json "$RES/bench_fsdp_graph.json" > /tmp/bench_fsdp_graph.log \
         2>&1 || { status=1; tail -30 /tmp/bench_fsdp_graph.log; }

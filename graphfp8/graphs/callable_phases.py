@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from graphfp8.fp8.main_grad import is_fused
 from graphfp8.fp8.scale_schedule import UpdatePoints
 from graphfp8.graphs.capture_checks import check_capturable, check_inputs_alias
 from graphfp8.graphs.compiled import compile_set_aside
@@ -89,9 +90,11 @@ class Sample:
 
     def grad_inputs(self) -> list[torch.Tensor]:
         """What a backward differentiates: each distinct static input that requires grad, in
-        position order, then the parameters that do."""
+        position order, then the parameters that do (but those whose gradient a layer adds into
+        their main_grad: graphfp8/fp8/main_grad.py)."""
         distinct = [t for i, t in enumerate(self.static_inputs) if self.alias_of[i] == i]
-        return [t for t in distinct + self.params if t.requires_grad]
+        params = [p for p in self.params if not is_fused(p)]
+        return [t for t in distinct + params if t.requires_grad]
 
     def per_position(self, grads) -> list[torch.Tensor | None]:
         """The input gradients among `grads` (grad_inputs() order), one per input position."""

@@ -12,6 +12,7 @@ import contextlib
 import torch
 from torch import nn
 
+from graphfp8.fp8.main_grad import MainGradSnapshot
 from graphfp8.fp8.recipe import Recipe
 from graphfp8.fp8.weight_cache import DeviceFlag
 from graphfp8.graphs.callable_phases import (
@@ -123,7 +124,10 @@ def make_graphed_callables(
                             AutocastState(device))  # fmt: skip
     chunks = [fp8_modules_in([m for j in layout.units[(c, 0)].runners for m in _trees(samples[j])])
               for c in range(layout.num_chunks)]  # fmt: skip
-    session = CaptureSession(device, options, weight_cache_flag=flag.tensor)
+    # The snapshot: main gradients that fused weight-gradient GEMMs add into (fp8/main_grad.py).
+    params = [p for s in samples for p in s.params]
+    session = CaptureSession(device, options, weight_cache_flag=flag.tensor,
+                             snapshot=MainGradSnapshot(params))  # fmt: skip
     layers = FSDPLayers(fsdp) if fsdp else None
     with (
         session,

@@ -1,7 +1,7 @@
 """torch FSDP2 (fully_shard) models inside make_graphed_microbatch and make_graphed_step (its FSDP2
 step: graphs/step_fsdp.py): what is captured, the checks before capture, the sharded gradients'
-persistent buffers and the FSDP2 settings a replay assumes (docs/sharding.md, "FSDP2 inside the
-graphs").
+persistent buffers, the FSDP2 settings a replay assumes and the gradient sync a step graph with
+fsdp_sync="last" sets on each microbatch (docs/sharding.md, "FSDP2 inside the graphs").
 
 The microbatch graph holds FSDP2's whole forward and backward as its hooks ran them at capture:
 the all-gathers (FP8 weights as FP8 bytes through Float8Tensor's hooks, fp8/tensor_fsdp.py), the
@@ -23,8 +23,8 @@ from graphfp8.fp8.tensor_fsdp import fsdp_module_types
 from graphfp8.graphs.backends import new_graph
 from graphfp8.graphs.grads import GradAccumulator
 
-__all__ = ["FSDPGrads", "FSDPSettings", "FSDPSnapshot", "check_fsdp2_model", "fsdp_hook",
-           "is_fsdp2", "refusal"]  # fmt: skip
+__all__ = ["FSDP_SYNCS", "FSDPGrads", "FSDPSettings", "FSDPSnapshot", "check_fsdp2_model",
+           "check_fsdp_sync", "fsdp_hook", "is_fsdp2", "refusal", "set_fsdp_sync"]  # fmt: skip
 
 _MICROBATCH = "make_graphed_microbatch"
 
@@ -95,6 +95,48 @@ def _param_groups(model: nn.Module) -> list:
 
 _PLAIN = (bool, int, float, str, type(None), enum.Enum)
 
+# fsdp_sync of make_graphed_step: "every" microbatch reduce-scatters (FSDP2's default), or only
+# the "last" one (gradient accumulation without communication; docs/sharding.md).
+FSDP_SYNCS = ("every", "last")
+# The FSDPParamGroup settings that set_fsdp_sync writes (what a graph with fsdp_sync="last" sets
+# itself on every microbatch, so the replay's settings check leaves them out).
+SYNC_SETTINGS = ("reduce_grads", "all_reduce_grads", "reshard_after_backward")
+
+
+def set_fsdp_sync(model: nn.Module, sync: bool) -> None:
+    """FSDP2's set_requires_gradient_sync(sync) and set_reshard_after_backward(sync) on every
+    FSDP module of `model` (the root need not be one): False on every microbatch but the last
+    accumulates the unsharded gradients and keeps the weights gathered, with no reduce-scatter
+    and no all-gather again; True on the last reduce-scatters their sum (docs/sharding.md,
+    "Gradient accumulation without communication")."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(sync, recurse=False)
+            m.set_reshard_after_backward(sync, recurse=False)
+
+
+def check_fsdp_sync(entry: str, model: nn.Module, fsdp_sync: str, fsdp2: bool) -> None:
+    """Raises, naming the fix, unless `fsdp_sync` is one of FSDP_SYNCS that `model` can take:
+    "last" needs an FSDP2 model left with FSDP2's defaults for what it sets itself (gradient
+    sync, all-reduce and reshard after backward all True)."""
+    if fsdp_sync not in FSDP_SYNCS:
+        raise ValueError(f"{entry}: fsdp_sync must be one of {FSDP_SYNCS}, got {fsdp_sync!r}")
+    if fsdp_sync == "every":
+        return
+    if not fsdp2:
+        raise ValueError(f"{entry}: fsdp_sync='last' is for a model under torch FSDP2 "
+                         "(fully_shard); leave it 'every' for this model")  # fmt: skip
+    off = sorted({k for g in _param_groups(model) for k in SYNC_SETTINGS if not getattr(g, k)})
+    if off:
+        raise ValueError(
+            f"{entry}: fsdp_sync='last' sets FSDP2's gradient sync and reshard after backward "
+            f"itself on every microbatch, but {off} are off in the model: put back FSDP2's "
+            "defaults (model.set_requires_gradient_sync(True), "
+            "model.set_reshard_after_backward(True)) before capture"
+        )
+
 
 def _settings(obj) -> dict:
     return {k: v for k, v in vars(obj).items() if isinstance(v, _PLAIN)}
@@ -105,15 +147,17 @@ class FSDPSettings:
     sync, reduce-scatter division, training and sharded state of every group), compared before
     every replay: the graph holds what FSDP2 did at capture, so set_requires_gradient_sync(False),
     set_reshard_after_forward(...) or an eager forward that left a group gathered would make the
-    replay differ from eager FSDP2."""
+    replay differ from eager FSDP2. `graph_sets`: settings the graph sets itself on every
+    microbatch (fsdp_sync="last": SYNC_SETTINGS), as its eager loop does, left out."""
 
-    def __init__(self, entry: str, model: nn.Module):
-        self.entry, self.model = entry, model
+    def __init__(self, entry: str, model: nn.Module, graph_sets: tuple[str, ...] = ()):
+        self.entry, self.model, self.graph_sets = entry, model, graph_sets
         self.groups = _param_groups(model)
         self.saved = self._now()
 
     def _now(self) -> list:
-        return [(_settings(g), g.post_forward_mesh_info is None) for g in self.groups]
+        return [({k: v for k, v in _settings(g).items() if k not in self.graph_sets},
+                 g.post_forward_mesh_info is None) for g in self.groups]  # fmt: skip
 
     def check(self) -> None:
         """Raises RuntimeError naming the group and setting that changed since capture."""
@@ -199,6 +243,19 @@ class FSDPGrads:
         """Before capture: every used parameter's `.grad` is its buffer (FSDP2 adds into it)."""
         for p, b in zip(self.used, self.buffers, strict=True):
             p.grad = b
+
+    def take_assigned(self, name: str) -> None:
+        """After a step graph's capture that began with every `.grad` None: the `.grad` FSDP2
+        assigned each used parameter (a view of its reduce-scatter output, in the graph's
+        memory, which every replay writes again) becomes its buffer."""
+        got = [p for p in self.params if p.grad is not None]
+        if [id(p) for p in got] != [id(p) for p in self.used]:
+            raise RuntimeError(
+                f"{name}: the parameters that got a gradient at capture ({len(got)}) are not "
+                f"those of warmup ({len(self.used)}): data-dependent control flow, which a "
+                "graph cannot hold"
+            )
+        self.buffers = [p.grad for p in self.used]
 
     def check_captured(self, name: str) -> None:
         """After capture: FSDP2 accumulated into the buffers, it did not replace them."""

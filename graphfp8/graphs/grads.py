@@ -9,6 +9,7 @@ import operator
 
 import torch
 
+from graphfp8.fp8.main_grad import is_fused
 from graphfp8.graphs.backends import new_graph
 from graphfp8.graphs.tape import CaptureError
 from graphfp8.ops import GradWatch
@@ -91,7 +92,8 @@ class GradFold:
     backward graph (GradAccumulator says how replays use this)."""
 
     def __init__(self, params, device):
-        self.params = [p for p in params if p.requires_grad]
+        # A weight whose gradient a layer adds into its main_grad gets none from autograd.
+        self.params = [p for p in params if p.requires_grad and not is_fused(p)]
         self.device = device
         self.buffers = [grad_buffer(p) for p in self.params]
         self.folded: list[int] = []

@@ -36,6 +36,7 @@ from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
 from graphfp8.fp8.weight_cache import step_casts
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
+from graphfp8.graphs.fsdp import check_fsdp_sync
 from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_fsdp import FSDPStepBody, FSDPUpdate, check_fsdp2_step
@@ -66,6 +67,7 @@ def make_graphed_step(
     keep_grads_before_clipping: bool = False,
     pool=None,
     master_weights: MasterWeights | None = None,
+    fsdp_sync: str = "every",
 ) -> GraphedStep:
     """Captures one optimizer step over `num_microbatches` microbatches into one graph (a CUDA
     graph on the GPU, a replay tape on the CPU).
@@ -121,6 +123,13 @@ def make_graphed_step(
             graph: their reduce-scatter replaces the all-reduce (process_group must be None),
             max_grad_norm clips by the global norm (masters.clip_grad_norm_), and the FP8 and
             high-precision all-gathers follow the optimizer (docs/sharding.md).
+        fsdp_sync: a model under torch FSDP2: "every" microbatch reduce-scatters its gradients
+            (FSDP2's default), or only the "last": microbatches 0..N-2 run with
+            model.set_requires_gradient_sync(False) and set_reshard_after_backward(False) (the
+            eager loop does the same, i == N - 1 on the last), accumulating the unsharded
+            gradients with the weights left gathered - one reduce-scatter per step (and with
+            reshard_after_forward=False one all-gather), other summation order, more memory
+            (docs/sharding.md, "Gradient accumulation without communication").
 
     Returns:
         A GraphedStep: `step(batch)` replays the graph and returns the loss (0-d float32 device
@@ -146,9 +155,11 @@ def make_graphed_step(
         raise ValueError(f"{_NAME}: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
     batch = StaticBatch(sample_batch, num_microbatches, _NAME)
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME, fsdp2_ok=True)
+    check_fsdp_sync(_NAME, model, fsdp_sync, body.fsdp2)
     if body.fsdp2:
         check_fsdp2_step(_NAME, process_group, master_weights, keep_grads_before_clipping)
-        return _capture_fsdp2(body, options, optimizer, max_grad_norm, master_weights)
+        return _capture_fsdp2(body, options, optimizer, max_grad_norm, master_weights,
+                              fsdp_sync)  # fmt: skip
     # body.grad_params: the parameters that get a gradient, known after the first microbatch.
     update = gradient_update(lambda: body.grad_params, process_group, master_weights, name=_NAME,
                              keep_grads=keep_grads_before_clipping)  # fmt: skip
@@ -177,14 +188,14 @@ def _capture(run, session: CaptureSession, body: TrainBody, model: torch.nn.Modu
 
 
 def _capture_fsdp2(body: TrainBody, options: CaptureOptions, optimizer, max_grad_norm,
-                   masters) -> GraphedStep:  # fmt: skip
+                   masters, sync: str) -> GraphedStep:  # fmt: skip
     """The step graph of an FSDP2 model (graphs/step_fsdp.py): warmup finds the shards that get
     a gradient; the capture runs FSDP2's hooks with each such .grad a persistent buffer."""
     update = FSDPUpdate(body.params, masters)
     check_optimizer(_NAME, optimizer, update.optimizer_params(body.params, _NAME), body.device)
     snapshot = TrainingSnapshot(body.model, optimizer, update.tensors())
     session = CaptureSession(body.device, options, snapshot=snapshot)
-    run = FSDPStepBody(body, optimizer, max_grad_norm, update, options.caching, session)
+    run = FSDPStepBody(body, optimizer, max_grad_norm, update, options.caching, session, sync)
     graph, loss, grad_norm = _capture(run, session, body, body.model)
     guard = body.replay_guard("capture the step again (make_graphed_step)")
     params, grads = run.static_grads()

@@ -8,10 +8,12 @@ The backward is `loss.backward()`, not torch.autograd.grad: FSDP2's post-backwar
 reduce-scatter into each sharded `.grad`) runs from its autograd hooks, which only a backward
 into the leaves fires. What one replay runs, in order:
 
-    fill every sharded gradient buffer with -0.0       (FSDP2's first microbatch then adds into
-                                                        it: -0.0 + g is g, as its assignment)
     for each microbatch i: forward (FSDP2's all-gathers), loss_i, loss_i.backward()
-        (FSDP2's reduce-scatters add each reduced shard into its parameter's .grad buffer)
+        (FSDP2's first reduce-scatter of a shard writes its output, which the capture left as
+        the parameter's .grad - the step's static gradient - and later ones add into it;
+        fsdp_sync="last": microbatches 0..N-2 run with FSDP2's gradient sync and reshard after
+        backward off - no reduce-scatter, the unsharded gradients accumulated by autograd, the
+        weights left gathered - and the last one reduce-scatters their sum)
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)  (when given; DTensor's norm)
     masters.step(optimizer) or optimizer.step()             (FP8 weights: one amax all-reduce)
 """
@@ -26,7 +28,7 @@ from graphfp8.fp8.master import TENSOR_GRAD
 from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
 from graphfp8.fp8.tensor import is_fsdp_fp8
 from graphfp8.fp8.weight_cache import step_casts
-from graphfp8.graphs.fsdp import FSDPGrads, FSDPSettings
+from graphfp8.graphs.fsdp import SYNC_SETTINGS, FSDPGrads, FSDPSettings, set_fsdp_sync
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.train_body import TrainBody
 
@@ -116,12 +118,13 @@ class FSDPStepBody:
         update: the model's FSDPUpdate.
         caching: the step's weight-cache policy (graphs/options.py).
         session: the capture session.
+        sync: fsdp_sync, "every" or "last" (graphs/fsdp.py's FSDP_SYNCS).
     """
 
     def __init__(self, body: TrainBody, optimizer, max_grad_norm, update: FSDPUpdate,
-                 caching: bool, session: CaptureSession):  # fmt: skip
+                 caching: bool, session: CaptureSession, sync: str = "every"):  # fmt: skip
         self.body, self.optimizer, self.update = body, optimizer, update
-        self.max_grad_norm, self.session = max_grad_norm, session
+        self.max_grad_norm, self.session, self.sync = max_grad_norm, session, sync
         self.weight_casts = step_casts(body.num_microbatches, caching)
         self.grads = FSDPGrads(body.params)
         self.capturing = False
@@ -130,21 +133,26 @@ class FSDPStepBody:
         """Runs the step (NONE: a warmup step); returns (loss, grad_norm or None)."""
         body, grads = self.body, self.grads
         total = torch.zeros((), dtype=torch.float32, device=body.device)
-        if self.capturing:
-            locals_ = [b._local_tensor for b in grads.buffers]
-            torch._foreach_zero_(locals_)
-            torch._foreach_neg_(locals_)
-        else:  # warmup: the step starts as after zero_grad(set_to_none=True)
-            for p in body.params:
-                p.grad = None
+        # The step starts as after zero_grad(set_to_none=True): FSDP2's first reduce-scatter of
+        # each shard assigns its .grad (captured: a view of its reduce-scatter output that every
+        # replay writes again, the step's static gradient; no fill, no add).
+        for p in body.params:
+            p.grad = None
         self.update.clear_master_grads()
-        for i in range(body.num_microbatches):
-            with self.session.weight_policy(self.weight_casts[i]):
-                loss, _ = body.microbatch(i, points)
-            total += loss
-            del loss
+        last = body.num_microbatches - 1
+        try:
+            for i in range(body.num_microbatches):
+                if self.sync == "last":
+                    set_fsdp_sync(body.model, i == last)
+                with self.session.weight_policy(self.weight_casts[i]):
+                    loss, _ = body.microbatch(i, points)
+                total += loss
+                del loss
+        finally:  # FSDP2's defaults again, also when a microbatch raised (check_fsdp_sync)
+            if self.sync == "last":
+                set_fsdp_sync(body.model, True)
         if self.capturing:
-            grads.check_captured(body.name)
+            grads.take_assigned(body.name)
         elif not grads.used:  # the first warmup step: which shards get a gradient
             grads.take_warmup(body.name)
         grad_norm = None
@@ -154,10 +162,7 @@ class FSDPStepBody:
         return total, grad_norm
 
     def prepare_capture(self) -> None:
-        """Before capture: every used shard's .grad is its persistent buffer."""
-        for p in self.body.params:
-            p.grad = None
-        self.grads.attach()
+        """Before capture: the step then takes the .grad FSDP2 assigns as its static ones."""
         self.capturing = True
 
     def static_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -176,4 +181,5 @@ class FSDPStepBody:
 
     def settings(self) -> FSDPSettings:
         """FSDP2's settings as captured, checked before every replay."""
-        return FSDPSettings(self.body.name, self.body.model)
+        graph_sets = SYNC_SETTINGS if self.sync == "last" else ()
+        return FSDPSettings(self.body.name, self.body.model, graph_sets)

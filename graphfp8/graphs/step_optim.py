@@ -16,6 +16,7 @@ from torch import nn
 from torch.optim import SGD, Adam, AdamW
 from torch.optim import optimizer as _torch_optimizer
 
+from graphfp8.fp8.main_grad import main_grads
 from graphfp8.fp8.tensor import Float8Tensor
 from graphfp8.graphs.backends import host_memory
 
@@ -166,7 +167,9 @@ class TrainingSnapshot:
 
     def __init__(self, model: nn.Module, optimizer=None, extra=()) -> None:
         """extra: more tensors the step changes (FP8 primary weights' masters and scales)."""
-        self.tensors = [t for t in itertools.chain(model.parameters(), model.buffers(), extra)]
+        # The main gradients that fused weight-gradient GEMMs add into too (fp8/main_grad.py).
+        grads = main_grads(model.parameters())
+        self.tensors = [*itertools.chain(model.parameters(), model.buffers(), grads, extra)]
         with torch.no_grad(), host_memory():
             self.saved = [_host_copy(t.detach()) for t in self.tensors]
             self.optimizer = optimizer

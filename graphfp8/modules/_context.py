@@ -187,15 +187,14 @@ def gemm_configs(
     cast, flag = evaluating, None  # a recompute reads the FP8 weights its forward cast (or cached)
     if not (replaying or evaluating):
         cast, flag = ctx.weight_cache.casts(cache, is_first_microbatch, owner)
-    # An FP8 primary weight rewritten since its last transpose needs a new one (an all-gathered
-    # FSDP2 weight in a recompute too: the same bits from the same data).
-    casts = [cast or (ws is w and not ws._transpose_valid)
-             for ws, (_, w) in zip(workspaces, weights, strict=True)]  # fmt: skip
-    # An FSDP2-gathered FP8 weight is gathered again (its transpose buffer freed and refilled)
-    # before every forward, so a graph rebuilds its transpose on every replay, as eagerly: the
-    # weight-cache flag would skip it on later microbatches (docs/sharding.md, "FSDP2 inside
-    # the graphs").
-    flags = [None if getattr(ws, "_fsdp_gathered", False) else flag for ws in workspaces]
+    # An FP8 primary weight rewritten since its last transpose needs a new one. An FSDP2-gathered
+    # FP8 weight's transpose is left to the backward (weight_t builds it when stale): its forward
+    # GEMM reads the data alone, and a reshard after forward frees the transpose before the
+    # backward's all-gather again (docs/sharding.md, "FSDP2 inside the graphs").
+    gathered = [getattr(ws, "_fsdp_gathered", False) for ws in workspaces]
+    casts = [not g and (cast or (ws is w and not ws._transpose_valid))
+             for g, ws, (_, w) in zip(gathered, workspaces, weights, strict=True)]  # fmt: skip
+    flags = [None if g else flag for g in gathered]
     last = len(weights) - 1
     configs = []
     for g, ws in enumerate(workspaces):

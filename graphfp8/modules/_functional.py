@@ -3,6 +3,7 @@
     forward  y  (M, N) = x  (M, K) @ w.T   x_fp8 (E4M3)  x  w_fp8 (E4M3)
     dgrad    dx (M, K) = dy (M, N) @ w     dy_fp8 (E5M2 in HYBRID)  x  w_t_fp8
     wgrad    dw (N, K) = dy.T @ x          dy_t_fp8  x  x_t_fp8
+             or, with fuse_wgrad_accumulation, main_grad (N, K) fp32 += dy.T @ x in the GEMM
 
 x and dy go through cast-transpose, so each is read once for both layouts; the weight is cast
 into a persistent workspace (a Float8Tensor with its own scale_inv) only when the module says so.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from graphfp8 import ops
+from graphfp8.fp8 import main_grad as fused
 from graphfp8.fp8.current import AmaxPass, amax_of, slot_quantizer
 from graphfp8.fp8.observe import StatsSource, observe_cast
 from graphfp8.fp8.scale_schedule import SCHEDULE
@@ -49,11 +51,13 @@ class GemmConfig:
         fp8_output: return this GEMM's output as a Float8Tensor (its OUTPUT slot).
         backward_update: (backward arena, group) whose update runs at the end of the backward
             pass (eager mode), or None (graphs place it themselves).
+        main_grad: (weight, its main_grad (N, K) float32) under fuse_wgrad_accumulation: the
+            wgrad GEMM adds into main_grad and the weight gets no gradient; None otherwise.
     """
 
     __slots__ = (
         "fwd", "bwd", "gemm", "weight_fp8", "cast_weight", "weight_cache_flag", "fp8_output",
-        "backward_update",
+        "backward_update", "main_grad",
     )  # fmt: skip
 
     def __init__(
@@ -73,6 +77,7 @@ class GemmConfig:
         self.weight_cache_flag = weight_cache_flag
         self.fp8_output = fp8_output
         self.backward_update = backward_update
+        self.main_grad: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def quantizer(self, role: FwdRole | BwdRole, amax_pass: AmaxPass | None = None,
                   three_launch: bool = False) -> Quantizer:  # fmt: skip
@@ -174,9 +179,18 @@ def dgrad_gemm(dy_fp8, dy_scale_inv, w_t_fp8, w_scale_inv, out_dtype) -> torch.T
     return ops.fp8_gemm(dy_fp8, dy_scale_inv, w_t_fp8.t(), w_scale_inv, out_dtype)
 
 
-def wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, out_dtype) -> torch.Tensor:
-    """dw (N, K) = dy.T @ x, from the transposes dy_t_fp8 (N, M) and x_t_fp8 (K, M)."""
-    return ops.fp8_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8.t(), x_scale_inv, out_dtype)
+def wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, out_dtype,
+               cfg: GemmConfig | None = None) -> torch.Tensor | None:  # fmt: skip
+    """dw (N, K) = dy.T @ x, from the transposes dy_t_fp8 (N, M) and x_t_fp8 (K, M); under
+    cfg.main_grad the GEMM adds dw into the fp32 main_grad instead (cuBLASLt, beta = 1) and
+    returns None, the weight's gradient for autograd (docs/fp8.md, "Weight-gradient
+    accumulation")."""
+    if cfg is None or cfg.main_grad is None:
+        return ops.fp8_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8.t(), x_scale_inv, out_dtype)
+    weight, main_grad = cfg.main_grad
+    ops.fp8_gemm_accumulate_(dy_t_fp8, dy_scale_inv, x_t_fp8.t(), x_scale_inv, main_grad)
+    fused.added(weight)
+    return None
 
 
 def save_weight(ctx, key: str, cfg: GemmConfig) -> None:
@@ -232,7 +246,7 @@ class _FP8Linear(torch.autograd.Function):
             dx = dgrad_gemm(dy_fp8, dy_scale_inv, *weight_t(ctx.w), dy.dtype).view(ctx.inp_shape)
         dy_fp8 = None  # freed before the wgrad output is allocated
         if ctx.needs_wgrad:
-            dw = wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, dy.dtype)
+            dw = wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, dy.dtype, cfg)
         SCHEDULE.after_backward(cfg.backward_update)
         return dx, dw, dbias, None, None, None
 

@@ -148,7 +148,7 @@ class _FP8FusedMLP(torch.autograd.Function):
         if ctx.act_replay is not None:  # selective recompute: act(h) cast again, same bits
             a_t_fp8 = ctx.act.forward(h, ctx.act_replay)[1]
         dw2 = (
-            wgrad_gemm(dy_t_fp8, dy_scale_inv, a_t_fp8, a_scale_inv, dy.dtype)
+            wgrad_gemm(dy_t_fp8, dy_scale_inv, a_t_fp8, a_scale_inv, dy.dtype, cfg2)
             if needs_wgrad2
             else None
         )
@@ -160,7 +160,7 @@ class _FP8FusedMLP(torch.autograd.Function):
             dx = dgrad_gemm(dh_fp8, dh_scale_inv, *weight_t(ctx.w1), dy.dtype).view(ctx.inp_shape)
         dh_fp8 = None
         if needs_wgrad1:
-            dw1 = wgrad_gemm(dh_t_fp8, dh_scale_inv, x_t_fp8, x_scale_inv, dy.dtype)
+            dw1 = wgrad_gemm(dh_t_fp8, dh_scale_inv, x_t_fp8, x_scale_inv, dy.dtype, cfg1)
         return dx, dw1, db1 if needs_db1 else None, dw2, db2, None, None, None, None, None
 
 

@@ -85,7 +85,7 @@ class _FP8LinearRope(torch.autograd.Function):
             dx = dgrad_gemm(dy_fp8, dy_scale_inv, w_t, w_scale_inv, ctx.dtype).view(ctx.inp_shape)
         dy_fp8 = None  # freed before the wgrad output is allocated
         if needs_wgrad:
-            dw = wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, ctx.dtype)
+            dw = wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, ctx.dtype, cfg)
         SCHEDULE.after_backward(cfg.backward_update)
         return dx, dw, dbias, None, None, None, None, None
 

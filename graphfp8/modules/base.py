@@ -9,6 +9,7 @@ import itertools
 import torch
 from torch import nn
 
+from graphfp8.fp8 import main_grad as fused
 from graphfp8.fp8 import scaling
 from graphfp8.fp8.block_tensor import Float8BlockTensor
 from graphfp8.fp8.primary import INIT, quantize_block_weight, quantize_weight
@@ -69,6 +70,10 @@ class FP8Module(nn.Module):
     # Keep each cached FP8 weight's transpose (the dgrad GEMM's operand) beside it. False: the
     # backward transposes the cached FP8 weight instead (see cache_weight_transposes).
     cache_weight_transpose = True
+    # TransformerEngine's option: each GEMM weight's gradient is added into its fp32
+    # `main_grad` by the weight-gradient GEMM itself, and autograd gets none for the weight
+    # (graphfp8/fp8/main_grad.py; docs/fp8.md, "Weight-gradient accumulation").
+    fuse_wgrad_accumulation = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         # torch.compile: the FP8 forward runs eagerly, never traced (modules/_compile.py);
@@ -115,6 +120,7 @@ class FP8Module(nn.Module):
         """
         self._check_input(inp, features, weights[0][1], high_precision_input)
         check_is_first_microbatch(is_first_microbatch)
+        main_grads = fused.layer_main_grads(self, weights)  # raises before any state changes
         if not fp8_enabled():
             if any(isinstance(w, Float8Tensor) for _, w in weights):
                 raise RuntimeError(
@@ -137,7 +143,18 @@ class FP8Module(nn.Module):
                 "fp8_model_init(recipe=Float8BlockScaling())): run it under "
                 "fp8_autocast(recipe=Float8BlockScaling()), or create it under the recipe it runs"
             )
-        return gemm_configs(self, weights, is_first_microbatch, fp8_output)
+        configs = gemm_configs(self, weights, is_first_microbatch, fp8_output)
+        for cfg, (_, w), g in zip(configs, weights, main_grads, strict=True):
+            cfg.main_grad = None if g is None else (w, g)
+        return configs
+
+    def _wgrad_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight of a high-precision or blockwise GEMM: under fuse_wgrad_accumulation (and
+        grad) a view whose gradient is added into its main_grad (checked by the preamble); the
+        add is a separate pass there, only the per-tensor FP8 GEMM fuses it."""
+        if not (self.fuse_wgrad_accumulation and torch.is_grad_enabled() and weight.requires_grad):
+            return weight
+        return fused.route_to_main_grad(weight, weight.main_grad)
 
     def _check_blockwise(self, inp, weights, recipe: Recipe) -> None:
         """What Float8BlockScaling does not take (it quantizes high-precision tensors at each

@@ -30,17 +30,19 @@ class LayerNormLinear(FP8Module):
         fp8_output: return the output as a Float8Tensor (uses the output FP8 slot).
         zero_centered_gamma: the norm's weight is 1 + layer_norm_weight, which starts at 0.
         return_layernorm_output: also return the norm's output (high precision).
-        params_dtype, device, init_method: as for Linear.
+        params_dtype, device, init_method, fuse_wgrad_accumulation: as for Linear.
     """
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True,
                  normalization: str = "LayerNorm", fp8_output: bool = False,
                  zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
                  params_dtype: torch.dtype | None = None, device=None,
-                 init_method: InitMethod | None = None):  # fmt: skip
+                 init_method: InitMethod | None = None,
+                 fuse_wgrad_accumulation: bool = False):  # fmt: skip
         super().__init__()
         dtype = params_dtype or torch.get_default_dtype()
         self.in_features, self.out_features = in_features, out_features
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.eps, self.normalization, self.fp8_output = eps, normalization, fp8_output
         self.zero_centered_gamma = zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
@@ -74,7 +76,8 @@ class LayerNormLinear(FP8Module):
         if hp_or_blockwise(cfgs):
             h = inp if residual is None else inp + residual
             ln_out = apply_norm(self, h, self.norm_spec)
-            out = linear(ln_out, self.weight, self.bias, cfgs)  # blockwise FP8 or high precision
+            weight = self._wgrad_weight(self.weight)
+            out = linear(ln_out, weight, self.bias, cfgs)  # blockwise FP8 or high precision
         else:
             needs_t = torch.is_grad_enabled() and self.weight.requires_grad
             quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)

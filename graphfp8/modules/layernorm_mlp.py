@@ -52,7 +52,7 @@ class LayerNormMLP(FP8Module):
             the gate g first (TransformerEngine's layout; Hugging Face's gate_proj then up_proj).
         normalization: "LayerNorm" or "RMSNorm".
         zero_centered_gamma: the norm's weight is 1 + layer_norm_weight, which starts at 0.
-        params_dtype, device: as for Linear.
+        params_dtype, device, fuse_wgrad_accumulation: as for Linear (both weights).
         init_method: initialises fc1's weight (biases then start at 0), as for Linear.
         output_layer_init_method: fc2's (default: init_method), TransformerEngine's name.
     """
@@ -67,8 +67,10 @@ class LayerNormMLP(FP8Module):
                  bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
                  zero_centered_gamma: bool = False, params_dtype: torch.dtype | None = None,
                  device=None, init_method: InitMethod | None = None,
-                 output_layer_init_method: InitMethod | None = None):  # fmt: skip
+                 output_layer_init_method: InitMethod | None = None,
+                 fuse_wgrad_accumulation: bool = False):  # fmt: skip
         super().__init__()
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"LayerNormMLP: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}"
@@ -109,8 +111,9 @@ class LayerNormMLP(FP8Module):
             act = ACTIVATIONS[self.activation]
             ln_out = apply_norm(self, h, self.norm_spec)
             # Blockwise FP8 GEMMs under Float8BlockScaling (modules/_blockwise.py).
-            hidden = act(linear(ln_out, self.fc1_weight, self.fc1_bias, cfgs, 0))
-            out = linear(hidden, self.fc2_weight, self.fc2_bias, cfgs, 1)
+            w1, w2 = self._wgrad_weight(self.fc1_weight), self._wgrad_weight(self.fc2_weight)
+            hidden = act(linear(ln_out, w1, self.fc1_bias, cfgs, 0))
+            out = linear(hidden, w2, self.fc2_bias, cfgs, 1)
         else:
             needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
             quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)

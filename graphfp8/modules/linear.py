@@ -55,14 +55,19 @@ class Linear(FP8Module):
         device: parameter device.
         init_method: initialises the weight in place (then the bias starts at 0), as
             TransformerEngine's argument; None: torch.nn.Linear's initialisation.
+        fuse_wgrad_accumulation: TransformerEngine's option: the weight's gradient is added into
+            weight.main_grad (float32, set by the caller) by the wgrad GEMM itself and the
+            weight gets no .grad (docs/fp8.md, "Weight-gradient accumulation").
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: torch.dtype | None = None, device=None,
-                 init_method: InitMethod | None = None):  # fmt: skip
+                 init_method: InitMethod | None = None,
+                 fuse_wgrad_accumulation: bool = False):  # fmt: skip
         super().__init__()
         dtype = params_dtype or torch.get_default_dtype()
         self.in_features, self.out_features = in_features, out_features
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.weight, self.bias = linear_params(in_features, out_features, bias, dtype, device,
                                                init_method)  # fmt: skip
 
@@ -76,7 +81,8 @@ class Linear(FP8Module):
         cfgs = self._fp8_forward_configs(inp, self.in_features, [("weight", self.weight)],
                                          is_first_microbatch)  # fmt: skip
         if hp_or_blockwise(cfgs):
-            return linear(inp, self.weight, self.bias, cfgs)  # blockwise FP8 or high precision
+            weight = self._wgrad_weight(self.weight)
+            return linear(inp, weight, self.bias, cfgs)  # blockwise FP8 or high precision
         return fp8_linear(inp, self.weight, self.bias, cfgs[0])
 
     def extra_repr(self) -> str:

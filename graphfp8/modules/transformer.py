@@ -68,6 +68,7 @@ class TransformerLayer(nn.Module):
         eps, bias, activation, normalization, zero_centered_gamma: as for LayerNormMLP (shared
             by both norms).
         params_dtype, device: as for Linear.
+        fuse_wgrad_accumulation: as for Linear, for the QKV, projection and MLP weights.
         init_method: initialises the QKV and fc1 weights (biases then start at 0), as for Linear;
             None: torch.nn.Linear's initialisation.
         output_layer_init_method: the same for the projection and fc2 (default: init_method),
@@ -90,7 +91,7 @@ class TransformerLayer(nn.Module):
                  output_layer_init_method: InitMethod | None = None,
                  num_gqa_groups: int | None = None, qkv_bias: bool | None = None,
                  mlp_bias: bool | None = None, softmax_scale: float | None = None,
-                 recompute: str = "none"):  # fmt: skip
+                 recompute: str = "none", fuse_wgrad_accumulation: bool = False):  # fmt: skip
         super().__init__()
         if num_heads < 1 or hidden_size % num_heads:
             raise ValueError(
@@ -108,7 +109,8 @@ class TransformerLayer(nn.Module):
             raise ValueError(f"TransformerLayer: RoPE needs an even head_dim, got {head_dim}")
         dtype = params_dtype or torch.get_default_dtype()
         kw = dict(eps=eps, normalization=normalization, params_dtype=dtype,
-                  zero_centered_gamma=zero_centered_gamma, device=device)  # fmt: skip
+                  zero_centered_gamma=zero_centered_gamma, device=device,
+                  fuse_wgrad_accumulation=fuse_wgrad_accumulation)  # fmt: skip
         qkv_bias = bias if qkv_bias is None else qkv_bias
         mlp_bias = bias if mlp_bias is None else mlp_bias
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
@@ -121,7 +123,8 @@ class TransformerLayer(nn.Module):
                                                   softmax_scale=softmax_scale,
                                                   device=device)  # fmt: skip
         self.proj = Linear(hidden_size, hidden_size, bias=bias, params_dtype=dtype, device=device,
-                           init_method=out_init)  # fmt: skip
+                           init_method=out_init,
+                           fuse_wgrad_accumulation=fuse_wgrad_accumulation)  # fmt: skip
         self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation, bias=mlp_bias,
                                 init_method=init_method, output_layer_init_method=out_init,
                                 **kw)  # fmt: skip

@@ -44,7 +44,6 @@ UB = {
 # Tensor / sequence parallelism and the wgrad tricks that go with it.
 PARALLEL = {
     "sequence_parallel": False,
-    "fuse_wgrad_accumulation": False,
     "tp_group": None,
     "tp_size": 1,
     "get_rng_state_tracker": None,

@@ -74,16 +74,18 @@ def _input_dtype(inp, param: torch.Tensor):
 
 class Linear(modules.Linear):
     """TE's Linear(in_features, out_features, ...): graphfp8.Linear. Supported: init_method,
-    bias, params_dtype, device, name; TE's other arguments only at their defaults."""
+    bias, params_dtype, device, fuse_wgrad_accumulation, name; TE's other arguments only at
+    their defaults."""
 
     def __init__(self, in_features: int, out_features: int, *, init_method=None,
                  bias: bool = True, params_dtype: torch.dtype | None = None, device=None,
-                 name: str | None = None, **te_only):  # fmt: skip
+                 fuse_wgrad_accumulation: bool = False, name: str | None = None,
+                 **te_only):  # fmt: skip
         check_te_args("Linear", te_only, _LINEAR_TE_ONLY)
         self._init_method = default_init(init_method)
         super().__init__(in_features, out_features, bias=bias, params_dtype=params_dtype,
-                         device=default_device(device),
-                         init_method=self._init_method)  # fmt: skip
+                         device=default_device(device), init_method=self._init_method,
+                         fuse_wgrad_accumulation=fuse_wgrad_accumulation)  # fmt: skip
         self.name = name
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, **te_only):
@@ -112,19 +114,22 @@ class Linear(modules.Linear):
 class LayerNormLinear(modules.LayerNormLinear):
     """TE's LayerNormLinear(in_features, out_features, eps, ...): graphfp8.LayerNormLinear.
     Supported: eps, init_method, bias, normalization, params_dtype, return_layernorm_output,
-    zero_centered_gamma, device, name; TE's other arguments only at their defaults."""
+    zero_centered_gamma, device, fuse_wgrad_accumulation, name; TE's other arguments only at
+    their defaults."""
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, *,
                  init_method=None, bias: bool = True, normalization: str = "LayerNorm",
                  params_dtype: torch.dtype | None = None, return_layernorm_output: bool = False,
-                 zero_centered_gamma: bool = False, device=None, name: str | None = None,
+                 zero_centered_gamma: bool = False, device=None,
+                 fuse_wgrad_accumulation: bool = False, name: str | None = None,
                  **te_only):  # fmt: skip
         check_te_args("LayerNormLinear", te_only, _LNLINEAR_TE_ONLY)
         super().__init__(in_features, out_features, eps=eps, bias=bias,
                          normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                          return_layernorm_output=return_layernorm_output,
                          params_dtype=params_dtype, device=default_device(device),
-                         init_method=default_init(init_method))  # fmt: skip
+                         init_method=default_init(init_method),
+                         fuse_wgrad_accumulation=fuse_wgrad_accumulation)  # fmt: skip
         self.name = name
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, **te_only):
@@ -139,19 +144,21 @@ class LayerNormMLP(modules.LayerNormMLP):
     """TE's LayerNormMLP(hidden_size, ffn_hidden_size, eps, ...): graphfp8.LayerNormMLP.
     Supported: eps, init_method, bias, normalization, activation ("gelu", "relu", "swiglu",
     "geglu"; TE's others raise), output_layer_init_method, params_dtype, zero_centered_gamma,
-    device, name; TE's other arguments only at their defaults."""
+    device, fuse_wgrad_accumulation, name; TE's other arguments only at their defaults."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, *,
                  init_method=None, bias: bool = True, normalization: str = "LayerNorm",
                  activation: str = "gelu", output_layer_init_method=None,
                  params_dtype: torch.dtype | None = None, zero_centered_gamma: bool = False,
-                 device=None, name: str | None = None, **te_only):  # fmt: skip
+                 device=None, fuse_wgrad_accumulation: bool = False, name: str | None = None,
+                 **te_only):  # fmt: skip
         check_te_args("LayerNormMLP", te_only, _MLP_TE_ONLY)
         init, out_init = default_init(init_method), default_init(output_layer_init_method)
         super().__init__(hidden_size, ffn_hidden_size, eps=eps, bias=bias, activation=activation,
                          normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                          params_dtype=params_dtype, device=default_device(device),
-                         init_method=init, output_layer_init_method=out_init)  # fmt: skip
+                         init_method=init, output_layer_init_method=out_init,
+                         fuse_wgrad_accumulation=fuse_wgrad_accumulation)  # fmt: skip
         self.name = name
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None,

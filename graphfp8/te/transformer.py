@@ -100,7 +100,8 @@ class TransformerLayer(nn.Module):
     init_method, output_layer_init_method, layer_number, kv_channels, self_attn_mask_type
     ("causal" or "no_mask"), params_dtype, zero_centered_gamma, bias, activation ("gelu",
     "relu", "swiglu", "geglu"), normalization, device, attn_input_format ("sbhd" or "bshd"),
-    fuse_qkv_params (names only, see the module docstring), qkv_weight_interleaved=False, name;
+    fuse_qkv_params (names only, see the module docstring), qkv_weight_interleaved=False,
+    fuse_wgrad_accumulation (each GEMM weight's main_grad, as graphfp8.Linear's), name;
     TE's other arguments only at their defaults.
     """
 
@@ -112,8 +113,8 @@ class TransformerLayer(nn.Module):
                  params_dtype: torch.dtype | None = None, zero_centered_gamma: bool = False,
                  bias: bool = True, activation: str = "gelu", normalization: str = "LayerNorm",
                  device=None, attn_input_format: str = "sbhd", fuse_qkv_params: bool = False,
-                 qkv_weight_interleaved: bool = True, name: str | None = None,
-                 **te_only):  # fmt: skip
+                 qkv_weight_interleaved: bool = True, fuse_wgrad_accumulation: bool = False,
+                 name: str | None = None, **te_only):  # fmt: skip
         super().__init__()
         check_te_args("TransformerLayer", te_only, _LAYER_TE_ONLY)
         check_format("TransformerLayer", "attn_input_format", attn_input_format)
@@ -130,7 +131,8 @@ class TransformerLayer(nn.Module):
                 f"{hidden_dropout!r}"
             )
         groups = num_gqa_groups or num_attention_heads
-        common = dict(params_dtype=params_dtype, device=default_device(device))
+        common = dict(params_dtype=params_dtype, device=default_device(device),
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation)  # fmt: skip
         norm = dict(eps=layernorm_epsilon, normalization=normalization,
                     zero_centered_gamma=zero_centered_gamma)  # fmt: skip
         self.self_attention = _SelfAttention(

@@ -185,6 +185,8 @@ def check_fsdp(p: argparse.ArgumentParser, args: argparse.Namespace, modes: set[
     modes of the runs."""
     if args.hsdp > 1 and not args.fsdp:
         p.error("--hsdp replicates FSDP2's shards: use it with --ddp --fsdp")
+    if args.fsdp_sync != "every" and not args.fsdp:
+        p.error("--fsdp-sync is FSDP2's gradient sync: use it with --ddp --fsdp")
     if not args.fsdp:
         return
     if not args.ddp:
@@ -192,6 +194,7 @@ def check_fsdp(p: argparse.ArgumentParser, args: argparse.Namespace, modes: set[
                 "graphfp8.training --ddp --fsdp --graphs none")  # fmt: skip
     used = {"graphs": "compile" in modes, "shard": args.shard,
             "recompute": "layers" in modes and args.recompute != "none",
+            "sync_layers": "layers" in modes and args.fsdp_sync != "every",
             "save": args.save is not None or args.resume is not None,
             "check_replicas": args.check_replicas, "compile": args.compile}  # fmt: skip
     for key, on in used.items():
@@ -219,6 +222,12 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --fsdp: R replicas, each FSDP2-sharding the weights over N / R "
                    "ranks (HSDP: a 2-D (R, N / R) mesh; gradients all-reduced across the "
                    "replicas) (default: 1, plain FSDP2)")  # fmt: skip
+    p.add_argument("--fsdp-sync", choices=("every", "last"), default="every",
+                   help="with --fsdp: FSDP2 reduce-scatters the gradients after every "
+                   "microbatch, or only after the last (gradient accumulation without "
+                   "communication: the weights stay gathered and the unsharded gradients "
+                   "accumulate between microbatches; more memory, other summation order; "
+                   "docs/sharding.md) (default: every)")  # fmt: skip
     p.add_argument("--check-replicas", action="store_true",
                    help="with --ddp: the ranks' weights compared (digests of their bits) after "
                    "every step; a difference stops every rank with exit status 3 "

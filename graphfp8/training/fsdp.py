@@ -11,6 +11,8 @@ them. The step graph calls the model's forward, so the model is under
 fully_shard too (a root without parameters of its own, as make_graphed_step requires). FP8
 primary weights (--fp8-weights) stay FP8 shards, all-gathered as FP8, trained through
 FSDPMasterWeights. --hsdp R: the same on HSDP's 2-D (R, N / R) mesh (docs/sharding.md, "HSDP").
+--fsdp-sync last: FSDP2's gradient sync and reshard after backward off on every microbatch but
+the last, eagerly (set_fsdp_sync) and in the step graph (make_graphed_step(fsdp_sync="last")).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ REFUSED = {
     "pair per layer), step (the whole step, FSDP2's collectives included, in one graph) or none",
     "recompute": "--recompute with --fsdp --graphs layers is not supported yet: use --graphs "
     "none or step",
+    "sync_layers": "--fsdp-sync last with --graphs layers is not supported (each layer graph "
+    "holds its reduce-scatter): use --graphs step or none",
     "shard": "--shard and --fsdp are two ways to shard: pick one (docs/sharding.md, 'Which to "
     "pick')",
     "save": "--save/--resume write graphfp8-train's checkpoints, not FSDP2's: use "
@@ -40,15 +44,19 @@ REFUSED = {
 
 
 def check_fsdp_spec(spec) -> None:
-    """A RunSpec with fsdp runs eagerly, in layer graphs (without recompute) or in the step
-    graph, without shard and compile; hsdp needs fsdp."""
+    """A RunSpec with fsdp runs eagerly, in layer graphs (without recompute and fsdp_sync 'last')
+    or in the step graph, without shard and compile; hsdp and fsdp_sync 'last' need fsdp."""
     if spec.fsdp and (spec.graphs == "compile" or spec.shard or spec.compile):
         raise ValueError("fsdp runs eagerly, in layer graphs or in the step graph (graphs "
                          "'none', 'layers' or 'step'), without shard and compile")  # fmt: skip
     if spec.fsdp and spec.graphs == "layers" and spec.recompute != "none":
         raise ValueError(f"fsdp: {REFUSED['recompute']}")
+    if spec.fsdp and spec.graphs == "layers" and spec.fsdp_sync != "every":
+        raise ValueError(f"fsdp: {REFUSED['sync_layers']}")
     if spec.hsdp < 1 or (spec.hsdp > 1 and not spec.fsdp):
         raise ValueError(f"hsdp {spec.hsdp}: replicas (>= 1) of FSDP2's shards, with fsdp")
+    if spec.fsdp_sync not in ("every", "last") or (spec.fsdp_sync != "every" and not spec.fsdp):
+        raise ValueError(f"fsdp_sync {spec.fsdp_sync!r}: 'every' or 'last' (with fsdp)")
 
 
 def shard_gpt(model: torch.nn.Module, group, device, replicas: int = 1,

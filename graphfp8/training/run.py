@@ -26,6 +26,7 @@ from graphfp8.fp8.autocast import fp8_autocast
 from graphfp8.fp8.primary import fp8_model_init
 from graphfp8.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from graphfp8.graphs import make_graphed_callables, make_graphed_step
+from graphfp8.graphs.fsdp import set_fsdp_sync
 from graphfp8.modules.transformer import RECOMPUTE_MODES
 from graphfp8.nvtx_ranges import nvtx_range
 from graphfp8.training.data import Dataset, split_windows
@@ -67,6 +68,7 @@ class RunSpec:
     shard: bool = False  # masters, gradients and optimizer state sharded over the group
     fsdp: bool = False  # the weights sharded too, by torch FSDP2 (training/fsdp.py): eager, step
     hsdp: int = 1  # with fsdp: replicas, each sharded over world / hsdp ranks (HSDP, fsdp.py)
+    fsdp_sync: str = "every"  # with fsdp: FSDP2 reduce-scatters after "every" microbatch or "last"
     # Blocks kept in bf16 in an FP8 run (Megatron's --first-last-layers-bf16): their indices
     bf16_layers: tuple[int, ...] = ()
     # activation recompute of every layer (TransformerLayer's RECOMPUTE_MODES): the same bits,
@@ -127,6 +129,7 @@ class RunSpec:
         suffix += "-shard" if self.shard else ""
         suffix += "-fsdp" if self.fsdp else ""
         suffix += f"-hsdp{self.hsdp}" if self.hsdp > 1 else ""
+        suffix += "-synclast" if self.fsdp_sync == "last" else ""
         suffix += f"-recompute-{self.recompute}" if self.recompute != "none" else ""
         suffix += "-staged" if self.stage_batches else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
@@ -298,6 +301,7 @@ class Run:
             fp8_enabled=self.fp8, fp8_recipe=self.recipe, fp8_weight_caching=True,
             max_grad_norm=1.0, fp8_group=self.group,
             process_group=self.reduce_group, master_weights=self.masters,
+            fsdp_sync=self.spec.fsdp_sync,
             num_warmup_iters=3 if torch.device(self.spec.device).type == "cuda" else 1,
         )  # fmt: skip
 
@@ -359,6 +363,8 @@ class Run:
         mbs = self.spec.microbatches
         total = torch.zeros((), dtype=torch.float32, device=self.spec.device)
         for mb, batch in enumerate(batches):
+            if self.spec.fsdp_sync == "last":  # as make_graphed_step(fsdp_sync="last")
+                set_fsdp_sync(self.model, mb == mbs - 1)
             inputs, targets, segments = split_windows(*batch)
             with nvtx_range("forward"):
                 loss = self._loss(inputs, targets, segments, mb) / mbs

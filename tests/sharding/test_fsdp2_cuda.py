@@ -7,8 +7,11 @@ FSDP2 over its shard group (1 x 1 on one GPU, 2 x 2 on 4) and the FP8 weights' s
 all-reduce per step (tests/sharding/test_fsdp2_hsdp.py); make_graphed_microbatch of the FSDP2
 model (a CUDA graph holding FSDP2's forward and backward) and make_graphed_step of it (the whole
 step: FSDP2's collectives, the clip, capturable AdamW on the shards, the FP8 write-back) equal
-eager FSDP2 on one GPU, and so do make_graphed_callables of its FSDP2 layers (a CUDA graph pair
-per layer, tests/sharding/test_fsdp2_layer_graphs.py)."""
+eager FSDP2 on one GPU, with fsdp_sync="last" too (one reduce-scatter per step, the unsharded
+gradients accumulated inside the CUDA graph: tests/sharding/test_fsdp2_sync_last.py), whose
+gathered FP8 weights are transposed once per backward (once per step when kept gathered), and so
+do make_graphed_callables of its FSDP2 layers (a CUDA graph pair per layer,
+tests/sharding/test_fsdp2_layer_graphs.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from tests.sharding.test_fsdp2_hsdp import (
 from tests.sharding.test_fsdp2_layer_graphs import _graphed_equals_eager as _layers_equal_eager
 from tests.sharding.test_fsdp2_reshard import _reshard_equals_no_reshard
 from tests.sharding.test_fsdp2_step_graph import step_equals_eager
+from tests.sharding.test_fsdp2_sync_last import _transposes, last_equals_eager
 
 pytestmark = [
     pytest.mark.cuda,
@@ -105,6 +109,20 @@ def test_fsdp2_step_graph_equals_eager_on_one_gpu(recipe_name, reshard):
 
 def test_fsdp2_step_graph_fp32_params_on_one_gpu():
     run_on_ranks("nccl", step_equals_eager, "delayed", None, False, world=1)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("reshard", [True, False, None], ids=["reshard", "keep", "defaults"])
+def test_fsdp2_sync_last_step_graph_equals_eager_on_one_gpu(recipe_name, reshard):
+    run_on_ranks("nccl", last_equals_eager, recipe_name, reshard, True, world=1)
+
+
+def test_fsdp2_sync_last_step_graph_fp32_params_on_one_gpu():
+    run_on_ranks("nccl", last_equals_eager, "delayed", False, False, world=1)
+
+
+def test_fsdp2_gathered_fp8_weights_transposed_once_per_backward_on_one_gpu():
+    run_on_ranks("nccl", _transposes, world=1)
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])

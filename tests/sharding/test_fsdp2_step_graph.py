@@ -130,3 +130,21 @@ def test_fsdp2_step_graph_equals_eager_under_hsdp():
     reduce-scatters within a replica, the all-reduce across the replicas, the clip's norm over
     the 2-D mesh and the masters' amax all-reduce over the shard group."""
     run_on_ranks("gloo", step_equals_eager, "delayed", None, True, True, world=4)
+
+
+def _no_fill(rank, device):
+    g8.reset_state()
+    model = shard_model(build_lm(device, True), True)
+    masters = _masters(model, True)
+    opt = adamw(masters.parameters(), device)
+    ops = graphed_step(model, RECIPES["delayed"], device, masters, opt).captured_ops()
+    # Before: a -0.0 fill (zero_, neg_) of every gradient shard, FSDP2's first reduce then added.
+    assert "aten::_foreach_neg_" not in ops and "aten::_foreach_zero_" not in ops, ops
+    shards = [p for p in model.parameters() if p.grad is not None]
+    assert shards and all(p.grad._local_tensor._base is not None for p in shards)  # FSDP2's view
+
+
+def test_fsdp2_step_graph_takes_the_gradients_fsdp2_assigns():
+    """No fill, no add on the first microbatch: FSDP2's first reduce-scatter output is the
+    step's static gradient."""
+    run_on_ranks("gloo", _no_fill)

@@ -2,9 +2,10 @@
 it): training of the GPT under FSDP2 with FP8 weights - the loss falls, the ranks agree, each
 rank's memory is in summary.json and holds about half of the state - on HSDP's 2-D mesh too
 (--hsdp 2 on 4 ranks: two replicas of 2 shards); --graphs step and --graphs layers equal to
-eager bit for bit; and every option it does not run (--recompute with per-layer graphs, --shard,
---save, --check-replicas, --compile, --hsdp without --fsdp or not dividing the ranks) refused
-before anything starts."""
+eager bit for bit, --graphs step with --fsdp-sync last too (one reduce-scatter per step); and
+every option it does not run (--recompute or --fsdp-sync last with per-layer graphs, --shard,
+--save, --check-replicas, --compile, --hsdp or --fsdp-sync without --fsdp, --hsdp not dividing
+the ranks) refused before anything starts."""
 
 from __future__ import annotations
 
@@ -47,18 +48,19 @@ def test_hsdp_trains_eagerly(tmp_path):
     run_on_ranks("gloo", _eager, str(tmp_path), ["--hsdp", "2"], "-fsdp-hsdp2", 2, world=4)
 
 
-def _eager_equals_step_graph(rank, device, tmp, graphed="step"):
+def _eager_equals_step_graph(rank, device, tmp, extra=(), suffix="-step-fsdp", graphed="step"):
     runs = {}
     for mode in ("none", graphed):
         out = f"{tmp}/{mode}"
-        code, stdout, err = run_cli([*ARGS, "--graphs", mode, "--steps", "4", "--out", out])
+        code, stdout, err = run_cli([*ARGS, *extra, "--graphs", mode, "--steps", "4", "--out",
+                                     out])  # fmt: skip
         assert code == 0, err
         if rank == 0:
             runs[mode] = json.loads((Path(out) / "summary.json").read_text())["runs"][0]
     if rank != 0:
         return
     eager, step = runs["none"], runs[graphed]
-    assert step["name"].endswith(f"-{graphed}-fsdp".replace("-layers", "-graphs")), step["name"]
+    assert step["name"].endswith(suffix), step["name"]
     assert step["ranks_agree"] == {"fp8_state": True, "parameters": True, "val_loss": True}
     # The same bits: every step's loss and the validation loss after training (the weights).
     assert step["losses"] == eager["losses"] and step["val_losses"] == eager["val_losses"]
@@ -79,11 +81,19 @@ def test_fsdp_step_graph_trains_as_eager(tmp_path):
 def test_fsdp_layer_graphs_train_as_eager(tmp_path):
     """--graphs layers: a graph pair per FSDP2 layer (FP8 weights), the blocks' root eager
     around them, bit for bit with --graphs none (before: refused)."""
-    run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path), "layers")
+    run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path), (), "-graphs-fsdp", "layers")
+
+
+def test_fsdp_sync_last_step_graph_trains_as_eager(tmp_path):
+    """--fsdp-sync last: one reduce-scatter per step, eagerly and in the step graph, bit for
+    bit."""
+    run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path), ["--fsdp-sync", "last"],
+                 "-step-fsdp-synclast")  # fmt: skip
 
 
 REFUSALS = [
     (["--graphs", "layers", "--recompute", "full"], "--recompute with --fsdp --graphs layers"),
+    (["--graphs", "layers", "--fsdp-sync", "last"], "--fsdp-sync last with --graphs layers"),
     (["--graphs", "none", "--shard"], "two ways to shard"),
     (["--graphs", "none", "--save", "ckpt.pt"], "dcp_checkpoint"),
     (["--graphs", "none", "--check-replicas"], "FSDP2's are sharded"),
@@ -100,6 +110,9 @@ def _refused(rank, device, tmp):
     code, _, err = run_cli([*no_fsdp, "--graphs", "none", "--hsdp", "2", "--steps", "2", "--out",
                             tmp])  # fmt: skip
     assert code == 2 and "--hsdp replicates FSDP2's shards" in err, (code, err)
+    code, _, err = run_cli([*no_fsdp, "--graphs", "none", "--fsdp-sync", "last", "--steps", "2",
+                            "--out", tmp])  # fmt: skip
+    assert code == 2 and "--fsdp-sync is FSDP2's gradient sync" in err, (code, err)
     assert not Path(tmp).exists() or not any(Path(tmp).iterdir())  # nothing started
 
 

@@ -1,0 +1,164 @@
+"""make_graphed_step(fsdp_sync="last") of an FSDP2 model (gloo ranks, the CPU replay tape):
+gradient accumulation without communication inside the step graph - FSDP2's gradient sync and
+reshard after backward off on every microbatch but the last, one reduce-scatter per step - equals
+the eager FSDP2 step doing the same (set_requires_gradient_sync / set_reshard_after_backward
+(i == last)) bit for bit: losses, clipped norms, local shards, masters, FP8 scales and histories;
+2 and 3 ranks (uneven shards), reshard_after_forward True and False and FSDP2's defaults, delayed
+and current scaling, FP8 weights and fp32 parameters; the replay's settings check leaves out what
+the graph sets itself; misuse refused before capture (the CUDA twins: test_fsdp2_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import graphfp8 as g8
+from graphfp8.graphs.fsdp import set_fsdp_sync
+from graphfp8.testing import assert_bitwise_equal
+from tests.graphs.step_common import adamw, lm_loss
+from tests.rank_pool import run_on_ranks
+from tests.sharding import test_fsdp2_step_graph as step_graph
+from tests.sharding.common import MB, RECIPES, batch, build_lm
+from tests.sharding.test_fsdp2_graphs import compare_local, shard_model
+
+
+def eager_last(model, recipe, rank, device, masters, opt) -> tuple[list, list]:
+    """The eager FSDP2 step with gradient accumulation without communication."""
+    losses, norms = [], []
+    params = list(model.parameters())
+    for step in range(step_graph.STEPS):
+        tokens, targets = batch(step, device, rank)
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for i in range(MB):
+            model.set_requires_gradient_sync(i == MB - 1)
+            model.set_reshard_after_backward(i == MB - 1)
+            with g8.fp8_autocast(recipe=recipe, fp8_group=dist.group.WORLD):
+                out = model(tokens[i], is_first_microbatch=i == 0)
+            loss = lm_loss(out, targets[i]) / MB
+            loss.backward()
+            total += loss.detach()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, step_graph.CLIP).full_tensor())
+        if masters is not None:
+            masters.step(opt)
+            masters.zero_grad()
+        else:
+            opt.step()
+            opt.zero_grad()
+        losses.append(total)
+    return losses, norms
+
+
+def graphed_last(model, recipe, rank, device, masters, opt) -> tuple[list, list]:
+    step = g8.make_graphed_step(
+        model, lm_loss, opt, batch(0, device), MB, fp8_enabled=True, fp8_recipe=recipe,
+        fp8_group=dist.group.WORLD, max_grad_norm=step_graph.CLIP, master_weights=masters,
+        fsdp_sync="last",
+    )  # fmt: skip
+    ops = step.captured_ops()  # one reduce-scatter per group and step, not per microbatch
+    groups = 3 if dist.get_world_size() > 1 else 0
+    assert ops.count("c10d::_reduce_scatter_base_") == groups, ops
+    losses, norms = [], []
+    for i in range(step_graph.STEPS):
+        if i == 1:  # what the graph sets itself is not checked: eager would override it too
+            set_fsdp_sync(model, False)
+        losses.append(step(batch(i, device, rank)).clone())
+        norms.append(step.grad_norm.clone())
+        set_fsdp_sync(model, True)
+        if masters is not None:
+            masters.zero_grad()
+        else:
+            opt.zero_grad()
+    return losses, norms
+
+
+def last_equals_eager(rank, device, recipe_name, reshard, fp8_weights):
+    recipe = RECIPES[recipe_name]
+    (eager_losses, eager_norms), eager, eager_masters = step_graph._run(
+        eager_last, device, recipe, rank, reshard, fp8_weights)  # fmt: skip
+    (losses, norms), graphed, masters = step_graph._run(
+        graphed_last, device, recipe, rank, reshard, fp8_weights)  # fmt: skip
+    assert_bitwise_equal(torch.stack(losses), torch.stack(eager_losses), "losses")
+    assert_bitwise_equal(torch.stack(norms), torch.stack(eager_norms), "grad norms")
+    assert all(n > step_graph.CLIP for n in eager_norms), "the clip ran"
+    compare_local(eager, graphed, "after training")
+    if fp8_weights:
+        for a, b in zip(eager_masters.masters, masters.masters, strict=True):
+            assert_bitwise_equal(b._local_tensor, a._local_tensor, "masters")
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_sync_last_step_graph_equals_eager_fp8_weights(recipe_name, reshard):
+    run_on_ranks("gloo", last_equals_eager, recipe_name, reshard, True)
+
+
+@pytest.mark.parametrize("recipe_name, reshard", [("delayed", True), ("current", False)],
+                         ids=["delayed-reshard", "current-keep"])  # fmt: skip
+def test_sync_last_step_graph_equals_eager_on_3_ranks(recipe_name, reshard):
+    """Uneven, padded shards (the gain's 2 elements over 3 ranks)."""
+    run_on_ranks("gloo", last_equals_eager, recipe_name, reshard, True, world=3)
+
+
+def test_sync_last_step_graph_equals_eager_with_fsdp2_defaults_and_fp32_params():
+    """fully_shard's defaults (the layers reshard, the root keeps), fp32 parameters, 3 ranks."""
+    run_on_ranks("gloo", last_equals_eager, "delayed", None, False, world=3)
+
+
+def test_sync_last_step_graph_equals_eager_on_one_rank():
+    """World size 1, what the CUDA twin runs."""
+    run_on_ranks("gloo", last_equals_eager, "current", True, True, world=1)
+
+
+def _refusals(rank, device):
+    g8.reset_state()
+    model = shard_model(build_lm(device, True), False)
+    masters = g8.MasterWeights(model)
+    opt = adamw(masters.parameters(), device)
+    kw = {"fp8_enabled": True, "master_weights": masters, "fp8_group": dist.group.WORLD}
+    with pytest.raises(ValueError, match="fsdp_sync must be one of"):
+        g8.make_graphed_step(model, lm_loss, opt, batch(0, device), MB, fsdp_sync="first", **kw)
+    model.set_reshard_after_backward(False)
+    with pytest.raises(ValueError, match=r"set_reshard_after_backward\(True\)"):
+        g8.make_graphed_step(model, lm_loss, opt, batch(0, device), MB, fsdp_sync="last", **kw)
+    model.set_reshard_after_backward(True)
+    assert all(p.grad is None for p in model.parameters())  # nothing ran
+
+
+def test_sync_last_misuse_is_refused_before_capture():
+    run_on_ranks("gloo", _refusals)
+
+
+def test_sync_last_needs_an_fsdp2_model():
+    g8.reset_state()
+    model = build_lm("cpu", False)
+    opt = adamw(model.parameters(), "cpu")
+    with pytest.raises(ValueError, match="fsdp_sync='last' is for a model under torch FSDP2"):
+        g8.make_graphed_step(model, lm_loss, opt, batch(0, "cpu"), MB, fsdp_sync="last")
+
+
+def _transposes(rank, device):
+    """The step graph's FP8 transposes of the gathered weights: one per weight and backward
+    (its forward reads the data alone), one per weight and step when they stay gathered."""
+    for reshard in (True, False):
+        for sync in ("every", "last"):
+            g8.reset_state()
+            model = shard_model(build_lm(device, True), reshard)
+            masters = g8.MasterWeights(model)
+            opt = adamw(masters.parameters(), device)
+            step = g8.make_graphed_step(
+                model, lm_loss, opt, batch(0, device), MB, fp8_enabled=True,
+                fp8_group=dist.group.WORLD, master_weights=masters, fsdp_sync=sync,
+            )  # fmt: skip
+            weights = sum(p.dim() == 2 and isinstance(p._local_tensor, g8.Float8Tensor)
+                          for p in model.parameters())  # fmt: skip
+            found = sum("fp8_transpose" in op for op in step.captured_ops())
+            # reshard_after_forward=True frees them after each forward: the backward's again.
+            per_weight = 1 if (sync, reshard) == ("last", False) else MB
+            assert found == per_weight * weights, (reshard, sync, found, weights)
+
+
+def test_gathered_fp8_weights_are_transposed_once_per_backward_or_step():
+    """Failed before: the forward transposed each gathered weight too (2 * MB per weight and
+    step at reshard_after_forward=True)."""
+    run_on_ranks("gloo", _transposes)
