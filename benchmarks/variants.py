@@ -73,6 +73,26 @@ def _norm_fwd_t(dy, x, g, mu, rsigma):
     return ops.layernorm_fp8(x, g, g, 1e-5, one, amax, E4M3, transpose=True)
 
 
+def _blockwise_norm_row(shape, sets, copy_gbs, device) -> dict:
+    """GRAPHFP8_BLOCKWISE_NORM off (torch's LayerNorm, then the fused blockwise quantizer of its
+    bf16 output: both 1x128 layouts) and on (graphfp8.ops.blockwise_norm: the norm writes them),
+    as _switch_row reports a kernel switch (the norm's bytes: x read, both FP8 layouts written)."""
+
+    def off(dy, x, g, mu, rsigma):
+        y = torch.nn.functional.layer_norm(x, x.shape[-1:], g, g, 1e-5)
+        return ops.blockwise_quantize(y, 1, transpose=True)
+
+    def on(dy, x, g, mu, rsigma):
+        return ops.blockwise_norm(x, g, g, 1e-5, transpose=True)
+
+    ms = {k: _timed(lambda i, f=f: f(*sets[i]), len(sets), device) for k, f in ((0, off), (1, on))}
+    ratio = {k: 4 * shape[0] * shape[1] / v / 1e6 / copy_gbs for k, v in ms.items()}
+    return dict(switch="BLOCKWISE_NORM", op="layernorm -> 1x128 tiles + y.T tiles",
+                shape=f"{shape[0]}x{shape[1]}", off_ms=ms[0], on_ms=ms[1],
+                off_ratio_to_copy=ratio[0], on_ratio_to_copy=ratio[1],
+                speedup=ms[0] / ms[1])  # fmt: skip
+
+
 def _norm_sets(m: int, n: int, device):
     def make():
         x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -153,6 +173,8 @@ def run(device, quick: bool = False) -> dict:
         # issue 41: the transpose written by the norm kernel, not a second pass
         switches.append(_switch_row("NORM_FWD_TRANSPOSE", "layernorm_fp8 + out_t", shape, 4,
                                     _norm_fwd_t, sets, copy_gbs, device))  # fmt: skip
+        # issue 42: the norm writes the blockwise GEMM's tiles (modules/_blockwise_norm.py)
+        switches.append(_blockwise_norm_row(shape, sets, copy_gbs, device))
         with kernel_switch("NORM_BWD_BATCHED", True):  # issue 33: its staged variant
             switches.append(_switch_row("NORM_BWD_STAGED", "layernorm_bwd", shape, 6,
                                         _norm_bwd, sets, copy_gbs, device))  # fmt: skip

@@ -79,8 +79,32 @@ GRAPHFP8_HOST_DEVICE float block_scale(uint32_t amax_bits, float fp8_max, bool p
   return s;
 }
 
+// Per-block statistics of one blockwise quantization (graphfp8/ops/blockwise_stats.py sums
+// them): one row of kBlockStatsColumns float64 per tile or block b of scale_inv (row-major):
+//   amax (max |x|, NaN if any element is NaN), saturated (|x| / scale_inv > fp8_max), underflow
+//   (x != 0 and x_fp8 == 0), nonzero (x != 0), signal (sum x^2), noise (sum (x - x_fp8
+//   scale_inv)^2), scale_inv; all in float64, each block summed in a fixed order.
+// Nothing is written while *enabled == 0 (the numerics report's device flag: a graph holds the
+// kernel and a replay with the report off runs it empty).
+constexpr int64_t kBlockStatsColumns = 7;
+
+struct BlockStatsParams {
+  const void* x;             // (rows, cols), x_dtype
+  DType x_dtype;
+  const uint8_t* x_fp8;      // (rows, cols), fp8_dtype
+  DType fp8_dtype;
+  const float* scale_inv;    // (ceil(rows / block_rows), ceil(cols / 128))
+  const float* enabled;      // (1,)
+  double* out;               // (scale_inv's numel, kBlockStatsColumns)
+  int64_t rows;
+  int64_t cols;
+  int64_t block_rows;        // 1 or 128
+};
+
 // Launchers assume csrc/ops/'s checks passed and a non-empty x.
 Status block_quantize_cpu(const BlockQuantizeParams& p);
 Status block_quantize_cuda(const BlockQuantizeParams& p, void* stream);
+Status block_stats_cpu(const BlockStatsParams& p);
+Status block_stats_cuda(const BlockStatsParams& p, void* stream);
 
 }  // namespace graphfp8

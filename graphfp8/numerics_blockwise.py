@@ -16,10 +16,11 @@ largest |x|. A blockwise FP8 primary weight's row is its stored blocks against t
 dequantized values (no rounding error by construction; its scales are what it reports).
 
 Cost: while disabled, an eager quantization runs nothing more (no kernel: the report is skipped
-on the host); while enabled, about 25 torch ops over the operand, in float64. A graph captured
-while it is installed holds those ops whatever the setting at capture, gated by a device flag (as
-FP8Stats' kernels are), so every replay runs them and keeps the result only while enabled:
-install it for the runs that report (graphfp8-train --fp8-stats N).
+on the host); while enabled, one kernel per operand (graphfp8.ops.blockwise_stats: each block's
+partial sums in float64, into a buffer per operand), reduced by collect (about 15 small ops per
+operand, eagerly). A graph captured while it is installed holds that kernel whatever the setting
+at capture, gated by a device flag as FP8Stats' kernels are: a replay with the report disabled
+runs one empty kernel per operand and writes nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import nn
 
 from graphfp8.fp8 import context, observe
 from graphfp8.numerics import FIELDS, write_rows_csv
-from graphfp8.ops.blockwise_stats import STATS, block_stats
+from graphfp8.ops.blockwise_stats import PARTIALS, STATS, blockwise_stats, reduce_partials
 
 __all__ = ["BLOCK_FIELDS", "BlockStats"]
 
@@ -79,6 +80,9 @@ class BlockStats:
             self._enabled = on
             for flag in self._flags.values():
                 flag.fill_(1.0 if on else 0.0)
+            if on:  # a buffer a capture allocated holds garbage until its kernel runs enabled
+                for partials in self._out.values():
+                    partials.zero_()
 
     def cast(self, block, i: int, role: str, source) -> None:
         """A per-tensor cast: the previous observer's (module docstring)."""
@@ -96,28 +100,33 @@ class BlockStats:
         x, x_fp8, scale_inv, rows = source()
         layer, gemm = self._where.get(id(weight), ("?", ""))
         key = (layer, gemm, role)
-        out = self._out.get(key)
-        if out is None:
-            out = self._out[key] = torch.zeros(len(STATS), dtype=torch.float64, device=x.device)
-            self._keys.append(key)
-        self._sizes[key] = (x.numel(), scale_inv.numel())
         flag = self._flags.get(x.device)
         if flag is None:
             raise RuntimeError(
                 f"BlockStats: {layer} runs on {x.device}, none of the model's parameters "
                 "does; create BlockStats(model) on its device"
             )
-        stats = block_stats(x, x_fp8, scale_inv, rows)
-        # A graph replays this whatever the setting then: the flag keeps or drops the result.
-        out.copy_(torch.where(flag > 0, stats, out) if capturing else stats)
+        out = self._out.get(key)
+        if out is None or out.shape[0] != scale_inv.numel():
+            if out is None:
+                self._keys.append(key)
+            # Eagerly the kernel fills it now. A capture while disabled leaves it unfilled (a fill
+            # would be a node of every replay; enable() zeroes it); while enabled, zeros (a CUDA
+            # capture runs nothing: a collect before the first replay must read zeros).
+            shape = (scale_inv.numel(), len(PARTIALS))
+            alloc = torch.zeros if capturing and self._enabled else torch.empty
+            out = self._out[key] = alloc(shape, dtype=torch.float64, device=x.device)
+        self._sizes[key] = (x.numel(), scale_inv.numel())
+        # One kernel; a graph replays it whatever the setting then: empty while the flag is 0.
+        blockwise_stats(x.contiguous(), x_fp8, scale_inv, rows, flag, out)
 
     def collect(self, step: int, microbatch: int = 0) -> None:
         """Stores the latest statistics of every operand (no sync) while enabled."""
         if not self._enabled or not self._keys:
             return
         keys = list(self._keys)
-        self._collected.append((step, microbatch, keys,
-                                torch.stack([self._out[k] for k in keys])))  # fmt: skip
+        stats = torch.stack([reduce_partials(self._out[k]) for k in keys])
+        self._collected.append((step, microbatch, keys, stats))
         for k in keys:
             self._out[k].zero_()
 

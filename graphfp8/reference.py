@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from graphfp8.fp8.recipe import fp8_max
 from graphfp8.ops.blockwise import torch_quantize
+from graphfp8.ops.blockwise_stats import _blocks
 from graphfp8.ops.glu import dglu, glu
 
 __all__ = [
@@ -46,6 +47,8 @@ __all__ = [
     "cast_stats",
     "cast_stats_hp",
     "blockwise_quantize",
+    "blockwise_norm",
+    "blockwise_stats",
 ]
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -508,3 +511,36 @@ def blockwise_quantize(x, out, scale_inv, out_t=None, scale_inv_t=None, block_ro
         out_t.copy_(out.t())
         inv = inv.t()
     scale_inv_t.copy_(inv)
+
+
+def blockwise_norm(x, gamma, beta, eps, zero_centered_gamma, out, scale_inv, out_t, scale_inv_t,
+                   mu, rsigma, residual=None, residual_out=None,
+                   power_2_scale=True) -> None:  # fmt: skip
+    """Twin of torch.ops.graphfp8.blockwise_norm: the norm's high-precision output (layernorm_fp8
+    with beta, else rmsnorm_fp8) quantized by blockwise_quantize in 1x128 tiles."""
+    hp = torch.empty_like(x)
+    unused, unused_inv, _, _ = _norm_scratch(x, out.dtype)
+    one, amax = torch.ones(1, device=x.device), torch.zeros(1, device=x.device)
+    if beta is not None:
+        layernorm_fp8(x, gamma, beta, eps, zero_centered_gamma, one, unused, None, unused_inv,
+                      amax, mu, rsigma, hp, residual, residual_out)  # fmt: skip
+    else:
+        rmsnorm_fp8(x, gamma, eps, zero_centered_gamma, one, unused, None, unused_inv, amax,
+                    rsigma, hp, residual, residual_out)  # fmt: skip
+    blockwise_quantize(hp, out, scale_inv, out_t, scale_inv_t, 1, power_2_scale)
+
+
+def blockwise_stats(x, x_fp8, scale_inv, block_rows, enabled, out) -> None:
+    """Twin of torch.ops.graphfp8.blockwise_stats: each block's partial sums (amax, saturated,
+    underflow, nonzero, signal, noise, scale_inv) in float64 by torch ops; nothing when enabled
+    holds 0. Its sums are in torch's order, the kernel's in element order (close, not equal)."""
+    if bool(enabled.reshape(()).item() == 0):
+        return
+    inv = scale_inv.double()[:, None, :, None]
+    xb, qb = _blocks(x.double(), block_rows), _blocks(x_fp8.double(), block_rows)
+    a = xb.abs()
+    parts = [a.amax(dim=(1, 3)), (a / inv > fp8_max(x_fp8.dtype)).sum(dim=(1, 3)),
+             ((xb != 0) & (qb == 0)).sum(dim=(1, 3)), (xb != 0).sum(dim=(1, 3)),
+             xb.square().sum(dim=(1, 3)), (xb - qb * inv).square().sum(dim=(1, 3)),
+             scale_inv.double()]  # fmt: skip
+    out.copy_(torch.stack([t.double() for t in parts], dim=-1).reshape(-1, out.shape[1]))

@@ -43,7 +43,9 @@ def test_variants_quick(tmp_path, capsys):
         ("DBIAS_IN_KERNEL", "cast_transpose_dbias"), ("PAIRED_QUANTIZE", "gelu_cast_transpose"),
         ("PAIRED_QUANTIZE", "dgelu_cast_transpose_dbias"),
         ("DBIAS_IN_KERNEL", "dgelu_cast_transpose_dbias"), ("NORM_BWD_BATCHED", "layernorm_bwd"),
-        ("NORM_FWD_TRANSPOSE", "layernorm_fp8 + out_t"), ("NORM_BWD_STAGED", "layernorm_bwd"),
+        ("NORM_FWD_TRANSPOSE", "layernorm_fp8 + out_t"),
+        ("BLOCKWISE_NORM", "layernorm -> 1x128 tiles + y.T tiles"),
+        ("NORM_BWD_STAGED", "layernorm_bwd"),
         ("NORM_BWD_STAGED", "layernorm_bwd + dresidual"),
         ("NORM_BWD_PARAM_IN_KERNEL", "layernorm_bwd"),
     ]  # fmt: skip

@@ -159,7 +159,45 @@ def test_disabled_block_stats_run_no_extra_op(device):
         assert _step_ops(layer, x, dy) == plain
         stats.collect(0)
         assert stats.rows() == []  # nothing recorded while disabled
-    assert len(enabled) > len(plain) + 6 * 20  # 6 operands' statistics
+    stats_op = torch.ops.graphfp8.blockwise_stats.default
+    assert enabled.count(stats_op) == 6 and stats_op not in plain  # one kernel per operand
+
+
+def _replay_ops(graphed, x, dy) -> list:
+    """The ops that one call of a graphed callable (forward and backward replays) runs."""
+    xr = x.clone().requires_grad_()
+    with _CountOps() as count:
+        graphed(xr).backward(dy)
+    return count.ops
+
+
+def test_disabled_block_stats_run_one_empty_kernel_per_operand_in_replays():
+    """Issue 42: a graph captured with BlockStats installed replayed its ~25 float64 ops per
+    operand even while the report was disabled (their result dropped by a where on the flag);
+    now a disabled replay runs one blockwise_stats kernel per operand, which writes nothing,
+    and an enabled one still reports (on the CPU tape: the ops a replay runs are counted)."""
+    x = torch.randn(64, 144, dtype=torch.bfloat16)
+    dy = torch.randn(64, 144, dtype=torch.bfloat16)
+    sample = torch.randn(64, 144, dtype=torch.bfloat16, requires_grad=True)
+    plain_layer, watched_layer = _layer("cpu"), _layer("cpu")
+    plain = g8.make_graphed_callables(plain_layer, (sample,), fp8_enabled=True, fp8_recipe=BLOCK)
+    with BlockStats(watched_layer) as stats:
+        watched = g8.make_graphed_callables(watched_layer, (sample,), fp8_enabled=True,
+                                            fp8_recipe=BLOCK)  # fmt: skip
+        base = _replay_ops(plain, x, dy)
+        disabled = _replay_ops(watched, x, dy)
+        extra = list(disabled)
+        for op in base:
+            extra.remove(op)
+        assert [op.name() for op in extra] == ["graphfp8::blockwise_stats"] * 6, len(extra)
+        bits = lambda: {k: v.view(torch.int64).clone() for k, v in stats._out.items()}  # noqa: E731
+        before = bits()  # unfilled buffers (a capture while disabled allocates, never fills)
+        _replay_ops(watched, x, dy)
+        assert all(torch.equal(v, before[k]) for k, v in bits().items())  # nothing written
+        stats.enable(True)
+        _replay_ops(watched, x, dy)
+        stats.collect(0)
+        assert len(stats.rows()) == 6
 
 
 def test_per_tensor_stats_refuse_blockwise_gemms(device):

@@ -11,6 +11,8 @@
 // norm_fwd_kernel does (the same threads per row, loads and sums, so the same bytes), stages
 // their FP8 bytes in shared memory (band x hidden) and writes the band's columns of out_t with
 // 16-byte stores: the second pass and its 2 bytes per element are gone (notes/PERF.md, issue 41).
+// With out == nullptr (csrc/blockwise_norm.h's first pass) a row writes mu, rsigma and
+// residual_out only.
 #include "../common.h"
 #include "../dtype_switch.h"
 #include "current_scale.cuh"
@@ -124,6 +126,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, int tpr, int lane_
     if (p.mu != nullptr) p.mu[r] = mu;
     p.rsigma[r] = rsigma;
   }
+  if (!kAmaxOnly && p.out == nullptr) return;  // stats only: block_norm_cuda's first pass
 #pragma unroll
   for (int k = 0; k < kLoads; ++k) {
     const int64_t v = lane_r + static_cast<int64_t>(k) * tpr;

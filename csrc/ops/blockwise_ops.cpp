@@ -1,5 +1,6 @@
 // Checks and launch of the blockwise FP8 quantizer (csrc/blockwise.h): 1x128 tiles or 128x128
-// blocks of x, optionally with the layout of x^T in the same pass.
+// blocks of x, optionally with the layout of x^T in the same pass; and of its per-block
+// statistics (the numerics report's).
 #include "../blockwise.h"
 #include "ops.h"
 
@@ -61,7 +62,49 @@ void blockwise_quantize(const at::Tensor& x, const at::Tensor& out, const at::Te
          [](const BlockQuantizeParams& q, void* s) { return block_quantize_cuda(q, s); });
 }
 
+void blockwise_stats(const at::Tensor& x, const at::Tensor& x_fp8, const at::Tensor& scale_inv,
+                     int64_t block_rows, const at::Tensor& enabled, const at::Tensor& out) {
+  const char* op = "graphfp8.blockwise_stats";
+  TORCH_CHECK(is_hp(x.scalar_type()), op, ": argument 'x' must be float32, bfloat16 or float16, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, op, ": argument 'x' must be 2-D, got ", fmt(x.dim()), "-D");
+  TORCH_CHECK(x.is_contiguous(), op, ": argument 'x' must be contiguous");
+  TORCH_CHECK(block_rows == 1 || block_rows == kBlockTile, op,
+              ": argument 'block_rows' must be 1 (1x128 tiles) or 128 (128x128 blocks), got ",
+              fmt(block_rows));
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const int64_t row_tiles = (rows + block_rows - 1) / block_rows;
+  const int64_t col_tiles = (cols + kBlockTile - 1) / kBlockTile;
+  check_fp8_out(op, "x_fp8", x_fp8, x, x.sizes());
+  check_scales(op, "scale_inv", scale_inv, x, row_tiles, col_tiles);
+  check_scalar_f32(op, "enabled", enabled, x);
+  check_common(op, "out", out, x);
+  TORCH_CHECK(out.scalar_type() == at::kDouble, op, ": argument 'out' must be float64, got ",
+              out.scalar_type());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({row_tiles * col_tiles, kBlockStatsColumns}), op,
+              ": argument 'out' must have shape ", fmt({row_tiles * col_tiles, kBlockStatsColumns}),
+              ", got ", fmt(out.sizes()));
+  BlockStatsParams p{};
+  p.x = x.data_ptr();
+  p.x_dtype = to_dtype(x.scalar_type());
+  p.x_fp8 = static_cast<const uint8_t*>(x_fp8.data_ptr());
+  p.fp8_dtype = to_dtype(x_fp8.scalar_type());
+  p.scale_inv = scale_inv.data_ptr<float>();
+  p.enabled = enabled.data_ptr<float>();
+  p.out = out.data_ptr<double>();
+  p.rows = rows;
+  p.cols = cols;
+  p.block_rows = block_rows;
+  if (x.numel() == 0) return;
+  launch(op, x, p, block_stats_cpu,
+         [](const BlockStatsParams& q, void* s) { return block_stats_cuda(q, s); });
+}
+
 TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "blockwise_stats(Tensor x, Tensor x_fp8, Tensor scale_inv, int block_rows, "
+         "Tensor enabled, Tensor(a!) out) -> ()",
+         blockwise_stats);
   def_op(m,
          "blockwise_quantize(Tensor x, Tensor(a!) out, Tensor(b!) scale_inv, "
          "Tensor(c!)? out_t=None, Tensor(d!)? scale_inv_t=None, int block_rows=1, "

@@ -1,6 +1,8 @@
-// Checks and launches of the norms with an FP8 output (LayerNorm, RMSNorm) and their backward.
+// Checks and launches of the norms with an FP8 output (LayerNorm, RMSNorm; per tensor or in
+// 1x128 tiles) and their backward.
 #include <cmath>
 
+#include "../blockwise_norm.h"
 #include "ops.h"
 #include "switches.h"
 
@@ -23,6 +25,15 @@ void check_row_stats(const char* op, const char* name, const at::Tensor& t, cons
               "' must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(0), op, ": argument '", name,
               "' must have shape [", fmt(x.size(0)), "], got ", fmt(t.sizes()));
+}
+
+void check_block_scales(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x,
+                        at::IntArrayRef shape) {
+  check_common(op, name, t, x);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": argument '", name, "' must be float32, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, op, ": argument '", name, "' must have shape ", fmt(shape),
+              ", got ", fmt(t.sizes()));
 }
 
 // The input every norm op starts from: x (rows, hidden) and gamma (hidden,).
@@ -264,6 +275,79 @@ TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
          "rmsnorm_amax(Tensor x, Tensor gamma, float eps, bool zero_centered_gamma, "
          "Tensor(a!) amax, Tensor? residual=None) -> ()",
          rmsnorm_amax);
+}
+
+// LayerNorm (beta given) or RMSNorm with the output in 1x128 tiles (csrc/blockwise_norm.h).
+void blockwise_norm(const at::Tensor& x, const at::Tensor& gamma,
+                    const c10::optional<at::Tensor>& beta, double eps, bool zero_centered_gamma,
+                    const at::Tensor& out, const at::Tensor& scale_inv,
+                    const c10::optional<at::Tensor>& out_t,
+                    const c10::optional<at::Tensor>& scale_inv_t,
+                    const c10::optional<at::Tensor>& mu, const at::Tensor& rsigma,
+                    const c10::optional<at::Tensor>& residual,
+                    const c10::optional<at::Tensor>& residual_out, bool power_2_scale) {
+  const char* op = "graphfp8.blockwise_norm";
+  check_norm_input(op, x, gamma);
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  if (beta.has_value()) check_like(op, "beta", *beta, x, {hidden});
+  TORCH_CHECK(beta.has_value() == mu.has_value(), op,
+              ": give 'mu' with 'beta' (LayerNorm), neither for RMSNorm");
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be finite and >= 0");
+  check_fp8_out(op, "out", out, x, x.sizes());
+  const auto tiles = [](int64_t n) { return (n + kBlockTile - 1) / kBlockTile; };
+  check_block_scales(op, "scale_inv", scale_inv, x, {rows, tiles(hidden)});
+  TORCH_CHECK(out_t.has_value() == scale_inv_t.has_value(), op,
+              ": give 'out_t' and 'scale_inv_t' together, or neither");
+  if (out_t.has_value()) {
+    check_fp8_out(op, "out_t", *out_t, x, {hidden, rows});
+    TORCH_CHECK(out_t->scalar_type() == out.scalar_type(), op,
+                ": arguments 'out' and 'out_t' must have the same dtype");
+    check_block_scales(op, "scale_inv_t", *scale_inv_t, x, {hidden, tiles(rows)});
+  }
+  if (mu.has_value()) check_row_stats(op, "mu", *mu, x);
+  check_row_stats(op, "rsigma", rsigma, x);
+  TORCH_CHECK(residual.has_value() == residual_out.has_value(), op,
+              ": arguments 'residual' and 'residual_out' go together");
+  if (residual.has_value()) {
+    check_like(op, "residual", *residual, x, x.sizes());
+    check_like(op, "residual_out", *residual_out, x, x.sizes());
+  }
+  BlockNormParams p{};
+  p.x = x.data_ptr();
+  p.residual = ptr(opt(residual));
+  p.residual_out = ptr(opt(residual_out));
+  p.gamma = gamma.data_ptr();
+  p.beta = ptr(opt(beta));
+  p.dtype = to_dtype(x.scalar_type());
+  p.out = out.data_ptr();
+  p.scale_inv = scale_inv.data_ptr<float>();
+  p.out_t = ptr(opt(out_t));
+  p.scale_inv_t = scale_inv_t.has_value() ? scale_inv_t->data_ptr<float>() : nullptr;
+  p.out_dtype = to_dtype(out.scalar_type());
+  p.mu = mu.has_value() ? mu->data_ptr<float>() : nullptr;
+  p.rsigma = rsigma.data_ptr<float>();
+  p.eps = static_cast<float>(eps);
+  p.zero_centered_gamma = zero_centered_gamma;
+  p.power_2_scale = power_2_scale;
+  p.rows = rows;
+  p.hidden = hidden;
+  if (x.numel() == 0) return;
+  at::Tensor workspace;  // CUDA: the stats-only norm pass's scale slots (csrc/blockwise_norm.h)
+  if (!x.is_cpu()) {
+    workspace = at::empty({3}, x.options().dtype(at::kFloat));
+    p.workspace = workspace.data_ptr<float>();
+  }
+  launch(op, x, p, block_norm_cpu,
+         [](const BlockNormParams& q, void* s) { return block_norm_cuda(q, s); });
+}
+
+TORCH_LIBRARY_FRAGMENT(graphfp8, m) {
+  def_op(m,
+         "blockwise_norm(Tensor x, Tensor gamma, Tensor? beta, float eps, "
+         "bool zero_centered_gamma, Tensor(a!) out, Tensor(b!) scale_inv, Tensor(c!)? out_t, "
+         "Tensor(d!)? scale_inv_t, Tensor(e!)? mu, Tensor(f!) rsigma, Tensor? residual=None, "
+         "Tensor(g!)? residual_out=None, bool power_2_scale=True) -> ()",
+         blockwise_norm);
 }
 
 void layernorm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,

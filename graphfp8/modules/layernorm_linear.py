@@ -9,6 +9,7 @@ import torch
 
 from graphfp8.fp8.slots import FwdRole
 from graphfp8.modules._blockwise import hp_or_blockwise, linear
+from graphfp8.modules._blockwise_norm import fused_norm_linear, norm_linear
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
 from graphfp8.modules._qkv_rope import fp8_linear_rope
@@ -73,7 +74,11 @@ class LayerNormLinear(FP8Module):
             inp, self.in_features, [("weight", self.weight)], is_first_microbatch,
             high_precision_input=True, fp8_output=self.fp8_output,
         )  # fmt: skip
-        if hp_or_blockwise(cfgs):
+        if fused_norm_linear(cfgs, self.return_layernorm_output):
+            weight = self._wgrad_weight(self.weight)
+            out, h = norm_linear(self, inp, residual, self.norm_spec, weight, self.bias, cfgs)
+            ln_out = None
+        elif hp_or_blockwise(cfgs):
             h = inp if residual is None else inp + residual
             ln_out = apply_norm(self, h, self.norm_spec)
             weight = self._wgrad_weight(self.weight)

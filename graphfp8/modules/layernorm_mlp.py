@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from graphfp8.fp8.slots import FwdRole
 from graphfp8.modules._blockwise import hp_or_blockwise, linear
+from graphfp8.modules._blockwise_norm import fused_norm_linear, norm_linear
 from graphfp8.modules._functional import GemmConfig, fp8_linear
 from graphfp8.modules._mlp import FUSED_ACTIVATIONS, fp8_mlp
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
@@ -107,13 +108,17 @@ class LayerNormMLP(FP8Module):
         cfgs = self._fp8_forward_configs(inp, self.hidden_size, weights, is_first_microbatch,
                                          high_precision_input=True)  # fmt: skip
         if hp_or_blockwise(cfgs):
-            h = inp if residual is None else inp + residual
             act = ACTIVATIONS[self.activation]
-            ln_out = apply_norm(self, h, self.norm_spec)
             # Blockwise FP8 GEMMs under Float8BlockScaling (modules/_blockwise.py).
             w1, w2 = self._wgrad_weight(self.fc1_weight), self._wgrad_weight(self.fc2_weight)
-            hidden = act(linear(ln_out, w1, self.fc1_bias, cfgs, 0))
-            out = linear(hidden, w2, self.fc2_bias, cfgs, 1)
+            if fused_norm_linear(cfgs, False):  # the norm writes fc1's tiles (_blockwise_norm)
+                fc1, h = norm_linear(self, inp, residual, self.norm_spec, w1, self.fc1_bias,
+                                     cfgs)  # fmt: skip
+            else:
+                h = inp if residual is None else inp + residual
+                ln_out = apply_norm(self, h, self.norm_spec)
+                fc1 = linear(ln_out, w1, self.fc1_bias, cfgs, 0)
+            out = linear(act(fc1), w2, self.fc2_bias, cfgs, 1)
         else:
             needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
             quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)

@@ -53,9 +53,17 @@ SWITCHES = (
 #   CURRENT_FUSED  current scaling's fused casts on CUDA (graphfp8.fp8.current)
 #   CUDA_GLU       the fused SwiGLU / GeGLU kernels on CUDA (graphfp8.ops.glu)
 #   CUDNN_RAGGED   cuDNN's ragged FP8 attention for segment ids on the GPU (ops/cudnn_ragged.py)
+#   BLOCKWISE_NORM (off until its CUDA kernel runs on a GPU) LayerNormLinear / LayerNormMLP
+#                  under Float8BlockScaling: the norm writes the GEMM's 1x128 tiles itself
+#                  (graphfp8/modules/_blockwise_norm.py; both devices)
 # Every default, here and in csrc/ops/switches.h, is one the CUDA suite passed with on a GPU:
 # tests/test_switch_defaults.py compares them with tests/data/gpu_verified_switches.json.
-ENV_DEFAULTS = {"CURRENT_FUSED": True, "CUDA_GLU": True, "CUDNN_RAGGED": False}
+ENV_DEFAULTS = {
+    "CURRENT_FUSED": True,
+    "CUDA_GLU": True,
+    "CUDNN_RAGGED": False,
+    "BLOCKWISE_NORM": False,
+}
 
 
 def env_switch(name: str) -> bool:
