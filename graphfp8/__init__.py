@@ -16,6 +16,7 @@ from graphfp8.fp8 import (
 from graphfp8.fp8.recompute import recompute
 from graphfp8.graphs import (
     CaptureError,
+    init_fsdp2,
     make_graphed_callables,
     make_graphed_microbatch,
     make_graphed_step,
@@ -54,6 +55,7 @@ __all__ = [
     "fp8_model_init",
     "from_hf",
     "hf",
+    "init_fsdp2",
     "make_graphed_callables",
     "make_graphed_microbatch",
     "make_graphed_step",

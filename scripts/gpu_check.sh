@@ -75,6 +75,11 @@
 #               microbatch graph vs the unsharded graph; then the FSDP2 step graph vs the
 #               unsharded step graph, tokens/s over 3 interleaved repeats: target within 3%; rows
 #               for fsdp_sync="last" and reshard_after_forward=False, notes/PERF.md predicts them)
+#   step fsdp-layers (issue 40): FSDP2 layers in make_graphed_callables at world size 1 with
+#               NCCL: the CUDA tests of tests/sharding/test_fsdp2_cuda.py -k layer_graphs (a CUDA
+#               graph pair per layer == eager FSDP2 bit for bit), then graphfp8-train --ddp --fsdp
+#               --fp8-weights --deterministic, --graphs none vs layers (8 steps of 100m): the
+#               losses and validation losses equal
 #   step kern41 (issue 41 item 4): the CUDA tests of the kern41 switches (KERN41_SWITCHES,
 #               default NORM_FWD_TRANSPOSE ROPE_CAST_BWD), the `benchmarks variants` rows of
 #               NORM_FWD_TRANSPOSE (ROPE_CAST_BWD has none: it is a layer path), then the 100m step
@@ -593,6 +598,23 @@ print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF
         2>&1 || { status=1; tail -30 /tmp/bench_fsdp_graph.log; }
       grep -v '^wrote' /tmp/bench_fsdp_graph.log | grep -v Warning | grep -v "output = self" \
         >> "$RES/summary.md" ;;
+    fsdp-layers)  # issue 40: FSDP2 layers in make_graphed_callables at world size 1 (NCCL)
+      $PY -m pytest -q -m cuda -p no:cacheprovider tests/sharding/test_fsdp2_cuda.py \
+        -k layer_graphs > "$RES/fsdp_layers_tests.log" 2>&1 || status=1
+      tail -1 "$RES/fsdp_layers_tests.log" | tee -a "$RES/summary.md"
+      TR="$PY -m torch.distributed.run --standalone --nproc_per_node=1 -m graphfp8.training --ddp \
+        --fsdp --fp8-weights --preset ${TRAIN_PRESET:-100m} --eval-every 1000 --val-batches 2 \
+        --steps 8 --deterministic"
+      for mode in none layers; do
+        $TR --graphs $mode --out "$RES/fsdp_layers_$mode" > "$RES/fsdp_layers_$mode.log" 2>&1 \
+          || status=1
+      done
+      $PY -c 'import json, sys
+runs = [json.load(open(f"{sys.argv[1]}/fsdp_layers_{m}/summary.json"))["runs"][0]
+        for m in ("none", "layers")]
+same = all(runs[0][k] == runs[1][k] for k in ("losses", "val_losses"))
+print(f"fsdp-layers: --graphs layers losses and val_losses == --graphs none: {same}")
+sys.exit(0 if same else 1)' "$RES" | tee -a "$RES/summary.md" || status=1 ;;
     *)
       echo "unknown step $step"; status=1 ;;
   esac

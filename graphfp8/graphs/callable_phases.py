@@ -50,6 +50,8 @@ class Sample:
             warmup recordings returned).
         callable_index: which of the callables given it runs (its FP8 setting:
             CaptureOptions.recipes).
+        fsdp: an FSDP2 layer's FSDPLayer (graphs/fsdp_layers.py): its forward and backward run
+            FSDP2's all-gather, reshard and reduce-scatter; its params are the unsharded ones.
     """
 
     index: int
@@ -64,6 +66,7 @@ class Sample:
     closure: list[nn.Module]
     arenas: dict = field(default_factory=dict)
     callable_index: int = 0
+    fsdp: object = None
 
     def adopt(self, params, names) -> None:
         self.params += list(params)
@@ -75,7 +78,10 @@ class Sample:
         args = self.static_inputs[:n_args]
         kwargs = dict(zip(self.kwarg_names, self.static_inputs[n_args:], strict=True))
         with compile_set_aside():
-            out = self.func(*args, **kwargs)
+            if self.fsdp is not None:
+                out = self.fsdp.run(self.func, args, kwargs)
+            else:
+                out = self.func(*args, **kwargs)
         flat, spec = tree_flatten(out)
         for t in flat:
             if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor:
@@ -124,11 +130,13 @@ class Backward:
 # Phase 0: the samples ---------------------------------------------------------------------------
 
 
-def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.device]:
+def prepare(funcs, sample_args, sample_kwargs, fsdp=None) -> tuple[list[Sample], torch.device]:
     """One Sample per (funcs[j], sample_args[j]) pair, after checking that its inputs are tensors
     that a graph can read and that it can be captured (capture_checks.check_capturable); returns
-    them and the device."""
+    them and the device. fsdp: one FSDPLayer per func (FSDP2 layers), or None: such a sample
+    starts with no parameters, warmup finds the unsharded ones its forward uses."""
     samples, devices = [], set()
+    fsdp = fsdp or [None] * len(funcs)
     for j, (func, args, kwargs) in enumerate(zip(funcs, sample_args, sample_kwargs, strict=True)):
         name = f"graphed callable {j} ({type(func).__name__})"
         args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
@@ -140,14 +148,19 @@ def prepare(funcs, sample_args, sample_kwargs) -> tuple[list[Sample], torch.devi
         modules, named, closure = [], [], []
         if isinstance(func, nn.Module):
             modules, named = list(func.modules()), list(func.named_parameters())
-            check_capturable(NAME, name, func, modules, named, index=j)
+            layer = func if fsdp[j] is None else fsdp[j].module  # FSDP2's checks: the layer
+            check_capturable(NAME, name, layer, modules, named, index=j,
+                             fsdp2_ok=fsdp[j] is not None)  # fmt: skip
         else:
             closure = closure_modules(func)
             check_capturable(NAME, name, func, [m for c in closure for m in c.modules()], index=j)
         alias_of = check_inputs_alias(name, flat)
         flat = _leaf_aliases(flat, alias_of)
+        if fsdp[j] is not None:
+            devices.update(p.device for _, p in named)
+            named = []
         samples.append(Sample(j, name, func, flat, list(kwargs), alias_of, [p for _, p in named],
-                              [n for n, _ in named], modules, closure))  # fmt: skip
+                              [n for n, _ in named], modules, closure, fsdp=fsdp[j]))  # fmt: skip
         devices.update(t.device for t in flat)
         devices.update(p.device for _, p in named)
     if len(devices) != 1:
@@ -173,12 +186,22 @@ def warmup(samples: list[Sample], iters: int, allow_unused: bool, session: Captu
                     flat, _ = s.call()
                     if it == 0:
                         adopt_outside_leaves(s, flat, since)
+                        if s.fsdp is not None:
+                            s.param_names = s.fsdp.names(s.params)
                     outs, inputs = [o for o in flat if o.requires_grad], s.grad_inputs()
                     if outs and inputs:
-                        torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs],
-                                            allow_unused=allow_unused)  # fmt: skip
+                        _grad(s, outs, inputs, [torch.ones_like(o) for o in outs], allow_unused)
                     del flat, outs
                 s.arenas.update(found.arenas)
+
+
+def _grad(s: Sample, outs, inputs, grad_outputs, allow_unused: bool) -> tuple:
+    """torch.autograd.grad of a callable's outputs; an FSDP2 layer's with FSDP2's backward around
+    it (its parameters' gradients reduce-scattered into their sharded .grad, returned as None)."""
+    if s.fsdp is None:
+        return torch.autograd.grad(outs, inputs, grad_outputs, allow_unused=allow_unused)
+    params = [p for p in s.params if p.requires_grad]
+    return s.fsdp.backward(outs, inputs, grad_outputs, params, allow_unused)
 
 
 # Phase 2: capture the forwards in order -------------------------------------------------------
@@ -263,17 +286,21 @@ def capture_backwards(samples: list[Sample], forwards: list[Forward], points: Up
         outs = [o for o in fwd.outputs if o.requires_grad]
         inputs = s.grad_inputs()
         graph = session.new_graph()
-        fold = GradFold(s.params, session.device)
+        fold = GradFold([] if s.fsdp is not None else s.params, session.device)
         with fold.hooked(), session.capture_into(graph, s.callable_index):
             grads = ()
             if outs and inputs:
                 given = [g for g in grad_outputs if g is not None]
-                grads = torch.autograd.grad(outs, inputs, given, allow_unused=allow_unused)
+                grads = _grad(s, outs, inputs, given, allow_unused)
             fold.finish()
             if i == 0:
                 points.at_backward()
         # The inputs' gradients, then the parameters' stand-ins (dropped).
         grad_inputs = s.per_position(grads)
         del grads
-        backwards[i] = Backward(graph, grad_outputs, grad_inputs, fold.accumulator(session.pool))
+        if s.fsdp is not None:  # FSDP2 adds into the sharded .grad buffers (graphs/fsdp.py)
+            acc = s.fsdp.grads.accumulator(session.device, session.pool)
+        else:
+            acc = fold.accumulator(session.pool)
+        backwards[i] = Backward(graph, grad_outputs, grad_inputs, acc)
     return backwards

@@ -7,6 +7,8 @@ The phases (graphs/callable_phases.py) run inside the capture session every entr
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -24,6 +26,7 @@ from graphfp8.graphs.callable_phases import (
 from graphfp8.graphs.capture_checks import check_distinct, check_grad_mode, check_no_hooks
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in, unique
+from graphfp8.graphs.fsdp_layers import FSDPLayers, fsdp_layers_of
 from graphfp8.graphs.function import GraphedFunction
 from graphfp8.graphs.lifecycle import CapturedGraphs, refuse_deepcopy, undone_on_failure
 from graphfp8.graphs.options import CaptureOptions
@@ -111,7 +114,8 @@ def make_graphed_callables(
                              num_warmup_iters, pool, callables=len(callables))  # fmt: skip
     check_distinct(callables)
     funcs = [callables[i] for i in layout.callable_of]
-    samples, device = prepare(funcs, sample_args, sample_kwargs)
+    fsdp = fsdp_layers_of(funcs, order)  # FSDP2 layers: graphs/fsdp_layers.py
+    samples, device = prepare(funcs, sample_args, sample_kwargs, fsdp)
     for s in samples:
         s.callable_index = layout.callable_of[s.index]
     check_grad_mode(NAME, any(t.requires_grad for s in samples for t in s.grad_inputs()))
@@ -124,16 +128,25 @@ def make_graphed_callables(
     params = [p for s in samples for p in s.params]
     session = CaptureSession(device, options, weight_cache_flag=flag.tensor,
                              snapshot=MainGradSnapshot(params))  # fmt: skip
-    with session, undone_on_failure(unique(m for c in chunks for m in c), samples, callables):
+    layers = FSDPLayers(fsdp) if fsdp else None
+    with (
+        session,
+        undone_on_failure(unique(m for c in chunks for m in c), samples, callables),
+        layers.capturing() if layers else contextlib.nullcontext(),
+    ):
         session.init_fp8(chunks, _recipe_of(samples, options))
         warmup(samples, num_warmup_iters, allow_unused_input, session)
+        if layers:
+            layers.after_warmup()
         session.freeze_arenas({k: a for s in samples for k, a in s.arenas.items()})
         built = _capture_units(samples, layout, session, allow_unused_input, chain)
+        if layers:
+            layers.after_capture()
         chained = _followers(layout) if chain else set()
         runners = [_runner(s, *built[s.index], graphs, s.index in chained) for s in samples]
     wrapped = [
-        _wrap(f, r, replace_forward=not layout.explicit)
-        for f, r in zip(funcs, runners, strict=True)
+        _wrap(f, r, replace_forward=not layout.explicit, fsdp=s.fsdp)
+        for f, r, s in zip(funcs, runners, samples, strict=True)
     ]
     graphs.register(runners, funcs, [undo for _, undo in wrapped], _skippable(samples, layout))
     graphed = tuple(g for g, _ in wrapped)
@@ -217,6 +230,8 @@ def _guard(s: Sample) -> ReplayGuard:
         roots = [("", s.func)] if isinstance(s.func, nn.Module) else []
     owned = {id(p) for m in modules for p in m._parameters.values()}
     outside = [(n, p) for n, p in zip(s.param_names, s.params, strict=True) if id(p) not in owned]
+    if s.fsdp is not None:  # FSDP2's unsharded parameters: their storage comes and goes with the
+        outside = []  # gathers; the graphs read the shards, which the modules' slots watch
     return ReplayGuard(s.name, modules, module_names(roots), outside, _RECAPTURE)
 
 
@@ -253,13 +268,16 @@ def _read_back(s: Sample, fwd, spec: InputSpec) -> list[tuple[str, torch.Tensor]
     return [(n, t) for n, t in named if t.numel() and t.untyped_storage().data_ptr() in fwd.saved]
 
 
-def _wrap(func, runner: GraphedRunner, replace_forward: bool = True):
+def _wrap(func, runner: GraphedRunner, replace_forward: bool = True, fsdp=None):
     """(the graphed callable, undo or None). A module gets its forward replaced (undo puts it
     back at reset()) unless replace_forward is False (pipeline schedules: several graphs per
-    module, each returned as a function)."""
+    module, each returned as a function). fsdp: an FSDP2 layer's FSDPLayer, whose settings are
+    checked before every call and whose hooks reset() puts back (graphs/fsdp_layers.py)."""
 
     @opaque_to_dynamo
     def graphed(*args, is_first_microbatch=None, **kwargs):
+        if fsdp is not None:
+            fsdp.settings.check()
         flat = runner.check_call(args, kwargs, is_first_microbatch)
         expects_backward = runner.contract.expects_grad and torch.is_grad_enabled()
         outs = GraphedFunction.apply(runner, expects_backward, pair.grad_anchor, *flat)
@@ -280,7 +298,7 @@ def _wrap(func, runner: GraphedRunner, replace_forward: bool = True):
         vars(graphed).update(extras, runner=runner)
         return graphed, None
     training = func.training
-    eager_forward = func.forward
+    eager_forward = func.forward if fsdp is None else fsdp.eager(func.forward)
 
     def forward(*args, **kwargs):  # is_first_microbatch among kwargs, when given
         if func.training != training:  # torch's rule: other modes run the eager forward
@@ -297,5 +315,7 @@ def _wrap(func, runner: GraphedRunner, replace_forward: bool = True):
     def undo() -> None:
         for key in added:
             vars(func).pop(key, None)
+        if fsdp is not None:
+            fsdp.put_hooks()
 
     return func, undo

@@ -44,14 +44,17 @@ def fsdp_hook(hook) -> bool:
 
 
 def refusal(entry: str) -> str:
-    """Why `entry` (make_graphed_callables) does not capture an FSDP2 model, and what does."""
+    """Why `entry` (make_graphed_callables) does not capture a plain function over FSDP2 modules,
+    and what does."""
     why = (
         "FSDP2's per-module hooks all-gather the weights before a module's forward and "
-        "reduce-scatter after its backward, around the call that a graphed callable "
-        "replays, so a per-layer graph would read parameters that are not gathered"
+        "reduce-scatter after its backward, around the calls that a graphed function "
+        "replays, so its graph would read parameters that are not gathered"
     )
     return (
-        f"{entry}: cannot capture a model under torch FSDP2 (fully_shard): {why}. Capture the "
+        f"{entry}: cannot capture a function over modules under torch FSDP2 (fully_shard): "
+        f"{why}. Give it the fully_shard-ed layers themselves (one graph pair each, FSDP2's "
+        "collectives inside: graphs/fsdp_layers.py), or capture the "
         f"whole forward and backward with {_MICROBATCH}(model, loss_fn, batch, fp8_enabled=..., "
         "fp8_group=...) (FSDP2's all-gathers and reduce-scatters inside the graph) or the whole "
         "step with make_graphed_step(model, loss_fn, optimizer, batch, ...), or shard the "

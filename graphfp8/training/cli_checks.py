@@ -192,7 +192,9 @@ def check_fsdp(p: argparse.ArgumentParser, args: argparse.Namespace, modes: set[
     if not args.ddp:
         p.error("--fsdp shards over the ranks of --ddp: torchrun --nproc_per_node=N -m "
                 "graphfp8.training --ddp --fsdp --graphs none")  # fmt: skip
-    used = {"graphs": bool(modes - {"none", "step"}), "shard": args.shard,
+    used = {"graphs": "compile" in modes, "shard": args.shard,
+            "recompute": "layers" in modes and args.recompute != "none",
+            "sync_layers": "layers" in modes and args.fsdp_sync != "every",
             "save": args.save is not None or args.resume is not None,
             "check_replicas": args.check_replicas, "compile": args.compile}  # fmt: skip
     for key, on in used.items():
@@ -213,7 +215,7 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", action="store_true", help="with --ddp: fp32 masters of every "
                    "parameter, gradients and optimizer state sharded over the ranks "
                    "(MasterWeights(shard_group=...), docs/sharding.md) (default: off)")  # fmt: skip
-    p.add_argument("--fsdp", action="store_true", help="with --ddp --graphs none or step: "
+    p.add_argument("--fsdp", action="store_true", help="with --ddp --graphs none, layers or step: "
                    "the weights sharded too, by torch FSDP2 (docs/sharding.md) "
                    "(default: off)")  # fmt: skip
     p.add_argument("--hsdp", type=positive, default=1, metavar="R",

@@ -47,6 +47,7 @@ class Blocks(nn.Module):
                  bf16_layers: frozenset[int] = frozenset()):  # fmt: skip
         super().__init__()
         self.bf16_layers = frozenset(bf16_layers)
+        self.graphed = None  # per-layer graphed calls (training/fsdp.py's LayerCall) or None
         self.layers = nn.ModuleList(
             TransformerLayer(
                 cfg.hidden,
@@ -76,8 +77,13 @@ class Blocks(nn.Module):
                 fp8_autocast(enabled=False) if i in self.bf16_layers else contextlib.nullcontext()
             )
             with bf16:
-                out = layer(x, is_first_microbatch=is_first_microbatch, residual=residual,
-                            defer_residual=not last, **kw)  # fmt: skip
+                if self.graphed is not None:  # tensor arguments only (fsdp.LayerCall)
+                    extra = () if residual is None else (residual,)
+                    out = self.graphed[i](x, *extra, is_first_microbatch=is_first_microbatch,
+                                          **kw)  # fmt: skip
+                else:
+                    out = layer(x, is_first_microbatch=is_first_microbatch, residual=residual,
+                                defer_residual=not last, **kw)  # fmt: skip
             x, residual = (out, None) if last else out
         return x
 

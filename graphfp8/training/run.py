@@ -30,7 +30,7 @@ from graphfp8.graphs.fsdp import set_fsdp_sync
 from graphfp8.modules.transformer import RECOMPUTE_MODES
 from graphfp8.nvtx_ranges import nvtx_range
 from graphfp8.training.data import Dataset, split_windows
-from graphfp8.training.fsdp import check_fsdp_spec, shard_gpt
+from graphfp8.training.fsdp import check_fsdp_spec, graph_layers, shard_gpt
 from graphfp8.training.model import GPT, ModelConfig
 from graphfp8.training.staging import BatchStager
 from graphfp8.training.torch_model import TorchGPT
@@ -263,6 +263,11 @@ class Run:
         cfg = self.spec.model
         sample = torch.randn(cfg.batch, cfg.seq_len, cfg.hidden, dtype=torch.bfloat16,
                              device=self.spec.device, requires_grad=True)  # fmt: skip
+        if self.spec.fsdp:  # a graph pair per FSDP2 layer, the blocks' root eager around them
+            graph_layers(self.model, sample, self._segments_kw(), self.fp8, self.recipe,
+                         self.group)  # fmt: skip
+            self.blocks = self._eager_blocks
+            return
         self.blocks = make_graphed_callables(
             self.model.blocks, (sample,), fp8_enabled=self.fp8, fp8_recipe=self.recipe,
             fp8_weight_caching=True, fp8_group=self.group, sample_kwargs=self._segments_kw(),

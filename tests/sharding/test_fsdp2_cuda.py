@@ -9,7 +9,9 @@ model (a CUDA graph holding FSDP2's forward and backward) and make_graphed_step 
 step: FSDP2's collectives, the clip, capturable AdamW on the shards, the FP8 write-back) equal
 eager FSDP2 on one GPU, with fsdp_sync="last" too (one reduce-scatter per step, the unsharded
 gradients accumulated inside the CUDA graph: tests/sharding/test_fsdp2_sync_last.py), whose
-gathered FP8 weights are transposed once per backward (once per step when kept gathered)."""
+gathered FP8 weights are transposed once per backward (once per step when kept gathered), and so
+do make_graphed_callables of its FSDP2 layers (a CUDA graph pair per layer,
+tests/sharding/test_fsdp2_layer_graphs.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from tests.sharding.test_fsdp2_hsdp import (
     _all_reduces_per_step,
     _hsdp_equals_fsdp_over_the_shard_group,
 )
+from tests.sharding.test_fsdp2_layer_graphs import _graphed_equals_eager as _layers_equal_eager
 from tests.sharding.test_fsdp2_reshard import _reshard_equals_no_reshard
 from tests.sharding.test_fsdp2_step_graph import step_equals_eager
 from tests.sharding.test_fsdp2_sync_last import _transposes, last_equals_eager
@@ -120,3 +123,19 @@ def test_fsdp2_sync_last_step_graph_fp32_params_on_one_gpu():
 
 def test_fsdp2_gathered_fp8_weights_transposed_once_per_backward_on_one_gpu():
     run_on_ranks("nccl", _transposes, world=1)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("reshard", [True, False, None], ids=["reshard", "keep", "defaults"])
+def test_fsdp2_layer_graphs_equal_eager_on_one_gpu(recipe_name, reshard):
+    run_on_ranks("nccl", _layers_equal_eager, recipe_name, reshard, True, world=1)
+
+
+def test_fsdp2_layer_graphs_fp32_params_on_one_gpu():
+    run_on_ranks("nccl", _layers_equal_eager, "current", True, False, world=1)
+
+
+@pytest.mark.skipif(GPUS < 3, reason="needs 3 GPUs")
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_layer_graphs_on_several_gpus(world):
+    run_on_ranks("nccl", _layers_equal_eager, "delayed", True, True, world=world)

@@ -1,5 +1,6 @@
 """What the graphs refuse of an FSDP2 model (2 gloo ranks), each before anything runs and naming
-the fix: per-layer graphs (make_graphed_microbatch and make_graphed_step capture it), the step
+the fix: the whole model in make_graphed_callables (make_graphed_microbatch and make_graphed_step
+capture it; its layers: test_fsdp2_layer_graphs.py), the step
 graph's options FSDP2 does not take (process_group, keep_grads_before_clipping, FP8 weights
 without their masters), FSDP2 on submodules only, CPU offload, hooks of the user's; after
 capture, a change of FSDP2's settings (gradient sync, reshard_after_forward), a group left
@@ -24,9 +25,9 @@ from tests.sharding.test_fsdp2_reshard import shard_lm
 def _refused_before_capture(rank, device):
     model = shard_lm(build_lm(device), reshard=True)
     tokens, targets = batch(0, device)
-    with pytest.raises(RuntimeError, match=r"make_graphed_callables: cannot capture a model under "
-                       r"torch FSDP2 .* make_graphed_microbatch\(model"):  # fmt: skip
-        g8.make_graphed_callables(model.block, (torch.randn(2, 8, 32, requires_grad=True),))
+    with pytest.raises(RuntimeError, match=r"make_graphed_callables: .* FSDP2's root or holds "
+                       r"fully_shard-ed submodules.* make_graphed_microbatch\(model"):  # fmt: skip
+        g8.make_graphed_callables(model, (torch.randn(2, 8, 32, requires_grad=True),))
     opt = adamw(model.parameters(), device)
     with pytest.raises(ValueError, match=r"make_graphed_step: .* FSDP2, whose reduce-scatters .* "
                        r"Pass process_group=None"):  # fmt: skip

@@ -1,10 +1,11 @@
 """graphfp8-train --ddp --fsdp (cli.main on the rank pool's 2 gloo ranks, as torchrun would start
 it): training of the GPT under FSDP2 with FP8 weights - the loss falls, the ranks agree, each
 rank's memory is in summary.json and holds about half of the state - on HSDP's 2-D mesh too
-(--hsdp 2 on 4 ranks: two replicas of 2 shards); --graphs step equal to eager bit for bit, with
---fsdp-sync last too (one reduce-scatter per step); and every option it does not run (per-layer
-graphs, --shard, --save, --check-replicas, --compile, --hsdp or --fsdp-sync without --fsdp,
---hsdp not dividing the ranks) refused before anything starts."""
+(--hsdp 2 on 4 ranks: two replicas of 2 shards); --graphs step and --graphs layers equal to
+eager bit for bit, --graphs step with --fsdp-sync last too (one reduce-scatter per step); and
+every option it does not run (--recompute or --fsdp-sync last with per-layer graphs, --shard,
+--save, --check-replicas, --compile, --hsdp or --fsdp-sync without --fsdp, --hsdp not dividing
+the ranks) refused before anything starts."""
 
 from __future__ import annotations
 
@@ -47,9 +48,9 @@ def test_hsdp_trains_eagerly(tmp_path):
     run_on_ranks("gloo", _eager, str(tmp_path), ["--hsdp", "2"], "-fsdp-hsdp2", 2, world=4)
 
 
-def _eager_equals_step_graph(rank, device, tmp, extra=(), suffix="-step-fsdp"):
+def _eager_equals_step_graph(rank, device, tmp, extra=(), suffix="-step-fsdp", graphed="step"):
     runs = {}
-    for mode in ("none", "step"):
+    for mode in ("none", graphed):
         out = f"{tmp}/{mode}"
         code, stdout, err = run_cli([*ARGS, *extra, "--graphs", mode, "--steps", "4", "--out",
                                      out])  # fmt: skip
@@ -58,7 +59,7 @@ def _eager_equals_step_graph(rank, device, tmp, extra=(), suffix="-step-fsdp"):
             runs[mode] = json.loads((Path(out) / "summary.json").read_text())["runs"][0]
     if rank != 0:
         return
-    eager, step = runs["none"], runs["step"]
+    eager, step = runs["none"], runs[graphed]
     assert step["name"].endswith(suffix), step["name"]
     assert step["ranks_agree"] == {"fp8_state": True, "parameters": True, "val_loss": True}
     # The same bits: every step's loss and the validation loss after training (the weights).
@@ -77,6 +78,12 @@ def test_fsdp_step_graph_trains_as_eager(tmp_path):
     run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path))
 
 
+def test_fsdp_layer_graphs_train_as_eager(tmp_path):
+    """--graphs layers: a graph pair per FSDP2 layer (FP8 weights), the blocks' root eager
+    around them, bit for bit with --graphs none (before: refused)."""
+    run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path), (), "-graphs-fsdp", "layers")
+
+
 def test_fsdp_sync_last_step_graph_trains_as_eager(tmp_path):
     """--fsdp-sync last: one reduce-scatter per step, eagerly and in the step graph, bit for
     bit."""
@@ -85,8 +92,8 @@ def test_fsdp_sync_last_step_graph_trains_as_eager(tmp_path):
 
 
 REFUSALS = [
-    ([], "per-layer graph capture of an FSDP2 model is not supported"),
-    (["--graphs", "layers"], "--graphs step (the whole step"),
+    (["--graphs", "layers", "--recompute", "full"], "--recompute with --fsdp --graphs layers"),
+    (["--graphs", "layers", "--fsdp-sync", "last"], "--fsdp-sync last with --graphs layers"),
     (["--graphs", "none", "--shard"], "two ways to shard"),
     (["--graphs", "none", "--save", "ckpt.pt"], "dcp_checkpoint"),
     (["--graphs", "none", "--check-replicas"], "FSDP2's are sharded"),
