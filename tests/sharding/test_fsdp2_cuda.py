@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphfp8.graphs.fsdp_layers import CUDA_SWITCH, FSDPLayer
 from tests.rank_pool import run_on_ranks
 from tests.sharding.test_dcp_world_sizes import _at_2_again, _at_2_first, _at_3
 from tests.sharding.test_fsdp2_clip import _idioms_agree
@@ -127,15 +128,25 @@ def test_fsdp2_gathered_fp8_weights_transposed_once_per_backward_on_one_gpu():
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
 @pytest.mark.parametrize("reshard", [True, False, None], ids=["reshard", "keep", "defaults"])
-def test_fsdp2_layer_graphs_equal_eager_on_one_gpu(recipe_name, reshard):
+def test_fsdp2_layer_graphs_equal_eager_on_one_gpu(recipe_name, reshard, monkeypatch):
+    monkeypatch.setenv(CUDA_SWITCH, "1")  # the ranks' interpreters inherit it
     run_on_ranks("nccl", _layers_equal_eager, recipe_name, reshard, True, world=1)
 
 
-def test_fsdp2_layer_graphs_fp32_params_on_one_gpu():
+def test_fsdp2_layer_graphs_fp32_params_on_one_gpu(monkeypatch):
+    monkeypatch.setenv(CUDA_SWITCH, "1")
     run_on_ranks("nccl", _layers_equal_eager, "current", True, False, world=1)
+
+
+def test_fsdp2_layer_graphs_wait_for_their_switch_on_cuda(monkeypatch):
+    """Until a GPU run proves them, a CUDA layer is refused first, before FSDP2 is touched."""
+    monkeypatch.delenv(CUDA_SWITCH, raising=False)
+    with pytest.raises(RuntimeError, match=CUDA_SWITCH):
+        FSDPLayer("layer", torch.nn.Linear(16, 16, device="cuda"))
 
 
 @pytest.mark.skipif(GPUS < 3, reason="needs 3 GPUs")
 @pytest.mark.parametrize("world", [2, 3])
-def test_fsdp2_layer_graphs_on_several_gpus(world):
+def test_fsdp2_layer_graphs_on_several_gpus(world, monkeypatch):
+    monkeypatch.setenv(CUDA_SWITCH, "1")
     run_on_ranks("nccl", _layers_equal_eager, "delayed", True, True, world=world)
