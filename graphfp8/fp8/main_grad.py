@@ -7,10 +7,14 @@ stays as it was). A weight carrying `grad_added_to_main_grad` has it set to True
 backward that added into main_grad (docs/fp8.md, "Weight-gradient accumulation").
 
 The layers mark each such weight (`mark`), so that the graphs leave it out of the gradients they
-fold into .grad and put its main_grad back after warmup and capture (graphs/).
+fold into .grad and put its main_grad back after warmup and capture (graphs/). A capture records
+the weights its backward added into (`recording`): its replays are refused once one of their
+main_grads is replaced, and set their flags again (graphs/main_grad_guard.py).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -18,11 +22,15 @@ from graphfp8.fp8.block_tensor import Float8BlockTensor
 
 __all__ = [
     "MainGradSnapshot", "added", "check_main_grad", "is_fused", "layer_main_grads", "main_grads",
-    "mark", "route_to_main_grad",
+    "mark", "recording", "route_to_main_grad",
 ]  # fmt: skip
 
 # The attribute a layer with fuse_wgrad_accumulation=True sets on each of its GEMM weights.
 _MARK = "_graphfp8_fuse_wgrad"
+_FLAG = "grad_added_to_main_grad"  # TE's (Megatron's) attribute
+# The open recordings (`recording`): ({id(weight): weight}, {id(weight): its flag before}).
+_RECORDINGS: list[tuple[dict[int, torch.Tensor], dict[int, object]]] = []
+_ABSENT = object()  # a weight without the flag
 
 
 def mark(weight: torch.Tensor, on: bool) -> None:
@@ -120,9 +128,32 @@ def layer_main_grads(layer, weights) -> list[torch.Tensor | None]:
 
 def added(weight: torch.Tensor) -> None:
     """Sets TE's `grad_added_to_main_grad` flag where the weight carries one (Megatron's DDP
-    reads it). A Python attribute: a graph replay does not set it again (docs/fp8.md)."""
-    if hasattr(weight, "grad_added_to_main_grad"):
+    reads it), and notes the weight in the open recordings. A Python attribute: a graph replay
+    sets it after its backward (graphs/main_grad_guard.py; docs/fp8.md)."""
+    for weights, flags in _RECORDINGS:
+        if id(weight) not in weights:
+            weights[id(weight)] = weight
+            flags[id(weight)] = getattr(weight, _FLAG, _ABSENT)
+    if hasattr(weight, _FLAG):
         weight.grad_added_to_main_grad = True
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields {id(weight): weight} of the weights whose gradient the block added into their
+    main_grad (a capture's warmup and backward); puts their `grad_added_to_main_grad` flags
+    back as they were before the block, as a capture puts back their main_grads."""
+    weights: dict[int, torch.Tensor] = {}
+    flags: dict[int, object] = {}
+    entry = (weights, flags)
+    _RECORDINGS.append(entry)
+    try:
+        yield weights
+    finally:
+        del _RECORDINGS[next(i for i, e in enumerate(_RECORDINGS) if e is entry)]
+        for key, flag in flags.items():
+            if flag is not _ABSENT:  # the weight had the flag: its value before the block
+                setattr(weights[key], _FLAG, flag)
 
 
 class _IntoMainGrad(torch.autograd.Function):

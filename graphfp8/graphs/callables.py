@@ -143,7 +143,7 @@ def make_graphed_callables(
         if layers:
             layers.after_capture()
         chained = _followers(layout) if chain else set()
-        runners = [_runner(s, *built[s.index], graphs, s.index in chained) for s in samples]
+        runners = [_runner(s, built, graphs, chained, session.added) for s in samples]
     wrapped = [
         _wrap(f, r, replace_forward=not layout.explicit, fsdp=s.fsdp)
         for f, r, s in zip(funcs, runners, samples, strict=True)
@@ -218,9 +218,10 @@ def _capture_units(samples, layout: Layout, session: CaptureSession, allow_unuse
     return built
 
 
-def _guard(s: Sample) -> ReplayGuard:
-    """What a callable's graphs assume about its modules. A plain function's modules are those it
-    closes over whose parameters it was found to use; they must have no hooks either."""
+def _guard(s: Sample, added: dict) -> ReplayGuard:
+    """What a callable's graphs assume about its modules (and the main gradients `added` into:
+    CaptureSession.added). A plain function's modules are those it closes over whose parameters
+    it was found to use; they must have no hooks either."""
     if s.closure:
         modules = owner_modules(s.closure, s.params)
         check_no_hooks(s.name, modules, [], [])
@@ -232,11 +233,15 @@ def _guard(s: Sample) -> ReplayGuard:
     outside = [(n, p) for n, p in zip(s.param_names, s.params, strict=True) if id(p) not in owned]
     if s.fsdp is not None:  # FSDP2's unsharded parameters: their storage comes and goes with the
         outside = []  # gathers; the graphs read the shards, which the modules' slots watch
-    return ReplayGuard(s.name, modules, module_names(roots), outside, _RECAPTURE)
+    return ReplayGuard(s.name, modules, module_names(roots), outside, _RECAPTURE, added=added)
 
 
-def _runner(s: Sample, fwd, bwd, graphs: CapturedGraphs, chained: bool) -> GraphedRunner:
-    """The frozen runner of a captured sample: its call contract and graph pair."""
+def _runner(s: Sample, built: dict, graphs: CapturedGraphs, chained: set,
+            added: dict) -> GraphedRunner:  # fmt: skip
+    """The frozen runner of a captured sample: its call contract and graph pair. built: {runner:
+    (Forward, Backward)}; chained: the runners that read their predecessor's output; added:
+    the weights whose main_grad the capture added into (CaptureSession.added)."""
+    fwd, bwd = built[s.index]
     anchor = torch.empty(0, requires_grad=any(p.requires_grad for p in s.params))
     # Its AccumulateGrad node: a backward that will not run it asks for a subset of gradients.
     node = anchor.view_as(anchor).grad_fn.next_functions[0][0] if anchor.requires_grad else None
@@ -246,9 +251,9 @@ def _runner(s: Sample, fwd, bwd, graphs: CapturedGraphs, chained: bool) -> Graph
         anchor.requires_grad or any(t.requires_grad for t in s.static_inputs)
     )
     contract = CallContract(
-        name=s.name, index=s.index, guard=_guard(s),
+        name=s.name, index=s.index, guard=_guard(s, added),
         uses_fp8=bool(s.arenas) or any(isinstance(m, FP8Module) for m in s.modules), spec=spec,
-        chained=chained, expects_grad=expects, recipe=graphs.recipes[s.callable_index],
+        chained=s.index in chained, expects_grad=expects, recipe=graphs.recipes[s.callable_index],
     )  # fmt: skip
     pair = GraphPair(
         fwd_graph=fwd.graph, bwd_graph=bwd.graph, static_inputs=s.static_inputs, copies=spec.copies,

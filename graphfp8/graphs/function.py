@@ -46,6 +46,8 @@ class GraphedFunction(torch.autograd.Function):
             )
         schedule.check_backward(index, ctx)
         runner.pair.check_versions(name, ctx.versions)
+        runner.contract.guard.main_grads.check()  # replaced since the forward (docs/fp8.md)
         grad_inputs = runner.pair.replay_backward(grads)
         schedule.backward_done(index)
+        runner.contract.guard.main_grads.set_added()  # as the eager backward (docs/fp8.md)
         return (None, None, None, *grad_inputs)

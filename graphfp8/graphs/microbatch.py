@@ -115,7 +115,9 @@ def make_graphed_microbatch(
                 fold.finish()
             del grads  # the parameters' stand-ins
             accumulator = fold.accumulator(session.pool)
-    guard = body.replay_guard("capture the microbatch again (make_graphed_microbatch)")
+    guard = body.replay_guard(
+        "capture the microbatch again (make_graphed_microbatch)", session.added
+    )
     return GraphedMicrobatch(body, graph, accumulator, flag, loss, guard)
 
 
@@ -143,7 +145,9 @@ def _capture_fsdp2(body: TrainBody, options: CaptureOptions, flag: DeviceFlag):
                 loss, _ = body.microbatch(None, points)
             grads.check_captured(_NAME)
             accumulator = grads.accumulator(device, session.pool)
-    guard = body.replay_guard("capture the microbatch again (make_graphed_microbatch)")
+    guard = body.replay_guard(
+        "capture the microbatch again (make_graphed_microbatch)", session.added
+    )
     settings = FSDPSettings(_NAME, model)
     return GraphedMicrobatch(body, graph, accumulator, flag, loss, guard, settings, grads.used)
 
@@ -184,6 +188,7 @@ class GraphedMicrobatch:
             self._accumulator.before_replay()
             self._graph.replay()
             self._accumulator.after_replay()
+        self._guard.main_grads.set_added()  # as the eager backward (docs/fp8.md)
         return self.loss
 
     @property

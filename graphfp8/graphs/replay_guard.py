@@ -7,14 +7,15 @@ hooks) and computes exactly the gradients that were required then. Changes after
 unnoticed: load_state_dict(assign=True) or `module.weight = ...` (the graph keeps the old tensor),
 `model.layer = other` (it keeps running the old layer), `param.data = ...` or `module.to(dtype)`
 (new storage), requires_grad_ on a parameter (its `.grad` would still, or never, be written), a
-hook on a module, globally or on a parameter (never run).
+hook on a module, globally or on a parameter (never run), `w.main_grad = ...` on a weight whose
+gradient the graph adds into its main_grad (graphs/main_grad_guard.py).
 
 Cost per call, flat in model size: one int compared (the modules' dicts count their writes,
 graphs/watch.py), four global hook dicts tested for emptiness, and one C++ loop over the tensors
 (`graphfp8.ops.TensorWatch`, ~10 ns a tensor: storage pointer, requires_grad, tensor hooks). Only
 when one of those moved does the Python path below look at everything, to word the error or, when
 nothing the graph depends on changed (a hook added and removed, another model's module changed),
-to remember the new count.
+to remember the new count. Weights under fuse_wgrad_accumulation add one identity test each.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from graphfp8.fp8.tensor import Float8Tensor
+from graphfp8.graphs.main_grad_guard import MainGradGuard
 from graphfp8.graphs.watch import CHANGES, MODULE_HOOKS, watch_modules
 from graphfp8.ops import TensorWatch
 
@@ -76,10 +78,12 @@ class ReplayGuard:
         recapture: what the user does to capture again (the end of every message).
         allowed_hook: allowed_hook(hook) accepts a module hook the capture ran (FSDP2's own:
             graphs/fsdp.py); None: no module hook is allowed.
+        added: {id(weight): weight} whose gradient the capture added into their main_grad
+            (CaptureSession.added); those among the parameters watched here get a MainGradGuard.
     """
 
     def __init__(self, name: str, modules, names: dict[int, str], params, recapture: str,
-                 allowed_hook=None):  # fmt: skip
+                 allowed_hook=None, added=None):  # fmt: skip
         self.name, self.recapture, self.allowed_hook = name, recapture, allowed_hook
         self.modules = list({id(m): m for m in modules}.values())
         watch_modules(self.modules)
@@ -102,6 +106,13 @@ class ReplayGuard:
                 self.slots.append((m._modules, key, child, f"{prefix}.{key}" if prefix else key))
         for label, p in params:
             self._add(p, label, True, seen)
+        added = added or {}
+        self.main_grads = MainGradGuard(name, [
+            (n, t) for t, n, p in zip(self.tensors, self.tensor_names, self.is_param, strict=True)
+            if p and id(t) in added and isinstance(getattr(t, "main_grad", None), torch.Tensor)
+        ], recapture)  # fmt: skip
+        for label, g in self.main_grads.tensors():
+            self._add(g, label, False, seen)
         self.requires_grad = [t.requires_grad for t in self.tensors]
         self.data_ptrs = [t.data_ptr() for t in self.tensors]
         self._watch = TensorWatch(self.tensors, self.is_param)
@@ -127,6 +138,7 @@ class ReplayGuard:
             self._check_modules()
         if self._watch.first_changed() >= 0:
             self._raise_tensors()
+        self.main_grads.check()
 
     def _fail(self, what: str, advice: str) -> RuntimeError:
         return RuntimeError(f"{self.name}: {what}. {advice}, or {self.recapture}")

@@ -30,7 +30,7 @@ import dataclasses
 
 import torch
 
-from graphfp8.fp8 import context, scaling
+from graphfp8.fp8 import context, main_grad, scaling
 from graphfp8.fp8.context import ArenaRecorder, FP8Context
 from graphfp8.fp8.scale_schedule import UpdatePoints
 from graphfp8.fp8.weight_cache import GraphCasts, WeightCachePolicy
@@ -71,11 +71,18 @@ class CaptureSession:
         self.weight_cache = GraphCasts(weight_cache_flag)
         self.frozen: list = []
         self.init_group = scaling.InitGroup()  # where modules first reached in warmup go
+        # The weights whose gradient warmup or capture added into their main_grad
+        # (fuse_wgrad_accumulation: graphs/main_grad_guard.py), filled while the session is open.
+        self.added: dict[int, torch.Tensor] = {}
+        self._recording = None
 
     def __enter__(self) -> CaptureSession:
+        self._recording = main_grad.recording()
+        self.added = self._recording.__enter__()
         return self
 
     def __exit__(self, kind, value, tb) -> None:
+        self._recording.__exit__(None, None, None)  # the weights' flags put back
         if kind is not None:
             scaling.freeze(self.frozen, False)
 

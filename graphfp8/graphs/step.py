@@ -169,7 +169,7 @@ def make_graphed_step(
     run = StepBody(body, optimizer, max_grad_norm, update, keep_grads_before_clipping,
                    options.caching, session)  # fmt: skip
     graph, loss, grad_norm = _capture(run, session, body, model)
-    guard = body.replay_guard("capture the step again (make_graphed_step)")
+    guard = body.replay_guard("capture the step again (make_graphed_step)", session.added)
     return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm)
 
 
@@ -197,7 +197,7 @@ def _capture_fsdp2(body: TrainBody, options: CaptureOptions, optimizer, max_grad
     session = CaptureSession(body.device, options, snapshot=snapshot)
     run = FSDPStepBody(body, optimizer, max_grad_norm, update, options.caching, session, sync)
     graph, loss, grad_norm = _capture(run, session, body, body.model)
-    guard = body.replay_guard("capture the step again (make_graphed_step)")
+    guard = body.replay_guard("capture the step again (make_graphed_step)", session.added)
     params, grads = run.static_grads()
     return GraphedStep(run, graph, guard, OptimizerGuard(_NAME, optimizer), loss, grad_norm,
                        (params, grads, run.settings()))  # fmt: skip
@@ -322,6 +322,7 @@ class GraphedStep:
                 p.grad = g
         with nvtx_range("replay-step"):
             self.launch_only()
+        self._guard.main_grads.set_added()  # as the eager backward (docs/fp8.md)
         return self.loss
 
     def launch_only(self) -> None:

@@ -172,11 +172,13 @@ class TrainBody:
 
     # Before every replay ------------------------------------------------------------------------
 
-    def replay_guard(self, recapture: str) -> ReplayGuard:
-        """The guard of the captured model, checked before every replay (graphs/replay_guard.py)."""
+    def replay_guard(self, recapture: str, added: dict) -> ReplayGuard:
+        """The guard of the captured model, checked before every replay (graphs/replay_guard.py);
+        added: the weights whose main_grad the capture added into (CaptureSession.added)."""
         names = module_names([("", self.model)])
         return ReplayGuard(self.name, list(self.model.modules()), names, [], recapture,
-                           allowed_hook=fsdp_hook if self.fsdp2 else None)  # fmt: skip
+                           allowed_hook=fsdp_hook if self.fsdp2 else None,
+                           added=added)  # fmt: skip
 
     def check_call(self) -> None:
         """Outside fp8_autocast (the graph carries its own FP8 state), with grad enabled, in the
