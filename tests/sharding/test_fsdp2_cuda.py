@@ -8,7 +8,8 @@ all-reduce per step (tests/sharding/test_fsdp2_hsdp.py); make_graphed_microbatch
 model (a CUDA graph holding FSDP2's forward and backward) and make_graphed_step of it (the whole
 step: FSDP2's collectives, the clip, capturable AdamW on the shards, the FP8 write-back) equal
 eager FSDP2 on one GPU, with fsdp_sync="last" too (one reduce-scatter per step, the unsharded
-gradients accumulated inside the CUDA graph: tests/sharding/test_fsdp2_sync_last.py), whose
+gradients accumulated inside the CUDA graph, in fp32 under FSDP2's MixedPrecisionPolicy, and
+on HSDP's 1 x 1 mesh: tests/sharding/test_fsdp2_sync_last.py), whose
 gathered FP8 weights are transposed once per backward (once per step when kept gathered), and so
 do make_graphed_callables of its FSDP2 layers (a CUDA graph pair per layer,
 tests/sharding/test_fsdp2_layer_graphs.py)."""
@@ -120,6 +121,14 @@ def test_fsdp2_sync_last_step_graph_equals_eager_on_one_gpu(recipe_name, reshard
 
 def test_fsdp2_sync_last_step_graph_fp32_params_on_one_gpu():
     run_on_ranks("nccl", last_equals_eager, "delayed", False, False, world=1)
+
+
+@pytest.mark.parametrize("mixed, hsdp", [(True, False), (False, True), (True, True)],
+                         ids=["mixed", "hsdp", "mixed-hsdp"])  # fmt: skip
+def test_fsdp2_sync_last_step_graph_mixed_precision_and_hsdp_on_one_gpu(mixed, hsdp):
+    """The fp32 accumulation of the bf16 unsharded gradients inside the CUDA graph; HSDP's
+    1 x 1 mesh."""
+    run_on_ranks("nccl", last_equals_eager, "delayed", None, True, mixed, hsdp, world=1)
 
 
 def test_fsdp2_gathered_fp8_weights_transposed_once_per_backward_on_one_gpu():

@@ -101,6 +101,8 @@ def shard_model(model, reshard: bool | None, mixed: bool = False, hsdp: bool = F
     shape = (replicas, world // replicas) if hsdp else (world,)
     mesh = init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
     kw = {"mp_policy": MIXED} if mixed else {}
+    if reshard is not None:  # left out for FSDP2's defaults (the root keeps its parameters)
+        kw["reshard_after_forward"] = reshard
     for layer in (model.block, model.head):
         fully_shard(layer, mesh=mesh, **kw)
     return fully_shard(model, mesh=mesh, **kw)

@@ -4,8 +4,11 @@ reshard after backward off on every microbatch but the last, one reduce-scatter 
 the eager FSDP2 step doing the same (set_requires_gradient_sync / set_reshard_after_backward
 (i == last)) bit for bit: losses, clipped norms, local shards, masters, FP8 scales and histories;
 2 and 3 ranks (uneven shards), reshard_after_forward True and False and FSDP2's defaults, delayed
-and current scaling, FP8 weights and fp32 parameters; the replay's settings check leaves out what
-the graph sets itself; misuse refused before capture (the CUDA twins: test_fsdp2_cuda.py)."""
+and current scaling, FP8 weights and fp32 parameters, FSDP2's MixedPrecisionPolicy (bf16
+compute, fp32 reduce: the unsharded gradients accumulated in fp32), HSDP's 2 x 2 mesh on 4 ranks
+(no all-reduce across the replicas either until the last microbatch); the replay's settings check
+leaves out what the graph sets itself; misuse refused before capture (the CUDA twins:
+test_fsdp2_cuda.py)."""
 
 from __future__ import annotations
 
@@ -58,6 +61,9 @@ def graphed_last(model, recipe, rank, device, masters, opt) -> tuple[list, list]
     ops = step.captured_ops()  # one reduce-scatter per group and step, not per microbatch
     groups = 3 if dist.get_world_size() > 1 else 0
     assert ops.count("c10d::_reduce_scatter_base_") == groups, ops
+    states = [m._get_fsdp_state()._fsdp_param_group for m in (model, model.block, model.head)]
+    if all(g.post_forward_mesh_info is None for g in states):  # reshard_after_forward=False
+        assert ops.count("c10d::_allgather_base_") == groups, ops  # gathered once per step
     losses, norms = [], []
     for i in range(step_graph.STEPS):
         if i == 1:  # what the graph sets itself is not checked: eager would override it too
@@ -72,15 +78,28 @@ def graphed_last(model, recipe, rank, device, masters, opt) -> tuple[list, list]
     return losses, norms
 
 
-def last_equals_eager(rank, device, recipe_name, reshard, fp8_weights):
+def _run(run, device, recipe, rank, reshard, fp8_weights, mixed, hsdp):
+    """step_graph._run's model, with MIXED when `mixed`, on HSDP's mesh when `hsdp`."""
+    g8.reset_state()
+    model = shard_model(build_lm(device, fp8_weights), reshard, mixed, hsdp)
+    if reshard is not None:  # applied with MIXED and on HSDP's mesh too
+        states = [m._get_fsdp_state()._fsdp_param_group for m in (model, model.block, model.head)]
+        assert all((g.post_forward_mesh_info is not None) == reshard for g in states), reshard
+    masters = g8.MasterWeights(model) if fp8_weights else None
+    opt = adamw(masters.parameters() if masters else model.parameters(), device)
+    return run(model, recipe, rank, device, masters, opt), model, masters
+
+
+def last_equals_eager(rank, device, recipe_name, reshard, fp8_weights, mixed=False, hsdp=False):
     recipe = RECIPES[recipe_name]
-    (eager_losses, eager_norms), eager, eager_masters = step_graph._run(
-        eager_last, device, recipe, rank, reshard, fp8_weights)  # fmt: skip
-    (losses, norms), graphed, masters = step_graph._run(
-        graphed_last, device, recipe, rank, reshard, fp8_weights)  # fmt: skip
+    (eager_losses, eager_norms), eager, eager_masters = _run(
+        eager_last, device, recipe, rank, reshard, fp8_weights, mixed, hsdp)  # fmt: skip
+    (losses, norms), graphed, masters = _run(
+        graphed_last, device, recipe, rank, reshard, fp8_weights, mixed, hsdp)  # fmt: skip
     assert_bitwise_equal(torch.stack(losses), torch.stack(eager_losses), "losses")
     assert_bitwise_equal(torch.stack(norms), torch.stack(eager_norms), "grad norms")
-    assert all(n > step_graph.CLIP for n in eager_norms), "the clip ran"
+    # Every step clips (HSDP, whose 4 ranks' data average to smaller gradients: some step)
+    assert (any if hsdp else all)(n > step_graph.CLIP for n in eager_norms), "the clip ran"
     compare_local(eager, graphed, "after training")
     if fp8_weights:
         for a, b in zip(eager_masters.masters, masters.masters, strict=True):
@@ -105,6 +124,24 @@ def test_sync_last_step_graph_equals_eager_with_fsdp2_defaults_and_fp32_params()
     run_on_ranks("gloo", last_equals_eager, "delayed", None, False, world=3)
 
 
+@pytest.mark.parametrize("fp8_weights, world", [(True, 2), (False, 3)],
+                         ids=["fp8-weights", "fp32-params-3-ranks"])  # fmt: skip
+def test_sync_last_step_graph_equals_eager_with_mixed_precision(fp8_weights, world):
+    """FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 reduce, FSDP2's defaults otherwise):
+    with the sync off FSDP2 keeps each microbatch's unsharded bf16 gradient as an fp32 one and
+    adds the next into it (FSDPParam's to_accumulated_grad_if_needed), inside the graph too."""
+    run_on_ranks("gloo", last_equals_eager, "delayed", None, fp8_weights, True, world=world)
+
+
+@pytest.mark.parametrize("reshard, mixed", [(None, False), (False, False), (True, True)],
+                         ids=["defaults", "keep", "reshard-mixed"])  # fmt: skip
+def test_sync_last_step_graph_equals_eager_under_hsdp(reshard, mixed):
+    """HSDP on 4 ranks, (2 replicas, 2 shards), each rank its own data: with the sync off FSDP2
+    skips the all-reduce across the replicas too (set_requires_gradient_sync sets
+    all_reduce_grads), the graph holds one per group and step; with MIXED too."""
+    run_on_ranks("gloo", last_equals_eager, "delayed", reshard, True, mixed, True, world=4)
+
+
 def test_sync_last_step_graph_equals_eager_on_one_rank():
     """World size 1, what the CUDA twin runs."""
     run_on_ranks("gloo", last_equals_eager, "current", True, True, world=1)
@@ -122,6 +159,10 @@ def _refusals(rank, device):
     with pytest.raises(ValueError, match=r"set_reshard_after_backward\(True\)"):
         g8.make_graphed_step(model, lm_loss, opt, batch(0, device), MB, fsdp_sync="last", **kw)
     model.set_reshard_after_backward(True)
+    model.set_requires_all_reduce(False)  # HSDP's reduce-scatter without the all-reduce
+    with pytest.raises(ValueError, match=r"\['all_reduce_grads'\] are off"):
+        g8.make_graphed_step(model, lm_loss, opt, batch(0, device), MB, fsdp_sync="last", **kw)
+    model.set_requires_all_reduce(True)
     assert all(p.grad is None for p in model.parameters())  # nothing ran
 
 
