@@ -28,14 +28,18 @@ def _masters(model, fp8_weights: bool):
     return g8.MasterWeights(model) if fp8_weights else None
 
 
-def eager_steps(model, recipe, rank, device, masters, opt) -> tuple[list, list]:
-    """The eager FSDP2 step, as make_graphed_step's docstring writes it. Returns (losses, norms)."""
+def eager_steps(model, recipe, rank, device, masters, opt, sync_last=False) -> tuple[list, list]:
+    """The eager FSDP2 step, as make_graphed_step's docstring writes it; sync_last: with gradient
+    accumulation without communication (fsdp_sync="last"). Returns (losses, norms)."""
     losses, norms = [], []
     params = list(model.parameters())
     for step in range(STEPS):
         tokens, targets = batch(step, device, rank)
         total = torch.zeros((), dtype=torch.float32, device=device)
         for i in range(MB):
+            if sync_last:
+                model.set_requires_gradient_sync(i == MB - 1)
+                model.set_reshard_after_backward(i == MB - 1)
             with g8.fp8_autocast(recipe=recipe, fp8_group=dist.group.WORLD):
                 out = model(tokens[i], is_first_microbatch=i == 0)
             loss = lm_loss(out, targets[i]) / MB
@@ -54,11 +58,12 @@ def eager_steps(model, recipe, rank, device, masters, opt) -> tuple[list, list]:
     return losses, norms
 
 
-def graphed_step(model, recipe, device, masters, opt):
-    """make_graphed_step of an FSDP2 LM, its sample batch step 0's."""
+def graphed_step(model, recipe, device, masters, opt, **options):
+    """make_graphed_step of an FSDP2 LM, its sample batch step 0's (options: more of its
+    keyword arguments)."""
     return g8.make_graphed_step(
         model, lm_loss, opt, batch(0, device), MB, fp8_enabled=True, fp8_recipe=recipe,
-        fp8_group=dist.group.WORLD, max_grad_norm=CLIP, master_weights=masters,
+        fp8_group=dist.group.WORLD, max_grad_norm=CLIP, master_weights=masters, **options,
     )  # fmt: skip
 
 

@@ -28,36 +28,11 @@ from tests.sharding.test_fsdp2_graphs import compare_local, shard_model
 
 def eager_last(model, recipe, rank, device, masters, opt) -> tuple[list, list]:
     """The eager FSDP2 step with gradient accumulation without communication."""
-    losses, norms = [], []
-    params = list(model.parameters())
-    for step in range(step_graph.STEPS):
-        tokens, targets = batch(step, device, rank)
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        for i in range(MB):
-            model.set_requires_gradient_sync(i == MB - 1)
-            model.set_reshard_after_backward(i == MB - 1)
-            with g8.fp8_autocast(recipe=recipe, fp8_group=dist.group.WORLD):
-                out = model(tokens[i], is_first_microbatch=i == 0)
-            loss = lm_loss(out, targets[i]) / MB
-            loss.backward()
-            total += loss.detach()
-        norms.append(torch.nn.utils.clip_grad_norm_(params, step_graph.CLIP).full_tensor())
-        if masters is not None:
-            masters.step(opt)
-            masters.zero_grad()
-        else:
-            opt.step()
-            opt.zero_grad()
-        losses.append(total)
-    return losses, norms
+    return step_graph.eager_steps(model, recipe, rank, device, masters, opt, sync_last=True)
 
 
 def graphed_last(model, recipe, rank, device, masters, opt) -> tuple[list, list]:
-    step = g8.make_graphed_step(
-        model, lm_loss, opt, batch(0, device), MB, fp8_enabled=True, fp8_recipe=recipe,
-        fp8_group=dist.group.WORLD, max_grad_norm=step_graph.CLIP, master_weights=masters,
-        fsdp_sync="last",
-    )  # fmt: skip
+    step = step_graph.graphed_step(model, recipe, device, masters, opt, fsdp_sync="last")
     ops = step.captured_ops()  # one reduce-scatter per group and step, not per microbatch
     groups = 3 if dist.get_world_size() > 1 else 0
     assert ops.count("c10d::_reduce_scatter_base_") == groups, ops
