@@ -46,9 +46,9 @@ def fuse(model, start: float | None = 0.0):
     return model
 
 
-def _train(model, xs, fp8=True):
+def _train(model, xs, fp8=True, recipe=RECIPE):
     for i, x in enumerate(xs):
-        with g8.fp8_autocast(enabled=fp8, recipe=RECIPE):
+        with g8.fp8_autocast(enabled=fp8, recipe=recipe):
             y = model(x, is_first_microbatch=i == 0)
         y.float().square().mean().backward()
 
@@ -58,6 +58,17 @@ def _inputs(model, n=2):
     p = next(model.parameters())
     return [torch.randn(input_shape(model), dtype=p.dtype, device=p.device, requires_grad=True)
             for _ in range(n)]  # fmt: skip
+
+
+def _assert_main_grads_are_grads(plain, fused, kind):
+    """The fused model's GEMM weights: no .grad, main_grad bit for bit the plain model's .grad;
+    every other parameter's .grad bit for bit the plain one's."""
+    for (name, p), (_, f) in zip(plain.named_parameters(), fused.named_parameters(), strict=True):
+        if any(f is w for w in gemm_weights(fused)):
+            assert f.grad is None, name
+            assert_bitwise_equal(f.main_grad, p.grad, f"{kind}: main_grad of {name}")
+        else:
+            assert_bitwise_equal(f.grad, p.grad, f"{kind}: grad of {name}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -122,12 +133,7 @@ def test_high_precision_path_adds_the_autograd_gradient(kind):
     fused = fuse(copy.deepcopy(plain))
     _train(plain, _inputs(plain), fp8=False)
     _train(fused, _inputs(fused), fp8=False)
-    for (name, p), (_, f) in zip(plain.named_parameters(), fused.named_parameters(), strict=True):
-        if any(f is w for w in gemm_weights(fused)):
-            assert f.grad is None, name
-            assert_bitwise_equal(f.main_grad, p.grad, f"{kind}: main_grad of {name}")
-        else:
-            assert_bitwise_equal(f.grad, p.grad, f"{kind}: grad of {name}")
+    _assert_main_grads_are_grads(plain, fused, kind)
 
 
 def test_grad_added_to_main_grad_is_set_where_the_weight_has_it():
@@ -207,15 +213,6 @@ def test_blockwise_fused_norm_routes_the_weight_gradient_into_main_grad(kind, mo
     torch.manual_seed(0)
     plain = build(kind, dtype=torch.float32)
     fused = fuse(copy.deepcopy(plain))
-    recipe = g8.Float8BlockScaling()
     for model in (plain, fused):
-        for i, x in enumerate(_inputs(model)):
-            with g8.fp8_autocast(recipe=recipe):
-                y = model(x, is_first_microbatch=i == 0)
-            y.float().square().mean().backward()
-    for (name, p), (_, f) in zip(plain.named_parameters(), fused.named_parameters(), strict=True):
-        if any(f is w for w in gemm_weights(fused)):
-            assert f.grad is None, name
-            assert_bitwise_equal(f.main_grad, p.grad, f"{kind}: main_grad of {name}")
-        else:
-            assert_bitwise_equal(f.grad, p.grad, f"{kind}: grad of {name}")
+        _train(model, _inputs(model), recipe=g8.Float8BlockScaling())
+    _assert_main_grads_are_grads(plain, fused, kind)
