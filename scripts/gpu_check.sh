@@ -403,13 +403,15 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         tests/graphs/test_blockwise_graphs.py > "$RES/tests_blockwise_fused.log" 2>&1 || status=1
       echo "-- blockwise fused-kernel CUDA tests: $(tail -1 "$RES/tests_blockwise_fused.log")" \
         | tee -a "$RES/summary.md"
-      # The norm writing the blockwise tiles (GRAPHFP8_BLOCKWISE_NORM, default off: the kernel
-      # against the CUDA norm + quantizer, captured) and the per-block statistics kernel (the
-      # numerics report's, gated by its flag), then the layers with the switch on (issue 42).
+      # The norm and the GELU / SwiGLU / GeGLU writing the blockwise tiles (GRAPHFP8_BLOCKWISE_NORM
+      # and GRAPHFP8_BLOCKWISE_ACT, default off: the kernels against the CUDA norm / activation
+      # kernel + quantizer, captured) and the per-block statistics kernel (the numerics
+      # report's, gated by its flag), then the layers with the switches on (issue 42).
       timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_blockwise_norm.py \
-        tests/ops/test_blockwise_stats_kernel.py tests/modules/test_blockwise_norm_layers.py \
+        tests/ops/test_blockwise_act.py tests/ops/test_blockwise_stats_kernel.py \
+        tests/modules/test_blockwise_norm_layers.py tests/modules/test_blockwise_act_layers.py \
         > "$RES/tests_blockwise_norm.log" 2>&1 || status=1
-      echo "-- blockwise norm + stats CUDA tests: $(tail -1 "$RES/tests_blockwise_norm.log")" \
+      echo "-- blockwise norm + act + stats CUDA tests: $(tail -1 "$RES/tests_blockwise_norm.log")" \
         | tee -a "$RES/summary.md"
       # The operand layouts of the three GEMMs against this torch's own (meta) scaled_mm checks.
       $PY -m pytest -q -p no:cacheprovider tests/modules/test_blockwise_layouts.py \

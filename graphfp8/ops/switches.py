@@ -56,6 +56,9 @@ SWITCHES = (
 #   BLOCKWISE_NORM (off until its CUDA kernel runs on a GPU) LayerNormLinear / LayerNormMLP
 #                  under Float8BlockScaling: the norm writes the GEMM's 1x128 tiles itself
 #                  (graphfp8/modules/_blockwise_norm.py; both devices)
+#   BLOCKWISE_ACT  (off until its CUDA kernel runs on a GPU) LayerNormMLP under
+#                  Float8BlockScaling: the GELU / SwiGLU / GeGLU writes fc2's 1x128 tiles
+#                  itself (graphfp8/modules/_blockwise_act.py; both devices)
 # Every default, here and in csrc/ops/switches.h, is one the CUDA suite passed with on a GPU:
 # tests/test_switch_defaults.py compares them with tests/data/gpu_verified_switches.json.
 ENV_DEFAULTS = {
@@ -63,6 +66,7 @@ ENV_DEFAULTS = {
     "CUDA_GLU": True,
     "CUDNN_RAGGED": False,
     "BLOCKWISE_NORM": False,
+    "BLOCKWISE_ACT": False,
 }
 
 
