@@ -13,8 +13,9 @@ from graphfp8.fp8.main_grad import is_fused
 from graphfp8.graphs.backends import host_memory, new_graph
 from graphfp8.graphs.tape import CaptureError
 from graphfp8.ops import GradWatch
+from graphfp8.ops.switches import env_switch
 
-__all__ = ["FOLD_AT_ONCE", "GradAccumulator", "GradFold", "grad_buffer"]
+__all__ = ["FOLD_AT_ONCE", "GradAccumulator", "GradFold", "fill_minus_zero", "grad_buffer"]
 
 _GRAD = operator.attrgetter("grad")
 _ALL_BUFFERS, _ALL_NONE = 0, 1  # GradWatch.state(): every .grad is its buffer / is None
@@ -144,7 +145,7 @@ class GradFold:
 
     def accumulator(self, pool) -> GradAccumulator | None:
         """The parameters that got a gradient, with a captured fill of their buffers with -0.0
-        (zero, then negate: two multi-tensor kernels)."""
+        (fill_minus_zero)."""
         used = sorted(set(self.folded))
         if not used:
             return None
@@ -153,11 +154,28 @@ class GradFold:
             saved = [b.clone() for b in buffers] if self.device.type == "cpu" else None
         reset = new_graph(self.device)
         with reset.capture(pool):
-            torch._foreach_zero_(buffers)
-            torch._foreach_neg_(buffers)
+            fill_minus_zero(buffers)
         if saved is not None:
             torch._foreach_copy_(buffers, saved)
         return GradAccumulator(params, buffers, reset)
+
+
+def fill_minus_zero(buffers: list[torch.Tensor]) -> None:
+    """Every element of `buffers` set to -0.0. By default zero, then negate: two multi-tensor
+    kernels over every buffer, 6 bytes per bf16 element (2 written, then 2 read and 2 written).
+    Under GRAD_FILL_ONE_PASS (graphfp8.ops.switches, read at capture) each buffer of at least
+    FOLD_AT_ONCE elements is one fill_ kernel writing 2 bytes per element; the small ones keep
+    the two multi-tensor kernels, one launch each for all of them (docs/benchmarking.md,
+    "Kernel switches"; notes/PERF.md, "Gradient accumulation at Llama shapes")."""
+    small = buffers
+    if env_switch("GRAD_FILL_ONE_PASS"):
+        small = [b for b in buffers if b.numel() < FOLD_AT_ONCE]
+        for b in buffers:
+            if b.numel() >= FOLD_AT_ONCE:
+                b.fill_(-0.0)
+    if small:
+        torch._foreach_zero_(small)
+        torch._foreach_neg_(small)
 
 
 def grad_buffer(param: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Parameter gradients of graphed callables fold into `.grad` inside the backward graph: no static
 per-parameter gradient buffers, and `.grad` bit for bit what eager AccumulateGrad gives - after
 zero_grad(set_to_none=True) (signed zeros and NaN included), with `.grad` kept, with a `.grad`
-the user replaced, and for a parameter shared by two callables."""
+the user replaced, and for a parameter shared by two callables; the -0.0 fill before the first
+microbatch in either form (GRAPHFP8_GRAD_FILL_ONE_PASS off / on)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 
 import graphfp8 as g8
 from graphfp8.graphs import grads
+from graphfp8.graphs.backends import new_graph
 from graphfp8.memory import memory_report
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_side_by_side
@@ -64,8 +66,15 @@ def fold_at_once(request, monkeypatch):
     monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1 if request.param == "at once" else 1 << 30)
 
 
+@pytest.fixture(params=["zero-neg", "one-pass"])
+def grad_fill(request, monkeypatch):
+    """The -0.0 fill as zero + negate (the default) or one fill_ per large buffer."""
+    monkeypatch.setenv("GRAPHFP8_GRAD_FILL_ONE_PASS", "1" if request.param == "one-pass" else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grads_fold_bit_for_bit_in_every_grad_state(dtype, fold_at_once):
+def test_grads_fold_bit_for_bit_in_every_grad_state(dtype, fold_at_once, grad_fill):
     eager = Scale(dtype)
     model = copy.deepcopy(eager)
     sample = torch.randn(SHAPE, dtype=dtype)
@@ -129,8 +138,34 @@ def test_no_static_parameter_gradients_outlive_the_graph():
     assert all(p.grad is p._graphfp8_grad for p in m.parameters())
 
 
-def test_transformer_layer_graphed_equals_eager_with_every_grad_folded_at_once(monkeypatch):
-    """The layers' own tests fold small gradients at the end; here every one as produced."""
+def test_transformer_layer_graphed_equals_eager_with_every_grad_folded_at_once(
+    monkeypatch, grad_fill
+):
+    """The layers' own tests fold small gradients at the end; here every one as produced (and,
+    with grad_fill one-pass, every buffer filled by its own fill_)."""
     monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1)
     recipe = g8.DelayedScaling(amax_history_len=4)
     train_side_by_side("TransformerLayer", recipe, True, "cpu", steps=2, mbs=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fill_writes_minus_zero_in_the_kernels_it_names(dtype, grad_fill):
+    """Every element -0.0 after the captured fill replays over NaN, inf and signed values; one
+    pass records one fill_ per buffer of FOLD_AT_ONCE elements or more and the two multi-tensor
+    kernels for the small ones only, the default the two multi-tensor kernels over all."""
+    big = [torch.randn(grads.FOLD_AT_ONCE, dtype=dtype), torch.randn(3, grads.FOLD_AT_ONCE,
+                                                                     dtype=dtype)]  # fmt: skip
+    small = [torch.randn(7, dtype=dtype), torch.randn(5, 3, dtype=dtype)]
+    buffers = [big[0], small[0], big[1], small[1]]
+    graph = new_graph(torch.device("cpu"))
+    with graph.capture():
+        grads.fill_minus_zero(buffers)
+    for b in buffers:
+        b.copy_(torch.randn(b.shape, dtype=dtype))
+        b.view(-1)[:3] = torch.tensor([math.nan, -math.inf, 0.0], dtype=dtype)
+    graph.replay()
+    for i, b in enumerate(buffers):
+        assert torch.equal(b, torch.zeros_like(b)) and bool(torch.signbit(b).all()), f"buffer {i}"
+    one_pass = ["aten::fill_", "aten::fill_", "aten::_foreach_zero_", "aten::_foreach_neg_"]
+    expected = one_pass if grad_fill == "one-pass" else one_pass[2:]
+    assert graph.kernels() == expected
