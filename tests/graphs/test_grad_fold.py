@@ -19,6 +19,7 @@ from graphfp8.graphs.backends import new_graph
 from graphfp8.memory import memory_report
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_side_by_side
+from tests.helpers import HAS_CUDA
 
 SHAPE = (16, 32)
 
@@ -148,24 +149,46 @@ def test_transformer_layer_graphed_equals_eager_with_every_grad_folded_at_once(
     train_side_by_side("TransformerLayer", recipe, True, "cpu", steps=2, mbs=2)
 
 
+def _captured_fill(dtype, device) -> tuple:
+    """fill_minus_zero of two large and two small buffers captured, the buffers then overwritten
+    with random values, NaN, -inf and +0.0, and the graph replayed: (graph, buffers)."""
+    n = grads.FOLD_AT_ONCE
+    shapes = [(n,), (7,), (3, n), (5, 3)]
+    buffers = [torch.randn(s, dtype=dtype, device=device) for s in shapes]
+    graph = new_graph(torch.device(device))
+    with graph.capture():
+        grads.fill_minus_zero(buffers)
+    for b in buffers:
+        b.copy_(torch.randn(b.shape, dtype=dtype, device=device))
+        b.view(-1)[:3] = torch.tensor([math.nan, -math.inf, 0.0], dtype=dtype)
+    graph.replay()
+    for i, b in enumerate(buffers):
+        assert torch.equal(b, torch.zeros_like(b)) and bool(torch.signbit(b).all()), f"buffer {i}"
+    return graph, buffers
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fill_writes_minus_zero_in_the_kernels_it_names(dtype, grad_fill):
     """Every element -0.0 after the captured fill replays over NaN, inf and signed values; one
     pass records one fill_ per buffer of FOLD_AT_ONCE elements or more and the two multi-tensor
     kernels for the small ones only, the default the two multi-tensor kernels over all."""
-    big = [torch.randn(grads.FOLD_AT_ONCE, dtype=dtype), torch.randn(3, grads.FOLD_AT_ONCE,
-                                                                     dtype=dtype)]  # fmt: skip
-    small = [torch.randn(7, dtype=dtype), torch.randn(5, 3, dtype=dtype)]
-    buffers = [big[0], small[0], big[1], small[1]]
-    graph = new_graph(torch.device("cpu"))
-    with graph.capture():
-        grads.fill_minus_zero(buffers)
-    for b in buffers:
-        b.copy_(torch.randn(b.shape, dtype=dtype))
-        b.view(-1)[:3] = torch.tensor([math.nan, -math.inf, 0.0], dtype=dtype)
-    graph.replay()
-    for i, b in enumerate(buffers):
-        assert torch.equal(b, torch.zeros_like(b)) and bool(torch.signbit(b).all()), f"buffer {i}"
+    graph, _ = _captured_fill(dtype, "cpu")
     one_pass = ["aten::fill_", "aten::fill_", "aten::_foreach_zero_", "aten::_foreach_neg_"]
     expected = one_pass if grad_fill == "one-pass" else one_pass[2:]
     assert graph.kernels() == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fill_in_a_cuda_graph_writes_minus_zero(dtype, grad_fill):
+    _captured_fill(dtype, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_transformer_layer_graphed_equals_eager_on_cuda(monkeypatch, grad_fill):
+    """Every gradient folded as produced, so that under one-pass every buffer is one fill_."""
+    monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1)
+    train_side_by_side("TransformerLayer", g8.DelayedScaling(amax_history_len=4), True, "cuda",
+                       steps=2, mbs=2)  # fmt: skip
