@@ -71,6 +71,33 @@ def _grad_fill_row(layer: str, shapes, copy_gbs, device) -> dict:
                 on_ratio_to_copy=ratio[True], speedup=ms[False] / ms[True])  # fmt: skip
 
 
+def _copy_first_row(layer: str, shapes, copy_gbs, device) -> dict:
+    """The first microbatch's gradient accumulation of one layer's bf16 weights: off, the -0.0
+    fill (zero + negate) and the add of each gradient (12 B per element); on, grad_fold_ with its
+    flag set (GRAD_FOLD_COPY_FIRST: 4 B). Each variant's own bytes against the copy rate."""
+    buffers = [torch.empty(s, device=device, dtype=torch.bfloat16) for s in shapes]
+    grads_ = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in shapes]
+    first = torch.ones(1, dtype=torch.int32, device=device)
+    n_elem = sum(b.numel() for b in buffers)
+
+    def off(i):
+        with env_var("GRAPHFP8_GRAD_FILL_ONE_PASS", "0"):
+            grads.fill_minus_zero(buffers)
+        for b, g in zip(buffers, grads_, strict=True):  # as GradFold folds a large gradient
+            b.add_(g)
+
+    def on(i):
+        for b, g in zip(buffers, grads_, strict=True):
+            ops.grad_fold_(b, g, first)
+
+    ms = {False: _timed(off, 1, device), True: _timed(on, 1, device)}
+    ratio = {k: (4 if k else 12) * n_elem / ms[k] / 1e6 / copy_gbs for k in ms}
+    return dict(switch="GRAD_FOLD_COPY_FIRST", op=f"first fold, {layer} layer",
+                shape=f"{n_elem}", off_ms=ms[False], on_ms=ms[True],
+                off_ratio_to_copy=ratio[False], on_ratio_to_copy=ratio[True],
+                speedup=ms[False] / ms[True])  # fmt: skip
+
+
 def _cast_cases(device):
     one, amax = torch.ones(1, device=device), torch.zeros(1, device=device)
     return {
@@ -213,6 +240,7 @@ def run(device, quick: bool = False) -> dict:
     layers = {"tiny": [(256, 256), (64, 32)]} if quick else LAYER_WEIGHTS  # one >= FOLD_AT_ONCE
     copy_gbs = _copy_gbs(_bf16_sets(*norm_shapes[-1], device), device)
     switches += [_grad_fill_row(k, v, copy_gbs, device) for k, v in layers.items()]
+    switches += [_copy_first_row(k, v, copy_gbs, device) for k, v in layers.items()]
     text = print_table(
         f"kernel switches off / on, bf16 (same run; ratios to a bf16 copy), {device}",
         ["switch", "op", "shape", "off ms", "on ms", "off / copy", "on / copy", "speedup"],

@@ -1,5 +1,6 @@
-"""`python -m benchmarks grad-fill --quick` on the CPU: both runs captured in one process, timed,
-and trained to the same loss bit for bit (the one-pass fill writes the same -0.0)."""
+"""`python -m benchmarks grad-fill --quick` on the CPU: the three variants captured in one
+process, timed, and trained to the same loss bit for bit (the fill writes the same -0.0, the
+copy-first fold the same bits as the fill and the add)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ def test_grad_fill_quick(tmp_path, capsys):
     main(["grad-fill", "--quick", "--device", "cpu", "--json", str(path)])
     (row,) = json.loads(path.read_text())["rows"]
     assert row["preset"] == "llama-tiny"
-    assert row["off_tokens_per_s"]["n"] == row["on_tokens_per_s"]["n"] == 2
-    assert math.isfinite(row["on_vs_off"]) and row["on_vs_off"] > 0
-    assert row["final_loss_on"] == row["final_loss_off"]
-    assert "| llama-tiny |" in capsys.readouterr().out
+    variants = row["variants"]
+    assert list(variants) == ["default", "fill-one-pass", "copy-first"]
+    assert all(v["tokens_per_s"]["n"] == 3 for v in variants.values())
+    assert all(math.isfinite(v["vs_default"]) and v["vs_default"] > 0 for v in variants.values())
+    assert len({v["final_loss"] for v in variants.values()}) == 1
+    assert "| llama-tiny | copy-first |" in capsys.readouterr().out

@@ -2,7 +2,9 @@
 per-parameter gradient buffers, and `.grad` bit for bit what eager AccumulateGrad gives - after
 zero_grad(set_to_none=True) (signed zeros and NaN included), with `.grad` kept, with a `.grad`
 the user replaced, and for a parameter shared by two callables; the -0.0 fill before the first
-microbatch in either form (GRAPHFP8_GRAD_FILL_ONE_PASS off / on)."""
+microbatch in either form (GRAPHFP8_GRAD_FILL_ONE_PASS off / on), or, under
+GRAPHFP8_GRAD_FOLD_COPY_FIRST, no fill of the large buffers and a fold that copies on the first
+microbatch."""
 
 from __future__ import annotations
 
@@ -74,8 +76,16 @@ def grad_fill(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["add", "copy-first"])
+def copy_first(request, monkeypatch):
+    """Every fold adds into a filled buffer (the default) or the first fold copies."""
+    on = request.param == "copy-first"
+    monkeypatch.setenv("GRAPHFP8_GRAD_FOLD_COPY_FIRST", "1" if on else "0")
+    return on
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grads_fold_bit_for_bit_in_every_grad_state(dtype, fold_at_once, grad_fill):
+def test_grads_fold_bit_for_bit_in_every_grad_state(dtype, fold_at_once, grad_fill, copy_first):
     eager = Scale(dtype)
     model = copy.deepcopy(eager)
     sample = torch.randn(SHAPE, dtype=dtype)
@@ -100,7 +110,7 @@ def test_grads_fold_bit_for_bit_in_every_grad_state(dtype, fold_at_once, grad_fi
     assert torch.isnan(model.p.grad[1, 0]) and torch.signbit(model.p.grad[0, 0]) is not None
 
 
-def test_a_parameter_shared_by_two_callables_accumulates_both(fold_at_once):
+def test_a_parameter_shared_by_two_callables_accumulates_both(fold_at_once, copy_first):
     """Each callable's backward graph adds its own contribution, the later callable's first: the
     eager reference runs the two backwards separately in that order (autograd on one graph would
     sum the two contributions first, rounding differently)."""
@@ -140,10 +150,11 @@ def test_no_static_parameter_gradients_outlive_the_graph():
 
 
 def test_transformer_layer_graphed_equals_eager_with_every_grad_folded_at_once(
-    monkeypatch, grad_fill
+    monkeypatch, grad_fill, copy_first
 ):
     """The layers' own tests fold small gradients at the end; here every one as produced (and,
-    with grad_fill one-pass, every buffer filled by its own fill_)."""
+    with grad_fill one-pass, every buffer filled by its own fill_; with copy_first, every one
+    folded by grad_fold_ and none filled)."""
     monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1)
     recipe = g8.DelayedScaling(amax_history_len=4)
     train_side_by_side("TransformerLayer", recipe, True, "cpu", steps=2, mbs=2)
@@ -187,8 +198,24 @@ def test_the_fill_in_a_cuda_graph_writes_minus_zero(dtype, grad_fill):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_transformer_layer_graphed_equals_eager_on_cuda(monkeypatch, grad_fill):
+def test_transformer_layer_graphed_equals_eager_on_cuda(monkeypatch, grad_fill, copy_first):
     """Every gradient folded as produced, so that under one-pass every buffer is one fill_."""
     monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1)
     train_side_by_side("TransformerLayer", g8.DelayedScaling(amax_history_len=4), True, "cuda",
                        steps=2, mbs=2)  # fmt: skip
+
+
+def test_copy_first_folds_with_the_flag_and_fills_only_the_rest(monkeypatch):
+    """Under GRAD_FOLD_COPY_FIRST the backward graph folds each large gradient with grad_fold_
+    and clears the flag after it, the small ones with the multi-tensor add; the reset graph sets
+    the flag and fills only the small buffers with -0.0."""
+    monkeypatch.setenv("GRAPHFP8_GRAD_FOLD_COPY_FIRST", "1")
+    monkeypatch.setattr(grads, "FOLD_AT_ONCE", SHAPE[0] * SHAPE[1])  # p at once, b at the end
+    graphed = g8.make_graphed_callables(Scale(torch.float32), (torch.randn(SHAPE),),
+                                        num_warmup_iters=1)  # fmt: skip
+    backward = graphed.captured_kernels()["backward"]
+    assert backward.count("graphfp8::grad_fold_") == 1
+    assert backward.count("aten::_foreach_add_") == 1
+    assert backward.index("aten::zero_") > backward.index("graphfp8::grad_fold_")
+    reset = graphed.graphed_runner.pair.accumulator.reset_graph.kernels()
+    assert reset == ["aten::fill_", "aten::_foreach_zero_", "aten::_foreach_neg_"]
