@@ -30,8 +30,6 @@ __all__ = ["REFUSED", "LayerCall", "check_fsdp_spec", "graph_layers", "shard_gpt
 REFUSED = {
     "graphs": "--graphs compile with --fsdp is not supported: use --graphs layers (a graph "
     "pair per layer), step (the whole step, FSDP2's collectives included, in one graph) or none",
-    "recompute": "--recompute with --fsdp --graphs layers is not supported yet: use --graphs "
-    "none or step",
     "sync_layers": "--fsdp-sync last with --graphs layers is not supported (each layer graph "
     "holds its reduce-scatter): use --graphs step or none",
     "shard": "--shard and --fsdp are two ways to shard: pick one (docs/sharding.md, 'Which to "
@@ -44,13 +42,11 @@ REFUSED = {
 
 
 def check_fsdp_spec(spec) -> None:
-    """A RunSpec with fsdp runs eagerly, in layer graphs (without recompute and fsdp_sync 'last')
-    or in the step graph, without shard and compile; hsdp and fsdp_sync 'last' need fsdp."""
+    """A RunSpec with fsdp runs eagerly, in layer graphs (without fsdp_sync 'last') or in the
+    step graph, without shard and compile; hsdp and fsdp_sync 'last' need fsdp."""
     if spec.fsdp and (spec.graphs == "compile" or spec.shard or spec.compile):
         raise ValueError("fsdp runs eagerly, in layer graphs or in the step graph (graphs "
                          "'none', 'layers' or 'step'), without shard and compile")  # fmt: skip
-    if spec.fsdp and spec.graphs == "layers" and spec.recompute != "none":
-        raise ValueError(f"fsdp: {REFUSED['recompute']}")
     if spec.fsdp and spec.graphs == "layers" and spec.fsdp_sync != "every":
         raise ValueError(f"fsdp: {REFUSED['sync_layers']}")
     if spec.hsdp < 1 or (spec.hsdp > 1 and not spec.fsdp):

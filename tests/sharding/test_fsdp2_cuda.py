@@ -12,7 +12,8 @@ gradients accumulated inside the CUDA graph, in fp32 under FSDP2's MixedPrecisio
 on HSDP's 1 x 1 mesh: tests/sharding/test_fsdp2_sync_last.py), whose
 gathered FP8 weights are transposed once per backward (once per step when kept gathered), and so
 do make_graphed_callables of its FSDP2 layers (a CUDA graph pair per layer,
-tests/sharding/test_fsdp2_layer_graphs.py)."""
+tests/sharding/test_fsdp2_layer_graphs.py), with activation recompute inside them too
+(tests/sharding/test_fsdp2_layer_recompute.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tests.sharding.test_fsdp2_hsdp import (
     _hsdp_equals_fsdp_over_the_shard_group,
 )
 from tests.sharding.test_fsdp2_layer_graphs import _graphed_equals_eager as _layers_equal_eager
+from tests.sharding.test_fsdp2_layer_recompute import recompute_equals_none
 from tests.sharding.test_fsdp2_reshard import _reshard_equals_no_reshard
 from tests.sharding.test_fsdp2_step_graph import step_equals_eager
 from tests.sharding.test_fsdp2_sync_last import _transposes, last_equals_eager
@@ -145,6 +147,24 @@ def test_fsdp2_layer_graphs_equal_eager_on_one_gpu(recipe_name, reshard, monkeyp
 def test_fsdp2_layer_graphs_fp32_params_on_one_gpu(monkeypatch):
     monkeypatch.setenv(CUDA_SWITCH, "1")
     run_on_ranks("nccl", _layers_equal_eager, "current", True, False, world=1)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_fsdp2_layer_graphs_recompute_on_one_gpu(recipe_name, mode, monkeypatch):
+    """The recompute captured into each layer's backward CUDA graph after its all-gather: equal
+    to eager FSDP2 without recompute and with it; the backward graph holds the recompute."""
+    monkeypatch.setenv(CUDA_SWITCH, "1")
+    run_on_ranks("nccl", recompute_equals_none, recipe_name, True, True, mode, False, True, True,
+                 world=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8_weights", [True, False], ids=["fp8-weights", "fp32-params"])
+def test_fsdp2_layer_graphs_recompute_mixed_precision_on_one_gpu(fp8_weights, monkeypatch):
+    """FSDP2's defaults under MixedPrecisionPolicy (bf16 gathered, fp32 reduced)."""
+    monkeypatch.setenv(CUDA_SWITCH, "1")
+    mode = "full" if fp8_weights else "selective"
+    run_on_ranks("nccl", recompute_equals_none, "delayed", None, fp8_weights, mode, True, world=1)
 
 
 def test_fsdp2_layer_graphs_wait_for_their_switch_on_cuda(monkeypatch):

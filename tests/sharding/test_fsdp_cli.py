@@ -2,10 +2,10 @@
 it): training of the GPT under FSDP2 with FP8 weights - the loss falls, the ranks agree, each
 rank's memory is in summary.json and holds about half of the state - on HSDP's 2-D mesh too
 (--hsdp 2 on 4 ranks: two replicas of 2 shards); --graphs step and --graphs layers equal to
-eager bit for bit, --graphs step with --fsdp-sync last too (one reduce-scatter per step); and
-every option it does not run (--recompute or --fsdp-sync last with per-layer graphs, --shard,
---save, --check-replicas, --compile, --hsdp or --fsdp-sync without --fsdp, --hsdp not dividing
-the ranks) refused before anything starts."""
+eager bit for bit, --graphs step with --fsdp-sync last too (one reduce-scatter per step),
+--graphs layers with --recompute full too; and every option it does not run (--fsdp-sync last
+with per-layer graphs, --shard, --save, --check-replicas, --compile, --hsdp or --fsdp-sync
+without --fsdp, --hsdp not dividing the ranks) refused before anything starts."""
 
 from __future__ import annotations
 
@@ -84,6 +84,13 @@ def test_fsdp_layer_graphs_train_as_eager(tmp_path):
     run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path), (), "-graphs-fsdp", "layers")
 
 
+def test_fsdp_layer_graphs_with_recompute_train_as_eager(tmp_path):
+    """--graphs layers --recompute full: each FSDP2 layer's backward graph recomputes its forward
+    after the all-gather, bit for bit with --graphs none --recompute full (before: refused)."""
+    run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path), ["--recompute", "full"],
+                 "-graphs-fsdp-recompute-full", "layers")  # fmt: skip
+
+
 def test_fsdp_sync_last_step_graph_trains_as_eager(tmp_path):
     """--fsdp-sync last: one reduce-scatter per step, eagerly and in the step graph, bit for
     bit."""
@@ -92,7 +99,6 @@ def test_fsdp_sync_last_step_graph_trains_as_eager(tmp_path):
 
 
 REFUSALS = [
-    (["--graphs", "layers", "--recompute", "full"], "--recompute with --fsdp --graphs layers"),
     (["--graphs", "layers", "--fsdp-sync", "last"], "--fsdp-sync last with --graphs layers"),
     (["--graphs", "none", "--shard"], "two ways to shard"),
     (["--graphs", "none", "--save", "ckpt.pt"], "dcp_checkpoint"),
