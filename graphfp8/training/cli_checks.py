@@ -193,7 +193,6 @@ def check_fsdp(p: argparse.ArgumentParser, args: argparse.Namespace, modes: set[
         p.error("--fsdp shards over the ranks of --ddp: torchrun --nproc_per_node=N -m "
                 "graphfp8.training --ddp --fsdp --graphs none")  # fmt: skip
     used = {"graphs": "compile" in modes, "shard": args.shard,
-            "sync_layers": "layers" in modes and args.fsdp_sync != "every",
             "save": args.save is not None or args.resume is not None,
             "check_replicas": args.check_replicas, "compile": args.compile}  # fmt: skip
     for key, on in used.items():

@@ -265,7 +265,7 @@ class Run:
                              device=self.spec.device, requires_grad=True)  # fmt: skip
         if self.spec.fsdp:  # a graph pair per FSDP2 layer, the blocks' root eager around them
             graph_layers(self.model, sample, self._segments_kw(), self.fp8, self.recipe,
-                         self.group)  # fmt: skip
+                         self.group, self.spec.fsdp_sync)  # fmt: skip
             self.blocks = self._eager_blocks
             return
         self.blocks = make_graphed_callables(

@@ -13,7 +13,8 @@ on HSDP's 1 x 1 mesh: tests/sharding/test_fsdp2_sync_last.py), whose
 gathered FP8 weights are transposed once per backward (once per step when kept gathered), and so
 do make_graphed_callables of its FSDP2 layers (a CUDA graph pair per layer,
 tests/sharding/test_fsdp2_layer_graphs.py), with activation recompute inside them too
-(tests/sharding/test_fsdp2_layer_recompute.py)."""
+(tests/sharding/test_fsdp2_layer_recompute.py) and with fsdp_sync="last" (each layer's sync
+graph reduce-scatters the unsharded sums: tests/sharding/test_fsdp2_layer_sync_last.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from tests.sharding.test_fsdp2_hsdp import (
 )
 from tests.sharding.test_fsdp2_layer_graphs import _graphed_equals_eager as _layers_equal_eager
 from tests.sharding.test_fsdp2_layer_recompute import recompute_equals_none
+from tests.sharding.test_fsdp2_layer_sync_last import last_equals_eager as _layers_last_equal
 from tests.sharding.test_fsdp2_reshard import _reshard_equals_no_reshard
 from tests.sharding.test_fsdp2_step_graph import step_equals_eager
 from tests.sharding.test_fsdp2_sync_last import _transposes, last_equals_eager
@@ -165,6 +167,25 @@ def test_fsdp2_layer_graphs_recompute_mixed_precision_on_one_gpu(fp8_weights, mo
     monkeypatch.setenv(CUDA_SWITCH, "1")
     mode = "full" if fp8_weights else "selective"
     run_on_ranks("nccl", recompute_equals_none, "delayed", None, fp8_weights, mode, True, world=1)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("reshard", [True, False, None], ids=["reshard", "keep", "defaults"])
+def test_fsdp2_layer_graphs_sync_last_on_one_gpu(recipe_name, reshard, monkeypatch):
+    """fsdp_sync="last": the unsharded gradients summed by the backward CUDA graphs, each
+    layer's sync graph replayed after the last microbatch's backward."""
+    monkeypatch.setenv(CUDA_SWITCH, "1")
+    run_on_ranks("nccl", _layers_last_equal, recipe_name, reshard, True, world=1)
+
+
+@pytest.mark.parametrize("fp8_weights, recompute", [(True, "full"), (False, "none")],
+                         ids=["fp8-weights-recompute", "fp32-params"])  # fmt: skip
+def test_fsdp2_layer_graphs_sync_last_mixed_precision_on_one_gpu(fp8_weights, recompute,
+                                                                  monkeypatch):  # fmt: skip
+    """MixedPrecisionPolicy: the bf16 unsharded gradients summed in fp32 inside the graphs."""
+    monkeypatch.setenv(CUDA_SWITCH, "1")
+    run_on_ranks("nccl", _layers_last_equal, "delayed", None, fp8_weights, True, recompute,
+                 world=1)  # fmt: skip
 
 
 def test_fsdp2_layer_graphs_wait_for_their_switch_on_cuda(monkeypatch):

@@ -3,9 +3,9 @@ it): training of the GPT under FSDP2 with FP8 weights - the loss falls, the rank
 rank's memory is in summary.json and holds about half of the state - on HSDP's 2-D mesh too
 (--hsdp 2 on 4 ranks: two replicas of 2 shards); --graphs step and --graphs layers equal to
 eager bit for bit, --graphs step with --fsdp-sync last too (one reduce-scatter per step),
---graphs layers with --recompute full too; and every option it does not run (--fsdp-sync last
-with per-layer graphs, --shard, --save, --check-replicas, --compile, --hsdp or --fsdp-sync
-without --fsdp, --hsdp not dividing the ranks) refused before anything starts."""
+--graphs layers with --recompute full and with --fsdp-sync last too; and every option it does
+not run (--shard, --save, --check-replicas, --compile, --hsdp or --fsdp-sync without --fsdp,
+--hsdp not dividing the ranks) refused before anything starts."""
 
 from __future__ import annotations
 
@@ -91,6 +91,14 @@ def test_fsdp_layer_graphs_with_recompute_train_as_eager(tmp_path):
                  "-graphs-fsdp-recompute-full", "layers")  # fmt: skip
 
 
+def test_fsdp_sync_last_layer_graphs_train_as_eager(tmp_path):
+    """--graphs layers --fsdp-sync last: each FSDP2 layer's sync graph reduce-scatters after the
+    last microbatch's backward, bit for bit with --graphs none --fsdp-sync last (before:
+    refused)."""
+    run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path), ["--fsdp-sync", "last"],
+                 "-graphs-fsdp-synclast", "layers")  # fmt: skip
+
+
 def test_fsdp_sync_last_step_graph_trains_as_eager(tmp_path):
     """--fsdp-sync last: one reduce-scatter per step, eagerly and in the step graph, bit for
     bit."""
@@ -99,7 +107,6 @@ def test_fsdp_sync_last_step_graph_trains_as_eager(tmp_path):
 
 
 REFUSALS = [
-    (["--graphs", "layers", "--fsdp-sync", "last"], "--fsdp-sync last with --graphs layers"),
     (["--graphs", "none", "--shard"], "two ways to shard"),
     (["--graphs", "none", "--save", "ckpt.pt"], "dcp_checkpoint"),
     (["--graphs", "none", "--check-replicas"], "FSDP2's are sharded"),
