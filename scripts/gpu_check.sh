@@ -78,10 +78,10 @@
 #   step fsdp-layers (issue 40): FSDP2 layers in make_graphed_callables at world size 1 with
 #               NCCL: the CUDA tests of tests/sharding/test_fsdp2_cuda.py -k layer_graphs (a CUDA
 #               graph pair per layer == eager FSDP2 bit for bit, with recompute inside them and
-#               with fsdp_sync="last" too), then graphfp8-train --ddp --fsdp --fp8-weights
-#               --deterministic (8 steps of 100m): --graphs layers and layers --recompute full vs
-#               none, and --graphs layers vs none with --fsdp-sync last: losses and validation
-#               losses equal
+#               with fsdp_sync="last" and FSDP2's explicit prefetch too), then graphfp8-train --ddp
+#               --fsdp --fp8-weights --deterministic (8 steps of 100m): --graphs layers and layers
+#               --recompute full vs none, and --graphs layers vs none with --fsdp-sync last
+#               --fsdp-prefetch: losses and validation losses equal
 #   step kern41 (issue 41 item 4): the CUDA tests of the kern41 switches (KERN41_SWITCHES,
 #               default NORM_FWD_TRANSPOSE ROPE_CAST_BWD), the `benchmarks variants` rows of
 #               NORM_FWD_TRANSPOSE (ROPE_CAST_BWD has none: it is a layer path), then the 100m step
@@ -610,7 +610,7 @@ print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF
         --steps 8 --deterministic"
       for mode in none layers layers-full none-last layers-last; do
         extra=""; [ $mode = layers-full ] && extra="--recompute full"
-        [ ${mode#*-} = last ] && extra="--fsdp-sync last"
+        [ ${mode#*-} = last ] && extra="--fsdp-sync last --fsdp-prefetch"
         $TR --graphs ${mode%-*} $extra --out "$RES/fsdp_layers_$mode" \
           > "$RES/fsdp_layers_$mode.log" 2>&1 || status=1
       done
@@ -620,7 +620,8 @@ def run(m):
 ok = True
 for ref, mode, what in (("none", "layers", "--graphs layers"),
                         ("none", "layers-full", "--graphs layers --recompute full"),
-                        ("none-last", "layers-last", "--graphs layers --fsdp-sync last")):
+                        ("none-last", "layers-last",
+                         "--graphs layers --fsdp-sync last --fsdp-prefetch")):
     same = all(run(ref)[k] == run(mode)[k] for k in ("losses", "val_losses"))
     print(f"fsdp-layers: {what} losses and val_losses == --graphs none ({ref}): {same}")
     ok = ok and same

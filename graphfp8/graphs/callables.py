@@ -287,11 +287,16 @@ def _wrap(func, runner: GraphedRunner, replace_forward: bool = True, fsdp=None):
 
     @opaque_to_dynamo
     def graphed(*args, is_first_microbatch=None, **kwargs):
-        if fsdp is not None:
+        if fsdp is not None:  # its settings, and a prefetched gather issued (fsdp_prefetch.py)
             fsdp.settings.check()
+            fsdp.prefetch.check("forward")
         flat = runner.check_call(args, kwargs, is_first_microbatch)
         expects_backward = runner.contract.expects_grad and torch.is_grad_enabled()
+        if fsdp is not None:
+            fsdp.prefetch.take("forward")
         outs = GraphedFunction.apply(runner, expects_backward, pair.grad_anchor, *flat)
+        if fsdp is not None:
+            fsdp.prefetch.done("forward")
         return pair.outputs(outs)
 
     def captured_ops() -> dict[str, list[str]]:

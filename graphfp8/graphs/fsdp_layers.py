@@ -27,6 +27,7 @@ from graphfp8.graphs.fsdp import (
     check_fsdp2_model,
 )
 from graphfp8.graphs.fsdp_layer_sync import SyncLast
+from graphfp8.graphs.fsdp_prefetch import Prefetch, link_prefetch
 
 __all__ = ["FSDPLayer", "FSDPLayers", "fsdp_layers_of", "init_fsdp2"]
 
@@ -118,6 +119,7 @@ def fsdp_layers_of(funcs, order, fsdp_sync: str = "every") -> list[FSDPLayer] | 
                     f"module around one with no parameters of its own. Capture each, or {_WHOLE}"
                 )
         layers.append(FSDPLayer(name, inner, fsdp_sync == "last"))
+    link_prefetch(_NAME, layers, _WHOLE)  # FSDP2's explicit prefetch (graphs/fsdp_prefetch.py)
     return layers
 
 
@@ -153,6 +155,7 @@ class FSDPLayer:
         self.settings: FSDPSettings | None = None  # taken after capture
         self.hooks: list | None = None
         self.sync = SyncLast(name) if sync_last else None
+        self.prefetch = Prefetch(name)
 
     def _check_state(self) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -187,18 +190,6 @@ class FSDPLayer:
                 f"{_NAME}: {name} is sharded on HSDP's 2-D mesh or reshards after forward to "
                 "another mesh (reshard_after_forward=int), which per-layer graphs do not "
                 f"capture; {_WHOLE}"
-            )
-        prefetch = [
-            s
-            for s in st._state_ctx.all_states
-            if st in s._states_to_forward_prefetch + s._states_to_backward_prefetch
-        ]
-        if prefetch or st._states_to_forward_prefetch or st._states_to_backward_prefetch:
-            raise RuntimeError(
-                f"{_NAME}: {name} is in FSDP2's explicit prefetch (set_modules_to_forward_"
-                "prefetch / set_modules_to_backward_prefetch); each layer graph all-gathers its "
-                "own weights, and an all-gather issued from another layer's call would be left "
-                f"out of the graph. Leave the prefetch unset for graphed layers, or {_WHOLE}"
             )
         if not (g.reduce_grads and g.reshard_after_backward and g.unshard_in_backward):
             raise RuntimeError(
@@ -242,9 +233,11 @@ class FSDPLayer:
         weights all-gathered, the forward, the reshard (reshard_after_forward), output cast."""
         args, kwargs = self.state._cast_forward_inputs(tuple(args), kwargs)
         self._unshard()
+        self.prefetch.issue("forward")  # FSDP2's explicit forward prefetch, before the compute
         out = func(*args, **kwargs)
         if self.reshard_after_forward:
             self.group.reshard()
+        self.prefetch.join()
         return self.state._cast_output_dtype(out)
 
     def backward(self, outs, inputs, grad_outputs, params, allow_unused: bool) -> tuple:
@@ -254,17 +247,19 @@ class FSDPLayer:
         warmed up: the parameters' gradients added into the unsharded sums instead, no reduce
         (the sync graph's). Returns the gradients with the parameters' as None."""
         self._unshard()
+        self.prefetch.issue("backward")  # FSDP2's explicit backward prefetch
         grads = torch.autograd.grad(outs, inputs, grad_outputs, allow_unused=allow_unused)
         n = len(params)
         own = grads[len(grads) - n :]
         if self.sync is not None and self.sync.ready:
             self.sync.accumulate(params, own)
-            return tuple(grads[: len(grads) - n]) + (None,) * n
-        if self.sync is not None:
-            self.sync.seen(params, own)
-        for p, g in zip(params, own, strict=True):
-            p.grad = g
-        self.reduce()
+        else:
+            if self.sync is not None:
+                self.sync.seen(params, own)
+            for p, g in zip(params, own, strict=True):
+                p.grad = g
+            self.reduce()
+        self.prefetch.join()
         return tuple(grads[: len(grads) - n]) + (None,) * n
 
     def reduce(self) -> None:
@@ -359,6 +354,7 @@ class FSDPLayers:
             layer.grads.attach()
             if layer.sync is not None:
                 layer.sync.build(layer.group)
+            layer.prefetch.after_warmup(layer.group)
 
     def after_capture(self) -> None:
         """Checks that FSDP2 added into the buffers, puts the user's `.grad` back and takes the

@@ -11,6 +11,8 @@ them. The step graph calls the model's forward, so the model is under
 fully_shard too (a root without parameters of its own, as make_graphed_step requires). FP8
 primary weights (--fp8-weights) stay FP8 shards, all-gathered as FP8, trained through
 FSDPMasterWeights. --hsdp R: the same on HSDP's 2-D (R, N / R) mesh (docs/sharding.md, "HSDP").
+--fsdp-prefetch: FSDP2's explicit prefetch, layer i to i + 1 forward and to i - 1 backward
+(inside the layer graphs too: graphs/fsdp_prefetch.py).
 --fsdp-sync last: FSDP2's gradient sync and reshard after backward off on every microbatch but
 the last, eagerly (set_fsdp_sync) around the layer graphs too (make_graphed_callables(...,
 fsdp_sync="last"): each layer's sync graph reduce-scatters after the last microbatch's backward)
@@ -43,7 +45,7 @@ REFUSED = {
 
 def check_fsdp_spec(spec) -> None:
     """A RunSpec with fsdp runs eagerly, in layer graphs or in the step graph, without shard and
-    compile; hsdp and fsdp_sync 'last' need fsdp."""
+    compile; hsdp, fsdp_sync 'last' and fsdp_prefetch need fsdp."""
     if spec.fsdp and (spec.graphs == "compile" or spec.shard or spec.compile):
         raise ValueError("fsdp runs eagerly, in layer graphs or in the step graph (graphs "
                          "'none', 'layers' or 'step'), without shard and compile")  # fmt: skip
@@ -51,14 +53,17 @@ def check_fsdp_spec(spec) -> None:
         raise ValueError(f"hsdp {spec.hsdp}: replicas (>= 1) of FSDP2's shards, with fsdp")
     if spec.fsdp_sync not in ("every", "last") or (spec.fsdp_sync != "every" and not spec.fsdp):
         raise ValueError(f"fsdp_sync {spec.fsdp_sync!r}: 'every' or 'last' (with fsdp)")
+    if spec.fsdp_prefetch and not spec.fsdp:
+        raise ValueError("fsdp_prefetch: FSDP2's explicit prefetch, with fsdp")
 
 
-def shard_gpt(model: torch.nn.Module, group, device, replicas: int = 1,
-              root: bool = False) -> None:  # fmt: skip
+def shard_gpt(model: torch.nn.Module, group, device, replicas: int = 1, root: bool = False,
+              prefetch: bool = False) -> None:  # fmt: skip
     """fully_shard the GPT's layers and its parts over `group`: a 1-D mesh of its ranks, or with
     replicas > 1 HSDP's 2-D (replicas, world / replicas) mesh of the world's ranks (each
     replica's ranks shard the weights; FSDP2 all-reduces the gradients across the replicas);
-    `root`: the model itself too (the step graph runs its forward)."""
+    `root`: the model itself too (the step graph runs its forward); `prefetch`: FSDP2's explicit
+    prefetch of layer i + 1 in layer i's forward and of layer i - 1 in its backward."""
     if group is None:
         raise ValueError("fsdp needs a process group (--ddp under torchrun)")
     kind = torch.device(device).type
@@ -71,8 +76,12 @@ def shard_gpt(model: torch.nn.Module, group, device, replicas: int = 1,
                              f"of its {world} ranks")  # fmt: skip
         mesh = init_device_mesh(kind, (replicas, world // replicas),
                                 mesh_dim_names=("replicate", "shard"))  # fmt: skip
-    for layer in model.blocks.layers:
+    layers = list(model.blocks.layers)
+    for layer in layers:
         fully_shard(layer, mesh=mesh)
+    for i, layer in enumerate(layers if prefetch else ()):
+        layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 2])
+        layer.set_modules_to_backward_prefetch(layers[max(i - 1, 0) : i])
     for part in (model.blocks, model.embed, model.norm, model.head):
         fully_shard(part, mesh=mesh)
     if root:

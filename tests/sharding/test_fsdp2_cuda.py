@@ -14,7 +14,9 @@ gathered FP8 weights are transposed once per backward (once per step when kept g
 do make_graphed_callables of its FSDP2 layers (a CUDA graph pair per layer,
 tests/sharding/test_fsdp2_layer_graphs.py), with activation recompute inside them too
 (tests/sharding/test_fsdp2_layer_recompute.py) and with fsdp_sync="last" (each layer's sync
-graph reduce-scatters the unsharded sums: tests/sharding/test_fsdp2_layer_sync_last.py)."""
+graph reduce-scatters the unsharded sums: tests/sharding/test_fsdp2_layer_sync_last.py) and
+with FSDP2's explicit prefetch (a layer's graph issuing the next layer's all-gather, its side
+streams joined at the graph's end: tests/sharding/test_fsdp2_layer_prefetch.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from tests.sharding.test_fsdp2_hsdp import (
     _hsdp_equals_fsdp_over_the_shard_group,
 )
 from tests.sharding.test_fsdp2_layer_graphs import _graphed_equals_eager as _layers_equal_eager
+from tests.sharding.test_fsdp2_layer_prefetch import prefetch_equals_eager
 from tests.sharding.test_fsdp2_layer_recompute import recompute_equals_none
 from tests.sharding.test_fsdp2_layer_sync_last import last_equals_eager as _layers_last_equal
 from tests.sharding.test_fsdp2_reshard import _reshard_equals_no_reshard
@@ -186,6 +189,28 @@ def test_fsdp2_layer_graphs_sync_last_mixed_precision_on_one_gpu(fp8_weights, re
     monkeypatch.setenv(CUDA_SWITCH, "1")
     run_on_ranks("nccl", _layers_last_equal, "delayed", None, fp8_weights, True, recompute,
                  world=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_fsdp2_layer_graphs_prefetch_on_one_gpu(recipe_name, reshard, monkeypatch):
+    """The block's forward CUDA graph issues the head's all-gather (FSDP2 copies at world size
+    1), the head's backward graph the block's; equal to eager FSDP2 with the same prefetch."""
+    monkeypatch.setenv(CUDA_SWITCH, "1")
+    run_on_ranks("nccl", prefetch_equals_eager, recipe_name, reshard, True, world=1)
+
+
+def test_fsdp2_layer_graphs_prefetch_with_sync_last_and_recompute_on_one_gpu(monkeypatch):
+    monkeypatch.setenv(CUDA_SWITCH, "1")
+    run_on_ranks("nccl", prefetch_equals_eager, "delayed", None, True, True, "full", "last",
+                 world=1)  # fmt: skip
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_fsdp2_layer_graphs_prefetch_on_two_gpus(monkeypatch):
+    """NCCL all-gathers on the side streams, overlapping the issuing layer's compute."""
+    monkeypatch.setenv(CUDA_SWITCH, "1")
+    run_on_ranks("nccl", prefetch_equals_eager, "delayed", True, True, world=2)
 
 
 def test_fsdp2_layer_graphs_wait_for_their_switch_on_cuda(monkeypatch):
