@@ -131,4 +131,3 @@ def test_fsdp2_layer_graphs_prefetch_misuse_is_refused():
     """Prefetch out of order or from the root refused before capture; a prefetched graph
     replayed without its feeder refused before the replay."""
     run_on_ranks("gloo", _refused)
-
