@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.grads import fill_minus_zero
 
 __all__ = ["SyncLast", "SyncLastGrads"]
 
@@ -76,8 +77,7 @@ class SyncLast:
             layer.reduce()
         clear = new_graph(session.device)
         with clear.capture(session.pool):
-            torch._foreach_zero_(buffers)
-            torch._foreach_neg_(buffers)
+            fill_minus_zero(buffers)  # as the sharded .grad buffers' fill (graphs/grads.py)
         return SyncLastGrads(self.name, layer.group, graph, clear, sharded)
 
 
