@@ -69,6 +69,7 @@ class RunSpec:
     fsdp: bool = False  # the weights sharded too, by torch FSDP2 (training/fsdp.py): eager, step
     hsdp: int = 1  # with fsdp: replicas, each sharded over world / hsdp ranks (HSDP, fsdp.py)
     fsdp_sync: str = "every"  # with fsdp: FSDP2 reduce-scatters after "every" microbatch or "last"
+    fsdp_prefetch: bool = False  # with fsdp: each layer prefetches the next (forward), previous
     # Blocks kept in bf16 in an FP8 run (Megatron's --first-last-layers-bf16): their indices
     bf16_layers: tuple[int, ...] = ()
     # activation recompute of every layer (TransformerLayer's RECOMPUTE_MODES): the same bits,
@@ -130,6 +131,7 @@ class RunSpec:
         suffix += "-fsdp" if self.fsdp else ""
         suffix += f"-hsdp{self.hsdp}" if self.hsdp > 1 else ""
         suffix += "-synclast" if self.fsdp_sync == "last" else ""
+        suffix += "-prefetch" if self.fsdp_prefetch else ""
         suffix += f"-recompute-{self.recompute}" if self.recompute != "none" else ""
         suffix += "-staged" if self.stage_batches else ""
         return f"{self.precision}{fmt}-{_MODE_NAMES[self.graphs]}{suffix}"
@@ -208,7 +210,8 @@ class Run:
             for layer in self.model.blocks.layers:
                 layer.recompute = spec.recompute
         if spec.fsdp:
-            shard_gpt(self.model, group, spec.device, spec.hsdp, root=spec.graphs == "step")
+            shard_gpt(self.model, group, spec.device, spec.hsdp, root=spec.graphs == "step",
+                      prefetch=spec.fsdp_prefetch)  # fmt: skip
         self.masters, self.reduce_group = self._masters()
         # reduce -> clip -> step -> write back, whatever is sharded (gradient_update.py); every rank
         # trains every parameter: the gradient sets are checked once.
@@ -265,7 +268,7 @@ class Run:
                              device=self.spec.device, requires_grad=True)  # fmt: skip
         if self.spec.fsdp:  # a graph pair per FSDP2 layer, the blocks' root eager around them
             graph_layers(self.model, sample, self._segments_kw(), self.fp8, self.recipe,
-                         self.group)  # fmt: skip
+                         self.group, self.spec.fsdp_sync)  # fmt: skip
             self.blocks = self._eager_blocks
             return
         self.blocks = make_graphed_callables(
