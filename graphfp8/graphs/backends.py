@@ -52,8 +52,8 @@ class _TapeReplays:
 def tape_replays_off():
     """Inside the block CPU tapes skip their recorded ops: a call of a graphed callable, microbatch
     or step runs all its host-side work (checks, copies, bookkeeping, autograd) and no kernel. What
-    the host benchmark and the host-cost test time (`python -m benchmarks host`); the values
-    the graphs hold are meaningless afterwards."""
+    the host benchmark times (`python -m benchmarks host`) and the host-cost test counts; the
+    values the graphs hold are meaningless afterwards."""
     _TapeReplays.on = False
     try:
         yield
