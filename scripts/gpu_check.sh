@@ -54,6 +54,9 @@
 #               scripts/bench_blockwise.py (Llama-3.2-1B block, 3 repeats with spread: bf16,
 #               delayed, blockwise with torch quantizers, fused kernels, fused + weight cache)
 #               and, with BLOCK_TRAIN_STEPS > 0, 100m delayed vs blockwise losses
+#   step blockprof (issue 42): scripts/profile_blockwise.py (per-kernel time of the SwiGLU MLP:
+#               graphfp8 delayed, blockwise, TE Float8BlockScaling graphed) and bench_blockwise's
+#               delayed / blockwise-fused-cache rows with the TE MLP peers (WITH_TE=1)
 #   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
 #               token and GPU busy (one call under torch.profiler)
 #   step carried-casts (issue 39): what the carried recipe's weight casts on every
@@ -415,7 +418,8 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       $PY -m pytest -q -p no:cacheprovider tests/modules/test_blockwise_layouts.py \
         >> "$RES/tests_blockwise.log" 2>&1 || status=1
       echo "-- blockwise layouts: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"
-      GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/bench_blockwise.py \
+      # with_te: the MLP rows' TE Float8BlockScaling peers need TE's environment
+      with_te env GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/bench_blockwise.py \
         --json "$RES/bench_blockwise.json" > "$RES/bench_blockwise.log" 2>&1 || status=1
       tee -a "$RES/summary.md" < "$RES/bench_blockwise.log"
       if [ "${BLOCK_TRAIN_STEPS:-300}" -gt 0 ]; then
@@ -428,6 +432,14 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
             | tee -a "$RES/summary.md"
         done
       fi ;;
+    blockprof)  # issue 42: per-kernel time of the SwiGLU MLP, delayed vs blockwise vs TE's
+      with_te env GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/profile_blockwise.py \
+        --json "$RES/profile_blockwise.json" > "$RES/profile_blockwise.log" 2>&1 || status=1
+      grep "^##" "$RES/profile_blockwise.log" | tee -a "$RES/summary.md"
+      with_te env GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/bench_blockwise.py \
+        --rows delayed,blockwise-fused-cache --json "$RES/bench_blockwise_te.json" \
+        > "$RES/bench_blockwise_te.log" 2>&1 || status=1
+      tee -a "$RES/summary.md" < "$RES/bench_blockwise_te.log" ;;
     quality-block)  # issue 42: blockwise vs delayed vs bf16 validation loss, paired per seed
       for preset in ${QB_PRESETS:-100m llama-100m}; do
         GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/train_gap.py \

@@ -18,6 +18,12 @@ import torch
 from torch import nn
 
 from graphfp8.graphs.fsdp import FSDPGrads, FSDPSettings, check_fsdp2_model
+from graphfp8.graphs.fsdp_compat import (
+    cast_forward_inputs,
+    cast_output,
+    param_groups,
+    wait_reduce_scatters,
+)
 
 __all__ = ["FSDPLayer", "FSDPLayers", "fsdp_layers_of", "init_fsdp2"]
 
@@ -33,15 +39,6 @@ _WHOLE = (
 CUDA_SWITCH = "GRAPHFP8_FSDP2_LAYER_GRAPHS_CUDA"
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")  # fmt: skip
-
-
-def _param_groups(state) -> list:
-    """An FSDPState's parameter groups: a list since torch 2.12 (`_fsdp_param_groups`), one
-    optional group before (torch 2.11's `_fsdp_param_group`, the GPU machine's)."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
 
 
 def _check_device(name: str, module: nn.Module) -> None:
@@ -157,7 +154,7 @@ class FSDPLayer:
                 "root (fully_shard(model), run eagerly) holds the rest: capture "
                 f"model.layers[i], or {_WHOLE}"
             )
-        groups = _param_groups(st)
+        groups = param_groups(st)
         if len(groups) != 1:
             raise RuntimeError(
                 f"{_NAME}: {name} has {len(groups)} FSDP2 parameter groups; a "
@@ -220,12 +217,12 @@ class FSDPLayer:
     def run(self, func, args, kwargs):
         """The layer's forward as FSDP2's hooks run it: inputs cast (MixedPrecisionPolicy),
         weights all-gathered, the forward, the reshard (reshard_after_forward), output cast."""
-        args, kwargs = self.state._cast_forward_inputs(tuple(args), kwargs)
+        args, kwargs = cast_forward_inputs(self.state, tuple(args), kwargs)
         self._unshard()
         out = func(*args, **kwargs)
         if self.reshard_after_forward:
             self.group.reshard()
-        return self.state._cast_output_dtype(out)
+        return cast_output(self.state, out)
 
     def backward(self, outs, inputs, grad_outputs, params, allow_unused: bool) -> tuple:
         """The layer's backward as FSDP2 runs it: the all-gather again after a reshard, the
@@ -242,11 +239,7 @@ class FSDPLayer:
         group = self.group
         group.post_backward()
         group.finalize_backward()
-        comm, stream = group.comm_ctx, group.device_handle.current_stream()
-        for rs in comm.reduce_scatter_states:
-            if rs.event is not None:
-                stream.wait_event(rs.event)
-        comm.reduce_scatter_states.clear()
+        wait_reduce_scatters(group.comm_ctx, group.device_handle.current_stream())
         group._training_state = TrainingState.IDLE
         return tuple(grads[: len(grads) - n]) + (None,) * n
 

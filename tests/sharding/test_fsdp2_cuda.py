@@ -16,6 +16,8 @@ tests/sharding/test_fsdp2_layer_graphs.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -135,16 +137,24 @@ def test_fsdp2_gathered_fp8_weights_transposed_once_per_backward_on_one_gpu():
     run_on_ranks("nccl", _transposes, world=1)
 
 
+def _switched_layers_equal_eager(rank, device, *args):
+    """The rank sets the switch itself: rank processes fork from the pool's server, started
+    before any test, so a test's environment does not reach them (tests/rank_pool.py)."""
+    os.environ[CUDA_SWITCH] = "1"
+    try:
+        _layers_equal_eager(rank, device, *args)
+    finally:
+        del os.environ[CUDA_SWITCH]
+
+
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
 @pytest.mark.parametrize("reshard", [True, False, None], ids=["reshard", "keep", "defaults"])
-def test_fsdp2_layer_graphs_equal_eager_on_one_gpu(recipe_name, reshard, monkeypatch):
-    monkeypatch.setenv(CUDA_SWITCH, "1")  # the ranks' interpreters inherit it
-    run_on_ranks("nccl", _layers_equal_eager, recipe_name, reshard, True, world=1)
+def test_fsdp2_layer_graphs_equal_eager_on_one_gpu(recipe_name, reshard):
+    run_on_ranks("nccl", _switched_layers_equal_eager, recipe_name, reshard, True, world=1)
 
 
-def test_fsdp2_layer_graphs_fp32_params_on_one_gpu(monkeypatch):
-    monkeypatch.setenv(CUDA_SWITCH, "1")
-    run_on_ranks("nccl", _layers_equal_eager, "current", True, False, world=1)
+def test_fsdp2_layer_graphs_fp32_params_on_one_gpu():
+    run_on_ranks("nccl", _switched_layers_equal_eager, "current", True, False, world=1)
 
 
 def test_fsdp2_layer_graphs_wait_for_their_switch_on_cuda(monkeypatch):
@@ -156,6 +166,5 @@ def test_fsdp2_layer_graphs_wait_for_their_switch_on_cuda(monkeypatch):
 
 @pytest.mark.skipif(GPUS < 3, reason="needs 3 GPUs")
 @pytest.mark.parametrize("world", [2, 3])
-def test_fsdp2_layer_graphs_on_several_gpus(world, monkeypatch):
-    monkeypatch.setenv(CUDA_SWITCH, "1")
-    run_on_ranks("nccl", _layers_equal_eager, "delayed", True, True, world=world)
+def test_fsdp2_layer_graphs_on_several_gpus(world):
+    run_on_ranks("nccl", _switched_layers_equal_eager, "delayed", True, True, world=world)
