@@ -37,8 +37,8 @@ __device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[kW
 
 // Casts the thread's loads of one tile (see above). values(l): the N values of load l as a
 // function of k < N (called only for loads inside the tensor; vector tiles: cols % 16 == 0, so
-// all N columns of a load are in range), each value used as soon as it is computed, as the
-// kernels did before they shared this code (fewer registers live).
+// all N columns of a load are in range). Each value is cast as soon as it is computed: fewer
+// registers live than computing all N first (the paired path needs its 4 values at once).
 template <typename S, bool kE4M3, bool kDbias, bool kVec, bool kPaired, typename Values>
 __device__ __forceinline__ void cast_rows(const Values& values, uint8_t* __restrict__ out,
                                           const TileGrid<S>& g, const TilePos& t,
