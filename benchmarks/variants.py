@@ -14,6 +14,7 @@ from graphfp8.fp8 import current
 from graphfp8.fp8.current import CurrentQuantizer
 from graphfp8.fp8.slots import Quantizer
 from graphfp8.graphs import grads
+from graphfp8.modules.layernorm_mlp import ACTIVATIONS
 from graphfp8.ops.switches import kernel_switch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -145,6 +146,30 @@ def _blockwise_norm_row(shape, sets, copy_gbs, device) -> dict:
                 speedup=ms[0] / ms[1])  # fmt: skip
 
 
+def _blockwise_act_row(activation: str, shape, sets, copy_gbs, device) -> dict:
+    """GRAPHFP8_BLOCKWISE_ACT off (torch's activation as LayerNormMLP runs it, then the fused
+    blockwise quantizer of its bf16 output: both 1x128 layouts) and on (graphfp8.ops.blockwise_act:
+    the activation writes them), as _switch_row reports a kernel switch. x (m, n) is the
+    activation's input ([g | u] for SwiGLU); the bytes per element of a: x read (2 B, SwiGLU 4)
+    and both FP8 layouts written (2 B)."""
+    act = ACTIVATIONS[activation]
+
+    def off(dy, x):
+        return ops.blockwise_quantize(act(x), 1, transpose=True)
+
+    def on(dy, x):
+        return ops.blockwise_act(x, activation, transpose=True)
+
+    ms = {k: _timed(lambda i, f=f: f(*sets[i]), len(sets), device) for k, f in ((0, off), (1, on))}
+    gated = activation != "gelu"
+    n_elem, nbytes = shape[0] * shape[1] // (2 if gated else 1), 6 if gated else 4
+    ratio = {k: nbytes * n_elem / v / 1e6 / copy_gbs for k, v in ms.items()}
+    return dict(switch="BLOCKWISE_ACT", op=f"{activation} -> 1x128 tiles + a.T tiles",
+                shape=f"{shape[0]}x{shape[1]}", off_ms=ms[0], on_ms=ms[1],
+                off_ratio_to_copy=ratio[0], on_ratio_to_copy=ratio[1],
+                speedup=ms[0] / ms[1])  # fmt: skip
+
+
 def _norm_sets(m: int, n: int, device):
     def make():
         x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -217,6 +242,8 @@ def run(device, quick: bool = False) -> dict:
                                             copy_gbs, device))  # fmt: skip
         cur += [_current_row(op, shape, sets, device)
                 for op in ("cast_transpose", "gelu_cast_transpose")]  # fmt: skip
+        for activation in ("gelu", "swiglu"):  # issue 42: the activation writes fc2's tiles
+            switches.append(_blockwise_act_row(activation, shape, sets, copy_gbs, device))
     for shape in norm_shapes:
         sets = _norm_sets(*shape, device)
         copy_gbs = _copy_gbs(sets, device)

@@ -25,20 +25,44 @@ namespace graphfp8 {
 
 constexpr int64_t kBlockTile = 128;
 
-struct BlockQuantizeParams {
-  const void* x;         // (rows, cols), x_dtype, contiguous
-  DType x_dtype;         // float32, bfloat16 or float16
+// The FP8 layouts a blockwise quantization writes: x's tiles or blocks and, with out_t, those
+// of x^T (the module comment's layouts), shared by block_quantize and the fused ops that
+// quantize their output in 1x128 tiles (blockwise_norm.h, blockwise_act.h).
+struct BlockOut {
   void* out;             // (rows, cols), out_dtype (FP8)
   float* scale_inv;      // (ceil(rows / block_rows), ceil(cols / 128))
   void* out_t;           // (cols, rows), out_dtype, or nullptr
   float* scale_inv_t;    // with out_t: the module comment's transposed scales
   DType out_dtype;       // E4M3 or E5M2
+  bool power_2_scale;
+};
+
+struct BlockQuantizeParams {
+  const void* x;         // (rows, cols), x_dtype, contiguous
+  DType x_dtype;         // float32, bfloat16 or float16
+  BlockOut dst;
   const float* noop;     // (1,) or nullptr: when *noop == 1 nothing is written
   int64_t rows;
   int64_t cols;
   int64_t block_rows;    // 1 or 128
-  bool power_2_scale;
 };
+
+// Bytes per element of a high-precision dtype (float32, bfloat16, float16).
+inline int64_t hp_bytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+
+// block_quantize of y (rows, cols) in 1x128 tiles into dst: the CPU fused ops' second step (a
+// host scratch holding their high-precision output).
+inline BlockQuantizeParams tile_quantize_params(const void* y, DType y_dtype, const BlockOut& dst,
+                                                int64_t rows, int64_t cols) {
+  BlockQuantizeParams q{};
+  q.x = y;
+  q.x_dtype = y_dtype;
+  q.dst = dst;
+  q.rows = rows;
+  q.cols = cols;
+  q.block_rows = 1;
+  return q;
+}
 
 // The bits of max |x| over a tile: the largest bit pattern of |x| (an unsigned compare orders
 // non-negative floats, with every NaN above inf), so a tile holding a NaN reports a NaN.

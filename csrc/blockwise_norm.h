@@ -18,17 +18,12 @@ struct BlockNormParams {
   const void* gamma;      // (hidden,), dtype
   const void* beta;       // (hidden,), dtype (LayerNorm), nullptr for RMSNorm
   DType dtype;            // float32, bfloat16 or float16
-  void* out;              // (rows, hidden), out_dtype (FP8)
-  float* scale_inv;       // (rows, ceil(hidden / 128))
-  void* out_t;            // (hidden, rows), out_dtype, or nullptr
-  float* scale_inv_t;     // with out_t: (hidden, ceil(rows / 128))
-  DType out_dtype;        // E4M3 or E5M2
+  BlockOut dst;           // y's 1x128 tiles (rows, hidden) and, with out_t, y^T's (hidden, rows)
   float* mu;              // (rows,) fp32 (LayerNorm), nullptr for RMSNorm
   float* rsigma;          // (rows,) fp32
-  float* workspace;       // CUDA: 3 floats (the stats-only norm pass's unused scale slots)
+  float* workspace;       // CUDA: 3 floats, norm_stats_params' slots
   float eps;
   bool zero_centered_gamma;
-  bool power_2_scale;
   int64_t rows;
   int64_t hidden;
 };
@@ -38,7 +33,8 @@ Status block_norm_cpu(const BlockNormParams& p);
 Status block_norm_cuda(const BlockNormParams& p, void* stream);
 
 // The norm with only mu, rsigma and residual_out written (NormParams.out == nullptr): the first
-// pass of block_norm_cuda (norm_fwd.cu).
-NormParams norm_stats_params(const BlockNormParams& p);
+// pass of block_norm_cuda (norm_fwd.cu), and with out / out_hp set block_norm_cpu's norm. slots:
+// 3 floats, the per-tensor scale, amax and scale_inv the norm kernel reads and writes (unused).
+NormParams norm_stats_params(const BlockNormParams& p, float* slots);
 
 }  // namespace graphfp8

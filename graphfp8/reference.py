@@ -17,6 +17,7 @@ from graphfp8.fp8.recipe import fp8_max
 from graphfp8.ops.blockwise import torch_quantize
 from graphfp8.ops.blockwise_stats import _blocks
 from graphfp8.ops.glu import dglu, glu
+from graphfp8.reference_blockwise import blockwise_act
 
 __all__ = [
     "quantize",
@@ -48,6 +49,7 @@ __all__ = [
     "cast_stats",
     "cast_stats_hp",
     "blockwise_quantize",
+    "blockwise_act",
     "blockwise_norm",
     "blockwise_stats",
 ]

@@ -1,5 +1,6 @@
 """Pure-PyTorch float64 twins of the blockwise FP8 quantizers and GEMM (graphfp8/ops/blockwise.py),
-written tile by tile: what tests compare the package's quantizers against, bit for bit."""
+written tile by tile: what tests compare the package's quantizers against, bit for bit; and the
+twin of the activation with a blockwise output (torch.ops.graphfp8.blockwise_act)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import math
 
 import torch
 
-__all__ = ["block_stats", "dequantize", "gemm", "quantize"]
+from graphfp8.ops.glu import glu
+
+__all__ = ["act_values", "block_stats", "blockwise_act", "dequantize", "gemm", "quantize"]
 
 _MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _FLT_MAX = torch.finfo(torch.float32).max
@@ -87,3 +90,26 @@ def block_stats(x: torch.Tensor, rows: int, fp8_dtype=torch.float8_e4m3fn, power
     out["log2_scale_min"], out["log2_scale_max"] = min(logs), max(logs)
     out["log2_scale_mean"] = sum(logs) / len(logs)
     return out
+
+
+def act_values(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """a = act(x) in x's dtype as the CPU kernel computes it (csrc/blockwise_act.h):
+    graphfp8.ops.glu with float64 transcendentals (the CPU GLU kernels'), GELU as GeGLU's gate
+    (u = 1: the product is exact)."""
+    if activation == "gelu":
+        return glu(torch.cat([x, torch.ones_like(x)], dim=-1), "geglu", precise=True)
+    return glu(x, activation, precise=True)
+
+
+def blockwise_act(x, activation, out, scale_inv, out_t=None, scale_inv_t=None,
+                  power_2_scale=True) -> None:  # fmt: skip
+    """Twin of torch.ops.graphfp8.blockwise_act: act_values, then `quantize` in 1x128 tiles (and
+    a.T's with out_t)."""
+    a = act_values(x, activation)
+    q, inv = quantize(a.cpu(), 1, out.dtype, power_2_scale)
+    out.copy_(q)
+    scale_inv.copy_(inv)
+    if out_t is not None:
+        q, inv = quantize(a.t().cpu(), 1, out.dtype, power_2_scale)
+        out_t.copy_(q)
+        scale_inv_t.copy_(inv)

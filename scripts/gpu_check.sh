@@ -50,7 +50,8 @@
 #               torch's scaled_mm takes for 1x128 / 128x128 scales -> blockwise_mm_probe.json),
 #               the blockwise CUDA tests (the emulation and torch's scaled_mm path; the fused
 #               quantize kernels against their twin and the CPU kernel, the weight cache; the
-#               blockwise graph tests again with GRAPHFP8_BLOCKWISE_KERNELS=fused),
+#               blockwise graph tests again with GRAPHFP8_BLOCKWISE_KERNELS=fused; the norm and
+#               the activation writing the tiles: their CUDA tests and variants rows),
 #               scripts/bench_blockwise.py (Llama-3.2-1B block, 3 repeats with spread: bf16,
 #               delayed, blockwise with torch quantizers, fused kernels, fused + weight cache)
 #               and, with BLOCK_TRAIN_STEPS > 0, 100m delayed vs blockwise losses
@@ -418,14 +419,20 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         tests/graphs/test_blockwise_graphs.py > "$RES/tests_blockwise_fused.log" 2>&1 || status=1
       echo "-- blockwise fused-kernel CUDA tests: $(tail -1 "$RES/tests_blockwise_fused.log")" \
         | tee -a "$RES/summary.md"
-      # The norm writing the blockwise tiles (GRAPHFP8_BLOCKWISE_NORM, default off: the kernel
-      # against the CUDA norm + quantizer, captured) and the per-block statistics kernel (the
-      # numerics report's, gated by its flag), then the layers with the switch on (issue 42).
+      # The norm and the GELU / SwiGLU / GeGLU writing the blockwise tiles (GRAPHFP8_BLOCKWISE_NORM
+      # and GRAPHFP8_BLOCKWISE_ACT, default off: the kernels against the CUDA norm / activation
+      # kernel + quantizer, captured) and the per-block statistics kernel (the numerics
+      # report's, gated by its flag), then the layers with the switches on (issue 42).
       timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_blockwise_norm.py \
-        tests/ops/test_blockwise_stats_kernel.py tests/modules/test_blockwise_norm_layers.py \
+        tests/ops/test_blockwise_act.py tests/ops/test_blockwise_stats_kernel.py \
+        tests/modules/test_blockwise_norm_layers.py tests/modules/test_blockwise_act_layers.py \
         > "$RES/tests_blockwise_norm.log" 2>&1 || status=1
-      echo "-- blockwise norm + stats CUDA tests: $(tail -1 "$RES/tests_blockwise_norm.log")" \
+      echo "-- blockwise norm + act + stats CUDA tests: $(tail -1 "$RES/tests_blockwise_norm.log")" \
         | tee -a "$RES/summary.md"
+      # Their speed off / on: the variants rows BLOCKWISE_NORM and BLOCKWISE_ACT (~1.5 min).
+      timeout 150 $PY -m benchmarks variants --json "$RES/blockwise_variants.json" 2>&1 \
+        | grep -v '^wrote' | grep -E "^#|^\| (switch|---|BLOCKWISE_)" | tee -a "$RES/summary.md" \
+        || status=1
       # The operand layouts of the three GEMMs against this torch's own (meta) scaled_mm checks.
       $PY -m pytest -q -p no:cacheprovider tests/modules/test_blockwise_layouts.py \
         >> "$RES/tests_blockwise.log" 2>&1 || status=1

@@ -17,8 +17,8 @@ namespace {
 template <typename T, bool kE4M3>
 void quantize_strips(const BlockQuantizeParams& p) {
   const auto* x = static_cast<const T*>(p.x);
-  auto* out = static_cast<uint8_t*>(p.out);
-  auto* out_t = static_cast<uint8_t*>(p.out_t);
+  auto* out = static_cast<uint8_t*>(p.dst.out);
+  auto* out_t = static_cast<uint8_t*>(p.dst.out_t);
   const float fp8_max = kE4M3 ? kE4M3Max : kE5M2Max;
   const int64_t rows = p.rows, cols = p.cols;
   const int64_t col_tiles = (cols + kBlockTile - 1) / kBlockTile;
@@ -41,15 +41,15 @@ void quantize_strips(const BlockQuantizeParams& p) {
       for (int64_t j = 0; j < col_tiles; ++j) {
         const int64_t c0 = j * kBlockTile, c1 = std::min(cols, c0 + kBlockTile);
         const uint32_t a = *std::max_element(col_amax.begin() + c0, col_amax.begin() + c1);
-        const float s = block_scale(a, fp8_max, p.power_2_scale);
+        const float s = block_scale(a, fp8_max, p.dst.power_2_scale);
         std::fill(col_scale.begin() + c0, col_scale.begin() + c1, s);
-        p.scale_inv[strip * col_tiles + j] = 1.0f / s;
-        if (out_t != nullptr) p.scale_inv_t[j * row_tiles + strip] = 1.0f / s;
+        p.dst.scale_inv[strip * col_tiles + j] = 1.0f / s;
+        if (out_t != nullptr) p.dst.scale_inv_t[j * row_tiles + strip] = 1.0f / s;
       }
     } else if (out_t != nullptr) {
       for (int64_t c = 0; c < cols; ++c) {
-        col_scale[c] = block_scale(col_amax[c], fp8_max, p.power_2_scale);
-        p.scale_inv_t[c * row_tiles + strip] = 1.0f / col_scale[c];
+        col_scale[c] = block_scale(col_amax[c], fp8_max, p.dst.power_2_scale);
+        p.dst.scale_inv_t[c * row_tiles + strip] = 1.0f / col_scale[c];
       }
     }
     for (int64_t r = r0; r < r1; ++r) {
@@ -60,8 +60,8 @@ void quantize_strips(const BlockQuantizeParams& p) {
         if (!blocks) {
           uint32_t a = 0u;
           for (int64_t c = c0; c < c1; ++c) a = std::max(a, abs_bits(static_cast<float>(row[c])));
-          s = block_scale(a, fp8_max, p.power_2_scale);
-          p.scale_inv[r * col_tiles + j] = 1.0f / s;
+          s = block_scale(a, fp8_max, p.dst.power_2_scale);
+          p.dst.scale_inv[r * col_tiles + j] = 1.0f / s;
         }
         for (int64_t c = c0; c < c1; ++c) {
           const float v = static_cast<float>(row[c]);
@@ -80,7 +80,7 @@ void quantize_strips(const BlockQuantizeParams& p) {
 Status block_quantize_cpu(const BlockQuantizeParams& p) {
   if (p.noop != nullptr && *p.noop == 1.0f) return Status{};
   GRAPHFP8_SWITCH_HP(p.x_dtype, "block_quantize_cpu", T,
-    GRAPHFP8_SWITCH_FP8(p.out_dtype, "block_quantize_cpu", kE4M3,
+    GRAPHFP8_SWITCH_FP8(p.dst.out_dtype, "block_quantize_cpu", kE4M3,
       quantize_strips<T, kE4M3>(p);))
   return Status{};
 }

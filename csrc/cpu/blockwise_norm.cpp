@@ -7,13 +7,7 @@
 #include "../blockwise_norm.h"
 
 namespace graphfp8 {
-namespace {
-
-int64_t elem_bytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
-
-}  // namespace
-
-NormParams norm_stats_params(const BlockNormParams& p) {
+NormParams norm_stats_params(const BlockNormParams& p, float* slots) {
   NormParams n{};
   n.x = p.x;
   n.residual = p.residual;
@@ -21,7 +15,7 @@ NormParams norm_stats_params(const BlockNormParams& p) {
   n.gamma = p.gamma;
   n.beta = p.beta;
   n.dtype = p.dtype;
-  n.out_dtype = p.out_dtype;
+  n.out_dtype = p.dst.out_dtype;
   n.mu = p.mu;
   n.rsigma = p.rsigma;
   n.eps = p.eps;
@@ -29,35 +23,23 @@ NormParams norm_stats_params(const BlockNormParams& p) {
   n.zero_centered_gamma = p.zero_centered_gamma;
   n.rows = p.rows;
   n.hidden = p.hidden;
+  n.scale = slots;
+  n.amax = slots + 1;
+  n.scale_inv = slots + 2;
   return n;
 }
 
 Status block_norm_cpu(const BlockNormParams& p) {
   const int64_t n = p.rows * p.hidden;
-  std::vector<uint8_t> y(static_cast<size_t>(n * elem_bytes(p.dtype)));
+  std::vector<uint8_t> y(static_cast<size_t>(n * hp_bytes(p.dtype)));
   std::vector<uint8_t> unused(static_cast<size_t>(n));  // the per-tensor FP8 bytes (scale 1)
-  float scale = 1.0f, amax = 0.0f, scale_inv = 1.0f;
-  NormParams norm = norm_stats_params(p);
+  float slots[3] = {1.0f, 0.0f, 1.0f};                  // scale, amax, scale_inv
+  NormParams norm = norm_stats_params(p, slots);
   norm.out = unused.data();
   norm.out_hp = y.data();
-  norm.scale = &scale;
-  norm.amax = &amax;
-  norm.scale_inv = &scale_inv;
   Status st = norm_fwd_cpu(norm);
   if (!st.ok()) return st;
-  BlockQuantizeParams q{};
-  q.x = y.data();
-  q.x_dtype = p.dtype;
-  q.out = p.out;
-  q.scale_inv = p.scale_inv;
-  q.out_t = p.out_t;
-  q.scale_inv_t = p.scale_inv_t;
-  q.out_dtype = p.out_dtype;
-  q.rows = p.rows;
-  q.cols = p.hidden;
-  q.block_rows = 1;
-  q.power_2_scale = p.power_2_scale;
-  return block_quantize_cpu(q);
+  return block_quantize_cpu(tile_quantize_params(y.data(), p.dtype, p.dst, p.rows, p.hidden));
 }
 
 }  // namespace graphfp8

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "../blockwise_norm.h"
+#include "blockwise_args.h"
 #include "ops.h"
 #include "switches.h"
 
@@ -25,15 +26,6 @@ void check_row_stats(const char* op, const char* name, const at::Tensor& t, cons
               "' must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(0), op, ": argument '", name,
               "' must have shape [", fmt(x.size(0)), "], got ", fmt(t.sizes()));
-}
-
-void check_block_scales(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x,
-                        at::IntArrayRef shape) {
-  check_common(op, name, t, x);
-  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": argument '", name, "' must be float32, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.sizes() == shape, op, ": argument '", name, "' must have shape ", fmt(shape),
-              ", got ", fmt(t.sizes()));
 }
 
 // The input every norm op starts from: x (rows, hidden) and gamma (hidden,).
@@ -293,17 +285,6 @@ void blockwise_norm(const at::Tensor& x, const at::Tensor& gamma,
   TORCH_CHECK(beta.has_value() == mu.has_value(), op,
               ": give 'mu' with 'beta' (LayerNorm), neither for RMSNorm");
   TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be finite and >= 0");
-  check_fp8_out(op, "out", out, x, x.sizes());
-  const auto tiles = [](int64_t n) { return (n + kBlockTile - 1) / kBlockTile; };
-  check_block_scales(op, "scale_inv", scale_inv, x, {rows, tiles(hidden)});
-  TORCH_CHECK(out_t.has_value() == scale_inv_t.has_value(), op,
-              ": give 'out_t' and 'scale_inv_t' together, or neither");
-  if (out_t.has_value()) {
-    check_fp8_out(op, "out_t", *out_t, x, {hidden, rows});
-    TORCH_CHECK(out_t->scalar_type() == out.scalar_type(), op,
-                ": arguments 'out' and 'out_t' must have the same dtype");
-    check_block_scales(op, "scale_inv_t", *scale_inv_t, x, {hidden, tiles(rows)});
-  }
   if (mu.has_value()) check_row_stats(op, "mu", *mu, x);
   check_row_stats(op, "rsigma", rsigma, x);
   TORCH_CHECK(residual.has_value() == residual_out.has_value(), op,
@@ -313,22 +294,18 @@ void blockwise_norm(const at::Tensor& x, const at::Tensor& gamma,
     check_like(op, "residual_out", *residual_out, x, x.sizes());
   }
   BlockNormParams p{};
+  p.dst = check_block_out(op, x, rows, hidden, 1, out, scale_inv, out_t, scale_inv_t,
+                          power_2_scale);
   p.x = x.data_ptr();
   p.residual = ptr(opt(residual));
   p.residual_out = ptr(opt(residual_out));
   p.gamma = gamma.data_ptr();
   p.beta = ptr(opt(beta));
   p.dtype = to_dtype(x.scalar_type());
-  p.out = out.data_ptr();
-  p.scale_inv = scale_inv.data_ptr<float>();
-  p.out_t = ptr(opt(out_t));
-  p.scale_inv_t = scale_inv_t.has_value() ? scale_inv_t->data_ptr<float>() : nullptr;
-  p.out_dtype = to_dtype(out.scalar_type());
   p.mu = mu.has_value() ? mu->data_ptr<float>() : nullptr;
   p.rsigma = rsigma.data_ptr<float>();
   p.eps = static_cast<float>(eps);
   p.zero_centered_gamma = zero_centered_gamma;
-  p.power_2_scale = power_2_scale;
   p.rows = rows;
   p.hidden = hidden;
   if (x.numel() == 0) return;

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from graphfp8.fp8.slots import FwdRole
 from graphfp8.modules._blockwise import hp_or_blockwise, linear
+from graphfp8.modules._blockwise_act import act_linear, fused_act_linear
 from graphfp8.modules._blockwise_norm import fused_norm_linear, norm_linear
 from graphfp8.modules._functional import GemmConfig, fp8_linear
 from graphfp8.modules._mlp import FUSED_ACTIVATIONS, fp8_mlp
@@ -118,7 +119,10 @@ class LayerNormMLP(FP8Module):
                 h = inp if residual is None else inp + residual
                 ln_out = apply_norm(self, h, self.norm_spec)
                 fc1 = linear(ln_out, w1, self.fc1_bias, cfgs, 0)
-            out = linear(act(fc1), w2, self.fc2_bias, cfgs, 1)
+            if fused_act_linear(cfgs, self.activation):  # the activation writes fc2's tiles
+                out = act_linear(fc1, self.activation, w2, self.fc2_bias, cfgs)
+            else:
+                out = linear(act(fc1), w2, self.fc2_bias, cfgs, 1)
         else:
             needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
             quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)

@@ -2,6 +2,7 @@
 
 from graphfp8.ops._lib import GradWatch, TensorWatch, built_with_cuda
 from graphfp8.ops.amax import amax_, dgelu_amax_, gelu_amax_, layernorm_amax_, rmsnorm_amax_
+from graphfp8.ops.blockwise_act import BlockAct, blockwise_act
 from graphfp8.ops.blockwise_fused import blockwise_quantize
 from graphfp8.ops.blockwise_norm import BlockNorm, blockwise_norm
 from graphfp8.ops.blockwise_stats import blockwise_stats
@@ -26,10 +27,12 @@ from graphfp8.ops.stats import cast_stats, reduce_cast_stats, stats_partials
 from graphfp8.ops.transpose import fp8_transpose
 
 __all__ = [
+    "BlockAct",
     "BlockNorm",
     "GradWatch",
     "NormFP8",
     "amax_",
+    "blockwise_act",
     "blockwise_norm",
     "blockwise_quantize",
     "blockwise_stats",

@@ -56,6 +56,9 @@ SWITCHES = (
 #   BLOCKWISE_NORM (off until its CUDA kernel runs on a GPU) LayerNormLinear / LayerNormMLP
 #                  under Float8BlockScaling: the norm writes the GEMM's 1x128 tiles itself
 #                  (graphfp8/modules/_blockwise_norm.py; both devices)
+#   BLOCKWISE_ACT  (off until its CUDA kernel runs on a GPU) LayerNormMLP under
+#                  Float8BlockScaling: the GELU / SwiGLU / GeGLU writes fc2's 1x128 tiles
+#                  itself (graphfp8/modules/_blockwise_act.py; both devices)
 #   GRAD_FILL_ONE_PASS (off until it runs on a GPU) the -0.0 fill of graphed callables' .grad
 #                  buffers before the first microbatch (graphfp8/graphs/grads.py): one fill_
 #                  kernel per large buffer (2 bytes per bf16 element) instead of zero + negate
@@ -72,6 +75,7 @@ ENV_DEFAULTS = {
     "CUDA_GLU": True,
     "CUDNN_RAGGED": False,
     "BLOCKWISE_NORM": False,
+    "BLOCKWISE_ACT": False,
     "GRAD_FILL_ONE_PASS": False,
     "GRAD_FOLD_COPY_FIRST": False,
 }

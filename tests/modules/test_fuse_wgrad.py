@@ -216,3 +216,19 @@ def test_blockwise_fused_norm_routes_the_weight_gradient_into_main_grad(kind, mo
     for model in (plain, fused):
         _train(model, _inputs(model), recipe=g8.Float8BlockScaling())
     _assert_main_grads_are_grads(plain, fused, kind)
+
+
+@pytest.mark.parametrize("kind", ["LayerNormMLP", "SwiGLUMLP"])
+def test_blockwise_fused_activation_routes_the_weight_gradient_into_main_grad(kind, monkeypatch):
+    """Float8BlockScaling with the activation writing fc2's tiles (GRAPHFP8_BLOCKWISE_ACT, the
+    norm's switch on too): fc2's gradient reaches main_grad as every blockwise GEMM's does."""
+    from graphfp8.modules import _blockwise_act, _blockwise_norm
+
+    monkeypatch.setattr(_blockwise_act.FUSED, "on", True)
+    monkeypatch.setattr(_blockwise_norm.FUSED, "on", True)
+    torch.manual_seed(0)
+    plain = build(kind, dtype=torch.float32)
+    fused = fuse(copy.deepcopy(plain))
+    for model in (plain, fused):
+        _train(model, _inputs(model), recipe=g8.Float8BlockScaling())
+    _assert_main_grads_are_grads(plain, fused, kind)
