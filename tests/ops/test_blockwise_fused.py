@@ -171,6 +171,22 @@ def test_cuda_kernel_equals_the_cpu_kernel(block_rows, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(4096, 2048), (4096, 8192), (4096, 16384), (4056, 2120)])
+@pytest.mark.parametrize("block_rows", [1, 128])
+def test_cuda_kernel_at_the_mlp_shapes(shape, block_rows):
+    """The Llama-1B SwiGLU MLP's four operands (issue 42's speed row: x, y, h, dy as the
+    benchmarks time them) and a partial-tile shape (rows not a multiple of 16: the byte stores
+    of out_t), bf16 with and without the transpose: the CPU kernel's bytes."""
+    x = _data(shape, torch.bfloat16, seed=4, specials=True)
+    for transpose in (True, False):
+        cpu = bf.blockwise_quantize(x, block_rows, transpose=transpose)
+        gpu = bf.blockwise_quantize(x.cuda(), block_rows, transpose=transpose)
+        for g, c in zip(gpu, cpu, strict=True):
+            assert_bitwise_equal(g.cpu(), c, f"{shape} transpose={transpose}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_kernel_in_a_cuda_graph():
     """Captured, with the noop flag read at replay."""
     x = _data((512, 1024), torch.bfloat16).cuda()
