@@ -174,9 +174,9 @@ def test_cuda_kernel_equals_the_cpu_kernel(block_rows, dtype):
 @pytest.mark.parametrize("shape", [(4096, 2048), (4096, 8192), (4096, 16384), (4056, 2120)])
 @pytest.mark.parametrize("block_rows", [1, 128])
 def test_cuda_kernel_at_the_mlp_shapes(shape, block_rows):
-    """The Llama-1B SwiGLU MLP's four operands (issue 42's speed row: x, y, h, dy as the
-    benchmarks time them) and a partial-tile shape (rows not a multiple of 16: the byte stores
-    of out_t), bf16 with and without the transpose: the CPU kernel's bytes."""
+    """The shapes of the Llama-1B SwiGLU MLP's quantized operands (issue 42's speed row: x and
+    dy, the SwiGLU output, its gradient) and a partial-tile shape (rows not a multiple of 16:
+    the byte stores of out_t), bf16 with and without the transpose: the CPU kernel's bytes."""
     x = _data(shape, torch.bfloat16, seed=4, specials=True)
     for transpose in (True, False):
         cpu = bf.blockwise_quantize(x, block_rows, transpose=transpose)
