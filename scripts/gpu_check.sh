@@ -403,7 +403,7 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       echo "-- blockwise CUDA tests: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"
       # The fused quantize kernels (default-off on CUDA) and the weight cache, then the graph
       # tests with the fused kernels on: what turning GRAPHFP8_BLOCKWISE_KERNELS on needs.
-      GRAPHFP8_BLOCKWISE_KERNELS=fused timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider \
+      GRAPHFP8_BLOCKWISE_KERNELS=fused timeout 450 $PY -m pytest -q -m cuda -p no:cacheprovider \
         tests/ops/test_blockwise_fused.py tests/modules/test_blockwise_cache.py \
         tests/graphs/test_blockwise_graphs.py > "$RES/tests_blockwise_fused.log" 2>&1 || status=1
       echo "-- blockwise fused-kernel CUDA tests: $(tail -1 "$RES/tests_blockwise_fused.log")" \
