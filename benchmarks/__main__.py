@@ -1,6 +1,6 @@
 """`python -m benchmarks {kernels,variants,opcount,census,eager,block,attention,step,host,
 memory,memory-plan,recompute,stack,glu,hf,hf-users,speed,carried-casts,fsdp-graph,
-wgrad-accum} [--device D] [--json PATH] [--quick] [--table]`."""
+wgrad-accum,grad-fill} [--device D] [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ SUITES = {
     "carried-casts": "benchmarks.carried_casts",
     "fsdp-graph": "benchmarks.fsdp_graph",
     "wgrad-accum": "benchmarks.wgrad_accum",
+    "grad-fill": "benchmarks.grad_fill",
 }
 
 

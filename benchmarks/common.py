@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -15,7 +16,7 @@ import torch
 from graphfp8.training.floor import cuda_ms
 
 __all__ = ["time_device", "time_host", "gpu_busy", "sync", "environment", "print_table",
-           "write_json", "graph_of"]  # fmt: skip
+           "write_json", "graph_of", "env_var"]  # fmt: skip
 
 
 def sync(device) -> None:
@@ -127,6 +128,21 @@ def environment(device) -> dict:
     except ImportError:
         env["torchao"] = None
     return env
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str):
+    """os.environ[name] = value inside the block, as it was after (for switches read at capture,
+    graphfp8.ops.switches.ENV_DEFAULTS: one process captures both sides of an A/B)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = before
 
 
 def print_table(title: str, header: list[str], rows: list[list]) -> str:

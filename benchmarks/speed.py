@@ -2,7 +2,9 @@
 runs - the compiled plain-torch bf16 model (the fair baseline), graphfp8's bf16 and FP8 layer
 graphs - in one process on the same data, with repeats and their spread, model TFLOP/s, the
 physical floor (training/floor.py, ceilings calibrated on the GPU) and the fraction of it
-reached, GPU busy (kernel time over the unprofiled wall) and the full kernel table by category.
+reached, GPU busy (kernel time over the unprofiled wall) and the full kernel table by category
+and by kernel group against its part of the floor (`python -m benchmarks.floor_gap` reads it
+back from the JSON).
 
     python -m benchmarks speed [--quick] [--json PATH]   (--quick: tiny shapes, CPU too)
 
@@ -20,6 +22,7 @@ import time
 import torch
 
 from benchmarks.common import environment, print_table, sync
+from benchmarks.floor_gap import gap_table
 from graphfp8.training.data import Dataset
 from graphfp8.training.floor import H200, Ceilings, calibrate, floor, model_flops
 from graphfp8.training.kernel_table import kernel_table
@@ -176,7 +179,8 @@ def _shape(r: dict) -> str:
 
 
 def _tables(r: dict) -> str:
-    """One row's peers (speed, ratios, floor, busy), then its kernel table by category."""
+    """One row's peers (speed, ratios, floor, busy), then its kernel table by category and by
+    kernel group against the floor's part for each (benchmarks/floor_gap.py)."""
     c = r["ceilings"]
     header = ["peer", "graphed", "compiled", "attention", "tokens/s median (min-max)",
               f"/ {BASELINE} (min-max)", "/ bf16-graphs", "model TFLOP/s", "ms / step",
@@ -193,7 +197,7 @@ def _tables(r: dict) -> str:
         f"FP8 {c['fp8_gemm_tflops']:.0f} / bf16 {c['bf16_gemm_tflops']:.0f} TFLOP/s, copy "
         f"{c['copy_tbps']:.2f} TB/s, attention {c['attention_tflops']:.0f} TFLOP/s "
         f"({c['source']})", header, lines)  # fmt: skip
-    return text + _kernel_rows(r)
+    return text + _kernel_rows(r) + gap_table(r)
 
 
 def _kernel_rows(r: dict) -> str:

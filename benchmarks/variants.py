@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import environment, print_table
+from benchmarks.common import env_var, environment, print_table
 from benchmarks.kernels import _rotating, _timed
 from graphfp8 import ops
 from graphfp8.fp8 import current
 from graphfp8.fp8.current import CurrentQuantizer
 from graphfp8.fp8.slots import Quantizer
+from graphfp8.graphs import grads
 from graphfp8.ops.switches import kernel_switch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -43,6 +44,57 @@ def _switch_row(name, op, shape, bytes_per_elem, fn, sets, copy_gbs, device) -> 
     ratio = {on: bytes_per_elem * n_elem / ms[on] / 1e6 / copy_gbs for on in ms}
     return dict(switch=name, op=op, shape=f"{shape[0]}x{shape[1]}", off_ms=ms[False],
                 on_ms=ms[True], off_ratio_to_copy=ratio[False], on_ratio_to_copy=ratio[True],
+                speedup=ms[False] / ms[True])  # fmt: skip
+
+
+# The four GEMM weights of one layer (out, in) at Llama-3.2-1B and Llama-3-8B (issue 41)
+LAYER_WEIGHTS = {
+    "llama-1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
+    "llama-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+}
+
+
+def _grad_fill_row(layer: str, shapes, copy_gbs, device) -> dict:
+    """The -0.0 fill of one layer's bf16 .grad buffers (graphs/grads.py) with GRAD_FILL_ONE_PASS
+    off (zero + negate: 6 B per element) and on (fill_: 2 B), captured in the same process; each
+    variant's own bytes against the copy rate."""
+    buffers = [torch.empty(s, device=device, dtype=torch.bfloat16) for s in shapes]
+    n_elem = sum(b.numel() for b in buffers)
+    ms = {}
+    for on in (False, True):
+        # read while _timed captures
+        with env_var("GRAPHFP8_GRAD_FILL_ONE_PASS", "1" if on else "0"):
+            ms[on] = _timed(lambda i: grads.fill_minus_zero(buffers), 1, device)
+    ratio = {on: (2 if on else 6) * n_elem / ms[on] / 1e6 / copy_gbs for on in ms}
+    return dict(switch="GRAD_FILL_ONE_PASS", op=f"-0.0 fill, {layer} layer", shape=f"{n_elem}",
+                off_ms=ms[False], on_ms=ms[True], off_ratio_to_copy=ratio[False],
+                on_ratio_to_copy=ratio[True], speedup=ms[False] / ms[True])  # fmt: skip
+
+
+def _copy_first_row(layer: str, shapes, copy_gbs, device) -> dict:
+    """The first microbatch's gradient accumulation of one layer's bf16 weights: off, the -0.0
+    fill (zero + negate) and the add of each gradient (12 B per element); on, grad_fold_ with its
+    flag set (GRAD_FOLD_COPY_FIRST: 4 B). Each variant's own bytes against the copy rate."""
+    buffers = [torch.empty(s, device=device, dtype=torch.bfloat16) for s in shapes]
+    grads_ = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in shapes]
+    first = torch.ones(1, dtype=torch.int32, device=device)
+    n_elem = sum(b.numel() for b in buffers)
+
+    def off(i):
+        with env_var("GRAPHFP8_GRAD_FILL_ONE_PASS", "0"):
+            grads.fill_minus_zero(buffers)
+        for b, g in zip(buffers, grads_, strict=True):  # as GradFold folds a large gradient
+            b.add_(g)
+
+    def on(i):
+        for b, g in zip(buffers, grads_, strict=True):
+            ops.grad_fold_(b, g, first)
+
+    ms = {False: _timed(off, 1, device), True: _timed(on, 1, device)}
+    ratio = {k: (4 if k else 12) * n_elem / ms[k] / 1e6 / copy_gbs for k in ms}
+    return dict(switch="GRAD_FOLD_COPY_FIRST", op=f"first fold, {layer} layer",
+                shape=f"{n_elem}", off_ms=ms[False], on_ms=ms[True],
+                off_ratio_to_copy=ratio[False], on_ratio_to_copy=ratio[True],
                 speedup=ms[False] / ms[True])  # fmt: skip
 
 
@@ -229,6 +281,11 @@ def run(device, quick: bool = False) -> dict:
             with kernel_switch("NORM_BWD_STAGED", True):
                 switches.append(_switch_row("NORM_BWD_PARAM_IN_KERNEL", "layernorm_bwd", shape,
                                             6, _norm_bwd, sets, copy_gbs, device))  # fmt: skip
+    # issue 41: the .grad buffers' -0.0 fill of layer graphs in one pass (notes/PERF.md)
+    layers = {"tiny": [(256, 256), (64, 32)]} if quick else LAYER_WEIGHTS  # one >= FOLD_AT_ONCE
+    copy_gbs = _copy_gbs(_bf16_sets(*norm_shapes[-1], device), device)
+    switches += [_grad_fill_row(k, v, copy_gbs, device) for k, v in layers.items()]
+    switches += [_copy_first_row(k, v, copy_gbs, device) for k, v in layers.items()]
     text = print_table(
         f"kernel switches off / on, bf16 (same run; ratios to a bf16 copy), {device}",
         ["switch", "op", "shape", "off ms", "on ms", "off / copy", "on / copy", "speedup"],

@@ -29,6 +29,7 @@ __all__ = [
     "cast_to_fp8",
     "cast_transpose",
     "fp8_transpose",
+    "grad_fold_",
     "scale_update",
     "current_scale",
     "dequantize",
@@ -133,6 +134,15 @@ def fp8_transpose(x, out_t, noop=None) -> None:
     if _skip(noop):
         return
     out_t.copy_(x.t())
+
+
+def grad_fold_(buffer, grad, first) -> None:
+    """Twin of torch.ops.graphfp8.grad_fold_: eager AccumulateGrad's two cases, the first
+    microbatch's gradient taken as it is (first != 0), later ones added."""
+    if int(first.item()) != 0:
+        buffer.copy_(grad)
+    else:
+        buffer.add_(grad)
 
 
 def fp8_gemm_accumulate(a, a_scale_inv, b_t, b_scale_inv, out) -> None:

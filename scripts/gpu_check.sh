@@ -122,6 +122,16 @@
 #               GEMM with beta = 1 against _scaled_mm + main_grad, in a CUDA graph, the layers
 #               and graphs), then python -m benchmarks wgrad-accum (wgrad + add vs the fused
 #               GEMM at Llama 1B / 8B shapes, SwiGLU LayerNormMLP graphed; 3 repeats, spread)
+#   step grad-fill (issue 41, notes/PERF.md "Gradient accumulation at Llama shapes"): the CUDA
+#               tests of tests/ops/test_grad_fold_op.py (the grad_fold_ kernel against torch's
+#               copy_ / add_ bit for bit, its flag read at graph replay) and
+#               tests/graphs/test_grad_fold.py (the -0.0 fill in a CUDA graph, a TransformerLayer
+#               graphed == eager, GRAPHFP8_GRAD_FILL_ONE_PASS and GRAPHFP8_GRAD_FOLD_COPY_FIRST off
+#               and on), then python -m benchmarks grad-fill (FP8 layer graphs at the llama-1b /
+#               llama-8b speed rows, the default, one-pass fill and copy-first runs captured in
+#               one process, 6 rotating windows: tokens/s against the default, the gradient
+#               accumulation family's kernel ms) and the variants table (its GRAD_FILL_ONE_PASS
+#               and GRAD_FOLD_COPY_FIRST rows at one layer's weights); ~3 min
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -508,6 +518,16 @@ PYEOF
       $PY -m benchmarks wgrad-accum --json "$RES/bench_wgrad_accum.json" \
         > /tmp/bench_wgrad_accum.log 2>&1 || { status=1; tail -30 /tmp/bench_wgrad_accum.log; }
       grep -v '^wrote' /tmp/bench_wgrad_accum.log >> "$RES/summary.md" ;;
+    grad-fill)  # issue 41: the one-pass -0.0 fill of the layer graphs' .grad buffers
+      timeout 120 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_grad_fold_op.py \
+        tests/graphs/test_grad_fold.py tests/ops/test_op_registry.py \
+        > "$RES/tests_grad_fill.log" 2>&1 || status=1
+      tail -15 "$RES/tests_grad_fill.log"; tail -1 "$RES/tests_grad_fill.log" >> "$RES/summary.md"
+      timeout 150 $PY -m benchmarks grad-fill --json "$RES/bench_grad_fill.json" \
+        > /tmp/bench_grad_fill.log 2>&1 || { status=1; tail -30 /tmp/bench_grad_fill.log; }
+      grep -v '^wrote' /tmp/bench_grad_fill.log >> "$RES/summary.md"
+      timeout 100 $PY -m benchmarks variants --json "$RES/grad_fill_variants.json" 2>&1 \
+        | grep -v '^wrote' | grep -E "^###|^\| (switch|---|GRAD_F)" >> "$RES/summary.md" ;;
     glu)  # issue 23: SwiGLU LayerNormMLP FP8 graphed vs bf16 graphed and TE, the GLU kernels
       with_te $PY -m benchmarks glu --json "$RES/bench_glu.json" > /tmp/bench_glu.log 2>&1 \
         || { status=1; tail -30 /tmp/bench_glu.log; }

@@ -48,6 +48,8 @@ def test_variants_quick(tmp_path, capsys):
         ("NORM_BWD_STAGED", "layernorm_bwd"),
         ("NORM_BWD_STAGED", "layernorm_bwd + dresidual"),
         ("NORM_BWD_PARAM_IN_KERNEL", "layernorm_bwd"),
+        ("GRAD_FILL_ONE_PASS", "-0.0 fill, tiny layer"),
+        ("GRAD_FOLD_COPY_FIRST", "first fold, tiny layer"),
     ]  # fmt: skip
     assert [r["op"] for r in result["current"]] == ["cast_transpose", "gelu_cast_transpose"]
     assert [r["shape"] for r in result["block_quantize"]] == ["256x384"]  # issue 42's row

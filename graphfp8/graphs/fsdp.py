@@ -21,7 +21,7 @@ from torch import nn
 
 from graphfp8.fp8.tensor_fsdp import fsdp_module_types
 from graphfp8.graphs.backends import new_graph
-from graphfp8.graphs.grads import GradAccumulator
+from graphfp8.graphs.grads import GradAccumulator, fill_minus_zero
 
 __all__ = ["FSDP_SYNCS", "FSDPGrads", "FSDPSettings", "FSDPSnapshot", "check_fsdp2_model",
            "check_fsdp_sync", "fsdp_hook", "is_fsdp2", "refusal", "set_fsdp_sync"]  # fmt: skip
@@ -268,13 +268,13 @@ class FSDPGrads:
             )
 
     def accumulator(self, device, pool) -> GradAccumulator:
-        """The replay bookkeeping, with its captured fill of the buffers with -0.0."""
+        """The replay bookkeeping, with its captured fill of the local shards with -0.0
+        (grads.fill_minus_zero)."""
         locals_ = [b._local_tensor for b in self.buffers]
         saved = [t.clone() for t in locals_] if device.type == "cpu" else None
         reset = new_graph(device)
         with reset.capture(pool):
-            torch._foreach_zero_(locals_)
-            torch._foreach_neg_(locals_)
+            fill_minus_zero(locals_)
         if saved is not None:
             torch._foreach_copy_(locals_, saved)
         return GradAccumulator(self.used, self.buffers, reset)

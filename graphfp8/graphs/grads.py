@@ -12,9 +12,10 @@ import torch
 from graphfp8.fp8.main_grad import is_fused
 from graphfp8.graphs.backends import host_memory, new_graph
 from graphfp8.graphs.tape import CaptureError
-from graphfp8.ops import GradWatch
+from graphfp8.ops import GradWatch, grad_fold_
+from graphfp8.ops.switches import env_switch
 
-__all__ = ["FOLD_AT_ONCE", "GradAccumulator", "GradFold", "grad_buffer"]
+__all__ = ["FOLD_AT_ONCE", "GradAccumulator", "GradFold", "fill_minus_zero", "grad_buffer"]
 
 _GRAD = operator.attrgetter("grad")
 _ALL_BUFFERS, _ALL_NONE = 0, 1  # GradWatch.state(): every .grad is its buffer / is None
@@ -89,7 +90,15 @@ FOLD_AT_ONCE = 1 << 16
 
 class GradFold:
     """Folds each parameter gradient into the parameter's persistent .grad buffer inside the
-    backward graph (GradAccumulator says how replays use this)."""
+    backward graph (GradAccumulator says how replays use this).
+
+    Under GRAD_FOLD_COPY_FIRST (graphfp8.ops.switches, read here, at capture) each large
+    gradient's first fold in the graph is graphfp8.ops.grad_fold_, which copies when the device
+    flag `first` is set and adds when it is not: the accumulator's reset graph sets the flag
+    instead of filling those buffers with -0.0, and the backward graph clears it at its end, so
+    the first microbatch of a step writes 4 bytes per bf16 element where the fill and the add
+    took 6 + 6 (notes/PERF.md, "Gradient accumulation at Llama shapes"). Eager AccumulateGrad
+    steals that gradient: the copy is its bits."""
 
     def __init__(self, params, device):
         # A weight whose gradient a layer adds into its main_grad gets none from autograd.
@@ -98,6 +107,9 @@ class GradFold:
         self.buffers = [grad_buffer(p) for p in self.params]
         self.folded: list[int] = []
         self.pending: list[tuple[int, torch.Tensor]] = []
+        self.copy_first = env_switch("GRAD_FOLD_COPY_FIRST")
+        self.first = torch.zeros(1, dtype=torch.int32, device=device) if self.copy_first else None
+        self.flagged: set[int] = set()  # the parameters whose first fold reads `first`
 
     def _hook(self, i: int, stand_ins: dict):
         def fold(grad: torch.Tensor) -> torch.Tensor:
@@ -108,9 +120,15 @@ class GradFold:
                     "its accumulation on a stream that is not capturing; its autograd node "
                     "predates the capture (free the outputs of earlier forwards first)"
                 )
+            first_fold = i not in self.folded
             self.folded.append(i)
             if grad.numel() >= FOLD_AT_ONCE:
-                self.buffers[i].add_(grad)
+                buffer = self.buffers[i]
+                if self.copy_first and first_fold and grad.dtype == buffer.dtype:
+                    grad_fold_(buffer, grad, self.first)
+                    self.flagged.add(i)
+                else:  # a second fold in the same graph adds onto the first
+                    buffer.add_(grad)
             else:
                 self.pending.append((i, grad))
             # autograd.grad returns this zero-byte stand-in instead of the gradient.
@@ -136,28 +154,54 @@ class GradFold:
                 torch._foreach_copy_(self.buffers, saved)
 
     def finish(self) -> None:
-        """Captures the add of the small gradients, after autograd is done."""
+        """Captures the add of the small gradients, after autograd is done, and the clearing of
+        the copy-first flag after every fold that reads it."""
         if self.pending:
             idx, grads = zip(*self.pending, strict=True)
             torch._foreach_add_([self.buffers[i] for i in idx], list(grads))
         self.pending = []
+        if self.flagged:
+            self.first.zero_()
 
     def accumulator(self, pool) -> GradAccumulator | None:
         """The parameters that got a gradient, with a captured fill of their buffers with -0.0
-        (zero, then negate: two multi-tensor kernels)."""
+        (fill_minus_zero)."""
         used = sorted(set(self.folded))
         if not used:
             return None
         params, buffers = [self.params[i] for i in used], [self.buffers[i] for i in used]
+        filled = [self.buffers[i] for i in used if i not in self.flagged]
         with host_memory():
-            saved = [b.clone() for b in buffers] if self.device.type == "cpu" else None
+            saved = [b.clone() for b in filled] if self.device.type == "cpu" else None
         reset = new_graph(self.device)
         with reset.capture(pool):
-            torch._foreach_zero_(buffers)
-            torch._foreach_neg_(buffers)
-        if saved is not None:
-            torch._foreach_copy_(buffers, saved)
+            if self.flagged:
+                self.first.fill_(1)
+            fill_minus_zero(filled)
+        if saved is not None:  # the CPU tape ran what it recorded
+            if filled:
+                torch._foreach_copy_(filled, saved)
+            if self.flagged:
+                self.first.zero_()
         return GradAccumulator(params, buffers, reset)
+
+
+def fill_minus_zero(buffers: list[torch.Tensor]) -> None:
+    """Every element of `buffers` set to -0.0. By default zero, then negate: two multi-tensor
+    kernels over every buffer, 6 bytes per bf16 element (2 written, then 2 read and 2 written).
+    Under GRAD_FILL_ONE_PASS (graphfp8.ops.switches, read at capture) each buffer of at least
+    FOLD_AT_ONCE elements is one fill_ kernel writing 2 bytes per element; the small ones keep
+    the two multi-tensor kernels, one launch each for all of them (docs/benchmarking.md,
+    "Kernel switches"; notes/PERF.md, "Gradient accumulation at Llama shapes")."""
+    small = buffers
+    if env_switch("GRAD_FILL_ONE_PASS"):
+        small = [b for b in buffers if b.numel() < FOLD_AT_ONCE]
+        for b in buffers:
+            if b.numel() >= FOLD_AT_ONCE:
+                b.fill_(-0.0)
+    if small:
+        torch._foreach_zero_(small)
+        torch._foreach_neg_(small)
 
 
 def grad_buffer(param: torch.Tensor) -> torch.Tensor:

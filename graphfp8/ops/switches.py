@@ -56,6 +56,15 @@ SWITCHES = (
 #   BLOCKWISE_NORM (off until its CUDA kernel runs on a GPU) LayerNormLinear / LayerNormMLP
 #                  under Float8BlockScaling: the norm writes the GEMM's 1x128 tiles itself
 #                  (graphfp8/modules/_blockwise_norm.py; both devices)
+#   GRAD_FILL_ONE_PASS (off until it runs on a GPU) the -0.0 fill of graphed callables' .grad
+#                  buffers before the first microbatch (graphfp8/graphs/grads.py): one fill_
+#                  kernel per large buffer (2 bytes per bf16 element) instead of zero + negate
+#                  (6 bytes); read at capture, so one process can capture both (bit-identical)
+#   GRAD_FOLD_COPY_FIRST (off until it runs on a GPU) graphed callables fold each large
+#                  gradient with graphfp8.ops.grad_fold_: a device flag, set by the accumulator
+#                  instead of the -0.0 fill, makes the first microbatch copy and later ones add
+#                  (4 + 6 bytes per element a step instead of 6 + 6 + 6); read at capture
+#                  (graphfp8/graphs/grads.py; bit-identical)
 # Every default, here and in csrc/ops/switches.h, is one the CUDA suite passed with on a GPU:
 # tests/test_switch_defaults.py compares them with tests/data/gpu_verified_switches.json.
 ENV_DEFAULTS = {
@@ -63,6 +72,8 @@ ENV_DEFAULTS = {
     "CUDA_GLU": True,
     "CUDNN_RAGGED": False,
     "BLOCKWISE_NORM": False,
+    "GRAD_FILL_ONE_PASS": False,
+    "GRAD_FOLD_COPY_FIRST": False,
 }
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from graphfp8.training.presets import ModelConfig
 
-__all__ = ["Ceilings", "H200", "calibrate", "cuda_ms", "floor", "gemm_parameters", "model_flops",
-           "memory_bytes"]  # fmt: skip
+__all__ = ["ACTIVATION_PARTS", "Ceilings", "H200", "calibrate", "cuda_ms", "floor",
+           "gemm_parameters", "memory_bytes", "memory_parts", "model_flops"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def model_flops(cfg: ModelConfig, tokens: int) -> dict[str, float]:
 
 def memory_bytes(cfg: ModelConfig, precision: str, tokens: int) -> dict:
     """The bytes an ideally fused step moves outside the GEMMs and attention: {"activations",
-    "loss", "optimizer", "total"}.
+    "loss", "optimizer", "total"} (memory_parts says which kernels move them).
 
     Per layer and token, each tensor between two GEMMs (or attention) is read once (bf16, 2
     bytes) and written once as the next GEMM's operand (e bytes: 1 for fp8, 2 for bf16; fp8 also
@@ -77,29 +77,45 @@ def memory_bytes(cfg: ModelConfig, precision: str, tokens: int) -> dict:
     gradient. Per step and parameter: AdamW (bf16 weight and gradient, fp32 moments: 22 bytes)
     and, in fp8, each weight's cast into both layouts (4 bytes).
     """
+    parts = memory_parts(cfg, precision, tokens)
+    out = {"activations": sum(parts[k] for k in ACTIVATION_PARTS), "loss": parts["loss"],
+           "optimizer": parts["optimizer"] + parts["weight_casts"]}  # fmt: skip
+    out["total"] = out["activations"] + out["loss"] + out["optimizer"]
+    return out
+
+
+# memory_parts' per-layer terms, in the order of a layer's forward then backward
+ACTIVATION_PARTS = ("norm_fwd", "rope_fwd", "casts", "act_fwd", "act_bwd", "norm_bwd", "rope_bwd")
+
+
+def memory_parts(cfg: ModelConfig, precision: str, tokens: int) -> dict[str, float]:
+    """memory_bytes by the kernels that move them in an ideally fused step, in bytes per step:
+    ACTIVATION_PARTS over all layers (norm_fwd: both norms with the residual adds, writing their
+    GEMM operands; casts: the attention output and the MLP output gradient cast to the
+    projection's and fc2's operands; act_fwd / act_bwd: the activation and its gradient written
+    as fc2's / fc1's operand; norm_bwd: both norm backwards with the residual gradient, the first
+    writing the projection's operand; rope_fwd / rope_bwd: RoPE, its backward writing the QKV
+    gradient's operand), "loss", "optimizer" (AdamW) and "weight_casts" (fp8: each weight into
+    both layouts once per step)."""
     e, t = (1, 2) if precision == "fp8" else (2, 1)
     h, q, f = cfg.hidden, cfg.qkv_width, cfg.ffn
     g = 2 if cfg.gated else 1
-    forward = (
-        (4 * h + e * t * h)  # residual add + norm -> qkv operand
-        + (4 * q)  # RoPE over q, k, v (bf16 in, bf16 out)
-        + (2 * h + e * t * h)  # attention output -> projection operand
-        + (6 * h + e * t * h)  # projection output + residual -> norm -> fc1 operand
-        + (2 * g * f + e * t * f)  # fc1 output -> activation -> fc2 operand
-    )
-    backward = (
-        (2 * h + e * t * h)  # dy -> fc2 operand
-        + (2 * f + 2 * g * f + e * t * g * f)  # fc2 dgrad, saved fc1 output -> dact operand
-        + (6 * h + 2 * h + e * t * h)  # fc1 dgrad, x, residual grad -> norm bwd -> proj operand
-        + (2 * q + e * t * q)  # dq, dk, dv -> RoPE backward -> qkv operand
-        + (6 * h + 2 * h)  # qkv dgrad, x, residual grad -> norm backward
-    )
+    per_token = {
+        "norm_fwd": (4 * h + e * t * h) + (6 * h + e * t * h),  # x (+ residual) -> norm -> qkv;
+        # projection output + residual -> norm -> fc1 operand
+        "rope_fwd": 4 * q,  # RoPE over q, k, v (bf16 in, bf16 out)
+        "casts": (2 * h + e * t * h) + (2 * h + e * t * h),  # attention out; dy -> fc2 operand
+        "act_fwd": 2 * g * f + e * t * f,  # fc1 output -> activation -> fc2 operand
+        "act_bwd": 2 * f + 2 * g * f + e * t * g * f,  # fc2 dgrad, saved fc1 output -> fc1's
+        "norm_bwd": (6 * h + 2 * h + e * t * h) + (6 * h + 2 * h),  # fc1 dgrad, x, residual grad
+        # -> norm bwd -> projection operand; qkv dgrad, x, residual grad -> norm backward
+        "rope_bwd": 2 * q + e * t * q,  # dq, dk, dv -> RoPE backward -> qkv operand
+    }
     params = gemm_parameters(cfg)
-    n_params = params["blocks"] + params["head"]
-    optimizer = 22 * n_params + (4 * params["blocks"] if precision == "fp8" else 0)
-    out = {"activations": float(cfg.layers * (forward + backward) * tokens),
-           "loss": float(4 * cfg.vocab * tokens), "optimizer": float(optimizer)}  # fmt: skip
-    out["total"] = out["activations"] + out["loss"] + out["optimizer"]
+    out = {k: float(cfg.layers * v * tokens) for k, v in per_token.items()}
+    out["loss"] = float(4 * cfg.vocab * tokens)
+    out["optimizer"] = float(22 * (params["blocks"] + params["head"]))
+    out["weight_casts"] = float(4 * params["blocks"] if precision == "fp8" else 0)
     return out
 
 

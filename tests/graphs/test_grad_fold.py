@@ -1,7 +1,10 @@
 """Parameter gradients of graphed callables fold into `.grad` inside the backward graph: no static
 per-parameter gradient buffers, and `.grad` bit for bit what eager AccumulateGrad gives - after
 zero_grad(set_to_none=True) (signed zeros and NaN included), with `.grad` kept, with a `.grad`
-the user replaced, and for a parameter shared by two callables."""
+the user replaced, and for a parameter shared by two callables; the -0.0 fill before the first
+microbatch in either form (GRAPHFP8_GRAD_FILL_ONE_PASS off / on), or, under
+GRAPHFP8_GRAD_FOLD_COPY_FIRST, no fill of the large buffers and a fold that copies on the first
+microbatch."""
 
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ from torch import nn
 
 import graphfp8 as g8
 from graphfp8.graphs import grads
+from graphfp8.graphs.backends import new_graph
 from graphfp8.memory import memory_report
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_side_by_side
+from tests.helpers import HAS_CUDA
 
 SHAPE = (16, 32)
 
@@ -64,8 +69,23 @@ def fold_at_once(request, monkeypatch):
     monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1 if request.param == "at once" else 1 << 30)
 
 
+@pytest.fixture(params=["zero-neg", "one-pass"])
+def grad_fill(request, monkeypatch):
+    """The -0.0 fill as zero + negate (the default) or one fill_ per large buffer."""
+    monkeypatch.setenv("GRAPHFP8_GRAD_FILL_ONE_PASS", "1" if request.param == "one-pass" else "0")
+    return request.param
+
+
+@pytest.fixture(params=["add", "copy-first"])
+def copy_first(request, monkeypatch):
+    """Every fold adds into a filled buffer (the default) or the first fold copies."""
+    on = request.param == "copy-first"
+    monkeypatch.setenv("GRAPHFP8_GRAD_FOLD_COPY_FIRST", "1" if on else "0")
+    return on
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grads_fold_bit_for_bit_in_every_grad_state(dtype, fold_at_once):
+def test_grads_fold_bit_for_bit_in_every_grad_state(dtype, fold_at_once, grad_fill, copy_first):
     eager = Scale(dtype)
     model = copy.deepcopy(eager)
     sample = torch.randn(SHAPE, dtype=dtype)
@@ -90,7 +110,7 @@ def test_grads_fold_bit_for_bit_in_every_grad_state(dtype, fold_at_once):
     assert torch.isnan(model.p.grad[1, 0]) and torch.signbit(model.p.grad[0, 0]) is not None
 
 
-def test_a_parameter_shared_by_two_callables_accumulates_both(fold_at_once):
+def test_a_parameter_shared_by_two_callables_accumulates_both(fold_at_once, copy_first):
     """Each callable's backward graph adds its own contribution, the later callable's first: the
     eager reference runs the two backwards separately in that order (autograd on one graph would
     sum the two contributions first, rounding differently)."""
@@ -129,8 +149,73 @@ def test_no_static_parameter_gradients_outlive_the_graph():
     assert all(p.grad is p._graphfp8_grad for p in m.parameters())
 
 
-def test_transformer_layer_graphed_equals_eager_with_every_grad_folded_at_once(monkeypatch):
-    """The layers' own tests fold small gradients at the end; here every one as produced."""
+def test_transformer_layer_graphed_equals_eager_with_every_grad_folded_at_once(
+    monkeypatch, grad_fill, copy_first
+):
+    """The layers' own tests fold small gradients at the end; here every one as produced (and,
+    with grad_fill one-pass, every buffer filled by its own fill_; with copy_first, every one
+    folded by grad_fold_ and none filled)."""
     monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1)
     recipe = g8.DelayedScaling(amax_history_len=4)
     train_side_by_side("TransformerLayer", recipe, True, "cpu", steps=2, mbs=2)
+
+
+def _captured_fill(dtype, device) -> tuple:
+    """fill_minus_zero of two large and two small buffers captured, the buffers then overwritten
+    with random values, NaN, -inf and +0.0, and the graph replayed: (graph, buffers)."""
+    n = grads.FOLD_AT_ONCE
+    shapes = [(n,), (7,), (3, n), (5, 3)]
+    buffers = [torch.randn(s, dtype=dtype, device=device) for s in shapes]
+    graph = new_graph(torch.device(device))
+    with graph.capture():
+        grads.fill_minus_zero(buffers)
+    for b in buffers:
+        b.copy_(torch.randn(b.shape, dtype=dtype, device=device))
+        b.view(-1)[:3] = torch.tensor([math.nan, -math.inf, 0.0], dtype=dtype)
+    graph.replay()
+    for i, b in enumerate(buffers):
+        assert torch.equal(b, torch.zeros_like(b)) and bool(torch.signbit(b).all()), f"buffer {i}"
+    return graph, buffers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fill_writes_minus_zero_in_the_kernels_it_names(dtype, grad_fill):
+    """Every element -0.0 after the captured fill replays over NaN, inf and signed values; one
+    pass records one fill_ per buffer of FOLD_AT_ONCE elements or more and the two multi-tensor
+    kernels for the small ones only, the default the two multi-tensor kernels over all."""
+    graph, _ = _captured_fill(dtype, "cpu")
+    one_pass = ["aten::fill_", "aten::fill_", "aten::_foreach_zero_", "aten::_foreach_neg_"]
+    expected = one_pass if grad_fill == "one-pass" else one_pass[2:]
+    assert graph.kernels() == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fill_in_a_cuda_graph_writes_minus_zero(dtype, grad_fill):
+    _captured_fill(dtype, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_transformer_layer_graphed_equals_eager_on_cuda(monkeypatch, grad_fill, copy_first):
+    """Every gradient folded as produced, so that under one-pass every buffer is one fill_."""
+    monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1)
+    train_side_by_side("TransformerLayer", g8.DelayedScaling(amax_history_len=4), True, "cuda",
+                       steps=2, mbs=2)  # fmt: skip
+
+
+def test_copy_first_folds_with_the_flag_and_fills_only_the_rest(monkeypatch):
+    """Under GRAD_FOLD_COPY_FIRST the backward graph folds each large gradient with grad_fold_
+    and clears the flag after it, the small ones with the multi-tensor add; the reset graph sets
+    the flag and fills only the small buffers with -0.0."""
+    monkeypatch.setenv("GRAPHFP8_GRAD_FOLD_COPY_FIRST", "1")
+    monkeypatch.setattr(grads, "FOLD_AT_ONCE", SHAPE[0] * SHAPE[1])  # p at once, b at the end
+    graphed = g8.make_graphed_callables(Scale(torch.float32), (torch.randn(SHAPE),),
+                                        num_warmup_iters=1)  # fmt: skip
+    backward = graphed.captured_kernels()["backward"]
+    assert backward.count("graphfp8::grad_fold_") == 1
+    assert backward.count("aten::_foreach_add_") == 1
+    assert backward.index("aten::zero_") > backward.index("graphfp8::grad_fold_")
+    reset = graphed.graphed_runner.pair.accumulator.reset_graph.kernels()
+    assert reset == ["aten::fill_", "aten::_foreach_zero_", "aten::_foreach_neg_"]

@@ -133,6 +133,7 @@ def _call_every_wrapper() -> None:
     b_fp8, b_scale_inv = ops.cast_to_fp8(rand(16, 16), one(), zero(), E4M3)
     ops.fp8_gemm_accumulate_(x_fp8, scale_inv, b_fp8.t(), b_scale_inv, torch.zeros(4, 16))
     ops.dequantize(x_fp8, scale_inv)
+    ops.grad_fold_(rand(4, 16), dy, torch.ones(1, dtype=torch.int32))
     ops.amax_(x, zero())
     ops.gelu_amax_(x, zero())
     ops.dgelu_amax_(dy, x, zero())

@@ -108,16 +108,3 @@ def _after_capture(rank, device):
 
 def test_fsdp2_layers_checked_after_capture():
     run_on_ranks("gloo", _after_capture)
-
-
-def test_param_groups_read_from_torch_2_11_and_from_2_12():
-    """torch 2.11 (the GPU machine's) keeps one optional `_fsdp_param_group` on an FSDPState,
-    torch 2.12+ a list `_fsdp_param_groups` (the first H200 run of these graphs failed on it)."""
-    from types import SimpleNamespace
-
-    from graphfp8.graphs.fsdp_layers import _param_groups
-
-    group = object()
-    assert _param_groups(SimpleNamespace(_fsdp_param_groups=[group])) == [group]
-    assert _param_groups(SimpleNamespace(_fsdp_param_group=group)) == [group]
-    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []

@@ -7,7 +7,15 @@ import dataclasses
 
 import pytest
 
-from graphfp8.training.floor import H200, floor, gemm_parameters, memory_bytes, model_flops
+from graphfp8.training.floor import (
+    ACTIVATION_PARTS,
+    H200,
+    floor,
+    gemm_parameters,
+    memory_bytes,
+    memory_parts,
+    model_flops,
+)
 from graphfp8.training.model import PRESETS
 from graphfp8.training.run import RunSpec
 from graphfp8.training.speed import name_baseline, speed_fields, spread
@@ -45,6 +53,22 @@ def test_floor_parts_at_the_h200_ceilings():
     assert fp8["ceilings"] == H200.to_dict()
     # The loss reads the bf16 logits and writes their gradient: 4 x vocab bytes per token.
     assert memory_bytes(cfg, "bf16", tokens)["loss"] == 4 * 128256 * tokens
+
+
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_memory_parts_add_up_to_memory_bytes(precision):
+    """The parts benchmarks/floor_gap.py measures each kernel family against: the same bytes as
+    memory_bytes; SwiGLU's backward at Llama-3.2-1B reads dy (2 B x F) and the saved gate and up
+    (4 B x F) and writes dgate, dup in FP8, both layouts (4 x F) or in bf16 (4 x F)."""
+    cfg = dataclasses.replace(PRESETS["llama-1b"], layers=4)
+    tokens = 2 * 4096 * 2
+    parts, total = memory_parts(cfg, precision, tokens), memory_bytes(cfg, precision, tokens)
+    assert sum(parts[k] for k in ACTIVATION_PARTS) == total["activations"]
+    assert parts["optimizer"] + parts["weight_casts"] == total["optimizer"]
+    assert sum(parts.values()) == total["total"]
+    assert parts["act_bwd"] == 4 * 10 * 8192 * tokens
+    assert parts["weight_casts"] == (4 * gemm_parameters(cfg)["blocks"] if precision == "fp8"
+                                     else 0)  # fmt: skip
 
 
 def test_speed_fields_and_baseline():
