@@ -51,6 +51,7 @@ from graphfp8.fp8.observe import StatsSource
 from graphfp8.fp8.recipe import fp8_max, is_current_scaling
 from graphfp8.fp8.scaling import SlotBlock
 from graphfp8.fp8.slots import AttnBwdRole, AttnFwdRole, BwdRole, FwdRole, slots_per_gemm
+from graphfp8.graphs.backends import capturing
 from graphfp8.modules.attention import DotProductAttention
 
 __all__ = ["FIELDS", "FP8Stats", "plot_stats", "role_digest"]
@@ -109,9 +110,11 @@ class FP8Stats:
         self._chunks: dict[torch.device, list[torch.Tensor]] = {}  # (_CHUNK, partials, 8) each
         self._collected: list[tuple[int, int, list[_Slot], torch.Tensor]] = []
         self._rows: list[dict] = []
-        # The flags exist before any capture: created inside one, their fill would be a node.
+        # The flags and zeros exist before any capture: created inside one, their fill would be
+        # a node of the graph (and a CPU tape's record) that every replay runs again.
         for p in itertools.chain(model.parameters(), model.buffers()):
             self._flag(p.device)
+            self._zero(p.device)
         self._previous = observe.install(self)
 
     # Switching -----------------------------------------------------------------------------------
@@ -191,12 +194,14 @@ class FP8Stats:
     def _zero(self, device: torch.device) -> torch.Tensor:
         zero = self._zeros.get(device)
         if zero is None:
+            _not_capturing(f"a zero tensor on {device}")
             zero = self._zeros[device] = torch.zeros(1, device=device)
         return zero
 
     def _flag(self, device: torch.device) -> torch.Tensor:
         flag = self._flags.get(device)
         if flag is None:
+            _not_capturing(f"the enable flag on {device}")
             flag = torch.full((1,), 1.0 if self._enabled else 0.0, device=device)
             self._flags[device] = flag
         return flag
@@ -214,6 +219,7 @@ class FP8Stats:
         taken = sum(1 for s in self._slots.values() if s.out.device == device)
         c, j = divmod(taken, _CHUNK)
         if c == len(chunks):  # zeros: a slot not cast before the next collect yields no row
+            _not_capturing(f"a statistics buffer for {name}'s {role} cast")
             chunks.append(torch.zeros(_CHUNK, ops.stats_partials(device),
                                       len(ops.stats.STATS_COLUMNS), dtype=torch.float64,
                                       device=device))  # fmt: skip
@@ -252,6 +258,25 @@ class FP8Stats:
     def write_csv(self, path) -> Path:
         """Writes rows() to `path` as CSV; returns the path."""
         return write_rows_csv(path, FIELDS, self.rows())
+
+
+def _not_capturing(what: str) -> None:
+    """Raises if a graph capture is recording: FP8Stats allocates its buffers before capture.
+
+    Why a capture never needs one: the flags and zeros are made in __init__ for every device of
+    the model's parameters and buffers, and a slot's statistics buffer at the slot's first
+    observed cast. Every cast a capture runs, its warmup ran first (an FP8 capture needs
+    num_warmup_iters >= 1, graphs/options.py) with this observer already installed (__init__
+    refuses a model whose arenas a capture froze), so the capture finds every buffer made. This
+    check keeps a break of that argument loud: an allocation inside a capture would put its
+    fill into the graph, which every replay would run again.
+    """
+    if capturing():
+        raise RuntimeError(
+            f"graphfp8.numerics.FP8Stats: {what} would be allocated inside a graph capture; "
+            "run the cast once eagerly (or in the capture's warmup) with the FP8Stats installed "
+            "before capturing it"
+        )
 
 
 def write_rows_csv(path, fields: list[str], rows: list[dict]) -> Path:

@@ -82,9 +82,11 @@
 #               for fsdp_sync="last" and reshard_after_forward=False, notes/PERF.md predicts them)
 #   step fsdp-layers (issue 40): FSDP2 layers in make_graphed_callables at world size 1 with
 #               NCCL: the CUDA tests of tests/sharding/test_fsdp2_cuda.py -k layer_graphs (a CUDA
-#               graph pair per layer == eager FSDP2 bit for bit), then graphfp8-train --ddp --fsdp
-#               --fp8-weights --deterministic, --graphs none vs layers (8 steps of 100m): the
-#               losses and validation losses equal
+#               graph pair per layer == eager FSDP2 bit for bit, with recompute inside them and
+#               with fsdp_sync="last" and FSDP2's explicit prefetch too), then graphfp8-train --ddp
+#               --fsdp --fp8-weights --deterministic (8 steps of 100m): --graphs layers and layers
+#               --recompute full vs none, and --graphs layers vs none with --fsdp-sync last
+#               --fsdp-prefetch: losses and validation losses equal
 #   step kern41 (issue 41 item 4): the CUDA tests of the kern41 switches (KERN41_SWITCHES,
 #               default NORM_FWD_TRANSPOSE ROPE_CAST_BWD), the `benchmarks variants` rows of
 #               NORM_FWD_TRANSPOSE (ROPE_CAST_BWD has none: it is a layer path), then the 100m step
@@ -640,16 +642,24 @@ print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF
       TR="$PY -m torch.distributed.run --standalone --nproc_per_node=1 -m graphfp8.training --ddp \
         --fsdp --fp8-weights --preset ${TRAIN_PRESET:-100m} --eval-every 1000 --val-batches 2 \
         --steps 8 --deterministic"
-      for mode in none layers; do
-        $TR --graphs $mode --out "$RES/fsdp_layers_$mode" > "$RES/fsdp_layers_$mode.log" 2>&1 \
-          || status=1
+      for mode in none layers layers-full none-last layers-last; do
+        extra=""; [ $mode = layers-full ] && extra="--recompute full"
+        [ ${mode#*-} = last ] && extra="--fsdp-sync last --fsdp-prefetch"
+        $TR --graphs ${mode%-*} $extra --out "$RES/fsdp_layers_$mode" \
+          > "$RES/fsdp_layers_$mode.log" 2>&1 || status=1
       done
       $PY -c 'import json, sys
-runs = [json.load(open(f"{sys.argv[1]}/fsdp_layers_{m}/summary.json"))["runs"][0]
-        for m in ("none", "layers")]
-same = all(runs[0][k] == runs[1][k] for k in ("losses", "val_losses"))
-print(f"fsdp-layers: --graphs layers losses and val_losses == --graphs none: {same}")
-sys.exit(0 if same else 1)' "$RES" | tee -a "$RES/summary.md" || status=1 ;;
+def run(m):
+    return json.load(open(f"{sys.argv[1]}/fsdp_layers_{m}/summary.json"))["runs"][0]
+ok = True
+for ref, mode, what in (("none", "layers", "--graphs layers"),
+                        ("none", "layers-full", "--graphs layers --recompute full"),
+                        ("none-last", "layers-last",
+                         "--graphs layers --fsdp-sync last --fsdp-prefetch")):
+    same = all(run(ref)[k] == run(mode)[k] for k in ("losses", "val_losses"))
+    print(f"fsdp-layers: {what} losses and val_losses == --graphs none ({ref}): {same}")
+    ok = ok and same
+sys.exit(0 if ok else 1)' "$RES" | tee -a "$RES/summary.md" || status=1 ;;
     *)
       echo "unknown step $step"; status=1 ;;
   esac

@@ -8,13 +8,18 @@ that imports them per rank (gloo; NCCL ranks are spawned, each initialising CUDA
 Each rank joins its process group once, then runs tasks `worker(rank, device, *args)` sent by
 `run_on_ranks`, starting each from a fresh graphfp8 state and the same seed. A rank's failure is
 re-raised in the test with its traceback; a rank that hangs (a mismatched collective) or dies
-takes the pool down, and the next test starts a new one.
+takes the pool down, and the next test starts a new one. A rank process that dies (a crash, a
+kill, os._exit) fails the test within POLL_S, not at the task timeout, with its exit code and
+what faulthandler wrote at the death (the Python stacks of a fatal signal).
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import gc
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -28,6 +33,7 @@ WORLD = 2
 COLLECTIVE_TIMEOUT_S = 30  # a mismatched collective fails instead of hanging
 TASK_TIMEOUT_S = 120  # one task on all ranks, the pool's start included
 GRACE_S = 5.0  # after one rank failed, how long the others get to report
+POLL_S = 0.2  # how often a waiting test checks that every rank process is alive
 
 _POOLS: dict[tuple[str, int], _Pool] = {}
 
@@ -37,7 +43,26 @@ mp.get_context(START_METHOD).set_forkserver_preload(
 )
 
 
+def _crash_log(store: str, rank: int) -> str:
+    """Where rank `rank`'s faulthandler writes the stacks of a fatal signal."""
+    return f"{store}.rank{rank}.crash"
+
+
 def _serve(rank: int, world: int, backend: str, store: str, tasks, results) -> None:
+    """A rank process: _join_and_serve, with a crash log of what kills it (a fatal signal's
+    stacks, through faulthandler, or an exception outside the tasks)."""
+    with open(_crash_log(store, rank), "w") as crash_log:
+        faulthandler.enable(crash_log, all_threads=True)
+        try:
+            _join_and_serve(rank, world, backend, store, tasks, results)
+        except BaseException:
+            crash_log.write(traceback.format_exc())
+            raise
+        finally:
+            faulthandler.disable()
+
+
+def _join_and_serve(rank: int, world: int, backend: str, store: str, tasks, results) -> None:
     """A rank's loop: join the group, then run tasks until told to stop (None)."""
     import graphfp8 as g8
     from graphfp8.distributed import cleanup
@@ -93,9 +118,13 @@ class _Pool:
         while len(done) < self.world:
             if errors:
                 deadline = min(deadline, time.monotonic() + GRACE_S)
+            left = deadline - time.monotonic()
             try:
-                rank, error = self.results.get(timeout=max(0.0, deadline - time.monotonic()))
+                rank, error = self.results.get(timeout=max(0.0, min(POLL_S, left)))
             except queue.Empty:
+                self._raise_if_dead(name, done, errors)
+                if left > POLL_S:
+                    continue
                 self.close()
                 missing = sorted(set(range(self.world)) - done)
                 if errors:
@@ -104,12 +133,29 @@ class _Pool:
             done.add(rank)
             if error is not None:
                 errors[rank] = error
-            if any(not p.is_alive() for p in self.procs) and len(done) < self.world:
-                self.close()
-                raise RuntimeError(f"{name}: a rank process died") from None
         if errors:
             rank = min(errors)
             raise AssertionError(f"{name} failed on rank {rank}:\n{errors[rank]}")
+
+    def _raise_if_dead(self, name: str, done: set, errors: dict) -> None:
+        """Closes the pool and raises if a rank that owes a result has died: its exit code and
+        crash log, and what the other ranks reported (their side of the broken collective)."""
+        dead = [r for r, p in enumerate(self.procs) if r not in done and not p.is_alive()]
+        if not dead:
+            return
+        self.close()
+        lines = []
+        for r in dead:
+            code = self.procs[r].exitcode
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            lines.append(f"rank {r} died ({how})")
+            crash = ""
+            with contextlib.suppress(OSError), open(_crash_log(self.store, r)) as f:
+                crash = f.read().strip()
+            if crash:
+                lines.append(f"rank {r}'s crash log:\n{crash}")
+        lines += [f"rank {r} reported:\n{e}" for r, e in sorted(errors.items())]
+        raise RuntimeError(f"{name}: " + "\n".join(lines))
 
     def close(self) -> None:
         for p in self.procs:

@@ -172,6 +172,26 @@ def test_stats_after_capture_raise(device):
         FP8Stats(layer)
 
 
+def test_no_allocation_inside_a_capture():
+    """FP8Stats makes its buffers before a capture (graphfp8/numerics.py, _not_capturing): a
+    slot first seen inside a recording raises, naming the fix, before any buffer is made (it
+    allocated a zeroed chunk there, whose fill every replay of the tape ran again)."""
+    from graphfp8.graphs.backends import TapeGraph  # noqa: PLC0415
+
+    layer = _layer("cpu")
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    with g8.fp8_autocast(recipe=RECIPE):
+        layer(x)  # the slots exist; the observer below has seen none of their casts
+    with FP8Stats(layer) as stats:
+        with pytest.raises(RuntimeError, match="inside a graph capture.*eagerly"):
+            with TapeGraph().capture(), g8.fp8_autocast(recipe=RECIPE):
+                layer(x)
+        assert not any(stats._chunks.values()) and not stats._slots, "nothing made in the capture"
+        with g8.fp8_autocast(recipe=RECIPE):
+            layer(x)  # eagerly: the buffers are made
+        assert stats._slots
+
+
 def test_csv_and_plot(tmp_path):
     layer = _layer("cpu")
     with FP8Stats(layer) as stats:

@@ -16,7 +16,7 @@
 // Grid: one 256-thread block per tile of tile.cuh (128x64 vector tiles, 64x64 scalar ones),
 // block b taking tile first_tile + b (tile.cuh's launch_tiles). A thread loads all its vectors of
 // the tile, writes the row-major FP8 bytes and the shared tile; after a barrier the block writes
-// the tile's transpose.
+// the tile's transpose (tile_cast.cuh, shared with rope_cast.cu: only the values differ).
 //
 // dbias: no atomics in the sums, so they are deterministic (graphed and eager runs agree bit for
 // bit). Each thread sums its own rows per column in registers in row order; the block adds those
@@ -27,10 +27,10 @@
 #include "../common.h"
 #include "../dtype_switch.h"
 #include "current_scale.cuh"
-#include "dbias.cuh"
 #include "fp8_util.cuh"
 #include "fused_act.cuh"
 #include "tile.cuh"
+#include "tile_cast.cuh"
 #include "vec.cuh"
 
 namespace graphfp8 {
@@ -56,71 +56,34 @@ struct TileArgs {
   CurrentScale current;            // read only by the kCurrent variants
 };
 
-// Stores 1 or 2 words of FP8 bytes with one aligned store (the paired path).
-template <int kWords>
-__device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[kWords]) {
-  if constexpr (kWords == 2) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-  } else {
-    static_assert(kWords == 1, "8 or 4 bytes per load");
-    *reinterpret_cast<uint32_t*>(dst) = w[0];
-  }
-}
-
-// Converts the thread's loads of one tile: row-major FP8 to `out` and to the shared tile, amax,
-// and (kDbias) the per-column sums of its rows, in row order.
-template <typename S, typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kVec,
-          bool kPaired>
-__device__ __forceinline__ void convert_tile(const TileArgs<InT>& a,
-                                             const cuda::TileGrid<S>& g, const cuda::TilePos& t,
-                                             cuda::SharedTile<kVec>& tile, float scale,
-                                             float& amax, float (&col_sum)[S::N]) {
-  constexpr bool kHasActIn = kAct == FusedAct::kDgelu;
+// The values of the thread's loads of one tile: the loads issued first (ActValues(a, g, t)), then
+// values(l)(k), element k of load l with the activation applied (rounded to InT as torch stores
+// it).
+template <typename S, typename InT, FusedAct kAct>
+struct ActValues {
+  static constexpr bool kHasActIn = kAct == FusedAct::kDgelu;
   typename S::Frag raw[S::kLoads];
   typename S::Frag raw_in[kHasActIn ? S::kLoads : 1];
-  cuda::load_tile(a.x, g, t, raw);
-  if constexpr (kHasActIn) cuda::load_tile(a.act_in, g, t, raw_in);
-  const int64_t gc = t.c0 + S::col();
-#pragma unroll
-  for (int l = 0; l < S::kLoads; ++l) {
-    const int r = S::row(l);
-    const int64_t gr = t.r0 + r;
-    if (!g.in(gr, gc)) continue;  // vector tiles: cols % 16 == 0, so all N columns are in range
-    float f[S::N];
-    float h[S::N];
-    cuda::frag_to_floats<S, InT>(raw[l], f);
-    if constexpr (kHasActIn) cuda::frag_to_floats<S, InT>(raw_in[l], h);
-    if constexpr (kPaired) {
-      static_assert(kVec && S::N % 4 == 0, "paired quantization packs words of 4 bytes");
-      float v[S::N];
-#pragma unroll
-      for (int k = 0; k < S::N; ++k) {
-        v[k] = cuda::apply_act<InT, kAct>(f[k], kHasActIn ? h[k] : 0.0f);
-        amax = fmaxf(amax, fabsf(v[k]));
-        if constexpr (kDbias) col_sum[k] += v[k];
-      }
-      uint32_t w[S::N / 4];
-#pragma unroll
-      for (int m = 0; m < S::N / 4; ++m) {
-        w[m] = cuda::quantize4<kE4M3>(v[4 * m] * scale, v[4 * m + 1] * scale,
-                                      v[4 * m + 2] * scale, v[4 * m + 3] * scale);
-      }
-      store_words(a.out + gr * a.cols + gc, w);
-      store_words(tile.at(r, S::col()), w);
-    } else {
-      uint8_t q[S::N];
-#pragma unroll
-      for (int k = 0; k < S::N; ++k) {
-        const float v = cuda::apply_act<InT, kAct>(f[k], kHasActIn ? h[k] : 0.0f);
-        amax = fmaxf(amax, fabsf(v));
-        q[k] = cuda::quantize<kE4M3>(v * scale);
-        if constexpr (kDbias) col_sum[k] += v;
-      }
-      cuda::store_bytes<S::N>(a.out + gr * a.cols + gc, q);
-      cuda::stage<S>(tile, r, q);
-    }
+
+  __device__ __forceinline__ ActValues(const TileArgs<InT>& a, const cuda::TileGrid<S>& g,
+                                       const cuda::TilePos& t) {
+    cuda::load_tile(a.x, g, t, raw);
+    if constexpr (kHasActIn) cuda::load_tile(a.act_in, g, t, raw_in);
   }
-}
+
+  __device__ __forceinline__ auto operator()(int l) const {
+    struct Row {
+      float f[S::N];
+      float h[S::N];
+      __device__ __forceinline__ float operator()(int k) const {
+        return cuda::apply_act<InT, kAct>(f[k], kHasActIn ? h[k] : 0.0f);
+      }
+    } row;
+    cuda::frag_to_floats<S, InT>(raw[l], row.f);
+    if constexpr (kHasActIn) cuda::frag_to_floats<S, InT>(raw_in[l], row.h);
+    return row;
+  }
+};
 
 template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop, bool kVec,
           bool kCurrent, bool kPaired>
@@ -141,50 +104,22 @@ __global__ void __launch_bounds__(kTileThreads)
   float col_sum[S::N];
 #pragma unroll
   for (int k = 0; k < S::N; ++k) col_sum[k] = 0.0f;
-  convert_tile<S, InT, kE4M3, kAct, kDbias, kVec, kPaired>(a, g, t, tile, scale, amax, col_sum);
-  if constexpr (kDbias) {
-#pragma unroll
-    for (int k = 0; k < S::N; ++k) partial[S::group()][S::col() + k] = col_sum[k];
-  }
-  __syncthreads();
-  if constexpr (kPaired) {
-    cuda::store_transposed_words(tile, a.out_t, g, t);
-  } else {
-    cuda::store_transposed(tile, a.out_t, g, t);
-  }
-  if constexpr (kDbias) {
-    const int c = threadIdx.x;
-    if (c < S::kCols && t.c0 + c < a.cols) {
-      float s = 0.0f;
-      for (int grp = 0; grp < S::kRowGroups; ++grp) s += partial[grp][c];
-      a.workspace[t.tile_r * a.cols + t.c0 + c] = s;
-    }
-  }
-  cuda::cast_epilogue<kCurrent>(amax, a.amax, a.scale_inv, scale);
-  if constexpr (kDbias) {
-    if (a.counters != nullptr) {
-      const int64_t c0 = t.c0, cols = a.cols;
-      cuda::dbias_finish(a.workspace, a.dbias, a.counters + t.c0 / S::kCols,
-                         cuda::ceil_div(a.rows, S::kRows), a.cols, S::kCols,
-                         [=](int i) { return c0 + i < cols ? c0 + i : int64_t{-1}; });
-    }
-  }
+  const ActValues<S, InT, kAct> values(a, g, t);
+  cuda::cast_rows<S, kE4M3, kDbias, kVec, kPaired>(values, a.out, g, t, tile, scale, amax,
+                                                   col_sum);
+  cuda::finish_tile<S, kDbias, kVec, kCurrent, kPaired>(a, g, t, tile, partial, col_sum, amax,
+                                                        scale);
 }
 
 template <typename InT, bool kE4M3, FusedAct kAct, bool kDbias, bool kNoop, bool kVec,
           bool kCurrent, bool kPaired>
 Status launch_shape(TileArgs<InT> a, bool dbias_in_kernel, cudaStream_t stream) {
   using S = cuda::TileShape<InT, kVec>;
-  const cuda::TileGrid<S> grid(a.rows, a.cols);
-  a.counters = kDbias && dbias_in_kernel ? cuda::dbias_counters(stream, grid.tiles_c) : nullptr;
-  const Status st = cuda::launch_tiles(
-      grid.num_tiles, "cast_transpose_kernel", [&](int blocks, int64_t first) {
+  return cuda::launch_tile_cast<S, InT, kDbias>(
+      a, dbias_in_kernel, stream, "cast_transpose_kernel", [&](int blocks, int64_t first) {
         cast_transpose_kernel<InT, kE4M3, kAct, kDbias, kNoop, kVec, kCurrent, kPaired>
             <<<blocks, kTileThreads, 0, stream>>>(a, first);
       });
-  if (!kDbias || !st.ok() || a.counters != nullptr) return st;
-  return cuda::launch_dbias_reduce<InT>(a.workspace, a.dbias, cuda::ceil_div(a.rows, S::kRows),
-                                        a.cols, stream);
 }
 
 // The tile shape and the kernel variant: kCurrent (CurrentScale), kPaired (the kernel switch

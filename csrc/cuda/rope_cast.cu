@@ -1,10 +1,10 @@
 // CUDA: RoPE's backward fused into the FP8 cast-transpose of the fused QKV gradient (rope_cast.h
 // has the math; kernel switch ROPE_CAST_BWD chooses it in graphfp8/modules/_qkv_rope.py).
 //
-// cast_transpose_kernel (cast_transpose.cu) on the 128 x 64 vector tiles of tile.cuh over the
-// fused gradient (batch * seq, (heads + 2 * kv_heads) * head_dim), with one change: the thread's
-// 16-byte loads come from dq, dk or dv (the tile column's head), and for dq and dk also the
-// partner vector of the other half of the head (columns i +- head_dim / 2: the same tile at
+// The tile cast of cast_transpose.cu (tile_cast.cuh) on the 128 x 64 vector tiles of tile.cuh
+// over the fused gradient (batch * seq, (heads + 2 * kv_heads) * head_dim), with one change: the
+// thread's 16-byte loads come from dq, dk or dv (the tile column's head), and for dq and dk also
+// the partner vector of the other half of the head (columns i +- head_dim / 2: the same tile at
 // head_dim 64, the next one at 128, so from L1 or L2), rotated back with rope_math.cuh's
 // arithmetic and rounded to the gradient's dtype as rope_fp8.cu's backward writes it. Everything
 // after that value - the FP8 bytes, the shared tile and its transposed stores, amax, the dbias
@@ -18,10 +18,10 @@
 #include "../dtype_switch.h"
 #include "../rope_cast.h"
 #include "current_scale.cuh"
-#include "dbias.cuh"
 #include "fp8_util.cuh"
 #include "rope_math.cuh"
 #include "tile.cuh"
+#include "tile_cast.cuh"
 #include "vec.cuh"
 
 namespace graphfp8 {
@@ -46,17 +46,6 @@ struct RopeTileArgs {
   int64_t rows, cols;
   CurrentScale current;
 };
-
-// Stores 1 or 2 words of FP8 bytes with one aligned store (the paired path, as cast_transpose.cu).
-template <int kWords>
-__device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[kWords]) {
-  if constexpr (kWords == 2) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-  } else {
-    static_assert(kWords == 1, "8 or 4 bytes per load");
-    *reinterpret_cast<uint32_t*>(dst) = w[0];
-  }
-}
 
 // The N gradient values of row gr, columns gc .. gc + N - 1 of the fused gradient, rotated back
 // (q and k) and rounded to T, as floats. The loads are issued before any value is used.
@@ -115,80 +104,31 @@ __global__ void __launch_bounds__(kTileThreads)
     const int64_t gr = t.r0 + S::row(l);
     if (g.in(gr, gc)) load_rotated<S, T>(a, gr, gc, v[l]);
   }
-#pragma unroll
-  for (int l = 0; l < S::kLoads; ++l) {
-    const int r = S::row(l);
-    const int64_t gr = t.r0 + r;
-    if (!g.in(gr, gc)) continue;
-#pragma unroll
-    for (int k = 0; k < S::N; ++k) {
-      amax = fmaxf(amax, fabsf(v[l][k]));
-      if constexpr (kDbias) col_sum[k] += v[l][k];
-    }
-    if constexpr (kAmaxOnly) continue;
-    if constexpr (kPaired) {
-      uint32_t w[S::N / 4];
-#pragma unroll
-      for (int m = 0; m < S::N / 4; ++m) {
-        w[m] = cuda::quantize4<kE4M3>(v[l][4 * m] * scale, v[l][4 * m + 1] * scale,
-                                      v[l][4 * m + 2] * scale, v[l][4 * m + 3] * scale);
-      }
-      store_words(a.out + gr * a.cols + gc, w);
-      store_words(tile.at(r, S::col()), w);
-    } else {
-      uint8_t q[S::N];
-#pragma unroll
-      for (int k = 0; k < S::N; ++k) q[k] = cuda::quantize<kE4M3>(v[l][k] * scale);
-      cuda::store_bytes<S::N>(a.out + gr * a.cols + gc, q);
-      cuda::stage<S>(tile, r, q);
-    }
-  }
   if constexpr (kAmaxOnly) {
+#pragma unroll
+    for (int l = 0; l < S::kLoads; ++l) {
+      if (!g.in(t.r0 + S::row(l), gc)) continue;
+#pragma unroll
+      for (int k = 0; k < S::N; ++k) amax = fmaxf(amax, fabsf(v[l][k]));
+    }
     cuda::block_amax_atomic(amax, a.amax);
     return;
   }
-  if constexpr (kDbias) {
-#pragma unroll
-    for (int k = 0; k < S::N; ++k) partial[S::group()][S::col() + k] = col_sum[k];
-  }
-  __syncthreads();
-  if constexpr (kPaired) {
-    cuda::store_transposed_words(tile, a.out_t, g, t);
-  } else {
-    cuda::store_transposed(tile, a.out_t, g, t);
-  }
-  if constexpr (kDbias) {
-    const int c = threadIdx.x;
-    if (c < S::kCols && t.c0 + c < a.cols) {
-      float s = 0.0f;
-      for (int grp = 0; grp < S::kRowGroups; ++grp) s += partial[grp][c];
-      a.workspace[t.tile_r * a.cols + t.c0 + c] = s;
-    }
-  }
-  cuda::cast_epilogue<kCurrent>(amax, a.amax, a.scale_inv, scale);
-  if constexpr (kDbias) {
-    if (a.counters != nullptr) {
-      const int64_t c0 = t.c0, cols = a.cols;
-      cuda::dbias_finish(a.workspace, a.dbias, a.counters + t.c0 / S::kCols,
-                         cuda::ceil_div(a.rows, S::kRows), a.cols, S::kCols,
-                         [=](int i) { return c0 + i < cols ? c0 + i : int64_t{-1}; });
-    }
-  }
+  const auto values = [&](int l) { return [&v, l](int k) { return v[l][k]; }; };
+  cuda::cast_rows<S, kE4M3, kDbias, true, kPaired>(values, a.out, g, t, tile, scale, amax,
+                                                   col_sum);
+  cuda::finish_tile<S, kDbias, true, kCurrent, kPaired>(a, g, t, tile, partial, col_sum, amax,
+                                                        scale);
 }
 
 template <typename T, bool kE4M3, bool kDbias, bool kCurrent, bool kPaired, bool kAmaxOnly>
 Status launch_variant(RopeTileArgs<T> a, bool dbias_in_kernel, cudaStream_t stream) {
   using S = cuda::TileShape<T, true>;
-  const cuda::TileGrid<S> grid(a.rows, a.cols);
-  a.counters = kDbias && dbias_in_kernel ? cuda::dbias_counters(stream, grid.tiles_c) : nullptr;
-  const Status st = cuda::launch_tiles(
-      grid.num_tiles, "rope_cast_kernel", [&](int blocks, int64_t first) {
+  return cuda::launch_tile_cast<S, T, kDbias>(
+      a, dbias_in_kernel, stream, "rope_cast_kernel", [&](int blocks, int64_t first) {
         rope_cast_kernel<T, kE4M3, kDbias, kCurrent, kPaired, kAmaxOnly>
             <<<blocks, kTileThreads, 0, stream>>>(a, first);
       });
-  if (!kDbias || !st.ok() || a.counters != nullptr) return st;
-  return cuda::launch_dbias_reduce<T>(a.workspace, a.dbias, cuda::ceil_div(a.rows, S::kRows),
-                                      a.cols, stream);
 }
 
 template <typename T, bool kE4M3>

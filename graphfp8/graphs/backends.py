@@ -11,13 +11,13 @@ import subprocess
 import tempfile
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from graphfp8 import global_state
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.graphs.tape import RecordingMode, ReplayTape
 
-__all__ = ["CudaGraph", "TapeGraph", "capture_stream", "host_memory", "new_graph",
+__all__ = ["CudaGraph", "TapeGraph", "capture_stream", "capturing", "host_memory", "new_graph",
            "tape_replays_off", "tapes_allocate_as_cuda"]  # fmt: skip
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -52,8 +52,8 @@ class _TapeReplays:
 def tape_replays_off():
     """Inside the block CPU tapes skip their recorded ops: a call of a graphed callable, microbatch
     or step runs all its host-side work (checks, copies, bookkeeping, autograd) and no kernel. What
-    the host benchmark and the host-cost test time (`python -m benchmarks host`); the values
-    the graphs hold are meaningless afterwards."""
+    the host benchmark times (`python -m benchmarks host`) and the host-cost test counts; the
+    values the graphs hold are meaningless afterwards."""
     _TapeReplays.on = False
     try:
         yield
@@ -86,6 +86,14 @@ def host_memory():
         return
     with _disable_current_modes():
         yield
+
+
+def capturing() -> bool:
+    """Whether a graph capture is recording on this thread: a CPU tape's or a CUDA graph's (both
+    run under the RecordingMode), or any CUDA stream capture on the current device."""
+    if any(isinstance(m, RecordingMode) for m in _get_current_dispatch_mode_stack()):
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class TapeGraph:

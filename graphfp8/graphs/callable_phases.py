@@ -300,6 +300,9 @@ def capture_backwards(samples: list[Sample], forwards: list[Forward], points: Up
         del grads
         if s.fsdp is not None:  # FSDP2 adds into the sharded .grad buffers (graphs/fsdp.py)
             acc = s.fsdp.grads.accumulator(session.device, session.pool)
+            if s.fsdp.sync is not None:  # fsdp_sync="last": its sync graph (fsdp_layer_sync.py)
+                acc = s.fsdp.sync.capture(s.fsdp, session, s.callable_index, acc)
+            acc = s.fsdp.prefetch.wrap(acc)  # explicit prefetch's tokens (fsdp_prefetch.py)
         else:
             acc = fold.accumulator(session.pool)
         backwards[i] = Backward(graph, grad_outputs, grad_inputs, acc)

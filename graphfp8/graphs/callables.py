@@ -55,6 +55,7 @@ def make_graphed_callables(
     pool=None,
     order=None,
     chain: bool = False,
+    fsdp_sync: str = "every",
 ):
     """Captures callables (modules or functions) into CUDA graphs (GPU) or replay tapes (CPU).
 
@@ -93,6 +94,12 @@ def make_graphed_callables(
             stack): each is captured reading the previous one's static output and writing its
             input gradient where the previous backward reads it, so no copy runs between them.
             Not with `order`.
+        fsdp_sync: for fully_shard-ed layers (torch FSDP2): "every" backward reduce-scatters
+            its gradients (FSDP2's default), or "last": the backward graphs add the unsharded
+            gradients into sums and each layer's sync graph reduce-scatters them after a
+            backward run with FSDP2's gradient sync on (model.set_requires_gradient_sync(i ==
+            last) before each microbatch: gradient accumulation without communication;
+            docs/sharding.md).
 
     Returns:
         The graphed callables, in the shape given. Modules are returned with `forward`
@@ -114,7 +121,7 @@ def make_graphed_callables(
                              num_warmup_iters, pool, callables=len(callables))  # fmt: skip
     check_distinct(callables)
     funcs = [callables[i] for i in layout.callable_of]
-    fsdp = fsdp_layers_of(funcs, order)  # FSDP2 layers: graphs/fsdp_layers.py
+    fsdp = fsdp_layers_of(funcs, order, fsdp_sync)  # FSDP2 layers: graphs/fsdp_layers.py
     samples, device = prepare(funcs, sample_args, sample_kwargs, fsdp)
     for s in samples:
         s.callable_index = layout.callable_of[s.index]
@@ -149,8 +156,7 @@ def make_graphed_callables(
         for f, r, s in zip(funcs, runners, samples, strict=True)
     ]
     graphs.register(runners, funcs, [undo for _, undo in wrapped], _skippable(samples, layout))
-    graphed = tuple(g for g, _ in wrapped)
-    return graphed[0] if just_one else graphed
+    return wrapped[0][0] if just_one else tuple(g for g, _ in wrapped)
 
 
 def _normalize(callables, sample_args, sample_kwargs, order):
@@ -281,16 +287,24 @@ def _wrap(func, runner: GraphedRunner, replace_forward: bool = True, fsdp=None):
 
     @opaque_to_dynamo
     def graphed(*args, is_first_microbatch=None, **kwargs):
-        if fsdp is not None:
+        if fsdp is not None:  # its settings, and a prefetched gather issued (fsdp_prefetch.py)
             fsdp.settings.check()
+            fsdp.prefetch.check("forward")
         flat = runner.check_call(args, kwargs, is_first_microbatch)
         expects_backward = runner.contract.expects_grad and torch.is_grad_enabled()
+        if fsdp is not None:
+            fsdp.prefetch.take("forward")
         outs = GraphedFunction.apply(runner, expects_backward, pair.grad_anchor, *flat)
+        if fsdp is not None:
+            fsdp.prefetch.done("forward")
         return pair.outputs(outs)
 
     def captured_ops() -> dict[str, list[str]]:
-        """The dispatcher ops each graph recorded: {'forward': [...], 'backward': [...]}."""
-        return {"forward": pair.fwd_graph.op_names, "backward": pair.bwd_graph.op_names}
+        """The dispatcher ops each graph recorded: {'forward': [...], 'backward': [...]}, and
+        'sync': [...] for an FSDP2 layer captured with fsdp_sync="last"."""
+        ops = {"forward": pair.fwd_graph.op_names, "backward": pair.bwd_graph.op_names}
+        sync = getattr(pair.accumulator, "sync_graph", None)
+        return ops if sync is None else dict(ops, sync=sync.op_names)
 
     def captured_kernels() -> dict[str, list[str]]:
         """What each graph replays: CUDA kernel nodes on the GPU, tape ops on the CPU."""

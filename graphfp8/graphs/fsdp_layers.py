@@ -2,6 +2,8 @@
 each layer's forward graph all-gathers its weights, runs the layer and reshards; its backward
 graph all-gathers again after a reshard, runs the backward and reduce-scatters the gradients into
 the sharded parameters' `.grad` (docs/sharding.md, "FSDP2 layers in make_graphed_callables").
+With fsdp_sync="last" the backward graph accumulates the unsharded gradients instead and a sync
+graph per layer reduce-scatters their sums (graphs/fsdp_layer_sync.py).
 
 FSDP2's forward hooks are taken off a graphed layer (put back by reset()): the graphs hold what
 they would run for it, called explicitly at capture (FSDPParamGroup.unshard / reshard /
@@ -17,13 +19,21 @@ import os
 import torch
 from torch import nn
 
-from graphfp8.graphs.fsdp import FSDPGrads, FSDPSettings, check_fsdp2_model
+from graphfp8.graphs.fsdp import (
+    FSDP_SYNCS,
+    SYNC_SETTINGS,
+    FSDPGrads,
+    FSDPSettings,
+    check_fsdp2_model,
+)
 from graphfp8.graphs.fsdp_compat import (
     cast_forward_inputs,
     cast_output,
     param_groups,
     wait_reduce_scatters,
 )
+from graphfp8.graphs.fsdp_layer_sync import SyncLast
+from graphfp8.graphs.fsdp_prefetch import Prefetch, link_prefetch
 
 __all__ = ["FSDPLayer", "FSDPLayers", "fsdp_layers_of", "init_fsdp2"]
 
@@ -66,14 +76,20 @@ def init_fsdp2(model: nn.Module) -> None:
     model._get_fsdp_state()._lazy_init()
 
 
-def fsdp_layers_of(funcs, order) -> list[FSDPLayer] | None:
+def fsdp_layers_of(funcs, order, fsdp_sync: str = "every") -> list[FSDPLayer] | None:
     """One FSDPLayer per callable when the callables are FSDP2 layers (None when no module
     callable holds an FSDP2 module): each a fully_shard-ed layer, or a module without parameters
     of its own around one (an adapter that calls the layer with fixed arguments). Raises, naming
     what captures it, for what per-layer graphs do not take: a mix, a module around several
-    FSDP2 modules, a pipeline `order`."""
+    FSDP2 modules, a pipeline `order`; fsdp_sync "last" (graphs/fsdp_layer_sync.py) for callables
+    that are no FSDP2 layers."""
+    if fsdp_sync not in FSDP_SYNCS:
+        raise ValueError(f"{_NAME}: fsdp_sync must be one of {FSDP_SYNCS}, got {fsdp_sync!r}")
     inside = [_fsdp_modules(f) for f in funcs]
     if not any(inside):
+        if fsdp_sync != "every":
+            raise ValueError(f"{_NAME}: fsdp_sync='last' is for fully_shard-ed layers (torch "
+                             "FSDP2); leave it 'every' for these callables")  # fmt: skip
         return None
     plain = [j for j, found in enumerate(inside) if not found]
     if plain:
@@ -99,7 +115,8 @@ def fsdp_layers_of(funcs, order) -> list[FSDPLayer] | None:
                     "outside them); a graphed FSDP2 layer is one fully_shard-ed module, or a "
                     f"module around one with no parameters of its own. Capture each, or {_WHOLE}"
                 )
-        layers.append(FSDPLayer(name, inner))
+        layers.append(FSDPLayer(name, inner, fsdp_sync == "last"))
+    link_prefetch(_NAME, layers, _WHOLE)  # FSDP2's explicit prefetch (graphs/fsdp_prefetch.py)
     return layers
 
 
@@ -119,9 +136,11 @@ class FSDPLayer:
         name: the graphed callable's name, for messages.
         module: the FSDPModule (the callable, or the one it wraps; not FSDP2's root: the
             root's hooks run eagerly around it).
+        sync_last: fsdp_sync="last": the backward graph accumulates the unsharded gradients, a
+            sync graph reduces them (graphs/fsdp_layer_sync.py).
     """
 
-    def __init__(self, name: str, module: nn.Module):
+    def __init__(self, name: str, module: nn.Module, sync_last: bool = False):
         self.name, self.module = name, module
         _check_device(name, module)
         self.state = module._get_fsdp_state()
@@ -132,6 +151,8 @@ class FSDPLayer:
         self.grads = FSDPGrads(p for p in module.parameters() if p.requires_grad)
         self.settings: FSDPSettings | None = None  # taken after capture
         self.hooks: list | None = None
+        self.sync = SyncLast(name) if sync_last else None
+        self.prefetch = Prefetch(name)
 
     def _check_state(self) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -167,23 +188,13 @@ class FSDPLayer:
                 "another mesh (reshard_after_forward=int), which per-layer graphs do not "
                 f"capture; {_WHOLE}"
             )
-        prefetch = [
-            s
-            for s in st._state_ctx.all_states
-            if st in s._states_to_forward_prefetch + s._states_to_backward_prefetch
-        ]
-        if prefetch or st._states_to_forward_prefetch or st._states_to_backward_prefetch:
-            raise RuntimeError(
-                f"{_NAME}: {name} is in FSDP2's explicit prefetch (set_modules_to_forward_"
-                "prefetch / set_modules_to_backward_prefetch); each layer graph all-gathers its "
-                "own weights, and an all-gather issued from another layer's call would be left "
-                f"out of the graph. Leave the prefetch unset for graphed layers, or {_WHOLE}"
-            )
         if not (g.reduce_grads and g.reshard_after_backward and g.unshard_in_backward):
             raise RuntimeError(
                 f"{_NAME}: {name}: FSDP2's set_requires_gradient_sync(False), "
                 "set_reshard_after_backward(False) or unshard_in_backward=False is set; "
-                f"per-layer graphs capture FSDP2's defaults there. Unset it, or {_WHOLE}"
+                "per-layer graphs capture FSDP2's defaults there (make_graphed_callables(..., "
+                "fsdp_sync='last') for gradient accumulation without communication). Unset "
+                f"it, or {_WHOLE}"
             )
         if not g.is_sharded:
             raise RuntimeError(
@@ -219,29 +230,46 @@ class FSDPLayer:
         weights all-gathered, the forward, the reshard (reshard_after_forward), output cast."""
         args, kwargs = cast_forward_inputs(self.state, tuple(args), kwargs)
         self._unshard()
+        self.prefetch.issue("forward")  # FSDP2's explicit forward prefetch, before the compute
         out = func(*args, **kwargs)
         if self.reshard_after_forward:
             self.group.reshard()
+        self.prefetch.join()
         return cast_output(self.state, out)
 
     def backward(self, outs, inputs, grad_outputs, params, allow_unused: bool) -> tuple:
         """The layer's backward as FSDP2 runs it: the all-gather again after a reshard, the
         gradients (the parameters' put in their unsharded `.grad`, as AccumulateGrad does), the
-        reduce-scatter into the sharded `.grad` and the reshard (post_backward), and the wait for
-        the reduce-scatter (finalize). Returns the gradients with the parameters' as None."""
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
+        reduce-scatter into the sharded `.grad` and the reshard (reduce). fsdp_sync "last", once
+        warmed up: the parameters' gradients added into the unsharded sums instead, no reduce
+        (the sync graph's). Returns the gradients with the parameters' as None."""
         self._unshard()
+        self.prefetch.issue("backward")  # FSDP2's explicit backward prefetch
         grads = torch.autograd.grad(outs, inputs, grad_outputs, allow_unused=allow_unused)
         n = len(params)
-        for p, g in zip(params, grads[len(grads) - n :], strict=True):
-            p.grad = g
+        own = grads[len(grads) - n :]
+        if self.sync is not None and self.sync.ready:
+            self.sync.accumulate(params, own)
+        else:
+            if self.sync is not None:
+                self.sync.seen(params, own)
+            for p, g in zip(params, own, strict=True):
+                p.grad = g
+            self.reduce()
+        self.prefetch.join()
+        return tuple(grads[: len(grads) - n]) + (None,) * n
+
+    def reduce(self) -> None:
+        """FSDP2's post_backward of the unsharded `.grad` (the reduce-scatter into the sharded
+        `.grad`, the reshard), finalize, and the wait for the reduce-scatter that the root's
+        final callback does eagerly."""
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
         group = self.group
         group.post_backward()
         group.finalize_backward()
         wait_reduce_scatters(group.comm_ctx, group.device_handle.current_stream())
         group._training_state = TrainingState.IDLE
-        return tuple(grads[: len(grads) - n]) + (None,) * n
 
     def _unshard(self) -> None:
         """The all-gather and copy-out into the unsharded parameters, freed at once (no implicit
@@ -317,6 +345,9 @@ class FSDPLayers:
         for layer in self.layers:
             layer.grads.take_warmup(layer.name)
             layer.grads.attach()
+            if layer.sync is not None:
+                layer.sync.build(layer.group)
+            layer.prefetch.after_warmup(layer.group)
 
     def after_capture(self) -> None:
         """Checks that FSDP2 added into the buffers, puts the user's `.grad` back and takes the
@@ -324,4 +355,5 @@ class FSDPLayers:
         for layer in self.layers:
             layer.grads.check_captured(layer.name)
             layer.grads.restore()
-            layer.settings = FSDPSettings(layer.name, layer.module)
+            sets = SYNC_SETTINGS if layer.sync is not None else ()  # its eager loop sets them
+            layer.settings = FSDPSettings(layer.name, layer.module, graph_sets=sets)

@@ -251,7 +251,7 @@ def _spec(args, precision: str, graphs: str, vocab: int) -> RunSpec:
                    fp8_weights=args.fp8_weights and precision == "fp8", pack=args.pack,
                    fp8_attention=args.fp8_attention and precision == "fp8",
                    shard=args.shard, recompute=args.recompute, fsdp=args.fsdp, hsdp=args.hsdp,
-                   fsdp_sync=args.fsdp_sync,
+                   fsdp_sync=args.fsdp_sync, fsdp_prefetch=args.fsdp_prefetch,
                    bf16_layers=args.bf16_layers if precision == "fp8" else ())  # fmt: skip
 
 

@@ -187,14 +187,14 @@ def check_fsdp(p: argparse.ArgumentParser, args: argparse.Namespace, modes: set[
         p.error("--hsdp replicates FSDP2's shards: use it with --ddp --fsdp")
     if args.fsdp_sync != "every" and not args.fsdp:
         p.error("--fsdp-sync is FSDP2's gradient sync: use it with --ddp --fsdp")
+    if args.fsdp_prefetch and not args.fsdp:
+        p.error("--fsdp-prefetch is FSDP2's explicit prefetch: use it with --ddp --fsdp")
     if not args.fsdp:
         return
     if not args.ddp:
         p.error("--fsdp shards over the ranks of --ddp: torchrun --nproc_per_node=N -m "
                 "graphfp8.training --ddp --fsdp --graphs none")  # fmt: skip
     used = {"graphs": "compile" in modes, "shard": args.shard,
-            "recompute": "layers" in modes and args.recompute != "none",
-            "sync_layers": "layers" in modes and args.fsdp_sync != "every",
             "save": args.save is not None or args.resume is not None,
             "check_replicas": args.check_replicas, "compile": args.compile}  # fmt: skip
     for key, on in used.items():
@@ -228,6 +228,11 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    "communication: the weights stay gathered and the unsharded gradients "
                    "accumulate between microbatches; more memory, other summation order; "
                    "docs/sharding.md) (default: every)")  # fmt: skip
+    p.add_argument("--fsdp-prefetch", action="store_true",
+                   help="with --fsdp: FSDP2's explicit prefetch, each layer all-gathering the "
+                   "next one's weights before its forward compute and the previous one's before "
+                   "its backward (set_modules_to_forward_prefetch / ..._backward_prefetch), in "
+                   "every graph mode (docs/sharding.md) (default: off)")  # fmt: skip
     p.add_argument("--check-replicas", action="store_true",
                    help="with --ddp: the ranks' weights compared (digests of their bits) after "
                    "every step; a difference stops every rank with exit status 3 "

@@ -11,8 +11,12 @@ them. The step graph calls the model's forward, so the model is under
 fully_shard too (a root without parameters of its own, as make_graphed_step requires). FP8
 primary weights (--fp8-weights) stay FP8 shards, all-gathered as FP8, trained through
 FSDPMasterWeights. --hsdp R: the same on HSDP's 2-D (R, N / R) mesh (docs/sharding.md, "HSDP").
+--fsdp-prefetch: FSDP2's explicit prefetch, layer i to i + 1 forward and to i - 1 backward
+(inside the layer graphs too: graphs/fsdp_prefetch.py).
 --fsdp-sync last: FSDP2's gradient sync and reshard after backward off on every microbatch but
-the last, eagerly (set_fsdp_sync) and in the step graph (make_graphed_step(fsdp_sync="last")).
+the last, eagerly (set_fsdp_sync) around the layer graphs too (make_graphed_callables(...,
+fsdp_sync="last"): each layer's sync graph reduce-scatters after the last microbatch's backward)
+and in the step graph (make_graphed_step(fsdp_sync="last")).
 """
 
 from __future__ import annotations
@@ -30,10 +34,6 @@ __all__ = ["REFUSED", "LayerCall", "check_fsdp_spec", "graph_layers", "shard_gpt
 REFUSED = {
     "graphs": "--graphs compile with --fsdp is not supported: use --graphs layers (a graph "
     "pair per layer), step (the whole step, FSDP2's collectives included, in one graph) or none",
-    "recompute": "--recompute with --fsdp --graphs layers is not supported yet: use --graphs "
-    "none or step",
-    "sync_layers": "--fsdp-sync last with --graphs layers is not supported (each layer graph "
-    "holds its reduce-scatter): use --graphs step or none",
     "shard": "--shard and --fsdp are two ways to shard: pick one (docs/sharding.md, 'Which to "
     "pick')",
     "save": "--save/--resume write graphfp8-train's checkpoints, not FSDP2's: use "
@@ -44,27 +44,26 @@ REFUSED = {
 
 
 def check_fsdp_spec(spec) -> None:
-    """A RunSpec with fsdp runs eagerly, in layer graphs (without recompute and fsdp_sync 'last')
-    or in the step graph, without shard and compile; hsdp and fsdp_sync 'last' need fsdp."""
+    """A RunSpec with fsdp runs eagerly, in layer graphs or in the step graph, without shard and
+    compile; hsdp, fsdp_sync 'last' and fsdp_prefetch need fsdp."""
     if spec.fsdp and (spec.graphs == "compile" or spec.shard or spec.compile):
         raise ValueError("fsdp runs eagerly, in layer graphs or in the step graph (graphs "
                          "'none', 'layers' or 'step'), without shard and compile")  # fmt: skip
-    if spec.fsdp and spec.graphs == "layers" and spec.recompute != "none":
-        raise ValueError(f"fsdp: {REFUSED['recompute']}")
-    if spec.fsdp and spec.graphs == "layers" and spec.fsdp_sync != "every":
-        raise ValueError(f"fsdp: {REFUSED['sync_layers']}")
     if spec.hsdp < 1 or (spec.hsdp > 1 and not spec.fsdp):
         raise ValueError(f"hsdp {spec.hsdp}: replicas (>= 1) of FSDP2's shards, with fsdp")
     if spec.fsdp_sync not in ("every", "last") or (spec.fsdp_sync != "every" and not spec.fsdp):
         raise ValueError(f"fsdp_sync {spec.fsdp_sync!r}: 'every' or 'last' (with fsdp)")
+    if spec.fsdp_prefetch and not spec.fsdp:
+        raise ValueError("fsdp_prefetch: FSDP2's explicit prefetch, with fsdp")
 
 
-def shard_gpt(model: torch.nn.Module, group, device, replicas: int = 1,
-              root: bool = False) -> None:  # fmt: skip
+def shard_gpt(model: torch.nn.Module, group, device, replicas: int = 1, root: bool = False,
+              prefetch: bool = False) -> None:  # fmt: skip
     """fully_shard the GPT's layers and its parts over `group`: a 1-D mesh of its ranks, or with
     replicas > 1 HSDP's 2-D (replicas, world / replicas) mesh of the world's ranks (each
     replica's ranks shard the weights; FSDP2 all-reduces the gradients across the replicas);
-    `root`: the model itself too (the step graph runs its forward)."""
+    `root`: the model itself too (the step graph runs its forward); `prefetch`: FSDP2's explicit
+    prefetch of layer i + 1 in layer i's forward and of layer i - 1 in its backward."""
     if group is None:
         raise ValueError("fsdp needs a process group (--ddp under torchrun)")
     kind = torch.device(device).type
@@ -77,8 +76,12 @@ def shard_gpt(model: torch.nn.Module, group, device, replicas: int = 1,
                              f"of its {world} ranks")  # fmt: skip
         mesh = init_device_mesh(kind, (replicas, world // replicas),
                                 mesh_dim_names=("replicate", "shard"))  # fmt: skip
-    for layer in model.blocks.layers:
+    layers = list(model.blocks.layers)
+    for layer in layers:
         fully_shard(layer, mesh=mesh)
+    for i, layer in enumerate(layers if prefetch else ()):
+        layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 2])
+        layer.set_modules_to_backward_prefetch(layers[max(i - 1, 0) : i])
     for part in (model.blocks, model.embed, model.norm, model.head):
         fully_shard(part, mesh=mesh)
     if root:
@@ -112,12 +115,12 @@ class LayerCall(nn.Module):
 
 
 def graph_layers(model: nn.Module, sample: torch.Tensor, segments: dict, fp8: bool, recipe,
-                 group) -> None:  # fmt: skip
+                 group, fsdp_sync: str = "every") -> None:  # fmt: skip
     """make_graphed_callables of the FSDP2 GPT's layers, one graph pair each (a LayerCall), set
     as the calls Blocks makes (Blocks.graphed); the blocks' root (fully_shard(model.blocks))
     stays eager around them. sample: (B, S, H) bf16 requiring grad; segments: {"segment_ids":
     (B, S) int64} of packed runs or {}; the bf16 layers captured without FP8 (Blocks runs them
-    inside fp8_autocast(enabled=False))."""
+    inside fp8_autocast(enabled=False)); fsdp_sync: make_graphed_callables'."""
     blocks = model.blocks
     init_fsdp2(blocks)
     n = len(blocks.layers)
@@ -127,5 +130,5 @@ def graph_layers(model: nn.Module, sample: torch.Tensor, segments: dict, fp8: bo
     blocks.graphed = make_graphed_callables(
         calls, args, sample_kwargs=tuple(dict(segments) for _ in range(n)),
         fp8_enabled=tuple(fp8 and i not in blocks.bf16_layers for i in range(n)),
-        fp8_recipe=recipe, fp8_weight_caching=True, fp8_group=group,
+        fp8_recipe=recipe, fp8_weight_caching=True, fp8_group=group, fsdp_sync=fsdp_sync,
     )  # fmt: skip

@@ -12,7 +12,11 @@ gradients accumulated inside the CUDA graph, in fp32 under FSDP2's MixedPrecisio
 on HSDP's 1 x 1 mesh: tests/sharding/test_fsdp2_sync_last.py), whose
 gathered FP8 weights are transposed once per backward (once per step when kept gathered), and so
 do make_graphed_callables of its FSDP2 layers (a CUDA graph pair per layer,
-tests/sharding/test_fsdp2_layer_graphs.py)."""
+tests/sharding/test_fsdp2_layer_graphs.py), with activation recompute inside them too
+(tests/sharding/test_fsdp2_layer_recompute.py) and with fsdp_sync="last" (each layer's sync
+graph reduce-scatters the unsharded sums: tests/sharding/test_fsdp2_layer_sync_last.py) and
+with FSDP2's explicit prefetch (a layer's graph issuing the next layer's all-gather, its side
+streams joined at the graph's end: tests/sharding/test_fsdp2_layer_prefetch.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +35,9 @@ from tests.sharding.test_fsdp2_hsdp import (
     _hsdp_equals_fsdp_over_the_shard_group,
 )
 from tests.sharding.test_fsdp2_layer_graphs import _graphed_equals_eager as _layers_equal_eager
+from tests.sharding.test_fsdp2_layer_prefetch import prefetch_equals_eager
+from tests.sharding.test_fsdp2_layer_recompute import recompute_equals_none
+from tests.sharding.test_fsdp2_layer_sync_last import last_equals_eager as _layers_last_equal
 from tests.sharding.test_fsdp2_reshard import _reshard_equals_no_reshard
 from tests.sharding.test_fsdp2_step_graph import step_equals_eager
 from tests.sharding.test_fsdp2_sync_last import _transposes, last_equals_eager
@@ -137,14 +144,19 @@ def test_fsdp2_gathered_fp8_weights_transposed_once_per_backward_on_one_gpu():
     run_on_ranks("nccl", _transposes, world=1)
 
 
-def _switched_layers_equal_eager(rank, device, *args):
-    """The rank sets the switch itself: rank processes fork from the pool's server, started
-    before any test, so a test's environment does not reach them (tests/rank_pool.py)."""
+def _switched(rank, device, worker, *args):
+    """worker(rank, device, *args) with the switch set by the rank itself: rank processes fork
+    from the pool's server, started before any test, so a test's environment does not reach
+    them (tests/rank_pool.py)."""
     os.environ[CUDA_SWITCH] = "1"
     try:
-        _layers_equal_eager(rank, device, *args)
+        worker(rank, device, *args)
     finally:
         del os.environ[CUDA_SWITCH]
+
+
+def _switched_layers_equal_eager(rank, device, *args):
+    _switched(rank, device, _layers_equal_eager, *args)
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
@@ -155,6 +167,59 @@ def test_fsdp2_layer_graphs_equal_eager_on_one_gpu(recipe_name, reshard):
 
 def test_fsdp2_layer_graphs_fp32_params_on_one_gpu():
     run_on_ranks("nccl", _switched_layers_equal_eager, "current", True, False, world=1)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_fsdp2_layer_graphs_recompute_on_one_gpu(recipe_name, mode):
+    """The recompute captured into each layer's backward CUDA graph after its all-gather: equal
+    to eager FSDP2 without recompute and with it; the backward graph holds the recompute."""
+    run_on_ranks("nccl", _switched, recompute_equals_none, recipe_name, True, True, mode, False,
+                 True, True, world=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8_weights", [True, False], ids=["fp8-weights", "fp32-params"])
+def test_fsdp2_layer_graphs_recompute_mixed_precision_on_one_gpu(fp8_weights):
+    """FSDP2's defaults under MixedPrecisionPolicy (bf16 gathered, fp32 reduced)."""
+    mode = "full" if fp8_weights else "selective"
+    run_on_ranks(
+        "nccl", _switched, recompute_equals_none, "delayed", None, fp8_weights, mode, True, world=1
+    )
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("reshard", [True, False, None], ids=["reshard", "keep", "defaults"])
+def test_fsdp2_layer_graphs_sync_last_on_one_gpu(recipe_name, reshard):
+    """fsdp_sync="last": the unsharded gradients summed by the backward CUDA graphs, each
+    layer's sync graph replayed after the last microbatch's backward."""
+    run_on_ranks("nccl", _switched, _layers_last_equal, recipe_name, reshard, True, world=1)
+
+
+@pytest.mark.parametrize("fp8_weights, recompute", [(True, "full"), (False, "none")],
+                         ids=["fp8-weights-recompute", "fp32-params"])  # fmt: skip
+def test_fsdp2_layer_graphs_sync_last_mixed_precision_on_one_gpu(fp8_weights, recompute):
+    """MixedPrecisionPolicy: the bf16 unsharded gradients summed in fp32 inside the graphs."""
+    run_on_ranks("nccl", _switched, _layers_last_equal, "delayed", None, fp8_weights, True,
+                 recompute, world=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_fsdp2_layer_graphs_prefetch_on_one_gpu(recipe_name, reshard):
+    """The block's forward CUDA graph issues the head's all-gather (FSDP2 copies at world size
+    1), the head's backward graph the block's; equal to eager FSDP2 with the same prefetch."""
+    run_on_ranks("nccl", _switched, prefetch_equals_eager, recipe_name, reshard, True, world=1)
+
+
+def test_fsdp2_layer_graphs_prefetch_with_sync_last_and_recompute_on_one_gpu():
+    run_on_ranks("nccl", _switched, prefetch_equals_eager, "delayed", None, True, True, "full",
+                 "last", world=1)  # fmt: skip
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_fsdp2_layer_graphs_prefetch_on_two_gpus():
+    """NCCL all-gathers on the side streams, overlapping the issuing layer's compute."""
+    run_on_ranks("nccl", _switched, prefetch_equals_eager, "delayed", True, True, world=2)
 
 
 def test_fsdp2_layer_graphs_wait_for_their_switch_on_cuda(monkeypatch):

@@ -2,15 +2,18 @@
 it): training of the GPT under FSDP2 with FP8 weights - the loss falls, the ranks agree, each
 rank's memory is in summary.json and holds about half of the state - on HSDP's 2-D mesh too
 (--hsdp 2 on 4 ranks: two replicas of 2 shards); --graphs step and --graphs layers equal to
-eager bit for bit, --graphs step with --fsdp-sync last too (one reduce-scatter per step); and
-every option it does not run (--recompute or --fsdp-sync last with per-layer graphs, --shard,
---save, --check-replicas, --compile, --hsdp or --fsdp-sync without --fsdp, --hsdp not dividing
-the ranks) refused before anything starts."""
+eager bit for bit, --graphs step with --fsdp-sync last too (one reduce-scatter per step),
+--graphs layers with --recompute full, with --fsdp-sync last and with --fsdp-prefetch too; and
+every option it does not run (--shard, --save, --check-replicas, --compile, --hsdp, --fsdp-sync
+or --fsdp-prefetch without --fsdp, --hsdp not dividing the ranks) refused before anything
+starts."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from tests.rank_pool import run_on_ranks
 from tests.sharding.common import run_cli, world
@@ -84,6 +87,31 @@ def test_fsdp_layer_graphs_train_as_eager(tmp_path):
     run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path), (), "-graphs-fsdp", "layers")
 
 
+def test_fsdp_layer_graphs_with_recompute_train_as_eager(tmp_path):
+    """--graphs layers --recompute full: each FSDP2 layer's backward graph recomputes its forward
+    after the all-gather, bit for bit with --graphs none --recompute full (before: refused)."""
+    run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path), ["--recompute", "full"],
+                 "-graphs-fsdp-recompute-full", "layers")  # fmt: skip
+
+
+def test_fsdp_sync_last_layer_graphs_train_as_eager(tmp_path):
+    """--graphs layers --fsdp-sync last: each FSDP2 layer's sync graph reduce-scatters after the
+    last microbatch's backward, bit for bit with --graphs none --fsdp-sync last (before:
+    refused)."""
+    run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path), ["--fsdp-sync", "last"],
+                 "-graphs-fsdp-synclast", "layers")  # fmt: skip
+
+
+@pytest.mark.parametrize("mode, name", [("layers", "graphs"), ("step", "step")])
+def test_fsdp_prefetch_trains_as_eager(tmp_path, mode, name):
+    """--fsdp-prefetch: with --graphs layers, layer 0's forward graph all-gathers layer 1's
+    weights and layer 1's backward graph layer 0's; the step graph holds FSDP2's prefetch as its
+    hooks run it; bit for bit with --graphs none --fsdp-prefetch (eager FSDP2's explicit
+    prefetch; before: no such option, and per-layer graphs refused it)."""
+    run_on_ranks("gloo", _eager_equals_step_graph, str(tmp_path), ["--fsdp-prefetch"],
+                 f"-{name}-fsdp-prefetch", mode)  # fmt: skip
+
+
 def test_fsdp_sync_last_step_graph_trains_as_eager(tmp_path):
     """--fsdp-sync last: one reduce-scatter per step, eagerly and in the step graph, bit for
     bit."""
@@ -92,8 +120,6 @@ def test_fsdp_sync_last_step_graph_trains_as_eager(tmp_path):
 
 
 REFUSALS = [
-    (["--graphs", "layers", "--recompute", "full"], "--recompute with --fsdp --graphs layers"),
-    (["--graphs", "layers", "--fsdp-sync", "last"], "--fsdp-sync last with --graphs layers"),
     (["--graphs", "none", "--shard"], "two ways to shard"),
     (["--graphs", "none", "--save", "ckpt.pt"], "dcp_checkpoint"),
     (["--graphs", "none", "--check-replicas"], "FSDP2's are sharded"),
@@ -113,6 +139,9 @@ def _refused(rank, device, tmp):
     code, _, err = run_cli([*no_fsdp, "--graphs", "none", "--fsdp-sync", "last", "--steps", "2",
                             "--out", tmp])  # fmt: skip
     assert code == 2 and "--fsdp-sync is FSDP2's gradient sync" in err, (code, err)
+    code, _, err = run_cli([*no_fsdp, "--graphs", "none", "--fsdp-prefetch", "--steps", "2",
+                            "--out", tmp])  # fmt: skip
+    assert code == 2 and "--fsdp-prefetch is FSDP2's explicit prefetch" in err, (code, err)
     assert not Path(tmp).exists() or not any(Path(tmp).iterdir())  # nothing started
 
 
