@@ -170,6 +170,51 @@ def _blockwise_act_row(activation: str, shape, sets, copy_gbs, device) -> dict:
                 speedup=ms[0] / ms[1])  # fmt: skip
 
 
+# issue 42: the Llama-1B SwiGLU MLP's blockwise operands (h 2048, F 8192, 4096 tokens)
+BLOCK_QUANTIZE_SHAPES = [(4096, 2048), (4096, 8192), (4096, 16384)]
+
+
+def _block_quantize_row(m: int, n: int, device) -> dict:
+    """One shape of block_quantize_rows: ms, GB/s and the ratio to a bf16 copy."""
+
+    def make():
+        x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+        return x, ops.blockwise_quantize(x, 1, transpose=True)
+
+    sets = _rotating(make, 4 * m * n, device)
+    copy_gbs = _copy_gbs(sets, device)
+
+    def quantize(i):
+        ops.blockwise_quantize(sets[i][0], 1, transpose=True, out=sets[i][1])
+
+    ms = _timed(quantize, len(sets), device)
+    nbytes = 4 * m * n + 4 * (m * -(-n // 128) + n * -(-m // 128))
+    gbs = nbytes / ms / 1e6
+    return dict(op="blockwise_quantize 1x128 + x.T tiles", shape=f"{m}x{n}", ms=ms, us=1e3 * ms,
+                GBps=gbs, copy_GBps=copy_gbs, ratio_to_copy=gbs / copy_gbs)  # fmt: skip
+
+
+def block_quantize_rows(device, quick: bool = False) -> list[dict]:
+    """graphfp8.blockwise_quantize's 1x128 tiles of a bf16 x and of x.T (E4M3, the recipe's
+    activation and gradient quantizer) at the MLP's shapes, against a bf16 copy of the same
+    tensors timed in the same run: bytes are x read, both FP8 layouts and their scales written."""
+    shapes = [(256, 384)] if quick else BLOCK_QUANTIZE_SHAPES
+    return [_block_quantize_row(m, n, device) for m, n in shapes]
+
+
+def block_quantize_table(rows: list[dict], device) -> str:
+    """The rows of block_quantize_rows as a table, with the total of one MLP microbatch (x and
+    dy at the first shape, one launch at each of the others)."""
+    total = sum(r["us"] for r in rows) + (rows[0]["us"] if len(rows) == 3 else 0.0)
+    return print_table(
+        f"blockwise quantize, bf16 -> E4M3 tiles of x and x.T (ratios to a bf16 copy, same run), "
+        f"{device}; one MLP microbatch's four launches: {total:.1f} us",
+        ["op", "shape", "us", "GB/s", "copy GB/s", "/ copy"],
+        [[r["op"], r["shape"], r["us"], r["GBps"], r["copy_GBps"], r["ratio_to_copy"]]
+         for r in rows],
+    )  # fmt: skip
+
+
 def _norm_sets(m: int, n: int, device):
     def make():
         x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -281,4 +326,7 @@ def run(device, quick: bool = False) -> dict:
         [[r["op"], r["shape"], r["delayed_ms"], r["three_launch_ms"], r["fused_ms"],
           r["three_vs_delayed"], r["fused_vs_delayed"]] for r in cur],
     )  # fmt: skip
-    return {"env": environment(device), "switches": switches, "current": cur, "table": text}
+    block = block_quantize_rows(device, quick)
+    text += block_quantize_table(block, device)
+    return {"env": environment(device), "switches": switches, "current": cur,
+            "block_quantize": block, "table": text}  # fmt: skip

@@ -55,9 +55,11 @@
 #               scripts/bench_blockwise.py (Llama-3.2-1B block, 3 repeats with spread: bf16,
 #               delayed, blockwise with torch quantizers, fused kernels, fused + weight cache)
 #               and, with BLOCK_TRAIN_STEPS > 0, 100m delayed vs blockwise losses
-#   step blockprof (issue 42): scripts/profile_blockwise.py (per-kernel time of the SwiGLU MLP:
-#               graphfp8 delayed, blockwise, TE Float8BlockScaling graphed) and bench_blockwise's
-#               delayed / blockwise-fused-cache rows with the TE MLP peers (WITH_TE=1)
+#   step blockprof (issue 42): scripts/profile_blockwise.py (the blockwise quantize kernel alone
+#               at the MLP's 4 operand shapes as a fraction of copy, then per-kernel time of the
+#               SwiGLU MLP: graphfp8 delayed, blockwise, TE Float8BlockScaling graphed) and
+#               bench_blockwise's delayed / blockwise-fused-cache rows with the TE MLP peers
+#               (WITH_TE=1)
 #   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
 #               token and GPU busy (one call under torch.profiler)
 #   step carried-casts (issue 39): what the carried recipe's weight casts on every
@@ -414,7 +416,7 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       echo "-- blockwise CUDA tests: $(tail -1 "$RES/tests_blockwise.log")" | tee -a "$RES/summary.md"
       # The fused quantize kernels (default-off on CUDA) and the weight cache, then the graph
       # tests with the fused kernels on: what turning GRAPHFP8_BLOCKWISE_KERNELS on needs.
-      GRAPHFP8_BLOCKWISE_KERNELS=fused timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider \
+      GRAPHFP8_BLOCKWISE_KERNELS=fused timeout 450 $PY -m pytest -q -m cuda -p no:cacheprovider \
         tests/ops/test_blockwise_fused.py tests/modules/test_blockwise_cache.py \
         tests/graphs/test_blockwise_graphs.py > "$RES/tests_blockwise_fused.log" 2>&1 || status=1
       echo "-- blockwise fused-kernel CUDA tests: $(tail -1 "$RES/tests_blockwise_fused.log")" \

@@ -55,7 +55,8 @@ def test_variants_quick(tmp_path, capsys):
         ("GRAD_FOLD_COPY_FIRST", "first fold, tiny layer"),
     ]  # fmt: skip
     assert [r["op"] for r in result["current"]] == ["cast_transpose", "gelu_cast_transpose"]
-    numbers = _numbers(result["switches"] + result["current"])
+    assert [r["shape"] for r in result["block_quantize"]] == ["256x384"]  # issue 42's row
+    numbers = _numbers(result["switches"] + result["current"] + result["block_quantize"])
     assert numbers and all(math.isfinite(v) and v > 0 for v in numbers)
     printed = capsys.readouterr().out
     assert all(line in printed for line in result["table"].splitlines())

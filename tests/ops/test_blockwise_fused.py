@@ -171,6 +171,26 @@ def test_cuda_kernel_equals_the_cpu_kernel(block_rows, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "shape, variants",
+    [((4096, 2048), [(1, True)]), ((4096, 8192), [(1, True)]), ((4096, 16384), [(1, True)]),
+     ((4056, 2120), [(1, True), (1, False), (128, True), (128, False)])],
+)  # fmt: skip
+def test_cuda_kernel_at_the_mlp_shapes(shape, variants):
+    """The shapes of the Llama-1B SwiGLU MLP's quantized operands (issue 42's speed row: x and
+    dy, the SwiGLU output, its gradient) with the recipe's 1x128 tiles of x and x.T, and a
+    partial-tile shape (rows not a multiple of 16: the byte stores of out_t) in every variant:
+    the CPU kernel's bytes."""
+    x = _data(shape, torch.bfloat16, seed=4, specials=True)
+    for block_rows, transpose in variants:
+        cpu = bf.blockwise_quantize(x, block_rows, transpose=transpose)
+        gpu = bf.blockwise_quantize(x.cuda(), block_rows, transpose=transpose)
+        for g, c in zip(gpu, cpu, strict=True):
+            assert_bitwise_equal(g.cpu(), c, f"{shape} {block_rows} transpose={transpose}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_kernel_in_a_cuda_graph():
     """Captured, with the noop flag read at replay."""
     x = _data((512, 1024), torch.bfloat16).cuda()
