@@ -59,15 +59,17 @@ SWITCHES = (
 #   BLOCKWISE_ACT  (off until its CUDA kernel runs on a GPU) LayerNormMLP under
 #                  Float8BlockScaling: the GELU / SwiGLU / GeGLU writes fc2's 1x128 tiles
 #                  itself (graphfp8/modules/_blockwise_act.py; both devices)
-#   GRAD_FILL_ONE_PASS (off until it runs on a GPU) the -0.0 fill of graphed callables' .grad
-#                  buffers before the first microbatch (graphfp8/graphs/grads.py): one fill_
-#                  kernel per large buffer (2 bytes per bf16 element) instead of zero + negate
-#                  (6 bytes); read at capture, so one process can capture both (bit-identical)
-#   GRAD_FOLD_COPY_FIRST (off until it runs on a GPU) graphed callables fold each large
-#                  gradient with graphfp8.ops.grad_fold_: a device flag, set by the accumulator
-#                  instead of the -0.0 fill, makes the first microbatch copy and later ones add
-#                  (4 + 6 bytes per element a step instead of 6 + 6 + 6); read at capture
-#                  (graphfp8/graphs/grads.py; bit-identical)
+#   GRAD_FILL_ONE_PASS (off; its CUDA tests passed on the H200, not timed yet) the -0.0 fill
+#                  of graphed callables' .grad buffers before the first microbatch
+#                  (graphfp8/graphs/grads.py): one fill_ kernel per large buffer (2 bytes per
+#                  bf16 element) instead of zero + negate (6 bytes); read at capture, so one
+#                  process can capture both (bit-identical)
+#   GRAD_FOLD_COPY_FIRST (off; refused on CUDA: its first H200 run differed from eager, while
+#                  bit for bit on the CPU tape: graphs/grads.py's check_copy_first) graphed
+#                  callables fold each large gradient with graphfp8.ops.grad_fold_: a device
+#                  flag, set by the accumulator instead of the -0.0 fill, makes the first
+#                  microbatch copy and later ones add (4 + 6 bytes per element a step instead of
+#                  6 + 6 + 6); read at capture (graphfp8/graphs/grads.py)
 # Every default, here and in csrc/ops/switches.h, is one the CUDA suite passed with on a GPU:
 # tests/test_switch_defaults.py compares them with tests/data/gpu_verified_switches.json.
 ENV_DEFAULTS = {

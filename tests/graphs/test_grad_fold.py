@@ -199,10 +199,25 @@ def test_the_fill_in_a_cuda_graph_writes_minus_zero(dtype, grad_fill):
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_transformer_layer_graphed_equals_eager_on_cuda(monkeypatch, grad_fill, copy_first):
-    """Every gradient folded as produced, so that under one-pass every buffer is one fill_."""
+    """Every gradient folded as produced, so that under one-pass every buffer is one fill_.
+    Copy-first is refused on CUDA (its first H200 run differed from eager: check_copy_first)."""
     monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1)
+    if copy_first:
+        layer = g8.TransformerLayer(64, 4, 128, device="cuda")
+        with pytest.raises(RuntimeError, match="GRAD_FOLD_COPY_FIRST"):
+            g8.make_graphed_callables(layer, (torch.randn(2, 8, 64, device="cuda"),))
+        return
     train_side_by_side("TransformerLayer", g8.DelayedScaling(amax_history_len=4), True, "cuda",
                        steps=2, mbs=2)  # fmt: skip
+
+
+def test_copy_first_is_refused_on_cuda_only(monkeypatch):
+    monkeypatch.setenv("GRAPHFP8_GRAD_FOLD_COPY_FIRST", "1")
+    grads.check_copy_first(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="refused on CUDA"):
+        grads.check_copy_first(torch.device("cuda"))
+    monkeypatch.setenv("GRAPHFP8_GRAD_FOLD_COPY_FIRST", "0")
+    grads.check_copy_first(torch.device("cuda"))
 
 
 def test_copy_first_folds_with_the_flag_and_fills_only_the_rest(monkeypatch):
