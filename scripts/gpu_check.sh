@@ -642,7 +642,6 @@ print_table("generate() with a KV cache, greedy", ["peer", "new tokens/s", "/ HF
       grep -v '^wrote' /tmp/bench_fsdp_graph.log | grep -v Warning | grep -v "output = self" \
         >> "$RES/summary.md" ;;
     fsdp-layers)  # issue 40: FSDP2 layers in make_graphed_callables at world size 1 (NCCL)
-      export GRAPHFP8_FSDP2_LAYER_GRAPHS_CUDA=1  # their default-off switch (graphs/fsdp_layers.py)
       $PY -m pytest -q -m cuda -p no:cacheprovider tests/sharding/test_fsdp2_cuda.py \
         -k layer_graphs > "$RES/fsdp_layers_tests.log" 2>&1 || status=1
       tail -1 "$RES/fsdp_layers_tests.log" | tee -a "$RES/summary.md"

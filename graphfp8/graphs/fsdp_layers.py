@@ -14,7 +14,6 @@ stays eager: its hooks gather its own parameters and its final backward callback
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from torch import nn
@@ -43,24 +42,8 @@ _WHOLE = (
     "batch, ...) or the whole step with make_graphed_step(model, loss_fn, optimizer, batch, ...), "
     "or shard the graphed way: MasterWeights(model, shard_group=...)"
 )
-# Per-layer FSDP2 graphs have run on the CPU replay tape only: their first CUDA run (H200, torch
-# 2.11, session 8) met a torch-version difference (fixed since, unrun); CUDA captures wait for this
-# switch until a GPU run proves them bit for bit (docs/sharding.md).
-CUDA_SWITCH = "GRAPHFP8_FSDP2_LAYER_GRAPHS_CUDA"
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")  # fmt: skip
-
-
-def _check_device(name: str, module: nn.Module) -> None:
-    """Refuses a CUDA layer unless CUDA_SWITCH is 1 (the comment above it)."""
-    if os.environ.get(CUDA_SWITCH) == "1":
-        return
-    if any(p.is_cuda for p in module.parameters()):
-        raise RuntimeError(
-            f"{_NAME}: per-layer graphs of FSDP2 layers ({name}) are proven on the CPU replay "
-            f"tape but have not yet passed on a GPU; set {CUDA_SWITCH}=1 to try them, or "
-            f"{_WHOLE}"
-        )
 
 
 def init_fsdp2(model: nn.Module) -> None:
@@ -142,7 +125,6 @@ class FSDPLayer:
 
     def __init__(self, name: str, module: nn.Module, sync_last: bool = False):
         self.name, self.module = name, module
-        _check_device(name, module)
         self.state = module._get_fsdp_state()
         check_fsdp2_model(_NAME, module)
         self._check_state()

@@ -20,12 +20,9 @@ streams joined at the graph's end: tests/sharding/test_fsdp2_layer_prefetch.py).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from graphfp8.graphs.fsdp_layers import CUDA_SWITCH, FSDPLayer
 from tests.rank_pool import run_on_ranks
 from tests.sharding.test_dcp_world_sizes import _at_2_again, _at_2_first, _at_3
 from tests.sharding.test_fsdp2_clip import _idioms_agree
@@ -144,29 +141,14 @@ def test_fsdp2_gathered_fp8_weights_transposed_once_per_backward_on_one_gpu():
     run_on_ranks("nccl", _transposes, world=1)
 
 
-def _switched(rank, device, worker, *args):
-    """worker(rank, device, *args) with the switch set by the rank itself: rank processes fork
-    from the pool's server, started before any test, so a test's environment does not reach
-    them (tests/rank_pool.py)."""
-    os.environ[CUDA_SWITCH] = "1"
-    try:
-        worker(rank, device, *args)
-    finally:
-        del os.environ[CUDA_SWITCH]
-
-
-def _switched_layers_equal_eager(rank, device, *args):
-    _switched(rank, device, _layers_equal_eager, *args)
-
-
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
 @pytest.mark.parametrize("reshard", [True, False, None], ids=["reshard", "keep", "defaults"])
 def test_fsdp2_layer_graphs_equal_eager_on_one_gpu(recipe_name, reshard):
-    run_on_ranks("nccl", _switched_layers_equal_eager, recipe_name, reshard, True, world=1)
+    run_on_ranks("nccl", _layers_equal_eager, recipe_name, reshard, True, world=1)
 
 
 def test_fsdp2_layer_graphs_fp32_params_on_one_gpu():
-    run_on_ranks("nccl", _switched_layers_equal_eager, "current", True, False, world=1)
+    run_on_ranks("nccl", _layers_equal_eager, "current", True, False, world=1)
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
@@ -174,7 +156,7 @@ def test_fsdp2_layer_graphs_fp32_params_on_one_gpu():
 def test_fsdp2_layer_graphs_recompute_on_one_gpu(recipe_name, mode):
     """The recompute captured into each layer's backward CUDA graph after its all-gather: equal
     to eager FSDP2 without recompute and with it; the backward graph holds the recompute."""
-    run_on_ranks("nccl", _switched, recompute_equals_none, recipe_name, True, True, mode, False,
+    run_on_ranks("nccl", recompute_equals_none, recipe_name, True, True, mode, False,
                  True, True, world=1)  # fmt: skip
 
 
@@ -182,9 +164,7 @@ def test_fsdp2_layer_graphs_recompute_on_one_gpu(recipe_name, mode):
 def test_fsdp2_layer_graphs_recompute_mixed_precision_on_one_gpu(fp8_weights):
     """FSDP2's defaults under MixedPrecisionPolicy (bf16 gathered, fp32 reduced)."""
     mode = "full" if fp8_weights else "selective"
-    run_on_ranks(
-        "nccl", _switched, recompute_equals_none, "delayed", None, fp8_weights, mode, True, world=1
-    )
+    run_on_ranks("nccl", recompute_equals_none, "delayed", None, fp8_weights, mode, True, world=1)
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
@@ -192,14 +172,14 @@ def test_fsdp2_layer_graphs_recompute_mixed_precision_on_one_gpu(fp8_weights):
 def test_fsdp2_layer_graphs_sync_last_on_one_gpu(recipe_name, reshard):
     """fsdp_sync="last": the unsharded gradients summed by the backward CUDA graphs, each
     layer's sync graph replayed after the last microbatch's backward."""
-    run_on_ranks("nccl", _switched, _layers_last_equal, recipe_name, reshard, True, world=1)
+    run_on_ranks("nccl", _layers_last_equal, recipe_name, reshard, True, world=1)
 
 
 @pytest.mark.parametrize("fp8_weights, recompute", [(True, "full"), (False, "none")],
                          ids=["fp8-weights-recompute", "fp32-params"])  # fmt: skip
 def test_fsdp2_layer_graphs_sync_last_mixed_precision_on_one_gpu(fp8_weights, recompute):
     """MixedPrecisionPolicy: the bf16 unsharded gradients summed in fp32 inside the graphs."""
-    run_on_ranks("nccl", _switched, _layers_last_equal, "delayed", None, fp8_weights, True,
+    run_on_ranks("nccl", _layers_last_equal, "delayed", None, fp8_weights, True,
                  recompute, world=1)  # fmt: skip
 
 
@@ -208,28 +188,21 @@ def test_fsdp2_layer_graphs_sync_last_mixed_precision_on_one_gpu(fp8_weights, re
 def test_fsdp2_layer_graphs_prefetch_on_one_gpu(recipe_name, reshard):
     """The block's forward CUDA graph issues the head's all-gather (FSDP2 copies at world size
     1), the head's backward graph the block's; equal to eager FSDP2 with the same prefetch."""
-    run_on_ranks("nccl", _switched, prefetch_equals_eager, recipe_name, reshard, True, world=1)
+    run_on_ranks("nccl", prefetch_equals_eager, recipe_name, reshard, True, world=1)
 
 
 def test_fsdp2_layer_graphs_prefetch_with_sync_last_and_recompute_on_one_gpu():
-    run_on_ranks("nccl", _switched, prefetch_equals_eager, "delayed", None, True, True, "full",
+    run_on_ranks("nccl", prefetch_equals_eager, "delayed", None, True, True, "full",
                  "last", world=1)  # fmt: skip
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_fsdp2_layer_graphs_prefetch_on_two_gpus():
     """NCCL all-gathers on the side streams, overlapping the issuing layer's compute."""
-    run_on_ranks("nccl", _switched, prefetch_equals_eager, "delayed", True, True, world=2)
-
-
-def test_fsdp2_layer_graphs_wait_for_their_switch_on_cuda(monkeypatch):
-    """Until a GPU run proves them, a CUDA layer is refused first, before FSDP2 is touched."""
-    monkeypatch.delenv(CUDA_SWITCH, raising=False)
-    with pytest.raises(RuntimeError, match=CUDA_SWITCH):
-        FSDPLayer("layer", torch.nn.Linear(16, 16, device="cuda"))
+    run_on_ranks("nccl", prefetch_equals_eager, "delayed", True, True, world=2)
 
 
 @pytest.mark.skipif(GPUS < 3, reason="needs 3 GPUs")
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_layer_graphs_on_several_gpus(world):
-    run_on_ranks("nccl", _switched_layers_equal_eager, "delayed", True, True, world=world)
+    run_on_ranks("nccl", _layers_equal_eager, "delayed", True, True, world=world)
