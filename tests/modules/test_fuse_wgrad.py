@@ -209,7 +209,13 @@ def test_blockwise_fused_norm_routes_the_weight_gradient_into_main_grad(kind, mo
     (a separate add onto zeros: bit for bit the unfused .grad for fp32 parameters)."""
     from graphfp8.modules import _blockwise_norm
 
-    monkeypatch.setattr(_blockwise_norm.FUSED, "on", True)
+    _blockwise_main_grads(kind, [_blockwise_norm.FUSED], monkeypatch)
+
+
+def _blockwise_main_grads(kind: str, switches, monkeypatch) -> None:
+    """Float8BlockScaling training with the fused-kernel switches on: main_grad == plain .grad."""
+    for switch in switches:
+        monkeypatch.setattr(switch, "on", True)
     torch.manual_seed(0)
     plain = build(kind, dtype=torch.float32)
     fused = fuse(copy.deepcopy(plain))
@@ -224,11 +230,4 @@ def test_blockwise_fused_activation_routes_the_weight_gradient_into_main_grad(ki
     norm's switch on too): fc2's gradient reaches main_grad as every blockwise GEMM's does."""
     from graphfp8.modules import _blockwise_act, _blockwise_norm
 
-    monkeypatch.setattr(_blockwise_act.FUSED, "on", True)
-    monkeypatch.setattr(_blockwise_norm.FUSED, "on", True)
-    torch.manual_seed(0)
-    plain = build(kind, dtype=torch.float32)
-    fused = fuse(copy.deepcopy(plain))
-    for model in (plain, fused):
-        _train(model, _inputs(model), recipe=g8.Float8BlockScaling())
-    _assert_main_grads_are_grads(plain, fused, kind)
+    _blockwise_main_grads(kind, [_blockwise_act.FUSED, _blockwise_norm.FUSED], monkeypatch)
