@@ -1,10 +1,10 @@
 """Speed at the shapes people train (issue 41): whole-model training steps of graphfp8-train's
 runs - the compiled plain-torch bf16 model (the fair baseline), graphfp8's bf16 and FP8 layer
-graphs - in one process on the same data, with repeats and their spread, model TFLOP/s, the
-physical floor (training/floor.py, ceilings calibrated on the GPU) and the fraction of it
-reached, GPU busy (kernel time over the unprofiled wall) and the full kernel table by category
-and by kernel group against its part of the floor (`python -m benchmarks.floor_gap` reads it
-back from the JSON).
+graphs and FP8 with the whole step as one graph - in one process on the same data, with repeats
+and their spread, model TFLOP/s, the physical floor (training/floor.py, ceilings calibrated on
+the GPU) and the fraction of it reached, GPU busy (kernel time over the unprofiled wall) and the
+full kernel table by category and by kernel group against its part of the floor (`python -m
+benchmarks.floor_gap` reads it back from the JSON).
 
     python -m benchmarks speed [--quick] [--json PATH]   (--quick: tiny shapes, CPU too)
 
@@ -38,8 +38,10 @@ __all__ = ["ROWS", "PEERS", "measure_peer", "run"]
 ROWS = [("llama-100m", {}, 4, True), ("llama-1b", {"layers": 4}, 2, False),
         ("llama-8b", {"layers": 2}, 2, False)]  # fmt: skip
 QUICK_ROWS = [("llama-tiny", {"layers": 1, "batch": 2, "seq_len": 32}, 1, True)]
-# (precision, graphs, staged batches); the first is the baseline
-PEERS = [("bf16", "compile", False), ("bf16", "layers", False), ("fp8", "layers", False)]
+# (precision, graphs, staged batches); the first is the baseline. FP8 with the whole step as one
+# graph too: nothing runs between replays (the layer graphs' idle, notes/PERF.md's floor gap).
+PEERS = [("bf16", "compile", False), ("bf16", "layers", False), ("fp8", "layers", False),
+         ("fp8", "step", False)]  # fmt: skip
 STAGED = ("fp8", "layers", True)  # issue 41's host idle: the next step's batches copied ahead
 BASELINE = "bf16-torch-compile"
 

@@ -15,7 +15,8 @@ def test_quick_run_measures_every_peer_against_the_compiled_baseline():
     out = speed.run("cpu", quick=True)
     (row,) = out["rows"]
     peers = row["peers"]
-    assert list(peers) == ["bf16-torch-compile", "bf16-graphs", "fp8-graphs", "fp8-graphs-staged"]
+    assert list(peers) == ["bf16-torch-compile", "bf16-graphs", "fp8-graphs", "fp8-step",
+                           "fp8-graphs-staged"]  # fmt: skip
     assert peers["fp8-graphs-staged"]["loss"] == peers["fp8-graphs"]["loss"]  # the same bits
     assert row["ceilings"]["source"].startswith("H200 constants")  # no calibration on the CPU
     for name, p in row["peers"].items():
