@@ -45,6 +45,7 @@ def test_variants_quick(tmp_path, capsys):
         ("DBIAS_IN_KERNEL", "dgelu_cast_transpose_dbias"),
         ("BLOCKWISE_ACT", "gelu -> 1x128 tiles + a.T tiles"),
         ("BLOCKWISE_ACT", "swiglu -> 1x128 tiles + a.T tiles"),
+        ("GLU_V2", "swiglu fwd"), ("GLU_V2", "swiglu bwd"),
         ("NORM_BWD_BATCHED", "layernorm_bwd"),
         ("NORM_FWD_TRANSPOSE", "layernorm_fp8 + out_t"),
         ("BLOCKWISE_NORM", "layernorm -> 1x128 tiles + y.T tiles"),

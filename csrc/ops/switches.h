@@ -39,6 +39,9 @@ struct KernelSwitch {
 // RoPE as one autograd Function whose backward casts the QKV gradient to FP8 straight from dq,
 // dk, dv, rotating them back inside the cast-transpose (cuda/rope_cast.cu; the same bytes, amax
 // and dbias as the separate RoPE backward and cast). Unlike the others it also switches the CPU.
+// GRAPHFP8_GLU_V2 (off until it has run on a GPU): the per-tensor SwiGLU / GeGLU cast-transposes
+// on 16-byte FP8 stores of both layouts with more bytes in flight per SM
+// (cuda/glu_cast_transpose.cu; the same bytes, amax and dbias).
 inline KernelSwitch* kernel_switches(int* count) {
   static KernelSwitch switches[] = {{"NORM_BWD_BATCHED", {true}},
                                     {"PAIRED_QUANTIZE", {true}},
@@ -47,7 +50,8 @@ inline KernelSwitch* kernel_switches(int* count) {
                                     {"NORM_BWD_PARAM_IN_KERNEL", {true}},
                                     {"ROPE_PARTS_BWD", {true}},
                                     {"NORM_FWD_TRANSPOSE", {false}},
-                                    {"ROPE_CAST_BWD", {false}}};
+                                    {"ROPE_CAST_BWD", {false}},
+                                    {"GLU_V2", {false}}};
   static const bool from_env = [] {
     for (auto& s : switches) {
       char var[64] = "GRAPHFP8_";

@@ -26,6 +26,9 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
                        as one autograd Function: the backward casts the QKV gradient to FP8
                        from dq, dk, dv, rotating them back in the cast-transpose, without the
                        RoPE backward pass (bit-identical; switches the CPU path too)
+    GLU_V2             (off until it runs on a GPU) the SwiGLU / GeGLU cast-transposes on vector
+                       tiles with paired FP8 converts and word-wide transposed stores of both
+                       layouts (csrc/cuda/glu_v2.cuh; bit-identical)
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ SWITCHES = (
     "ROPE_PARTS_BWD",
     "NORM_FWD_TRANSPOSE",
     "ROPE_CAST_BWD",
+    "GLU_V2",
 )
 
 # The switches read from GRAPHFP8_<NAME> by the module that owns them, with their defaults:
