@@ -118,7 +118,7 @@ GLU_SHAPES = [(4096, 8192), (8192, 8192), (8192, 14336)]
 def _glu_rows(m: int, f: int, device) -> list[dict]:
     """glu_cast_transpose (E4M3, 6 B per element of a: h read, both FP8 layouts written) and
     dglu_cast_transpose_dbias (E5M2 without dbias as the MLP runs it, 10 B) with GLU_V2 off
-    and on, against a copy of h."""
+    and on, then GLU_V2_DIV off and on with GLU_V2 on, against a copy of h."""
     sets = _rotating(lambda: (torch.randn(m, 2 * f, device=device, dtype=torch.bfloat16),
                               torch.randn(m, f, device=device, dtype=torch.bfloat16)),
                      10 * m * f, device)  # fmt: skip
@@ -127,10 +127,12 @@ def _glu_rows(m: int, f: int, device) -> list[dict]:
     fwd = lambda h, da: ops.glu_cast_transpose(h, "swiglu", one, amax, E4M3)  # noqa: E731
     bwd = lambda h, da: ops.dglu_cast_transpose_dbias(  # noqa: E731
         da, h, "swiglu", one, amax, E5M2, dbias=False)  # fmt: skip
-    return [
-        _switch_row("GLU_V2", "swiglu fwd", (m, f), 6, fwd, sets, copy_gbs, device),
-        _switch_row("GLU_V2", "swiglu bwd", (m, f), 10, bwd, sets, copy_gbs, device),
-    ]
+    cases = (("swiglu fwd", 6, fwd), ("swiglu bwd", 10, bwd))
+    rows = [_switch_row("GLU_V2", op, (m, f), n, fn, sets, copy_gbs, device) for op, n, fn in cases]
+    with kernel_switch("GLU_V2", True):
+        rows += [_switch_row("GLU_V2_DIV", op, (m, f), n, fn, sets, copy_gbs, device)
+                 for op, n, fn in cases]  # fmt: skip
+    return rows
 
 
 def _norm_bwd(dy, x, g, mu, rsigma):

@@ -46,6 +46,7 @@ def test_variants_quick(tmp_path, capsys):
         ("BLOCKWISE_ACT", "gelu -> 1x128 tiles + a.T tiles"),
         ("BLOCKWISE_ACT", "swiglu -> 1x128 tiles + a.T tiles"),
         ("GLU_V2", "swiglu fwd"), ("GLU_V2", "swiglu bwd"),
+        ("GLU_V2_DIV", "swiglu fwd"), ("GLU_V2_DIV", "swiglu bwd"),
         ("NORM_BWD_BATCHED", "layernorm_bwd"),
         ("NORM_FWD_TRANSPOSE", "layernorm_fp8 + out_t"),
         ("BLOCKWISE_NORM", "layernorm -> 1x128 tiles + y.T tiles"),

@@ -145,6 +145,16 @@ Status launch_bwd(GluArgs<T> a, bool dbias_in_kernel, cudaStream_t stream) {
                                       2 * a.cols, stream);
 }
 
+template <typename T, bool kE4M3, GluAct kAct, bool kFastDiv>
+Status dispatch_v2(const GluArgs<T>& a, const GluParams& p, bool backward,
+                   cudaStream_t stream) {
+  if (!backward) return cuda::launch_fwd_v2<T, kE4M3, kAct, kFastDiv>(a, stream);
+  const bool dbias = p.dbias != nullptr;
+  GRAPHFP8_SWITCH_BOOL(dbias, kDbias,
+    return cuda::launch_bwd_v2<T, kE4M3, kAct, kDbias, kFastDiv>(a, p.dbias_in_kernel, stream);)
+  return Status{};
+}
+
 template <typename T, bool kE4M3, GluAct kAct>
 Status dispatch(const GluParams& p, bool backward, cudaStream_t stream) {
   const GluArgs<T> a{static_cast<const T*>(p.x), static_cast<const T*>(p.dy),
@@ -153,10 +163,11 @@ Status dispatch(const GluParams& p, bool backward, cudaStream_t stream) {
                      p.rows, p.cols};
   const bool vec = cuda::vec_tiles_ok(p.rows, p.cols, p.x, p.dy, p.out, p.out_t);
   const bool dbias = p.dbias != nullptr;
-  if (vec && p.v2) {  // glu_v2.cuh: vector tiles only
-    if (!backward) return cuda::launch_fwd_v2<T, kE4M3, kAct>(a, stream);
-    GRAPHFP8_SWITCH_BOOL(dbias, kDbias,
-      return cuda::launch_bwd_v2<T, kE4M3, kAct, kDbias>(a, p.dbias_in_kernel, stream);)
+  if (vec && p.v2) {  // glu_v2.cuh: vector tiles only; its divisions SwiGLU's only
+    if constexpr (kAct == GluAct::kSwiglu) {
+      if (p.v2_div) return dispatch_v2<T, kE4M3, kAct, true>(a, p, backward, stream);
+    }
+    return dispatch_v2<T, kE4M3, kAct, false>(a, p, backward, stream);
   }
   if (!backward) {
     GRAPHFP8_SWITCH_BOOL(vec, kVec, return launch_fwd<T, kE4M3, kAct, kVec>(a, stream);)

@@ -50,6 +50,7 @@ GluParams check_common_args(const char* op, const at::Tensor& x, c10::string_vie
   p.rows = rows;
   p.cols = f;
   p.v2 = switch_on("GLU_V2");
+  p.v2_div = switch_on("GLU_V2_DIV");
   return p;
 }
 

@@ -42,6 +42,8 @@ struct KernelSwitch {
 // GRAPHFP8_GLU_V2 (off until it has run on a GPU): the per-tensor SwiGLU / GeGLU cast-transposes
 // on 16-byte FP8 stores of both layouts with more bytes in flight per SM
 // (cuda/glu_cast_transpose.cu; the same bytes, amax and dbias).
+// GRAPHFP8_GLU_V2_DIV (off until it has run on a GPU): only while GLU_V2 is on, SwiGLU's divisions
+// written out without a branch per value where the gates allow (cuda/glu_v2.cuh; the same bytes).
 inline KernelSwitch* kernel_switches(int* count) {
   static KernelSwitch switches[] = {{"NORM_BWD_BATCHED", {true}},
                                     {"PAIRED_QUANTIZE", {true}},
@@ -51,7 +53,8 @@ inline KernelSwitch* kernel_switches(int* count) {
                                     {"ROPE_PARTS_BWD", {true}},
                                     {"NORM_FWD_TRANSPOSE", {false}},
                                     {"ROPE_CAST_BWD", {false}},
-                                    {"GLU_V2", {false}}};
+                                    {"GLU_V2", {false}},
+                                    {"GLU_V2_DIV", {false}}};
   static const bool from_env = [] {
     for (auto& s : switches) {
       char var[64] = "GRAPHFP8_";

@@ -29,6 +29,9 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
     GLU_V2             (off until it runs on a GPU) the SwiGLU / GeGLU cast-transposes on vector
                        tiles with paired FP8 converts and word-wide transposed stores of both
                        layouts (csrc/cuda/glu_v2.cuh; bit-identical)
+    GLU_V2_DIV         (off until it runs on a GPU) only while GLU_V2 is on: SwiGLU's divisions
+                       written out without a branch per value where the gates allow
+                       (csrc/cuda/glu_v2.cuh; bit-identical)
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ SWITCHES = (
     "NORM_FWD_TRANSPOSE",
     "ROPE_CAST_BWD",
     "GLU_V2",
+    "GLU_V2_DIV",
 )
 
 # The switches read from GRAPHFP8_<NAME> by the module that owns them, with their defaults:

@@ -1,13 +1,16 @@
-"""The SwiGLU / GeGLU cast-transposes of kernel switch GLU_V2 (csrc/cuda/glu_v2.cuh) against the
-kernels they replace: every output byte of both layouts, amax, scale_inv and dbias (summed in the
-kernel and by the second kernel) bit for bit, on data salted with the values where the
-activation's exp and division leave their fast paths (signed zeros, subnormals, gates past
-exp's range, +-inf, NaN) and scales that overflow the FP8 range. GPU only: the switch changes
-nothing on the CPU."""
+"""The SwiGLU / GeGLU cast-transposes of kernel switch GLU_V2 (csrc/cuda/glu_v2.cuh), with and
+without SwiGLU's written-out divisions (GLU_V2_DIV), against the kernels they replace: every
+output byte of both layouts, amax, scale_inv and dbias (summed in the kernel and by the second
+kernel) bit for bit, on moderate gates (the divisions' fast path) and on data salted with the
+values where exp and the division leave their fast paths (signed zeros, subnormals, the edges
+of the fast range, gates past exp's range, +-inf, NaN), and scales that overflow the FP8 range.
+GPU only: the switches change nothing on the CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,14 +25,32 @@ G = torch.ops.graphfp8
 SHAPES = [(16, 16), (144, 80), (256, 1024), (1040, 2064)]
 # Gates where exp(-g) overflows or underflows, the division's operands are subnormal or zero,
 # and both activations saturate.
-SPECIAL_GATES = [0.0, -0.0, 1e-39, -3e-40, 6e-8, -6e-8, 88.0, -88.0, 89.0, -104.0, 1e4, -1e4,
-                 3e38, -3e38, math.inf, -math.inf, math.nan]  # fmt: skip
+SPECIAL_GATES = [0.0, -0.0, 1e-39, -3e-40, 6e-8, -6e-8, 2.3e-10, -2.33e-10, 16.0, 17.0, 21.9,
+                 -21.9, 22.0, -22.0, 22.5, -22.5, 88.0, -88.0, 89.0, -104.0, 1e4, -1e4, 3e38,
+                 -3e38, math.inf, -math.inf, math.nan]  # fmt: skip
+# The kernel switches of each GLU kernel version.
+GLU_KERNELS = {
+    "first": {"GLU_V2": False, "GLU_V2_DIV": False},
+    "v2": {"GLU_V2": True, "GLU_V2_DIV": False},
+    "v2_div": {"GLU_V2": True, "GLU_V2_DIV": True},
+}
+
+
+@contextlib.contextmanager
+def glu_kernels(version: str) -> Iterator[None]:
+    """Runs the block with the GLU kernels `version` (a key of GLU_KERNELS)."""
+    with contextlib.ExitStack() as stack:
+        for name, on in GLU_KERNELS[version].items():
+            stack.enter_context(kernel_switch(name, on))
+        yield
 
 
 def _inputs(rows: int, f: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """h (rows, 2F) and da (rows, F) on the GPU, spanning ~7 decades, salted as above."""
+    """h (rows, 2F) and da (rows, F) on the GPU, spanning ~7 decades, salted as above; the gates
+    of every other row moderate, so that whole loads of them take the divisions' fast path."""
     h = fp8_test_data((rows, 2 * f), torch.float32, specials=True)
     da = fp8_test_data((rows, f), torch.float32, specials=True)
+    h[1::2, :f] = torch.randn(rows // 2, f) * 4
     gates = torch.tensor(SPECIAL_GATES)
     n = min(len(SPECIAL_GATES), f)
     h[0, :n] = gates[:n]  # the gate half of the first row
@@ -58,17 +79,18 @@ def _run(variant: str, activation: str, h, da, scale, fp8_dtype) -> list[torch.T
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("scale", [1.0, 37.5, math.inf])
+@pytest.mark.parametrize("version", ["v2", "v2_div"])
 def test_glu_v2_equals_the_old_kernels(
-    device, variant, activation, hp_dtype, fp8_dtype, shape, scale
+    device, variant, activation, hp_dtype, fp8_dtype, shape, scale, version
 ):
     h, da = _inputs(*shape, hp_dtype)
     s = torch.tensor([scale], device="cuda")
     in_kernel = [False, True] if variant == "backward_dbias" else [True]
     for dbias_in_kernel in in_kernel:
         with kernel_switch("DBIAS_IN_KERNEL", dbias_in_kernel):
-            with kernel_switch("GLU_V2", False):
+            with glu_kernels("first"):
                 want = _run(variant, activation, h, da, s, fp8_dtype)
-            with kernel_switch("GLU_V2", True):
+            with glu_kernels(version):
                 got = _run(variant, activation, h, da, s, fp8_dtype)
         names = ("out", "out_t", "scale_inv", "amax", "dbias")[: len(want)]
         for name, g, w in zip(names, got, want, strict=True):
