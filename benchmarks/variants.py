@@ -135,6 +135,19 @@ def _glu_rows(m: int, f: int, device) -> list[dict]:
     return rows
 
 
+def glu_v2_run(device) -> dict:
+    """The GLU_V2 / GLU_V2_DIV rows alone (gpu_check.sh step glu-v2), printed as `run` prints
+    them."""
+    rows = [r for m, f in GLU_SHAPES for r in _glu_rows(m, f, device)]
+    text = print_table(
+        f"SwiGLU kernels: switch off / on, bf16 (same run; ratios to a bf16 copy), {device}",
+        ["switch", "op", "shape", "off ms", "on ms", "off / copy", "on / copy", "speedup"],
+        [[r["switch"], r["op"], r["shape"], r["off_ms"], r["on_ms"], r["off_ratio_to_copy"],
+          r["on_ratio_to_copy"], r["speedup"]] for r in rows],
+    )  # fmt: skip
+    return {"env": environment(device), "switches": rows, "table": text}
+
+
 def _norm_bwd(dy, x, g, mu, rsigma):
     return ops.layernorm_bwd(dy, x, mu, rsigma, g)
 
