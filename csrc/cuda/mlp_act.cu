@@ -1,9 +1,10 @@
 // CUDA: the MLP activations and their gradients in the input dtype (csrc/mlp_act.h), at the
-// copy rate: a grid-stride loop over 16-byte vectors of a's (rows, F) elements (8 bf16 / fp16, 4
-// float32), each thread loading its vector of g (and u, 2 F apart, and dy for the backward),
+// copy rate: a 2-D grid-stride loop (rows; 16-byte vectors of a row of a: 8 bf16 / fp16, 4
+// float32), each thread loading its vector of g (and u, F apart, and dy for the backward),
 // computing in float32 with glu_math.h's / gelu_math.h's math and storing the results with one
 // 16-byte store per output (the backward's dg and du side by side in dx's row). Shapes or
 // pointers that do not allow aligned vectors take the same loop one element at a time.
+#include <algorithm>
 #include <cstdint>
 
 #include "../dtype_switch.h"
@@ -57,43 +58,44 @@ constexpr GluAct glu_act() {
 }
 
 // One launch: a (rows, F) or, with kBackward, dx; N elements per step (1, or a 16-byte vector).
+// A 2-D grid-stride loop, rows along y and a row's vectors along x: no division per vector.
 template <typename T, MlpAct kAct, bool kBackward, int N>
 __global__ void __launch_bounds__(kThreads)
     mlp_act_kernel(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ out,
                    int64_t rows, int64_t cols) {
   constexpr bool kGated = kAct != MlpAct::kGelu;
   const int64_t per_row = cols / N;  // N divides cols (the launcher's choice)
-  const int64_t total = rows * per_row;
   const int64_t x_stride = kGated ? 2 * cols : cols;
   const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
-       i += step) {
-    const int64_t r = i / per_row;
-    const int64_t c = (i - r * per_row) * N;
-    const T* xr = x + r * x_stride + c;
-    float g[N], u[N], d[N], o[N], o2[N];
-    load(xr, g);
-    if constexpr (kGated) load(xr + cols, u);
-    if constexpr (kBackward) load(dy + r * cols + c, d);
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    for (int64_t v = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; v < per_row;
+         v += step) {
+      const int64_t c = v * N;
+      const T* xr = x + r * x_stride + c;
+      float g[N], u[N], d[N], o[N], o2[N];
+      load(xr, g);
+      if constexpr (kGated) load(xr + cols, u);
+      if constexpr (kBackward) load(dy + r * cols + c, d);
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      if constexpr (!kGated && !kBackward) {
-        o[k] = gelu_tanh(g[k], GluTanh{});
-      } else if constexpr (!kGated) {
-        o[k] = dgelu_tanh(d[k], g[k], GluTanh{});
-      } else if constexpr (!kBackward) {
-        o[k] = glu_forward<glu_act<kAct>()>(g[k], u[k]);
-      } else {
-        const GluGrad gd = glu_backward<glu_act<kAct>()>(d[k], g[k], u[k]);
-        o[k] = gd.dg;
-        o2[k] = gd.du;
+      for (int k = 0; k < N; ++k) {
+        if constexpr (!kGated && !kBackward) {
+          o[k] = gelu_tanh(g[k], GluTanh{});
+        } else if constexpr (!kGated) {
+          o[k] = dgelu_tanh(d[k], g[k], GluTanh{});
+        } else if constexpr (!kBackward) {
+          o[k] = glu_forward<glu_act<kAct>()>(g[k], u[k]);
+        } else {
+          const GluGrad gd = glu_backward<glu_act<kAct>()>(d[k], g[k], u[k]);
+          o[k] = gd.dg;
+          o2[k] = gd.du;
+        }
       }
-    }
-    if constexpr (kBackward) {
-      store(out + r * x_stride + c, o);
-      if constexpr (kGated) store(out + r * x_stride + cols + c, o2);
-    } else {
-      store(out + r * cols + c, o);
+      if constexpr (kBackward) {
+        store(out + r * x_stride + c, o);
+        if constexpr (kGated) store(out + r * x_stride + cols + c, o2);
+      } else {
+        store(out + r * cols + c, o);
+      }
     }
   }
 }
@@ -105,7 +107,12 @@ Status launch(const MlpActParams& p, cudaStream_t stream) {
   const bool vec = p.cols % kN == 0 && cuda::aligned16(p.x) && cuda::aligned16(p.out) &&
                    (p.dy == nullptr || cuda::aligned16(p.dy));
   const int n = vec ? kN : 1;
-  const int grid = cuda::grid_size(cuda::ceil_div(p.rows * (p.cols / n), kThreads), kBlocksPerSm);
+  // x: enough blocks for a row's vectors; y: rows, up to kBlocksPerSm blocks per SM in all.
+  const int64_t gx = cuda::ceil_div(p.cols / n, kThreads);
+  const int cap = cuda::grid_size(gx * p.rows, kBlocksPerSm);
+  const int64_t gy = std::min<int64_t>({p.rows, std::max<int64_t>(cap / gx, 1), 65535});
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(gx, INT32_MAX)),
+                  static_cast<unsigned>(gy));
   const auto* x = static_cast<const T*>(p.x);
   const auto* dy = static_cast<const T*>(p.dy);
   auto* out = static_cast<T*>(p.out);
