@@ -11,11 +11,12 @@ GEMMs quantize the results (modules/_blockwise.py). On:
     activation  a = ops.mlp_act(h) (rows, F) from fc1's output h (rows, F or 2 F)
                 backward: dh = ops.mlp_dact(da, h), [dg | du] written side by side, one pass
 
-and fc1 / fc2 quantize y and a as before. The values are the kernels' roundings (glu_math.h's
-activation, the norm kernel's y), not torch's, so the switch changes a blockwise layer's results
-in their last bits; eager and graphed runs take the same kernels (graphed == eager either way).
-The norm kernel also writes an FP8 copy of y at scale 1, dropped (1 byte per element; the kernel
-has no output without it).
+and fc1 / fc2 quantize y and a as before. GRAPHFP8_BLOCKWISE_NORM and GRAPHFP8_BLOCKWISE_ACT, when
+on, take precedence (their kernels write the GEMMs' tiles themselves). The values are the
+kernels' roundings (glu_math.h's activation, the norm kernel's y), not torch's, so the switch
+changes a blockwise layer's results in their last bits; eager and graphed runs take the same
+kernels (graphed == eager either way). The norm kernel also writes an FP8 copy of y at
+scale 1, dropped (1 byte per element; the kernel has no output without it).
 """
 
 from __future__ import annotations

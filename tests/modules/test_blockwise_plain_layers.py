@@ -100,6 +100,30 @@ def test_close_to_the_switch_off(monkeypatch, activation):
         assert (a.float() - b.float()).norm() <= 0.02 * b.float().norm(), name
 
 
+def test_the_residual_add_and_its_gradient(monkeypatch):
+    """With a residual (TransformerLayer's): h = x + residual from the norm kernel, bit for bit
+    torch's add; out, and the gradients of x and the residual (the norm's dx plus h's own
+    gradient) within 2% of the switch off."""
+    layer = _mlp("swiglu", seed=3)
+    x, res, dy, dh = (torch.randn(80, 144, dtype=BF16) for _ in range(4))
+
+    def run():
+        xs, rs = x.clone().requires_grad_(), res.clone().requires_grad_()
+        with g8.fp8_autocast(recipe=BLOCK):
+            h, out = layer(xs, residual=rs)
+        torch.autograd.backward((h, out), (dh, dy))
+        layer.zero_grad(set_to_none=True)
+        return h.detach(), out.detach(), xs.grad, rs.grad
+
+    on = run()
+    assert_bitwise_equal(on[0], x + res, "h")
+    assert_bitwise_equal(on[2], on[3], "dx = dresidual")
+    monkeypatch.setattr(_blockwise_plain.PLAIN, "on", False)
+    off = run()
+    for name, a, b in zip(("h", "out", "dx", "dresidual"), on, off, strict=True):
+        assert (a.float() - b.float()).norm() <= 0.02 * b.float().norm(), name
+
+
 def test_no_torch_activation_norm_or_cat_in_the_graphs():
     """The forward graph holds mlp_act and the norm kernel, the backward mlp_dact and the norm
     backward kernel, and none of the torch ops of the switch off's activation and norm (its
