@@ -27,7 +27,9 @@ constexpr int rows_in_flight() {
 
 // norm.cuh's row_sums over virtual lanes: v[j][k] is value k of lane t + j P. The same tree:
 // each warp of lanes by butterfly, then the warps of the row in order from shared memory.
-template <int V, int K>
+// kSyncAfter false: no barrier after the reads, for callers that alternate two scratch buffers
+// (a buffer is written again only after the next call's barrier, which every reader has passed).
+template <int V, int K, bool kSyncAfter = true>
 __device__ __forceinline__ void row_sums_virtual(float (&v)[V][K], int tpr, int P,
                                                  float (*scratch)[32]) {
   const int width = tpr < cuda::kWarpSize ? tpr : cuda::kWarpSize;
@@ -60,7 +62,7 @@ __device__ __forceinline__ void row_sums_virtual(float (&v)[V][K], int tpr, int 
 #pragma unroll
     for (int j = 0; j < V; ++j) v[j][k] = s;
   }
-  __syncthreads();  // scratch is reused by the next batch
+  if constexpr (kSyncAfter) __syncthreads();  // scratch is reused by the next batch
 }
 
 // norm_bwd.cu's store_column_sums over virtual lanes (several slots only with V == 1). kBeta

@@ -13,7 +13,8 @@
 //     not): gamma (+1) in registers once per thread, xhat kept from the first pass, dx packed two
 //     values per convert, the row sums divided by a power-of-two hidden size as a multiplication
 //     by its reciprocal (the same correctly rounded quotient), RMSNorm's dbeta sums skipped (no
-//     dbeta): ~14-20 instructions per element instead of ~54.
+//     dbeta): ~14-20 instructions per element instead of ~54;
+//   - one barrier per batch instead of two: the row sums alternate two scratch buffers.
 #include "../common.h"
 #include "fp8_util.cuh"
 #include "norm.cuh"
@@ -186,7 +187,7 @@ template <typename T, int V, int R, bool kRms, bool kDres>
 __global__ void __launch_bounds__(kThreads, 2)
     norm_bwd_v2_kernel(NormBwdParams p, RowLayout layout, float inv_hidden) {
   constexpr int K = kRms ? R : 2 * R;  // row sums per lane and batch
-  __shared__ float scratch[K][32];
+  __shared__ float scratch[2][K][32];  // even batches, odd batches: one barrier per batch
   const int tpr = layout.tpr;
   const int P = tpr / V;
   const int slot = threadIdx.x / P;
@@ -231,13 +232,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     int64_t row0 = w.first + n * batch_rows;
     first_pass<T, V, R, kRms, kDres, K>(p, w, row0, a, q, s);
     if (n + 2 < batches) issue<T, V, R, kRms, kDres>(p, w, row0 + 2 * batch_rows, a);
-    row_sums_virtual<V, K>(s, tpr, P, scratch);
+    row_sums_virtual<V, K, false>(s, tpr, P, scratch[0]);
     second_pass<T, V, R, kRms, kDres, K>(p, w, row0, q, s, inv_hidden, dgamma, dbeta);
     if (n + 1 >= batches) break;
     row0 += batch_rows;
     first_pass<T, V, R, kRms, kDres, K>(p, w, row0, b, q, s);
     if (n + 3 < batches) issue<T, V, R, kRms, kDres>(p, w, row0 + 2 * batch_rows, b);
-    row_sums_virtual<V, K>(s, tpr, P, scratch);
+    row_sums_virtual<V, K, false>(s, tpr, P, scratch[1]);
     second_pass<T, V, R, kRms, kDres, K>(p, w, row0, q, s, inv_hidden, dgamma, dbeta);
   }
   store_column_sums<V, 1, kN, !kRms>(p, layout, P, loads, dgamma, dbeta);
