@@ -10,11 +10,16 @@
 //     loads of the batch after next, so loads stay in flight through the row sums, dx and the
 //     column sums (the batched kernel waited for each batch with nothing else to do);
 //   - the per-element work specialised at compile time (RMSNorm or LayerNorm, dresidual or
-//     not): gamma (+1) in registers once per thread, xhat kept from the first pass, dx packed two
-//     values per convert, the row sums divided by a power-of-two hidden size as a multiplication
-//     by its reciprocal (the same correctly rounded quotient), RMSNorm's dbeta sums skipped (no
-//     dbeta): ~14-20 instructions per element instead of ~54;
+//     not): gamma (+1) once per block into shared memory, xhat kept from the first pass, dx
+//     packed two values per convert, the row sums divided by a power-of-two hidden size as a
+//     multiplication by its reciprocal (the same correctly rounded quotient), RMSNorm's dbeta
+//     sums skipped (no dbeta): ~14-20 instructions per element instead of ~54;
 //   - one barrier per batch instead of two: the row sums alternate two scratch buffers.
+// Grid: the batched kernel's (launch_v): blocks of 256 threads, at most kNormBwdMaxBlocks; a
+// thread holds V = 1 or 2 lanes of 8 columns of its slot's rows first + i * step; the column sums
+// then go to param_grad_batched_kernel through the workspace as the batched kernel's do.
+#include <type_traits>
+
 #include "../common.h"
 #include "fp8_util.cuh"
 #include "norm.cuh"
@@ -24,8 +29,8 @@
 namespace graphfp8::norm_bwd {
 namespace {
 
-constexpr int kN = 8;                   // 16-bit elements per 16-byte piece
-constexpr int kMaxLoads = 4096 / kN;     // pieces per row at the largest hidden size
+constexpr int kN = 8;                // 16-bit elements per 16-byte piece
+constexpr int kMaxLoads = 4096 / kN;  // pieces per row at the largest hidden size
 
 // Rows per slot and batch: two batches in flight within 128 registers (two blocks per SM).
 template <int V>
@@ -55,7 +60,7 @@ template <int V>
 struct Lanes {
   int64_t col[V];   // first column of lane j
   int v[V];         // lane j's piece of a row
-  bool ok[V];       // lane j holds columns (hidden sizes that are not a power of two leave some idle)
+  bool ok[V];       // lane j holds columns (a hidden size not a power of two leaves some idle)
   int64_t first;    // the slot's first row
   int64_t step;     // rows between a slot's consecutive rows
   int loads;        // pieces per row
@@ -85,7 +90,8 @@ __device__ __forceinline__ void issue(const NormBwdParams& p, const Lanes<V>& w,
       b.x[i][j] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + at));
       b.dy[i][j] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.dy) + at));
       if constexpr (kDres) {
-        b.dres[i][j] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.dresidual) + at));
+        const T* dres = static_cast<const T*>(p.dresidual) + at;
+        b.dres[i][j] = __ldg(reinterpret_cast<const uint4*>(dres));
       }
     }
   }
@@ -149,8 +155,8 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 template <typename T, int V, int R, bool kRms, bool kDres, int K>
 __device__ __forceinline__ void second_pass(const NormBwdParams& p, const Lanes<V>& w,
                                             int64_t row0, const Pending<V, R, kDres>& q,
-                                            const float (&s)[V][K], float inv_hidden, float (&dgamma)[V][kN],
-                                            float (&dbeta)[V][kN]) {
+                                            const float (&s)[V][K], float inv_hidden,
+                                            float (&dgamma)[V][kN], float (&dbeta)[V][kN]) {
   const float h = static_cast<float>(p.hidden);
 #pragma unroll
   for (int i = 0; i < R; ++i) {
