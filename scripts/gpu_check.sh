@@ -59,9 +59,11 @@
 #               and, with BLOCK_TRAIN_STEPS > 0, 100m delayed vs blockwise losses
 #   step blockprof (issue 42): scripts/profile_blockwise.py (the blockwise quantize kernel alone
 #               at the MLP's 4 operand shapes as a fraction of copy, then per-kernel time of the
-#               SwiGLU MLP: graphfp8 delayed, blockwise, TE Float8BlockScaling graphed) and
-#               bench_blockwise's delayed / blockwise-fused-cache rows with the TE MLP peers
-#               (WITH_TE=1)
+#               SwiGLU MLP at BLOCKPROF_SHAPES (1b,8b: Llama-3.2-1B and Llama-3-8B): graphfp8
+#               delayed, blockwise with GRAPHFP8_BLOCKWISE_GLU_KERNEL off and on ("blockwise+glu"),
+#               TE Float8BlockScaling graphed) and bench_blockwise's delayed / blockwise-fused-cache
+#               / blockwise-glu-kernel rows with the TE MLP peers (WITH_TE=1), at the 1B block
+#               and, with BLOCKPROF_8B=1 (the default), the 8B block (seq 8192; fewer iterations)
 #   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
 #               token and GPU busy (one call under torch.profiler)
 #   step carried-casts (issue 39): what the carried recipe's weight casts on every
@@ -72,6 +74,7 @@
 #               torch.compile (the baseline) vs graphfp8 bf16 vs FP8 layer graphs (and FP8 with
 #               --stage-batches at llama-100m), 3 repeats each, ratios with their spread, model
 #               TFLOP/s, the floor fraction (ceilings calibrated first), GPU busy, kernel table;
+#               SPEED_ROWS=llama-1b,llama-8b runs those rows only (benchmarks/speed.py);
 #               ~3-4 min on one H200 (limit SPEED_TIMEOUT_S, 360 s)
 #   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
@@ -97,6 +100,12 @@
 #               switch off / on, one process per run, interleaved, KERN41_REPEATS (3) x
 #               KERN41_STEPS (100): tokens/s on / off and the final loss bit for bit
 #               (scripts/switch_ab.py); ~10 min (tests ~1, variants ~1.5, 12 runs ~40 s each)
+#   step normv2 (issue 41 cut 4): the v2 norm backward (GRAPHFP8_NORM_BWD_V2): the CUDA tests of
+#               tests/ops/test_norm_bwd_v2.py and test_norm_bwd_batched.py (bit for bit against
+#               the batched and the original kernel), the `benchmarks variants` rows of
+#               NORM_BWD_V2 (RMSNorm / LayerNorm backward +- dresidual at 4096x2048, 8192x2048,
+#               8192x4096, off / on, ratios to copy), then ncu of the norm backwards with it off
+#               and on (scripts/ncu_kernels.py --only norm_bwd); ~4 min
 #   step quality-block (issue 42): the quality rows - validation loss of bf16, delayed and
 #               blockwise FP8 (paired per seed, one process per preset: scripts/train_gap.py) on
 #               real text (--data stdlib) for QB_PRESETS (100m llama-100m), QB_STEPS (300) x
@@ -377,6 +386,23 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         $PY scripts/switch_ab.py --switch "$sw" --off $off --on $on 2>&1 | tee -a "$RES/summary.md" \
           || status=1
       done ;;
+    normv2)  # issue 41 cut 4: the v2 norm backward's tests, variants rows, ncu off / on
+      timeout 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_norm_bwd_v2.py \
+        tests/ops/test_norm_bwd_batched.py > "$RES/normv2_tests.log" 2>&1 || status=1
+      grep -E "^FAILED|passed|failed|Timeout" "$RES/normv2_tests.log" | tail -12 | tee -a "$RES/summary.md"
+      timeout 150 $PY -m benchmarks variants --json "$RES/normv2_variants.json" 2>&1 | grep -v '^wrote' \
+        | grep -E "^#|^\| (switch|---|NORM_BWD_(V2|BATCHED))" | tee -a "$RES/summary.md" || status=1
+      NCU=$(find_ncu)
+      if [ -n "$NCU" ]; then
+        secs=$(ncu_sections SpeedOfLight MemoryWorkloadAnalysis Occupancy LaunchStats SchedulerStats WarpStateStats)
+        for v in 0 1; do
+          env GRAPHFP8_NORM_BWD_V2=$v timeout 120 "$NCU" --profile-from-start off --clock-control none $secs \
+            --csv --page details $PY scripts/ncu_kernels.py run --only norm_bwd > "$RES/normv2_ncu_$v.csv" \
+            2> "$RES/normv2_ncu_run_$v.log" || status=1
+          echo "-- ncu of the norm backwards, GRAPHFP8_NORM_BWD_V2=$v" | tee -a "$RES/summary.md"
+          $PY scripts/ncu_kernels.py summary "$RES/normv2_ncu_$v.csv" 2>&1 | tee -a "$RES/summary.md" || status=1
+        done
+      fi ;;
     speed41)  # issue 41: compiles ~1.5-2 min (3 torch.compile'd models), captures ~1.5 min
       # (layer and step graphs), timing + profiles ~30 s, calibration ~10 s: ~4-5 min (timeout 8)
       timeout "${SPEED_TIMEOUT_S:-480}" $PY -m benchmarks speed --json "$RES/bench_speed41.json" \
@@ -433,6 +459,14 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         > "$RES/tests_blockwise_norm.log" 2>&1 || status=1
       echo "-- blockwise norm + act + stats CUDA tests: $(tail -1 "$RES/tests_blockwise_norm.log")" \
         | tee -a "$RES/summary.md"
+      # GRAPHFP8_BLOCKWISE_GLU_KERNEL (default off): the bf16 activation kernels against their
+      # CPU twins and the per-tensor / blockwise activation kernels, vector and scalar paths,
+      # captured; the layers with the switch on, graphed == eager (the emulated GEMM).
+      timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_mlp_act.py \
+        tests/modules/test_blockwise_plain_layers.py > "$RES/tests_blockwise_glu.log" 2>&1 \
+        || status=1
+      echo "-- blockwise GLU kernel CUDA tests: $(tail -1 "$RES/tests_blockwise_glu.log")" \
+        | tee -a "$RES/summary.md"
       # Their speed off / on: the variants rows BLOCKWISE_NORM and BLOCKWISE_ACT (~1.5 min).
       timeout 150 $PY -m benchmarks variants --json "$RES/blockwise_variants.json" 2>&1 \
         | grep -v '^wrote' | grep -E "^#|^\| (switch|---|BLOCKWISE_)" | tee -a "$RES/summary.md" \
@@ -457,12 +491,20 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
       fi ;;
     blockprof)  # issue 42: per-kernel time of the SwiGLU MLP, delayed vs blockwise vs TE's
       with_te env GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/profile_blockwise.py \
-        --json "$RES/profile_blockwise.json" > "$RES/profile_blockwise.log" 2>&1 || status=1
+        --shapes ${BLOCKPROF_SHAPES:-1b,8b} --json "$RES/profile_blockwise.json" \
+        > "$RES/profile_blockwise.log" 2>&1 || status=1
       grep "^##" "$RES/profile_blockwise.log" | tee -a "$RES/summary.md"
+      block_rows=delayed,blockwise-fused-cache,blockwise-glu-kernel
       with_te env GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/bench_blockwise.py \
-        --rows delayed,blockwise-fused-cache --json "$RES/bench_blockwise_te.json" \
+        --rows $block_rows --json "$RES/bench_blockwise_te.json" \
         > "$RES/bench_blockwise_te.log" 2>&1 || status=1
-      tee -a "$RES/summary.md" < "$RES/bench_blockwise_te.log" ;;
+      tee -a "$RES/summary.md" < "$RES/bench_blockwise_te.log"
+      if [ "${BLOCKPROF_8B:-1}" = 1 ]; then
+        with_te env GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/bench_blockwise.py \
+          --hidden 4096 --ffn 14336 --seq 8192 --iters 4 --repeats 2 --rows $block_rows \
+          --json "$RES/bench_blockwise_te_8b.json" > "$RES/bench_blockwise_te_8b.log" 2>&1 || status=1
+        tee -a "$RES/summary.md" < "$RES/bench_blockwise_te_8b.log"
+      fi ;;
     quality-block)  # issue 42: blockwise vs delayed vs bf16 validation loss, paired per seed
       for preset in ${QB_PRESETS:-100m llama-100m}; do
         GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/train_gap.py \

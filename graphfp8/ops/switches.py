@@ -1,6 +1,6 @@
 """Switches between CUDA kernel variants (csrc/ops/switches.h): a new kernel lands off until it
-has run on a GPU; all below but NORM_BWD_STAGED, NORM_FWD_TRANSPOSE and ROPE_CAST_BWD ran in the
-CUDA suite on the H200 on 2026-12-01 and are on by default.
+has run on a GPU; all below but NORM_BWD_STAGED, NORM_FWD_TRANSPOSE, ROPE_CAST_BWD and
+NORM_BWD_V2 ran in the CUDA suite on the H200 on 2026-12-01 and are on by default.
 ENV_DEFAULTS holds the switches that Python modules read once from the environment instead.
 
 Each switch starts from its environment variable (GRAPHFP8_<NAME>=0 turns it off, read once when
@@ -26,6 +26,9 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
                        as one autograd Function: the backward casts the QKV gradient to FP8
                        from dq, dk, dv, rotating them back in the cast-transpose, without the
                        RoPE backward pass (bit-identical; switches the CPU path too)
+    NORM_BWD_V2        (off until it runs on a GPU) the 16-bit vectorised norm backward at
+                       hidden sizes to 4096 with two batches of rows in flight in registers and
+                       specialised per-element work (bit-identical to the batched kernel)
     GLU_V2             (off until it runs on a GPU) the SwiGLU / GeGLU cast-transposes on vector
                        tiles with paired FP8 converts and word-wide transposed stores of both
                        layouts (csrc/cuda/glu_v2.cuh; bit-identical)
@@ -53,6 +56,7 @@ SWITCHES = (
     "ROPE_PARTS_BWD",
     "NORM_FWD_TRANSPOSE",
     "ROPE_CAST_BWD",
+    "NORM_BWD_V2",
     "GLU_V2",
     "GLU_V2_DIV",
 )
@@ -67,13 +71,17 @@ SWITCHES = (
 #   BLOCKWISE_ACT  (off until its CUDA kernel runs on a GPU) LayerNormMLP under
 #                  Float8BlockScaling: the GELU / SwiGLU / GeGLU writes fc2's 1x128 tiles
 #                  itself (graphfp8/modules/_blockwise_act.py; both devices)
+#   BLOCKWISE_GLU_KERNEL (off until its CUDA kernels run on a GPU) LayerNormMLP /
+#                  LayerNormLinear under Float8BlockScaling: the norm and the MLP activation
+#                  (forward and backward) as graphfp8 kernels in the input dtype instead of
+#                  torch's ops, the GEMMs quantizing their outputs (modules/_blockwise_plain.py)
 #   GRAD_FILL_ONE_PASS (off; its CUDA tests passed on the H200, not timed yet) the -0.0 fill
 #                  of graphed callables' .grad buffers before the first microbatch
 #                  (graphfp8/graphs/grads.py): one fill_ kernel per large buffer (2 bytes per
 #                  bf16 element) instead of zero + negate (6 bytes); read at capture, so one
 #                  process can capture both (bit-identical)
-#   GRAD_FOLD_COPY_FIRST (off; refused on CUDA: its first H200 run differed from eager, while
-#                  bit for bit on the CPU tape: graphs/grads.py's check_copy_first) graphed
+#   GRAD_FOLD_COPY_FIRST (off; its first H200 run differed from eager: the flag was freed after
+#                  capture while the CUDA graphs still used it, kept alive since) graphed
 #                  callables fold each large gradient with graphfp8.ops.grad_fold_: a device
 #                  flag, set by the accumulator instead of the -0.0 fill, makes the first
 #                  microbatch copy and later ones add (4 + 6 bytes per element a step instead of
@@ -86,6 +94,7 @@ ENV_DEFAULTS = {
     "CUDNN_RAGGED": False,
     "BLOCKWISE_NORM": False,
     "BLOCKWISE_ACT": False,
+    "BLOCKWISE_GLU_KERNEL": False,
     "GRAD_FILL_ONE_PASS": False,
     "GRAD_FOLD_COPY_FIRST": False,
 }
