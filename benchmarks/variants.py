@@ -110,44 +110,6 @@ def _cast_cases(device):
     }  # fmt: skip
 
 
-# The per-tensor SwiGLU kernels at one Llama-3.2-1B MLP microbatch (4096 tokens, the
-# profile_blockwise shape), Llama 1B's B2 x S4096 and Llama 3 8B's B1 x S8192 (issue 41, cut 3)
-GLU_SHAPES = [(4096, 8192), (8192, 8192), (8192, 14336)]
-
-
-def _glu_rows(m: int, f: int, device) -> list[dict]:
-    """glu_cast_transpose (E4M3, 6 B per element of a: h read, both FP8 layouts written) and
-    dglu_cast_transpose_dbias (E5M2 without dbias as the MLP runs it, 10 B) with GLU_V2 off
-    and on, then GLU_V2_DIV off and on with GLU_V2 on, against a copy of h."""
-    sets = _rotating(lambda: (torch.randn(m, 2 * f, device=device, dtype=torch.bfloat16),
-                              torch.randn(m, f, device=device, dtype=torch.bfloat16)),
-                     10 * m * f, device)  # fmt: skip
-    copy_gbs = _copy_gbs(sets, device)
-    one, amax = torch.ones(1, device=device), torch.zeros(1, device=device)
-    fwd = lambda h, da: ops.glu_cast_transpose(h, "swiglu", one, amax, E4M3)  # noqa: E731
-    bwd = lambda h, da: ops.dglu_cast_transpose_dbias(  # noqa: E731
-        da, h, "swiglu", one, amax, E5M2, dbias=False)  # fmt: skip
-    cases = (("swiglu fwd", 6, fwd), ("swiglu bwd", 10, bwd))
-    rows = [_switch_row("GLU_V2", op, (m, f), n, fn, sets, copy_gbs, device) for op, n, fn in cases]
-    with kernel_switch("GLU_V2", True):
-        rows += [_switch_row("GLU_V2_DIV", op, (m, f), n, fn, sets, copy_gbs, device)
-                 for op, n, fn in cases]  # fmt: skip
-    return rows
-
-
-def glu_v2_run(device) -> dict:
-    """The GLU_V2 / GLU_V2_DIV rows alone (gpu_check.sh step glu-v2), printed as `run` prints
-    them."""
-    rows = [r for m, f in GLU_SHAPES for r in _glu_rows(m, f, device)]
-    text = print_table(
-        f"SwiGLU kernels: switch off / on, bf16 (same run; ratios to a bf16 copy), {device}",
-        ["switch", "op", "shape", "off ms", "on ms", "off / copy", "on / copy", "speedup"],
-        [[r["switch"], r["op"], r["shape"], r["off_ms"], r["on_ms"], r["off_ratio_to_copy"],
-          r["on_ratio_to_copy"], r["speedup"]] for r in rows],
-    )  # fmt: skip
-    return {"env": environment(device), "switches": rows, "table": text}
-
-
 def _norm_bwd(dy, x, g, mu, rsigma):
     return ops.layernorm_bwd(dy, x, mu, rsigma, g)
 
@@ -354,8 +316,6 @@ def run(device, quick: bool = False) -> dict:
                 for op in ("cast_transpose", "gelu_cast_transpose")]  # fmt: skip
         for activation in ("gelu", "swiglu"):  # issue 42: the activation writes fc2's tiles
             switches.append(_blockwise_act_row(activation, shape, sets, copy_gbs, device))
-    for m, f in [(128, 256)] if quick else GLU_SHAPES:  # issue 41: the per-tensor SwiGLU kernels
-        switches += _glu_rows(m, f, device)
     for shape in norm_shapes:
         sets = _norm_sets(*shape, device)
         copy_gbs = _copy_gbs(sets, device)

@@ -45,8 +45,6 @@ def test_variants_quick(tmp_path, capsys):
         ("DBIAS_IN_KERNEL", "dgelu_cast_transpose_dbias"),
         ("BLOCKWISE_ACT", "gelu -> 1x128 tiles + a.T tiles"),
         ("BLOCKWISE_ACT", "swiglu -> 1x128 tiles + a.T tiles"),
-        ("GLU_V2", "swiglu fwd"), ("GLU_V2", "swiglu bwd"),
-        ("GLU_V2_DIV", "swiglu fwd"), ("GLU_V2_DIV", "swiglu bwd"),
         ("NORM_BWD_BATCHED", "layernorm_bwd"),
         ("NORM_FWD_TRANSPOSE", "layernorm_fp8 + out_t"),
         ("BLOCKWISE_NORM", "layernorm -> 1x128 tiles + y.T tiles"),
@@ -61,6 +59,21 @@ def test_variants_quick(tmp_path, capsys):
     assert [r["op"] for r in result["current"]] == ["cast_transpose", "gelu_cast_transpose"]
     assert [r["shape"] for r in result["block_quantize"]] == ["256x384"]  # issue 42's row
     numbers = _numbers(result["switches"] + result["current"] + result["block_quantize"])
+    assert numbers and all(math.isfinite(v) and v > 0 for v in numbers)
+    printed = capsys.readouterr().out
+    assert all(line in printed for line in result["table"].splitlines())
+
+
+def test_glu_v2_quick(tmp_path, capsys):
+    """Issue 41 cut 3's rows: each SwiGLU kernel with GLU_V2, then GLU_V2_DIV, off and on."""
+    path = tmp_path / "glu_v2.json"
+    main(["glu-v2", "--quick", "--device", "cpu", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert [(r["switch"], r["op"], r["shape"]) for r in result["switches"]] == [
+        (switch, op, "128x256") for switch in ("GLU_V2", "GLU_V2_DIV")
+        for op in ("swiglu fwd", "swiglu bwd")
+    ]  # fmt: skip
+    numbers = _numbers(result["switches"])
     assert numbers and all(math.isfinite(v) and v > 0 for v in numbers)
     printed = capsys.readouterr().out
     assert all(line in printed for line in result["table"].splitlines())
