@@ -74,6 +74,7 @@
 #               torch.compile (the baseline) vs graphfp8 bf16 vs FP8 layer graphs (and FP8 with
 #               --stage-batches at llama-100m), 3 repeats each, ratios with their spread, model
 #               TFLOP/s, the floor fraction (ceilings calibrated first), GPU busy, kernel table;
+#               SPEED_ROWS=llama-1b,llama-8b runs those rows only (benchmarks/speed.py);
 #               ~3-4 min on one H200 (limit SPEED_TIMEOUT_S, 360 s)
 #   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)

@@ -39,8 +39,11 @@ class GradAccumulator:
     .. warning:: parameter hooks (post-accumulate-grad hooks, DDP's) do not run for these grads.
     """
 
-    def __init__(self, params, buffers, reset_graph):
+    def __init__(self, params, buffers, reset_graph, flag=None):
         self.params, self.buffers, self.reset_graph = params, buffers, reset_graph
+        # The copy-first flag (GradFold.first) that the reset and backward graphs read and write:
+        # a CUDA graph holds its address, not the tensor, so this reference keeps it allocated.
+        self.flag = flag
         self._nones = [None] * len(params)
         self._attach = None
         # Where every .grad stands, in one C++ pass (graphs/replay_guard.py says why C++).
@@ -88,18 +91,6 @@ class GradAccumulator:
 FOLD_AT_ONCE = 1 << 16
 
 
-def check_copy_first(device: torch.device) -> None:
-    """GRAD_FOLD_COPY_FIRST is refused on CUDA, before warmup changes any state: its first H200
-    run (session 9) folded a TransformerLayer's norm-weight gradients other than eager on the
-    second microbatch (tests/graphs/test_grad_fold.py's CUDA twin; notes/PERF.md, "Gradient
-    accumulation at Llama shapes"), while it is bit for bit on the CPU tape."""
-    if device.type == "cuda" and env_switch("GRAD_FOLD_COPY_FIRST"):
-        raise RuntimeError(
-            "GRAPHFP8_GRAD_FOLD_COPY_FIRST=1 is refused on CUDA: its first GPU run gave other "
-            "gradients than eager on a second microbatch; unset it (the default fold is exact)"
-        )
-
-
 class GradFold:
     """Folds each parameter gradient into the parameter's persistent .grad buffer inside the
     backward graph (GradAccumulator says how replays use this).
@@ -119,7 +110,6 @@ class GradFold:
         self.buffers = [grad_buffer(p) for p in self.params]
         self.folded: list[int] = []
         self.pending: list[tuple[int, torch.Tensor]] = []
-        check_copy_first(device)
         self.copy_first = env_switch("GRAD_FOLD_COPY_FIRST")
         self.first = torch.zeros(1, dtype=torch.int32, device=device) if self.copy_first else None
         self.flagged: set[int] = set()  # the parameters whose first fold reads `first`
@@ -196,7 +186,7 @@ class GradFold:
                 torch._foreach_copy_(filled, saved)
             if self.flagged:
                 self.first.zero_()
-        return GradAccumulator(params, buffers, reset)
+        return GradAccumulator(params, buffers, reset, self.first if self.flagged else None)
 
 
 def fill_minus_zero(buffers: list[torch.Tensor]) -> None:
