@@ -41,16 +41,27 @@ constexpr int kSmemBytes = 2 * kTileWords * 4;
 constexpr int kBatch = 8;                       // rows per scale batch in phase 1
 constexpr uint32_t kAbs2 = 0x7FFF7FFFu;
 
-// cp.async of 16 bytes into shared memory, zeros when !valid (src is then not read).
+// cp.async of 16 bytes into shared memory, zeros when !valid (src is then not read); before
+// sm_80, a plain copy: the same values, nothing in flight.
 __device__ __forceinline__ void copy16(uint32_t* dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
   const auto d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n)
                : "memory");
+#else
+  *reinterpret_cast<uint4*>(dst) = valid ? *static_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#endif
 }
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void wait_all() {
+#if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
 }
 
 // Halfword-wise unsigned max of two words.
