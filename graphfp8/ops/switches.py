@@ -67,6 +67,10 @@ SWITCHES = (
 #   BLOCKWISE_ACT  (off until its CUDA kernel runs on a GPU) LayerNormMLP under
 #                  Float8BlockScaling: the GELU / SwiGLU / GeGLU writes fc2's 1x128 tiles
 #                  itself (graphfp8/modules/_blockwise_act.py; both devices)
+#   BLOCKWISE_GLU_KERNEL (off until its CUDA kernels run on a GPU) LayerNormMLP /
+#                  LayerNormLinear under Float8BlockScaling: the norm and the MLP activation
+#                  (forward and backward) as graphfp8 kernels in the input dtype instead of
+#                  torch's ops, the GEMMs quantizing their outputs (modules/_blockwise_plain.py)
 #   GRAD_FILL_ONE_PASS (off; its CUDA tests passed on the H200, not timed yet) the -0.0 fill
 #                  of graphed callables' .grad buffers before the first microbatch
 #                  (graphfp8/graphs/grads.py): one fill_ kernel per large buffer (2 bytes per
@@ -86,6 +90,7 @@ ENV_DEFAULTS = {
     "CUDNN_RAGGED": False,
     "BLOCKWISE_NORM": False,
     "BLOCKWISE_ACT": False,
+    "BLOCKWISE_GLU_KERNEL": False,
     "GRAD_FILL_ONE_PASS": False,
     "GRAD_FOLD_COPY_FIRST": False,
 }
