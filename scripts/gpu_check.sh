@@ -57,6 +57,10 @@
 #               scripts/bench_blockwise.py (Llama-3.2-1B block, 3 repeats with spread: bf16,
 #               delayed, blockwise with torch quantizers, fused kernels, fused + weight cache)
 #               and, with BLOCK_TRAIN_STEPS > 0, 100m delayed vs blockwise losses
+#   step blockquant (issue 42): the staged blockwise quantize kernel (GRAPHFP8_BLOCK_QUANTIZE_STAGED,
+#               off by default): its CUDA tests, the fused-quantizer and blockwise graph CUDA
+#               tests with it on, then both kernels timed in one process against a bf16 copy
+#               at the MLP's shapes (benchmarks/variants.py's block_quantize_rows; ~2 min)
 #   step blockprof (issue 42): scripts/profile_blockwise.py (the blockwise quantize kernel alone
 #               at the MLP's 4 operand shapes as a fraction of copy, then per-kernel time of the
 #               SwiGLU MLP at BLOCKPROF_SHAPES (1b,8b: Llama-3.2-1B and Llama-3-8B): graphfp8
@@ -489,6 +493,18 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
             | tee -a "$RES/summary.md"
         done
       fi ;;
+    blockquant)  # issue 42: the staged quantize kernel: exact, then timed against the default
+      timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_blockwise_staged.py \
+        > "$RES/tests_blockquant.log" 2>&1 || status=1
+      echo "-- staged quantize CUDA tests: $(tail -1 "$RES/tests_blockquant.log")" | tee -a "$RES/summary.md"
+      GRAPHFP8_BLOCK_QUANTIZE_STAGED=1 GRAPHFP8_BLOCKWISE_KERNELS=fused timeout 450 $PY -m pytest \
+        -q -m cuda -p no:cacheprovider tests/ops/test_blockwise_fused.py \
+        tests/graphs/test_blockwise_graphs.py > "$RES/tests_blockquant_on.log" 2>&1 || status=1
+      echo "-- fused blockwise CUDA tests, staged on: $(tail -1 "$RES/tests_blockquant_on.log")" \
+        | tee -a "$RES/summary.md"
+      $PY -c "from benchmarks.variants import block_quantize_rows as r, block_quantize_table as t
+t(r('cuda'), 'cuda')" > "$RES/blockquant_speed.log" 2>&1 || status=1
+      tee -a "$RES/summary.md" < "$RES/blockquant_speed.log" ;;
     blockprof)  # issue 42: per-kernel time of the SwiGLU MLP, delayed vs blockwise vs TE's
       with_te env GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/profile_blockwise.py \
         --shapes ${BLOCKPROF_SHAPES:-1b,8b} --json "$RES/profile_blockwise.json" \

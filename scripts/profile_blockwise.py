@@ -93,6 +93,10 @@ def main(argv=None) -> dict:
     block_quantize_table(quantize, "cuda")
     for r in quantize:
         print(f"## block_quantize {r['shape']}: {r['us']:.1f} us, {r['ratio_to_copy']:.3f} of copy")
+        print(
+            f"## block_quantize staged {r['shape']}: {r['staged_us']:.1f} us, "
+            f"{r['staged_ratio_to_copy']:.3f} of copy"
+        )
     out = {"x".join(map(str, s)): _profile(*s, args.iters) for s in shapes}
     if args.json:
         with open(args.json, "w") as f:

@@ -42,6 +42,10 @@ struct KernelSwitch {
 // RoPE as one autograd Function whose backward casts the QKV gradient to FP8 straight from dq,
 // dk, dv, rotating them back inside the cast-transpose (cuda/rope_cast.cu; the same bytes, amax
 // and dbias as the separate RoPE backward and cast). Unlike the others it also switches the CPU.
+// GRAPHFP8_BLOCK_QUANTIZE_STAGED (off until it has run on a GPU): blockwise_quantize's 1x128
+// tiles of a 16-bit x and x^T by blocks that walk several tiles, the next one staged in shared
+// memory by cp.async while the current one is quantized (cuda/blockwise_staged.cuh; the same
+// bytes).
 // GRAPHFP8_GLU_V2 (off until it has run on a GPU): the per-tensor SwiGLU / GeGLU cast-transposes
 // on vector tiles with paired FP8 converts and word-wide transposed stores of both layouts
 // (cuda/glu_v2.cuh; the same bytes, amax and dbias).
@@ -57,6 +61,7 @@ inline KernelSwitch* kernel_switches(int* count) {
                                     {"NORM_FWD_TRANSPOSE", {false}},
                                     {"ROPE_CAST_BWD", {false}},
                                     {"NORM_BWD_V2", {false}},
+                                    {"BLOCK_QUANTIZE_STAGED", {false}},
                                     {"GLU_V2", {false}},
                                     {"GLU_V2_DIV", {false}}};
   static const bool from_env = [] {

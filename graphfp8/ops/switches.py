@@ -1,6 +1,6 @@
 """Switches between CUDA kernel variants (csrc/ops/switches.h): a new kernel lands off until it
-has run on a GPU; all below but NORM_BWD_STAGED, NORM_FWD_TRANSPOSE, ROPE_CAST_BWD and
-NORM_BWD_V2 ran in the CUDA suite on the H200 on 2026-12-01 and are on by default.
+has run on a GPU; all below but NORM_BWD_STAGED, NORM_FWD_TRANSPOSE, ROPE_CAST_BWD, NORM_BWD_V2
+and BLOCK_QUANTIZE_STAGED ran in the CUDA suite on the H200 on 2026-12-01 and are on by default.
 ENV_DEFAULTS holds the switches that Python modules read once from the environment instead.
 
 Each switch starts from its environment variable (GRAPHFP8_<NAME>=0 turns it off, read once when
@@ -29,6 +29,9 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
     NORM_BWD_V2        (off until it runs on a GPU) the 16-bit vectorised norm backward at
                        hidden sizes to 4096 with two batches of rows in flight in registers and
                        specialised per-element work (bit-identical to the batched kernel)
+    BLOCK_QUANTIZE_STAGED (off until it runs on a GPU) blockwise_quantize's 1x128 tiles of a
+                       16-bit x and x.T by blocks that walk several tiles, the next staged in
+                       shared memory by cp.async while one is quantized (bit-identical)
     GLU_V2             (off until it runs on a GPU) the SwiGLU / GeGLU cast-transposes on vector
                        tiles with paired FP8 converts and word-wide transposed stores of both
                        layouts (csrc/cuda/glu_v2.cuh; bit-identical)
@@ -57,6 +60,7 @@ SWITCHES = (
     "NORM_FWD_TRANSPOSE",
     "ROPE_CAST_BWD",
     "NORM_BWD_V2",
+    "BLOCK_QUANTIZE_STAGED",
     "GLU_V2",
     "GLU_V2_DIV",
 )
