@@ -1,7 +1,8 @@
 // Switches between CUDA kernel variants (docs/benchmarking.md, "Kernel switches"): a new kernel
-// lands off until it has run on a GPU. All but NORM_BWD_STAGED ran in the CUDA suite on the H200
-// on 2026-12-01 and are on unless their environment variable is "0" (docs/benchmarking.md has
-// what each measured).
+// lands off until it has run on a GPU. All but NORM_BWD_STAGED, NORM_FWD_TRANSPOSE and
+// ROPE_CAST_BWD ran in the CUDA suite on the H200 (2026-12-01; NORM_BWD_V2, BLOCK_QUANTIZE_STAGED,
+// GLU_V2 and GLU_V2_DIV 2026-12-02) and are on unless their environment variable is "0"
+// (docs/benchmarking.md has what each measured).
 // Each starts from its environment variable, read once, and can be flipped at run time
 // (graphfp8.ops.switches) so that one process can compare a new kernel with the one it
 // replaces, bit for bit. The CPU kernels ignore them (ROPE_CAST_BWD chooses a path in Python).
@@ -29,7 +30,7 @@ struct KernelSwitch {
 // (cuda/norm_bwd_staged.cu; the same sums).
 // GRAPHFP8_NORM_BWD_PARAM_IN_KERNEL: only while NORM_BWD_STAGED is on, dgamma and dbeta summed by
 // the staged kernel's last blocks instead of a second kernel (the same sums).
-// GRAPHFP8_NORM_BWD_V2 (off until it has run on a GPU): the 16-bit vectorised norm backward at
+// GRAPHFP8_NORM_BWD_V2 (on since its H200 run, 2026-12-02): the 16-bit vectorised norm backward at
 // hidden sizes up to 4096 by cuda/norm_bwd_v2.cu (row loads double-buffered in registers, the
 // per-element work specialised; the batched kernel's sums, bit for bit).
 // GRAPHFP8_ROPE_PARTS_BWD: the bf16 attention path's RoPE
@@ -42,14 +43,14 @@ struct KernelSwitch {
 // RoPE as one autograd Function whose backward casts the QKV gradient to FP8 straight from dq,
 // dk, dv, rotating them back inside the cast-transpose (cuda/rope_cast.cu; the same bytes, amax
 // and dbias as the separate RoPE backward and cast). Unlike the others it also switches the CPU.
-// GRAPHFP8_BLOCK_QUANTIZE_STAGED (off until it has run on a GPU): blockwise_quantize's 1x128
+// GRAPHFP8_BLOCK_QUANTIZE_STAGED (on since its H200 run, 2026-12-02): blockwise_quantize's 1x128
 // tiles of a 16-bit x and x^T by blocks that walk several tiles, the next one staged in shared
 // memory by cp.async while the current one is quantized (cuda/blockwise_staged.cuh; the same
 // bytes).
-// GRAPHFP8_GLU_V2 (off until it has run on a GPU): the per-tensor SwiGLU / GeGLU cast-transposes
+// GRAPHFP8_GLU_V2 (on since its H200 run, 2026-12-02): the per-tensor SwiGLU / GeGLU cast-transposes
 // on vector tiles with paired FP8 converts and word-wide transposed stores of both layouts
 // (cuda/glu_v2.cuh; the same bytes, amax and dbias).
-// GRAPHFP8_GLU_V2_DIV (off until it has run on a GPU): only while GLU_V2 is on, SwiGLU's divisions
+// GRAPHFP8_GLU_V2_DIV (on since its H200 run, 2026-12-02): only while GLU_V2 is on, SwiGLU's divisions
 // written out without a branch per value where the gates allow (cuda/glu_v2.cuh; the same bytes).
 inline KernelSwitch* kernel_switches(int* count) {
   static KernelSwitch switches[] = {{"NORM_BWD_BATCHED", {true}},
@@ -60,10 +61,10 @@ inline KernelSwitch* kernel_switches(int* count) {
                                     {"ROPE_PARTS_BWD", {true}},
                                     {"NORM_FWD_TRANSPOSE", {false}},
                                     {"ROPE_CAST_BWD", {false}},
-                                    {"NORM_BWD_V2", {false}},
-                                    {"BLOCK_QUANTIZE_STAGED", {false}},
-                                    {"GLU_V2", {false}},
-                                    {"GLU_V2_DIV", {false}}};
+                                    {"NORM_BWD_V2", {true}},
+                                    {"BLOCK_QUANTIZE_STAGED", {true}},
+                                    {"GLU_V2", {true}},
+                                    {"GLU_V2_DIV", {true}}};
   static const bool from_env = [] {
     for (auto& s : switches) {
       char var[64] = "GRAPHFP8_";

@@ -1,6 +1,6 @@
 """The norm and the MLP activation of blockwise layers as graphfp8 kernels in the input dtype
-(docs/fp8.md, "Blockwise scaling"), under the switch GRAPHFP8_BLOCKWISE_GLU_KERNEL (off until its
-CUDA kernels run on a GPU; on: `PLAIN.on = True`, or its default in graphfp8/ops/switches.py).
+(docs/fp8.md, "Blockwise scaling"), under the switch GRAPHFP8_BLOCKWISE_GLU_KERNEL (on by default
+since its H200 run; off: `PLAIN.on = False`, or GRAPHFP8_BLOCKWISE_GLU_KERNEL=0).
 
 Off, a blockwise LayerNormMLP / LayerNormLinear runs torch's norm and, for the MLP, torch's
 activation ops (chunk, silu, the products; in the backward their gradients and a cat), and the

@@ -1,6 +1,7 @@
 """Switches between CUDA kernel variants (csrc/ops/switches.h): a new kernel lands off until it
-has run on a GPU; all below but NORM_BWD_STAGED, NORM_FWD_TRANSPOSE, ROPE_CAST_BWD, NORM_BWD_V2
-and BLOCK_QUANTIZE_STAGED ran in the CUDA suite on the H200 on 2026-12-01 and are on by default.
+has run on a GPU; all below but NORM_BWD_STAGED, NORM_FWD_TRANSPOSE and ROPE_CAST_BWD ran in the
+CUDA suite on the H200 (2026-12-01; NORM_BWD_V2, BLOCK_QUANTIZE_STAGED, GLU_V2 and GLU_V2_DIV
+2026-12-02) and are on by default.
 ENV_DEFAULTS holds the switches that Python modules read once from the environment instead.
 
 Each switch starts from its environment variable (GRAPHFP8_<NAME>=0 turns it off, read once when
@@ -26,16 +27,16 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
                        as one autograd Function: the backward casts the QKV gradient to FP8
                        from dq, dk, dv, rotating them back in the cast-transpose, without the
                        RoPE backward pass (bit-identical; switches the CPU path too)
-    NORM_BWD_V2        (off until it runs on a GPU) the 16-bit vectorised norm backward at
+    NORM_BWD_V2        (on; H200 2026-12-02) the 16-bit vectorised norm backward at
                        hidden sizes to 4096 with two batches of rows in flight in registers and
                        specialised per-element work (bit-identical to the batched kernel)
-    BLOCK_QUANTIZE_STAGED (off until it runs on a GPU) blockwise_quantize's 1x128 tiles of a
+    BLOCK_QUANTIZE_STAGED (on; H200 2026-12-02) blockwise_quantize's 1x128 tiles of a
                        16-bit x and x.T by blocks that walk several tiles, the next staged in
                        shared memory by cp.async while one is quantized (bit-identical)
-    GLU_V2             (off until it runs on a GPU) the SwiGLU / GeGLU cast-transposes on vector
+    GLU_V2             (on; H200 2026-12-02) the SwiGLU / GeGLU cast-transposes on vector
                        tiles with paired FP8 converts and word-wide transposed stores of both
                        layouts (csrc/cuda/glu_v2.cuh; bit-identical)
-    GLU_V2_DIV         (off until it runs on a GPU) only while GLU_V2 is on: SwiGLU's divisions
+    GLU_V2_DIV         (on; H200 2026-12-02) only while GLU_V2 is on: SwiGLU's divisions
                        written out without a branch per value where the gates allow
                        (csrc/cuda/glu_v2.cuh; bit-identical)
 """
@@ -75,7 +76,7 @@ SWITCHES = (
 #   BLOCKWISE_ACT  (off until its CUDA kernel runs on a GPU) LayerNormMLP under
 #                  Float8BlockScaling: the GELU / SwiGLU / GeGLU writes fc2's 1x128 tiles
 #                  itself (graphfp8/modules/_blockwise_act.py; both devices)
-#   BLOCKWISE_GLU_KERNEL (off until its CUDA kernels run on a GPU) LayerNormMLP /
+#   BLOCKWISE_GLU_KERNEL (on; its CUDA kernels ran on the H200 2026-12-02) LayerNormMLP /
 #                  LayerNormLinear under Float8BlockScaling: the norm and the MLP activation
 #                  (forward and backward) as graphfp8 kernels in the input dtype instead of
 #                  torch's ops, the GEMMs quantizing their outputs (modules/_blockwise_plain.py)
@@ -98,7 +99,7 @@ ENV_DEFAULTS = {
     "CUDNN_RAGGED": False,
     "BLOCKWISE_NORM": False,
     "BLOCKWISE_ACT": False,
-    "BLOCKWISE_GLU_KERNEL": False,
+    "BLOCKWISE_GLU_KERNEL": True,
     "GRAD_FILL_ONE_PASS": False,
     "GRAD_FOLD_COPY_FIRST": False,
 }

@@ -44,9 +44,9 @@ def _kernel_names(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def test_off_by_default_and_taken_when_on():
-    """Off until it has run on a GPU; on, the staged kernel runs (not the default one)."""
-    assert not switch_on(SWITCH)
+def test_on_by_default_and_taken_when_on():
+    """On by default since its H200 run (session 10); on, the staged kernel runs, off not."""
+    assert switch_on(SWITCH)
     x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
     on = _kernel_names(lambda: _quantize(x, True))
     off = _kernel_names(lambda: _quantize(x, False))
