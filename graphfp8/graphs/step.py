@@ -37,6 +37,7 @@ from graphfp8.fp8.weight_cache import step_casts
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
 from graphfp8.graphs.fsdp import check_fsdp_sync
+from graphfp8.graphs.grads import check_into_grad
 from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_fsdp import FSDPStepBody, FSDPUpdate, check_fsdp2_step
@@ -151,6 +152,7 @@ def make_graphed_step(
     """
     options = CaptureOptions(_NAME, fp8_enabled, fp8_recipe, fp8_weight_caching, fp8_group,
                              num_warmup_iters, pool, min_warmup=1)  # fmt: skip
+    check_into_grad(_NAME, "the step graph")  # graphs/grads.py
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"{_NAME}: max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
     batch = StaticBatch(sample_batch, num_microbatches, _NAME)

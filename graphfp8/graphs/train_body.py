@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphfp8.fp8.into_grad import wrote
 from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
 from graphfp8.graphs.capture_checks import check_capturable, check_grad_mode
 from graphfp8.graphs.fsdp import fsdp_hook, is_fsdp2
@@ -232,7 +233,9 @@ class TrainBody:
             return loss.detach(), None
         grads = torch.autograd.grad(loss, self.params, allow_unused=True)
         points.at_backward()
-        has_grad = [g is not None for g in grads]
+        # A weight-gradient GEMM that wrote into .grad in a capture leaves autograd None
+        # (graphfp8/fp8/into_grad.py): the weight still gets a gradient.
+        has_grad = [g is not None or wrote(p) for p, g in zip(self.params, grads, strict=True)]
         if self.has_grad is None:
             if not any(has_grad):
                 raise ValueError(f"{self.name}: no parameter gets a gradient from the loss")

@@ -146,6 +146,7 @@ class FP8Module(nn.Module):
         configs = gemm_configs(self, weights, is_first_microbatch, fp8_output)
         for cfg, (_, w), g in zip(configs, weights, main_grads, strict=True):
             cfg.main_grad = None if g is None else (w, g)
+            cfg.weight = w
         return configs
 
     def _wgrad_weight(self, weight: torch.Tensor) -> torch.Tensor:
