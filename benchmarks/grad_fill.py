@@ -2,12 +2,12 @@
 "Gradient accumulation at Llama shapes"): the default (-0.0 fill as zero + negate, then an add
 on every microbatch), GRAPHFP8_GRAD_FILL_ONE_PASS (the fill as one fill_ per buffer),
 GRAPHFP8_GRAD_FOLD_COPY_FIRST (no fill of the large buffers, the first microbatch's fold a
-copy; skipped where refused, on CUDA) and GRAPHFP8_WGRAD_INTO_GRAD (the FP8 weights' wgrad GEMMs
-write .grad themselves, beta 0 then 1: no fill, dW or add for them; other bits than the default,
-rounded once). Whole training steps of FP8 layer graphs at the Llama-3.2-1B (4 layers,
-B2 x S4096) and Llama-3-8B (2 layers, B1 x S8192) rows of `benchmarks speed`, the runs captured
-side by side (the switches are read at capture) and timed in rotating windows, with the kernel
-time of the gradient accumulation family (benchmarks/floor_gap.py) from one profiled step each.
+copy) and GRAPHFP8_WGRAD_INTO_GRAD (the FP8 weights' wgrad GEMMs write .grad themselves, beta 0
+then 1: no fill, dW or add for them; other bits than the default, rounded once). Whole training
+steps of FP8 layer graphs at the Llama-3.2-1B (4 layers, B2 x S4096) and Llama-3-8B (2 layers,
+B1 x S8192) rows of `benchmarks speed`, the runs captured side by side (the switches are read at
+capture) and timed in rotating windows, with the kernel time of the gradient accumulation family
+(benchmarks/floor_gap.py) from one profiled step each.
 
     python -m benchmarks grad-fill [--quick] [--json PATH]
 """
@@ -45,27 +45,20 @@ def bench_row(row: tuple, device: str, steps: int, repeats: int, data: Dataset) 
     """One shape: each variant's tokens/s over `repeats` windows of `steps` steps (the order
     rotating), its ratio to the default (medians, with the range), its final loss (the same
     bits as the default's where the run is deterministic, but wgrad-into-grad's) and (GPU) the
-    family's kernel ms. A variant whose capture is refused on this device is left out."""
+    family's kernel ms."""
     preset, overrides, microbatches, _ = row
     cfg = speed._row_config(preset, overrides, data.vocab_size)
     warmup, total = 3, 3 + len(VARIANTS) * steps * repeats + 2
-    runs, refused = {}, {}
+    runs = {}
     for name, on in VARIANTS.items():
         with _switches(on):
-            run_ = Run(RunSpec(preset, cfg, "fp8", "layers", microbatches, device), data)
-            try:
-                run_.prepare()
-            except RuntimeError as exc:  # GRAD_FOLD_COPY_FIRST on CUDA (graphs/grads.py)
-                if "refused on CUDA" not in str(exc):
-                    raise
-                refused[name] = str(exc)
-                continue
-            runs[name] = run_
+            runs[name] = Run(RunSpec(preset, cfg, "fp8", "layers", microbatches, device), data)
+            runs[name].prepare()
             for _ in range(warmup):
                 runs[name].train_step(total)
     sync(device)
     tokens = runs["default"].spec.tokens_per_microbatch * microbatches
-    names = list(runs)
+    names = list(VARIANTS)
     rates, losses = {n: [] for n in names}, {}
     for rep in range(repeats):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
@@ -76,8 +69,7 @@ def bench_row(row: tuple, device: str, steps: int, repeats: int, data: Dataset) 
             rates[name].append(tokens * steps / (time.perf_counter() - start))
             losses[name] = float(loss)
     base = spread(rates["default"])
-    out = {"preset": preset, "overrides": overrides, "tokens_per_step": tokens, "variants": {},
-           "refused": refused}  # fmt: skip
+    out = {"preset": preset, "overrides": overrides, "tokens_per_step": tokens, "variants": {}}
     for name in names:
         tps = spread(rates[name])
         out["variants"][name] = {

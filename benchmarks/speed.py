@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import time
 
 import torch
@@ -43,6 +44,21 @@ QUICK_ROWS = [("llama-tiny", {"layers": 1, "batch": 2, "seq_len": 32}, 1, True)]
 PEERS = [("bf16", "compile", False), ("bf16", "layers", False), ("fp8", "layers", False),
          ("fp8", "step", False)]  # fmt: skip
 STAGED = ("fp8", "layers", True)  # issue 41's host idle: the next step's batches copied ahead
+
+
+def selected_rows() -> list:
+    """ROWS, or those whose preset SPEED_ROWS names (comma-separated: a shorter GPU call)."""
+    names = os.environ.get("SPEED_ROWS")
+    if not names:
+        return ROWS
+    wanted = names.split(",")
+    unknown = set(wanted) - {r[0] for r in ROWS}
+    if unknown:
+        rows = [r[0] for r in ROWS]
+        raise ValueError(f"SPEED_ROWS names no row {sorted(unknown)}; rows: {rows}")
+    return [r for r in ROWS if r[0] in wanted]
+
+
 BASELINE = "bf16-torch-compile"
 
 
@@ -163,7 +179,7 @@ def run(device, quick: bool = False) -> dict:
     data = Dataset(open_stream("synthetic", synthetic_bytes=1 << 16 if quick else 16 << 20),
                    val_fraction=0.0)  # fmt: skip
     rows, text = [], ""
-    for row in QUICK_ROWS if quick else ROWS:  # each row's tables printed as it finishes
+    for row in QUICK_ROWS if quick else selected_rows():  # each row's tables printed as it finishes
         rows.append(bench_row(*row, device, timing, data))
         text += _tables(rows[-1])
     return {"env": environment(device), "timing": dataclasses.asdict(timing), "rows": rows,

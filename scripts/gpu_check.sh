@@ -70,6 +70,7 @@
 #               torch.compile (the baseline) vs graphfp8 bf16 vs FP8 layer graphs (and FP8 with
 #               --stage-batches at llama-100m), 3 repeats each, ratios with their spread, model
 #               TFLOP/s, the floor fraction (ceilings calibrated first), GPU busy, kernel table;
+#               SPEED_ROWS=llama-1b,llama-8b runs those rows only (benchmarks/speed.py);
 #               ~3-4 min on one H200 (limit SPEED_TIMEOUT_S, 360 s)
 #   step rows33 (issue 33): the table's tokens/s rows (bf16 vs FP8 at 100m, llama-100m, 300m;
 #               current / delayed; --fp8-stats 10 / without), ROWS_PRESETS, ROWS_STEPS (100)
@@ -138,7 +139,7 @@
 #               tests of GRAPHFP8_WGRAD_INTO_GRAD (tests/ops/test_gemm_into.py: cuBLASLt's FP8
 #               GEMM into bf16 .grad with device alpha/beta against its twin and in a CUDA graph;
 #               tests/graphs/test_wgrad_into_grad.py: layer graphs == eager on CUDA) and its row
-#               wgrad-into-grad of the benchmark (copy-first is refused on CUDA, left out)
+#               wgrad-into-grad of the benchmark
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"

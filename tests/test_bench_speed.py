@@ -82,3 +82,13 @@ def test_quick_run_on_a_gpu_calibrates_and_profiles():
         assert sum(c["ms"] for c in t["categories"].values()) == pytest.approx(t["kernel_ms"])
         assert 0 < p["busy"] <= 1.05, name  # the union of kernel time over the unprofiled wall
         assert 0 < p["busy_profiled"] <= 1.01, name  # a union inside the profiled wall (clocks)
+
+
+def test_speed_rows_select_by_preset_and_refuse_unknown_names(monkeypatch):
+    monkeypatch.delenv("SPEED_ROWS", raising=False)
+    assert speed.selected_rows() == speed.ROWS
+    monkeypatch.setenv("SPEED_ROWS", "llama-8b,llama-1b")
+    assert [r[0] for r in speed.selected_rows()] == ["llama-1b", "llama-8b"]
+    monkeypatch.setenv("SPEED_ROWS", "llama-1b,llama-2b")
+    with pytest.raises(ValueError, match="llama-2b"):
+        speed.selected_rows()

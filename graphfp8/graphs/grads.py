@@ -41,8 +41,12 @@ class GradAccumulator:
     .. warning:: parameter hooks (post-accumulate-grad hooks, DDP's) do not run for these grads.
     """
 
-    def __init__(self, params, buffers, reset_graph):
+    def __init__(self, params, buffers, reset_graph, flags=()):
         self.params, self.buffers, self.reset_graph = params, buffers, reset_graph
+        # The device flags that the reset and backward graphs read and write (the copy-first
+        # flag GradFold.first, the GEMMs' alpha and beta of WGRAD_INTO_GRAD): a CUDA graph holds
+        # their addresses, not the tensors, so these references keep them allocated.
+        self.flags = list(flags)
         self._nones = [None] * len(params)
         self._attach = None
         # Where every .grad stands, in one C++ pass (graphs/replay_guard.py says why C++).
@@ -90,18 +94,6 @@ class GradAccumulator:
 FOLD_AT_ONCE = 1 << 16
 
 
-def check_copy_first(device: torch.device) -> None:
-    """GRAD_FOLD_COPY_FIRST is refused on CUDA, before warmup changes any state: its first H200
-    run (session 9) folded a TransformerLayer's norm-weight gradients other than eager on the
-    second microbatch (tests/graphs/test_grad_fold.py's CUDA twin; notes/PERF.md, "Gradient
-    accumulation at Llama shapes"), while it is bit for bit on the CPU tape."""
-    if device.type == "cuda" and env_switch("GRAD_FOLD_COPY_FIRST"):
-        raise RuntimeError(
-            "GRAPHFP8_GRAD_FOLD_COPY_FIRST=1 is refused on CUDA: its first GPU run gave other "
-            "gradients than eager on a second microbatch; unset it (the default fold is exact)"
-        )
-
-
 def check_into_grad(name: str, what: str) -> None:
     """WGRAD_INTO_GRAD is refused, before any state changes, by the captures that take the
     gradients from autograd instead of folding them (the step graph, FSDP2's graphs): the eager
@@ -142,7 +134,6 @@ class GradFold:
         self.buffers = [grad_buffer(p) for p in self.params]
         self.folded: list[int] = []
         self.pending: list[tuple[int, torch.Tensor]] = []
-        check_copy_first(device)
         self.copy_first = env_switch("GRAD_FOLD_COPY_FIRST")
         self.first = torch.zeros(1, dtype=torch.int32, device=device) if self.copy_first else None
         self.flagged: set[int] = set()  # the parameters whose first fold reads `first`
@@ -276,7 +267,10 @@ class GradFold:
                 self.first.zero_()
             if self.written:
                 self.alpha_beta.copy_(self.ones)
-        return GradAccumulator(params, buffers, reset)
+        keep = ([self.first] if self.flagged else []) + (
+            [self.alpha_beta, self.ones, self.beta_zero] if self.written else []
+        )
+        return GradAccumulator(params, buffers, reset, keep)
 
 
 def fill_minus_zero(buffers: list[torch.Tensor]) -> None:

@@ -42,7 +42,6 @@ from graphfp8.graphs.contexts import (
     side_stream,
 )
 from graphfp8.graphs.fp8_init import freeze_arenas, init_fp8_modules
-from graphfp8.graphs.grads import check_copy_first
 from graphfp8.graphs.options import CaptureOptions
 from graphfp8.nvtx_ranges import nvtx_range
 
@@ -66,7 +65,6 @@ class CaptureSession:
 
     def __init__(self, device: torch.device, options: CaptureOptions, *, weight_cache_flag=None,
                  snapshot=None):  # fmt: skip
-        check_copy_first(device)  # a switch refused on CUDA, before warmup (graphs/grads.py)
         self.device, self.options, self.snapshot = device, options, snapshot
         self.fp8_enabled, self.recipe = options.fp8_enabled, options.recipe
         self.fp8_group, self.pool = options.fp8_group, options.pool

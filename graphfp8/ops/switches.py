@@ -64,8 +64,8 @@ SWITCHES = (
 #                  (graphfp8/graphs/grads.py): one fill_ kernel per large buffer (2 bytes per
 #                  bf16 element) instead of zero + negate (6 bytes); read at capture, so one
 #                  process can capture both (bit-identical)
-#   GRAD_FOLD_COPY_FIRST (off; refused on CUDA: its first H200 run differed from eager, while
-#                  bit for bit on the CPU tape: graphs/grads.py's check_copy_first) graphed
+#   GRAD_FOLD_COPY_FIRST (off; its first H200 run differed from eager: the flag was freed after
+#                  capture while the CUDA graphs still used it, kept alive since) graphed
 #                  callables fold each large gradient with graphfp8.ops.grad_fold_: a device
 #                  flag, set by the accumulator instead of the -0.0 fill, makes the first
 #                  microbatch copy and later ones add (4 + 6 bytes per element a step instead of

@@ -9,7 +9,9 @@ microbatch."""
 from __future__ import annotations
 
 import copy
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from torch import nn
 
 import graphfp8 as g8
 from graphfp8.graphs import grads
-from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.backends import new_graph, tapes_allocate_as_cuda
 from graphfp8.memory import memory_report
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_side_by_side
@@ -199,25 +201,11 @@ def test_the_fill_in_a_cuda_graph_writes_minus_zero(dtype, grad_fill):
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_transformer_layer_graphed_equals_eager_on_cuda(monkeypatch, grad_fill, copy_first):
-    """Every gradient folded as produced, so that under one-pass every buffer is one fill_.
-    Copy-first is refused on CUDA (its first H200 run differed from eager: check_copy_first)."""
+    """Every gradient folded as produced, so that under one-pass every buffer is one fill_ and
+    under copy-first every one reads the flag."""
     monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1)
-    if copy_first:
-        layer = g8.TransformerLayer(64, 4, 128, device="cuda")
-        with pytest.raises(RuntimeError, match="GRAD_FOLD_COPY_FIRST"):
-            g8.make_graphed_callables(layer, (torch.randn(2, 8, 64, device="cuda"),))
-        return
     train_side_by_side("TransformerLayer", g8.DelayedScaling(amax_history_len=4), True, "cuda",
                        steps=2, mbs=2)  # fmt: skip
-
-
-def test_copy_first_is_refused_on_cuda_only(monkeypatch):
-    monkeypatch.setenv("GRAPHFP8_GRAD_FOLD_COPY_FIRST", "1")
-    grads.check_copy_first(torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="refused on CUDA"):
-        grads.check_copy_first(torch.device("cuda"))
-    monkeypatch.setenv("GRAPHFP8_GRAD_FOLD_COPY_FIRST", "0")
-    grads.check_copy_first(torch.device("cuda"))
 
 
 def test_copy_first_folds_with_the_flag_and_fills_only_the_rest(monkeypatch):
@@ -234,3 +222,28 @@ def test_copy_first_folds_with_the_flag_and_fills_only_the_rest(monkeypatch):
     assert backward.index("aten::zero_") > backward.index("graphfp8::grad_fold_")
     reset = graphed.graphed_runner.pair.accumulator.reset_graph.kernels()
     assert reset == ["aten::fill_", "aten::_foreach_zero_", "aten::_foreach_neg_"]
+
+
+def test_the_copy_first_flag_lives_as_long_as_the_graphs(monkeypatch):
+    """A CUDA graph holds the flag's address, not the tensor: the graphed callable must keep the
+    flag allocated after the capture. Under tapes_allocate_as_cuda the CPU tape, like a CUDA
+    graph, holds nothing it recorded. (Session 9's H200 failure: the flag was freed with the
+    GradFold after capture, its memory reused, and later replays copied instead of adding.)"""
+    monkeypatch.setenv("GRAPHFP8_GRAD_FOLD_COPY_FIRST", "1")
+    monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1)
+    flags = []
+    init = grads.GradFold.__init__
+
+    def recording_init(self, params, device):
+        init(self, params, device)
+        flags.append(weakref.ref(self.first))
+
+    monkeypatch.setattr(grads.GradFold, "__init__", recording_init)
+    with tapes_allocate_as_cuda():
+        graphed = g8.make_graphed_callables(Scale(torch.float32), (torch.randn(SHAPE),),
+                                            num_warmup_iters=1)  # fmt: skip
+    gc.collect()
+    assert flags and all(f() is not None for f in flags)
+    del graphed
+    gc.collect()
+    assert all(f() is None for f in flags)  # and freed with the graphs

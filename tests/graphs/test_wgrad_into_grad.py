@@ -7,6 +7,8 @@ captures that do not fold gradients, keep today's path or refuse the switch."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch
 import graphfp8 as g8
 from graphfp8.fp8 import into_grad
 from graphfp8.graphs import grads
+from graphfp8.graphs.backends import tapes_allocate_as_cuda
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_side_by_side
 from tests.graphs.step_common import RECIPE, TinyLM, adamw, lm_batch, lm_loss
@@ -121,6 +124,32 @@ def test_the_graphs_hold_no_fill_and_no_add_for_the_weights(monkeypatch):
     gemms = [i for i, k in enumerate(bwd_on) if k == "graphfp8::fp8_gemm_into"]
     assert len(bwd_on) - 1 - bwd_on[::-1].index("aten::copy_") > gemms[-1]  # beta back to 1
     assert reset_on == ["aten::copy_"] + ["aten::fill_"] * (params - 2)  # beta 0, then fills
+
+
+def test_the_beta_scalars_live_as_long_as_the_graphs(monkeypatch, gemm_calls):
+    """A CUDA graph holds the (alpha, beta) pairs' addresses, not the tensors: the graphed
+    callable keeps them allocated after the capture, and frees them with the graphs. Under
+    tapes_allocate_as_cuda the CPU tape, like a CUDA graph, holds nothing it recorded (the copy-
+    first flag's H200 failure of session 9: freed with the GradFold, its memory reused)."""
+    scalars = []
+    init = grads.GradFold.__init__
+
+    def recording_init(self, params, device):
+        init(self, params, device)
+        if self.alpha_beta is not None:
+            scalars.extend(weakref.ref(t) for t in (self.alpha_beta, self.ones, self.beta_zero))
+
+    monkeypatch.setattr(grads.GradFold, "__init__", recording_init)
+    with tapes_allocate_as_cuda():
+        m = g8.LayerNormMLP(H, 4 * H, params_dtype=torch.bfloat16)
+        graphed = g8.make_graphed_callables(m, (torch.randn(16, H, dtype=torch.bfloat16),),
+                                            fp8_enabled=True, fp8_recipe=RECIPE,
+                                            num_warmup_iters=1)  # fmt: skip
+    gc.collect()
+    assert scalars and all(t() is not None for t in scalars)
+    del graphed, m  # the module is the graphed callable
+    gc.collect()
+    assert all(t() is None for t in scalars)
 
 
 def test_graphed_microbatch_equals_eager(gemm_calls):
