@@ -13,11 +13,13 @@ create_graph=True) and a weight or `.grad` the GEMM cannot write as eager Accumu
 (a `.grad` or grad_dtype other than the GEMM's output dtype, not contiguous or 16-byte aligned,
 a tensor subclass, a tensor hook on the weight) take today's path: dW returned to autograd.
 
-Graphed callables: the capture's gradient fold (graphs/grads.py GradFold) opens a `Target` for its
-backward; the GEMM writes the parameter's persistent `.grad` buffer with the fold's (alpha, beta)
-device pair for the parameter's first write in the graph, whose beta the accumulator's reset graph
-sets to 0 before the first microbatch of a step, the backward graph back to 1 at its end. Any
-other capture (the step graph, a warmup, FSDP2's graphs, a user's CUDA graph) takes today's path.
+Graphs: the capture's gradient fold (graphs/grads.py GradFold; the step graph's StepGrads,
+graphs/step_grads.py) opens a `Target` for its backward; the GEMM writes the parameter's
+persistent `.grad` buffer with the target's (alpha, beta) device pair: for a layer or microbatch
+graph the weight's first write in the graph reads a beta that the accumulator's reset graph sets
+to 0 before the first microbatch of a step and the backward graph back to 1 at its end; the step
+graph's first microbatch writes with beta 0, the others with 1. Any other capture (a warmup,
+FSDP2's graphs, which refuse the switch, a user's CUDA graph) takes today's path.
 """
 
 from __future__ import annotations

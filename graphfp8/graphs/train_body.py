@@ -223,7 +223,9 @@ class TrainBody:
 
         Returns:
             (loss / num_microbatches, detached 0-d tensor; the gradients of the parameters
-            that get one, in parameter order; an FSDP2 model: None, FSDP2 put them in .grad).
+            that get one, in parameter order, None for those a weight-gradient GEMM wrote into
+            .grad in a capture (fp8/into_grad.py); an FSDP2 model: None, FSDP2 put them in
+            .grad).
         """
         points.at_forward()
         loss = self.loss(i)
@@ -245,7 +247,8 @@ class TrainBody:
                 f"{self.name}: the set of parameters that get a gradient changed between "
                 "microbatches (data-dependent control flow), which a graph cannot hold"
             )
-        return loss.detach(), [g for g in grads if g is not None]
+        # One per parameter that gets a gradient: None where a GEMM wrote it into .grad.
+        return loss.detach(), [g for g, h in zip(grads, has_grad, strict=True) if h]
 
     @property
     def grad_params(self) -> list[torch.Tensor]:

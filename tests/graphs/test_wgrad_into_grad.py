@@ -1,8 +1,8 @@
 """GRAPHFP8_WGRAD_INTO_GRAD: the FP8 weight-gradient GEMM writes the parameter's .grad itself
 (beta 0 where .grad is None or a step starts, 1 after), eagerly and inside the layer and
-microbatch graphs, which equal eager bit for bit in every .grad state; the captured graphs hold
-no fill and no add for those weights; the eager backwards that do not store into .grad, and the
-captures that do not fold gradients, keep today's path or refuse the switch."""
+microbatch graphs and the step graph's static buffers, which equal eager bit for bit in every
+.grad state; the captured graphs hold no fill and no add for those weights; the eager backwards
+that do not store into .grad keep today's path, and FSDP2's captures refuse the switch."""
 
 from __future__ import annotations
 
@@ -19,7 +19,14 @@ from graphfp8.graphs import grads
 from graphfp8.graphs.backends import tapes_allocate_as_cuda
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_side_by_side
-from tests.graphs.step_common import RECIPE, TinyLM, adamw, lm_batch, lm_loss
+from tests.graphs.step_common import (
+    RECIPE,
+    TinyLM,
+    adamw,
+    lm_batch,
+    lm_loss,
+    tiny_lm_step_graph_equals_eager,
+)
 from tests.helpers import HAS_CUDA
 from tests.modules.common import H, fp8_state
 
@@ -182,14 +189,37 @@ def test_graphed_microbatch_equals_eager(gemm_calls):
     assert len(gemm_calls) - calls == 2 * n * 5  # qkv, proj, fc1, fc2, head: eager
 
 
-def test_the_step_graph_refuses_the_switch(gemm_calls):
-    model = TinyLM("cpu")
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="WGRAD_INTO_GRAD=1 is not supported for the step"):
-        g8.make_graphed_step(model, lm_loss, adamw(model.parameters(), "cpu"), lm_batch(2, "cpu"),
-                             2, fp8_enabled=True, fp8_recipe=RECIPE)  # fmt: skip
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
-    assert all(p.grad is None for p in model.parameters())
+def test_step_graph_equals_eager(gemm_calls):
+    """make_graphed_step of the tiny LM, 2 steps of 2 microbatches: the GEMMs write the static
+    .grad buffers (beta 0 on the first microbatch, 1 on the second), the other gradients copied
+    then added; loss, gradients, weights, optimizer and FP8 state bit for bit with eager."""
+    tiny_lm_step_graph_equals_eager("cpu", RECIPE, n=2, steps=2)
+    assert len(gemm_calls) == 2 * 5 + 2 * 2 * 5  # the capture's two microbatches, then eager
+
+
+def test_the_step_graph_writes_its_buffers_in_the_gemms(monkeypatch):
+    """The captured step with the switch: five GEMMs per microbatch write .grad, the copy and
+    the add of the other gradients remain (one multi-tensor kernel each)."""
+    kernels = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("GRAPHFP8_WGRAD_INTO_GRAD", on)
+        model = TinyLM("cpu")
+        step = g8.make_graphed_step(model, lm_loss, adamw(model.parameters(), "cpu"),
+                                    lm_batch(2, "cpu"), 2, fp8_enabled=True, fp8_recipe=RECIPE,
+                                    num_warmup_iters=1)  # fmt: skip
+        kernels[on] = step.captured_kernels()
+    assert "graphfp8::fp8_gemm_into" not in kernels["0"]
+    assert kernels["1"].count("graphfp8::fp8_gemm_into") == 2 * 5
+    for op in ("aten::_foreach_copy_", "aten::_foreach_add_"):
+        assert kernels["1"].count(op) == kernels["0"].count(op), op
+
+
+def test_fsdp2_captures_refuse_the_switch(monkeypatch):
+    monkeypatch.setenv("GRAPHFP8_WGRAD_INTO_GRAD", "1")
+    with pytest.raises(RuntimeError, match="WGRAD_INTO_GRAD=1 is not supported for FSDP2"):
+        grads.check_into_grad("make_graphed_callables", "FSDP2 layers")
+    monkeypatch.setenv("GRAPHFP8_WGRAD_INTO_GRAD", "0")
+    grads.check_into_grad("make_graphed_callables", "FSDP2 layers")
 
 
 def _fp8_linear():
