@@ -27,7 +27,7 @@ from tests.graphs.step_common import (
     lm_loss,
     tiny_lm_step_graph_equals_eager,
 )
-from tests.helpers import HAS_CUDA
+from tests.helpers import DEVICES, HAS_CUDA
 from tests.modules.common import H, fp8_state
 
 # The GEMM weights of each layer kind (tests/modules/common.py's build).
@@ -159,20 +159,21 @@ def test_the_beta_scalars_live_as_long_as_the_graphs(monkeypatch, gemm_calls):
     assert all(t() is None for t in scalars)
 
 
-def test_graphed_microbatch_equals_eager(gemm_calls):
+@pytest.mark.parametrize("device", DEVICES)
+def test_graphed_microbatch_equals_eager(device, gemm_calls):
     """make_graphed_microbatch of a tiny LM (FP8 TransformerLayer and head): its capture folds
     the other gradients and the GEMMs write theirs; two steps of two microbatches bit for bit."""
     n = 2
     torch.manual_seed(0)
-    eager = TinyLM("cpu")
+    eager = TinyLM(device)
     model = copy.deepcopy(eager)
-    tokens, targets = lm_batch(1, "cpu", 99)
+    tokens, targets = lm_batch(1, device, 99)
     graphed = g8.make_graphed_microbatch(model, lm_loss, (tokens[0], targets[0]), n,
                                          fp8_enabled=True, fp8_recipe=RECIPE,
                                          fp8_weight_caching=True, num_warmup_iters=1)  # fmt: skip
     calls = len(gemm_calls)
     for step in range(2):
-        batch = lm_batch(n, "cpu", step)
+        batch = lm_batch(n, device, step)
         for i in range(n):
             with g8.fp8_autocast(recipe=RECIPE):
                 out = eager(batch[0][i], is_first_microbatch=i == 0)
@@ -294,3 +295,10 @@ def test_layer_graphs_equal_eager_on_cuda(kind, gemm_calls):
 def test_transformer_layer_every_grad_folded_at_once_on_cuda(monkeypatch, gemm_calls):
     monkeypatch.setattr(grads, "FOLD_AT_ONCE", 1)
     train_side_by_side("TransformerLayer", RECIPE, True, "cuda", steps=2, mbs=2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_step_graph_equals_eager_on_cuda(gemm_calls):
+    tiny_lm_step_graph_equals_eager("cuda", RECIPE, n=2, steps=2)
+    assert gemm_calls
