@@ -119,6 +119,33 @@ def _norm_bwd_res(dy, x, g, mu, rsigma):
     return ops.layernorm_bwd(dy, x, mu, rsigma, g, dresidual=x)
 
 
+def _rms_bwd(dy, x, g, mu, rsigma):
+    return ops.rmsnorm_bwd(dy, x, rsigma, g)
+
+
+def _rms_bwd_res(dy, x, g, mu, rsigma):
+    return ops.rmsnorm_bwd(dy, x, rsigma, g, dresidual=x)
+
+
+# issue 41 cut 4: the v2 norm backward at Llama-1B's and Llama-8B's norm shapes (B2 x S2048 and
+# B2 x S4096 rows at h2048, B1 x S8192 at h4096); bytes: dy, x read, dx written (+ dresidual)
+NORM_BWD_V2_SHAPES = [(4096, 2048), (8192, 2048), (8192, 4096)]
+NORM_BWD_V2_CASES = [("rmsnorm_bwd", 6, _rms_bwd), ("rmsnorm_bwd + dresidual", 8, _rms_bwd_res),
+                     ("layernorm_bwd", 6, _norm_bwd),
+                     ("layernorm_bwd + dresidual", 8, _norm_bwd_res)]  # fmt: skip
+
+
+def _norm_bwd_v2_rows(device, quick: bool) -> list[dict]:
+    """NORM_BWD_V2 off (the batched kernel, the default) and on, each case at each shape."""
+    rows = []
+    for shape in [(64, 256)] if quick else NORM_BWD_V2_SHAPES:
+        sets = _norm_sets(*shape, device)
+        copy_gbs = _copy_gbs(sets, device)
+        rows += [_switch_row("NORM_BWD_V2", op, shape, nbytes, fn, sets, copy_gbs, device)
+                 for op, nbytes, fn in NORM_BWD_V2_CASES]  # fmt: skip
+    return rows
+
+
 def _norm_fwd_t(dy, x, g, mu, rsigma):
     """As in a LayerNormLinear under training: the FP8 rows and their transpose (the norm's
     bytes: x read, 2 B; both FP8 layouts written, 2 B)."""
@@ -308,6 +335,7 @@ def run(device, quick: bool = False) -> dict:
             with kernel_switch("NORM_BWD_STAGED", True):
                 switches.append(_switch_row("NORM_BWD_PARAM_IN_KERNEL", "layernorm_bwd", shape,
                                             6, _norm_bwd, sets, copy_gbs, device))  # fmt: skip
+    switches += _norm_bwd_v2_rows(device, quick)
     # issue 41: the .grad buffers' -0.0 fill of layer graphs in one pass (notes/PERF.md)
     layers = {"tiny": [(256, 256), (64, 32)]} if quick else LAYER_WEIGHTS  # one >= FOLD_AT_ONCE
     copy_gbs = _copy_gbs(_bf16_sets(*norm_shapes[-1], device), device)

@@ -208,6 +208,7 @@ struct NormBwdParams {
   bool batched;              // CUDA: cuda/norm_bwd_batched.cu (kernel switch NORM_BWD_BATCHED)
   bool staged;               // CUDA, batched: rows staged by cp.async (NORM_BWD_STAGED)
   bool param_grad_in_kernel;  // CUDA, staged: dgamma, dbeta summed in it (NORM_BWD_PARAM_IN_KERNEL)
+  bool v2;                   // CUDA: cuda/norm_bwd_v2.cu where it applies (NORM_BWD_V2)
 };
 
 constexpr int64_t kNormBwdMaxBlocks = 256;

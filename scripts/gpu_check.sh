@@ -96,6 +96,12 @@
 #               switch off / on, one process per run, interleaved, KERN41_REPEATS (3) x
 #               KERN41_STEPS (100): tokens/s on / off and the final loss bit for bit
 #               (scripts/switch_ab.py); ~10 min (tests ~1, variants ~1.5, 12 runs ~40 s each)
+#   step normv2 (issue 41 cut 4): the v2 norm backward (GRAPHFP8_NORM_BWD_V2): the CUDA tests of
+#               tests/ops/test_norm_bwd_v2.py and test_norm_bwd_batched.py (bit for bit against
+#               the batched and the original kernel), the `benchmarks variants` rows of
+#               NORM_BWD_V2 (RMSNorm / LayerNorm backward +- dresidual at 4096x2048, 8192x2048,
+#               8192x4096, off / on, ratios to copy), then ncu of the norm backwards with it off
+#               and on (scripts/ncu_kernels.py --only norm_bwd); ~4 min
 #   step quality-block (issue 42): the quality rows - validation loss of bf16, delayed and
 #               blockwise FP8 (paired per seed, one process per preset: scripts/train_gap.py) on
 #               real text (--data stdlib) for QB_PRESETS (100m llama-100m), QB_STEPS (300) x
@@ -380,6 +386,23 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         $PY scripts/switch_ab.py --switch "$sw" --off $off --on $on 2>&1 | tee -a "$RES/summary.md" \
           || status=1
       done ;;
+    normv2)  # issue 41 cut 4: the v2 norm backward's tests, variants rows, ncu off / on
+      timeout 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_norm_bwd_v2.py \
+        tests/ops/test_norm_bwd_batched.py > "$RES/normv2_tests.log" 2>&1 || status=1
+      grep -E "^FAILED|passed|failed|Timeout" "$RES/normv2_tests.log" | tail -12 | tee -a "$RES/summary.md"
+      timeout 150 $PY -m benchmarks variants --json "$RES/normv2_variants.json" 2>&1 | grep -v '^wrote' \
+        | grep -E "^#|^\| (switch|---|NORM_BWD_(V2|BATCHED))" | tee -a "$RES/summary.md" || status=1
+      NCU=$(find_ncu)
+      if [ -n "$NCU" ]; then
+        secs=$(ncu_sections SpeedOfLight MemoryWorkloadAnalysis Occupancy LaunchStats SchedulerStats WarpStateStats)
+        for v in 0 1; do
+          env GRAPHFP8_NORM_BWD_V2=$v timeout 120 "$NCU" --profile-from-start off --clock-control none $secs \
+            --csv --page details $PY scripts/ncu_kernels.py run --only norm_bwd > "$RES/normv2_ncu_$v.csv" \
+            2> "$RES/normv2_ncu_run_$v.log" || status=1
+          echo "-- ncu of the norm backwards, GRAPHFP8_NORM_BWD_V2=$v" | tee -a "$RES/summary.md"
+          $PY scripts/ncu_kernels.py summary "$RES/normv2_ncu_$v.csv" 2>&1 | tee -a "$RES/summary.md" || status=1
+        done
+      fi ;;
     speed41)  # issue 41: compiles ~1.5-2 min (3 torch.compile'd models), captures ~1.5 min
       # (layer and step graphs), timing + profiles ~30 s, calibration ~10 s: ~4-5 min (timeout 8)
       timeout "${SPEED_TIMEOUT_S:-480}" $PY -m benchmarks speed --json "$RES/bench_speed41.json" \

@@ -49,6 +49,20 @@ SUMMARY = [
 ]
 
 
+def _rmsnorm_bwd_cases(ops, rand, one, amax) -> list[tuple[str, object]]:
+    """Issue 41 cut 4: the RMSNorm backward at Llama-1B's and Llama-8B's norm shapes."""
+    cases = []
+    for m, n in ((4096, 2048), (8192, 4096)):
+        x, g, dy, res = rand(m, n), rand(n), rand(m, n), rand(m, n)
+        rs = ops.rmsnorm_fp8(x, g, 1e-5, one, amax, E4M3).rsigma
+        cases += [
+            (f"rmsnorm_bwd {m}x{n}", lambda dy=dy, x=x, s=rs, g=g: ops.rmsnorm_bwd(dy, x, s, g)),
+            (f"rmsnorm_bwd + dresidual {m}x{n}",
+             lambda dy=dy, x=x, s=rs, g=g, r=res: ops.rmsnorm_bwd(dy, x, s, g, dresidual=r)),
+        ]  # fmt: skip
+    return cases
+
+
 def _cases(device) -> list[tuple[str, object]]:
     """(label, zero-argument call) in launch order; inputs are made here, before profiling."""
     from graphfp8 import ops  # noqa: PLC0415 (after argument parsing: `summary` needs no torch ext)
@@ -79,6 +93,7 @@ def _cases(device) -> list[tuple[str, object]]:
         cases.append((f"layernorm_bwd + dresidual {m}x{n}",
                       lambda dy=dy, x=x, o=o, g=g, r=res: ops.layernorm_bwd(
                           dy, x, o.mu, o.rsigma, g, dresidual=r)))  # fmt: skip
+    cases += _rmsnorm_bwd_cases(ops, rand, one, amax)
     m, f = 8192, 4096  # the 100m preset's fc1 output: T x 4h
     h, dy = rand(m, f), rand(m, f)
     cases += [

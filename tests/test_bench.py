@@ -51,6 +51,8 @@ def test_variants_quick(tmp_path, capsys):
         ("NORM_BWD_STAGED", "layernorm_bwd"),
         ("NORM_BWD_STAGED", "layernorm_bwd + dresidual"),
         ("NORM_BWD_PARAM_IN_KERNEL", "layernorm_bwd"),
+        ("NORM_BWD_V2", "rmsnorm_bwd"), ("NORM_BWD_V2", "rmsnorm_bwd + dresidual"),
+        ("NORM_BWD_V2", "layernorm_bwd"), ("NORM_BWD_V2", "layernorm_bwd + dresidual"),
         ("GRAD_FILL_ONE_PASS", "-0.0 fill, tiny layer"),
         ("GRAD_FOLD_COPY_FIRST", "first fold, tiny layer"),
     ]  # fmt: skip

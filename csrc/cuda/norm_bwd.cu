@@ -164,7 +164,7 @@ Status launch_bwd(const NormBwdParams& p, cudaStream_t stream) {
 }  // namespace
 
 Status norm_bwd_cuda(const NormBwdParams& p, void* stream_ptr) {
-  if (p.batched) return norm_bwd_batched_cuda(p, stream_ptr);
+  if (p.batched || p.v2) return norm_bwd_batched_cuda(p, stream_ptr);  // v2: norm_bwd_batched.cu
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   GRAPHFP8_SWITCH_HP(p.dtype, "norm_bwd", T,
     if (cuda::norm::bwd_vectorized<T>(p)) return launch_bwd<T, true>(p, stream);

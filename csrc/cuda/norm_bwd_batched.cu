@@ -17,7 +17,9 @@
 //     instead of one thread per column walking 256 rows on a few SMs (46 us for 2 MB at
 //     8192 x 1024 on the H200).
 // Kernel switch NORM_BWD_STAGED hands vectorised rows of up to two pieces per thread to
-// norm_bwd_staged.cu (the same sums again, the next rows staged in shared memory).
+// norm_bwd_staged.cu (the same sums again, the next rows staged in shared memory); kernel switch
+// NORM_BWD_V2, ahead of it, vectorised 16-bit rows to hidden 4096 to norm_bwd_v2.cu (the same
+// sums, two batches of rows in flight in registers).
 #include "../common.h"
 #include "../dtype_switch.h"
 #include "fp8_util.cuh"
@@ -152,8 +154,15 @@ Status launch_v(const NormBwdParams& p, RowLayout layout, cudaStream_t stream) {
   const int64_t groups = cuda::ceil_div(p.rows, layout.rows_per_block);
   const int grid = static_cast<int>(groups < kNormBwdMaxBlocks ? groups : kNormBwdMaxBlocks);
   bool launched = false, param_grads_done = false;
+  if constexpr (kVec && sizeof(T) == 2 && V <= 2) {
+    if (p.v2) {  // norm_bwd_v2.cu
+      const Status st = norm_bwd_v2<T, V>(p, layout, grid, stream);
+      if (!st.ok()) return st;
+      launched = true;
+    }
+  }
   if constexpr (kVec && V * bwd_loads<T, kVec>() <= kStagedMaxPieces) {
-    if (p.staged) {  // norm_bwd_staged.cu
+    if (p.staged && !launched) {  // norm_bwd_staged.cu
       const Status st = norm_bwd_staged<T, V>(p, layout, grid, &launched, &param_grads_done, stream);
       if (!st.ok() || param_grads_done) return st;
     }

@@ -27,7 +27,9 @@ constexpr int rows_in_flight() {
 
 // norm.cuh's row_sums over virtual lanes: v[j][k] is value k of lane t + j P. The same tree:
 // each warp of lanes by butterfly, then the warps of the row in order from shared memory.
-template <int V, int K>
+// kSyncAfter false: no barrier after the reads, for callers that alternate two scratch buffers
+// (a buffer is written again only after the next call's barrier, which every reader has passed).
+template <int V, int K, bool kSyncAfter = true>
 __device__ __forceinline__ void row_sums_virtual(float (&v)[V][K], int tpr, int P,
                                                  float (*scratch)[32]) {
   const int width = tpr < cuda::kWarpSize ? tpr : cuda::kWarpSize;
@@ -60,15 +62,16 @@ __device__ __forceinline__ void row_sums_virtual(float (&v)[V][K], int tpr, int 
 #pragma unroll
     for (int j = 0; j < V; ++j) v[j][k] = s;
   }
-  __syncthreads();  // scratch is reused by the next batch
+  if constexpr (kSyncAfter) __syncthreads();  // scratch is reused by the next batch
 }
 
-// norm_bwd.cu's store_column_sums over virtual lanes (several slots only with V == 1).
-template <int V, int kLoads, int N, int kCols = kLoads * N>
+// norm_bwd.cu's store_column_sums over virtual lanes (several slots only with V == 1). kBeta
+// false: dbeta is not summed (RMSNorm, whose parameter-gradient kernel reads no dbeta rows).
+template <int V, int kLoads, int N, bool kBeta = true, int kCols = kLoads * N>
 __device__ __forceinline__ void store_column_sums(const NormBwdParams& p, RowLayout layout, int P,
                                                   int64_t loads, float (&dgamma)[V][kCols],
                                                   float (&dbeta)[V][kCols]) {
-  __shared__ float slots[2][V == 1 ? kThreads * kCols : 1];
+  __shared__ float slots[kBeta ? 2 : 1][V == 1 ? kThreads * kCols : 1];
   const int slot = threadIdx.x / P;
   const int t = threadIdx.x % P;
   if constexpr (V == 1) {
@@ -76,7 +79,7 @@ __device__ __forceinline__ void store_column_sums(const NormBwdParams& p, RowLay
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         slots[0][threadIdx.x * kCols + c] = dgamma[0][c];
-        slots[1][threadIdx.x * kCols + c] = dbeta[0][c];
+        if constexpr (kBeta) slots[1][threadIdx.x * kCols + c] = dbeta[0][c];
       }
       __syncthreads();
       if (slot != 0) return;
@@ -84,7 +87,9 @@ __device__ __forceinline__ void store_column_sums(const NormBwdParams& p, RowLay
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
           dgamma[0][c] = __fadd_rn(dgamma[0][c], slots[0][(o * P + t) * kCols + c]);
-          dbeta[0][c] = __fadd_rn(dbeta[0][c], slots[1][(o * P + t) * kCols + c]);
+          if constexpr (kBeta) {
+            dbeta[0][c] = __fadd_rn(dbeta[0][c], slots[1][(o * P + t) * kCols + c]);
+          }
         }
       }
     }
@@ -100,7 +105,7 @@ __device__ __forceinline__ void store_column_sums(const NormBwdParams& p, RowLay
 #pragma unroll
       for (int e = 0; e < N; ++e) {
         ws_gamma[v * N + e] = dgamma[j][k * N + e];
-        ws_beta[v * N + e] = dbeta[j][k * N + e];
+        if constexpr (kBeta) ws_beta[v * N + e] = dbeta[j][k * N + e];
       }
     }
   }
@@ -115,6 +120,12 @@ constexpr int kStagedMaxPieces = 2;
 template <typename T, int V>
 Status norm_bwd_staged(const NormBwdParams& p, RowLayout layout, int grid, bool* launched,
                        bool* param_grads_done, cudaStream_t stream);
+
+// The v2 kernel (norm_bwd_v2.cu, kernel switch NORM_BWD_V2): norm_bwd_batched_kernel's sums with
+// its layout and grid, for vectorised 16-bit rows of V <= 2 lanes per thread (hidden sizes to
+// 4096); dgamma and dbeta still need param_grad_batched_kernel.
+template <typename T, int V>
+Status norm_bwd_v2(const NormBwdParams& p, RowLayout layout, int grid, cudaStream_t stream);
 
 // Two blocks per SM (<= 128 registers) where that costs no more than a small spill (16-bit
 // vector loads); the wide unvectorised and fp32 variants take all the registers they need.

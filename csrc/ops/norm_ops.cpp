@@ -179,6 +179,7 @@ void norm_bwd(const char* op, const at::Tensor& dy, const at::Tensor& x, const a
   p.batched = switch_on("NORM_BWD_BATCHED");
   p.staged = switch_on("NORM_BWD_STAGED");
   p.param_grad_in_kernel = switch_on("NORM_BWD_PARAM_IN_KERNEL");
+  p.v2 = switch_on("NORM_BWD_V2");
   if (p.rows == 0) {  // sums over no rows are zero, as torch's
     dgamma.zero_();
     if (dbeta != nullptr) dbeta->zero_();

@@ -29,6 +29,9 @@ struct KernelSwitch {
 // (cuda/norm_bwd_staged.cu; the same sums).
 // GRAPHFP8_NORM_BWD_PARAM_IN_KERNEL: only while NORM_BWD_STAGED is on, dgamma and dbeta summed by
 // the staged kernel's last blocks instead of a second kernel (the same sums).
+// GRAPHFP8_NORM_BWD_V2 (off until it has run on a GPU): the 16-bit vectorised norm backward at
+// hidden sizes up to 4096 by cuda/norm_bwd_v2.cu (row loads double-buffered in registers, the
+// per-element work specialised; the batched kernel's sums, bit for bit).
 // GRAPHFP8_ROPE_PARTS_BWD: the bf16 attention path's RoPE
 // backward from dq, dk, dv in one kernel (rope_fp8_backward's high-precision form) instead of a
 // cat and rope_qkv (graphfp8/modules/_rope.py; the CPU always takes it).
@@ -47,7 +50,8 @@ inline KernelSwitch* kernel_switches(int* count) {
                                     {"NORM_BWD_PARAM_IN_KERNEL", {true}},
                                     {"ROPE_PARTS_BWD", {true}},
                                     {"NORM_FWD_TRANSPOSE", {false}},
-                                    {"ROPE_CAST_BWD", {false}}};
+                                    {"ROPE_CAST_BWD", {false}},
+                                    {"NORM_BWD_V2", {false}}};
   static const bool from_env = [] {
     for (auto& s : switches) {
       char var[64] = "GRAPHFP8_";

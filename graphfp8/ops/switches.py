@@ -1,6 +1,6 @@
 """Switches between CUDA kernel variants (csrc/ops/switches.h): a new kernel lands off until it
-has run on a GPU; all below but NORM_BWD_STAGED, NORM_FWD_TRANSPOSE and ROPE_CAST_BWD ran in the
-CUDA suite on the H200 on 2026-12-01 and are on by default.
+has run on a GPU; all below but NORM_BWD_STAGED, NORM_FWD_TRANSPOSE, ROPE_CAST_BWD and
+NORM_BWD_V2 ran in the CUDA suite on the H200 on 2026-12-01 and are on by default.
 ENV_DEFAULTS holds the switches that Python modules read once from the environment instead.
 
 Each switch starts from its environment variable (GRAPHFP8_<NAME>=0 turns it off, read once when
@@ -26,6 +26,9 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
                        as one autograd Function: the backward casts the QKV gradient to FP8
                        from dq, dk, dv, rotating them back in the cast-transpose, without the
                        RoPE backward pass (bit-identical; switches the CPU path too)
+    NORM_BWD_V2        (off until it runs on a GPU) the 16-bit vectorised norm backward at
+                       hidden sizes to 4096 with two batches of rows in flight in registers and
+                       specialised per-element work (bit-identical to the batched kernel)
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ SWITCHES = (
     "ROPE_PARTS_BWD",
     "NORM_FWD_TRANSPOSE",
     "ROPE_CAST_BWD",
+    "NORM_BWD_V2",
 )
 
 # The switches read from GRAPHFP8_<NAME> by the module that owns them, with their defaults:

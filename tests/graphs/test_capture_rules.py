@@ -107,13 +107,15 @@ def test_captured_graphs_hold_the_fp8_kernels(device):
 def _norm_bwd_kernels() -> dict[str, bool]:
     """{CUDA kernel: launched?} of the norm backward of a 16-bit vectorised row (H), as the
     norm-backward switches now in force choose them (docs/benchmarking.md, "Kernel switches")."""
-    batched = switch_on("NORM_BWD_BATCHED")
-    staged = batched and switch_on("NORM_BWD_STAGED")
+    v2 = switch_on("NORM_BWD_V2")  # H <= 4096: v2 takes the row, ahead of the staged kernel
+    batched = v2 or switch_on("NORM_BWD_BATCHED")
+    staged = batched and not v2 and switch_on("NORM_BWD_STAGED")
     one_kernel = staged and switch_on("NORM_BWD_PARAM_IN_KERNEL")
     return {
         "norm_bwd_kernel": not batched,
-        "norm_bwd_batched_kernel": batched and not staged,
+        "norm_bwd_batched_kernel": batched and not staged and not v2,
         "norm_bwd_staged_kernel": staged,
+        "norm_bwd_v2_kernel": v2,
         "param_grad_batched_kernel": batched and not one_kernel,
     }
 
