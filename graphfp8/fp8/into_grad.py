@@ -33,7 +33,7 @@ from graphfp8 import global_state, ops
 from graphfp8.fp8 import context
 from graphfp8.ops.switches import env_switch
 
-__all__ = ["SWITCH", "Target", "capturing", "switched_on", "write_wgrad", "wrote"]
+__all__ = ["SWITCH", "Target", "capturing", "plain", "switched_on", "write_wgrad", "wrote"]
 
 SWITCH = "WGRAD_INTO_GRAD"
 
@@ -62,6 +62,13 @@ def _reset() -> None:
 global_state.register("WGRAD_INTO_GRAD's capture targets and eager scalars (fp8/into_grad.py)",
                       _reset, lambda: not _TARGETS and not _EAGER_SCALARS,
                       layer=global_state.FP8)  # fmt: skip
+
+
+def plain(weight: torch.Tensor, buffer: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a capture's GEMM may write `weight`'s gradient into `buffer`: a plain parameter
+    (not an FP8 primary weight) and a plain buffer of the GEMM's output dtype."""
+    return (type(weight) in (torch.Tensor, torch.nn.Parameter) and type(buffer) is torch.Tensor
+            and buffer.dtype == dtype)  # fmt: skip
 
 
 def switched_on() -> bool:

@@ -95,15 +95,15 @@ FOLD_AT_ONCE = 1 << 16
 
 
 def check_into_grad(name: str, what: str) -> None:
-    """WGRAD_INTO_GRAD is refused, before any state changes, by the captures that take the
-    gradients from autograd instead of folding them (the step graph, FSDP2's graphs): the eager
-    backward's GEMM writes .grad rounded once, their capture would give today's bits."""
+    """WGRAD_INTO_GRAD is refused, before any state changes, by the captures whose gradients
+    come from FSDP2's reduce-scatter instead of a fold the GEMMs could write (FSDP2's layer,
+    microbatch and step graphs): the eager backward's GEMM writes .grad rounded once, their
+    capture would give today's bits."""
     if into_grad.switched_on():
         raise RuntimeError(
             f"{name}: GRAPHFP8_WGRAD_INTO_GRAD=1 is not supported for {what} (eagerly the "
             "weight-gradient GEMM writes .grad itself, this capture would not, so the graph "
-            "would differ from eager): unset it, or capture layer graphs (make_graphed_callables) "
-            "or make_graphed_microbatch of a model without FSDP2"
+            "would differ from eager): unset it, or capture a model without FSDP2"
         )
 
 
@@ -151,7 +151,9 @@ class GradFold:
         """into_grad.Target: (the weight's buffer, its (alpha, beta)) for a weight-gradient GEMM
         of `dtype` to write, or None (the GEMM returns dW to autograd, folded as any other)."""
         i = self.index.get(id(weight))
-        if self.alpha_beta is None or i is None or self.buffers[i].dtype != dtype:
+        if self.alpha_beta is None or i is None:
+            return None
+        if not into_grad.plain(weight, self.buffers[i], dtype):
             return None
         first = i not in self.folded
         self.folded.append(i)

@@ -43,7 +43,7 @@ class StepGrads:
     def into_grad(self, weight: torch.Tensor, dtype: torch.dtype):
         """into_grad.Target: (the weight's static buffer, (alpha, beta)) or None (dW)."""
         j = self.index.get(id(weight))
-        if self.ones is None or j is None or self.grads[j].dtype != dtype:
+        if self.ones is None or j is None or not into_grad.plain(weight, self.grads[j], dtype):
             return None
         first = j not in self.written
         self.written.add(j)
