@@ -1,7 +1,8 @@
 """Blockwise FP8 against TransformerEngine's Float8BlockScaling (issue 42's speed peer): the Llama
 SwiGLU MLP block (RMSNorm -> fc1 (h, 2F) -> silu(g) * u -> fc2 (F, h), no biases) forward +
 backward per microbatch on the same weights and inputs, every peer in one process: graphfp8
-delayed and blockwise FP8 graphed (the fused quantize kernels, the weight cache), TE
+delayed and blockwise FP8 graphed (the fused quantize kernels, the weight cache; blockwise again
+with GRAPHFP8_BLOCKWISE_GLU_KERNEL on: "graphfp8 blockwise+glu graphed"), TE
 Float8BlockScaling eager and graphed, TE DelayedScaling graphed, when `import
 transformer_engine.pytorch` works (benchmarks/te_peers.py; TE is never a dependency). The MLP,
 not the TransformerLayer: TE's fused attention does not load on the GPU machine
@@ -20,9 +21,10 @@ from benchmarks import te_peers
 from benchmarks.common import time_device
 from benchmarks.glu import TorchSwiGLU, _copy_weights, te_mlp_like
 from benchmarks.peers import MICROBATCHES_PER_STEP
+from graphfp8.modules._blockwise_plain import PLAIN
 from graphfp8.ops.blockwise_fused import blockwise_kernels
 
-__all__ = ["mlp_rows", "te_block_recipe"]
+__all__ = ["g8_plain_peer", "mlp_rows", "te_block_recipe"]
 
 
 def te_block_recipe():
@@ -41,6 +43,16 @@ def _g8_peer(ref, x, dy, recipe):
     graphed = g8.make_graphed_callables(m, (x,), fp8_enabled=True, fp8_recipe=recipe,
                                         fp8_weight_caching=True)  # fmt: skip
     return lambda i: graphed(x, is_first_microbatch=i % MICROBATCHES_PER_STEP == 0).backward(dy)
+
+
+def g8_plain_peer(ref, x, dy, recipe):
+    """_g8_peer captured with GRAPHFP8_BLOCKWISE_GLU_KERNEL on (the graphs keep its kernels):
+    the norm and the SwiGLU as graphfp8 bf16 kernels (graphfp8/modules/_blockwise_plain.py)."""
+    before, PLAIN.on = PLAIN.on, True
+    try:
+        return _g8_peer(ref, x, dy, recipe)
+    finally:
+        PLAIN.on = before
 
 
 def _te_peers(ref, x, dy) -> dict:
@@ -83,6 +95,9 @@ def _timed_rows(hidden: int, ffn: int, tokens: int, device, iters: int, repeats:
     peers = {
         "graphfp8 delayed graphed": lambda: _g8_peer(ref, x, dy, g8.DelayedScaling()),
         "graphfp8 blockwise graphed": lambda: _g8_peer(ref, x, dy, g8.Float8BlockScaling()),
+        "graphfp8 blockwise+glu graphed": lambda: g8_plain_peer(
+            ref, x, dy, g8.Float8BlockScaling()
+        ),
         **_te_peers(ref, x, dy),
     }
     rows = {}

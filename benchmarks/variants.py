@@ -202,7 +202,8 @@ BLOCK_QUANTIZE_SHAPES = [(4096, 2048), (4096, 8192), (4096, 16384)]
 
 
 def _block_quantize_row(m: int, n: int, device) -> dict:
-    """One shape of block_quantize_rows: ms, GB/s and the ratio to a bf16 copy."""
+    """One shape of block_quantize_rows: ms, GB/s and the ratio to a bf16 copy, of the default
+    kernel and (staged_*) of BLOCK_QUANTIZE_STAGED's, timed on the same tensors."""
 
     def make():
         x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -214,31 +215,41 @@ def _block_quantize_row(m: int, n: int, device) -> dict:
     def quantize(i):
         ops.blockwise_quantize(sets[i][0], 1, transpose=True, out=sets[i][1])
 
-    ms = _timed(quantize, len(sets), device)
     nbytes = 4 * m * n + 4 * (m * -(-n // 128) + n * -(-m // 128))
-    gbs = nbytes / ms / 1e6
-    return dict(op="blockwise_quantize 1x128 + x.T tiles", shape=f"{m}x{n}", ms=ms, us=1e3 * ms,
-                GBps=gbs, copy_GBps=copy_gbs, ratio_to_copy=gbs / copy_gbs)  # fmt: skip
+    ms = {}
+    for staged in (False, True):
+        with kernel_switch("BLOCK_QUANTIZE_STAGED", staged):
+            ms[staged] = _timed(quantize, len(sets), device)
+    gbs = {k: nbytes / v / 1e6 for k, v in ms.items()}
+    return dict(op="blockwise_quantize 1x128 + x.T tiles", shape=f"{m}x{n}", ms=ms[False],
+                us=1e3 * ms[False], GBps=gbs[False], copy_GBps=copy_gbs,
+                ratio_to_copy=gbs[False] / copy_gbs, staged_us=1e3 * ms[True],
+                staged_ratio_to_copy=gbs[True] / copy_gbs)  # fmt: skip
 
 
 def block_quantize_rows(device, quick: bool = False) -> list[dict]:
     """graphfp8.blockwise_quantize's 1x128 tiles of a bf16 x and of x.T (E4M3, the recipe's
     activation and gradient quantizer) at the MLP's shapes, against a bf16 copy of the same
-    tensors timed in the same run: bytes are x read, both FP8 layouts and their scales written."""
+    tensors timed in the same run: bytes are x read, both FP8 layouts and their scales written.
+    Each shape with the kernel switch BLOCK_QUANTIZE_STAGED off and on."""
     shapes = [(256, 384)] if quick else BLOCK_QUANTIZE_SHAPES
     return [_block_quantize_row(m, n, device) for m, n in shapes]
 
 
 def block_quantize_table(rows: list[dict], device) -> str:
     """The rows of block_quantize_rows as a table, with the total of one MLP microbatch (x and
-    dy at the first shape, one launch at each of the others)."""
-    total = sum(r["us"] for r in rows) + (rows[0]["us"] if len(rows) == 3 else 0.0)
+    dy at the first shape, one launch at each of the others) for both kernels."""
+
+    def total(key):
+        return sum(r[key] for r in rows) + (rows[0][key] if len(rows) == 3 else 0.0)
+
     return print_table(
         f"blockwise quantize, bf16 -> E4M3 tiles of x and x.T (ratios to a bf16 copy, same run), "
-        f"{device}; one MLP microbatch's four launches: {total:.1f} us",
-        ["op", "shape", "us", "GB/s", "copy GB/s", "/ copy"],
-        [[r["op"], r["shape"], r["us"], r["GBps"], r["copy_GBps"], r["ratio_to_copy"]]
-         for r in rows],
+        f"{device}; one MLP microbatch's four launches: {total('us'):.1f} us, "
+        f"{total('staged_us'):.1f} us staged (BLOCK_QUANTIZE_STAGED)",
+        ["op", "shape", "us", "GB/s", "copy GB/s", "/ copy", "staged us", "staged / copy"],
+        [[r["op"], r["shape"], r["us"], r["GBps"], r["copy_GBps"], r["ratio_to_copy"],
+          r["staged_us"], r["staged_ratio_to_copy"]] for r in rows],
     )  # fmt: skip
 
 

@@ -45,6 +45,7 @@ struct BlockQuantizeParams {
   int64_t rows;
   int64_t cols;
   int64_t block_rows;    // 1 or 128
+  bool staged;           // CUDA: the staged kernel where it applies (BLOCK_QUANTIZE_STAGED)
 };
 
 // Bytes per element of a high-precision dtype (float32, bfloat16, float16).

@@ -17,7 +17,7 @@ from graphfp8.fp8.recipe import fp8_max
 from graphfp8.ops.blockwise import torch_quantize
 from graphfp8.ops.blockwise_stats import _blocks
 from graphfp8.ops.glu import dglu, glu
-from graphfp8.reference_blockwise import blockwise_act
+from graphfp8.reference_blockwise import blockwise_act, mlp_act, mlp_dact
 
 __all__ = [
     "quantize",
@@ -52,6 +52,8 @@ __all__ = [
     "blockwise_act",
     "blockwise_norm",
     "blockwise_stats",
+    "mlp_act",
+    "mlp_dact",
 ]
 
 FLT_MAX = torch.finfo(torch.float32).max

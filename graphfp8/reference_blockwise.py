@@ -1,6 +1,7 @@
 """Pure-PyTorch float64 twins of the blockwise FP8 quantizers and GEMM (graphfp8/ops/blockwise.py),
 written tile by tile: what tests compare the package's quantizers against, bit for bit; and the
-twin of the activation with a blockwise output (torch.ops.graphfp8.blockwise_act)."""
+twins of the activation with a blockwise output (torch.ops.graphfp8.blockwise_act) and of the
+MLP activation and its gradient in the input dtype (torch.ops.graphfp8.mlp_act, mlp_dact)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,18 @@ import math
 
 import torch
 
-from graphfp8.ops.glu import glu
+from graphfp8.ops.glu import dglu, glu
 
-__all__ = ["act_values", "block_stats", "blockwise_act", "dequantize", "gemm", "quantize"]
+__all__ = [
+    "act_values",
+    "block_stats",
+    "blockwise_act",
+    "dequantize",
+    "gemm",
+    "mlp_act",
+    "mlp_dact",
+    "quantize",
+]
 
 _MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _FLT_MAX = torch.finfo(torch.float32).max
@@ -113,3 +123,19 @@ def blockwise_act(x, activation, out, scale_inv, out_t=None, scale_inv_t=None,
         q, inv = quantize(a.t().cpu(), 1, out.dtype, power_2_scale)
         out_t.copy_(q)
         scale_inv_t.copy_(inv)
+
+
+def mlp_act(x, activation):
+    """Twin of torch.ops.graphfp8.mlp_act: a (rows, F) in x's dtype, act_values (the CPU kernel's
+    math, which blockwise_act quantizes)."""
+    return act_values(x, activation)
+
+
+def mlp_dact(dy, x, activation):
+    """Twin of torch.ops.graphfp8.mlp_dact: dx in x's dtype by graphfp8.ops.dglu with float64
+    transcendentals (the CPU GLU kernels'); GELU's as GeGLU's dg with u = 1 (da * 1 is exact)."""
+    if activation == "gelu":
+        return dglu(dy, torch.cat([x, torch.ones_like(x)], dim=-1), "geglu", precise=True)[
+            :, : x.shape[1]
+        ]
+    return dglu(dy, x, activation, precise=True)

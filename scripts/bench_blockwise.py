@@ -8,10 +8,13 @@ scaling (docs/fp8.md, "Blockwise scaling"). On the H200:
 The rows: bf16; delayed scaling; blockwise with the torch-op quantizers and the weights
 quantized every microbatch (the path before the fused kernels); blockwise with the fused
 quantize kernels (graphfp8/ops/blockwise_fused.py, GRAPHFP8_BLOCKWISE_KERNELS=fused), without
-and with the weight cache. Rows with the cache (delayed's too) run --microbatches per step,
-is_first_microbatch True on the first (fp8_weight_caching=True). GRAPHFP8_BLOCKWISE_GEMM=emulate
-times the float32 emulation instead of cuBLAS's GEMM. --device cpu runs the same rows (a smoke
-run: CPU times say nothing about the GPU). Then the same block's SwiGLU MLP against
+and with the weight cache; that last again with GRAPHFP8_BLOCKWISE_GLU_KERNEL on
+(blockwise-glu-kernel: the norm and the SwiGLU forward / backward as graphfp8 kernels in bf16,
+modules/_blockwise_plain.py; the other rows take the switch as the environment sets it). Rows
+with the cache (delayed's too) run --microbatches per step, is_first_microbatch True on the
+first (fp8_weight_caching=True). GRAPHFP8_BLOCKWISE_GEMM=emulate times the float32 emulation
+instead of cuBLAS's GEMM. --device cpu runs the same rows (a smoke run: CPU times say nothing
+about the GPU). Then the same block's SwiGLU MLP against
 TransformerEngine's Float8BlockScaling when TE imports (benchmarks/blockwise_te.py; --no-mlp
 skips it).
 """
@@ -28,15 +31,18 @@ import torch
 
 import graphfp8 as g8
 from benchmarks.blockwise_te import mlp_rows, print_mlp
+from graphfp8.modules._blockwise_plain import PLAIN
 from graphfp8.ops.blockwise_fused import blockwise_kernels
 
-# name: (recipe, GRAPHFP8_BLOCKWISE_KERNELS, weight cache)
+# name: (recipe, GRAPHFP8_BLOCKWISE_KERNELS, weight cache, GRAPHFP8_BLOCKWISE_GLU_KERNEL: True
+# on, None as the environment sets it)
 ROWS = {
-    "bf16": (None, "", False),
-    "delayed": (g8.DelayedScaling(), "", True),
-    "blockwise-torch": (g8.Float8BlockScaling(), "torch", False),
-    "blockwise-fused": (g8.Float8BlockScaling(), "fused", False),
-    "blockwise-fused-cache": (g8.Float8BlockScaling(), "fused", True),
+    "bf16": (None, "", False, None),
+    "delayed": (g8.DelayedScaling(), "", True, None),
+    "blockwise-torch": (g8.Float8BlockScaling(), "torch", False, None),
+    "blockwise-fused": (g8.Float8BlockScaling(), "fused", False, None),
+    "blockwise-fused-cache": (g8.Float8BlockScaling(), "fused", True, None),
+    "blockwise-glu-kernel": (g8.Float8BlockScaling(), "fused", True, True),
 }
 
 
@@ -87,13 +93,16 @@ def tokens_per_s(args, recipe, caching: bool) -> list[float]:
 
 
 def _row(args, name: str):
-    recipe, kernels, caching = ROWS[name]
+    recipe, kernels, caching, plain = ROWS[name]
+    before = PLAIN.on
     try:
+        PLAIN.on = before if plain is None else plain
         with blockwise_kernels(kernels):
             return tokens_per_s(args, recipe, caching)
     except Exception as exc:  # a row the GPU refuses is a row of the table
         return f"{type(exc).__name__}: {str(exc)[:200]}"
     finally:
+        PLAIN.on = before
         g8.reset_state()
         if args.device != "cpu":
             torch.cuda.empty_cache()

@@ -55,11 +55,17 @@
 #               scripts/bench_blockwise.py (Llama-3.2-1B block, 3 repeats with spread: bf16,
 #               delayed, blockwise with torch quantizers, fused kernels, fused + weight cache)
 #               and, with BLOCK_TRAIN_STEPS > 0, 100m delayed vs blockwise losses
+#   step blockquant (issue 42): the staged blockwise quantize kernel (GRAPHFP8_BLOCK_QUANTIZE_STAGED,
+#               off by default): its CUDA tests, the fused-quantizer and blockwise graph CUDA
+#               tests with it on, then both kernels timed in one process against a bf16 copy
+#               at the MLP's shapes (benchmarks/variants.py's block_quantize_rows; ~2 min)
 #   step blockprof (issue 42): scripts/profile_blockwise.py (the blockwise quantize kernel alone
 #               at the MLP's 4 operand shapes as a fraction of copy, then per-kernel time of the
-#               SwiGLU MLP: graphfp8 delayed, blockwise, TE Float8BlockScaling graphed) and
-#               bench_blockwise's delayed / blockwise-fused-cache rows with the TE MLP peers
-#               (WITH_TE=1)
+#               SwiGLU MLP at BLOCKPROF_SHAPES (1b,8b: Llama-3.2-1B and Llama-3-8B): graphfp8
+#               delayed, blockwise with GRAPHFP8_BLOCKWISE_GLU_KERNEL off and on ("blockwise+glu"),
+#               TE Float8BlockScaling graphed) and bench_blockwise's delayed / blockwise-fused-cache
+#               / blockwise-glu-kernel rows with the TE MLP peers (WITH_TE=1), at the 1B block
+#               and, with BLOCKPROF_8B=1 (the default), the 8B block (seq 8192; fewer iterations)
 #   step generate (issue 32): generate()'s rows of bench hf-users alone, with kernels per new
 #               token and GPU busy (one call under torch.profiler)
 #   step carried-casts (issue 39): what the carried recipe's weight casts on every
@@ -459,6 +465,14 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
         > "$RES/tests_blockwise_norm.log" 2>&1 || status=1
       echo "-- blockwise norm + act + stats CUDA tests: $(tail -1 "$RES/tests_blockwise_norm.log")" \
         | tee -a "$RES/summary.md"
+      # GRAPHFP8_BLOCKWISE_GLU_KERNEL (default off): the bf16 activation kernels against their
+      # CPU twins and the per-tensor / blockwise activation kernels, vector and scalar paths,
+      # captured; the layers with the switch on, graphed == eager (the emulated GEMM).
+      timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_mlp_act.py \
+        tests/modules/test_blockwise_plain_layers.py > "$RES/tests_blockwise_glu.log" 2>&1 \
+        || status=1
+      echo "-- blockwise GLU kernel CUDA tests: $(tail -1 "$RES/tests_blockwise_glu.log")" \
+        | tee -a "$RES/summary.md"
       # Their speed off / on: the variants rows BLOCKWISE_NORM and BLOCKWISE_ACT (~1.5 min).
       timeout 150 $PY -m benchmarks variants --json "$RES/blockwise_variants.json" 2>&1 \
         | grep -v '^wrote' | grep -E "^#|^\| (switch|---|BLOCKWISE_)" | tee -a "$RES/summary.md" \
@@ -481,14 +495,34 @@ json.dump(run("cuda"), open(sys.argv[1], "w"), default=str)' "$RES/memory_shard.
             | tee -a "$RES/summary.md"
         done
       fi ;;
+    blockquant)  # issue 42: the staged quantize kernel: exact, then timed against the default
+      timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_blockwise_staged.py \
+        > "$RES/tests_blockquant.log" 2>&1 || status=1
+      echo "-- staged quantize CUDA tests: $(tail -1 "$RES/tests_blockquant.log")" | tee -a "$RES/summary.md"
+      GRAPHFP8_BLOCK_QUANTIZE_STAGED=1 GRAPHFP8_BLOCKWISE_KERNELS=fused timeout 450 $PY -m pytest \
+        -q -m cuda -p no:cacheprovider tests/ops/test_blockwise_fused.py \
+        tests/graphs/test_blockwise_graphs.py > "$RES/tests_blockquant_on.log" 2>&1 || status=1
+      echo "-- fused blockwise CUDA tests, staged on: $(tail -1 "$RES/tests_blockquant_on.log")" \
+        | tee -a "$RES/summary.md"
+      $PY -c "from benchmarks.variants import block_quantize_rows as r, block_quantize_table as t
+t(r('cuda'), 'cuda')" > "$RES/blockquant_speed.log" 2>&1 || status=1
+      tee -a "$RES/summary.md" < "$RES/blockquant_speed.log" ;;
     blockprof)  # issue 42: per-kernel time of the SwiGLU MLP, delayed vs blockwise vs TE's
       with_te env GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/profile_blockwise.py \
-        --json "$RES/profile_blockwise.json" > "$RES/profile_blockwise.log" 2>&1 || status=1
+        --shapes ${BLOCKPROF_SHAPES:-1b,8b} --json "$RES/profile_blockwise.json" \
+        > "$RES/profile_blockwise.log" 2>&1 || status=1
       grep "^##" "$RES/profile_blockwise.log" | tee -a "$RES/summary.md"
+      block_rows=delayed,blockwise-fused-cache,blockwise-glu-kernel
       with_te env GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/bench_blockwise.py \
-        --rows delayed,blockwise-fused-cache --json "$RES/bench_blockwise_te.json" \
+        --rows $block_rows --json "$RES/bench_blockwise_te.json" \
         > "$RES/bench_blockwise_te.log" 2>&1 || status=1
-      tee -a "$RES/summary.md" < "$RES/bench_blockwise_te.log" ;;
+      tee -a "$RES/summary.md" < "$RES/bench_blockwise_te.log"
+      if [ "${BLOCKPROF_8B:-1}" = 1 ]; then
+        with_te env GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/bench_blockwise.py \
+          --hidden 4096 --ffn 14336 --seq 8192 --iters 4 --repeats 2 --rows $block_rows \
+          --json "$RES/bench_blockwise_te_8b.json" > "$RES/bench_blockwise_te_8b.log" 2>&1 || status=1
+        tee -a "$RES/summary.md" < "$RES/bench_blockwise_te_8b.log"
+      fi ;;
     quality-block)  # issue 42: blockwise vs delayed vs bf16 validation loss, paired per seed
       for preset in ${QB_PRESETS:-100m llama-100m}; do
         GRAPHFP8_BLOCKWISE_GEMM=${BLOCK_GEMM:-scaled_mm} $PY scripts/train_gap.py \

@@ -11,7 +11,8 @@ from benchmarks.blockwise_te import mlp_rows, print_mlp
 
 def test_mlp_rows_on_the_cpu(capsys):
     rows = mlp_rows(32, 48, 32, "cpu", iters=2, repeats=1)
-    assert list(rows) == ["graphfp8 delayed graphed", "graphfp8 blockwise graphed"]
+    assert list(rows) == ["graphfp8 delayed graphed", "graphfp8 blockwise graphed",
+                          "graphfp8 blockwise+glu graphed"]  # fmt: skip
     assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in rows.values())
     print_mlp({**rows, "TE blockwise graphed": "RuntimeError: refused"}, 32, 48, 32)
     out = capsys.readouterr().out

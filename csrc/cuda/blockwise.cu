@@ -26,6 +26,7 @@
 #include "../blockwise.h"
 #include "../dtype_switch.h"
 #include "blockwise_io.cuh"
+#include "blockwise_staged.cuh"
 #include "fp8_util.cuh"
 
 namespace graphfp8 {
@@ -282,6 +283,14 @@ Status block_quantize_cuda(const BlockQuantizeParams& p, void* stream_ptr) {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   if (cuda::ceil_div(p.cols, kTile) > 65535) {
     return Status{"block_quantize", "more than 65535 column tiles (cols > 8388480)"};
+  }
+  if (cuda::staged::applies(p)) {  // BLOCK_QUANTIZE_STAGED (blockwise_staged.cuh)
+    if (p.x_dtype == DType::kBFloat16) {
+      GRAPHFP8_SWITCH_FP8(p.dst.out_dtype, "block_quantize", kE4M3,
+        return cuda::staged::launch<__nv_bfloat16, kE4M3>(p, stream);)
+    }
+    GRAPHFP8_SWITCH_FP8(p.dst.out_dtype, "block_quantize", kE4M3,
+      return cuda::staged::launch<__half, kE4M3>(p, stream);)
   }
   GRAPHFP8_SWITCH_HP(p.x_dtype, "block_quantize", T,
     GRAPHFP8_SWITCH_FP8(p.dst.out_dtype, "block_quantize", kE4M3,

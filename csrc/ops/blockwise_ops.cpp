@@ -7,6 +7,7 @@
 #include "../blockwise_act.h"
 #include "blockwise_args.h"
 #include "ops.h"
+#include "switches.h"
 
 namespace graphfp8 {
 
@@ -26,6 +27,7 @@ void blockwise_quantize(const at::Tensor& x, const at::Tensor& out, const at::Te
                           power_2_scale);
   p.noop = noop_ptr(op, noop, x);
   p.block_rows = block_rows;
+  p.staged = switch_on("BLOCK_QUANTIZE_STAGED");
   if (x.numel() == 0) return;
   launch(op, x, p, block_quantize_cpu,
          [](const BlockQuantizeParams& q, void* s) { return block_quantize_cuda(q, s); });

@@ -42,6 +42,10 @@ struct KernelSwitch {
 // RoPE as one autograd Function whose backward casts the QKV gradient to FP8 straight from dq,
 // dk, dv, rotating them back inside the cast-transpose (cuda/rope_cast.cu; the same bytes, amax
 // and dbias as the separate RoPE backward and cast). Unlike the others it also switches the CPU.
+// GRAPHFP8_BLOCK_QUANTIZE_STAGED (off until it has run on a GPU): blockwise_quantize's 1x128
+// tiles of a 16-bit x and x^T by blocks that walk several tiles, the next one staged in shared
+// memory by cp.async while the current one is quantized (cuda/blockwise_staged.cuh; the same
+// bytes).
 inline KernelSwitch* kernel_switches(int* count) {
   static KernelSwitch switches[] = {{"NORM_BWD_BATCHED", {true}},
                                     {"PAIRED_QUANTIZE", {true}},
@@ -51,7 +55,8 @@ inline KernelSwitch* kernel_switches(int* count) {
                                     {"ROPE_PARTS_BWD", {true}},
                                     {"NORM_FWD_TRANSPOSE", {false}},
                                     {"ROPE_CAST_BWD", {false}},
-                                    {"NORM_BWD_V2", {false}}};
+                                    {"NORM_BWD_V2", {false}},
+                                    {"BLOCK_QUANTIZE_STAGED", {false}}};
   static const bool from_env = [] {
     for (auto& s : switches) {
       char var[64] = "GRAPHFP8_";

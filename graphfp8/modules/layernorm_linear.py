@@ -10,6 +10,7 @@ import torch
 from graphfp8.fp8.slots import FwdRole
 from graphfp8.modules._blockwise import hp_or_blockwise, linear
 from graphfp8.modules._blockwise_norm import fused_norm_linear, norm_linear
+from graphfp8.modules._blockwise_plain import plain_norm, plain_on
 from graphfp8.modules._functional import fp8_linear
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
 from graphfp8.modules._qkv_rope import fp8_linear_rope
@@ -79,8 +80,11 @@ class LayerNormLinear(FP8Module):
             out, h = norm_linear(self, inp, residual, self.norm_spec, weight, self.bias, cfgs)
             ln_out = None
         elif hp_or_blockwise(cfgs):
-            h = inp if residual is None else inp + residual
-            ln_out = apply_norm(self, h, self.norm_spec)
+            if plain_on(cfgs):  # the norm kernels in bf16 (modules/_blockwise_plain.py)
+                ln_out, h = plain_norm(self, inp, residual, self.norm_spec, apply_norm)
+            else:
+                h = inp if residual is None else inp + residual
+                ln_out = apply_norm(self, h, self.norm_spec)
             weight = self._wgrad_weight(self.weight)
             out = linear(ln_out, weight, self.bias, cfgs)  # blockwise FP8 or high precision
         else:

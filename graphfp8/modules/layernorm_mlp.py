@@ -12,6 +12,7 @@ from graphfp8.fp8.slots import FwdRole
 from graphfp8.modules._blockwise import hp_or_blockwise, linear
 from graphfp8.modules._blockwise_act import act_linear, fused_act_linear
 from graphfp8.modules._blockwise_norm import fused_norm_linear, norm_linear
+from graphfp8.modules._blockwise_plain import plain_act, plain_norm, plain_on
 from graphfp8.modules._functional import GemmConfig, fp8_linear
 from graphfp8.modules._mlp import FUSED_ACTIVATIONS, fp8_mlp
 from graphfp8.modules._norm import NormSpec, apply_norm, make_norm_params, norm_fp8
@@ -116,13 +117,17 @@ class LayerNormMLP(FP8Module):
                 fc1, h = norm_linear(self, inp, residual, self.norm_spec, w1, self.fc1_bias,
                                      cfgs)  # fmt: skip
             else:
-                h = inp if residual is None else inp + residual
-                ln_out = apply_norm(self, h, self.norm_spec)
+                if plain_on(cfgs):  # the norm kernels in bf16 (modules/_blockwise_plain.py)
+                    ln_out, h = plain_norm(self, inp, residual, self.norm_spec, apply_norm)
+                else:
+                    h = inp if residual is None else inp + residual
+                    ln_out = apply_norm(self, h, self.norm_spec)
                 fc1 = linear(ln_out, w1, self.fc1_bias, cfgs, 0)
             if fused_act_linear(cfgs, self.activation):  # the activation writes fc2's tiles
                 out = act_linear(fc1, self.activation, w2, self.fc2_bias, cfgs)
             else:
-                out = linear(act(fc1), w2, self.fc2_bias, cfgs, 1)
+                a = plain_act(fc1, self.activation, act) if plain_on(cfgs) else act(fc1)
+                out = linear(a, w2, self.fc2_bias, cfgs, 1)
         else:
             needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
             quantizer = partial(cfgs[0].quantizer, FwdRole.INPUT)

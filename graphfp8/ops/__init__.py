@@ -17,6 +17,7 @@ from graphfp8.ops.gemm import check_gemm_dims, fp8_gemm
 from graphfp8.ops.gemm_accumulate import fp8_gemm_accumulate_, fp8_gemm_into_
 from graphfp8.ops.glu import dglu_cast_transpose_dbias, glu_cast_transpose
 from graphfp8.ops.grad_fold import grad_fold_
+from graphfp8.ops.mlp_act import mlp_act, mlp_dact
 from graphfp8.ops.norm import NormFP8, layernorm_bwd, layernorm_fp8, rmsnorm_bwd, rmsnorm_fp8
 from graphfp8.ops.rope import rope_qkv
 from graphfp8.ops.rope_cast import rope_amax_, rope_cast_fits, rope_cast_transpose
@@ -58,6 +59,8 @@ __all__ = [
     "layernorm_amax_",
     "layernorm_bwd",
     "layernorm_fp8",
+    "mlp_act",
+    "mlp_dact",
     "reduce_cast_stats",
     "rmsnorm_amax_",
     "rmsnorm_bwd",

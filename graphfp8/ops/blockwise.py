@@ -225,8 +225,9 @@ def scaled_mm_operands(a_fp8, a_scale_inv, b_fp8, b_scale_inv):
     if b_scale_inv.shape[0] == n:
         scale_b, recipe_b = b_scale_inv.t().contiguous().t(), ScalingType.BlockWise1x128
     else:
-        pad = -b_scale_inv.shape[1] % 4
-        scale_b = torch.nn.functional.pad(b_scale_inv.contiguous(), (0, pad)).t()
+        pad, b_inv = -b_scale_inv.shape[1] % 4, b_scale_inv.contiguous()
+        # F.pad copies even with nothing to pad (a DtoD memcpy per GEMM): pad only when needed.
+        scale_b = (torch.nn.functional.pad(b_inv, (0, pad)) if pad else b_inv).t()
         recipe_b = ScalingType.BlockWise128x128
     return (a_fp8.contiguous(), b_fp8.contiguous().t(), scale_a, ScalingType.BlockWise1x128,
             scale_b, recipe_b)  # fmt: skip

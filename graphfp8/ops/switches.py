@@ -1,6 +1,6 @@
 """Switches between CUDA kernel variants (csrc/ops/switches.h): a new kernel lands off until it
-has run on a GPU; all below but NORM_BWD_STAGED, NORM_FWD_TRANSPOSE, ROPE_CAST_BWD and
-NORM_BWD_V2 ran in the CUDA suite on the H200 on 2026-12-01 and are on by default.
+has run on a GPU; all below but NORM_BWD_STAGED, NORM_FWD_TRANSPOSE, ROPE_CAST_BWD, NORM_BWD_V2
+and BLOCK_QUANTIZE_STAGED ran in the CUDA suite on the H200 on 2026-12-01 and are on by default.
 ENV_DEFAULTS holds the switches that Python modules read once from the environment instead.
 
 Each switch starts from its environment variable (GRAPHFP8_<NAME>=0 turns it off, read once when
@@ -29,6 +29,9 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
     NORM_BWD_V2        (off until it runs on a GPU) the 16-bit vectorised norm backward at
                        hidden sizes to 4096 with two batches of rows in flight in registers and
                        specialised per-element work (bit-identical to the batched kernel)
+    BLOCK_QUANTIZE_STAGED (off until it runs on a GPU) blockwise_quantize's 1x128 tiles of a
+                       16-bit x and x.T by blocks that walk several tiles, the next staged in
+                       shared memory by cp.async while one is quantized (bit-identical)
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ SWITCHES = (
     "NORM_FWD_TRANSPOSE",
     "ROPE_CAST_BWD",
     "NORM_BWD_V2",
+    "BLOCK_QUANTIZE_STAGED",
 )
 
 # The switches read from GRAPHFP8_<NAME> by the module that owns them, with their defaults:
@@ -63,6 +67,10 @@ SWITCHES = (
 #   BLOCKWISE_ACT  (off until its CUDA kernel runs on a GPU) LayerNormMLP under
 #                  Float8BlockScaling: the GELU / SwiGLU / GeGLU writes fc2's 1x128 tiles
 #                  itself (graphfp8/modules/_blockwise_act.py; both devices)
+#   BLOCKWISE_GLU_KERNEL (off until its CUDA kernels run on a GPU) LayerNormMLP /
+#                  LayerNormLinear under Float8BlockScaling: the norm and the MLP activation
+#                  (forward and backward) as graphfp8 kernels in the input dtype instead of
+#                  torch's ops, the GEMMs quantizing their outputs (modules/_blockwise_plain.py)
 #   GRAD_FILL_ONE_PASS (off; its CUDA tests passed on the H200, not timed yet) the -0.0 fill
 #                  of graphed callables' .grad buffers before the first microbatch
 #                  (graphfp8/graphs/grads.py): one fill_ kernel per large buffer (2 bytes per
@@ -87,6 +95,7 @@ ENV_DEFAULTS = {
     "CUDNN_RAGGED": False,
     "BLOCKWISE_NORM": False,
     "BLOCKWISE_ACT": False,
+    "BLOCKWISE_GLU_KERNEL": False,
     "GRAD_FILL_ONE_PASS": False,
     "GRAD_FOLD_COPY_FIRST": False,
     "WGRAD_INTO_GRAD": False,

@@ -73,3 +73,16 @@ def test_quantizers_return_row_major_data_of_transposed_views(b_rows):
     want_q, want_inv = quantize(x.t().contiguous())
     assert q.is_contiguous() and inv.is_contiguous()
     assert q.view(torch.uint8).equal(want_q.view(torch.uint8)) and inv.equal(want_inv)
+
+
+def test_block_scales_reach_cublaslt_without_a_copy_when_none_is_padded():
+    """K / 128 a multiple of 4: scale_b is the weight's block scales as stored (a view; F.pad
+    copied them with nothing to pad, a DtoD memcpy per GEMM on the H200: failed before);
+    otherwise padded to L4 columns, the same values."""
+    for k in (512, 384):
+        a_fp8, a_inv = bw.quantize_tiles(torch.randn(128, k))
+        b_fp8, b_inv = bw.quantize_blocks(torch.randn(256, k))
+        _check_operands(a_fp8, a_inv, b_fp8, b_inv)
+        scale_b = bw.scaled_mm_operands(a_fp8, a_inv, b_fp8, b_inv)[4]
+        assert (scale_b.data_ptr() == b_inv.data_ptr()) == (k == 512)
+        assert torch.equal(scale_b.t()[:, : k // 128], b_inv)

@@ -157,6 +157,8 @@ def _call_every_wrapper() -> None:
         rand(4, 130), rand(130), rand(130), 1e-5, transpose=True, residual=rand(4, 130)
     )
     ops.blockwise_act(rand(4, 260), "swiglu", transpose=True)
+    ops.mlp_act(rand(4, 20), "swiglu")
+    ops.mlp_dact(rand(4, 10), rand(4, 20), "swiglu")
     bq, b_inv = ops.blockwise_quantize(rand(4, 130), 1, E4M3)
     ops.blockwise_stats(rand(4, 130), bq, b_inv, 1, one(), torch.zeros(8, 7, dtype=torch.float64))
     qkv, cos, sin = rand(1, 2, 3 * 2 * 4), rand(2, 4), rand(2, 4)  # 2 heads of 4, seq 2
