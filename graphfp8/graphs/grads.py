@@ -228,8 +228,9 @@ class GradFold:
     def check_unused(self, inputs, grads, allow_unused: bool) -> None:
         """torch.autograd.grad's error for a differentiated tensor that got no gradient (the
         capture asks with allow_unused=True while GEMMs write into .grad: their weights get
-        None), unless the caller allowed it or a GEMM wrote that gradient."""
-        if allow_unused:
+        None), unless the caller allowed it or a GEMM wrote that gradient. Without the switch
+        the capture asked with the caller's allow_unused: nothing to check."""
+        if allow_unused or not self.routes_into_grad:
             return
         for i, (t, g) in enumerate(zip(inputs, grads, strict=True)):
             if g is None and not self.wrote(t):
