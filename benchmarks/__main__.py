@@ -1,6 +1,6 @@
 """`python -m benchmarks {kernels,variants,opcount,census,eager,block,attention,step,host,
 memory,memory-plan,recompute,stack,glu,hf,hf-users,speed,carried-casts,fsdp-graph,
-wgrad-accum,grad-fill} [--device D] [--json PATH] [--quick] [--table]`."""
+wgrad-accum,grad-fill,glu-v2} [--device D] [--json PATH] [--quick] [--table]`."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ SUITES = {
     "fsdp-graph": "benchmarks.fsdp_graph",
     "wgrad-accum": "benchmarks.wgrad_accum",
     "grad-fill": "benchmarks.grad_fill",
+    "glu-v2": "benchmarks.glu_variants",
 }
 
 

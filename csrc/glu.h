@@ -31,6 +31,8 @@ struct GluParams {
   void* dbias;         // backward: (2 * cols,), dtype, or nullptr
   float* workspace;    // CUDA with dbias: (ceil(rows / kDbiasPartialRows), 2 * cols) fp32
   bool dbias_in_kernel;  // CUDA: the kernel switch DBIAS_IN_KERNEL (the same sums, one launch)
+  bool v2;               // CUDA: the kernel switch GLU_V2 (the same bytes, amax and dbias)
+  bool v2_div;           // CUDA, with v2: the kernel switch GLU_V2_DIV (SwiGLU; the same bytes)
   GluAct act;
   int64_t rows;
   int64_t cols;        // F: the width of a, half the width of h

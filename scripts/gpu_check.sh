@@ -28,6 +28,8 @@
 #              CUDA tests), hf-users (the hf step's model under HF Trainer: HF bf16 against
 #              g8.from_hf(recipe=) FP8 eager and graphs="layers", tokens/s; generate() new tokens/s:
 #              HF bf16 against graphfp8's layers in bf16 and FP8; the hf step runs it too);
+#              issue 41's: glu-v2 (the SwiGLU kernels of GLU_V2 / GLU_V2_DIV: CUDA tests,
+#              `benchmarks glu-v2`, ncu per version);
 #              issue 31's: shard (sharded masters at world size 1 with NCCL: the CUDA tests of
 #              tests/sharding, graphfp8-train --ddp --shard --deterministic eager == step graph,
 #              tokens/s against unsharded (100m preset), the bytes-per-parameter table, ~2 min))
@@ -633,6 +635,26 @@ PYEOF
           $PY scripts/ncu_kernels.py run --only layernorm_bwd > /tmp/kern2_ncu.csv 2> "$RES/kern2_ncu_run.log" || status=1
         $PY scripts/ncu_kernels.py summary /tmp/kern2_ncu.csv > "$RES/kern2_ncu_summary.md" 2>&1 || status=1
         tee -a "$RES/summary.md" < "$RES/kern2_ncu_summary.md"
+      fi ;;
+    glu-v2)  # issue 41 cut 3 (~2-3 min): the CUDA tests of GLU_V2 / GLU_V2_DIV (bit for bit against
+      # the first kernels), `benchmarks glu-v2` at Llama shapes, ncu of the SwiGLU casts per version
+      $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_glu_v2.py tests/ops/test_glu.py \
+        tests/modules/test_glu_mlp.py > "$RES/glu_v2_tests.log" 2>&1 || status=1
+      tail -1 "$RES/glu_v2_tests.log" | tee -a "$RES/summary.md"
+      timeout 150 $PY -m benchmarks glu-v2 --json "$RES/bench_glu_v2.json" > "$RES/bench_glu_v2.log" 2>&1 \
+        || { status=1; tail -20 "$RES/bench_glu_v2.log"; }
+      grep "^|\|^###" "$RES/bench_glu_v2.log" | tee -a "$RES/summary.md"
+      NCU=$(find_ncu)
+      if [ -n "$NCU" ]; then
+        secs=$(ncu_sections SpeedOfLight MemoryWorkloadAnalysis Occupancy LaunchStats SchedulerStats WarpStateStats)
+        for v in "0 0" "1 0" "1 1"; do set -- $v
+          env GRAPHFP8_GLU_V2=$1 GRAPHFP8_GLU_V2_DIV=$2 timeout 90 "$NCU" --profile-from-start off \
+            --clock-control none $secs --csv --page details $PY scripts/ncu_kernels.py run --only glu \
+            > /tmp/glu_ncu.csv 2> "$RES/glu_v2_ncu_run_$1$2.log" || status=1
+          echo "-- ncu, GLU_V2=$1 GLU_V2_DIV=$2" | tee -a "$RES/summary.md"
+          $PY scripts/ncu_kernels.py summary /tmp/glu_ncu.csv 2>&1 | tee "$RES/glu_v2_ncu_$1$2.md" \
+            | tee -a "$RES/summary.md"
+        done
       fi ;;
     ncu)  # issue 33: Nsight Compute counters of the kernels it names (scripts/ncu_kernels.py);
       # NCU_ENV: an environment for the profiled run (e.g. a kernel switch), NCU_SECTIONS: sections

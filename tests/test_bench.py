@@ -64,6 +64,21 @@ def test_variants_quick(tmp_path, capsys):
     assert all(line in printed for line in result["table"].splitlines())
 
 
+def test_glu_v2_quick(tmp_path, capsys):
+    """Issue 41 cut 3's rows: each SwiGLU kernel with GLU_V2, then GLU_V2_DIV, off and on."""
+    path = tmp_path / "glu_v2.json"
+    main(["glu-v2", "--quick", "--device", "cpu", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert [(r["switch"], r["op"], r["shape"]) for r in result["switches"]] == [
+        (switch, op, "128x256") for switch in ("GLU_V2", "GLU_V2_DIV")
+        for op in ("swiglu fwd", "swiglu bwd")
+    ]  # fmt: skip
+    numbers = _numbers(result["switches"])
+    assert numbers and all(math.isfinite(v) and v > 0 for v in numbers)
+    printed = capsys.readouterr().out
+    assert all(line in printed for line in result["table"].splitlines())
+
+
 def test_opcount_quick(tmp_path, capsys):
     """Kernels per TransformerLayer microbatch from the CPU tape: the fused current-scaling path
     replaces each cast's one-slot scale update by nothing and its throwaway cast by an amax

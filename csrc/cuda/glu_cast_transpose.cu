@@ -16,58 +16,19 @@
 // dbias: per-thread column sums in registers, added per block in a fixed order in shared memory
 // into one row of an fp32 workspace per row of tiles, then summed by dbias.cuh's kernel or (kernel
 // switch DBIAS_IN_KERNEL) by the last block of each column of tiles.
+// Kernel switch GLU_V2: vector tiles take glu_v2.cuh's kernels instead (the same bytes).
 #include "../dtype_switch.h"
 #include "../glu.h"
-#include "dbias.cuh"
-#include "fp8_util.cuh"
-#include "tile.cuh"
-#include "vec.cuh"
+#include "glu_tile.cuh"
+#include "glu_v2.cuh"
 
 namespace graphfp8 {
 namespace {
 
+using cuda::GluArgs;
 using cuda::kTileThreads;
-
-template <typename T>
-struct GluArgs {
-  const T* __restrict__ h;   // (rows, 2 * cols)
-  const T* __restrict__ da;  // (rows, cols), backward only
-  uint8_t* __restrict__ out;
-  uint8_t* __restrict__ out_t;
-  const float* scale;
-  float* scale_inv;
-  float* amax;
-  float* workspace;  // (row tiles, 2 * cols) fp32, backward with dbias
-  T* dbias;          // (2 * cols,), backward with dbias
-  int* counters;     // (column tiles,) zeros: reduce in-kernel, or nullptr
-  int64_t rows;
-  int64_t cols;  // F
-};
-
-// tile.cuh's load_tile for a tensor whose rows are `row_stride` elements apart (g and u are the
-// two halves of h's rows, 2F apart); columns and rows in range of the (rows, F) grid only.
-template <typename S, typename T>
-__device__ __forceinline__ void load_half(const T* __restrict__ x, int64_t row_stride,
-                                          const cuda::TileGrid<S>& g, const cuda::TilePos& t,
-                                          typename S::Frag (&raw)[S::kLoads]) {
-  const int64_t gc = t.c0 + S::col();
-#pragma unroll
-  for (int l = 0; l < S::kLoads; ++l) {
-    const int64_t gr = t.r0 + S::row(l);
-    if (!g.in(gr, gc)) continue;
-    const T* p = x + gr * row_stride + gc;
-    if constexpr (S::N == 1) {
-      raw[l] = *p;
-    } else {
-      raw[l] = __ldg(reinterpret_cast<const uint4*>(p));
-    }
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return cuda::to_float(cuda::from_float<T>(v));
-}
+using cuda::load_half;
+using cuda::round_to;
 
 template <typename T, bool kE4M3, GluAct kAct, bool kVec>
 __global__ void __launch_bounds__(kTileThreads) glu_fwd_kernel(GluArgs<T> a, int64_t first_tile) {
@@ -102,30 +63,6 @@ __global__ void __launch_bounds__(kTileThreads) glu_fwd_kernel(GluArgs<T> a, int
   __syncthreads();
   cuda::store_transposed(tile, a.out_t, g, t);
   cuda::amax_epilogue(amax, a.amax, a.scale_inv, scale);
-}
-
-// The block's dbias partials of both halves (dg's columns c0.., du's F + c0..) into its
-// workspace row, each column summed over the row groups in order.
-// Every thread of the block must call it (it holds a barrier).
-template <typename S>
-__device__ __forceinline__ void write_partials(const float (&col_g)[S::N],
-                                               const float (&col_u)[S::N],
-                                               float (&partial)[S::kRowGroups][2 * S::kCols],
-                                               float* workspace, int64_t cols,
-                                               const cuda::TilePos& t) {
-#pragma unroll
-  for (int k = 0; k < S::N; ++k) {
-    partial[S::group()][S::col() + k] = col_g[k];
-    partial[S::group()][S::kCols + S::col() + k] = col_u[k];
-  }
-  __syncthreads();
-  const int c = threadIdx.x;
-  if (c >= 2 * S::kCols) return;
-  const int64_t col = t.c0 + c % S::kCols;
-  if (col >= cols) return;
-  float s = 0.0f;
-  for (int grp = 0; grp < S::kRowGroups; ++grp) s += partial[grp][c];
-  workspace[t.tile_r * 2 * cols + (c < S::kCols ? 0 : cols) + col] = s;
 }
 
 template <typename T, bool kE4M3, GluAct kAct, bool kDbias, bool kVec>
@@ -173,21 +110,14 @@ __global__ void __launch_bounds__(kTileThreads) glu_bwd_kernel(GluArgs<T> a, int
     cuda::stage<S>(tile_u, r, q_u);
   }
   if constexpr (kDbias) {
-    write_partials<S>(col_g, col_u, partial, a.workspace, a.cols, t);
+    cuda::write_partials<S>(col_g, col_u, partial, a.workspace, a.cols, t);
   }
   __syncthreads();
   cuda::store_transposed(tile_g, a.out_t, g, t);
   cuda::store_transposed(tile_u, a.out_t + a.cols * a.rows, g, t);
   cuda::amax_epilogue(amax, a.amax, a.scale_inv, scale);
   if constexpr (kDbias) {
-    if (a.counters != nullptr) {  // dg's columns c0.. then du's F + c0..
-      const int64_t c0 = t.c0, f = a.cols;
-      cuda::dbias_finish(a.workspace, a.dbias, a.counters + t.c0 / S::kCols,
-                         cuda::ceil_div(a.rows, S::kRows), 2 * a.cols, 2 * S::kCols, [=](int i) {
-                           const int64_t col = c0 + i % S::kCols;
-                           return col < f ? col + (i < S::kCols ? 0 : f) : int64_t{-1};
-                         });
-    }
+    if (a.counters != nullptr) cuda::glu_dbias_finish<S>(a, t);
   }
 }
 
@@ -215,6 +145,16 @@ Status launch_bwd(GluArgs<T> a, bool dbias_in_kernel, cudaStream_t stream) {
                                       2 * a.cols, stream);
 }
 
+template <typename T, bool kE4M3, GluAct kAct, bool kFastDiv>
+Status dispatch_v2(const GluArgs<T>& a, const GluParams& p, bool backward,
+                   cudaStream_t stream) {
+  if (!backward) return cuda::launch_fwd_v2<T, kE4M3, kAct, kFastDiv>(a, stream);
+  const bool dbias = p.dbias != nullptr;
+  GRAPHFP8_SWITCH_BOOL(dbias, kDbias,
+    return cuda::launch_bwd_v2<T, kE4M3, kAct, kDbias, kFastDiv>(a, p.dbias_in_kernel, stream);)
+  return Status{};
+}
+
 template <typename T, bool kE4M3, GluAct kAct>
 Status dispatch(const GluParams& p, bool backward, cudaStream_t stream) {
   const GluArgs<T> a{static_cast<const T*>(p.x), static_cast<const T*>(p.dy),
@@ -222,10 +162,16 @@ Status dispatch(const GluParams& p, bool backward, cudaStream_t stream) {
                      p.scale_inv, p.amax, p.workspace, static_cast<T*>(p.dbias), nullptr,
                      p.rows, p.cols};
   const bool vec = cuda::vec_tiles_ok(p.rows, p.cols, p.x, p.dy, p.out, p.out_t);
+  const bool dbias = p.dbias != nullptr;
+  if (vec && p.v2) {  // glu_v2.cuh: vector tiles only; its divisions SwiGLU's only
+    if constexpr (kAct == GluAct::kSwiglu) {
+      if (p.v2_div) return dispatch_v2<T, kE4M3, kAct, true>(a, p, backward, stream);
+    }
+    return dispatch_v2<T, kE4M3, kAct, false>(a, p, backward, stream);
+  }
   if (!backward) {
     GRAPHFP8_SWITCH_BOOL(vec, kVec, return launch_fwd<T, kE4M3, kAct, kVec>(a, stream);)
   }
-  const bool dbias = p.dbias != nullptr;
   GRAPHFP8_SWITCH_BOOL(vec, kVec,
     GRAPHFP8_SWITCH_BOOL(dbias, kDbias,
       return launch_bwd<T, kE4M3, kAct, kDbias, kVec>(a, p.dbias_in_kernel, stream);))

@@ -49,6 +49,8 @@ GluParams check_common_args(const char* op, const at::Tensor& x, c10::string_vie
   p.act = parse_activation(op, activation);
   p.rows = rows;
   p.cols = f;
+  p.v2 = switch_on("GLU_V2");
+  p.v2_div = switch_on("GLU_V2_DIV");
   return p;
 }
 

@@ -46,6 +46,11 @@ struct KernelSwitch {
 // tiles of a 16-bit x and x^T by blocks that walk several tiles, the next one staged in shared
 // memory by cp.async while the current one is quantized (cuda/blockwise_staged.cuh; the same
 // bytes).
+// GRAPHFP8_GLU_V2 (off until it has run on a GPU): the per-tensor SwiGLU / GeGLU cast-transposes
+// on vector tiles with paired FP8 converts and word-wide transposed stores of both layouts
+// (cuda/glu_v2.cuh; the same bytes, amax and dbias).
+// GRAPHFP8_GLU_V2_DIV (off until it has run on a GPU): only while GLU_V2 is on, SwiGLU's divisions
+// written out without a branch per value where the gates allow (cuda/glu_v2.cuh; the same bytes).
 inline KernelSwitch* kernel_switches(int* count) {
   static KernelSwitch switches[] = {{"NORM_BWD_BATCHED", {true}},
                                     {"PAIRED_QUANTIZE", {true}},
@@ -56,7 +61,9 @@ inline KernelSwitch* kernel_switches(int* count) {
                                     {"NORM_FWD_TRANSPOSE", {false}},
                                     {"ROPE_CAST_BWD", {false}},
                                     {"NORM_BWD_V2", {false}},
-                                    {"BLOCK_QUANTIZE_STAGED", {false}}};
+                                    {"BLOCK_QUANTIZE_STAGED", {false}},
+                                    {"GLU_V2", {false}},
+                                    {"GLU_V2_DIV", {false}}};
   static const bool from_env = [] {
     for (auto& s : switches) {
       char var[64] = "GRAPHFP8_";

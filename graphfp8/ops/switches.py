@@ -32,6 +32,12 @@ kernel with the one it replaces in one process. docs/benchmarking.md lists them.
     BLOCK_QUANTIZE_STAGED (off until it runs on a GPU) blockwise_quantize's 1x128 tiles of a
                        16-bit x and x.T by blocks that walk several tiles, the next staged in
                        shared memory by cp.async while one is quantized (bit-identical)
+    GLU_V2             (off until it runs on a GPU) the SwiGLU / GeGLU cast-transposes on vector
+                       tiles with paired FP8 converts and word-wide transposed stores of both
+                       layouts (csrc/cuda/glu_v2.cuh; bit-identical)
+    GLU_V2_DIV         (off until it runs on a GPU) only while GLU_V2 is on: SwiGLU's divisions
+                       written out without a branch per value where the gates allow
+                       (csrc/cuda/glu_v2.cuh; bit-identical)
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ SWITCHES = (
     "ROPE_CAST_BWD",
     "NORM_BWD_V2",
     "BLOCK_QUANTIZE_STAGED",
+    "GLU_V2",
+    "GLU_V2_DIV",
 )
 
 # The switches read from GRAPHFP8_<NAME> by the module that owns them, with their defaults:

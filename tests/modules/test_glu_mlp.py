@@ -15,8 +15,10 @@ from graphfp8.modules import _mlp
 from graphfp8.ops import glu as glu_ops
 from graphfp8.testing import assert_bitwise_equal, sqnr
 from tests.graphs.common import train_pair
+from tests.helpers import CUDA_PARAM
 from tests.modules.common import H, T, build, torch_twin
 from tests.modules.test_fused_mlp import _data, _op_names, _step
+from tests.ops.test_glu_v2 import glu_kernels
 
 RECIPE = g8.DelayedScaling(amax_history_len=4)
 GATED = ["SwiGLUMLP", "GeGLUMLP"]
@@ -100,6 +102,33 @@ def test_graphed_equals_eager_on_either_path(device, kind, path, monkeypatch):
     _use_path(monkeypatch, path)
     sample = torch.randn(T, H, dtype=torch.bfloat16, device=device)
     train_pair(build(kind, device=device), sample, RECIPE, True, steps=2, mbs=2)
+
+
+@pytest.mark.parametrize("device", [CUDA_PARAM])
+@pytest.mark.parametrize("kind", GATED)
+@pytest.mark.parametrize("version", ["v2", "v2_div"])
+def test_glu_v2_trains_like_the_old_kernels(device, kind, version, monkeypatch):
+    """Kernel switches GLU_V2, GLU_V2_DIV (tests/ops/test_glu_v2.py): three eager steps with the
+    first kernels and with `version` give the same outputs, gradients and FP8 scales bit for bit,
+    and graphed equals eager with `version`."""
+    _use_path(monkeypatch, "fused")
+    on = build(kind, device=device)
+    off = copy.deepcopy(on)
+    for step in range(3):
+        x, dy = _data(device)
+        with glu_kernels("first"):
+            y_off, g_off = _step(off, x, dy, step == 0, RECIPE)
+        with glu_kernels(version):
+            y_on, g_on = _step(on, x, dy, step == 0, RECIPE)
+        assert_bitwise_equal(y_on, y_off, f"step {step} output")
+        for name in g_on:
+            assert_bitwise_equal(g_on[name], g_off[name], f"step {step} {name}")
+    for meta in ("fwd", "bwd"):
+        assert_bitwise_equal(getattr(on.fp8_meta, meta).scales(),
+                             getattr(off.fp8_meta, meta).scales(), meta)  # fmt: skip
+    sample = torch.randn(T, H, dtype=torch.bfloat16, device=device)
+    with glu_kernels(version):
+        train_pair(build(kind, device=device), sample, RECIPE, True, steps=2, mbs=2)
 
 
 @pytest.mark.parametrize("kind", GATED)

@@ -19,6 +19,7 @@ from graphfp8.ops import glu as glu_ops
 from graphfp8.testing import assert_bitwise_equal
 from tests.helpers import FP8_DTYPES, HP_DTYPES, poison
 from tests.ops.test_cast_fused import _assert_dbias_close, _assert_fp8_close
+from tests.ops.test_glu_v2 import GLU_KERNELS, glu_kernels
 
 # (rows, F): tails of both tile sizes (128x64 vector, 64x64 scalar), single rows and columns.
 SHAPES = [(1, 1), (7, 3), (37, 53), (64, 64), (128, 48), (144, 80), (130, 258), (256, 512)]
@@ -78,6 +79,14 @@ def _values(variant, activation, h, da) -> torch.Tensor:
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_matches_reference(device, variant, activation, hp_dtype, fp8_dtype, shape):
+    """On CUDA every version of the kernels (switches GLU_V2, GLU_V2_DIV: tests/ops/test_glu_v2.py
+    holds them to each other bit for bit)."""
+    for version in ["first"] if device == "cpu" else list(GLU_KERNELS):
+        with glu_kernels(version):
+            _check_matches_reference(device, variant, activation, hp_dtype, fp8_dtype, shape)
+
+
+def _check_matches_reference(device, variant, activation, hp_dtype, fp8_dtype, shape):
     h, da = _inputs(*shape, hp_dtype)
     (got, want), scale = _run(variant, activation, h, da, fp8_dtype, device)
     assert_bitwise_equal(got[1], got[0].t().contiguous(), "out_t is out.T")
@@ -103,12 +112,19 @@ def test_matches_reference(device, variant, activation, hp_dtype, fp8_dtype, sha
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("hp_dtype", HP_DTYPES)
-def test_cuda_swiglu_equals_the_torch_ops_fallback(hp_dtype):
-    """On CUDA the fused SwiGLU kernels and graphfp8.ops.glu's torch ops compute the same float32
-    operations, each rounded on its own, with the same expf: the FP8 outputs and amax agree bit
-    for bit with the plain cast-transposes of glu() / dglu() (the layers' fallback path)."""
+@pytest.mark.parametrize("version", list(GLU_KERNELS))
+def test_cuda_swiglu_equals_the_torch_ops_fallback(hp_dtype, version):
+    """On CUDA the fused SwiGLU kernels (each version: GLU_KERNELS) and graphfp8.ops.glu's torch
+    ops compute the same float32 operations, each rounded on its own, with the same expf: the FP8
+    outputs and amax agree bit for bit with the plain cast-transposes of glu() / dglu() (the
+    layers' fallback path)."""
     h, da = (t.cuda() for t in _inputs(256, 512, hp_dtype))
     one = torch.ones(1, device="cuda")
+    with glu_kernels(version):
+        _check_equals_the_fallback(h, da, one)
+
+
+def _check_equals_the_fallback(h, da, one):
     for fused, composed in (
         (lambda a: ops.glu_cast_transpose(h, "swiglu", one, a, torch.float8_e4m3fn),
          lambda a: ops.cast_transpose(glu_ops.glu(h, "swiglu"), one, a, torch.float8_e4m3fn)),
