@@ -1,11 +1,13 @@
-"""The layer graphs' gradient accumulation three ways in one process (issue 41, notes/PERF.md,
+"""The layer graphs' gradient accumulation four ways in one process (issue 41, notes/PERF.md,
 "Gradient accumulation at Llama shapes"): the default (-0.0 fill as zero + negate, then an add
-on every microbatch), GRAPHFP8_GRAD_FILL_ONE_PASS (the fill as one fill_ per buffer) and
+on every microbatch), GRAPHFP8_GRAD_FILL_ONE_PASS (the fill as one fill_ per buffer),
 GRAPHFP8_GRAD_FOLD_COPY_FIRST (no fill of the large buffers, the first microbatch's fold a
-copy). Whole training steps of FP8 layer graphs at the Llama-3.2-1B (4 layers, B2 x S4096) and
-Llama-3-8B (2 layers, B1 x S8192) rows of `benchmarks speed`, the runs captured side by side (the
-switches are read at capture) and timed in rotating windows, with the kernel time of the
-gradient accumulation family (benchmarks/floor_gap.py) from one profiled step each.
+copy) and GRAPHFP8_WGRAD_INTO_GRAD (the FP8 weights' wgrad GEMMs write .grad themselves, beta 0
+then 1: no fill, dW or add for them; other bits than the default, rounded once). Whole training
+steps of FP8 layer graphs at the Llama-3.2-1B (4 layers, B2 x S4096) and Llama-3-8B (2 layers,
+B1 x S8192) rows of `benchmarks speed`, the runs captured side by side (the switches are read at
+capture) and timed in rotating windows, with the kernel time of the gradient accumulation family
+(benchmarks/floor_gap.py) from one profiled step each.
 
     python -m benchmarks grad-fill [--quick] [--json PATH]
 """
@@ -27,7 +29,7 @@ __all__ = ["VARIANTS", "run"]
 
 # variant -> the switch it turns on (the others off); the first is the baseline
 VARIANTS = {"default": None, "fill-one-pass": "GRAD_FILL_ONE_PASS",
-            "copy-first": "GRAD_FOLD_COPY_FIRST"}  # fmt: skip
+            "copy-first": "GRAD_FOLD_COPY_FIRST", "wgrad-into-grad": "WGRAD_INTO_GRAD"}  # fmt: skip
 GROUP = "grad accumulation (-0.0 fill, adds)"
 
 
@@ -42,7 +44,8 @@ def _switches(on: str | None):
 def bench_row(row: tuple, device: str, steps: int, repeats: int, data: Dataset) -> dict:
     """One shape: each variant's tokens/s over `repeats` windows of `steps` steps (the order
     rotating), its ratio to the default (medians, with the range), its final loss (the same
-    bits as the default's where the run is deterministic) and (GPU) the family's kernel ms."""
+    bits as the default's where the run is deterministic, but wgrad-into-grad's) and (GPU) the
+    family's kernel ms."""
     preset, overrides, microbatches, _ = row
     cfg = speed._row_config(preset, overrides, data.vocab_size)
     warmup, total = 3, 3 + len(VARIANTS) * steps * repeats + 2

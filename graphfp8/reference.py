@@ -155,6 +155,16 @@ def fp8_gemm_accumulate(a, a_scale_inv, b_t, b_scale_inv, out) -> None:
     out.add_((a.float() * a_scale_inv) @ (b_t.float() * b_scale_inv).t())
 
 
+def fp8_gemm_into(a, a_scale_inv, b_t, b_scale_inv, out, alpha_beta) -> None:
+    """out (m, n) = alpha * (a (m, k) * a_scale_inv) @ (b_t (n, k) * b_scale_inv).T + beta * out,
+    in fp32, rounded once to out's dtype; beta = 0 reads nothing of out (cuBLAS's rule)."""
+    alpha, beta = (float(v) for v in alpha_beta.cpu())
+    total = alpha * ((a.float() * a_scale_inv) @ (b_t.float() * b_scale_inv).t())
+    if beta != 0.0:
+        total = total + beta * out.float()
+    out.copy_(total)
+
+
 def scale_update(amax_history, scale, scaled_max, most_recent) -> None:
     """Twin of torch.ops.graphfp8.scale_update: docs/fp8.md's delayed-scaling math, all slots."""
     length, slots = amax_history.shape

@@ -149,7 +149,11 @@
 #               llama-8b speed rows, the default, one-pass fill and copy-first runs captured in
 #               one process, 6 rotating windows: tokens/s against the default, the gradient
 #               accumulation family's kernel ms) and the variants table (its GRAD_FILL_ONE_PASS
-#               and GRAD_FOLD_COPY_FIRST rows at one layer's weights); ~3 min
+#               and GRAD_FOLD_COPY_FIRST rows at one layer's weights); ~3 min. With them the CUDA
+#               tests of GRAPHFP8_WGRAD_INTO_GRAD (tests/ops/test_gemm_into.py: cuBLASLt's FP8
+#               GEMM into bf16 .grad with device alpha/beta against its twin and in a CUDA graph;
+#               tests/graphs/test_wgrad_into_grad.py: layer graphs == eager on CUDA) and its row
+#               wgrad-into-grad of the benchmark
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
@@ -589,10 +593,10 @@ PYEOF
       grep -v '^wrote' /tmp/bench_wgrad_accum.log >> "$RES/summary.md" ;;
     grad-fill)  # issue 41: the one-pass -0.0 fill of the layer graphs' .grad buffers
       timeout 120 $PY -m pytest -q -m cuda -p no:cacheprovider tests/ops/test_grad_fold_op.py \
-        tests/graphs/test_grad_fold.py tests/ops/test_op_registry.py \
-        > "$RES/tests_grad_fill.log" 2>&1 || status=1
+        tests/graphs/test_grad_fold.py tests/ops/test_op_registry.py tests/ops/test_gemm_into.py \
+        tests/graphs/test_wgrad_into_grad.py > "$RES/tests_grad_fill.log" 2>&1 || status=1
       tail -15 "$RES/tests_grad_fill.log"; tail -1 "$RES/tests_grad_fill.log" >> "$RES/summary.md"
-      timeout 150 $PY -m benchmarks grad-fill --json "$RES/bench_grad_fill.json" \
+      timeout 240 $PY -m benchmarks grad-fill --json "$RES/bench_grad_fill.json" \
         > /tmp/bench_grad_fill.log 2>&1 || { status=1; tail -30 /tmp/bench_grad_fill.log; }
       grep -v '^wrote' /tmp/bench_grad_fill.log >> "$RES/summary.md"
       timeout 100 $PY -m benchmarks variants --json "$RES/grad_fill_variants.json" 2>&1 \

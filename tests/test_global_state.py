@@ -8,7 +8,7 @@ import torch
 
 import graphfp8 as g8
 from graphfp8 import global_state
-from graphfp8.fp8 import arena_check, observe
+from graphfp8.fp8 import arena_check, into_grad, observe
 from graphfp8.fp8.scale_schedule import SCHEDULE
 from graphfp8.graphs import backends
 from graphfp8.nvtx_ranges import enable_ranges
@@ -52,6 +52,9 @@ DIRTY = {
         {0: object()}
     ),
     "NVTX ranges switch (nvtx_ranges.py)": lambda: enable_ranges(True),
+    "WGRAD_INTO_GRAD's capture targets and eager scalars (fp8/into_grad.py)": lambda: (
+        into_grad._EAGER_SCALARS.update(x=object())
+    ),
     "recipes agreed per fp8_group (fp8/arena_check.py AGREED_RECIPES)": lambda: (
         arena_check.AGREED_RECIPES.update(x="DelayedScaling")
     ),

@@ -27,7 +27,7 @@ from graphfp8.graphs.capture_checks import check_capturable, check_inputs_alias
 from graphfp8.graphs.compiled import compile_set_aside
 from graphfp8.graphs.contexts import saved_storages
 from graphfp8.graphs.discover import adopt_outside_leaves, closure_modules, next_sequence_nr
-from graphfp8.graphs.grads import GradAccumulator, GradFold
+from graphfp8.graphs.grads import GradAccumulator, GradFold, check_into_grad
 from graphfp8.graphs.session import CaptureSession
 
 __all__ = ["NAME", "Backward", "Forward", "Sample", "capture_backwards", "capture_forwards",
@@ -135,6 +135,8 @@ def prepare(funcs, sample_args, sample_kwargs, fsdp=None) -> tuple[list[Sample],
     that a graph can read and that it can be captured (capture_checks.check_capturable); returns
     them and the device. fsdp: one FSDPLayer per func (FSDP2 layers), or None: such a sample
     starts with no parameters, warmup finds the unsharded ones its forward uses."""
+    if fsdp:
+        check_into_grad(NAME, "FSDP2 layers")  # before any state changes (graphs/grads.py)
     samples, devices = [], set()
     fsdp = fsdp or [None] * len(funcs)
     for j, (func, args, kwargs) in enumerate(zip(funcs, sample_args, sample_kwargs, strict=True)):
@@ -291,7 +293,8 @@ def capture_backwards(samples: list[Sample], forwards: list[Forward], points: Up
             grads = ()
             if outs and inputs:
                 given = [g for g in grad_outputs if g is not None]
-                grads = _grad(s, outs, inputs, given, allow_unused)
+                grads = _grad(s, outs, inputs, given, allow_unused or fold.routes_into_grad)
+                fold.check_unused(inputs, grads, allow_unused)
             fold.finish()
             if i == 0:
                 points.at_backward()

@@ -9,13 +9,15 @@ import operator
 
 import torch
 
+from graphfp8.fp8 import into_grad
 from graphfp8.fp8.main_grad import is_fused
 from graphfp8.graphs.backends import host_memory, new_graph
 from graphfp8.graphs.tape import CaptureError
 from graphfp8.ops import GradWatch, grad_fold_
 from graphfp8.ops.switches import env_switch
 
-__all__ = ["FOLD_AT_ONCE", "GradAccumulator", "GradFold", "fill_minus_zero", "grad_buffer"]
+__all__ = ["FOLD_AT_ONCE", "GradAccumulator", "GradFold", "check_into_grad", "fill_minus_zero",
+           "grad_buffer"]  # fmt: skip
 
 _GRAD = operator.attrgetter("grad")
 _ALL_BUFFERS, _ALL_NONE = 0, 1  # GradWatch.state(): every .grad is its buffer / is None
@@ -39,11 +41,12 @@ class GradAccumulator:
     .. warning:: parameter hooks (post-accumulate-grad hooks, DDP's) do not run for these grads.
     """
 
-    def __init__(self, params, buffers, reset_graph, flag=None):
+    def __init__(self, params, buffers, reset_graph, flags=()):
         self.params, self.buffers, self.reset_graph = params, buffers, reset_graph
-        # The copy-first flag (GradFold.first) that the reset and backward graphs read and write:
-        # a CUDA graph holds its address, not the tensor, so this reference keeps it allocated.
-        self.flag = flag
+        # The device flags that the reset and backward graphs read and write (the copy-first
+        # flag GradFold.first, the GEMMs' alpha and beta of WGRAD_INTO_GRAD): a CUDA graph holds
+        # their addresses, not the tensors, so these references keep them allocated.
+        self.flags = list(flags)
         self._nones = [None] * len(params)
         self._attach = None
         # Where every .grad stands, in one C++ pass (graphs/replay_guard.py says why C++).
@@ -91,6 +94,19 @@ class GradAccumulator:
 FOLD_AT_ONCE = 1 << 16
 
 
+def check_into_grad(name: str, what: str) -> None:
+    """WGRAD_INTO_GRAD is refused, before any state changes, by the captures whose gradients
+    come from FSDP2's reduce-scatter instead of a fold the GEMMs could write (FSDP2's layer,
+    microbatch and step graphs): the eager backward's GEMM writes .grad rounded once, their
+    capture would give today's bits."""
+    if into_grad.switched_on():
+        raise RuntimeError(
+            f"{name}: GRAPHFP8_WGRAD_INTO_GRAD=1 is not supported for {what} (eagerly the "
+            "weight-gradient GEMM writes .grad itself, this capture would not, so the graph "
+            "would differ from eager): unset it, or capture a model without FSDP2"
+        )
+
+
 class GradFold:
     """Folds each parameter gradient into the parameter's persistent .grad buffer inside the
     backward graph (GradAccumulator says how replays use this).
@@ -101,7 +117,15 @@ class GradFold:
     instead of filling those buffers with -0.0, and the backward graph clears it at its end, so
     the first microbatch of a step writes 4 bytes per bf16 element where the fill and the add
     took 6 + 6 (notes/PERF.md, "Gradient accumulation at Llama shapes"). Eager AccumulateGrad
-    steals that gradient: the copy is its bits."""
+    steals that gradient: the copy is its bits.
+
+    Under WGRAD_INTO_GRAD (read here, at capture) it is also the capture's into_grad Target
+    (graphfp8/fp8/into_grad.py): a weight-gradient GEMM writes its parameter's buffer itself,
+    with beta read from `alpha_beta[1]` where that is the parameter's first write in the graph
+    (1 for later ones): the reset graph sets it to 0 instead of filling those buffers, the
+    backward graph back to 1 after its last GEMM, so the buffer is written 2 bytes per bf16
+    element per microbatch, with no fill and no add. Autograd gives such a weight no gradient
+    (None reaches its hook; another use's gradient still folds, after the GEMM as eagerly)."""
 
     def __init__(self, params, device):
         # A weight whose gradient a layer adds into its main_grad gets none from autograd.
@@ -113,9 +137,39 @@ class GradFold:
         self.copy_first = env_switch("GRAD_FOLD_COPY_FIRST")
         self.first = torch.zeros(1, dtype=torch.int32, device=device) if self.copy_first else None
         self.flagged: set[int] = set()  # the parameters whose first fold reads `first`
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.alpha_beta = self.beta_zero = self.ones = None
+        if into_grad.switched_on() and self.params:
+            # Rows (1, 0) and (1, 1), and the (alpha, beta) of each parameter's first GEMM write
+            # in the graph (later ones: ones), set by copies: no view op inside a graph.
+            table = torch.tensor([[1.0, 0.0], [1.0, 1.0]], device=device)
+            self.beta_zero, self.ones = table[0], table[1]
+            self.alpha_beta = self.ones.clone()
+        self.written: set[int] = set()  # the parameters whose first write is the GEMM's
+
+    def into_grad(self, weight: torch.Tensor, dtype: torch.dtype):
+        """into_grad.Target: (the weight's buffer, its (alpha, beta)) for a weight-gradient GEMM
+        of `dtype` to write, or None (the GEMM returns dW to autograd, folded as any other)."""
+        i = self.index.get(id(weight))
+        if self.alpha_beta is None or i is None:
+            return None
+        if not into_grad.plain(weight, self.buffers[i], dtype):
+            return None
+        first = i not in self.folded
+        self.folded.append(i)
+        if first:
+            self.written.add(i)
+        return self.buffers[i], self.alpha_beta if first else self.ones
+
+    def wrote(self, weight: torch.Tensor) -> bool:
+        """into_grad.Target: whether a GEMM of this capture wrote `weight`'s buffer."""
+        i = self.index.get(id(weight))
+        return i is not None and i in self.written
 
     def _hook(self, i: int, stand_ins: dict):
-        def fold(grad: torch.Tensor) -> torch.Tensor:
+        def fold(grad: torch.Tensor | None) -> torch.Tensor | None:
+            if grad is None:  # a GEMM wrote the gradient into the buffer (into_grad)
+                return None
             if grad.is_cuda and not torch.cuda.is_current_stream_capturing():
                 # The add would run now, outside the graph: every replay would miss it.
                 raise CaptureError(
@@ -147,8 +201,10 @@ class GradFold:
             saved = [b.clone() for b in self.buffers] if self.device.type == "cpu" else None
         stand_ins = {b.dtype: b.new_empty(()) for b in self.buffers}
         handles = [p.register_hook(self._hook(i, stand_ins)) for i, p in enumerate(self.params)]
+        routed = into_grad.capturing(self) if self.routes_into_grad else contextlib.nullcontext()
         try:
-            yield
+            with routed:
+                yield
         finally:
             for h in handles:
                 h.remove()
@@ -158,35 +214,66 @@ class GradFold:
 
     def finish(self) -> None:
         """Captures the add of the small gradients, after autograd is done, and the clearing of
-        the copy-first flag after every fold that reads it."""
+        the copy-first flag and the GEMMs' beta back to 1 after every fold and GEMM that reads
+        them (on the capture stream, as the rest of the backward graph)."""
         if self.pending:
             idx, grads = zip(*self.pending, strict=True)
             torch._foreach_add_([self.buffers[i] for i in idx], list(grads))
         self.pending = []
         if self.flagged:
             self.first.zero_()
+        if self.written:
+            self.alpha_beta.copy_(self.ones)
+
+    def check_unused(self, inputs, grads, allow_unused: bool) -> None:
+        """torch.autograd.grad's error for a differentiated tensor that got no gradient (the
+        capture asks with allow_unused=True while GEMMs write into .grad: their weights get
+        None), unless the caller allowed it or a GEMM wrote that gradient. Without the switch
+        the capture asked with the caller's allow_unused: nothing to check."""
+        if allow_unused or not self.routes_into_grad:
+            return
+        for i, (t, g) in enumerate(zip(inputs, grads, strict=True)):
+            if g is None and not self.wrote(t):
+                raise RuntimeError(
+                    f"The differentiated Tensor at index {i} appears to not have been used in "
+                    "the graph. Set allow_unused=True if this is the desired behavior."
+                )
+
+    @property
+    def routes_into_grad(self) -> bool:
+        """Whether GEMMs may write gradients into the buffers in this capture (autograd then
+        gives their weights None)."""
+        return self.alpha_beta is not None
 
     def accumulator(self, pool) -> GradAccumulator | None:
         """The parameters that got a gradient, with a captured fill of their buffers with -0.0
-        (fill_minus_zero)."""
+        (fill_minus_zero) but those a flag makes the first fold or GEMM write whole: the reset
+        graph sets those flags instead."""
         used = sorted(set(self.folded))
         if not used:
             return None
         params, buffers = [self.params[i] for i in used], [self.buffers[i] for i in used]
-        filled = [self.buffers[i] for i in used if i not in self.flagged]
+        filled = [self.buffers[i] for i in used if i not in self.flagged | self.written]
         with host_memory():
             saved = [b.clone() for b in filled] if self.device.type == "cpu" else None
         reset = new_graph(self.device)
         with reset.capture(pool):
             if self.flagged:
                 self.first.fill_(1)
+            if self.written:
+                self.alpha_beta.copy_(self.beta_zero)
             fill_minus_zero(filled)
         if saved is not None:  # the CPU tape ran what it recorded
             if filled:
                 torch._foreach_copy_(filled, saved)
             if self.flagged:
                 self.first.zero_()
-        return GradAccumulator(params, buffers, reset, self.first if self.flagged else None)
+            if self.written:
+                self.alpha_beta.copy_(self.ones)
+        keep = ([self.first] if self.flagged else []) + (
+            [self.alpha_beta, self.ones, self.beta_zero] if self.written else []
+        )
+        return GradAccumulator(params, buffers, reset, keep)
 
 
 def fill_minus_zero(buffers: list[torch.Tensor]) -> None:

@@ -26,7 +26,7 @@ from graphfp8.fp8.weight_cache import DeviceFlag
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
 from graphfp8.graphs.fsdp import FSDPGrads, FSDPSettings, FSDPSnapshot
-from graphfp8.graphs.grads import GradFold
+from graphfp8.graphs.grads import GradFold, check_into_grad
 from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_optim import TrainingSnapshot
@@ -97,6 +97,7 @@ def make_graphed_microbatch(
     device = body.device
     flag = DeviceFlag(device, fp8_enabled, fp8_weight_caching, _NAME, "graphed microbatch")
     if body.fsdp2:
+        check_into_grad(_NAME, "an FSDP2 model")
         return _capture_fsdp2(body, options, flag)
     # The snapshot: buffers that the forward updates (batch norm statistics).
     session = CaptureSession(device, options, weight_cache_flag=flag.tensor,

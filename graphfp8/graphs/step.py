@@ -37,9 +37,11 @@ from graphfp8.fp8.weight_cache import step_casts
 from graphfp8.graphs.compiled import opaque_to_dynamo
 from graphfp8.graphs.fp8_init import fp8_modules_in
 from graphfp8.graphs.fsdp import check_fsdp_sync
+from graphfp8.graphs.grads import check_into_grad
 from graphfp8.graphs.options import CaptureOptions
 from graphfp8.graphs.session import CaptureSession
 from graphfp8.graphs.step_fsdp import FSDPStepBody, FSDPUpdate, check_fsdp2_step
+from graphfp8.graphs.step_grads import StepGrads
 from graphfp8.graphs.step_optim import OptimizerGuard, TrainingSnapshot, check_optimizer
 from graphfp8.graphs.train_body import StaticBatch, TrainBody
 from graphfp8.nvtx_ranges import nvtx_range
@@ -157,6 +159,7 @@ def make_graphed_step(
     body = TrainBody(model, loss_fn, batch, num_microbatches, _NAME, fsdp2_ok=True)
     check_fsdp_sync(_NAME, model, fsdp_sync, body.fsdp2)
     if body.fsdp2:
+        check_into_grad(_NAME, "an FSDP2 model")  # graphs/grads.py
         check_fsdp2_step(_NAME, process_group, master_weights, keep_grads_before_clipping)
         return _capture_fsdp2(body, options, optimizer, max_grad_norm, master_weights,
                               fsdp_sync)  # fmt: skip
@@ -214,7 +217,10 @@ def _warmup_and_capture(run, session: CaptureSession):
     graph = session.new_graph()
     if isinstance(run, FSDPStepBody):
         run.prepare_capture()
-    with session.capture_phase(), session.capture_into(graph):
+        routing = contextlib.nullcontext()
+    else:  # WGRAD_INTO_GRAD's GEMMs write the static .grad buffers (graphs/step_grads.py)
+        routing = run.into_grads()
+    with session.capture_phase(), session.capture_into(graph), routing:
         loss, grad_norm = run(points)
     return graph, loss, grad_norm
 
@@ -232,6 +238,7 @@ class StepBody:
         self.weight_casts = step_casts(body.num_microbatches, caching)
         self.grads: list[torch.Tensor] | None = None
         self.grads_before_clipping: list[torch.Tensor] | None = None
+        self.folds: StepGrads | None = None
 
     def __call__(self, points: UpdatePoints):
         """Runs the step between the update points of each microbatch (NONE while warming up);
@@ -254,7 +261,13 @@ class StepBody:
         self.update.step(self.optimizer)
         return total, grad_norm
 
-    def _accumulate(self, i: int, grads: list[torch.Tensor]) -> None:
+    def into_grads(self):
+        """The capture's block in which the weight-gradient GEMMs may write the static .grad
+        buffers (GRAPHFP8_WGRAD_INTO_GRAD), a fresh fold of the buffers."""
+        self.folds = StepGrads(self.body.grad_params, self.grads)
+        return self.folds.routing()
+
+    def _accumulate(self, i: int, grads: list[torch.Tensor | None]) -> None:
         if self.grads is None:  # the first warmup microbatch: persistent .grad buffers
             params = self.body.grad_params
             self.grads = [torch.zeros_like(p) for p in params]
@@ -265,11 +278,9 @@ class StepBody:
                 p.grad = g
             if self.keep:
                 self.grads_before_clipping = [torch.zeros_like(g) for g in self.grads]
+            self.folds = StepGrads(self.body.grad_params, self.grads)
         # AccumulateGrad's arithmetic: the first gradient as is, then in-place adds.
-        if i == 0:
-            torch._foreach_copy_(self.grads, grads)
-        else:
-            torch._foreach_add_(self.grads, grads)
+        self.folds.accumulate(i, grads)
 
 
 class GraphedStep:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphfp8.fp8.into_grad import wrote
 from graphfp8.fp8.scale_schedule import NONE, UpdatePoints
 from graphfp8.graphs.capture_checks import check_capturable, check_grad_mode
 from graphfp8.graphs.fsdp import fsdp_hook, is_fsdp2
@@ -222,7 +223,9 @@ class TrainBody:
 
         Returns:
             (loss / num_microbatches, detached 0-d tensor; the gradients of the parameters
-            that get one, in parameter order; an FSDP2 model: None, FSDP2 put them in .grad).
+            that get one, in parameter order, None for those a weight-gradient GEMM wrote into
+            .grad in a capture (fp8/into_grad.py); an FSDP2 model: None, FSDP2 put them in
+            .grad).
         """
         points.at_forward()
         loss = self.loss(i)
@@ -232,7 +235,9 @@ class TrainBody:
             return loss.detach(), None
         grads = torch.autograd.grad(loss, self.params, allow_unused=True)
         points.at_backward()
-        has_grad = [g is not None for g in grads]
+        # A weight-gradient GEMM that wrote into .grad in a capture leaves autograd None
+        # (graphfp8/fp8/into_grad.py): the weight still gets a gradient.
+        has_grad = [g is not None or wrote(p) for p, g in zip(self.params, grads, strict=True)]
         if self.has_grad is None:
             if not any(has_grad):
                 raise ValueError(f"{self.name}: no parameter gets a gradient from the loss")
@@ -242,7 +247,8 @@ class TrainBody:
                 f"{self.name}: the set of parameters that get a gradient changed between "
                 "microbatches (data-dependent control flow), which a graph cannot hold"
             )
-        return loss.detach(), [g for g in grads if g is not None]
+        # One per parameter that gets a gradient: None where a GEMM wrote it into .grad.
+        return loss.detach(), [g for g, h in zip(grads, has_grad, strict=True) if h]
 
     @property
     def grad_params(self) -> list[torch.Tensor]:

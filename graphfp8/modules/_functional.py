@@ -4,6 +4,7 @@
     dgrad    dx (M, K) = dy (M, N) @ w     dy_fp8 (E5M2 in HYBRID)  x  w_t_fp8
     wgrad    dw (N, K) = dy.T @ x          dy_t_fp8  x  x_t_fp8
              or, with fuse_wgrad_accumulation, main_grad (N, K) fp32 += dy.T @ x in the GEMM
+             or, under GRAPHFP8_WGRAD_INTO_GRAD, w.grad = dy.T @ x (+ w.grad) in the GEMM
 
 x and dy go through cast-transpose, so each is read once for both layouts; the weight is cast
 into a persistent workspace (a Float8Tensor with its own scale_inv) only when the module says so.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from graphfp8 import ops
+from graphfp8.fp8 import into_grad
 from graphfp8.fp8 import main_grad as fused
 from graphfp8.fp8.current import AmaxPass, amax_of, slot_quantizer
 from graphfp8.fp8.observe import StatsSource, observe_cast
@@ -53,11 +55,13 @@ class GemmConfig:
             pass (eager mode), or None (graphs place it themselves).
         main_grad: (weight, its main_grad (N, K) float32) under fuse_wgrad_accumulation: the
             wgrad GEMM adds into main_grad and the weight gets no gradient; None otherwise.
+        weight: the GEMM's weight parameter, whose .grad the wgrad GEMM may write itself
+            (graphfp8/fp8/into_grad.py); None: dW always goes to autograd.
     """
 
     __slots__ = (
         "fwd", "bwd", "gemm", "weight_fp8", "cast_weight", "weight_cache_flag", "fp8_output",
-        "backward_update", "main_grad",
+        "backward_update", "main_grad", "weight",
     )  # fmt: skip
 
     def __init__(
@@ -78,6 +82,7 @@ class GemmConfig:
         self.fp8_output = fp8_output
         self.backward_update = backward_update
         self.main_grad: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.weight: torch.Tensor | None = None
 
     def quantizer(self, role: FwdRole | BwdRole, amax_pass: AmaxPass | None = None,
                   three_launch: bool = False) -> Quantizer:  # fmt: skip
@@ -182,10 +187,16 @@ def dgrad_gemm(dy_fp8, dy_scale_inv, w_t_fp8, w_scale_inv, out_dtype) -> torch.T
 def wgrad_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv, out_dtype,
                cfg: GemmConfig | None = None) -> torch.Tensor | None:  # fmt: skip
     """dw (N, K) = dy.T @ x, from the transposes dy_t_fp8 (N, M) and x_t_fp8 (K, M); under
-    cfg.main_grad the GEMM adds dw into the fp32 main_grad instead (cuBLASLt, beta = 1) and
+    cfg.main_grad the GEMM adds dw into the fp32 main_grad instead (cuBLASLt, beta = 1), under
+    GRAPHFP8_WGRAD_INTO_GRAD into the weight's .grad where it can (fp8/into_grad.py), and
     returns None, the weight's gradient for autograd (docs/fp8.md, "Weight-gradient
     accumulation")."""
-    if cfg is None or cfg.main_grad is None:
+    if cfg is None:
+        return ops.fp8_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8.t(), x_scale_inv, out_dtype)
+    if cfg.main_grad is None:
+        if into_grad.write_wgrad(cfg.weight, dy_t_fp8, dy_scale_inv, x_t_fp8, x_scale_inv,
+                                 out_dtype):  # fmt: skip
+            return None
         return ops.fp8_gemm(dy_t_fp8, dy_scale_inv, x_t_fp8.t(), x_scale_inv, out_dtype)
     weight, main_grad = cfg.main_grad
     ops.fp8_gemm_accumulate_(dy_t_fp8, dy_scale_inv, x_t_fp8.t(), x_scale_inv, main_grad)

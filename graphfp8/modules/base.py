@@ -9,8 +9,8 @@ import itertools
 import torch
 from torch import nn
 
+from graphfp8.fp8 import into_grad, scaling
 from graphfp8.fp8 import main_grad as fused
-from graphfp8.fp8 import scaling
 from graphfp8.fp8.block_tensor import Float8BlockTensor
 from graphfp8.fp8.primary import INIT, quantize_block_weight, quantize_weight
 from graphfp8.fp8.recipe import Recipe, is_blockwise
@@ -146,6 +146,9 @@ class FP8Module(nn.Module):
         configs = gemm_configs(self, weights, is_first_microbatch, fp8_output)
         for cfg, (_, w), g in zip(configs, weights, main_grads, strict=True):
             cfg.main_grad = None if g is None else (w, g)
+            # The parameter whose .grad the wgrad GEMM may write (fp8/into_grad.py); kept off
+            # the backward's context without the switch.
+            cfg.weight = w if into_grad.switched_on() else None
         return configs
 
     def _wgrad_weight(self, weight: torch.Tensor) -> torch.Tensor:

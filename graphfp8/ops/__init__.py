@@ -14,7 +14,7 @@ from graphfp8.ops.cast_fused import (
 )
 from graphfp8.ops.dequantize import dequantize
 from graphfp8.ops.gemm import check_gemm_dims, fp8_gemm
-from graphfp8.ops.gemm_accumulate import fp8_gemm_accumulate_
+from graphfp8.ops.gemm_accumulate import fp8_gemm_accumulate_, fp8_gemm_into_
 from graphfp8.ops.glu import dglu_cast_transpose_dbias, glu_cast_transpose
 from graphfp8.ops.grad_fold import grad_fold_
 from graphfp8.ops.mlp_act import mlp_act, mlp_dact
@@ -50,6 +50,7 @@ __all__ = [
     "dequantize",
     "fp8_gemm",
     "fp8_gemm_accumulate_",
+    "fp8_gemm_into_",
     "fp8_transpose",
     "gelu_amax_",
     "gelu_cast_transpose",

@@ -91,6 +91,11 @@ SWITCHES = (
 #                  flag, set by the accumulator instead of the -0.0 fill, makes the first
 #                  microbatch copy and later ones add (4 + 6 bytes per element a step instead of
 #                  6 + 6 + 6); read at capture (graphfp8/graphs/grads.py)
+#   WGRAD_INTO_GRAD (off until its CUDA tests pass on a GPU) the per-tensor FP8 weight-gradient
+#                  GEMM writes the parameter's .grad itself (cuBLASLt C = D = .grad, beta from
+#                  device memory: 0 where .grad is None or a graph's step starts, 1 after): no
+#                  separate dW, add or -0.0 fill for those weights, eager and graphed alike
+#                  (graphfp8/fp8/into_grad.py; read per eager backward and at capture)
 # Every default, here and in csrc/ops/switches.h, is one the CUDA suite passed with on a GPU:
 # tests/test_switch_defaults.py compares them with tests/data/gpu_verified_switches.json.
 ENV_DEFAULTS = {
@@ -102,6 +107,7 @@ ENV_DEFAULTS = {
     "BLOCKWISE_GLU_KERNEL": True,
     "GRAD_FILL_ONE_PASS": False,
     "GRAD_FOLD_COPY_FIRST": False,
+    "WGRAD_INTO_GRAD": False,
 }
 
 

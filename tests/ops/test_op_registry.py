@@ -132,6 +132,8 @@ def _call_every_wrapper() -> None:
     ops.fp8_transpose(x_fp8)
     b_fp8, b_scale_inv = ops.cast_to_fp8(rand(16, 16), one(), zero(), E4M3)
     ops.fp8_gemm_accumulate_(x_fp8, scale_inv, b_fp8.t(), b_scale_inv, torch.zeros(4, 16))
+    bf16_out, alpha_beta = torch.zeros(4, 16, dtype=torch.bfloat16), torch.tensor([1.0, 0.0])
+    ops.fp8_gemm_into_(x_fp8, scale_inv, b_fp8.t(), b_scale_inv, bf16_out, alpha_beta)
     ops.dequantize(x_fp8, scale_inv)
     ops.grad_fold_(rand(4, 16), dy, torch.ones(1, dtype=torch.int32))
     ops.amax_(x, zero())
