@@ -44,8 +44,12 @@ PLAIN = _Switch()
 
 def plain_on(cfgs) -> bool:
     """Whether a layer whose FP8 preamble gave `cfgs` runs this module's kernels: blockwise FP8
-    on and the switch on (high precision outside fp8_autocast keeps torch's ops)."""
-    return PLAIN.on and cfgs is not None and blockwise_recipe() is not None
+    on and the switch on (high precision outside fp8_autocast keeps torch's ops). `cfgs` is None
+    both outside fp8_autocast and for FP8 primary weights (their blocks need no weight cache),
+    so only the recipe decides: a model with FP8 primary weights takes the same kernels as its
+    high-precision twin."""
+    del cfgs
+    return PLAIN.on and blockwise_recipe() is not None
 
 
 class _PlainAct(torch.autograd.Function):
