@@ -62,7 +62,8 @@ def group_of(name: str, category: str) -> str:
     if "rope" in n or "triton" in n and "cat" in n and ("neg" in n or "sub" in n):
         return "RoPE fwd + bwd"
     if any(s in n for s in ("functor_add<c10::bfloat16>", "zerofunctor", "std::negate",
-                            "binaryoplistalphafunctor")):  # fmt: skip
+                            "binaryoplistalphafunctor", "grad_fold",
+                            "fillfunctor<c10::bfloat16>")):  # fmt: skip
         return "grad accumulation (-0.0 fill, adds)"
     if category == "optimizer":
         return "optimizer (AdamW, clip)"

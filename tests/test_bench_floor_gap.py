@@ -67,3 +67,16 @@ def test_the_table_prints_every_row(record, capsys):
     text = gap_table(record["rows"][2])
     assert "| grad accumulation (-0.0 fill, adds) |" in text
     assert text in capsys.readouterr().out
+
+
+def test_the_fold_and_one_pass_fill_kernels_are_gradient_accumulation():
+    """GRAD_FOLD_COPY_FIRST's fold and GRAD_FILL_ONE_PASS's bf16 fill_ (session 10's H200 run
+    counted them elsewhere), beside the v2 norm and GLU kernels in their families."""
+    acc = "grad accumulation (-0.0 fill, adds)"
+    fold = "void graphfp8::(anonymous namespace)::grad_fold_vec_kernel<c10::BFloat16>(uint4*)"
+    fill = ("void at::native::vectorized_elementwise_kernel<8, at::native::FillFunctor"
+            "<c10::BFloat16>, std::array<char*, 1ul> >(int)")  # fmt: skip
+    assert group_of(fold, "other") == acc
+    assert group_of(fill, "other") == acc
+    assert group_of("graphfp8::norm_bwd_v2_kernel<bf16>", "other").startswith("norm bwd")
+    assert group_of("graphfp8::glu_bwd_v2_kernel<bf16>", "other") == "activation bwd"
