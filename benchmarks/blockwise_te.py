@@ -45,10 +45,11 @@ def _g8_peer(ref, x, dy, recipe):
     return lambda i: graphed(x, is_first_microbatch=i % MICROBATCHES_PER_STEP == 0).backward(dy)
 
 
-def g8_plain_peer(ref, x, dy, recipe):
+def g8_plain_peer(ref, x, dy, recipe, on: bool = True):
     """_g8_peer captured with GRAPHFP8_BLOCKWISE_GLU_KERNEL on (the graphs keep its kernels):
-    the norm and the SwiGLU as graphfp8 bf16 kernels (graphfp8/modules/_blockwise_plain.py)."""
-    before, PLAIN.on = PLAIN.on, True
+    the norm and the SwiGLU as graphfp8 bf16 kernels (graphfp8/modules/_blockwise_plain.py);
+    with on=False, torch's norm and activation ops (the switch's default before session 10)."""
+    before, PLAIN.on = PLAIN.on, on
     try:
         return _g8_peer(ref, x, dy, recipe)
     finally:
@@ -94,7 +95,9 @@ def _timed_rows(hidden: int, ffn: int, tokens: int, device, iters: int, repeats:
     dy = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
     peers = {
         "graphfp8 delayed graphed": lambda: _g8_peer(ref, x, dy, g8.DelayedScaling()),
-        "graphfp8 blockwise graphed": lambda: _g8_peer(ref, x, dy, g8.Float8BlockScaling()),
+        "graphfp8 blockwise graphed": lambda: g8_plain_peer(
+            ref, x, dy, g8.Float8BlockScaling(), on=False
+        ),
         "graphfp8 blockwise+glu graphed": lambda: g8_plain_peer(
             ref, x, dy, g8.Float8BlockScaling()
         ),

@@ -39,9 +39,9 @@ from graphfp8.ops.blockwise_fused import blockwise_kernels
 ROWS = {
     "bf16": (None, "", False, None),
     "delayed": (g8.DelayedScaling(), "", True, None),
-    "blockwise-torch": (g8.Float8BlockScaling(), "torch", False, None),
-    "blockwise-fused": (g8.Float8BlockScaling(), "fused", False, None),
-    "blockwise-fused-cache": (g8.Float8BlockScaling(), "fused", True, None),
+    "blockwise-torch": (g8.Float8BlockScaling(), "torch", False, False),
+    "blockwise-fused": (g8.Float8BlockScaling(), "fused", False, False),
+    "blockwise-fused-cache": (g8.Float8BlockScaling(), "fused", True, False),
     "blockwise-glu-kernel": (g8.Float8BlockScaling(), "fused", True, True),
 }
 

@@ -50,7 +50,7 @@ def _peers(hidden: int, ffn: int, tokens: int) -> dict:
     te = _te_peers(ref, x, dy)
     return {
         "graphfp8 delayed": lambda: _g8_peer(ref, x, dy, g8.DelayedScaling()),
-        "graphfp8 blockwise": lambda: _g8_peer(ref, x, dy, g8.Float8BlockScaling()),
+        "graphfp8 blockwise": lambda: g8_plain_peer(ref, x, dy, g8.Float8BlockScaling(), on=False),
         "graphfp8 blockwise+glu": lambda: g8_plain_peer(ref, x, dy, g8.Float8BlockScaling()),
         **{k: v for k, v in te.items() if "graphed" in k},
     }

@@ -134,3 +134,15 @@ def fp8_state(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def extra_state(state: torch.Tensor) -> dict:
     """The dict form of a module's `_extra_state` tensor (its recipe as a recipe object)."""
     return decode(state, "test")
+
+
+def train_once(layer, x, dy, recipe):
+    """One forward and backward under fp8_autocast(recipe): (y, x.grad, the layer's grads by
+    name); the layer's grads are set to None afterwards."""
+    x = x.clone().requires_grad_()
+    with g8.fp8_autocast(recipe=recipe):
+        y = layer(x)
+    y.backward(dy)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    return y.detach(), x.grad, grads

@@ -11,13 +11,14 @@ import torch
 
 import graphfp8 as g8
 from graphfp8 import ops, reference_blockwise
-from graphfp8.modules import _blockwise_act, _blockwise_norm, layernorm_mlp
+from graphfp8.modules import _blockwise_act, _blockwise_norm, _blockwise_plain, layernorm_mlp
 from graphfp8.numerics_blockwise import BlockStats
 from graphfp8.ops import blockwise as bw
 from graphfp8.ops.blockwise_stats import STATS, block_stats
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_side_by_side
 from tests.graphs.step_common import tiny_lm_step_graph_equals_eager
+from tests.modules.common import train_once
 
 BLOCK = g8.Float8BlockScaling()
 ACTS = ["gelu", "swiglu", "geglu"]
@@ -25,7 +26,10 @@ ACTS = ["gelu", "swiglu", "geglu"]
 
 @pytest.fixture(autouse=True)
 def _fused_act(monkeypatch):
+    """BLOCKWISE_ACT on; the switch-off path it is compared with is torch's (the plain kernels of
+    BLOCKWISE_GLU_KERNEL, on by default, have their own tests)."""
     monkeypatch.setattr(_blockwise_act.FUSED, "on", True)
+    monkeypatch.setattr(_blockwise_plain.PLAIN, "on", False)
     if not bw.GEMM_MODE:
         monkeypatch.setattr(bw, "GEMM_MODE", "emulate")
 
@@ -38,14 +42,7 @@ def _mlp(activation, bias=True, seed=0):
 
 
 def _train(layer, x, dy):
-    """One forward and backward under the recipe: (y, x.grad, the layer's grads by name)."""
-    x = x.clone().requires_grad_()
-    with g8.fp8_autocast(recipe=BLOCK):
-        y = layer(x)
-    y.backward(dy)
-    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    layer.zero_grad(set_to_none=True)
-    return y.detach(), x.grad, grads
+    return train_once(layer, x, dy, BLOCK)
 
 
 @pytest.mark.parametrize("activation", ACTS)

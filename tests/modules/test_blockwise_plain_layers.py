@@ -17,6 +17,7 @@ from graphfp8.ops import blockwise as bw
 from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.common import train_side_by_side
 from tests.graphs.step_common import tiny_lm_step_graph_equals_eager
+from tests.modules.common import train_once
 
 BLOCK = g8.Float8BlockScaling()
 ACTS = ["gelu", "swiglu", "geglu"]
@@ -38,14 +39,7 @@ def _mlp(activation, normalization="RMSNorm", bias=True, seed=0):
 
 
 def _train(layer, x, dy):
-    """One forward and backward under the recipe: (y, x.grad, the layer's grads by name)."""
-    x = x.clone().requires_grad_()
-    with g8.fp8_autocast(recipe=BLOCK):
-        y = layer(x)
-    y.backward(dy)
-    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    layer.zero_grad(set_to_none=True)
-    return y.detach(), x.grad, grads
+    return train_once(layer, x, dy, BLOCK)
 
 
 def _gemm(x, w, transpose=False):
