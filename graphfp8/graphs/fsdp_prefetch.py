@@ -10,12 +10,15 @@ reads what another graph wrote: each graph that is fed so is refused, before its
 the layer that feeds it has replayed its graph of that direction since the target's last one
 (the tokens below), so that a graph never reads a stale gather. On CUDA the all-gather stream is
 joined back into the capture stream at the end of the issuing graph (a graph's side streams end
-inside it), so the overlap is with the issuing layer's compute.
+inside it), so the overlap is with the issuing layer's compute. A prefetch set, changed or
+removed after capture is refused before the next replay (PrefetchSettings, in FSDPSettings).
 """
 
 from __future__ import annotations
 
 import torch
+
+from graphfp8.graphs.fsdp_compat import param_groups
 
 __all__ = ["PrefetchSettings", "PrefetchedBackward", "drop_gather", "link_prefetch"]
 
@@ -54,8 +57,8 @@ def link_prefetch(name: str, layers: list, whole: str) -> None:
 
 
 def _named(state) -> str:
-    group = getattr(state, "_fsdp_param_group", None)
-    fqn = None if group is None else group._module_fqn
+    groups = param_groups(state)
+    fqn = groups[0]._module_fqn if groups else None
     return fqn if fqn else "the root" if state._is_root else type(state._modules[0]).__name__
 
 
