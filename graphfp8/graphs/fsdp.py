@@ -21,6 +21,7 @@ from torch import nn
 
 from graphfp8.fp8.tensor_fsdp import fsdp_module_types
 from graphfp8.graphs.backends import new_graph
+from graphfp8.graphs.fsdp_prefetch import PrefetchSettings
 from graphfp8.graphs.grads import GradAccumulator, fill_minus_zero
 
 __all__ = ["FSDP_SYNCS", "FSDPGrads", "FSDPSettings", "FSDPSnapshot", "check_fsdp2_model",
@@ -147,20 +148,26 @@ class FSDPSettings:
     sync, reduce-scatter division, training and sharded state of every group), compared before
     every replay: the graph holds what FSDP2 did at capture, so set_requires_gradient_sync(False),
     set_reshard_after_forward(...) or an eager forward that left a group gathered would make the
-    replay differ from eager FSDP2. `graph_sets`: settings the graph sets itself on every
-    microbatch (fsdp_sync="last": SYNC_SETTINGS), as its eager loop does, left out."""
+    replay differ from eager FSDP2; so would FSDP2's explicit prefetch to or from the model's
+    modules (set_modules_to_forward_prefetch / set_modules_to_backward_prefetch) set, changed or
+    removed (graphs/fsdp_prefetch.py's PrefetchSettings). `graph_sets`: settings the graph sets
+    itself on every microbatch (fsdp_sync="last": SYNC_SETTINGS), as its eager loop does, left
+    out."""
 
     def __init__(self, entry: str, model: nn.Module, graph_sets: tuple[str, ...] = ()):
         self.entry, self.model, self.graph_sets = entry, model, graph_sets
         self.groups = _param_groups(model)
         self.saved = self._now()
+        self.prefetch = PrefetchSettings(entry, model, self.groups)
 
     def _now(self) -> list:
         return [({k: v for k, v in _settings(g).items() if k not in self.graph_sets},
                  g.post_forward_mesh_info is None) for g in self.groups]  # fmt: skip
 
     def check(self) -> None:
-        """Raises RuntimeError naming the group and setting that changed since capture."""
+        """Raises RuntimeError naming the group and setting (or prefetch) that changed since
+        capture."""
+        self.prefetch.check()
         now = self._now()
         if now == self.saved:
             return

@@ -339,3 +339,4 @@ class FSDPLayers:
             layer.grads.restore()
             sets = SYNC_SETTINGS if layer.sync is not None else ()  # its eager loop sets them
             layer.settings = FSDPSettings(layer.name, layer.module, graph_sets=sets)
+            layer.prefetch.settings = layer.settings  # checked before the backward too

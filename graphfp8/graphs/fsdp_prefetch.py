@@ -10,14 +10,17 @@ reads what another graph wrote: each graph that is fed so is refused, before its
 the layer that feeds it has replayed its graph of that direction since the target's last one
 (the tokens below), so that a graph never reads a stale gather. On CUDA the all-gather stream is
 joined back into the capture stream at the end of the issuing graph (a graph's side streams end
-inside it), so the overlap is with the issuing layer's compute.
+inside it), so the overlap is with the issuing layer's compute. A prefetch set, changed or
+removed after capture is refused before the next replay (PrefetchSettings, in FSDPSettings).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["PrefetchedBackward", "link_prefetch"]
+from graphfp8.graphs.fsdp_compat import param_groups
+
+__all__ = ["PrefetchSettings", "PrefetchedBackward", "drop_gather", "link_prefetch"]
 
 KINDS = ("forward", "backward")
 
@@ -53,6 +56,102 @@ def link_prefetch(name: str, layers: list, whole: str) -> None:
             )
 
 
+def _named(state) -> str:
+    groups = param_groups(state)
+    fqn = groups[0]._module_fqn if groups else None
+    return fqn if fqn else "the root" if state._is_root else type(state._modules[0]).__name__
+
+
+def _names(states) -> str:
+    return "[" + ", ".join(map(_named, states)) + "]"
+
+
+def drop_gather(group) -> None:
+    """Drops an all-gather issued for a sharded `group` that no graph will read (done first on
+    CUDA, before its memory goes)."""
+    result = group._all_gather_result
+    event = None if result is None else result.all_gather_event
+    if event is not None and group.device.type == "cuda":
+        torch.cuda.current_stream().wait_event(event)
+    group._all_gather_result = None
+
+
+class PrefetchSettings:
+    """FSDP2's explicit prefetch (set_modules_to_forward_prefetch / set_modules_to_backward_
+    prefetch) that concerns the fully_shard-ed modules of `model` as the capture left it - each
+    one's targets, and every FSDP2 module's that prefetches one of them, in order - compared
+    before every replay (graphs/fsdp.py's FSDPSettings): a graph replays the all-gathers it
+    issued at capture, where eager FSDP2 would now gather other modules (docs/sharding.md).
+
+    Args:
+        entry: the entry point, for messages.
+        model: the graphed module (a layer, or the whole model).
+        groups: its FSDP2 parameter groups.
+    """
+
+    def __init__(self, entry: str, model, groups: list):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.entry, self.groups = entry, groups
+        states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+        self.own = {id(st) for st in states}
+        self.first = states[0] if states else None
+        self.saved = self._concerning()
+        self.seen = self._everything()
+
+    def _states(self) -> list:
+        if self.first is None:
+            return []
+        return self.first._state_ctx.all_states or [self.first]
+
+    def _everything(self) -> tuple[list, list]:
+        """Every module's lists, copied: an unchanged tree passes on one comparison."""
+        states = self._states()
+        return list(states), [list(x) for x in _lists(states)]
+
+    def _concerning(self) -> dict:
+        """{(state id, kind): (state, kind, targets)} of the prefetch concerning the model."""
+        found = {}
+        for st in self._states():
+            for kind in KINDS:
+                targets = list(getattr(st, f"_states_to_{kind}_prefetch"))
+                if id(st) in self.own or any(id(t) in self.own for t in targets):
+                    found[id(st), kind] = (st, kind, targets)
+        return found
+
+    def check(self) -> None:
+        """Raises RuntimeError naming the module, its lists before and after and the fix when
+        the prefetch concerning the model changed since capture. The all-gather that an eager
+        module's new prefetch left for a sharded group of the model is dropped first: no later
+        call reads it stale."""
+        states = self._states()
+        if states == self.seen[0] and _lists(states) == self.seen[1]:
+            return
+        was, now = self.saved, self._concerning()
+        for key in list(was) + [k for k in now if k not in was]:
+            st, kind, old = was.get(key) or (*now[key][:2], [])
+            targets = now[key][2] if key in now else []
+            if [id(t) for t in targets] != [id(t) for t in old]:
+                break
+        else:
+            self.seen = self._everything()  # a change elsewhere: the fast path again
+            return
+        for group in self.groups:
+            if group.is_sharded:
+                drop_gather(group)
+        raise RuntimeError(
+            f"{self.entry}: FSDP2's explicit prefetch of {_named(st)} (set_modules_to_{kind}_"
+            f"prefetch) changed since capture ({_names(old)} -> {_names(targets)}); the graphs "
+            "replay the all-gathers they issued at capture. Put the prefetch back as it was, or "
+            "capture again (after reset() for per-layer graphs) with the new prefetch"
+        )
+
+
+def _lists(states) -> list:
+    return [x for st in states
+            for x in (st._states_to_forward_prefetch, st._states_to_backward_prefetch)]  # fmt: skip
+
+
 class Prefetch:
     """One layer's side of the prefetch: its targets, whether its own graphs were fed by another
     layer's (at capture), the tokens that say a feeding graph has run (at replay)."""
@@ -63,16 +162,13 @@ class Prefetch:
         self.fed = {"forward": None, "backward": None}  # the feeding layer's name, at capture
         self.token = {"forward": False, "backward": False}
         self.joins: list = []
+        self.settings = None  # the layer's FSDPSettings (graphs/fsdp.py), taken after capture
 
     def after_warmup(self, group) -> None:
         """Warmup runs each layer's forward and backward in turn, so a backward prefetched the
         layer before it for a backward that already ran: that gather is dropped, and what the
         capture finds fed starts anew."""
-        result = group._all_gather_result
-        event = None if result is None else result.all_gather_event
-        if event is not None and group.device.type == "cuda":  # done before its memory goes
-            torch.cuda.current_stream().wait_event(event)
-        group._all_gather_result = None
+        drop_gather(group)
         self.fed = {"forward": None, "backward": None}
         self.token = {"forward": False, "backward": False}
 
@@ -129,11 +225,14 @@ class Prefetch:
         self.token[kind] = False
 
     def wrap(self, acc):
-        """The backward replay's accumulator, with the tokens around it when this layer's
-        backward graph feeds another's or is fed."""
-        target = self.targets["backward"]
-        feeds = target is not None and target.prefetch.fed["backward"] is not None
-        return PrefetchedBackward(self, acc) if feeds or self.fed["backward"] else acc
+        """The backward replay's accumulator, with the layer's FSDP2 settings and prefetch
+        checked before it (changed between forward and backward: refused as at the forward) and
+        the tokens around it."""
+        return PrefetchedBackward(self, acc)
+
+    def check_settings(self) -> None:
+        if self.settings is not None:
+            self.settings.check()
 
     def done(self, kind: str) -> None:
         """After a replay of the layer's `kind` graph: its target's graph may read what it
@@ -144,8 +243,8 @@ class Prefetch:
 
 
 class PrefetchedBackward:
-    """A prefetching or prefetched layer's backward replay bookkeeping (GraphPair's
-    accumulator): the tokens around the inner accumulator's (graphs/fsdp.py's FSDPGrads, or
+    """An FSDP2 layer's backward replay bookkeeping (GraphPair's accumulator): its settings
+    checked, the prefetch tokens around the inner accumulator's (graphs/fsdp.py's FSDPGrads, or
     graphs/fsdp_layer_sync.py's SyncLastGrads)."""
 
     def __init__(self, prefetch: Prefetch, inner):
@@ -154,6 +253,7 @@ class PrefetchedBackward:
         self.sync_graph = getattr(inner, "sync_graph", None)
 
     def before_replay(self) -> None:
+        self.prefetch.check_settings()
         self.prefetch.check("backward")
         self.inner.before_replay()
         self.prefetch.take("backward")
@@ -163,6 +263,7 @@ class PrefetchedBackward:
         self.prefetch.done("backward")
 
     def replay_leaving_grads(self, graph) -> None:
+        self.prefetch.check_settings()
         self.prefetch.check("backward")
         self.inner.replay_leaving_grads(graph)
         self.prefetch.take("backward")

@@ -3,8 +3,8 @@ the fix: the whole model in make_graphed_callables (make_graphed_microbatch and 
 capture it; its layers: test_fsdp2_layer_graphs.py), the step
 graph's options FSDP2 does not take (process_group, keep_grads_before_clipping, FP8 weights
 without their masters), FSDP2 on submodules only, CPU offload, hooks of the user's; after
-capture, a change of FSDP2's settings (gradient sync, reshard_after_forward), a group left
-gathered by an eager forward or a hook is refused at the next call."""
+capture, a change of FSDP2's settings (gradient sync, reshard_after_forward, explicit prefetch),
+a group left gathered by an eager forward or a hook is refused at the next call."""
 
 from __future__ import annotations
 
@@ -69,6 +69,10 @@ def _refused_after_capture(rank, device):
          lambda: model.set_requires_gradient_sync(True), "reduce_grads"),
         (lambda: model.block.set_reshard_after_forward(False),
          lambda: model.block.set_reshard_after_forward(True), "reshard_after_forward"),
+        (lambda: model.block.set_modules_to_forward_prefetch([model.head]),
+         lambda: model.block.set_modules_to_forward_prefetch([]), "explicit prefetch"),
+        (lambda: model.set_modules_to_backward_prefetch([model.head]),
+         lambda: model.set_modules_to_backward_prefetch([]), "explicit prefetch"),
     ]  # fmt: skip
     for change, undo, what in changes:
         change()

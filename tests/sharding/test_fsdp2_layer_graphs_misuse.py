@@ -83,6 +83,8 @@ def _after_capture(rank, device):
          lambda: model.block.set_requires_gradient_sync(True), "reduce_grads"),
         (lambda: model.block.set_reshard_after_forward(False),
          lambda: model.block.set_reshard_after_forward(True), "reshard_after_forward"),
+        (lambda: model.block.set_reshard_after_backward(False),
+         lambda: model.block.set_reshard_after_backward(True), "reshard_after_backward"),
     ]  # fmt: skip
     for change, undo, what in changes:
         change()
