@@ -130,6 +130,19 @@ def compare_local(a, b, what: str) -> None:
         assert_bitwise_equal(sb, sa, f"{what}: {name}")
 
 
+def compare_training(eager_run, graphed_run) -> None:
+    """Two FSDP2 training runs, each ((losses, grad norms), model, MasterWeights or None): the
+    losses, grad norms, local shards, FP8 state and fp32 masters bit for bit."""
+    (want_losses, want_norms), eager, eager_masters = eager_run
+    (losses, norms), graphed, masters = graphed_run
+    assert_bitwise_equal(torch.stack(losses), torch.stack(want_losses), "losses")
+    assert_bitwise_equal(torch.stack(norms), torch.stack(want_norms), "grad norms")
+    compare_local(eager, graphed, "after training")
+    if eager_masters is not None:
+        for a, b in zip(eager_masters.masters, masters.masters, strict=True):
+            assert_bitwise_equal(b._local_tensor, a._local_tensor, "masters")
+
+
 def _graphed_equals_eager(rank, device, recipe_name, reshard, fp8_weights, mixed=False,
                           hsdp=False):  # fmt: skip
     recipe = RECIPES[recipe_name]

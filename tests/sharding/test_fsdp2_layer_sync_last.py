@@ -22,7 +22,7 @@ from tests.rank_pool import run_on_ranks
 from tests.sharding import test_fsdp2_layer_graphs as layer_graphs
 from tests.sharding import test_fsdp2_step_graph as step_graph
 from tests.sharding.common import RECIPES, build_lm
-from tests.sharding.test_fsdp2_graphs import compare_local, shard_model
+from tests.sharding.test_fsdp2_graphs import compare_local, compare_training, shard_model
 
 
 def graph_layers_last(model, recipe, device, dtype=torch.float32, fsdp_sync="last"):
@@ -58,14 +58,7 @@ def last_equals_eager(rank, device, recipe_name, reshard, fp8_weights, mixed=Fal
                       recompute="none"):  # fmt: skip
     recipe = RECIPES[recipe_name]
     args = (device, recipe, rank, reshard, fp8_weights, mixed)
-    (want, want_norms), eager, eager_masters = _run(*args, False, "none")
-    (losses, norms), graphed, masters = _run(*args, True, recompute)
-    assert_bitwise_equal(torch.stack(losses), torch.stack(want), "losses")
-    assert_bitwise_equal(torch.stack(norms), torch.stack(want_norms), "grad norms")
-    compare_local(eager, graphed, "after training")
-    if fp8_weights:
-        for a, b in zip(eager_masters.masters, masters.masters, strict=True):
-            assert_bitwise_equal(b._local_tensor, a._local_tensor, "masters")
+    compare_training(_run(*args, False, "none"), _run(*args, True, recompute))
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])

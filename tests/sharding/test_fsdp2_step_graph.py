@@ -14,11 +14,10 @@ import torch
 import torch.distributed as dist
 
 import graphfp8 as g8
-from graphfp8.testing import assert_bitwise_equal
 from tests.graphs.step_common import adamw, lm_loss
 from tests.rank_pool import run_on_ranks
 from tests.sharding.common import MB, RECIPES, batch, build_lm
-from tests.sharding.test_fsdp2_graphs import compare_local, shard_model
+from tests.sharding.test_fsdp2_graphs import compare_training, shard_model
 
 STEPS = 3
 CLIP = 0.5  # small enough that every step clips
@@ -93,18 +92,10 @@ def _run(run, device, recipe, rank, reshard, fp8_weights, hsdp=False):
 
 def step_equals_eager(rank, device, recipe_name, reshard, fp8_weights, hsdp=False):
     recipe = RECIPES[recipe_name]
-    (eager_losses, eager_norms), eager, eager_masters = _run(
-        eager_steps, device, recipe, rank, reshard, fp8_weights, hsdp)  # fmt: skip
-    (losses, norms), graphed, masters = _run(
-        graphed_steps, device, recipe, rank, reshard, fp8_weights, hsdp)  # fmt: skip
-    assert_bitwise_equal(torch.stack(losses), torch.stack(eager_losses), "losses")
-    assert_bitwise_equal(torch.stack(norms), torch.stack(eager_norms), "grad norms")
+    eager = _run(eager_steps, device, recipe, rank, reshard, fp8_weights, hsdp)
+    compare_training(eager, _run(graphed_steps, device, recipe, rank, reshard, fp8_weights, hsdp))
     # Every step clips (HSDP, whose 4 ranks' data average to smaller gradients: some step)
-    assert (any if hsdp else all)(n > CLIP for n in eager_norms), "the clip ran"
-    compare_local(eager, graphed, "after training")
-    if fp8_weights:
-        for a, b in zip(eager_masters.masters, masters.masters, strict=True):
-            assert_bitwise_equal(b._local_tensor, a._local_tensor, "masters")
+    assert (any if hsdp else all)(n > CLIP for n in eager[0][1]), "the clip ran"
 
 
 @pytest.mark.parametrize("world", [2, 3])
