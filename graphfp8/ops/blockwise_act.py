@@ -19,10 +19,10 @@ from typing import NamedTuple
 import torch
 
 from graphfp8.ops._lib import ops, wraps_op
+from graphfp8.ops.blockwise_fused import tile_outputs
 
 __all__ = ["BLOCK_ACTIVATIONS", "BlockAct", "blockwise_act"]
 
-TILE = 128
 BLOCK_ACTIVATIONS = ("gelu", "swiglu", "geglu")
 
 
@@ -67,12 +67,6 @@ def blockwise_act(
     if x.dim() != 2:
         raise ValueError(f"graphfp8.blockwise_act: argument 'x' must be 2-D, got {x.dim()}-D")
     rows, f = x.shape[0], x.shape[1] // (1 if activation == "gelu" else 2)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    o = BlockAct(
-        out=torch.empty(rows, f, dtype=fp8_dtype, device=x.device),
-        scale_inv=torch.empty(rows, -(-f // TILE), **f32),
-        out_t=torch.empty(f, rows, dtype=fp8_dtype, device=x.device) if transpose else None,
-        scale_inv_t=torch.empty(f, -(-rows // TILE), **f32) if transpose else None,
-    )
+    o = BlockAct(**tile_outputs(rows, f, fp8_dtype, x.device, transpose))
     ops.blockwise_act(x, activation, o.out, o.scale_inv, o.out_t, o.scale_inv_t, power_2_scale)
     return o

@@ -20,7 +20,8 @@ import torch
 
 from graphfp8.ops._lib import ops, wraps_op
 
-__all__ = ["KERNELS", "MODES", "blockwise_kernels", "blockwise_quantize", "fused_on"]
+__all__ = ["KERNELS", "MODES", "blockwise_kernels", "blockwise_quantize", "fused_on",
+           "tile_outputs"]  # fmt: skip
 
 MODES = ("", "fused", "torch")
 TILE = 128
@@ -66,6 +67,19 @@ def _scale_shapes(rows: int, cols: int, block_rows: int) -> tuple[tuple, tuple]:
     if block_rows == 1:
         return (rows, ct), (cols, rt)
     return (rt, ct), (ct, rt)
+
+
+def tile_outputs(rows: int, cols: int, fp8_dtype: torch.dtype, device, transpose: bool) -> dict:
+    """Empty 1x128 tiles of a (rows, cols) result for a kernel to write: out (rows, cols)
+    fp8_dtype and scale_inv (rows, ceil(cols / 128)) float32; with transpose also out_t
+    (cols, rows) and scale_inv_t (cols, ceil(rows / 128)), else None."""
+    (s, s_t), f32 = _scale_shapes(rows, cols, 1), dict(dtype=torch.float32, device=device)
+    return dict(
+        out=torch.empty(rows, cols, dtype=fp8_dtype, device=device),
+        scale_inv=torch.empty(s, **f32),
+        out_t=torch.empty(cols, rows, dtype=fp8_dtype, device=device) if transpose else None,
+        scale_inv_t=torch.empty(s_t, **f32) if transpose else None,
+    )
 
 
 @wraps_op("blockwise_quantize")

@@ -17,10 +17,9 @@ from typing import NamedTuple
 import torch
 
 from graphfp8.ops._lib import ops, wraps_op
+from graphfp8.ops.blockwise_fused import tile_outputs
 
 __all__ = ["BlockNorm", "blockwise_norm"]
-
-TILE = 128
 
 
 class BlockNorm(NamedTuple):
@@ -74,10 +73,7 @@ def blockwise_norm(
     rows, hidden = x.shape
     f32 = dict(dtype=torch.float32, device=x.device)
     o = BlockNorm(
-        out=torch.empty(rows, hidden, dtype=fp8_dtype, device=x.device),
-        scale_inv=torch.empty(rows, -(-hidden // TILE), **f32),
-        out_t=torch.empty(hidden, rows, dtype=fp8_dtype, device=x.device) if transpose else None,
-        scale_inv_t=torch.empty(hidden, -(-rows // TILE), **f32) if transpose else None,
+        **tile_outputs(rows, hidden, fp8_dtype, x.device, transpose),
         mu=torch.empty(rows, **f32) if beta is not None else None,
         rsigma=torch.empty(rows, **f32),
         residual_out=torch.empty_like(x) if residual is not None else None,
