@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import environment, print_table
+from benchmarks.common import environment
 from benchmarks.kernels import _rotating
-from benchmarks.variants import _copy_gbs, _switch_row
+from benchmarks.variants import _copy_gbs, _switch_row, switch_table
 from graphfp8 import ops
 from graphfp8.ops.switches import kernel_switch
 
@@ -48,10 +48,7 @@ def run(device, quick: bool = False) -> dict:
     """The rows at GLU_SHAPES (quick: one tiny shape, a CPU smoke run: the switches act on CUDA
     only), printed as a table."""
     rows = [r for m, f in ([(128, 256)] if quick else GLU_SHAPES) for r in _glu_rows(m, f, device)]
-    text = print_table(
-        f"SwiGLU kernels: switch off / on, bf16 (same run; ratios to a bf16 copy), {device}",
-        ["switch", "op", "shape", "off ms", "on ms", "off / copy", "on / copy", "speedup"],
-        [[r["switch"], r["op"], r["shape"], r["off_ms"], r["on_ms"], r["off_ratio_to_copy"],
-          r["on_ratio_to_copy"], r["speedup"]] for r in rows],
-    )  # fmt: skip
+    text = switch_table(
+        f"SwiGLU kernels: switch off / on, bf16 (same run; ratios to a bf16 copy), {device}", rows
+    )
     return {"env": environment(device), "switches": rows, "table": text}

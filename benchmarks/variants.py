@@ -48,6 +48,16 @@ def _switch_row(name, op, shape, bytes_per_elem, fn, sets, copy_gbs, device) -> 
                 speedup=ms[False] / ms[True])  # fmt: skip
 
 
+def switch_table(title: str, rows: list[dict]) -> str:
+    """The _switch_row rows printed as one table under `title`; returns its text."""
+    return print_table(
+        title,
+        ["switch", "op", "shape", "off ms", "on ms", "off / copy", "on / copy", "speedup"],
+        [[r["switch"], r["op"], r["shape"], r["off_ms"], r["on_ms"], r["off_ratio_to_copy"],
+          r["on_ratio_to_copy"], r["speedup"]] for r in rows],
+    )  # fmt: skip
+
+
 # The four GEMM weights of one layer (out, in) at Llama-3.2-1B and Llama-3-8B (issue 41)
 LAYER_WEIGHTS = {
     "llama-1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
@@ -352,12 +362,9 @@ def run(device, quick: bool = False) -> dict:
     copy_gbs = _copy_gbs(_bf16_sets(*norm_shapes[-1], device), device)
     switches += [_grad_fill_row(k, v, copy_gbs, device) for k, v in layers.items()]
     switches += [_copy_first_row(k, v, copy_gbs, device) for k, v in layers.items()]
-    text = print_table(
-        f"kernel switches off / on, bf16 (same run; ratios to a bf16 copy), {device}",
-        ["switch", "op", "shape", "off ms", "on ms", "off / copy", "on / copy", "speedup"],
-        [[r["switch"], r["op"], r["shape"], r["off_ms"], r["on_ms"], r["off_ratio_to_copy"],
-          r["on_ratio_to_copy"], r["speedup"]] for r in switches],
-    )  # fmt: skip
+    text = switch_table(
+        f"kernel switches off / on, bf16 (same run; ratios to a bf16 copy), {device}", switches
+    )
     text += print_table(
         f"current scaling per cast: three launches vs fused, against the delayed cast, {device}",
         ["op", "shape", "delayed ms", "three-launch ms", "fused ms", "three / delayed",
