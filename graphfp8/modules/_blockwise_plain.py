@@ -42,13 +42,11 @@ class _Switch:
 PLAIN = _Switch()
 
 
-def plain_on(cfgs) -> bool:
-    """Whether a layer whose FP8 preamble gave `cfgs` runs this module's kernels: blockwise FP8
-    on and the switch on (high precision outside fp8_autocast keeps torch's ops). `cfgs` is None
-    both outside fp8_autocast and for FP8 primary weights (their blocks need no weight cache),
-    so only the recipe decides: a model with FP8 primary weights takes the same kernels as its
-    high-precision twin."""
-    del cfgs
+def plain_on() -> bool:
+    """Whether a blockwise layer runs this module's kernels now: blockwise FP8 on and the switch
+    on (high precision outside fp8_autocast keeps torch's ops). The recipe alone decides, not
+    the layer's weight configs (None for FP8 primary weights, whose blocks need no cache), so a
+    model with FP8 primary weights takes the same kernels as its high-precision twin."""
     return PLAIN.on and blockwise_recipe() is not None
 
 

@@ -80,7 +80,7 @@ class LayerNormLinear(FP8Module):
             out, h = norm_linear(self, inp, residual, self.norm_spec, weight, self.bias, cfgs)
             ln_out = None
         elif hp_or_blockwise(cfgs):
-            if plain_on(cfgs):  # the norm kernels in bf16 (modules/_blockwise_plain.py)
+            if plain_on():  # the norm kernels in bf16 (modules/_blockwise_plain.py)
                 ln_out, h = plain_norm(self, inp, residual, self.norm_spec, apply_norm)
             else:
                 h = inp if residual is None else inp + residual

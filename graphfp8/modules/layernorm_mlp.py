@@ -117,7 +117,7 @@ class LayerNormMLP(FP8Module):
                 fc1, h = norm_linear(self, inp, residual, self.norm_spec, w1, self.fc1_bias,
                                      cfgs)  # fmt: skip
             else:
-                if plain_on(cfgs):  # the norm kernels in bf16 (modules/_blockwise_plain.py)
+                if plain_on():  # the norm kernels in bf16 (modules/_blockwise_plain.py)
                     ln_out, h = plain_norm(self, inp, residual, self.norm_spec, apply_norm)
                 else:
                     h = inp if residual is None else inp + residual
@@ -126,7 +126,7 @@ class LayerNormMLP(FP8Module):
             if fused_act_linear(cfgs, self.activation):  # the activation writes fc2's tiles
                 out = act_linear(fc1, self.activation, w2, self.fc2_bias, cfgs)
             else:
-                a = plain_act(fc1, self.activation, act) if plain_on(cfgs) else act(fc1)
+                a = plain_act(fc1, self.activation, act) if plain_on() else act(fc1)
                 out = linear(a, w2, self.fc2_bias, cfgs, 1)
         else:
             needs_t = torch.is_grad_enabled() and self.fc1_weight.requires_grad
